@@ -1,0 +1,186 @@
+//! The errors of the engine's public boundary.
+//!
+//! Owns: `Error` (what a caller of the library sees) and `FormatError` (what a decoder of bytes
+//! sees: shard files, manifests, refs, sample records). Corruption, I/O failure, bad input and
+//! missing objects are distinct variants with structured fields, so a caller can act on them
+//! without parsing text. Never: formats multi-line messages; every `Display` is one line.
+
+use std::path::PathBuf;
+
+use crate::id::{ObjectId, ShardId};
+
+/// A result whose error is the engine's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong while decoding bytes that claim to be in one of granary's formats.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FormatError {
+    /// The bytes end before the format says they should, or have a length the format forbids.
+    #[error("truncated or mis-sized {region}: {detail}")]
+    Truncated {
+        /// Which part of the object.
+        region: &'static str,
+        /// What was expected against what was found.
+        detail: String,
+    },
+    /// The magic bytes that open a region are wrong: not this format, or overwritten.
+    #[error("bad magic in {region}")]
+    BadMagic {
+        /// Which part of the object.
+        region: &'static str,
+    },
+    /// A format version this build does not read.
+    #[error("unsupported {region} format version {found} (this build reads version {supported})")]
+    UnsupportedVersion {
+        /// Which part of the object.
+        region: &'static str,
+        /// The version the bytes claim.
+        found: u32,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// A region's CRC32C does not match its bytes.
+    #[error("{region} checksum mismatch (expected {expected:#010x}, actual {actual:#010x})")]
+    ChecksumMismatch {
+        /// Which part of the object.
+        region: &'static str,
+        /// The checksum stored in the object.
+        expected: u32,
+        /// The checksum of the bytes as read.
+        actual: u32,
+    },
+    /// A data block's CRC32C does not match its bytes (found by a whole-file check).
+    #[error("data block {block} checksum mismatch (expected {expected:#010x}, actual {actual:#010x})")]
+    BlockChecksum {
+        /// The block's index in the data region.
+        block: u64,
+        /// The checksum stored in the shard.
+        expected: u32,
+        /// The checksum of the bytes as read.
+        actual: u32,
+    },
+    /// Fields that are each well-formed but contradict one another.
+    #[error("inconsistent {field}: {detail}")]
+    Inconsistent {
+        /// The field that does not fit.
+        field: &'static str,
+        /// What was expected against what was found.
+        detail: String,
+    },
+}
+
+/// Everything the engine's library API can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An operating-system call failed on a path.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What was being done ("open", "read", "rename", ...).
+        op: &'static str,
+        /// The path it was done to.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file is not valid in its format: truncated, corrupt metadata, unknown version.
+    #[error("{}: {source}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        #[source]
+        source: FormatError,
+    },
+    /// A data block's CRC32C does not match: the bytes were not returned.
+    #[error(
+        "shard {shard}: block {block} checksum mismatch (expected {expected:#010x}, actual {actual:#010x})"
+    )]
+    ChecksumMismatch {
+        /// The shard holding the block.
+        shard: ShardId,
+        /// The block's index in the shard's data region.
+        block: u64,
+        /// The CRC32C stored in the shard.
+        expected: u32,
+        /// The CRC32C of the bytes as read.
+        actual: u32,
+    },
+    /// A file's BLAKE3 hash is not the id it is stored under.
+    #[error("{}: content hash {actual} does not match its id {expected}", path.display())]
+    HashMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The id it is stored under.
+        expected: ObjectId,
+        /// The hash of its bytes.
+        actual: ObjectId,
+    },
+    /// A dataset name that is not allowed, for example one that would escape the store root.
+    #[error("invalid dataset name {name:?}: {reason}")]
+    InvalidName {
+        /// The name as given.
+        name: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// A dataset, version or object that does not exist.
+    #[error("not found: {what}")]
+    NotFound {
+        /// What was looked for.
+        what: String,
+    },
+    /// Input that cannot be ingested or a request that cannot be served as asked.
+    #[error("invalid input: {detail}")]
+    InvalidInput {
+        /// What is wrong, in one line.
+        detail: String,
+    },
+    /// A record index past the end of the dataset version.
+    #[error("record {index} is out of range (the dataset has {n_records} records)")]
+    RecordOutOfRange {
+        /// The index asked for.
+        index: u64,
+        /// Records in the dataset version.
+        n_records: u64,
+    },
+    /// Another process holds the store's write lock.
+    #[error("store {} is locked by another process", root.display())]
+    StoreLocked {
+        /// The store root.
+        root: PathBuf,
+    },
+    /// A directory that is not a granary store.
+    #[error("{} is not a granary store ({detail})", root.display())]
+    NotAStore {
+        /// The directory.
+        root: PathBuf,
+        /// What is missing.
+        detail: String,
+    },
+    /// The catalog database failed.
+    #[error("catalog: {detail}")]
+    Catalog {
+        /// The database's message.
+        detail: String,
+    },
+}
+
+impl Error {
+    /// An `Error::Io` for `op` on `path`.
+    pub fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io { op, path: path.into(), source }
+    }
+
+    /// An `Error::InvalidInput` with a one-line detail.
+    pub fn invalid_input(detail: impl Into<String>) -> Self {
+        Self::InvalidInput { detail: detail.into() }
+    }
+
+    /// True for errors that mean stored bytes are damaged (as opposed to I/O or usage errors).
+    pub fn is_corruption(&self) -> bool {
+        matches!(self, Self::Format { .. } | Self::ChecksumMismatch { .. } | Self::HashMismatch { .. })
+    }
+}

@@ -1,0 +1,44 @@
+//! granary: an embedded storage engine that keeps a trainer's GPU fed from local disk.
+//!
+//! Modules follow a sample's path: `shard` (the file format) -> `manifest` (dataset versions) ->
+//! `store` (files on disk, crash-safe publishing) -> `catalog` (sled cache of what the files say)
+//! -> `ingest` (sources into shards) -> `plan` (which record each rank reads, in which order) ->
+//! `io` (io_uring and pread backends) -> `read` (batch planning, verification, assembly).
+//! `engine` wires them together; it is the only module that reaches across the others.
+//!
+//! ```no_run
+//! use granary::{Granary, IngestOptions, Layout, Dtype, FixedLayout, DatasetName, VersionSpec};
+//! # fn main() -> granary::Result<()> {
+//! let mut granary = Granary::create("/data/store")?;
+//! let layout = Layout::Fixed(FixedLayout::new(Dtype::U16, &[2048]).expect("a valid shape"));
+//! let mut ingest = granary.ingest(DatasetName::new("tokens")?, layout, IngestOptions::default())?;
+//! ingest.push(&[0u8; 4096])?;
+//! ingest.commit()?;
+//!
+//! let dataset = granary.open_dataset(&VersionSpec::parse("tokens")?)?;
+//! let mut reader = granary::Reader::new(dataset, granary::IoConfig::default().build()?);
+//! let record = reader.get(0)?; // every block it touches was CRC-checked
+//! # Ok(()) }
+//! ```
+
+pub mod error;
+pub mod id;
+pub mod shard;
+pub mod manifest;
+pub mod store;
+pub mod catalog;
+pub mod ingest;
+pub mod plan;
+pub mod io;
+pub mod read;
+pub mod engine;
+
+pub use engine::Granary;
+pub use error::{Error, FormatError, Result};
+pub use id::{ManifestId, ObjectId, ShardId};
+pub use ingest::{Ingest, IngestMode, IngestOptions};
+pub use io::{Backend, Io, IoConfig};
+pub use plan::{EpochPlan, Order, Position, RankCursor, World};
+pub use read::{Batch, Dataset, Reader};
+pub use shard::{Dtype, FixedLayout, Layout};
+pub use store::{DatasetName, StorePaths, VersionSpec};
