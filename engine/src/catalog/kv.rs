@@ -1,0 +1,146 @@
+//! The key-value interface the catalog needs, with a sled backend and an in-memory one.
+//!
+//! Invariant: every sled type and error stays in this file.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use crate::error::{Error, Result};
+
+/// The catalog's trees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Tree {
+    /// Shard id -> entry.
+    Shards,
+    /// Manifest id -> entry.
+    Manifests,
+    /// Dataset name -> ref.
+    Datasets,
+}
+
+impl Tree {
+    /// Every tree.
+    pub const ALL: [Tree; 3] = [Tree::Shards, Tree::Manifests, Tree::Datasets];
+
+    fn name(self) -> &'static str {
+        match self {
+            Tree::Shards => "shards",
+            Tree::Manifests => "manifests",
+            Tree::Datasets => "datasets",
+        }
+    }
+}
+
+/// What the catalog asks of a key-value store.
+pub trait KvBackend: Send + Sync {
+    /// The value under `key`.
+    fn get(&self, tree: Tree, key: &[u8]) -> Result<Option<Vec<u8>>>;
+    /// Sets `key` to `value`.
+    fn insert(&self, tree: Tree, key: &[u8], value: &[u8]) -> Result<()>;
+    /// Removes `key`.
+    fn remove(&self, tree: Tree, key: &[u8]) -> Result<()>;
+    /// Every entry of `tree`, by key.
+    fn scan(&self, tree: Tree) -> Result<Vec<(Vec<u8>, Vec<u8>)>>;
+    /// Removes every entry of `tree`.
+    fn clear(&self, tree: Tree) -> Result<()>;
+    /// Makes every change durable.
+    fn flush(&self) -> Result<()>;
+}
+
+/// sled 0.34.
+pub struct SledKv {
+    db: sled::Db,
+    trees: Vec<sled::Tree>,
+}
+
+fn catalog_error(e: sled::Error) -> Error {
+    Error::Catalog { detail: e.to_string() }
+}
+
+impl SledKv {
+    /// Opens or creates the database in `dir`.
+    pub fn open(dir: &std::path::Path) -> Result<Self> {
+        let db = sled::Config::new().path(dir).open().map_err(|e| match e {
+            sled::Error::Io(io) => Error::io("open catalog", dir, io),
+            other => catalog_error(other),
+        })?;
+        let trees = Tree::ALL.iter().map(|t| db.open_tree(t.name())).collect::<Result<_, _>>().map_err(catalog_error)?;
+        Ok(Self { db, trees })
+    }
+
+    fn tree(&self, tree: Tree) -> &sled::Tree {
+        &self.trees[tree as usize]
+    }
+}
+
+impl KvBackend for SledKv {
+    fn get(&self, tree: Tree, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        Ok(self.tree(tree).get(key).map_err(catalog_error)?.map(|v| v.to_vec()))
+    }
+
+    fn insert(&self, tree: Tree, key: &[u8], value: &[u8]) -> Result<()> {
+        self.tree(tree).insert(key, value).map_err(catalog_error).map(drop)
+    }
+
+    fn remove(&self, tree: Tree, key: &[u8]) -> Result<()> {
+        self.tree(tree).remove(key).map_err(catalog_error).map(drop)
+    }
+
+    fn scan(&self, tree: Tree) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        self.tree(tree).iter().map(|kv| kv.map(|(k, v)| (k.to_vec(), v.to_vec())).map_err(catalog_error)).collect()
+    }
+
+    fn clear(&self, tree: Tree) -> Result<()> {
+        self.tree(tree).clear().map_err(catalog_error)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.db.flush().map_err(catalog_error).map(drop)
+    }
+}
+
+/// Every entry of every tree, keyed by (tree, key).
+type Entries = BTreeMap<(Tree, Vec<u8>), Vec<u8>>;
+
+/// A `BTreeMap` per tree: the model the sled backend is tested against.
+#[derive(Default)]
+pub struct MemoryKv {
+    trees: Mutex<Entries>,
+}
+
+impl MemoryKv {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
+        // A panic while holding this lock cannot leave the map half-updated: every operation is
+        // one BTreeMap call, so a poisoned lock still guards a consistent map.
+        self.trees.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl KvBackend for MemoryKv {
+    fn get(&self, tree: Tree, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        Ok(self.lock().get(&(tree, key.to_vec())).cloned())
+    }
+
+    fn insert(&self, tree: Tree, key: &[u8], value: &[u8]) -> Result<()> {
+        self.lock().insert((tree, key.to_vec()), value.to_vec());
+        Ok(())
+    }
+
+    fn remove(&self, tree: Tree, key: &[u8]) -> Result<()> {
+        self.lock().remove(&(tree, key.to_vec()));
+        Ok(())
+    }
+
+    fn scan(&self, tree: Tree) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        Ok(self.lock().iter().filter(|((t, _), _)| *t == tree).map(|((_, k), v)| (k.clone(), v.clone())).collect())
+    }
+
+    fn clear(&self, tree: Tree) -> Result<()> {
+        self.lock().retain(|(t, _), _| *t != tree);
+        Ok(())
+    }
+
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,382 @@
+//! The store: where shard, manifest and ref files live, and how they are published crash-safely.
+//!
+//! Layout under the root: `granary-store` (marker), `shards/ab/<id>.shard`,
+//! `manifests/ab/<id>.manifest` (fan-out by the first two hex digits of the id), `refs/<name>`,
+//! `tmp/` (files being written), `quarantine/` (files that failed verification), `catalog/` (sled),
+//! and `LOCK`. Publishing is: write to `tmp/`, fsync, rename into place, fsync the directory. Only
+//! then does a caller record the object in the catalog. Invariants: a file under `shards/` or
+//! `manifests/` is complete and is named by the BLAKE3 hash of its bytes; a ref names only
+//! published manifests. Never: decides what to publish (ingest does) or caches anything.
+
+mod refs;
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use refs::{DatasetName, RefLog, Version, VersionSpec};
+
+use crate::error::{Error, Result};
+use crate::id::{ManifestId, ObjectId, ShardId};
+use crate::manifest::Manifest;
+
+const MARKER_FILE: &str = "granary-store";
+const MARKER_TEXT: &str = "granary store 1\n";
+const SHARD_SUFFIX: &str = ".shard";
+const MANIFEST_SUFFIX: &str = ".manifest";
+
+/// The kinds of content-addressed object in a store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectKind {
+    /// A shard file.
+    Shard,
+    /// A manifest file.
+    Manifest,
+}
+
+impl ObjectKind {
+    fn dir(self) -> &'static str {
+        match self {
+            Self::Shard => "shards",
+            Self::Manifest => "manifests",
+        }
+    }
+
+    fn suffix(self) -> &'static str {
+        match self {
+            Self::Shard => SHARD_SUFFIX,
+            Self::Manifest => MANIFEST_SUFFIX,
+        }
+    }
+}
+
+/// Paths of a store and the read-only operations on them. Needs no lock: readers (every rank of
+/// a trainer) use it while one writer holds the store.
+#[derive(Clone, Debug)]
+pub struct StorePaths {
+    root: PathBuf,
+}
+
+impl StorePaths {
+    /// The paths of a store at `root` (not checked; see [`StorePaths::check`]).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    /// Checks that `root` holds a store this build reads.
+    pub fn check(&self) -> Result<()> {
+        let marker = self.root.join(MARKER_FILE);
+        match fs::read_to_string(&marker) {
+            Ok(text) if text == MARKER_TEXT => Ok(()),
+            Ok(text) => Err(Error::NotAStore {
+                root: self.root.clone(),
+                detail: format!("unknown store marker {:?}", text.trim_end()),
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let detail = if self.root.exists() { "no granary-store marker" } else { "it does not exist" };
+                Err(Error::NotAStore { root: self.root.clone(), detail: detail.to_owned() })
+            }
+            Err(e) => Err(Error::io("read", marker, e)),
+        }
+    }
+
+    /// The store root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Where the object `id` of `kind` lives.
+    pub fn object(&self, kind: ObjectKind, id: ObjectId) -> PathBuf {
+        let hex = id.to_string();
+        self.root.join(kind.dir()).join(&hex[..2]).join(format!("{hex}{}", kind.suffix()))
+    }
+
+    /// Where shard `id` lives.
+    pub fn shard(&self, id: ShardId) -> PathBuf {
+        self.object(ObjectKind::Shard, id.0)
+    }
+
+    /// Where manifest `id` lives.
+    pub fn manifest(&self, id: ManifestId) -> PathBuf {
+        self.object(ObjectKind::Manifest, id.0)
+    }
+
+    /// Where the ref of dataset `name` lives.
+    pub fn ref_file(&self, name: &DatasetName) -> PathBuf {
+        self.refs_dir().join(name.as_str())
+    }
+
+    /// The directory of refs.
+    pub fn refs_dir(&self) -> PathBuf {
+        self.root.join("refs")
+    }
+
+    /// The directory of files being written.
+    pub fn tmp_dir(&self) -> PathBuf {
+        self.root.join("tmp")
+    }
+
+    /// The directory of files that failed verification.
+    pub fn quarantine_dir(&self) -> PathBuf {
+        self.root.join("quarantine")
+    }
+
+    /// The sled catalog's directory.
+    pub fn catalog_dir(&self) -> PathBuf {
+        self.root.join("catalog")
+    }
+
+    /// Reads the ref of dataset `name`.
+    pub fn read_ref(&self, name: &DatasetName) -> Result<RefLog> {
+        let path = self.ref_file(name);
+        let bytes = fs::read(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::NotFound { what: format!("dataset {name}") },
+            _ => Error::io("read", &path, e),
+        })?;
+        RefLog::decode(&bytes).map_err(|source| Error::Format { path, source })
+    }
+
+    /// Reads manifest `id`, checking its bytes against the id.
+    pub fn read_manifest(&self, id: ManifestId) -> Result<Manifest> {
+        let path = self.manifest(id);
+        let bytes = fs::read(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::NotFound { what: format!("manifest {id}") },
+            _ => Error::io("read", &path, e),
+        })?;
+        let actual = ObjectId::of(&bytes);
+        if actual != id.0 {
+            return Err(Error::HashMismatch { path, expected: id.0, actual });
+        }
+        Manifest::decode(&bytes).map_err(|source| Error::Format { path, source })
+    }
+
+    /// Resolves a version spec to the dataset version's manifest id and, for named specs, its
+    /// name and number.
+    pub fn resolve(&self, spec: &VersionSpec) -> Result<(ManifestId, Option<(DatasetName, u64)>)> {
+        match spec {
+            VersionSpec::Manifest(id) => Ok((*id, None)),
+            VersionSpec::Latest(name) => {
+                let latest = self.read_ref(name)?.latest();
+                Ok((latest.manifest, Some((name.clone(), latest.number))))
+            }
+            VersionSpec::Numbered(name, number) => {
+                let version = self
+                    .read_ref(name)?
+                    .version(*number)
+                    .ok_or_else(|| Error::NotFound { what: format!("version {number} of dataset {name}") })?;
+                Ok((version.manifest, Some((name.clone(), *number))))
+            }
+        }
+    }
+
+    /// The names of every dataset with a ref file, sorted.
+    pub fn list_refs(&self) -> Result<Vec<DatasetName>> {
+        let dir = self.refs_dir();
+        let mut names = Vec::new();
+        for entry in read_dir_if_exists(&dir)? {
+            let name = entry.file_name();
+            // A file that is not a valid name cannot have been written by the store.
+            if let Some(name) = name.to_str().and_then(|name| DatasetName::new(name).ok()) {
+                names.push(name);
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    /// Every object file of `kind` whose name is a well-formed id, sorted by id.
+    pub fn list_objects(&self, kind: ObjectKind) -> Result<Vec<(ObjectId, PathBuf)>> {
+        let mut objects = Vec::new();
+        for fan in read_dir_if_exists(&self.root.join(kind.dir()))? {
+            for entry in read_dir_if_exists(&fan.path())? {
+                let name = entry.file_name();
+                let id = name.to_str().and_then(|name| name.strip_suffix(kind.suffix())).and_then(ObjectId::parse_hex);
+                if let Some(id) = id {
+                    objects.push((id, entry.path()));
+                }
+            }
+        }
+        objects.sort();
+        Ok(objects)
+    }
+}
+
+/// A store opened for writing: holds the exclusive lock, publishes files.
+#[derive(Debug)]
+pub struct Store {
+    paths: StorePaths,
+    /// Held (flock) for as long as the store is open; released when the file closes.
+    _lock: File,
+}
+
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl Store {
+    /// Opens the store at `root` for writing, creating it when `create` is set. Removes what
+    /// dead writers left in `tmp/` (safe: the lock proves no writer is alive).
+    pub fn open(root: impl Into<PathBuf>, create: bool) -> Result<Self> {
+        let paths = StorePaths::new(root);
+        if create && !paths.root.join(MARKER_FILE).exists() {
+            Self::create(&paths)?;
+        }
+        paths.check()?;
+        let lock_path = paths.root.join("LOCK");
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| Error::io("open", &lock_path, e))?;
+        lock.try_lock().map_err(|e| match e {
+            fs::TryLockError::WouldBlock => Error::StoreLocked { root: paths.root.clone() },
+            fs::TryLockError::Error(e) => Error::io("lock", &lock_path, e),
+        })?;
+        let store = Self { paths, _lock: lock };
+        store.clean_tmp()?;
+        Ok(store)
+    }
+
+    fn create(paths: &StorePaths) -> Result<()> {
+        let root = &paths.root;
+        for dir in [root.clone(), root.join("shards"), root.join("manifests"), paths.refs_dir(), paths.tmp_dir()] {
+            fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
+        }
+        let tmp = paths.tmp_dir().join("granary-store");
+        write_synced(&tmp, MARKER_TEXT.as_bytes())?;
+        let marker = root.join(MARKER_FILE);
+        fs::rename(&tmp, &marker).map_err(|e| Error::io("rename", &marker, e))?;
+        sync_dir(root)
+    }
+
+    /// The store's paths.
+    pub fn paths(&self) -> &StorePaths {
+        &self.paths
+    }
+
+    /// Creates a new empty file in `tmp/`.
+    pub fn create_tmp(&self) -> Result<(File, PathBuf)> {
+        let dir = self.paths.tmp_dir();
+        fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("{}-{n}.tmp", std::process::id()));
+        let file = OpenOptions::new().write(true).create_new(true).open(&path).map_err(|e| Error::io("create", &path, e))?;
+        Ok((file, path))
+    }
+
+    /// Publishes a synced temp file as object `id` of `kind`. Returns false when an intact copy
+    /// was already there (identical content is stored once; the temp file is removed). A damaged
+    /// copy already in place is quarantined and replaced.
+    pub fn publish(&self, kind: ObjectKind, id: ObjectId, tmp: &Path) -> Result<bool> {
+        let target = self.paths.object(kind, id);
+        if target.exists() {
+            if hash_file(&target)? == id {
+                fs::remove_file(tmp).map_err(|e| Error::io("remove", tmp, e))?;
+                return Ok(false);
+            }
+            self.quarantine(&target)?;
+        }
+        let fan = target.parent().expect("objects live in a fan-out directory");
+        if !fan.exists() {
+            fs::create_dir_all(fan).map_err(|e| Error::io("create directory", fan, e))?;
+            sync_dir(fan.parent().expect("fan-out directories have a parent"))?;
+        }
+        fs::rename(tmp, &target).map_err(|e| Error::io("rename", &target, e))?;
+        sync_dir(fan)?;
+        Ok(true)
+    }
+
+    /// Writes, syncs and publishes a manifest.
+    pub fn publish_manifest(&self, manifest: &Manifest) -> Result<ManifestId> {
+        let (id, bytes) = manifest.encode();
+        let (mut file, tmp) = self.create_tmp()?;
+        file.write_all(&bytes).map_err(|e| Error::io("write", &tmp, e))?;
+        file.sync_all().map_err(|e| Error::io("fsync", &tmp, e))?;
+        drop(file);
+        self.publish(ObjectKind::Manifest, id.0, &tmp)?;
+        Ok(id)
+    }
+
+    /// Replaces the ref of `name` atomically (temp file, fsync, rename, fsync the directory).
+    pub fn write_ref(&self, name: &DatasetName, log: &RefLog) -> Result<()> {
+        let dir = self.paths.refs_dir();
+        fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
+        let (_, tmp) = self.create_tmp()?;
+        write_synced(&tmp, log.encode().as_bytes())?;
+        let target = self.paths.ref_file(name);
+        fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &target, e))?;
+        sync_dir(&dir)
+    }
+
+    /// Removes the ref of `name`.
+    pub fn remove_ref(&self, name: &DatasetName) -> Result<()> {
+        let path = self.paths.ref_file(name);
+        fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
+        sync_dir(&self.paths.refs_dir())
+    }
+
+    /// Removes an object file (garbage collection).
+    pub fn remove_object(&self, kind: ObjectKind, id: ObjectId) -> Result<()> {
+        let path = self.paths.object(kind, id);
+        fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
+        sync_dir(path.parent().expect("objects live in a fan-out directory"))
+    }
+
+    /// Moves a file that failed verification to `quarantine/`, where nothing reads it but a
+    /// person can still look at it. Returns its new path.
+    pub fn quarantine(&self, path: &Path) -> Result<PathBuf> {
+        let dir = self.paths.quarantine_dir();
+        fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let target = dir.join(format!("{name}.{}-{n}", std::process::id()));
+        fs::rename(path, &target).map_err(|e| Error::io("rename", path, e))?;
+        sync_dir(&dir)?;
+        Ok(target)
+    }
+
+    /// Removes every file in `tmp/`; returns how many.
+    pub fn clean_tmp(&self) -> Result<usize> {
+        let mut n = 0;
+        for entry in read_dir_if_exists(&self.paths.tmp_dir())? {
+            let path = entry.path();
+            fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
+/// The BLAKE3 hash of a whole file, streamed.
+pub fn hash_file(path: &Path) -> Result<ObjectId> {
+    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let mut hasher = blake3::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = std::io::Read::read(&mut file, &mut buf).map_err(|e| Error::io("read", path, e))?;
+        if n == 0 {
+            return Ok(ObjectId::from_hash(hasher.finalize()));
+        }
+        hasher.update(&buf[..n]);
+    }
+}
+
+/// Creates `path`, writes `bytes`, fsyncs.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut file = File::create(path).map_err(|e| Error::io("create", path, e))?;
+    file.write_all(bytes).map_err(|e| Error::io("write", path, e))?;
+    file.sync_all().map_err(|e| Error::io("fsync", path, e))
+}
+
+/// Makes a directory's entries (a rename into it, a new file) durable.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io("fsync directory", dir, e))
+}
+
+fn read_dir_if_exists(dir: &Path) -> Result<Vec<fs::DirEntry>> {
+    match fs::read_dir(dir) {
+        Ok(entries) => entries.collect::<Result<Vec<_>, _>>().map_err(|e| Error::io("read directory", dir, e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(Error::io("read directory", dir, e)),
+    }
+}
