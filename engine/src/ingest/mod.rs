@@ -1,0 +1,259 @@
+//! Ingest: records in, shards and a new dataset version out.
+//!
+//! Owns the `Ingest` session (records are streamed into a `ShardWriter`, shards roll over at a
+//! target size, each finished shard is synced, published and cataloged at once, so memory stays
+//! bounded whatever the dataset size) and the sources in `sources` (fixed-size record files,
+//! directory trees, WebDataset tars). Commit order, the crash-safety contract: shard files durable
+//! -> shard entries -> manifest file durable -> manifest entry -> catalog flush -> ref file
+//! durable -> dataset entry -> catalog flush. A crash at any point leaves the previous version
+//! current and no partial file visible; published but unreferenced files are garbage that
+//! `granary gc` removes. Never: reads records back (the read path does) or decides placement.
+
+mod sources;
+
+use std::fs::File;
+use std::io::Read;
+use std::path::PathBuf;
+
+pub use sources::{Progress, files_from_dir, records_from_files, samples_from_tars};
+
+use crate::catalog::{Catalog, ObjectEntry};
+use crate::error::{Error, Result};
+use crate::id::ManifestId;
+use crate::manifest::{Manifest, ManifestEntry};
+use crate::shard::{Layout, ShardWriter, WRITE_CHUNK_BYTES};
+use crate::store::{DatasetName, ObjectKind, RefLog, Store};
+
+/// Default shard size target: 64 MiB of record data.
+pub const SHARD_BYTES_TARGET_DEFAULT: u64 = 64 << 20;
+/// Default cap on records per shard: bounds the writer's record index at 8 MiB.
+pub const SHARD_RECORDS_MAX_DEFAULT: u64 = 1 << 20;
+
+/// Whether a new version extends the current one or replaces its records.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum IngestMode {
+    /// The new version is the current version's shards followed by the new ones.
+    #[default]
+    Append,
+    /// The new version holds only the new records.
+    Replace,
+}
+
+/// How to ingest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IngestOptions {
+    /// A shard is closed once it holds at least this many bytes of record data.
+    pub shard_bytes_target: u64,
+    /// A shard is closed once it holds this many records.
+    pub shard_records_max: u64,
+    /// Append to or replace the current version.
+    pub mode: IngestMode,
+}
+
+impl Default for IngestOptions {
+    fn default() -> Self {
+        Self {
+            shard_bytes_target: SHARD_BYTES_TARGET_DEFAULT,
+            shard_records_max: SHARD_RECORDS_MAX_DEFAULT,
+            mode: IngestMode::Append,
+        }
+    }
+}
+
+/// What an ingest did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IngestStats {
+    /// Records pushed.
+    pub records: u64,
+    /// Record bytes pushed.
+    pub bytes: u64,
+    /// Shard files newly published.
+    pub shards_published: u64,
+    /// Shards whose identical content was already stored.
+    pub shards_deduplicated: u64,
+}
+
+/// A committed dataset version.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Committed {
+    /// The dataset.
+    pub name: DatasetName,
+    /// Its new (or, when nothing changed, current) version number.
+    pub version: u64,
+    /// The version's manifest.
+    pub manifest: ManifestId,
+    /// Records in the version.
+    pub n_records: u64,
+    /// Shards in the version.
+    pub n_shards: usize,
+    /// What this ingest did.
+    pub stats: IngestStats,
+}
+
+struct OpenShard {
+    writer: ShardWriter<File>,
+    tmp: PathBuf,
+}
+
+/// An ingest in progress. Dropping it without `commit` leaves the dataset as it was.
+pub struct Ingest<'g> {
+    store: &'g Store,
+    catalog: &'g Catalog,
+    name: DatasetName,
+    layout: Layout,
+    options: IngestOptions,
+    log: Option<RefLog>,
+    entries: Vec<ManifestEntry>,
+    shard: Option<OpenShard>,
+    scratch: Vec<u8>,
+    stats: IngestStats,
+}
+
+impl<'g> Ingest<'g> {
+    pub(crate) fn begin(
+        store: &'g Store,
+        catalog: &'g Catalog,
+        name: DatasetName,
+        layout: Layout,
+        options: IngestOptions,
+    ) -> Result<Self> {
+        if options.shard_bytes_target == 0 || options.shard_records_max == 0 {
+            return Err(Error::invalid_input("shard size target and records per shard must be positive"));
+        }
+        let log = match store.paths().read_ref(&name) {
+            Ok(log) => Some(log),
+            Err(Error::NotFound { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        let mut entries = Vec::new();
+        if let (Some(log), IngestMode::Append) = (&log, options.mode) {
+            let current = store.paths().read_manifest(log.latest().manifest)?;
+            if current.layout() != &layout {
+                return Err(Error::invalid_input(format!(
+                    "dataset {name} holds {} records; cannot append {layout} records (ingest under another name, or replace)",
+                    current.layout()
+                )));
+            }
+            entries.extend_from_slice(current.entries());
+        }
+        Ok(Self {
+            store,
+            catalog,
+            name,
+            layout,
+            options,
+            log,
+            entries,
+            shard: None,
+            scratch: Vec::new(),
+            stats: IngestStats::default(),
+        })
+    }
+
+    /// The layout records must fit.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Appends one record.
+    pub fn push(&mut self, record: &[u8]) -> Result<()> {
+        self.open_shard()?.writer.push(record)?;
+        self.after_push(record.len() as u64)
+    }
+
+    /// Appends one record of `len` bytes streamed from `source`.
+    pub fn push_from(&mut self, source: &mut impl Read, len: u64) -> Result<()> {
+        if self.scratch.is_empty() {
+            self.scratch = vec![0u8; WRITE_CHUNK_BYTES];
+        }
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let pushed = self.open_shard().and_then(|shard| shard.writer.push_from(source, len, &mut scratch));
+        self.scratch = scratch;
+        pushed?;
+        self.after_push(len)
+    }
+
+    /// What was pushed so far.
+    pub fn stats(&self) -> &IngestStats {
+        &self.stats
+    }
+
+    /// Seals the last shard and publishes the new version. When the version would equal the
+    /// current one (nothing pushed in append mode), no version is added.
+    pub fn commit(mut self) -> Result<Committed> {
+        self.seal_shard()?;
+        let manifest = Manifest::new(self.layout.clone(), std::mem::take(&mut self.entries));
+        let (id, _) = manifest.encode();
+        let stats = std::mem::take(&mut self.stats);
+        let committed = |version| Committed {
+            name: self.name.clone(),
+            version,
+            manifest: id,
+            n_records: manifest.n_records(),
+            n_shards: manifest.entries().len(),
+            stats: stats.clone(),
+        };
+        if let Some(latest) = self.log.as_ref().map(RefLog::latest).filter(|latest| latest.manifest == id) {
+            return Ok(committed(latest.number));
+        }
+        let published = self.store.publish_manifest(&manifest)?;
+        assert_eq!(published, id);
+        self.catalog.put_manifest(id, &manifest_entry(&manifest))?;
+        self.catalog.flush()?;
+        let log = match &self.log {
+            Some(log) => log.with_next(id),
+            None => RefLog::first(id),
+        };
+        self.store.write_ref(&self.name, &log)?;
+        self.catalog.put_dataset(&self.name, &log)?;
+        self.catalog.flush()?;
+        Ok(committed(log.latest().number))
+    }
+
+    fn open_shard(&mut self) -> Result<&mut OpenShard> {
+        if self.shard.is_none() {
+            let (file, tmp) = self.store.create_tmp()?;
+            let writer = ShardWriter::new(file, tmp.clone(), self.layout.clone())?;
+            self.shard = Some(OpenShard { writer, tmp });
+        }
+        Ok(self.shard.as_mut().expect("opened above"))
+    }
+
+    fn after_push(&mut self, len: u64) -> Result<()> {
+        self.stats.records += 1;
+        self.stats.bytes += len;
+        let writer = &self.shard.as_ref().expect("a record was just pushed into it").writer;
+        if writer.data_bytes() >= self.options.shard_bytes_target || writer.n_records() >= self.options.shard_records_max {
+            self.seal_shard()?;
+        }
+        Ok(())
+    }
+
+    /// Finishes, syncs and publishes the open shard, if any.
+    fn seal_shard(&mut self) -> Result<()> {
+        let Some(OpenShard { writer, tmp }) = self.shard.take() else { return Ok(()) };
+        let (file, written) = writer.finish()?;
+        file.sync_all().map_err(|e| Error::io("fsync", &tmp, e))?;
+        drop(file);
+        if self.store.publish(ObjectKind::Shard, written.id.0, &tmp)? {
+            self.stats.shards_published += 1;
+        } else {
+            self.stats.shards_deduplicated += 1;
+        }
+        let entry =
+            ObjectEntry { n_records: written.n_records, n_shards: 1, file_bytes: written.file_bytes, layout: self.layout.clone() };
+        self.catalog.put_shard(written.id, &entry)?;
+        self.entries.push(ManifestEntry { shard: written.id, n_records: written.n_records, file_bytes: written.file_bytes });
+        Ok(())
+    }
+}
+
+/// The catalog entry of a manifest.
+pub(crate) fn manifest_entry(manifest: &Manifest) -> ObjectEntry {
+    ObjectEntry {
+        n_records: manifest.n_records(),
+        n_shards: manifest.entries().len() as u64,
+        file_bytes: manifest.file_bytes(),
+        layout: manifest.layout().clone(),
+    }
+}

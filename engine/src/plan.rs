@@ -1,0 +1,296 @@
+//! The epoch plan: which record each rank reads, in which order, for one epoch.
+//!
+//! The global order of an epoch is a seeded permutation of the dataset version's records, a
+//! function of (n_records, seed, epoch) alone. It is computed per position with a keyed Feistel
+//! network and cycle walking, so a plan needs O(1) memory whatever the dataset size. The world
+//! size only decides how the global order is cut: a step of `world_size * batch_size` consecutive
+//! positions is split into one contiguous slice per rank, in rank order, so concatenating the
+//! ranks' slices step by step gives back the global order for any world size. A `Position`
+//! (epoch, cursor) counts the positions consumed by all ranks together; resuming from it on any
+//! world size reads exactly the remaining positions: no duplicate, no drop. The last step of an
+//! epoch, when short, is split as evenly as possible (ranks differ by at most one record).
+//!
+//! Plain data, no I/O: a later issue puts the partitioner plugin behind the same types.
+
+use std::ops::Range;
+
+/// Feistel rounds; six keyed rounds of a strong mixer make a well-shuffled permutation.
+const ROUNDS: usize = 6;
+
+/// How an epoch orders records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// Record `i` at position `i`.
+    Sequential,
+    /// A seeded pseudo-random permutation, different every epoch.
+    Shuffled,
+}
+
+/// A rank within a world of `size` ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct World {
+    rank: u32,
+    size: u32,
+}
+
+impl World {
+    /// Rank `rank` of `size`; `None` unless `rank < size`.
+    pub fn new(rank: u32, size: u32) -> Option<Self> {
+        (rank < size).then_some(Self { rank, size })
+    }
+
+    /// A world of one.
+    pub fn single() -> Self {
+        Self { rank: 0, size: 1 }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Ranks in the world.
+    pub fn size(&self) -> u32 {
+        self.size
+    }
+}
+
+/// Where a run is: the epoch, and the global positions all ranks together have consumed in it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Position {
+    /// The epoch.
+    pub epoch: u64,
+    /// Global positions consumed in this epoch.
+    pub cursor: u64,
+}
+
+/// The read order of one epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpochPlan {
+    n_records: u64,
+    order: Order,
+    permutation: Permutation,
+}
+
+impl EpochPlan {
+    /// The plan of `epoch` over `n_records` records.
+    pub fn new(n_records: u64, seed: u64, epoch: u64, order: Order) -> Self {
+        Self { n_records, order, permutation: Permutation::new(n_records, seed, epoch) }
+    }
+
+    /// Records in the epoch.
+    pub fn n_records(&self) -> u64 {
+        self.n_records
+    }
+
+    /// The record at global position `position` (which must be `< n_records`).
+    pub fn record_at(&self, position: u64) -> u64 {
+        assert!(position < self.n_records, "position {position} of {}", self.n_records);
+        match self.order {
+            Order::Sequential => position,
+            Order::Shuffled => self.permutation.apply(position),
+        }
+    }
+
+    /// Positions consumed by the step that starts at `cursor`.
+    pub fn step_len(&self, cursor: u64, world_size: u32, batch_size: u64) -> u64 {
+        let full = u64::from(world_size).saturating_mul(batch_size);
+        full.min(self.n_records.saturating_sub(cursor))
+    }
+
+    /// The global positions `world.rank()` reads in the step that starts at `cursor`.
+    pub fn rank_positions(&self, cursor: u64, world: World, batch_size: u64) -> Range<u64> {
+        assert!(batch_size > 0);
+        let step = self.step_len(cursor, world.size, batch_size);
+        let (size, rank) = (u64::from(world.size), u64::from(world.rank));
+        if step == size * batch_size {
+            let start = cursor + rank * batch_size;
+            return start..start + batch_size;
+        }
+        // The short last step: the first `step % size` ranks take one record more.
+        let (base, extra) = (step / size, step % size);
+        let start = cursor + rank * base + rank.min(extra);
+        start..start + base + u64::from(rank < extra)
+    }
+}
+
+/// One rank's walk through an epoch plan, batch by batch.
+#[derive(Clone, Debug)]
+pub struct RankCursor {
+    plan: EpochPlan,
+    world: World,
+    batch_size: u64,
+    cursor: u64,
+}
+
+impl RankCursor {
+    /// Starts (or resumes) `plan` at global cursor `cursor` for `world`.
+    pub fn new(plan: EpochPlan, world: World, batch_size: u64, cursor: u64) -> Self {
+        assert!(batch_size > 0, "a batch holds at least one record");
+        Self { plan, world, batch_size, cursor: cursor.min(plan.n_records) }
+    }
+
+    /// The global cursor: the same on every rank after the same number of steps.
+    pub fn cursor(&self) -> u64 {
+        self.cursor
+    }
+
+    /// Fills `records` with this rank's next batch and advances every rank's shared cursor by
+    /// one step. Returns false (and leaves `records` empty) at the end of the epoch.
+    pub fn next_batch(&mut self, records: &mut Vec<u64>) -> bool {
+        records.clear();
+        if self.cursor >= self.plan.n_records {
+            return false;
+        }
+        let positions = self.plan.rank_positions(self.cursor, self.world, self.batch_size);
+        records.extend(positions.map(|position| self.plan.record_at(position)));
+        self.cursor += self.plan.step_len(self.cursor, self.world.size, self.batch_size);
+        true
+    }
+}
+
+/// A keyed pseudo-random permutation of `0..n`: a balanced Feistel network over the smallest
+/// even-bit domain that covers `n`, cycle-walked back into range (at most ~4 rounds on average).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Permutation {
+    n: u64,
+    half_bits: u32,
+    keys: [u64; ROUNDS],
+}
+
+impl Permutation {
+    fn new(n: u64, seed: u64, epoch: u64) -> Self {
+        let bits = (u64::BITS - n.saturating_sub(1).leading_zeros()).max(2);
+        let half_bits = bits.div_ceil(2);
+        let mut state = seed ^ mix(epoch.wrapping_add(0x5851_f42d_4c95_7f2d));
+        let keys = std::array::from_fn(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            mix(state)
+        });
+        Self { n, half_bits, keys }
+    }
+
+    fn apply(&self, position: u64) -> u64 {
+        debug_assert!(position < self.n);
+        let mut x = position;
+        loop {
+            x = self.feistel(x);
+            if x < self.n {
+                return x;
+            }
+        }
+    }
+
+    fn feistel(&self, x: u64) -> u64 {
+        let mask = (1u64 << self.half_bits) - 1;
+        let (mut left, mut right) = (x >> self.half_bits, x & mask);
+        for key in self.keys {
+            (left, right) = (right, left ^ (mix(right ^ key) & mask));
+        }
+        (left << self.half_bits) | right
+    }
+}
+
+/// The splitmix64 finalizer: a fast, well-mixing bijection of u64.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Runs `world_size` ranks in lock step from `cursor` for at most `max_steps` steps; returns
+    /// every record read (ranks concatenated step by step) and the final cursor.
+    fn run(plan: EpochPlan, world_size: u32, batch: u64, cursor: u64, max_steps: usize) -> (Vec<u64>, u64) {
+        let mut cursors: Vec<RankCursor> =
+            (0..world_size).map(|r| RankCursor::new(plan, World::new(r, world_size).unwrap(), batch, cursor)).collect();
+        let mut read = Vec::new();
+        let mut records = Vec::new();
+        for _ in 0..max_steps {
+            let mut any = false;
+            for rank in &mut cursors {
+                any |= rank.next_batch(&mut records);
+                read.extend_from_slice(&records);
+            }
+            if !any {
+                break;
+            }
+        }
+        let cursor = cursors[0].cursor();
+        assert!(cursors.iter().all(|c| c.cursor() == cursor), "ranks disagree on the cursor");
+        (read, cursor)
+    }
+
+    proptest! {
+        #[test]
+        fn an_epoch_is_a_permutation(n in 0u64..3000, seed: u64, epoch in 0u64..4) {
+            let plan = EpochPlan::new(n, seed, epoch, Order::Shuffled);
+            let mut order: Vec<u64> = (0..n).map(|p| plan.record_at(p)).collect();
+            order.sort_unstable();
+            prop_assert_eq!(order, (0..n).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn the_global_order_does_not_depend_on_the_world_size(
+            n in 0u64..2000, seed: u64, world_size in 1u32..9, batch in 1u64..40,
+        ) {
+            let plan = EpochPlan::new(n, seed, 1, Order::Shuffled);
+            let global: Vec<u64> = (0..n).map(|p| plan.record_at(p)).collect();
+            let (read, cursor) = run(plan, world_size, batch, 0, usize::MAX);
+            prop_assert_eq!(read, global);
+            prop_assert_eq!(cursor, n);
+        }
+
+        #[test]
+        fn resuming_on_another_world_size_is_exact(
+            n in 1u64..2000, seed: u64, first in 1u32..9, second in 1u32..9,
+            batch in 1u64..40, steps in 0usize..30, second_batch in 1u64..40,
+        ) {
+            let plan = EpochPlan::new(n, seed, 3, Order::Shuffled);
+            let (mut read, cursor) = run(plan, first, batch, 0, steps);
+            let (rest, end) = run(plan, second, second_batch, cursor, usize::MAX);
+            read.extend(rest);
+            prop_assert_eq!(end, n);
+            let global: Vec<u64> = (0..n).map(|p| plan.record_at(p)).collect();
+            prop_assert_eq!(&read, &global);
+            let mut sorted = read;
+            sorted.sort_unstable();
+            sorted.dedup();
+            prop_assert_eq!(sorted.len() as u64, n, "a duplicate or a drop");
+        }
+
+        #[test]
+        fn ranks_of_a_short_last_step_differ_by_at_most_one(
+            n in 1u64..500, world_size in 1u32..17, batch in 1u64..64,
+        ) {
+            let plan = EpochPlan::new(n, 0, 0, Order::Sequential);
+            let mut cursor = 0;
+            while cursor < n {
+                let sizes: Vec<u64> = (0..world_size)
+                    .map(|r| plan.rank_positions(cursor, World::new(r, world_size).unwrap(), batch))
+                    .map(|range| range.end - range.start)
+                    .collect();
+                let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+                prop_assert!(max - min <= 1);
+                cursor += plan.step_len(cursor, world_size, batch);
+            }
+        }
+    }
+
+    #[test]
+    fn epochs_and_seeds_change_the_order_and_sequential_is_identity() {
+        let order = |seed, epoch| (0..1000).map(|p| EpochPlan::new(1000, seed, epoch, Order::Shuffled).record_at(p)).collect::<Vec<_>>();
+        assert_ne!(order(1, 0), order(1, 1));
+        assert_ne!(order(1, 0), order(2, 0));
+        assert_eq!(order(1, 0), order(1, 0));
+        // A shuffle that leaves most records in place is no shuffle.
+        let fixed_points = order(1, 0).iter().enumerate().filter(|(i, r)| *i as u64 == **r).count();
+        assert!(fixed_points < 20, "{fixed_points} fixed points");
+        let plan = EpochPlan::new(10, 1, 0, Order::Sequential);
+        assert_eq!((0..10).map(|p| plan.record_at(p)).collect::<Vec<_>>(), (0..10).collect::<Vec<_>>());
+    }
+}
