@@ -1,0 +1,110 @@
+//! A backend wrapper that injects faults, for tests: failed reads and flipped bits.
+//!
+//! Ops are numbered across calls in submission order (the op's index plus the ops of earlier
+//! calls), so a test can aim a fault at "the 17th op this reader issues".
+
+use std::path::Path;
+
+use super::{FileId, FileOpener, Io, Next, ReadStream};
+use crate::error::{Error, Result};
+
+/// One injected fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Op number `op` fails with OS error `errno` (for example `libc::EIO`).
+    FailRead {
+        /// The op's number.
+        op: u64,
+        /// The error to report.
+        errno: i32,
+    },
+    /// Bit `bit` of op number `op`'s bytes is flipped after the read, as a disk or DMA error would.
+    FlipBit {
+        /// The op's number.
+        op: u64,
+        /// The bit within the op's bytes (wraps around the op's length).
+        bit: u64,
+    },
+}
+
+/// Wraps a backend and injects `faults`.
+pub struct FaultIo {
+    inner: Box<dyn Io>,
+    faults: Vec<Fault>,
+    ops_issued: u64,
+    scratch: Vec<u8>,
+}
+
+impl FaultIo {
+    /// Wraps `inner`.
+    pub fn new(inner: Box<dyn Io>, faults: Vec<Fault>) -> Self {
+        Self { inner, faults, ops_issued: 0, scratch: Vec::new() }
+    }
+}
+
+impl Io for FaultIo {
+    fn name(&self) -> &'static str {
+        "fault-injecting"
+    }
+
+    fn queue_depth(&self) -> usize {
+        self.inner.queue_depth()
+    }
+
+    fn op_bytes_max(&self) -> usize {
+        self.inner.op_bytes_max()
+    }
+
+    fn open(&mut self, path: &Path) -> Result<FileId> {
+        self.inner.open(path)
+    }
+
+    fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
+        let first = self.ops_issued;
+        let mut faulty = FaultStream { inner: stream, faults: &self.faults, first, issued: 0, scratch: &mut self.scratch };
+        let outcome = self.inner.read_stream(&mut faulty);
+        self.ops_issued = first + faulty.issued;
+        outcome
+    }
+}
+
+struct FaultStream<'a> {
+    inner: &'a mut dyn ReadStream,
+    faults: &'a [Fault],
+    first: u64,
+    issued: u64,
+    scratch: &'a mut Vec<u8>,
+}
+
+impl ReadStream for FaultStream<'_> {
+    fn next_op(&mut self, files: &mut dyn FileOpener) -> Result<Next> {
+        let next = self.inner.next_op(files)?;
+        if matches!(next, Next::Op(_)) {
+            self.issued += 1;
+        }
+        Ok(next)
+    }
+
+    fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()> {
+        let number = self.first + seq;
+        let mut flipped = false;
+        for fault in self.faults {
+            match *fault {
+                Fault::FailRead { op, errno } if op == number => {
+                    return Err(Error::io("read", "fault injection", std::io::Error::from_raw_os_error(errno)));
+                }
+                Fault::FlipBit { op, bit } if op == number => {
+                    if !flipped {
+                        self.scratch.clear();
+                        self.scratch.extend_from_slice(bytes);
+                        flipped = true;
+                    }
+                    let bit = bit % (bytes.len() as u64 * 8);
+                    self.scratch[(bit / 8) as usize] ^= 1 << (bit % 8);
+                }
+                _ => {}
+            }
+        }
+        if flipped { self.inner.complete(seq, self.scratch) } else { self.inner.complete(seq, bytes) }
+    }
+}

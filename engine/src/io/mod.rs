@@ -1,0 +1,215 @@
+//! Reading blocks from shard files: one `Io` trait, an io_uring backend, a pread backend, a
+//! fault-injecting wrapper, and the bare reader that benchmarks measure the engine against.
+//!
+//! The unit of work is a `ReadOp`: a block-aligned range of an opened file. A backend pulls ops
+//! from a `ReadStream` whenever it has a free buffer slot, keeps as many in flight as its queue
+//! depth allows, and hands each op's bytes back to the stream as soon as that op completes, while
+//! the others are still in flight, so planning, checking and copying overlap the disk. The bytes live in the backend's own buffers (for io_uring: page-
+//! aligned memory registered with the ring as fixed buffers) and are valid only during the
+//! callback. Invariants: every op is block-aligned (O_DIRECT-legal) and no longer than
+//! `op_bytes_max`; a backend never returns from `read` with an op still in flight, also when the
+//! callback fails; short reads, EINTR, EAGAIN and ECANCELED are retried, EIO and end-of-file are
+//! errors naming the file and offset. Never: allocates per op on the hot path, or interprets the
+//! bytes (the `read` module checks them).
+
+mod aligned;
+pub mod bare;
+mod fault;
+mod pread;
+#[cfg(target_os = "linux")]
+mod uring;
+
+use std::path::{Path, PathBuf};
+
+pub use aligned::AlignedBuf;
+pub use fault::{Fault, FaultIo};
+pub use pread::PreadIo;
+#[cfg(target_os = "linux")]
+pub use uring::UringIo;
+
+use crate::error::{Error, Result};
+use crate::shard::BLOCK_BYTES;
+
+/// Largest queue depth a backend accepts.
+pub const QUEUE_DEPTH_MAX: u32 = 4096;
+/// Largest single op: 64 MiB.
+pub const OP_BYTES_MAX_LIMIT: usize = 64 << 20;
+
+/// An open file of a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FileId(pub u32);
+
+/// One read: `len` bytes at `offset` of `file`, both multiples of the block size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadOp {
+    /// The file, as returned by [`Io::open`] or a [`FileOpener`].
+    pub file: FileId,
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: u32,
+}
+
+/// What a stream has to issue next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// This op.
+    Op(ReadOp),
+    /// Nothing until some op in flight completes (its buffer is needed first).
+    Wait,
+    /// Nothing more, ever.
+    Done,
+}
+
+/// Opens files for a stream while the backend is reading (the backend owns the descriptors).
+pub trait FileOpener {
+    /// Opens `path` for reading through the backend.
+    fn open(&mut self, path: &Path) -> Result<FileId>;
+}
+
+/// A source of ops and a sink of their bytes, pulled by a backend: ops are asked for only when a
+/// buffer slot is free, so a stream can plan its next batch while the disk reads the current one.
+pub trait ReadStream {
+    /// The next op to issue.
+    fn next_op(&mut self, files: &mut dyn FileOpener) -> Result<Next>;
+
+    /// Op number `seq` (in issue order, from 0 in each `read_stream` call) has completed; its
+    /// bytes are valid during this call only.
+    fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()>;
+}
+
+/// Called once per op with its index in the slice and its bytes, in completion order.
+pub type OnRead<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
+
+/// A block reader.
+pub trait Io: Send {
+    /// The backend's name, for reports.
+    fn name(&self) -> &'static str;
+
+    /// Ops kept in flight at once.
+    fn queue_depth(&self) -> usize;
+
+    /// The longest op accepted.
+    fn op_bytes_max(&self) -> usize;
+
+    /// Opens a file for reading.
+    fn open(&mut self, path: &Path) -> Result<FileId>;
+
+    /// Reads the stream's ops until it is done, keeping up to `queue_depth` in flight. Stops
+    /// issuing at the first error (its own or the stream's), waits for the ops in flight, and
+    /// returns it. A stream that waits while nothing is in flight is an error, not a hang.
+    fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()>;
+
+    /// Reads every op of a slice, calling `on_done` with each op's index as it completes.
+    fn read(&mut self, ops: &[ReadOp], on_done: &mut OnRead<'_>) -> Result<()> {
+        self.read_stream(&mut SliceStream { ops, next: 0, on_done })
+    }
+}
+
+/// The stream of a slice of ops.
+struct SliceStream<'a, 'b> {
+    ops: &'a [ReadOp],
+    next: usize,
+    on_done: &'a mut OnRead<'b>,
+}
+
+impl ReadStream for SliceStream<'_, '_> {
+    fn next_op(&mut self, _: &mut dyn FileOpener) -> Result<Next> {
+        let next = self.ops.get(self.next).map_or(Next::Done, |op| Next::Op(*op));
+        self.next += 1;
+        Ok(next)
+    }
+
+    fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()> {
+        (self.on_done)(usize::try_from(seq).expect("seq counts the slice's ops"), bytes)
+    }
+}
+
+/// The error of a stream that asks the backend to wait while nothing is in flight.
+fn stalled() -> Error {
+    Error::invalid_input("the read stream waited with no read in flight (a planning bug)")
+}
+
+/// Which backend to use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// io_uring where the kernel allows it, pread otherwise.
+    #[default]
+    Auto,
+    /// io_uring, or an error.
+    Uring,
+    /// Positioned reads, one at a time: portable, and the oracle the others are tested against.
+    Pread,
+}
+
+/// How to build a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IoConfig {
+    /// Which backend.
+    pub backend: Backend,
+    /// Ops in flight at once (io_uring).
+    pub queue_depth: u32,
+    /// The longest op, a multiple of the block size; larger extents are split.
+    pub op_bytes_max: usize,
+    /// Open files with O_DIRECT (io_uring), bypassing the page cache.
+    pub direct: bool,
+}
+
+impl Default for IoConfig {
+    fn default() -> Self {
+        Self { backend: Backend::Auto, queue_depth: 32, op_bytes_max: 1 << 20, direct: true }
+    }
+}
+
+impl IoConfig {
+    /// Checks the numbers.
+    pub fn validate(&self) -> Result<()> {
+        if self.queue_depth == 0 || self.queue_depth > QUEUE_DEPTH_MAX {
+            return Err(Error::invalid_input(format!("queue depth {} is not in 1..={QUEUE_DEPTH_MAX}", self.queue_depth)));
+        }
+        if self.op_bytes_max == 0 || !self.op_bytes_max.is_multiple_of(BLOCK_BYTES) || self.op_bytes_max > OP_BYTES_MAX_LIMIT {
+            return Err(Error::invalid_input(format!(
+                "op size {} is not a multiple of {BLOCK_BYTES} in 1..={OP_BYTES_MAX_LIMIT}",
+                self.op_bytes_max
+            )));
+        }
+        Ok(())
+    }
+
+    /// Builds the backend.
+    pub fn build(&self) -> Result<Box<dyn Io>> {
+        self.validate()?;
+        match self.backend {
+            Backend::Pread => Ok(Box::new(PreadIo::new(self.op_bytes_max)?)),
+            #[cfg(target_os = "linux")]
+            Backend::Uring => Ok(Box::new(UringIo::new(self)?)),
+            #[cfg(target_os = "linux")]
+            Backend::Auto => match UringIo::new(self) {
+                Ok(uring) => Ok(Box::new(uring)),
+                Err(_) => Ok(Box::new(PreadIo::new(self.op_bytes_max)?)),
+            },
+            #[cfg(not(target_os = "linux"))]
+            Backend::Uring => Err(Error::invalid_input("io_uring exists only on Linux")),
+            #[cfg(not(target_os = "linux"))]
+            Backend::Auto => Ok(Box::new(PreadIo::new(self.op_bytes_max)?)),
+        }
+    }
+}
+
+/// Checks an op against a backend's limits before it is issued.
+fn check_op(op: &ReadOp, op_bytes_max: usize, n_files: usize) -> Result<()> {
+    let aligned = op.offset.is_multiple_of(BLOCK_BYTES as u64) && (op.len as usize).is_multiple_of(BLOCK_BYTES);
+    if !aligned || op.len == 0 || op.len as usize > op_bytes_max || op.file.0 as usize >= n_files {
+        return Err(Error::invalid_input(format!(
+            "read op {op:?} is not block-aligned, empty, over {op_bytes_max} bytes or of an unknown file"
+        )));
+    }
+    Ok(())
+}
+
+/// The error of a failed read, naming the file and offset.
+fn read_error(path: &Path, op: &ReadOp, source: std::io::Error) -> Error {
+    let mut named = PathBuf::from(path);
+    named.as_mut_os_string().push(format!(" at offset {} (+{} bytes)", op.offset, op.len));
+    Error::io("read", named, source)
+}

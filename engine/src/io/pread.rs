@@ -1,0 +1,91 @@
+//! The portable backend: positioned reads, one op at a time, through the page cache.
+//!
+//! It is the fallback where io_uring is unavailable and the oracle the conformance suite holds
+//! the io_uring backend to.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use super::{AlignedBuf, FileId, FileOpener, Io, Next, ReadStream, check_op, read_error, stalled};
+use crate::error::{Error, Result};
+
+/// Retries of EAGAIN before an op fails.
+const AGAIN_RETRIES_MAX: u32 = 64;
+
+/// Positioned reads with `pread`.
+pub struct PreadIo {
+    files: Files,
+    buf: AlignedBuf,
+    op_bytes_max: usize,
+}
+
+impl PreadIo {
+    /// A backend whose ops are at most `op_bytes_max` bytes.
+    pub fn new(op_bytes_max: usize) -> Result<Self> {
+        Ok(Self { files: Files(Vec::new()), buf: AlignedBuf::new(op_bytes_max)?, op_bytes_max })
+    }
+}
+
+impl Io for PreadIo {
+    fn name(&self) -> &'static str {
+        "pread"
+    }
+
+    fn queue_depth(&self) -> usize {
+        1
+    }
+
+    fn op_bytes_max(&self) -> usize {
+        self.op_bytes_max
+    }
+
+    fn open(&mut self, path: &Path) -> Result<FileId> {
+        self.files.open(path)
+    }
+
+    fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
+        let mut seq = 0;
+        loop {
+            let op = match stream.next_op(&mut self.files)? {
+                Next::Op(op) => op,
+                Next::Wait => return Err(stalled()),
+                Next::Done => return Ok(()),
+            };
+            check_op(&op, self.op_bytes_max, self.files.0.len())?;
+            let (file, path) = &self.files.0[op.file.0 as usize];
+            let buf = &mut self.buf.as_mut_slice()[..op.len as usize];
+            read_full(file, buf, op.offset).map_err(|e| read_error(path, &op, e))?;
+            stream.complete(seq, buf)?;
+            seq += 1;
+        }
+    }
+}
+
+/// The open files, in `FileId` order.
+struct Files(Vec<(File, PathBuf)>);
+
+impl FileOpener for Files {
+    fn open(&mut self, path: &Path) -> Result<FileId> {
+        let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+        let id = FileId(u32::try_from(self.0.len()).map_err(|_| Error::invalid_input("too many open files"))?);
+        self.0.push((file, path.to_owned()));
+        Ok(id)
+    }
+}
+
+/// Fills `buf` from `offset`, retrying interruptions, short reads and EAGAIN.
+fn read_full(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    let mut done = 0;
+    let mut again = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && again < AGAIN_RETRIES_MAX => again += 1,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,309 @@
+//! Batch planning and assembly: which blocks to read for a list of records, and where each
+//! verified byte goes.
+//!
+//! Everything here reuses its vectors from batch to batch: after warm-up, planning a batch
+//! allocates nothing.
+
+use std::ops::Range;
+
+use super::Dataset;
+use crate::error::{Error, Result};
+use crate::io::{AlignedBuf, FileId, ReadOp};
+use crate::shard::{BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET};
+
+/// Records read together: their bytes back to back in request order, and where each ends.
+///
+/// The bytes live in page-aligned memory (huge pages when large), reused from batch to batch:
+/// it is what a device copy wants, and it keeps TLB misses off the copy into the batch.
+#[derive(Debug, Default)]
+pub struct Batch {
+    indices: Vec<u64>,
+    ends: Vec<u64>,
+    data: BatchBytes,
+}
+
+/// A growable page-aligned byte buffer whose contents need not survive growth.
+#[derive(Debug, Default)]
+struct BatchBytes {
+    buf: Option<AlignedBuf>,
+    len: usize,
+}
+
+impl BatchBytes {
+    fn as_slice(&self) -> &[u8] {
+        self.buf.as_ref().map_or(&[], |buf| &buf.as_slice()[..self.len])
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match &mut self.buf {
+            Some(buf) => &mut buf.as_mut_slice()[..self.len],
+            None => &mut [],
+        }
+    }
+
+    /// Sets the length; growing past the capacity allocates afresh and does not keep the bytes
+    /// (every byte of a batch is written before it is read).
+    fn set_len(&mut self, len: usize) -> Result<()> {
+        if self.buf.as_ref().is_none_or(|buf| buf.len() < len) {
+            self.buf = None;
+            self.buf = Some(AlignedBuf::new(len.next_power_of_two())?);
+        }
+        self.len = len;
+        Ok(())
+    }
+}
+
+impl Batch {
+    /// Records in the batch.
+    pub fn len(&self) -> usize {
+        self.indices.len()
+    }
+
+    /// Whether the batch has no records.
+    pub fn is_empty(&self) -> bool {
+        self.indices.is_empty()
+    }
+
+    /// The dataset indices of the records, in batch order.
+    pub fn indices(&self) -> &[u64] {
+        &self.indices
+    }
+
+    /// Every record's bytes back to back: for fixed-size records, one dense `len x shape` array.
+    pub fn data(&self) -> &[u8] {
+        self.data.as_slice()
+    }
+
+    /// Where each record ends in `data`.
+    pub fn ends(&self) -> &[u64] {
+        &self.ends
+    }
+
+    /// The bytes of record `i` of the batch.
+    pub fn record(&self, i: usize) -> &[u8] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.data.as_slice()[to_usize(start)..to_usize(self.ends[i])]
+    }
+
+    /// Every record's bytes, in batch order.
+    pub fn records(&self) -> impl Iterator<Item = &[u8]> {
+        (0..self.len()).map(|i| self.record(i))
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.indices.clear();
+        self.ends.clear();
+        self.data.len = 0;
+    }
+
+    pub(super) fn data_mut(&mut self) -> &mut [u8] {
+        self.data.as_mut_slice()
+    }
+}
+
+/// One record of the batch: its shard and byte range there, and its offset in the batch.
+#[derive(Clone, Copy, Debug)]
+struct Request {
+    shard: u32,
+    start: u64,
+    end: u64,
+    dst: u64,
+}
+
+/// A run of consecutive blocks of one shard, read by one op.
+#[derive(Clone, Copy, Debug)]
+struct Extent {
+    shard: u32,
+    first_block: u64,
+    n_blocks: u32,
+}
+
+impl Extent {
+    fn bytes(&self) -> Range<u64> {
+        self.first_block * BLOCK_BYTES_U64..(self.first_block + u64::from(self.n_blocks)) * BLOCK_BYTES_U64
+    }
+}
+
+/// A copy from an extent's bytes into the batch.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    extent: u32,
+    src: u32,
+    dst: u64,
+    len: u32,
+}
+
+/// Planning scratch, reused across batches.
+#[derive(Default)]
+pub(super) struct Planner {
+    requests: Vec<Request>,
+    order: Vec<u32>,
+    extents: Vec<Extent>,
+    unsorted_pieces: Vec<Piece>,
+    /// Pieces grouped by extent: extent `e`'s are `pieces[piece_starts[e]..piece_starts[e + 1]]`.
+    pieces: Vec<Piece>,
+    piece_starts: Vec<u32>,
+    next_piece: Vec<u32>,
+    shards: Vec<usize>,
+}
+
+impl Planner {
+    /// Plans reading `indices`; sizes `batch` for them (indices and ends final, data to be filled).
+    pub(super) fn plan(&mut self, dataset: &Dataset, indices: &[u64], op_blocks_max: usize, batch: &mut Batch) -> Result<()> {
+        assert!(op_blocks_max > 0);
+        // The bytes are kept: every byte of the new batch is overwritten before it is returned,
+        // and zeroing hundreds of megabytes per batch would cost as much as reading them.
+        batch.indices.clear();
+        batch.ends.clear();
+        self.requests.clear();
+        let mut dst = 0u64;
+        for &index in indices {
+            let (shard, local) = dataset.locate(index)?;
+            let range = dataset.shard_meta(shard)?.record_range(local);
+            let shard = u32::try_from(shard).map_err(|_| Error::invalid_input("more than 2^32 shards"))?;
+            self.requests.push(Request { shard, start: range.start, end: range.end, dst });
+            dst += range.end - range.start;
+            batch.ends.push(dst);
+        }
+        batch.indices.extend_from_slice(indices);
+        let total = usize::try_from(dst).map_err(|_| Error::invalid_input("a batch larger than memory"))?;
+        batch.data.set_len(total)?;
+        debug_assert_eq!(batch.ends.len(), batch.indices.len());
+
+        self.order.clear();
+        let requests = &self.requests;
+        self.order.extend((0..requests.len() as u32).filter(|&r| requests[r as usize].end > requests[r as usize].start));
+        self.order.sort_unstable_by_key(|&r| (requests[r as usize].shard, requests[r as usize].start));
+
+        self.plan_extents(op_blocks_max);
+        self.plan_pieces();
+        self.shards.clear();
+        self.shards.extend(self.extents.iter().map(|e| e.shard as usize));
+        self.shards.dedup();
+        Ok(())
+    }
+
+    /// Merges the block ranges of the sorted requests into runs and cuts the runs into extents.
+    fn plan_extents(&mut self, op_blocks_max: usize) {
+        self.extents.clear();
+        let mut run: Option<(u32, u64, u64)> = None;
+        for &r in &self.order {
+            let request = self.requests[r as usize];
+            let (first, end) = (request.start / BLOCK_BYTES_U64, request.end.div_ceil(BLOCK_BYTES_U64));
+            match &mut run {
+                Some((shard, _, run_end)) if *shard == request.shard && first <= *run_end => *run_end = (*run_end).max(end),
+                _ => {
+                    if let Some(done) = run.replace((request.shard, first, end)) {
+                        push_extents(&mut self.extents, done, op_blocks_max);
+                    }
+                }
+            }
+        }
+        if let Some(done) = run {
+            push_extents(&mut self.extents, done, op_blocks_max);
+        }
+    }
+
+    /// Cuts every request into pieces, one per extent it overlaps, grouped by extent.
+    fn plan_pieces(&mut self) {
+        self.unsorted_pieces.clear();
+        for &r in &self.order {
+            let request = self.requests[r as usize];
+            let first_block = request.start / BLOCK_BYTES_U64;
+            let mut e = self
+                .extents
+                .partition_point(|x| (x.shard, x.first_block + u64::from(x.n_blocks)) <= (request.shard, first_block));
+            while let Some(extent) = self.extents.get(e).filter(|x| x.shard == request.shard) {
+                let bytes = extent.bytes();
+                if bytes.start >= request.end {
+                    break;
+                }
+                let (start, end) = (bytes.start.max(request.start), bytes.end.min(request.end));
+                self.unsorted_pieces.push(Piece {
+                    extent: e as u32,
+                    src: u32::try_from(start - bytes.start).expect("an extent is at most an op"),
+                    dst: request.dst + (start - request.start),
+                    len: u32::try_from(end - start).expect("an extent is at most an op"),
+                });
+                e += 1;
+            }
+        }
+        // Counting sort by extent.
+        self.piece_starts.clear();
+        self.piece_starts.resize(self.extents.len() + 1, 0);
+        for piece in &self.unsorted_pieces {
+            self.piece_starts[piece.extent as usize + 1] += 1;
+        }
+        for e in 0..self.extents.len() {
+            self.piece_starts[e + 1] += self.piece_starts[e];
+        }
+        self.next_piece.clear();
+        self.next_piece.extend_from_slice(&self.piece_starts[..self.extents.len()]);
+        self.pieces.clear();
+        self.pieces.resize(self.unsorted_pieces.len(), Piece { extent: 0, src: 0, dst: 0, len: 0 });
+        for piece in &self.unsorted_pieces {
+            let slot = &mut self.next_piece[piece.extent as usize];
+            self.pieces[*slot as usize] = *piece;
+            *slot += 1;
+        }
+    }
+
+    /// The shards the planned extents read, ascending.
+    pub(super) fn shards_touched(&self) -> impl Iterator<Item = usize> + '_ {
+        self.shards.iter().copied()
+    }
+
+    /// Extents (ops) in the plan.
+    pub(super) fn n_extents(&self) -> usize {
+        self.extents.len()
+    }
+
+    /// Bytes the plan reads (whole blocks).
+    pub(super) fn read_bytes(&self) -> u64 {
+        self.extents.iter().map(|extent| u64::from(extent.n_blocks) * BLOCK_BYTES_U64).sum()
+    }
+
+    /// The op of extent `e`; its shard must have a file in `files`.
+    pub(super) fn op(&self, e: usize, files: &[Option<FileId>]) -> ReadOp {
+        let extent = self.extents[e];
+        ReadOp {
+            file: files[extent.shard as usize].expect("touched shards are opened when their batch is planned"),
+            offset: DATA_OFFSET + extent.first_block * BLOCK_BYTES_U64,
+            len: extent.n_blocks * BLOCK_BYTES as u32,
+        }
+    }
+
+    /// Checks extent `e`'s blocks, then copies its pieces into the batch's bytes.
+    pub(super) fn deliver(&self, dataset: &Dataset, e: usize, bytes: &[u8], data: &mut [u8]) -> Result<()> {
+        let extent = self.extents[e];
+        assert_eq!(bytes.len(), extent.n_blocks as usize * BLOCK_BYTES);
+        let shard = extent.shard as usize;
+        let meta = dataset.shard_meta(shard)?;
+        meta.check_blocks(extent.first_block, bytes).map_err(|(block, expected, actual)| Error::ChecksumMismatch {
+            shard: dataset.shard_id(shard),
+            block,
+            expected,
+            actual,
+        })?;
+        let pieces = &self.pieces[self.piece_starts[e] as usize..self.piece_starts[e + 1] as usize];
+        for piece in pieces {
+            let src = &bytes[piece.src as usize..piece.src as usize + piece.len as usize];
+            data[to_usize(piece.dst)..to_usize(piece.dst) + piece.len as usize].copy_from_slice(src);
+        }
+        Ok(())
+    }
+}
+
+/// Cuts the run `(shard, first_block, end_block)` into extents of at most `op_blocks_max` blocks.
+fn push_extents(extents: &mut Vec<Extent>, (shard, first, end): (u32, u64, u64), op_blocks_max: usize) {
+    let mut block = first;
+    while block < end {
+        let n_blocks = (end - block).min(op_blocks_max as u64);
+        extents.push(Extent { shard, first_block: block, n_blocks: n_blocks as u32 });
+        block += n_blocks;
+    }
+}
+
+fn to_usize(offset: u64) -> usize {
+    usize::try_from(offset).expect("batch offsets fit in memory: the batch was allocated")
+}

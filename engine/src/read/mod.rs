@@ -1,0 +1,368 @@
+//! The read path: from record indices to verified bytes.
+//!
+//! Owns: `Dataset` (an opened dataset version: its manifest and, loaded on first use, each
+//! shard's verified metadata) and `Reader` (one per thread or rank: a backend, its open files,
+//! reusable planning scratch). A batch read maps indices to shard byte ranges, reads each block
+//! that any record touches exactly once, coalescing adjacent blocks into ops of up to the
+//! backend's op size, checks every block's CRC32C as its op completes, and copies the records into
+//! the batch in request order. Invariant: no byte reaches a `Batch` from a block whose checksum has
+//! not matched; a failed read leaves the batch empty. Never: writes, or touches the catalog (refs
+//! and manifests are files, so many reader processes share a store with one writer).
+
+mod batch;
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+pub use batch::Batch;
+
+use crate::error::{Error, FormatError, Result};
+use crate::id::{ManifestId, ShardId};
+use crate::io::{FileId, FileOpener, Io, Next, ReadStream};
+use crate::manifest::Manifest;
+use crate::shard::{Layout, ShardMeta};
+use crate::store::{DatasetName, StorePaths, VersionSpec};
+
+/// An opened, immutable dataset version. Shared between readers.
+pub struct Dataset {
+    paths: StorePaths,
+    manifest_id: ManifestId,
+    manifest: Manifest,
+    version: Option<(DatasetName, u64)>,
+    /// `record_starts[s]` is the dataset index of shard `s`'s first record; one extra at the end.
+    record_starts: Vec<u64>,
+    metas: Vec<OnceLock<Arc<ShardMeta>>>,
+}
+
+impl Dataset {
+    /// Opens the version `spec` of the store at `paths`, reading its ref and manifest files.
+    pub fn open(paths: &StorePaths, spec: &VersionSpec) -> Result<Arc<Self>> {
+        paths.check()?;
+        let (manifest_id, version) = paths.resolve(spec)?;
+        let manifest = paths.read_manifest(manifest_id)?;
+        Ok(Arc::new(Self::from_manifest(paths.clone(), manifest_id, manifest, version)))
+    }
+
+    /// A dataset over an already-verified manifest.
+    pub fn from_manifest(
+        paths: StorePaths,
+        manifest_id: ManifestId,
+        manifest: Manifest,
+        version: Option<(DatasetName, u64)>,
+    ) -> Self {
+        let mut record_starts = Vec::with_capacity(manifest.entries().len() + 1);
+        let mut start = 0;
+        record_starts.push(0);
+        for entry in manifest.entries() {
+            start += entry.n_records;
+            record_starts.push(start);
+        }
+        let metas = manifest.entries().iter().map(|_| OnceLock::new()).collect();
+        Self { paths, manifest_id, manifest, version, record_starts, metas }
+    }
+
+    /// Records in the version.
+    pub fn n_records(&self) -> u64 {
+        self.manifest.n_records()
+    }
+
+    /// What the records are.
+    pub fn layout(&self) -> &Layout {
+        self.manifest.layout()
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The version's id.
+    pub fn manifest_id(&self) -> ManifestId {
+        self.manifest_id
+    }
+
+    /// The dataset name and version number, when opened by name.
+    pub fn version(&self) -> Option<&(DatasetName, u64)> {
+        self.version.as_ref()
+    }
+
+    /// Shards in the version.
+    pub fn n_shards(&self) -> usize {
+        self.metas.len()
+    }
+
+    /// The id of shard `shard`.
+    pub fn shard_id(&self, shard: usize) -> ShardId {
+        self.manifest.entries()[shard].shard
+    }
+
+    /// The file of shard `shard`.
+    pub fn shard_path(&self, shard: usize) -> PathBuf {
+        self.paths.shard(self.shard_id(shard))
+    }
+
+    /// The shard holding dataset record `index`, and the record's index within it.
+    pub fn locate(&self, index: u64) -> Result<(usize, u64)> {
+        if index >= self.n_records() {
+            return Err(Error::RecordOutOfRange { index, n_records: self.n_records() });
+        }
+        // The last shard whose first record is <= index (empty shards are skipped over).
+        let shard = self.record_starts.partition_point(|&start| start <= index) - 1;
+        Ok((shard, index - self.record_starts[shard]))
+    }
+
+    /// The verified metadata of shard `shard`, read on first use and checked against the
+    /// manifest (length, record count, layout), so a truncated or swapped file fails here.
+    pub fn shard_meta(&self, shard: usize) -> Result<&Arc<ShardMeta>> {
+        if let Some(meta) = self.metas[shard].get() {
+            return Ok(meta);
+        }
+        let path = self.shard_path(shard);
+        let entry = &self.manifest.entries()[shard];
+        let meta = ShardMeta::read(&path).map_err(|e| match e {
+            Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                Error::NotFound { what: format!("shard {} of {}", entry.shard, self.manifest_id) }
+            }
+            other => other,
+        })?;
+        let mismatch = |field: &'static str, detail: String| Error::Format {
+            path: path.clone(),
+            source: FormatError::Inconsistent { field, detail },
+        };
+        if meta.file_bytes() != entry.file_bytes {
+            return Err(mismatch("file_bytes", format!("{}, the manifest says {}", meta.file_bytes(), entry.file_bytes)));
+        }
+        if meta.n_records() != entry.n_records {
+            return Err(mismatch("n_records", format!("{}, the manifest says {}", meta.n_records(), entry.n_records)));
+        }
+        if meta.layout() != self.layout() {
+            return Err(mismatch("layout", format!("{}, the manifest says {}", meta.layout(), self.layout())));
+        }
+        // Two threads may both load it; both results are the same verified bytes.
+        Ok(self.metas[shard].get_or_init(|| Arc::new(meta)))
+    }
+}
+
+/// Counters of one reader.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    /// Records delivered.
+    pub records: u64,
+    /// Record bytes delivered.
+    pub bytes_delivered: u64,
+    /// Bytes read from files (whole blocks).
+    pub bytes_read: u64,
+    /// Ops issued.
+    pub ops: u64,
+    /// Blocks whose checksum was checked.
+    pub blocks_verified: u64,
+}
+
+/// Reads records of one dataset version through one backend. Not shared between threads: each
+/// thread or rank makes its own (they share the `Dataset`).
+pub struct Reader {
+    dataset: Arc<Dataset>,
+    io: Box<dyn Io>,
+    files: Vec<Option<FileId>>,
+    slots: Vec<BatchSlot>,
+    stats: ReadStats,
+}
+
+/// A batch being read: its plan, its bytes, and how far its ops have got.
+#[derive(Default)]
+struct BatchSlot {
+    planner: batch::Planner,
+    batch: Batch,
+    /// Sequence number of the batch's first op in the current stream.
+    first_seq: u64,
+    /// Extents issued so far.
+    issued: usize,
+    /// Extents not yet completed.
+    remaining: usize,
+}
+
+impl BatchSlot {
+    fn is_complete(&self) -> bool {
+        self.remaining == 0 && self.issued == self.planner.n_extents()
+    }
+}
+
+impl Reader {
+    /// A reader of `dataset` through `io`.
+    pub fn new(dataset: Arc<Dataset>, io: Box<dyn Io>) -> Self {
+        let files = vec![None; dataset.n_shards()];
+        Self { dataset, io, files, slots: Vec::new(), stats: ReadStats::default() }
+    }
+
+    /// The dataset.
+    pub fn dataset(&self) -> &Arc<Dataset> {
+        &self.dataset
+    }
+
+    /// The backend's name.
+    pub fn io_name(&self) -> &'static str {
+        self.io.name()
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> ReadStats {
+        self.stats
+    }
+
+    /// Reads the records `indices` (in that order, repeats allowed) into `batch`. On error the
+    /// batch is left empty: no unverified byte is ever visible in it.
+    pub fn read_batch(&mut self, indices: &[u64], batch: &mut Batch) -> Result<()> {
+        if self.slots.is_empty() {
+            self.slots.push(BatchSlot::default());
+        }
+        std::mem::swap(batch, &mut self.slots[0].batch);
+        let outcome = self.run(std::iter::once(indices), 1, &mut |_| Ok(()));
+        std::mem::swap(batch, &mut self.slots[0].batch);
+        if outcome.is_err() {
+            batch.clear();
+        }
+        outcome
+    }
+
+    /// Reads a sequence of batches, handing each to `sink` in order as soon as it is complete,
+    /// with up to `depth` batches in flight: the next batches are planned and read while earlier
+    /// ones are checked, copied and consumed, so the disk never waits between batches. Stops at
+    /// the first error; every batch handed to `sink` was fully verified.
+    pub fn read_batches<B: AsRef<[u64]>>(
+        &mut self,
+        batches: impl IntoIterator<Item = B>,
+        depth: usize,
+        sink: &mut dyn FnMut(&Batch) -> Result<()>,
+    ) -> Result<()> {
+        let depth = depth.max(1);
+        while self.slots.len() < depth {
+            self.slots.push(BatchSlot::default());
+        }
+        self.run(batches.into_iter(), depth, sink)
+    }
+
+    fn run<B: AsRef<[u64]>>(
+        &mut self,
+        batches: impl Iterator<Item = B>,
+        depth: usize,
+        sink: &mut dyn FnMut(&Batch) -> Result<()>,
+    ) -> Result<()> {
+        let mut pipeline = Pipeline {
+            dataset: &self.dataset,
+            files: &mut self.files,
+            slots: &mut self.slots[..depth],
+            op_blocks_max: self.io.op_bytes_max() / crate::shard::BLOCK_BYTES,
+            batches,
+            exhausted: false,
+            in_order: std::collections::VecDeque::with_capacity(depth),
+            free: (0..depth).rev().collect(),
+            issued: 0,
+            sink,
+            stats: &mut self.stats,
+        };
+        self.io.read_stream(&mut pipeline)?;
+        pipeline.deliver_ready()?;
+        debug_assert!(pipeline.in_order.is_empty(), "every planned batch was delivered");
+        Ok(())
+    }
+
+    /// The bytes of one record.
+    pub fn get(&mut self, index: u64) -> Result<Vec<u8>> {
+        let mut batch = Batch::default();
+        self.read_batch(&[index], &mut batch)?;
+        Ok(batch.record(0).to_vec())
+    }
+}
+
+/// The read stream of a sequence of batches: plans each batch when a slot frees up, issues its
+/// extents, routes completions to their batch, and hands complete batches to the sink in order.
+struct Pipeline<'r, I> {
+    dataset: &'r Dataset,
+    files: &'r mut [Option<FileId>],
+    slots: &'r mut [BatchSlot],
+    op_blocks_max: usize,
+    batches: I,
+    exhausted: bool,
+    /// Slots holding planned batches, oldest first; the last one is the one being issued.
+    in_order: std::collections::VecDeque<usize>,
+    free: Vec<usize>,
+    /// Ops issued in this stream so far.
+    issued: u64,
+    sink: &'r mut dyn FnMut(&Batch) -> Result<()>,
+    stats: &'r mut ReadStats,
+}
+
+impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
+    /// Hands every complete batch at the front of the queue to the sink and frees its slot.
+    fn deliver_ready(&mut self) -> Result<()> {
+        while let Some(&front) = self.in_order.front() {
+            let slot = &self.slots[front];
+            if !slot.is_complete() {
+                break;
+            }
+            let read_bytes = slot.planner.read_bytes();
+            self.stats.records += slot.batch.len() as u64;
+            self.stats.bytes_delivered += slot.batch.data().len() as u64;
+            self.stats.ops += slot.planner.n_extents() as u64;
+            self.stats.bytes_read += read_bytes;
+            self.stats.blocks_verified += read_bytes / crate::shard::BLOCK_BYTES_U64;
+            (self.sink)(&slot.batch)?;
+            self.in_order.pop_front();
+            self.free.push(front);
+        }
+        Ok(())
+    }
+}
+
+impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
+    fn next_op(&mut self, opener: &mut dyn FileOpener) -> Result<Next> {
+        loop {
+            if let Some(&current) = self.in_order.back() {
+                let slot = &mut self.slots[current];
+                if slot.issued < slot.planner.n_extents() {
+                    let op = slot.planner.op(slot.issued, self.files);
+                    slot.issued += 1;
+                    self.issued += 1;
+                    return Ok(Next::Op(op));
+                }
+            }
+            if self.exhausted {
+                return Ok(Next::Done);
+            }
+            let Some(&free) = self.free.last() else { return Ok(Next::Wait) };
+            let Some(indices) = self.batches.next() else {
+                self.exhausted = true;
+                return Ok(Next::Done);
+            };
+            self.free.pop();
+            let slot = &mut self.slots[free];
+            slot.planner.plan(self.dataset, indices.as_ref(), self.op_blocks_max, &mut slot.batch)?;
+            for shard in slot.planner.shards_touched() {
+                if self.files[shard].is_none() {
+                    self.files[shard] = Some(opener.open(&self.dataset.shard_path(shard))?);
+                }
+            }
+            slot.first_seq = self.issued;
+            slot.issued = 0;
+            slot.remaining = slot.planner.n_extents();
+            self.in_order.push_back(free);
+            // A batch with nothing to read (no records, or only empty ones) is complete already.
+            self.deliver_ready()?;
+        }
+    }
+
+    fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()> {
+        let slots = &mut *self.slots;
+        let owner = self
+            .in_order
+            .iter()
+            .copied()
+            .find(|&s| seq >= slots[s].first_seq && seq < slots[s].first_seq + slots[s].issued as u64)
+            .expect("every completion belongs to a batch in flight");
+        let slot = &mut slots[owner];
+        let extent = usize::try_from(seq - slot.first_seq).expect("fewer extents than memory");
+        slot.planner.deliver(self.dataset, extent, bytes, slot.batch.data_mut())?;
+        slot.remaining -= 1;
+        self.deliver_ready()
+    }
+}
