@@ -1,0 +1,309 @@
+//! Argument parsing and the commands. Every failure is one line on stderr and a non-zero exit.
+
+mod bench;
+mod show;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use granary::ingest::{self, Progress};
+use granary::{
+    DatasetName, Dtype, FixedLayout, Granary, IngestMode, IngestOptions, IoConfig, Layout, Reader, StorePaths,
+    VersionSpec,
+};
+
+/// granary: content-addressed, checksummed shards of training data, read through io_uring.
+#[derive(Parser)]
+#[command(version, about, propagate_version = true)]
+struct Cli {
+    /// The store's root directory (or set GRANARY_ROOT).
+    #[arg(long, global = true, env = "GRANARY_ROOT", value_name = "DIR")]
+    root: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Ingest records into a dataset: a new version (appended to the current one by default).
+    #[command(subcommand)]
+    Ingest(IngestCommand),
+    /// List datasets, versions, shards and sizes.
+    Ls,
+    /// Show a shard (by id) or a dataset version (NAME, NAME@N or manifest id): header, layout,
+    /// records.
+    Inspect {
+        /// Shard id, manifest id, NAME or NAME@N.
+        target: String,
+        /// Records to list.
+        #[arg(long, default_value_t = 8)]
+        records: u64,
+    },
+    /// Write the raw bytes of one record to stdout (every block it touches is checked first).
+    Get {
+        /// NAME, NAME@N or manifest id.
+        dataset: String,
+        /// The record's index in the dataset version.
+        index: u64,
+    },
+    /// Full scrub: BLAKE3 of every file, CRC32C of every block; exits 1 on any failure.
+    Verify {
+        /// Only this version (NAME, NAME@N or manifest id); default: the whole store.
+        dataset: Option<String>,
+    },
+    /// Rebuild the catalog from the files, quarantining any that fail verification.
+    Repair,
+    /// Remove a dataset (NAME) or one version (NAME@N); files stay until `gc`.
+    Rm {
+        /// NAME or NAME@N.
+        dataset: String,
+    },
+    /// Delete shard and manifest files that no live version references.
+    Gc,
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum IngestCommand {
+    /// Files of back-to-back fixed-size records (nanoGPT/Megatron .bin token files, ...).
+    Records {
+        #[command(flatten)]
+        common: IngestArgs,
+        /// Bytes per record.
+        #[arg(long)]
+        record_bytes: u64,
+        /// Element type: u8 i8 u16 i16 u32 i32 u64 i64 f16 bf16 f32 f64 (default u8).
+        #[arg(long)]
+        dtype: Option<String>,
+        /// Record shape, comma-separated (default: record bytes / dtype size).
+        #[arg(long, value_delimiter = ',')]
+        shape: Option<Vec<u64>>,
+        /// Skip each file's incomplete last record instead of refusing the file.
+        #[arg(long)]
+        drop_remainder: bool,
+        /// The input files, in order.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+    /// A directory tree: each regular file is one record, in path order.
+    Files {
+        #[command(flatten)]
+        common: IngestArgs,
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// WebDataset tar files: each sample (entries sharing a key) is one record.
+    Tar {
+        #[command(flatten)]
+        common: IngestArgs,
+        /// The tar files, in order.
+        #[arg(required = true)]
+        tars: Vec<PathBuf>,
+    },
+}
+
+#[derive(Args)]
+struct IngestArgs {
+    /// The dataset's name.
+    #[arg(long)]
+    name: String,
+    /// Make the new version hold only these records instead of appending them.
+    #[arg(long)]
+    replace: bool,
+    /// Close a shard once it holds this much record data (suffixes K, M, G, KiB, MiB, GiB).
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    shard_bytes: u64,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Random and sequential reads through the engine against a bare io_uring O_DIRECT reader on
+    /// the same files, plus checksum and hash speed.
+    Read(bench::ReadArgs),
+}
+
+/// Runs the command line; prints errors as one line.
+pub(crate) fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(error) => {
+            let message = format!("{error:#}").replace('\n', " ");
+            let _ = writeln!(std::io::stderr(), "granary: error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let root = cli.root.context("no store given: pass --root DIR or set GRANARY_ROOT")?;
+    let paths = StorePaths::new(&root);
+    match cli.command {
+        Command::Ingest(command) => ingest(root, command).map(|()| ExitCode::SUCCESS),
+        Command::Ls => show::ls(&paths).map(|()| ExitCode::SUCCESS),
+        Command::Inspect { target, records } => show::inspect(&paths, &target, records).map(|()| ExitCode::SUCCESS),
+        Command::Get { dataset, index } => get(&paths, &dataset, index).map(|()| ExitCode::SUCCESS),
+        Command::Verify { dataset } => show::verify(&paths, dataset.as_deref()),
+        Command::Repair => show::repair(root).map(|()| ExitCode::SUCCESS),
+        Command::Rm { dataset } => remove(root, &dataset).map(|()| ExitCode::SUCCESS),
+        Command::Gc => {
+            let report = Granary::open(root)?.gc()?;
+            println!(
+                "removed {} shards and {} manifests ({})",
+                report.shards,
+                report.manifests,
+                show::bytes(report.bytes)
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(BenchCommand::Read(args)) => bench::read(&paths, &args).map(|()| ExitCode::SUCCESS),
+    }
+}
+
+fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
+    let (common, layout) = match &command {
+        IngestCommand::Records { common, record_bytes, dtype, shape, .. } => {
+            (common, Layout::Fixed(fixed_layout(*record_bytes, dtype.as_deref(), shape.as_deref())?))
+        }
+        IngestCommand::Files { common, .. } => (common, Layout::Bytes),
+        IngestCommand::Tar { common, .. } => (common, Layout::Samples),
+    };
+    let name = DatasetName::new(&common.name)?;
+    let options = IngestOptions {
+        shard_bytes_target: common.shard_bytes,
+        mode: if common.replace { IngestMode::Replace } else { IngestMode::Append },
+        ..IngestOptions::default()
+    };
+    let mut granary = Granary::create(root)?;
+    let mut session = granary.ingest(name, layout, options)?;
+    let bar = Bar::new();
+    match &command {
+        IngestCommand::Records { files, drop_remainder, .. } => {
+            ingest::records_from_files(&mut session, files, *drop_remainder, &bar)?;
+        }
+        IngestCommand::Files { dir, .. } => {
+            ingest::files_from_dir(&mut session, dir, &bar)?;
+        }
+        IngestCommand::Tar { tars, .. } => {
+            ingest::samples_from_tars(&mut session, tars, &bar)?;
+        }
+    }
+    let committed = session.commit()?;
+    bar.finish();
+    let stats = &committed.stats;
+    println!(
+        "{}@{}: {} records in {} shards (manifest {}); this ingest: {} records, {}, {} new shards, {} already stored",
+        committed.name,
+        committed.version,
+        committed.n_records,
+        committed.n_shards,
+        committed.manifest.0.short(12),
+        stats.records,
+        show::bytes(stats.bytes),
+        stats.shards_published,
+        stats.shards_deduplicated
+    );
+    Ok(())
+}
+
+fn fixed_layout(record_bytes: u64, dtype: Option<&str>, shape: Option<&[u64]>) -> Result<FixedLayout> {
+    let dtype = match dtype {
+        None => Dtype::U8,
+        Some(name) => Dtype::from_name(name).with_context(|| {
+            let names: Vec<&str> = Dtype::ALL.iter().map(|d| d.name()).collect();
+            format!("unknown dtype {name:?} (one of {})", names.join(", "))
+        })?,
+    };
+    let dims = match shape {
+        Some(dims) => dims.to_vec(),
+        None => {
+            if record_bytes == 0 || !record_bytes.is_multiple_of(dtype.size_bytes()) {
+                bail!("a record of {record_bytes} bytes is not a whole number of {} elements", dtype.name());
+            }
+            vec![record_bytes / dtype.size_bytes()]
+        }
+    };
+    let layout = FixedLayout::new(dtype, &dims)?;
+    if layout.record_bytes() != record_bytes {
+        bail!(
+            "--record-bytes {record_bytes} does not match {} x {:?} = {} bytes",
+            dtype.name(),
+            dims,
+            layout.record_bytes()
+        );
+    }
+    Ok(layout)
+}
+
+fn get(paths: &StorePaths, spec: &str, index: u64) -> Result<()> {
+    let dataset = granary::Dataset::open(paths, &VersionSpec::parse(spec)?)?;
+    let mut reader = Reader::new(dataset, IoConfig::default().build()?);
+    let record = reader.get(index)?;
+    let mut out = std::io::stdout().lock();
+    out.write_all(&record).and_then(|()| out.flush()).context("write to stdout")?;
+    Ok(())
+}
+
+fn remove(root: PathBuf, spec: &str) -> Result<()> {
+    let mut granary = Granary::open(root)?;
+    match VersionSpec::parse(spec)? {
+        VersionSpec::Latest(name) => {
+            granary.remove(&name, None)?;
+            println!("removed dataset {name}; `granary gc` deletes files no version uses");
+        }
+        VersionSpec::Numbered(name, number) => {
+            granary.remove(&name, Some(number))?;
+            println!("removed {name}@{number}; `granary gc` deletes files no version uses");
+        }
+        VersionSpec::Manifest(_) => bail!("remove takes NAME or NAME@N, not a manifest id"),
+    }
+    Ok(())
+}
+
+/// Parses `4096`, `64K`, `64KiB`, `1M`, `2GiB` ...; K, M, G are binary (KiB, MiB, GiB).
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
+    let digits = text.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let unit = &text[digits.len()..];
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" | "kb" => 10,
+        "m" | "mib" | "mb" => 20,
+        "g" | "gib" | "gb" => 30,
+        "t" | "tib" | "tb" => 40,
+        _ => return Err(format!("unknown size unit {unit:?}")),
+    };
+    let value: u64 = digits.parse().map_err(|_| format!("{text:?} is not a size"))?;
+    value.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// A progress bar on stderr; draws nothing when stderr is not a terminal.
+struct Bar(indicatif::ProgressBar);
+
+impl Bar {
+    fn new() -> Self {
+        let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+        let style = indicatif::ProgressStyle::with_template("{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}")
+            .expect("the template is valid");
+        bar.set_style(style);
+        Self(bar)
+    }
+
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+impl Progress for Bar {
+    fn start(&self, total_bytes: u64) {
+        self.0.set_length(total_bytes);
+    }
+
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+}

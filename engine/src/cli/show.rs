@@ -1,0 +1,155 @@
+//! The commands that print: ls, inspect, verify, repair.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+use granary::engine::{self, DatasetSummary};
+use granary::shard::{BLOCK_BYTES_U64, FORMAT_VERSION, ShardMeta};
+use granary::{Dataset, Error, Granary, ObjectId, ShardId, StorePaths, VersionSpec};
+
+/// Human-readable binary size.
+pub(super) fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{n} B") } else { format!("{value:.1} {}", UNITS[unit]) }
+}
+
+pub(super) fn ls(paths: &StorePaths) -> Result<()> {
+    // The catalog is the fast path; while another process holds the store, read the files.
+    let datasets: Vec<DatasetSummary> = match Granary::open(paths.root()) {
+        Ok(granary) => granary.datasets()?,
+        Err(Error::StoreLocked { .. }) => engine::datasets_from_files(paths)?,
+        Err(e) => return Err(e.into()),
+    };
+    if datasets.is_empty() {
+        println!("no datasets in {}", paths.root().display());
+        return Ok(());
+    }
+    println!("{:<24} {:>7}  {:<12} {:>12} {:>7} {:>11}  LAYOUT", "DATASET", "VERSION", "MANIFEST", "RECORDS", "SHARDS", "SIZE");
+    let (mut n_versions, mut total) = (0, 0);
+    for dataset in &datasets {
+        for (i, version) in dataset.versions.iter().enumerate() {
+            let name = if i == 0 { dataset.name.as_str() } else { "" };
+            n_versions += 1;
+            match &version.entry {
+                Some(entry) => {
+                    total += entry.file_bytes;
+                    println!(
+                        "{name:<24} {:>7}  {:<12} {:>12} {:>7} {:>11}  {}",
+                        version.number,
+                        version.manifest.0.short(12),
+                        entry.n_records,
+                        entry.n_shards,
+                        bytes(entry.file_bytes),
+                        entry.layout
+                    );
+                }
+                None => println!(
+                    "{name:<24} {:>7}  {:<12} (manifest missing: run `granary repair`)",
+                    version.number,
+                    version.manifest.0.short(12)
+                ),
+            }
+        }
+    }
+    println!("{} datasets, {n_versions} versions, {} of shards referenced (shared shards counted per version)", datasets.len(), bytes(total));
+    Ok(())
+}
+
+pub(super) fn inspect(paths: &StorePaths, target: &str, n_records: u64) -> Result<()> {
+    paths.check()?;
+    if let Some(id) = ObjectId::parse_hex(target) {
+        let shard_path = paths.shard(ShardId(id));
+        if shard_path.exists() {
+            return inspect_shard(shard_path, n_records);
+        }
+    }
+    let spec = VersionSpec::parse(target)?;
+    let dataset = Dataset::open(paths, &spec)?;
+    match dataset.version() {
+        Some((name, number)) => {
+            let log = paths.read_ref(name)?;
+            let numbers: Vec<String> = log.versions().iter().map(|v| v.number.to_string()).collect();
+            println!("dataset {name}, version {number} (live versions: {})", numbers.join(", "));
+        }
+        None => println!("dataset version {}", dataset.manifest_id()),
+    }
+    let manifest = dataset.manifest();
+    println!("manifest: {}", dataset.manifest_id());
+    println!("layout:   {}", manifest.layout());
+    println!("records:  {}", manifest.n_records());
+    println!("shards:   {} ({})", manifest.entries().len(), bytes(manifest.file_bytes()));
+    let mut first = 0;
+    for entry in manifest.entries() {
+        println!("  {}  records {first}..{}  {}", entry.shard, first + entry.n_records, bytes(entry.file_bytes));
+        first += entry.n_records;
+    }
+    Ok(())
+}
+
+fn inspect_shard(path: PathBuf, n_records: u64) -> Result<()> {
+    let meta = ShardMeta::read(&path)?;
+    let footer = meta.footer();
+    println!("shard:    {}", path.file_stem().map(|s| s.to_string_lossy()).unwrap_or_default());
+    println!("path:     {}", path.display());
+    println!("format:   version {FORMAT_VERSION}, {BLOCK_BYTES_U64}-byte blocks, {} bytes", meta.file_bytes());
+    println!("layout:   {}", meta.layout());
+    println!("records:  {}, {} data bytes in {} blocks", meta.n_records(), meta.data_bytes(), meta.n_data_blocks());
+    println!("regions:  header 0  data {}  index {} (+{})  checksums {} (+{})  footer {}",
+        BLOCK_BYTES_U64, footer.index_offset, footer.index_bytes, footer.crc_table_offset, footer.crc_table_bytes, footer.footer_offset());
+    for local in 0..meta.n_records().min(n_records) {
+        let range = meta.record_range(local);
+        println!("  record {local}: offset {} length {}", range.start, range.end - range.start);
+    }
+    if meta.n_records() > n_records {
+        println!("  ... {} more", meta.n_records() - n_records);
+    }
+    Ok(())
+}
+
+pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode> {
+    let spec = spec.map(VersionSpec::parse).transpose()?;
+    let report = engine::verify(paths, spec.as_ref())?;
+    for failure in &report.failures {
+        eprintln!("granary: FAILED {}: {}", failure.path.display(), failure.error);
+    }
+    println!(
+        "verified {} shards, {} manifests, {} refs ({}): {} failures",
+        report.shards_ok,
+        report.manifests_ok,
+        report.refs_ok,
+        bytes(report.bytes),
+        report.failures.len()
+    );
+    Ok(if report.failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+pub(super) fn repair(root: PathBuf) -> Result<()> {
+    let mut granary = Granary::open(root)?;
+    let report = granary.repair()?;
+    for (path, why) in &report.quarantined {
+        eprintln!("granary: quarantined {}: {why}", path.display());
+    }
+    for missing in &report.missing {
+        eprintln!("granary: missing {missing}");
+    }
+    println!(
+        "catalog rebuilt: {} shards, {} manifests, {} datasets; {} quarantined, {} missing, {} temp files removed",
+        report.shards,
+        report.manifests,
+        report.datasets,
+        report.quarantined.len(),
+        report.missing.len(),
+        report.tmp_removed
+    );
+    if !report.missing.is_empty() {
+        bail!("{} referenced objects are missing", report.missing.len());
+    }
+    Ok(())
+}

@@ -1,0 +1,7 @@
+//! The `granary` command line: ingest, list, inspect, read, verify, repair and benchmark a store.
+
+mod cli;
+
+fn main() -> std::process::ExitCode {
+    cli::main()
+}
