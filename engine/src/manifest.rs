@@ -1,21 +1,21 @@
 //! Manifests: one dataset version as an ordered list of shards, itself a content-addressed object.
 //!
 //! Encoding (little-endian): `"GRNMANIF" | version u32 | reserved u32 | layout (80 bytes) |
-//! n_shards u64 | n_records u64 | { shard_id [32] | n_records u64 | file_bytes u64 } * n_shards |
-//! crc32c u32`. The id of a manifest is the BLAKE3 hash of these bytes. The same shards in the same
+//! n_shards u64 | n_records u64 | { shard_id [32] | n_records u64 | file_bytes u64 |
+//! meta_digest [32] } * n_shards | crc32c u32`. The id of a manifest is the BLAKE3 hash of these bytes. The same shards in the same
 //! order give the same manifest, so a version is named by its content. Never: holds a dataset
 //! name (refs do), so identical versions of two datasets are one object.
 
 use crate::error::FormatError;
 use crate::id::{ID_BYTES, ManifestId, ObjectId, ShardId};
-use crate::shard::{LAYOUT_BYTES, Layout, read_u32, read_u64};
+use crate::shard::{LAYOUT_BYTES, Layout, MetaDigest, read_u32, read_u64};
 
 /// Opens every manifest.
 pub const MANIFEST_MAGIC: [u8; 8] = *b"GRNMANIF";
 /// The manifest format this build writes and reads.
 pub const MANIFEST_VERSION: u32 = 1;
 const PREFIX_BYTES: usize = 16 + LAYOUT_BYTES + 16;
-const ENTRY_BYTES: usize = ID_BYTES + 16;
+const ENTRY_BYTES: usize = ID_BYTES + 16 + 32;
 
 /// One shard of a dataset version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,6 +26,10 @@ pub struct ManifestEntry {
     pub n_records: u64,
     /// Length of the shard file (checked when the shard is opened, so truncation is caught early).
     pub file_bytes: u64,
+    /// The digest of the shard's metadata, checked when the shard is opened: the read path
+    /// never hashes whole shards, and this is what proves that the file under the shard's name
+    /// is that shard (and so that its block checksums are the right ones).
+    pub meta_digest: MetaDigest,
 }
 
 /// A dataset version: a layout and an ordered list of shards.
@@ -76,6 +80,7 @@ impl Manifest {
             out.extend_from_slice(entry.shard.0.as_bytes());
             out.extend_from_slice(&entry.n_records.to_le_bytes());
             out.extend_from_slice(&entry.file_bytes.to_le_bytes());
+            out.extend_from_slice(&entry.meta_digest.0);
         }
         let crc = crc32c::crc32c(&out);
         out.extend_from_slice(&crc.to_le_bytes());
@@ -121,10 +126,13 @@ impl Manifest {
             .map(|entry| {
                 let mut id = [0u8; ID_BYTES];
                 id.copy_from_slice(&entry[..ID_BYTES]);
+                let mut digest = [0u8; 32];
+                digest.copy_from_slice(&entry[ID_BYTES + 16..]);
                 ManifestEntry {
                     shard: ShardId(ObjectId::from_bytes(id)),
                     n_records: read_u64(entry, ID_BYTES),
                     file_bytes: read_u64(entry, ID_BYTES + 8),
+                    meta_digest: MetaDigest(digest),
                 }
             })
             .collect();
@@ -146,7 +154,12 @@ mod tests {
     #[test]
     fn manifests_round_trip_and_reject_damage() {
         let entries = (0..3u8)
-            .map(|i| ManifestEntry { shard: ShardId(ObjectId::of(&[i])), n_records: u64::from(i) * 10, file_bytes: 8192 })
+            .map(|i| ManifestEntry {
+                shard: ShardId(ObjectId::of(&[i])),
+                n_records: u64::from(i) * 10,
+                file_bytes: 8192,
+                meta_digest: MetaDigest([i; 32]),
+            })
             .collect();
         let manifest = Manifest::new(Layout::Bytes, entries);
         let (id, bytes) = manifest.encode();

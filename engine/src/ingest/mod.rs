@@ -243,7 +243,12 @@ impl<'g> Ingest<'g> {
         let entry =
             ObjectEntry { n_records: written.n_records, n_shards: 1, file_bytes: written.file_bytes, layout: self.layout.clone() };
         self.catalog.put_shard(written.id, &entry)?;
-        self.entries.push(ManifestEntry { shard: written.id, n_records: written.n_records, file_bytes: written.file_bytes });
+        self.entries.push(ManifestEntry {
+            shard: written.id,
+            n_records: written.n_records,
+            file_bytes: written.file_bytes,
+            meta_digest: written.meta_digest,
+        });
         Ok(())
     }
 }

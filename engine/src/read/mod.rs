@@ -135,6 +135,12 @@ impl Dataset {
         if meta.n_records() != entry.n_records {
             return Err(mismatch("n_records", format!("{}, the manifest says {}", meta.n_records(), entry.n_records)));
         }
+        if meta.digest() != entry.meta_digest {
+            return Err(mismatch(
+                "metadata digest",
+                format!("{}, the manifest says {}: this file is not shard {}", meta.digest(), entry.meta_digest, entry.shard),
+            ));
+        }
         if meta.layout() != self.layout() {
             return Err(mismatch("layout", format!("{}, the manifest says {}", meta.layout(), self.layout())));
         }

@@ -28,6 +28,37 @@ pub struct ShardMeta {
     block_crcs: Vec<u32>,
     /// End offset of each record in the data region (variable layouts; empty for fixed ones).
     record_ends: Vec<u64>,
+    /// BLAKE3 of the header block, the tail (index and checksum table) and the footer block.
+    digest: MetaDigest,
+}
+
+/// The BLAKE3 hash of a shard's metadata: its header block, record index, checksum table and
+/// footer block. It binds every block checksum, so a manifest that records it can tell a shard
+/// from any other shard of the same shape without hashing the data.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MetaDigest(pub [u8; 32]);
+
+impl MetaDigest {
+    /// The digest of the three metadata pieces.
+    pub fn of(header: &[u8], tail: &[u8], footer: &[u8]) -> Self {
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(header);
+        hasher.update(tail);
+        hasher.update(footer);
+        Self(*hasher.finalize().as_bytes())
+    }
+}
+
+impl std::fmt::Debug for MetaDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MetaDigest({})", crate::id::ObjectId::from_bytes(self.0).short(16))
+    }
+}
+
+impl std::fmt::Display for MetaDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&crate::id::ObjectId::from_bytes(self.0), f)
+    }
 }
 
 impl ShardMeta {
@@ -68,7 +99,8 @@ impl ShardMeta {
         } else {
             Vec::new()
         };
-        Ok(Self { layout, footer, block_crcs, record_ends })
+        let digest = MetaDigest::of(header, tail, footer_block);
+        Ok(Self { layout, footer, block_crcs, record_ends, digest })
     }
 
     /// Decodes the metadata of a whole shard file held in memory (tests, fuzzing, verification).
@@ -145,6 +177,11 @@ impl ShardMeta {
     /// Length of the whole file.
     pub fn file_bytes(&self) -> u64 {
         self.footer.file_bytes
+    }
+
+    /// The digest of the metadata, which manifests record.
+    pub fn digest(&self) -> MetaDigest {
+        self.digest
     }
 
     /// The decoded footer.

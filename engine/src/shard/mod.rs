@@ -15,11 +15,14 @@ mod meta;
 mod sample;
 mod writer;
 
+#[cfg(test)]
+mod tests;
+
 pub use format::{
     BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET, FOOTER_MAGIC, FORMAT_VERSION, Footer, HEADER_MAGIC, block_crc, padded,
 };
 pub use layout::{Dtype, FIXED_RECORD_BYTES_MAX, FixedLayout, LAYOUT_BYTES, Layout, SHAPE_DIMS_MAX};
-pub use meta::{ShardMeta, check_file_bytes};
+pub use meta::{MetaDigest, ShardMeta, check_file_bytes};
 pub use sample::{Sample, encode_sample};
 pub use writer::{ShardWriter, WRITE_CHUNK_BYTES, WrittenShard};
 

@@ -15,6 +15,7 @@ use crate::id::{ObjectId, ShardId};
 
 use super::format::{BLOCK_BYTES, Footer, block_crc, encode_header, padded};
 use super::layout::Layout;
+use super::meta::MetaDigest;
 
 /// Bytes buffered before a write: whole blocks, large enough for sequential disk bandwidth.
 pub const WRITE_CHUNK_BYTES: usize = 1 << 20;
@@ -32,6 +33,8 @@ pub struct WrittenShard {
     pub data_bytes: u64,
     /// Length of the file.
     pub file_bytes: u64,
+    /// The digest of its metadata.
+    pub meta_digest: MetaDigest,
 }
 
 /// Writes one shard to `out`, streaming.
@@ -41,6 +44,7 @@ pub struct ShardWriter<W: Write> {
     path: PathBuf,
     layout: Layout,
     hasher: blake3::Hasher,
+    header: [u8; BLOCK_BYTES],
     header_crc: u32,
     /// Data bytes not yet written; always starts on a block boundary of the data region.
     pending: Vec<u8>,
@@ -61,6 +65,7 @@ impl<W: Write> ShardWriter<W> {
             path,
             layout,
             hasher: blake3::Hasher::new(),
+            header,
             header_crc,
             pending: Vec::with_capacity(WRITE_CHUNK_BYTES),
             block_crcs: Vec::new(),
@@ -137,9 +142,12 @@ impl<W: Write> ShardWriter<W> {
         footer.crc_table_crc = crc32c::crc32c(&crc_table);
 
         assert_eq!(self.file_bytes, footer.index_offset);
-        self.emit(&index)?;
-        self.emit(&crc_table)?;
-        self.emit(&footer.encode())?;
+        let footer_block = footer.encode();
+        let mut tail = index;
+        tail.extend_from_slice(&crc_table);
+        let meta_digest = MetaDigest::of(&self.header, &tail, &footer_block);
+        self.emit(&tail)?;
+        self.emit(&footer_block)?;
         assert_eq!(self.file_bytes, footer.file_bytes);
         self.out.flush().map_err(|e| Error::io("write", &self.path, e))?;
         let written = WrittenShard {
@@ -147,6 +155,7 @@ impl<W: Write> ShardWriter<W> {
             n_records: self.n_records,
             data_bytes: self.data_bytes,
             file_bytes: self.file_bytes,
+            meta_digest,
         };
         Ok((self.out, written))
     }

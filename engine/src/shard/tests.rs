@@ -1,0 +1,152 @@
+//! Property tests of the shard format: round trips, and every single-bit flip and every
+//! truncation of a shard file is detected.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::error::FormatError;
+
+/// Writes `records` into an in-memory shard.
+fn shard_bytes(layout: &Layout, records: &[Vec<u8>]) -> (Vec<u8>, WrittenShard) {
+    let mut writer = ShardWriter::new(Vec::new(), "memory".into(), layout.clone()).unwrap();
+    for record in records {
+        writer.push(record).unwrap();
+    }
+    writer.finish().unwrap()
+}
+
+/// Reads every record back through the decoded metadata, checking every block on the way.
+fn records_back(bytes: &[u8]) -> Result<Vec<Vec<u8>>, FormatError> {
+    let meta = check_file_bytes(bytes)?;
+    let data = &bytes[BLOCK_BYTES..];
+    Ok((0..meta.n_records())
+        .map(|i| {
+            let range = meta.record_range(i);
+            data[range.start as usize..range.end as usize].to_vec()
+        })
+        .collect())
+}
+
+fn variable_records() -> impl Strategy<Value = Vec<Vec<u8>>> {
+    // Sizes around block boundaries matter most: 0, 1, 4095, 4096, 4097 and runs across blocks.
+    let size = prop_oneof![0usize..16, 4090usize..4100, 0usize..20_000];
+    prop::collection::vec(size.prop_flat_map(|n| prop::collection::vec(any::<u8>(), n)), 0..24)
+}
+
+fn fixed_records() -> impl Strategy<Value = (Layout, Vec<Vec<u8>>)> {
+    (prop::sample::select(Dtype::ALL.to_vec()), prop::collection::vec(1u64..40, 0..3), 0usize..60).prop_flat_map(
+        |(dtype, dims, n)| {
+            let layout = FixedLayout::new(dtype, &dims).unwrap();
+            let record = prop::collection::vec(any::<u8>(), layout.record_bytes() as usize);
+            (Just(Layout::Fixed(layout)), prop::collection::vec(record, n))
+        },
+    )
+}
+
+proptest! {
+    #[test]
+    fn variable_records_round_trip(records in variable_records(), samples: bool) {
+        let layout = if samples { Layout::Samples } else { Layout::Bytes };
+        let (bytes, written) = shard_bytes(&layout, &records);
+        prop_assert_eq!(written.id.0, crate::id::ObjectId::of(&bytes));
+        prop_assert_eq!(written.file_bytes, bytes.len() as u64);
+        prop_assert_eq!(bytes.len() % BLOCK_BYTES, 0);
+        prop_assert_eq!(records_back(&bytes).unwrap(), records);
+    }
+
+    #[test]
+    fn fixed_records_round_trip((layout, records) in fixed_records()) {
+        let (bytes, written) = shard_bytes(&layout, &records);
+        prop_assert_eq!(written.n_records, records.len() as u64);
+        let meta = ShardMeta::from_file_bytes(&bytes).unwrap();
+        prop_assert_eq!(meta.layout(), &layout);
+        prop_assert_eq!(records_back(&bytes).unwrap(), records);
+    }
+
+    #[test]
+    fn any_single_bit_flip_is_detected(records in variable_records(), bit in any::<prop::sample::Index>()) {
+        let (mut bytes, _) = shard_bytes(&Layout::Bytes, &records);
+        let bit = bit.index(bytes.len() * 8);
+        bytes[bit / 8] ^= 1 << (bit % 8);
+        prop_assert!(check_file_bytes(&bytes).is_err(), "flip of bit {} went unnoticed", bit);
+    }
+
+    #[test]
+    fn any_truncation_is_detected(records in variable_records(), cut in any::<prop::sample::Index>()) {
+        let (bytes, _) = shard_bytes(&Layout::Bytes, &records);
+        let len = cut.index(bytes.len());
+        prop_assert!(check_file_bytes(&bytes[..len]).is_err(), "truncation to {} bytes went unnoticed", len);
+    }
+
+    #[test]
+    fn the_decoder_never_panics_on_garbage(bytes in prop::collection::vec(any::<u8>(), 0..20_000)) {
+        let _ = fuzz_decode(&bytes);
+    }
+}
+
+/// Not sampled: every bit of a shard with records across block boundaries, one at a time.
+#[test]
+fn every_single_bit_flip_of_a_small_shard_is_detected() {
+    let records: Vec<Vec<u8>> = [0usize, 1, 4095, 4097, 300].iter().map(|&n| (0..n).map(|i| (i * 7) as u8).collect()).collect();
+    let (bytes, _) = shard_bytes(&Layout::Bytes, &records);
+    assert_eq!(records_back(&bytes).unwrap(), records);
+    let mut flipped = bytes.clone();
+    for bit in 0..bytes.len() * 8 {
+        flipped[bit / 8] ^= 1 << (bit % 8);
+        assert!(check_file_bytes(&flipped).is_err(), "flip of bit {bit} went unnoticed");
+        flipped[bit / 8] ^= 1 << (bit % 8);
+    }
+    for len in 0..bytes.len() {
+        assert!(check_file_bytes(&bytes[..len]).is_err(), "truncation to {len} bytes went unnoticed");
+    }
+}
+
+#[test]
+fn a_block_read_from_the_wrong_place_fails_its_check() {
+    let records = vec![vec![0xaa; 4096], vec![0xaa; 4096], (0..4096).map(|i| (i % 251) as u8).collect()];
+    let (bytes, _) = shard_bytes(&Layout::Bytes, &records);
+    let meta = ShardMeta::from_file_bytes(&bytes).unwrap();
+    let block = |i: usize| &bytes[BLOCK_BYTES * (i + 1)..BLOCK_BYTES * (i + 2)];
+    for i in 0..3 {
+        assert!(meta.check_block(i as u64, block(i)).is_ok());
+    }
+    // Blocks 0 and 1 hold the same bytes, yet a block travelling with its own checksum does not
+    // pass at another index: the checksum is bound to the position.
+    assert_eq!(block(0), block(1));
+    assert_ne!(meta.expected_crc(0), meta.expected_crc(1));
+    assert_ne!(block_crc(1, block(0)), meta.expected_crc(0));
+    // A misdirected read of different bytes fails, as does a read off by one byte.
+    assert!(meta.check_block(0, block(2)).is_err());
+    assert!(meta.check_block(2, &bytes[3 * BLOCK_BYTES + 1..4 * BLOCK_BYTES + 1]).is_err());
+}
+
+#[test]
+fn a_fixed_record_of_the_wrong_size_is_refused() {
+    let layout = Layout::Fixed(FixedLayout::new(Dtype::U16, &[8]).unwrap());
+    let mut writer = ShardWriter::new(Vec::new(), "memory".into(), layout).unwrap();
+    assert!(writer.push(&[0u8; 16]).is_ok());
+    assert!(matches!(writer.push(&[0u8; 15]), Err(crate::Error::InvalidInput { .. })));
+}
+
+#[test]
+fn identical_records_make_identical_shards() {
+    let records: Vec<Vec<u8>> = (0..50u8).map(|i| vec![i; usize::from(i) * 100]).collect();
+    let (a, id_a) = shard_bytes(&Layout::Samples, &records);
+    let (b, id_b) = shard_bytes(&Layout::Samples, &records);
+    assert_eq!(a, b);
+    assert_eq!(id_a, id_b);
+    let (_, other) = shard_bytes(&Layout::Bytes, &records);
+    assert_ne!(id_a.id, other.id, "the layout is part of the content");
+}
+
+#[test]
+fn a_future_format_version_is_reported_as_such() {
+    let (mut bytes, _) = shard_bytes(&Layout::Bytes, &[vec![1, 2, 3]]);
+    bytes[8] = 2;
+    let crc = crc32c::crc32c(&bytes[..BLOCK_BYTES - 4]);
+    bytes[BLOCK_BYTES - 4..BLOCK_BYTES].copy_from_slice(&crc.to_le_bytes());
+    assert!(matches!(
+        ShardMeta::from_file_bytes(&bytes),
+        Err(FormatError::UnsupportedVersion { found: 2, supported: 1, .. })
+    ));
+}

@@ -1,0 +1,60 @@
+//! Every refusal of the command line is one clear line on stderr and a non-zero exit.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn usage_errors_are_one_line_each() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let input = dir.path().join("tokens.bin");
+    std::fs::write(&input, bytes(1, 1000)).unwrap();
+    let input = input.to_str().unwrap();
+
+    let err = granary_err(&root, &["ingest", "records", "--name", "t", "--record-bytes", "64", dir.path().join("missing.bin").to_str().unwrap()]);
+    assert!(err.contains("missing.bin") && err.contains("No such file"), "{err}");
+
+    let err = granary_err(&root, &["ingest", "records", "--name", "t", "--record-bytes", "64", input]);
+    assert!(err.contains("1000 bytes is not a multiple of the record size 64"), "{err}");
+
+    let err = granary_err(&root, &["ingest", "records", "--name", "../escape", "--record-bytes", "8", input]);
+    assert!(err.contains("would escape the store root"), "{err}");
+
+    let err = granary_err(&root, &["ingest", "records", "--name", "t", "--record-bytes", "8", "--dtype", "f8", input]);
+    assert!(err.contains("unknown dtype \"f8\""), "{err}");
+
+    let err = granary_err(&root, &["ingest", "records", "--name", "t", "--record-bytes", "8", "--dtype", "u16", "--shape", "3", input]);
+    assert!(err.contains("does not match"), "{err}");
+
+    let err = granary_err(&root, &["ingest", "files", "--name", "t", dir.path().join("nodir").to_str().unwrap()]);
+    assert!(err.contains("nodir"), "{err}");
+
+    // Nothing was created by the refusals above except the store itself.
+    let out = granary_ok(&root, &["ingest", "records", "--name", "t", "--record-bytes", "8", "--drop-remainder", input]);
+    assert!(out.contains("t@1: 125 records"), "{out}");
+
+    let err = granary_err(&root, &["get", "t", "125"]);
+    assert!(err.contains("record 125 is out of range (the dataset has 125 records)"), "{err}");
+    let err = granary_err(&root, &["get", "nope", "0"]);
+    assert!(err.contains("not found: dataset nope"), "{err}");
+    let err = granary_err(&root, &["get", "t@9", "0"]);
+    assert!(err.contains("version 9 of dataset t"), "{err}");
+    let err = granary_err(&root, &["inspect", "a/b"]);
+    assert!(err.contains("would escape the store root"), "{err}");
+
+    let elsewhere = dir.path().join("not-a-store");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let err = granary_err(&elsewhere, &["ls"]);
+    assert!(err.contains("is not a granary store"), "{err}");
+    let err = granary_err(&dir.path().join("nothing-here"), &["verify"]);
+    assert!(err.contains("does not exist"), "{err}");
+}
+
+#[test]
+fn a_missing_root_is_explained() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_granary")).arg("ls").env_remove("GRANARY_ROOT").output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.contains("--root DIR or set GRANARY_ROOT"), "{stderr}");
+}

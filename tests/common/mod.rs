@@ -1,0 +1,89 @@
+//! Helpers shared by the integration tests: stores in temp directories, deterministic data, and
+//! the `granary` binary.
+#![allow(dead_code, reason = "each test binary uses a different subset")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use granary::{Dtype, FixedLayout, Granary, IngestOptions, Layout};
+
+/// A fresh temporary directory.
+pub(crate) fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new().prefix("granary-test-").tempdir().expect("a temp dir")
+}
+
+/// Deterministic pseudo-random bytes (xorshift64*), different for each seed.
+pub(crate) fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8
+        })
+        .collect()
+}
+
+/// A little-endian u16 token layout of `tokens` per record.
+pub(crate) fn tokens_layout(tokens: u64) -> Layout {
+    Layout::Fixed(FixedLayout::new(Dtype::U16, &[tokens]).expect("a valid shape"))
+}
+
+/// Small shards, so a few megabytes make many of them.
+pub(crate) fn small_shards(shard_bytes: u64) -> IngestOptions {
+    IngestOptions { shard_bytes_target: shard_bytes, ..IngestOptions::default() }
+}
+
+/// Ingests `records` as dataset `name` and returns the version number.
+pub(crate) fn ingest(granary: &mut Granary, name: &str, layout: Layout, options: IngestOptions, records: &[Vec<u8>]) -> u64 {
+    let name = granary::DatasetName::new(name).expect("a valid name");
+    let mut ingest = granary.ingest(name, layout, options).expect("ingest starts");
+    for record in records {
+        ingest.push(record).expect("push");
+    }
+    ingest.commit().expect("commit").version
+}
+
+/// Writes `records` back to back into `path`.
+pub(crate) fn write_records(path: &Path, records: &[Vec<u8>]) {
+    std::fs::write(path, records.concat()).expect("write input");
+}
+
+/// Runs the `granary` binary with `--root root` and `args`.
+pub(crate) fn granary(root: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_granary"))
+        .arg("--root")
+        .arg(root)
+        .args(args)
+        .env_remove("GRANARY_ROOT")
+        .output()
+        .expect("the granary binary runs")
+}
+
+/// Asserts success and returns stdout.
+pub(crate) fn granary_ok(root: &Path, args: &[&str]) -> String {
+    let out = granary(root, args);
+    assert!(out.status.success(), "granary {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+/// Asserts failure with exactly one line on stderr, and returns that line.
+pub(crate) fn granary_err(root: &Path, args: &[&str]) -> String {
+    let out = granary(root, args);
+    assert!(!out.status.success(), "granary {args:?} succeeded but should not have");
+    let stderr = String::from_utf8(out.stderr).expect("utf-8 stderr");
+    assert_eq!(stderr.lines().count(), 1, "granary {args:?}: expected one line on stderr, got {stderr:?}");
+    assert!(stderr.starts_with("granary: error: "), "{stderr:?}");
+    stderr.trim_end().to_owned()
+}
+
+/// Every shard file under the store.
+pub(crate) fn shard_files(root: &Path) -> Vec<PathBuf> {
+    granary::StorePaths::new(root)
+        .list_objects(granary::store::ObjectKind::Shard)
+        .expect("list shards")
+        .into_iter()
+        .map(|(_, path)| path)
+        .collect()
+}

@@ -1,0 +1,167 @@
+//! Damaged bytes, on disk or in flight, come back as structured errors and never as data.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+
+use common::*;
+use granary::io::{Fault, FaultIo};
+use granary::{Backend, Batch, Dataset, Error, FormatError, Granary, IoConfig, Reader, StorePaths, VersionSpec};
+
+/// A store with dataset "d": 40 records of 4 KiB in 8 KiB shards (2 records, 2 blocks each).
+fn store() -> (tempfile::TempDir, std::path::PathBuf, Vec<Vec<u8>>) {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let records: Vec<Vec<u8>> = (0..40).map(|i| bytes(i, 4096)).collect();
+    let mut granary = Granary::create(&root).unwrap();
+    ingest(&mut granary, "d", tokens_layout(2048), small_shards(8192), &records);
+    (dir, root, records)
+}
+
+fn dataset(root: &std::path::Path) -> std::sync::Arc<Dataset> {
+    Dataset::open(&StorePaths::new(root), &VersionSpec::parse("d").unwrap()).unwrap()
+}
+
+#[test]
+fn a_flipped_bit_on_disk_is_a_checksum_error_naming_shard_and_block() {
+    let (_dir, root, records) = store();
+    let dataset = dataset(&root);
+    // Record 5 is the second record of shard 2: data block 1 of that shard.
+    let (shard, local) = dataset.locate(5).unwrap();
+    assert_eq!((shard, local), (2, 1));
+    let path = dataset.shard_path(shard);
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let offset = granary::shard::DATA_OFFSET + 4096 + 100;
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, offset).unwrap();
+    file.write_all_at(&[byte[0] ^ 0x10], offset).unwrap();
+    file.sync_all().unwrap();
+
+    for backend in [Backend::Pread, Backend::Uring] {
+        let mut reader = Reader::new(dataset.clone(), IoConfig { backend, ..IoConfig::default() }.build().unwrap());
+        let mut batch = Batch::default();
+        reader.read_batch(&[0, 1], &mut batch).unwrap();
+        let error = reader.read_batch(&[4, 5, 6], &mut batch).unwrap_err();
+        match error {
+            Error::ChecksumMismatch { shard, block, expected, actual } => {
+                assert_eq!(shard, dataset.shard_id(2));
+                assert_eq!(block, 1);
+                assert_ne!(expected, actual);
+            }
+            other => panic!("{backend:?}: expected a checksum mismatch, got {other}"),
+        }
+        assert!(batch.is_empty() && batch.data().is_empty(), "no byte of a failed batch is visible");
+        // The records around it still read.
+        reader.read_batch(&[4, 6], &mut batch).unwrap();
+        assert_eq!(batch.record(0), &records[4][..]);
+    }
+
+    let report = granary::engine::verify(&StorePaths::new(&root), None).unwrap();
+    assert_eq!(report.failures.len(), 1);
+    assert_eq!(report.failures[0].path, path);
+    assert!(report.failures[0].error.is_corruption());
+    let out = granary(&root, &["verify"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("block 1 checksum mismatch"), "{stderr}");
+    let err = granary_err(&root, &["get", "d", "5"]);
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(granary(&root, &["get", "d", "4"]).status.success());
+}
+
+#[test]
+fn a_truncated_shard_fails_when_opened_and_a_swapped_one_fails_its_manifest() {
+    let (_dir, root, _) = store();
+    let dataset = dataset(&root);
+    let path = dataset.shard_path(3);
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len - 4096).unwrap();
+    let mut reader = Reader::new(dataset.clone(), IoConfig::default().build().unwrap());
+    match reader.get(6) {
+        Err(Error::Format { path: reported, source: FormatError::Truncated { .. } | FormatError::BadMagic { .. } }) => {
+            assert_eq!(reported, path)
+        }
+        other => panic!("expected a format error, got {other:?}"),
+    }
+    let err = granary_err(&root, &["get", "d", "6"]);
+    assert!(err.contains(path.to_str().unwrap()), "{err}");
+
+    // A complete, valid shard in the wrong place: its own checks pass, the manifest's do not.
+    std::fs::copy(dataset.shard_path(0), &path).unwrap();
+    let fresh = self::dataset(&root);
+    let error = Reader::new(fresh, IoConfig::default().build().unwrap()).get(6).unwrap_err();
+    assert!(
+        matches!(error, Error::Format { source: FormatError::Inconsistent { field: "metadata digest", .. }, .. }),
+        "{error}"
+    );
+    let report = granary::engine::verify(&StorePaths::new(&root), None).unwrap();
+    assert!(report.failures.iter().any(|f| matches!(f.error, Error::HashMismatch { .. })), "{:?}", report.failures);
+}
+
+#[test]
+fn a_shard_from_a_newer_format_version_is_named_as_such() {
+    let (_dir, root, _) = store();
+    let dataset = dataset(&root);
+    let path = dataset.shard_path(0);
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let mut header = vec![0u8; 4096];
+    file.read_exact_at(&mut header, 0).unwrap();
+    header[8..12].copy_from_slice(&7u32.to_le_bytes());
+    let crc = crc32c::crc32c(&header[..4092]);
+    header[4092..].copy_from_slice(&crc.to_le_bytes());
+    file.write_all_at(&header, 0).unwrap();
+    let err = granary_err(&root, &["get", "d", "0"]);
+    assert!(err.contains("unsupported shard header format version 7 (this build reads version 1)"), "{err}");
+}
+
+#[test]
+fn faults_in_flight_are_caught_and_reported() {
+    let (_dir, root, records) = store();
+    let dataset = dataset(&root);
+    for backend in [Backend::Pread, Backend::Uring] {
+        let inner = IoConfig { backend, ..IoConfig::default() }.build().unwrap();
+        let faults = vec![Fault::FlipBit { op: 1, bit: 77_777 }, Fault::FailRead { op: 3, errno: libc::EIO }];
+        let mut reader = Reader::new(dataset.clone(), Box::new(FaultIo::new(inner, faults)));
+        let mut batch = Batch::default();
+        // Op 0: record 0 alone.
+        reader.read_batch(&[0], &mut batch).unwrap();
+        assert_eq!(batch.record(0), &records[0][..]);
+        // Op 1 carries a flipped bit: caught, not returned.
+        let error = reader.read_batch(&[2], &mut batch).unwrap_err();
+        assert!(matches!(error, Error::ChecksumMismatch { block: 0, .. }), "{backend:?}: {error}");
+        assert!(batch.is_empty());
+        // Op 2 is clean again.
+        reader.read_batch(&[2], &mut batch).unwrap();
+        assert_eq!(batch.record(0), &records[2][..]);
+        // Op 3 fails with EIO: an I/O error, not corruption.
+        let error = reader.read_batch(&[9], &mut batch).unwrap_err();
+        match &error {
+            Error::Io { source, .. } => assert_eq!(source.raw_os_error(), Some(libc::EIO)),
+            other => panic!("{backend:?}: expected EIO, got {other}"),
+        }
+        assert!(!error.is_corruption());
+        reader.read_batch(&[9], &mut batch).unwrap();
+        assert_eq!(batch.record(0), &records[9][..]);
+    }
+}
+
+#[test]
+fn damaged_refs_and_manifests_are_format_errors() {
+    let (_dir, root, _) = store();
+    let paths = StorePaths::new(&root);
+    let name = granary::DatasetName::new("d").unwrap();
+    let manifest = paths.read_ref(&name).unwrap().latest().manifest;
+    let manifest_path = paths.manifest(manifest);
+    let mut bytes = std::fs::read(&manifest_path).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&manifest_path, &bytes).unwrap();
+    assert!(matches!(paths.read_manifest(manifest), Err(Error::HashMismatch { .. })));
+    let err = granary_err(&root, &["get", "d", "0"]);
+    assert!(err.contains("does not match its id"), "{err}");
+
+    let ref_path = paths.ref_file(&name);
+    let mut text = std::fs::read(&ref_path).unwrap();
+    text[20] ^= 1;
+    std::fs::write(&ref_path, &text).unwrap();
+    assert!(matches!(paths.read_ref(&name), Err(Error::Format { .. })));
+}
