@@ -72,7 +72,7 @@ pub struct RepairReport {
     pub manifests: u64,
     /// Datasets cataloged.
     pub datasets: u64,
-    /// Temp files of dead writers removed.
+    /// Temp files of dead writers removed (when the store was opened, or by the repair).
     pub tmp_removed: usize,
     /// Files that failed verification, moved to `quarantine/`, with why.
     pub quarantined: Vec<(PathBuf, String)>,
@@ -248,7 +248,8 @@ impl Granary {
     /// quarantined, never deleted.
     pub fn repair(&mut self) -> Result<RepairReport> {
         let paths = self.store.paths().clone();
-        let mut report = RepairReport { tmp_removed: self.store.clean_tmp()?, ..RepairReport::default() };
+        let tmp_removed = self.store.stale_tmp_removed() + self.store.clean_tmp()?;
+        let mut report = RepairReport { tmp_removed, ..RepairReport::default() };
         self.catalog.clear()?;
         let mut shards = BTreeSet::new();
         for (id, path) in paths.list_objects(ObjectKind::Shard)? {

@@ -208,6 +208,8 @@ pub struct Store {
     paths: StorePaths,
     /// Held (flock) for as long as the store is open; released when the file closes.
     _lock: File,
+    /// Temp files of dead writers removed when the store was opened.
+    stale_tmp_removed: usize,
 }
 
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -232,8 +234,8 @@ impl Store {
             fs::TryLockError::WouldBlock => Error::StoreLocked { root: paths.root.clone() },
             fs::TryLockError::Error(e) => Error::io("lock", &lock_path, e),
         })?;
-        let store = Self { paths, _lock: lock };
-        store.clean_tmp()?;
+        let mut store = Self { paths, _lock: lock, stale_tmp_removed: 0 };
+        store.stale_tmp_removed = store.clean_tmp()?;
         Ok(store)
     }
 
@@ -333,6 +335,11 @@ impl Store {
         fs::rename(path, &target).map_err(|e| Error::io("rename", path, e))?;
         sync_dir(&dir)?;
         Ok(target)
+    }
+
+    /// Temp files of dead writers that opening the store removed.
+    pub fn stale_tmp_removed(&self) -> usize {
+        self.stale_tmp_removed
     }
 
     /// Removes every file in `tmp/`; returns how many.

@@ -1,0 +1,187 @@
+//! One conformance suite that every `Io` backend passes: the bytes of every op, any queue depth,
+//! errors for bad ops and end of file, a failing callback that stops the read without losing the
+//! backend, and a stream that waits with nothing in flight (an error, never a hang).
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use granary::io::{Fault, FaultIo, FileId, FileOpener, Io, Next, ReadOp, ReadStream};
+use granary::{Backend, Error, IoConfig};
+use proptest::prelude::*;
+
+const FILE_BYTES: usize = 1 << 20;
+
+fn backends() -> Vec<(&'static str, Box<dyn Fn() -> Box<dyn Io>>)> {
+    let config = |backend, queue_depth, op_bytes_max, direct| IoConfig { backend, queue_depth, op_bytes_max, direct };
+    vec![
+        ("pread", Box::new(move || config(Backend::Pread, 1, 64 << 10, false).build().unwrap())),
+        ("uring qd32 direct", Box::new(move || config(Backend::Uring, 32, 64 << 10, true).build().unwrap())),
+        ("uring qd1", Box::new(move || config(Backend::Uring, 1, 64 << 10, true).build().unwrap())),
+        ("uring qd7 buffered", Box::new(move || config(Backend::Uring, 7, 64 << 10, false).build().unwrap())),
+        (
+            "fault wrapper without faults",
+            Box::new(move || Box::new(FaultIo::new(config(Backend::Uring, 8, 64 << 10, true).build().unwrap(), vec![]))),
+        ),
+    ]
+}
+
+fn files(dir: &Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    (0..3u64)
+        .map(|i| {
+            let path = dir.join(format!("f{i}"));
+            let content = bytes(i + 7, FILE_BYTES);
+            std::fs::write(&path, &content).unwrap();
+            (path, content)
+        })
+        .collect()
+}
+
+/// Reads `ops` and returns each op's bytes, by op index, checking each op completes once.
+fn read(io: &mut dyn Io, ops: &[ReadOp]) -> Result<Vec<Vec<u8>>, Error> {
+    let mut out = vec![None; ops.len()];
+    io.read(ops, &mut |i, bytes| {
+        assert!(out[i].is_none(), "op {i} completed twice");
+        out[i] = Some(bytes.to_vec());
+        Ok(())
+    })?;
+    Ok(out.into_iter().map(|bytes| bytes.expect("every op completed")).collect())
+}
+
+fn op_strategy() -> impl Strategy<Value = (usize, u64, u32)> {
+    (0usize..3, 0u64..(FILE_BYTES as u64 / 4096), 1u32..=16).prop_map(|(file, block, n)| {
+        let n = n.min((FILE_BYTES as u64 / 4096 - block) as u32);
+        (file, block * 4096, n * 4096)
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_backend_returns_the_bytes_of_every_op(source in prop::collection::vec(op_strategy(), 0..200)) {
+        let dir = tempdir();
+        let files = files(dir.path());
+        for (name, make) in backends() {
+            let mut io = make();
+            let ids: Vec<FileId> = files.iter().map(|(path, _)| io.open(path).unwrap()).collect();
+            let ops: Vec<ReadOp> = source.iter().map(|&(f, offset, len)| ReadOp { file: ids[f], offset, len }).collect();
+            let got = read(io.as_mut(), &ops).unwrap();
+            for (bytes, &(f, offset, len)) in got.iter().zip(&source) {
+                let expected = &files[f].1[offset as usize..offset as usize + len as usize];
+                prop_assert!(bytes == expected, "{}: wrong bytes", name);
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_ops_and_reads_past_the_end_are_errors_and_the_backend_survives() {
+    let dir = tempdir();
+    let files = files(dir.path());
+    for (name, make) in backends() {
+        let mut io = make();
+        let file = io.open(&files[0].0).unwrap();
+        for bad in [
+            ReadOp { file, offset: 1, len: 4096 },
+            ReadOp { file, offset: 0, len: 100 },
+            ReadOp { file, offset: 0, len: 0 },
+            ReadOp { file, offset: 0, len: 128 << 10 },
+            ReadOp { file: FileId(99), offset: 0, len: 4096 },
+        ] {
+            assert!(matches!(read(io.as_mut(), &[bad]), Err(Error::InvalidInput { .. })), "{name}: {bad:?}");
+        }
+        let past_end = ReadOp { file, offset: FILE_BYTES as u64, len: 4096 };
+        match read(io.as_mut(), &[past_end]) {
+            Err(Error::Io { op: "read", path, source }) => {
+                assert_eq!(source.kind(), std::io::ErrorKind::UnexpectedEof, "{name}");
+                assert!(path.to_string_lossy().contains("f0 at offset 1048576"), "{name}: {}", path.display());
+            }
+            other => panic!("{name}: expected end of file, got {other:?}"),
+        }
+        let good = ReadOp { file, offset: 8192, len: 8192 };
+        assert_eq!(read(io.as_mut(), &[good]).unwrap()[0], files[0].1[8192..16384], "{name}");
+        assert!(matches!(io.open(&dir.path().join("missing")), Err(Error::Io { op: "open", .. })), "{name}");
+    }
+}
+
+#[test]
+fn a_failing_callback_stops_the_read_and_the_next_read_works() {
+    let dir = tempdir();
+    let files = files(dir.path());
+    for (name, make) in backends() {
+        let mut io = make();
+        let file = io.open(&files[1].0).unwrap();
+        let ops: Vec<ReadOp> = (0..100).map(|i| ReadOp { file, offset: i * 4096, len: 4096 }).collect();
+        let mut calls = 0;
+        let outcome = io.read(&ops, &mut |_, _| {
+            calls += 1;
+            if calls == 10 { Err(Error::invalid_input("stop here")) } else { Ok(()) }
+        });
+        assert!(matches!(outcome, Err(Error::InvalidInput { ref detail }) if detail == "stop here"), "{name}");
+        assert_eq!(calls, 10, "{name}: no callback after the failure");
+        let got = read(io.as_mut(), &ops).unwrap();
+        assert_eq!(got.concat(), files[1].1[..100 * 4096], "{name}");
+    }
+}
+
+/// A stream that opens its file through the backend mid-stream, and asks to wait after `wait_at`
+/// ops with nothing in flight.
+struct Stalling<'a> {
+    path: &'a Path,
+    file: Option<FileId>,
+    issued: u64,
+    wait_at: u64,
+    completed: u64,
+}
+
+impl ReadStream for Stalling<'_> {
+    fn next_op(&mut self, files: &mut dyn FileOpener) -> granary::Result<Next> {
+        if self.issued == self.wait_at {
+            return Ok(Next::Wait);
+        }
+        let file = match self.file {
+            Some(file) => file,
+            None => *self.file.insert(files.open(self.path)?),
+        };
+        self.issued += 1;
+        Ok(Next::Op(ReadOp { file, offset: 0, len: 4096 }))
+    }
+
+    fn complete(&mut self, _: u64, _: &[u8]) -> granary::Result<()> {
+        self.completed += 1;
+        Ok(())
+    }
+}
+
+#[test]
+fn a_stream_that_waits_with_nothing_in_flight_is_an_error_not_a_hang() {
+    let dir = tempdir();
+    let files = files(dir.path());
+    for (name, make) in backends() {
+        let mut io = make();
+        let mut stream = Stalling { path: &files[2].0, file: None, issued: 0, wait_at: 5, completed: 0 };
+        let outcome = io.read_stream(&mut stream);
+        assert!(matches!(outcome, Err(Error::InvalidInput { .. })), "{name}: {outcome:?}");
+        assert_eq!(stream.completed, 5, "{name}: the ops before the stall completed");
+    }
+}
+
+#[test]
+fn injected_faults_hit_the_op_they_name() {
+    let dir = tempdir();
+    let files = files(dir.path());
+    let inner = IoConfig { backend: Backend::Uring, queue_depth: 4, ..IoConfig::default() }.build().unwrap();
+    let mut io = FaultIo::new(inner, vec![Fault::FlipBit { op: 12, bit: 8 * 4096 + 3 }, Fault::FailRead { op: 15, errno: libc::EIO }]);
+    let file = io.open(&files[0].0).unwrap();
+    let ops: Vec<ReadOp> = (0..10).map(|i| ReadOp { file, offset: i * 8192, len: 8192 }).collect();
+    let first = read(&mut io, &ops).unwrap();
+    assert_eq!(first.concat(), files[0].1[..10 * 8192]);
+    let second = read(&mut io, &ops[..3]).unwrap();
+    let mut expected = files[0].1[2 * 8192..3 * 8192].to_vec();
+    expected[4096] ^= 1 << 3;
+    assert_eq!(second[2], expected, "op 12 is the third op of the second read");
+    let third = read(&mut io, &ops[..6]);
+    assert!(matches!(third, Err(Error::Io { ref source, .. }) if source.raw_os_error() == Some(libc::EIO)));
+}

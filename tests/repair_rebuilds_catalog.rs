@@ -1,0 +1,65 @@
+//! The catalog is a cache: deleted, it is rebuilt from the files; damaged files are quarantined,
+//! never deleted, and what they leave missing is reported.
+
+mod common;
+
+use common::*;
+use granary::{Granary, Layout};
+
+#[test]
+fn a_deleted_catalog_is_rebuilt_by_repair() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let mut granary = Granary::create(&root).unwrap();
+    let a: Vec<Vec<u8>> = (0..100).map(|i| bytes(i, 300)).collect();
+    ingest(&mut granary, "a", Layout::Bytes, small_shards(4096), &a);
+    ingest(&mut granary, "a", Layout::Bytes, small_shards(4096), &a[..10]);
+    ingest(&mut granary, "b", tokens_layout(64), small_shards(4096), &(0..20).map(|i| bytes(i, 128)).collect::<Vec<_>>());
+    let before = granary.datasets().unwrap();
+    let shards_before = granary.catalog().shards().unwrap();
+    assert_eq!(before.len(), 2);
+    drop(granary);
+
+    std::fs::remove_dir_all(root.join("catalog")).unwrap();
+    std::fs::write(root.join("tmp").join("123-4.tmp"), b"a dead writer's partial file").unwrap();
+    let out = granary_ok(&root, &["repair"]);
+    assert!(out.contains("catalog rebuilt") && out.contains("2 datasets; 0 quarantined, 0 missing, 1 temp files removed"), "{out}");
+
+    let granary = Granary::open(&root).unwrap();
+    assert_eq!(granary.datasets().unwrap(), before);
+    assert_eq!(granary.catalog().shards().unwrap(), shards_before);
+    drop(granary);
+    let ls = granary_ok(&root, &["ls"]);
+    assert!(ls.contains("a ") && ls.contains("b "), "{ls}");
+}
+
+#[test]
+fn repair_quarantines_a_corrupt_shard_and_reports_what_it_leaves_missing() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let mut granary = Granary::create(&root).unwrap();
+    let records: Vec<Vec<u8>> = (0..40).map(|i| bytes(i, 1000)).collect();
+    ingest(&mut granary, "d", Layout::Bytes, small_shards(4096), &records);
+    drop(granary);
+
+    let dataset = granary::Dataset::open(&granary::StorePaths::new(&root), &granary::VersionSpec::parse("d").unwrap()).unwrap();
+    let victim = dataset.shard_path(dataset.locate(39).unwrap().0);
+    let mut bytes_on_disk = std::fs::read(&victim).unwrap();
+    bytes_on_disk[5000] ^= 0x80;
+    std::fs::write(&victim, &bytes_on_disk).unwrap();
+
+    let out = common::granary(&root, &["repair"]);
+    assert!(!out.status.success(), "a missing shard of a live version is an error");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("quarantined") && stderr.contains("checksum mismatch"), "{stderr}");
+    assert!(stderr.contains("missing shard"), "{stderr}");
+    assert!(!victim.exists(), "the corrupt file left shards/");
+    let quarantined: Vec<_> = std::fs::read_dir(root.join("quarantine")).unwrap().collect();
+    assert_eq!(quarantined.len(), 1, "and was kept for a person to look at");
+
+    let granary = Granary::open(&root).unwrap();
+    let victim_id = victim.file_stem().unwrap().to_str().unwrap();
+    assert!(granary.catalog().shards().unwrap().iter().all(|(id, _)| id.to_string() != victim_id));
+    let err = granary_err(&root, &["get", "d", "39"]);
+    assert!(!err.is_empty());
+}
