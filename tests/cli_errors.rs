@@ -12,7 +12,10 @@ fn usage_errors_are_one_line_each() {
     std::fs::write(&input, bytes(1, 1000)).unwrap();
     let input = input.to_str().unwrap();
 
-    let err = granary_err(&root, &["ingest", "records", "--name", "t", "--record-bytes", "64", dir.path().join("missing.bin").to_str().unwrap()]);
+    let err = granary_err(
+        &root,
+        &["ingest", "records", "--name", "t", "--record-bytes", "64", dir.path().join("missing.bin").to_str().unwrap()],
+    );
     assert!(err.contains("missing.bin") && err.contains("No such file"), "{err}");
 
     let err = granary_err(&root, &["ingest", "records", "--name", "t", "--record-bytes", "64", input]);
@@ -24,14 +27,18 @@ fn usage_errors_are_one_line_each() {
     let err = granary_err(&root, &["ingest", "records", "--name", "t", "--record-bytes", "8", "--dtype", "f8", input]);
     assert!(err.contains("unknown dtype \"f8\""), "{err}");
 
-    let err = granary_err(&root, &["ingest", "records", "--name", "t", "--record-bytes", "8", "--dtype", "u16", "--shape", "3", input]);
+    let err = granary_err(
+        &root,
+        &["ingest", "records", "--name", "t", "--record-bytes", "8", "--dtype", "u16", "--shape", "3", input],
+    );
     assert!(err.contains("does not match"), "{err}");
 
     let err = granary_err(&root, &["ingest", "files", "--name", "t", dir.path().join("nodir").to_str().unwrap()]);
     assert!(err.contains("nodir"), "{err}");
 
     // Nothing was created by the refusals above except the store itself.
-    let out = granary_ok(&root, &["ingest", "records", "--name", "t", "--record-bytes", "8", "--drop-remainder", input]);
+    let out =
+        granary_ok(&root, &["ingest", "records", "--name", "t", "--record-bytes", "8", "--drop-remainder", input]);
     assert!(out.contains("t@1: 125 records"), "{out}");
 
     let err = granary_err(&root, &["get", "t", "125"]);
@@ -53,7 +60,11 @@ fn usage_errors_are_one_line_each() {
 
 #[test]
 fn a_missing_root_is_explained() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_granary")).arg("ls").env_remove("GRANARY_ROOT").output().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_granary"))
+        .arg("ls")
+        .env_remove("GRANARY_ROOT")
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert!(stderr.contains("--root DIR or set GRANARY_ROOT"), "{stderr}");

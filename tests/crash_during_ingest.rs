@@ -20,10 +20,9 @@ const RECORDS_PER_INGEST: usize = 1536;
 
 #[test]
 fn crash_during_ingest_leaves_no_partial_shard_and_a_consistent_catalog() {
-    let seed = std::env::var("GRANARY_CRASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+    let seed = std::env::var("GRANARY_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
     println!("crash test seed {seed} (replay with GRANARY_CRASH_SEED={seed})");
     let delays = bytes(seed, 8 * ITERATIONS as usize);
 
@@ -79,7 +78,10 @@ fn crash_during_ingest_leaves_no_partial_shard_and_a_consistent_catalog() {
             Err(granary::Error::NotFound { .. }) => 0,
             Err(e) => panic!("iteration {i}: {e}"),
         };
-        assert!(version == last_version || version == last_version + 1, "iteration {i}: version {last_version} -> {version}");
+        assert!(
+            version == last_version || version == last_version + 1,
+            "iteration {i}: version {last_version} -> {version}"
+        );
         if version == last_version + 1 {
             committed.push(records);
             last_version = version;
@@ -90,11 +92,12 @@ fn crash_during_ingest_leaves_no_partial_shard_and_a_consistent_catalog() {
             let mut reader = Reader::new(dataset.clone(), IoConfig::default().build().unwrap());
             let all: Vec<u64> = (0..dataset.n_records()).collect();
             let mut got = Vec::new();
-            reader.read_batches(all.chunks(500), 2, &mut |batch| {
-                got.extend_from_slice(batch.data());
-                Ok(())
-            })
-            .unwrap();
+            reader
+                .read_batches(all.chunks(500), 2, &mut |batch| {
+                    got.extend_from_slice(batch.data());
+                    Ok(())
+                })
+                .unwrap();
             assert!(got == committed.concat(), "iteration {i}: the dataset is not the committed ingests in order");
         }
     }
@@ -110,7 +113,8 @@ fn check_consistent(granary: &Granary, i: u64) {
     assert!(tmp.is_empty(), "iteration {i}: temp files survived the reopen");
 
     // No partial shard is visible: every shard file is complete and named by its hash.
-    let shard_files: BTreeSet<_> = paths.list_objects(ObjectKind::Shard).unwrap().into_iter().map(|(id, _)| id).collect();
+    let shard_files: BTreeSet<_> =
+        paths.list_objects(ObjectKind::Shard).unwrap().into_iter().map(|(id, _)| id).collect();
     for (id, path) in paths.list_objects(ObjectKind::Shard).unwrap() {
         verify_shard(&path, ShardId(id)).unwrap_or_else(|e| panic!("iteration {i}: visible shard {id} is broken: {e}"));
     }
@@ -136,9 +140,16 @@ fn check_consistent(granary: &Granary, i: u64) {
         assert_eq!(paths.read_ref(&name).unwrap(), log, "iteration {i}");
         for version in log.versions() {
             let manifest = paths.read_manifest(version.manifest).unwrap();
-            assert!(catalog.manifest(version.manifest).unwrap().is_some(), "iteration {i}: a live manifest is cataloged");
+            assert!(
+                catalog.manifest(version.manifest).unwrap().is_some(),
+                "iteration {i}: a live manifest is cataloged"
+            );
             for entry in manifest.entries() {
-                assert!(shard_files.contains(&entry.shard.0), "iteration {i}: a live version lost shard {}", entry.shard);
+                assert!(
+                    shard_files.contains(&entry.shard.0),
+                    "iteration {i}: a live version lost shard {}",
+                    entry.shard
+                );
                 assert!(catalog.shard(entry.shard).unwrap().is_some(), "iteration {i}: a live shard is cataloged");
             }
         }

@@ -213,7 +213,10 @@ fn appends_make_versions_old_versions_stay_readable_and_gc_keeps_what_is_live() 
     let report = granary.gc().unwrap();
     assert_eq!(report.manifests, 2);
     assert!(report.shards > 0 && (report.shards as usize) < shards_before);
-    assert_eq!(read_all(&granary.open_dataset(&VersionSpec::parse("d@1").unwrap()).unwrap(), IoConfig::default()), first);
+    assert_eq!(
+        read_all(&granary.open_dataset(&VersionSpec::parse("d@1").unwrap()).unwrap(), IoConfig::default()),
+        first
+    );
     assert!(matches!(granary.open_dataset(&VersionSpec::parse("d@2").unwrap()), Err(granary::Error::NotFound { .. })));
     granary.remove(&name, None).unwrap();
     granary.remove(&granary::DatasetName::new("copy").unwrap(), None).unwrap();

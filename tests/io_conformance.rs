@@ -13,7 +13,10 @@ use proptest::prelude::*;
 
 const FILE_BYTES: usize = 1 << 20;
 
-fn backends() -> Vec<(&'static str, Box<dyn Fn() -> Box<dyn Io>>)> {
+/// Builds a fresh backend.
+type MakeIo = Box<dyn Fn() -> Box<dyn Io>>;
+
+fn backends() -> Vec<(&'static str, MakeIo)> {
     let config = |backend, queue_depth, op_bytes_max, direct| IoConfig { backend, queue_depth, op_bytes_max, direct };
     vec![
         ("pread", Box::new(move || config(Backend::Pread, 1, 64 << 10, false).build().unwrap())),
@@ -22,7 +25,9 @@ fn backends() -> Vec<(&'static str, Box<dyn Fn() -> Box<dyn Io>>)> {
         ("uring qd7 buffered", Box::new(move || config(Backend::Uring, 7, 64 << 10, false).build().unwrap())),
         (
             "fault wrapper without faults",
-            Box::new(move || Box::new(FaultIo::new(config(Backend::Uring, 8, 64 << 10, true).build().unwrap(), vec![]))),
+            Box::new(move || {
+                Box::new(FaultIo::new(config(Backend::Uring, 8, 64 << 10, true).build().unwrap(), vec![]))
+            }),
         ),
     ]
 }
@@ -173,7 +178,10 @@ fn injected_faults_hit_the_op_they_name() {
     let dir = tempdir();
     let files = files(dir.path());
     let inner = IoConfig { backend: Backend::Uring, queue_depth: 4, ..IoConfig::default() }.build().unwrap();
-    let mut io = FaultIo::new(inner, vec![Fault::FlipBit { op: 12, bit: 8 * 4096 + 3 }, Fault::FailRead { op: 15, errno: libc::EIO }]);
+    let mut io = FaultIo::new(
+        inner,
+        vec![Fault::FlipBit { op: 12, bit: 8 * 4096 + 3 }, Fault::FailRead { op: 15, errno: libc::EIO }],
+    );
     let file = io.open(&files[0].0).unwrap();
     let ops: Vec<ReadOp> = (0..10).map(|i| ReadOp { file, offset: i * 8192, len: 8192 }).collect();
     let first = read(&mut io, &ops).unwrap();

@@ -14,7 +14,13 @@ fn a_deleted_catalog_is_rebuilt_by_repair() {
     let a: Vec<Vec<u8>> = (0..100).map(|i| bytes(i, 300)).collect();
     ingest(&mut granary, "a", Layout::Bytes, small_shards(4096), &a);
     ingest(&mut granary, "a", Layout::Bytes, small_shards(4096), &a[..10]);
-    ingest(&mut granary, "b", tokens_layout(64), small_shards(4096), &(0..20).map(|i| bytes(i, 128)).collect::<Vec<_>>());
+    ingest(
+        &mut granary,
+        "b",
+        tokens_layout(64),
+        small_shards(4096),
+        &(0..20).map(|i| bytes(i, 128)).collect::<Vec<_>>(),
+    );
     let before = granary.datasets().unwrap();
     let shards_before = granary.catalog().shards().unwrap();
     assert_eq!(before.len(), 2);
@@ -23,7 +29,10 @@ fn a_deleted_catalog_is_rebuilt_by_repair() {
     std::fs::remove_dir_all(root.join("catalog")).unwrap();
     std::fs::write(root.join("tmp").join("123-4.tmp"), b"a dead writer's partial file").unwrap();
     let out = granary_ok(&root, &["repair"]);
-    assert!(out.contains("catalog rebuilt") && out.contains("2 datasets; 0 quarantined, 0 missing, 1 temp files removed"), "{out}");
+    assert!(
+        out.contains("catalog rebuilt") && out.contains("2 datasets; 0 quarantined, 0 missing, 1 temp files removed"),
+        "{out}"
+    );
 
     let granary = Granary::open(&root).unwrap();
     assert_eq!(granary.datasets().unwrap(), before);
@@ -42,7 +51,8 @@ fn repair_quarantines_a_corrupt_shard_and_reports_what_it_leaves_missing() {
     ingest(&mut granary, "d", Layout::Bytes, small_shards(4096), &records);
     drop(granary);
 
-    let dataset = granary::Dataset::open(&granary::StorePaths::new(&root), &granary::VersionSpec::parse("d").unwrap()).unwrap();
+    let dataset =
+        granary::Dataset::open(&granary::StorePaths::new(&root), &granary::VersionSpec::parse("d").unwrap()).unwrap();
     let victim = dataset.shard_path(dataset.locate(39).unwrap().0);
     let mut bytes_on_disk = std::fs::read(&victim).unwrap();
     bytes_on_disk[5000] ^= 0x80;

@@ -20,10 +20,13 @@ fn sources() -> Vec<(PathBuf, String)> {
     rust_files(&src, &mut files);
     files.sort();
     assert!(files.len() > 20, "found the sources");
-    files.into_iter().map(|path| {
-        let text = std::fs::read_to_string(&path).unwrap();
-        (path.strip_prefix(&src).unwrap().to_owned(), text)
-    }).collect()
+    files
+        .into_iter()
+        .map(|path| {
+            let text = std::fs::read_to_string(&path).unwrap();
+            (path.strip_prefix(&src).unwrap().to_owned(), text)
+        })
+        .collect()
 }
 
 #[test]
@@ -47,7 +50,12 @@ fn unsafe_code_lives_in_io_and_staging_and_says_why() {
             assert!(allowed, "{}:{}: unsafe outside io/ and staging/", path.display(), i + 1);
             let above = &lines[i.saturating_sub(8)..=i];
             if code.contains("unsafe fn") {
-                assert!(above.iter().any(|l| l.contains("# Safety")), "{}:{}: unsafe fn without a # Safety section", path.display(), i + 1);
+                assert!(
+                    above.iter().any(|l| l.contains("# Safety")),
+                    "{}:{}: unsafe fn without a # Safety section",
+                    path.display(),
+                    i + 1
+                );
             } else {
                 assert!(
                     above.iter().any(|l| l.contains("SAFETY:")),

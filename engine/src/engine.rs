@@ -151,7 +151,12 @@ impl Granary {
     }
 
     /// Starts ingesting records of `layout` into dataset `name`.
-    pub fn ingest(&mut self, name: DatasetName, layout: crate::shard::Layout, options: IngestOptions) -> Result<Ingest<'_>> {
+    pub fn ingest(
+        &mut self,
+        name: DatasetName,
+        layout: crate::shard::Layout,
+        options: IngestOptions,
+    ) -> Result<Ingest<'_>> {
         Ingest::begin(&self.store, &self.catalog, name, layout, options)
     }
 
@@ -297,7 +302,9 @@ impl Granary {
                 Ok(log) => {
                     for version in log.versions() {
                         if !manifests.contains(&version.manifest.0) {
-                            report.missing.push(format!("manifest {} (version {} of {name})", version.manifest, version.number));
+                            report
+                                .missing
+                                .push(format!("manifest {} (version {} of {name})", version.manifest, version.number));
                         }
                     }
                     self.catalog.put_dataset(&name, &log)?;

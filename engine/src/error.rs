@@ -95,9 +95,7 @@ pub enum Error {
         source: FormatError,
     },
     /// A data block's CRC32C does not match: the bytes were not returned.
-    #[error(
-        "shard {shard}: block {block} checksum mismatch (expected {expected:#010x}, actual {actual:#010x})"
-    )]
+    #[error("shard {shard}: block {block} checksum mismatch (expected {expected:#010x}, actual {actual:#010x})")]
     ChecksumMismatch {
         /// The shard holding the block.
         shard: ShardId,

@@ -21,6 +21,8 @@
 //! # Ok(()) }
 //! ```
 
+#![deny(clippy::unwrap_used)]
+
 pub mod error;
 pub mod id;
 pub mod shard;

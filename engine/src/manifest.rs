@@ -107,7 +107,10 @@ impl Manifest {
             return Err(FormatError::ChecksumMismatch { region, expected, actual });
         }
         if read_u32(bytes, 12) != 0 {
-            return Err(FormatError::Inconsistent { field: "manifest", detail: "reserved bytes are not zero".to_owned() });
+            return Err(FormatError::Inconsistent {
+                field: "manifest",
+                detail: "reserved bytes are not zero".to_owned(),
+            });
         }
         let mut layout = [0u8; LAYOUT_BYTES];
         layout.copy_from_slice(&bytes[16..16 + LAYOUT_BYTES]);

@@ -283,7 +283,9 @@ mod tests {
 
     #[test]
     fn epochs_and_seeds_change_the_order_and_sequential_is_identity() {
-        let order = |seed, epoch| (0..1000).map(|p| EpochPlan::new(1000, seed, epoch, Order::Shuffled).record_at(p)).collect::<Vec<_>>();
+        let order = |seed, epoch| {
+            (0..1000).map(|p| EpochPlan::new(1000, seed, epoch, Order::Shuffled).record_at(p)).collect::<Vec<_>>()
+        };
         assert_ne!(order(1, 0), order(1, 1));
         assert_ne!(order(1, 0), order(2, 0));
         assert_eq!(order(1, 0), order(1, 0));

@@ -36,7 +36,13 @@ pub(crate) fn small_shards(shard_bytes: u64) -> IngestOptions {
 }
 
 /// Ingests `records` as dataset `name` and returns the version number.
-pub(crate) fn ingest(granary: &mut Granary, name: &str, layout: Layout, options: IngestOptions, records: &[Vec<u8>]) -> u64 {
+pub(crate) fn ingest(
+    granary: &mut Granary,
+    name: &str,
+    layout: Layout,
+    options: IngestOptions,
+    records: &[Vec<u8>],
+) -> u64 {
     let name = granary::DatasetName::new(name).expect("a valid name");
     let mut ingest = granary.ingest(name, layout, options).expect("ingest starts");
     for record in records {

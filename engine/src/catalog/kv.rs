@@ -64,7 +64,8 @@ impl SledKv {
             sled::Error::Io(io) => Error::io("open catalog", dir, io),
             other => catalog_error(other),
         })?;
-        let trees = Tree::ALL.iter().map(|t| db.open_tree(t.name())).collect::<Result<_, _>>().map_err(catalog_error)?;
+        let trees =
+            Tree::ALL.iter().map(|t| db.open_tree(t.name())).collect::<Result<_, _>>().map_err(catalog_error)?;
         Ok(Self { db, trees })
     }
 

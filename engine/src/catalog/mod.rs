@@ -47,7 +47,12 @@ impl ObjectEntry {
         let mut layout = [0u8; LAYOUT_BYTES];
         layout.copy_from_slice(&bytes[24..]);
         let layout = Layout::decode(&layout).map_err(|e| Error::Catalog { detail: e.to_string() })?;
-        Ok(Self { n_records: read_u64(bytes, 0), n_shards: read_u64(bytes, 8), file_bytes: read_u64(bytes, 16), layout })
+        Ok(Self {
+            n_records: read_u64(bytes, 0),
+            n_shards: read_u64(bytes, 8),
+            file_bytes: read_u64(bytes, 16),
+            layout,
+        })
     }
 }
 
@@ -151,8 +156,10 @@ impl Catalog {
     fn objects(&self, tree: Tree) -> Result<Vec<(ObjectId, ObjectEntry)>> {
         let mut out = Vec::new();
         for (key, value) in self.kv.scan(tree)? {
-            let id: [u8; ID_BYTES] =
-                key.as_slice().try_into().map_err(|_| Error::Catalog { detail: format!("a key of {} bytes", key.len()) })?;
+            let id: [u8; ID_BYTES] = key
+                .as_slice()
+                .try_into()
+                .map_err(|_| Error::Catalog { detail: format!("a key of {} bytes", key.len()) })?;
             out.push((ObjectId::from_bytes(id), ObjectEntry::decode(&value)?));
         }
         Ok(out)

@@ -287,8 +287,10 @@ struct Bar(indicatif::ProgressBar);
 impl Bar {
     fn new() -> Self {
         let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
-        let style = indicatif::ProgressStyle::with_template("{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}")
-            .expect("the template is valid");
+        let style = indicatif::ProgressStyle::with_template(
+            "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("the template is valid");
         bar.set_style(style);
         Self(bar)
     }

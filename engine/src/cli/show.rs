@@ -31,7 +31,10 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
         println!("no datasets in {}", paths.root().display());
         return Ok(());
     }
-    println!("{:<24} {:>7}  {:<12} {:>12} {:>7} {:>11}  LAYOUT", "DATASET", "VERSION", "MANIFEST", "RECORDS", "SHARDS", "SIZE");
+    println!(
+        "{:<24} {:>7}  {:<12} {:>12} {:>7} {:>11}  LAYOUT",
+        "DATASET", "VERSION", "MANIFEST", "RECORDS", "SHARDS", "SIZE"
+    );
     let (mut n_versions, mut total) = (0, 0);
     for dataset in &datasets {
         for (i, version) in dataset.versions.iter().enumerate() {
@@ -58,7 +61,11 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
             }
         }
     }
-    println!("{} datasets, {n_versions} versions, {} of shards referenced (shared shards counted per version)", datasets.len(), bytes(total));
+    println!(
+        "{} datasets, {n_versions} versions, {} of shards referenced (shared shards counted per version)",
+        datasets.len(),
+        bytes(total)
+    );
     Ok(())
 }
 
@@ -101,8 +108,15 @@ fn inspect_shard(path: PathBuf, n_records: u64) -> Result<()> {
     println!("format:   version {FORMAT_VERSION}, {BLOCK_BYTES_U64}-byte blocks, {} bytes", meta.file_bytes());
     println!("layout:   {}", meta.layout());
     println!("records:  {}, {} data bytes in {} blocks", meta.n_records(), meta.data_bytes(), meta.n_data_blocks());
-    println!("regions:  header 0  data {}  index {} (+{})  checksums {} (+{})  footer {}",
-        BLOCK_BYTES_U64, footer.index_offset, footer.index_bytes, footer.crc_table_offset, footer.crc_table_bytes, footer.footer_offset());
+    println!(
+        "regions:  header 0  data {}  index {} (+{})  checksums {} (+{})  footer {}",
+        BLOCK_BYTES_U64,
+        footer.index_offset,
+        footer.index_bytes,
+        footer.crc_table_offset,
+        footer.crc_table_bytes,
+        footer.footer_offset()
+    );
     for local in 0..meta.n_records().min(n_records) {
         let range = meta.record_range(local);
         println!("  record {local}: offset {} length {}", range.start, range.end - range.start);

@@ -223,7 +223,9 @@ impl<'g> Ingest<'g> {
         self.stats.records += 1;
         self.stats.bytes += len;
         let writer = &self.shard.as_ref().expect("a record was just pushed into it").writer;
-        if writer.data_bytes() >= self.options.shard_bytes_target || writer.n_records() >= self.options.shard_records_max {
+        if writer.data_bytes() >= self.options.shard_bytes_target
+            || writer.n_records() >= self.options.shard_records_max
+        {
             self.seal_shard()?;
         }
         Ok(())
@@ -240,8 +242,12 @@ impl<'g> Ingest<'g> {
         } else {
             self.stats.shards_deduplicated += 1;
         }
-        let entry =
-            ObjectEntry { n_records: written.n_records, n_shards: 1, file_bytes: written.file_bytes, layout: self.layout.clone() };
+        let entry = ObjectEntry {
+            n_records: written.n_records,
+            n_shards: 1,
+            file_bytes: written.file_bytes,
+            layout: self.layout.clone(),
+        };
         self.catalog.put_shard(written.id, &entry)?;
         self.entries.push(ManifestEntry {
             shard: written.id,

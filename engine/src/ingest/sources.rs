@@ -27,7 +27,12 @@ impl Progress for () {
 /// Ingests files of back-to-back fixed-size records (nanoGPT and Megatron `.bin` token files, for
 /// example), in the order given. Every file's size must be a multiple of the record size, unless
 /// `drop_remainder` is set, in which case each file's incomplete last record is skipped.
-pub fn records_from_files(ingest: &mut Ingest<'_>, files: &[PathBuf], drop_remainder: bool, progress: &dyn Progress) -> Result<()> {
+pub fn records_from_files(
+    ingest: &mut Ingest<'_>,
+    files: &[PathBuf],
+    drop_remainder: bool,
+    progress: &dyn Progress,
+) -> Result<()> {
     let record_bytes = ingest
         .layout()
         .record_bytes()
@@ -117,7 +122,8 @@ pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &d
     progress.start(total);
     let mut n_samples = 0;
     for path in tars {
-        let bad_tar = |e: std::io::Error| Error::invalid_input(format!("{}: not a readable tar file: {e}", path.display()));
+        let bad_tar =
+            |e: std::io::Error| Error::invalid_input(format!("{}: not a readable tar file: {e}", path.display()));
         let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
         let mut archive = tar::Archive::new(BufReader::with_capacity(1 << 20, file));
         let mut sample = SampleBuilder::default();
@@ -167,7 +173,8 @@ impl SampleBuilder {
     /// Pushes the sample being built, if any; returns whether one was pushed.
     fn flush(&mut self, ingest: &mut Ingest<'_>) -> Result<bool> {
         let Some(key) = self.key.take() else { return Ok(false) };
-        let parts: Vec<(&str, &[u8])> = self.parts.iter().map(|(name, data)| (name.as_str(), data.as_slice())).collect();
+        let parts: Vec<(&str, &[u8])> =
+            self.parts.iter().map(|(name, data)| (name.as_str(), data.as_slice())).collect();
         ingest.push(&encode_sample(&key, &parts))?;
         self.parts.clear();
         Ok(true)

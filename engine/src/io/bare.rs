@@ -51,7 +51,8 @@ impl BareReader {
             .collect();
         // SAFETY: the iovecs lie in `arena`, owned by the reader and unmapped only after the ring
         // is closed (field order), and `run` never returns with a read in flight.
-        unsafe { ring.submitter().register_buffers(&iovecs) }.map_err(|e| Error::io("register buffers", "bare reader", e))?;
+        unsafe { ring.submitter().register_buffers(&iovecs) }
+            .map_err(|e| Error::io("register buffers", "bare reader", e))?;
         Ok(Self { ring, arena: Some(arena), queue_depth, op_bytes, files: Vec::new() })
     }
 
@@ -87,10 +88,11 @@ impl BareReader {
                 let op = ops[next];
                 // SAFETY: slot < queue_depth: the target is slot `slot` of the arena.
                 let target = unsafe { base.add(slot * self.op_bytes) };
-                let entry = io_uring::opcode::ReadFixed::new(io_uring::types::Fixed(op.file), target, op.len, slot as u16)
-                    .offset(op.offset)
-                    .build()
-                    .user_data(((slot as u64) << 32) | u64::from(op.len));
+                let entry =
+                    io_uring::opcode::ReadFixed::new(io_uring::types::Fixed(op.file), target, op.len, slot as u16)
+                        .offset(op.offset)
+                        .build()
+                        .user_data(((slot as u64) << 32) | u64::from(op.len));
                 // SAFETY: the slot is used by this op alone until its completion is reaped, and
                 // the arena outlives every op (the loop drains before returning).
                 let pushed = unsafe { self.ring.submission().push(&entry) };
@@ -124,11 +126,9 @@ impl BareReader {
         }
         match failure {
             None => Ok(bytes),
-            Some(result) => Err(Error::io(
-                "read",
-                "bare reader",
-                std::io::Error::other(format!("a read returned {result}")),
-            )),
+            Some(result) => {
+                Err(Error::io("read", "bare reader", std::io::Error::other(format!("a read returned {result}"))))
+            }
         }
     }
 }

@@ -61,7 +61,8 @@ impl Io for FaultIo {
 
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
         let first = self.ops_issued;
-        let mut faulty = FaultStream { inner: stream, faults: &self.faults, first, issued: 0, scratch: &mut self.scratch };
+        let mut faulty =
+            FaultStream { inner: stream, faults: &self.faults, first, issued: 0, scratch: &mut self.scratch };
         let outcome = self.inner.read_stream(&mut faulty);
         self.ops_issued = first + faulty.issued;
         outcome

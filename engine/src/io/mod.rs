@@ -165,9 +165,15 @@ impl IoConfig {
     /// Checks the numbers.
     pub fn validate(&self) -> Result<()> {
         if self.queue_depth == 0 || self.queue_depth > QUEUE_DEPTH_MAX {
-            return Err(Error::invalid_input(format!("queue depth {} is not in 1..={QUEUE_DEPTH_MAX}", self.queue_depth)));
+            return Err(Error::invalid_input(format!(
+                "queue depth {} is not in 1..={QUEUE_DEPTH_MAX}",
+                self.queue_depth
+            )));
         }
-        if self.op_bytes_max == 0 || !self.op_bytes_max.is_multiple_of(BLOCK_BYTES) || self.op_bytes_max > OP_BYTES_MAX_LIMIT {
+        if self.op_bytes_max == 0
+            || !self.op_bytes_max.is_multiple_of(BLOCK_BYTES)
+            || self.op_bytes_max > OP_BYTES_MAX_LIMIT
+        {
             return Err(Error::invalid_input(format!(
                 "op size {} is not a multiple of {BLOCK_BYTES} in 1..={OP_BYTES_MAX_LIMIT}",
                 self.op_bytes_max

@@ -126,6 +126,8 @@ pub struct UringIo {
     slots: Vec<Slot>,
     free_slots: Vec<usize>,
     in_flight: usize,
+    /// Ops queued in the submission ring but not yet handed to the kernel.
+    unsubmitted: usize,
     completions: Vec<(u64, i32)>,
     /// Finished ops whose callbacks are due, oldest first: (slot, verdict).
     ready: std::collections::VecDeque<(usize, Completion)>,
@@ -150,7 +152,8 @@ impl UringIo {
         // SAFETY: every iovec lies inside `arena`, which this backend owns and keeps mapped until
         // the ring is closed (field order, and `Drop` waits for ops in flight).
         let fixed_buffers = unsafe { ring.submitter().register_buffers(&iovecs) }.is_ok();
-        let fixed_files = if ring.submitter().register_files_sparse(FIXED_FILES_MAX).is_ok() { FIXED_FILES_MAX } else { 0 };
+        let fixed_files =
+            if ring.submitter().register_files_sparse(FIXED_FILES_MAX).is_ok() { FIXED_FILES_MAX } else { 0 };
         Ok(Self {
             ring,
             arena: Some(arena),
@@ -161,6 +164,7 @@ impl UringIo {
             slots: vec![Slot::default(); n_slots],
             free_slots: (0..n_slots).rev().collect(),
             in_flight: 0,
+            unsubmitted: 0,
             completions: Vec::with_capacity(queue_depth),
             ready: std::collections::VecDeque::with_capacity(2 * queue_depth),
         })
@@ -186,7 +190,9 @@ impl UringIo {
         let (len, offset) = (s.len - s.done, s.offset + u64::from(s.done));
         let open = &self.files.open[s.file as usize];
         let entry = match (open.fixed, self.fixed_buffers) {
-            (Some(fixed), true) => opcode::ReadFixed::new(types::Fixed(fixed), target, len, slot as u16).offset(offset).build(),
+            (Some(fixed), true) => {
+                opcode::ReadFixed::new(types::Fixed(fixed), target, len, slot as u16).offset(offset).build()
+            }
             (None, true) => opcode::ReadFixed::new(types::Fd(open.file.as_raw_fd()), target, len, slot as u16)
                 .offset(offset)
                 .build(),
@@ -202,14 +208,17 @@ impl UringIo {
             // completes (no op outlives `read` or the backend).
             let pushed = unsafe { self.ring.submission().push(&entry) };
             if pushed.is_ok() {
+                self.unsubmitted += 1;
                 return Ok(());
             }
             self.ring.submit().map_err(|e| Error::io("io_uring_enter", "io_uring", e))?;
+            self.unsubmitted = 0;
         }
     }
 
     /// Submits what is queued and waits for at least one completion, retrying EINTR and EBUSY.
     fn submit_and_wait(&mut self) -> Result<()> {
+        self.unsubmitted = 0;
         match self.ring.submit_and_wait(1) {
             Ok(_) => Ok(()),
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)) => Ok(()),
@@ -261,11 +270,14 @@ impl Io for UringIo {
         loop {
             // Between two callbacks: collect what completed and refill from the spare slots, so
             // the disk stays busy however long the callbacks (checks, copies) take.
-            let mut pushed = self.reap(&mut issue);
-            pushed |= self.fill(stream, &mut issue);
+            self.reap(&mut issue);
+            self.fill(stream, &mut issue);
             if let Some((slot, verdict)) = self.ready.pop_front() {
-                if pushed {
+                // Submitting costs a system call: batch new ops until the kernel holds less than
+                // half the queue (the wait below submits whatever is left).
+                if self.unsubmitted > 0 && self.in_flight - self.unsubmitted < self.queue_depth.div_ceil(2) {
                     self.ring.submit().map_err(|e| Error::io("io_uring_enter", "io_uring", e))?;
+                    self.unsubmitted = 0;
                 }
                 // The slot goes back on the free list before its bytes are handed out: only
                 // `fill` reuses free slots, and it runs after the callback returns. A callback
@@ -294,11 +306,10 @@ impl Io for UringIo {
 
 impl UringIo {
     /// Moves every available completion to `ready`, re-issuing the rest of a short read and
-    /// retrying transient errors. Never blocks; returns whether it queued new submissions.
-    fn reap(&mut self, issue: &mut Issue) -> bool {
+    /// retrying transient errors. Never blocks.
+    fn reap(&mut self, issue: &mut Issue) {
         self.completions.clear();
         self.completions.extend(self.ring.completion().map(|cqe| (cqe.user_data(), cqe.result())));
-        let mut pushed = false;
         for i in 0..self.completions.len() {
             let (slot, result) = self.completions[i];
             let slot = slot as usize;
@@ -310,10 +321,7 @@ impl UringIo {
                     _ => self.slots[slot].retries += 1,
                 }
                 match self.push(slot) {
-                    Ok(()) => {
-                        pushed = true;
-                        continue;
-                    }
+                    Ok(()) => continue,
                     Err(e) => {
                         issue.failure.get_or_insert(e);
                     }
@@ -322,7 +330,6 @@ impl UringIo {
             self.in_flight -= 1;
             self.ready.push_back((slot, verdict));
         }
-        pushed
     }
 
     /// Hands a finished op's bytes to the stream, or turns its failure into an error.
@@ -359,8 +366,7 @@ impl UringIo {
     /// Issues the stream's ops while fewer than `queue_depth` are in flight and a slot is free
     /// (there are twice as many slots as the queue depth, so completed slots can wait for their
     /// callbacks while new ops run).
-    fn fill(&mut self, stream: &mut dyn ReadStream, issue: &mut Issue) -> bool {
-        let mut pushed = false;
+    fn fill(&mut self, stream: &mut dyn ReadStream, issue: &mut Issue) {
         while issue.failure.is_none() && !issue.done && self.in_flight < self.queue_depth {
             let Some(&slot) = self.free_slots.last() else { break };
             let next = stream.next_op(&mut Opener { files: &mut self.files, ring: &self.ring });
@@ -381,7 +387,8 @@ impl UringIo {
                 break;
             }
             self.free_slots.pop();
-            self.slots[slot] = Slot { seq: issue.seq, file: op.file.0, offset: op.offset, len: op.len, done: 0, retries: 0 };
+            self.slots[slot] =
+                Slot { seq: issue.seq, file: op.file.0, offset: op.offset, len: op.len, done: 0, retries: 0 };
             if let Err(e) = self.push(slot) {
                 self.free_slots.push(slot);
                 issue.failure = Some(e);
@@ -389,9 +396,7 @@ impl UringIo {
             }
             self.in_flight += 1;
             issue.seq += 1;
-            pushed = true;
         }
-        pushed
     }
 }
 

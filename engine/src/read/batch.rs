@@ -149,7 +149,13 @@ pub(super) struct Planner {
 
 impl Planner {
     /// Plans reading `indices`; sizes `batch` for them (indices and ends final, data to be filled).
-    pub(super) fn plan(&mut self, dataset: &Dataset, indices: &[u64], op_blocks_max: usize, batch: &mut Batch) -> Result<()> {
+    pub(super) fn plan(
+        &mut self,
+        dataset: &Dataset,
+        indices: &[u64],
+        op_blocks_max: usize,
+        batch: &mut Batch,
+    ) -> Result<()> {
         assert!(op_blocks_max > 0);
         // The bytes are kept: every byte of the new batch is overwritten before it is returned,
         // and zeroing hundreds of megabytes per batch would cost as much as reading them.
@@ -172,7 +178,8 @@ impl Planner {
 
         self.order.clear();
         let requests = &self.requests;
-        self.order.extend((0..requests.len() as u32).filter(|&r| requests[r as usize].end > requests[r as usize].start));
+        self.order
+            .extend((0..requests.len() as u32).filter(|&r| requests[r as usize].end > requests[r as usize].start));
         self.order.sort_unstable_by_key(|&r| (requests[r as usize].shard, requests[r as usize].start));
 
         self.plan_extents(op_blocks_max);
@@ -191,7 +198,9 @@ impl Planner {
             let request = self.requests[r as usize];
             let (first, end) = (request.start / BLOCK_BYTES_U64, request.end.div_ceil(BLOCK_BYTES_U64));
             match &mut run {
-                Some((shard, _, run_end)) if *shard == request.shard && first <= *run_end => *run_end = (*run_end).max(end),
+                Some((shard, _, run_end)) if *shard == request.shard && first <= *run_end => {
+                    *run_end = (*run_end).max(end)
+                }
                 _ => {
                     if let Some(done) = run.replace((request.shard, first, end)) {
                         push_extents(&mut self.extents, done, op_blocks_max);

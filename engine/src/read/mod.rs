@@ -130,7 +130,10 @@ impl Dataset {
             source: FormatError::Inconsistent { field, detail },
         };
         if meta.file_bytes() != entry.file_bytes {
-            return Err(mismatch("file_bytes", format!("{}, the manifest says {}", meta.file_bytes(), entry.file_bytes)));
+            return Err(mismatch(
+                "file_bytes",
+                format!("{}, the manifest says {}", meta.file_bytes(), entry.file_bytes),
+            ));
         }
         if meta.n_records() != entry.n_records {
             return Err(mismatch("n_records", format!("{}, the manifest says {}", meta.n_records(), entry.n_records)));
@@ -138,7 +141,12 @@ impl Dataset {
         if meta.digest() != entry.meta_digest {
             return Err(mismatch(
                 "metadata digest",
-                format!("{}, the manifest says {}: this file is not shard {}", meta.digest(), entry.meta_digest, entry.shard),
+                format!(
+                    "{}, the manifest says {}: this file is not shard {}",
+                    meta.digest(),
+                    entry.meta_digest,
+                    entry.shard
+                ),
             ));
         }
         if meta.layout() != self.layout() {

@@ -157,7 +157,10 @@ impl Footer {
     pub fn decode(block: &[u8], layout: &Layout, file_bytes: u64) -> Result<Footer, FormatError> {
         unseal(block, "shard footer", &FOOTER_MAGIC)?;
         if read_u32(block, 12) != 0 || read_u32(block, 100) != 0 || block[104..CRC_AT].iter().any(|&b| b != 0) {
-            return Err(FormatError::Inconsistent { field: "footer", detail: "reserved bytes are not zero".to_owned() });
+            return Err(FormatError::Inconsistent {
+                field: "footer",
+                detail: "reserved bytes are not zero".to_owned(),
+            });
         }
         let data_offset = read_u64(block, 24);
         if data_offset != DATA_OFFSET {

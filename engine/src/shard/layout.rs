@@ -138,17 +138,14 @@ impl FixedLayout {
         let mut record_bytes = dtype.size_bytes();
         for &dim in dims {
             if dim == 0 {
-                return Err(FormatError::Inconsistent {
-                    field: "shape",
-                    detail: "a dim of 0".to_owned(),
-                });
+                return Err(FormatError::Inconsistent { field: "shape", detail: "a dim of 0".to_owned() });
             }
-            record_bytes = record_bytes
-                .checked_mul(dim)
-                .filter(|&bytes| bytes <= FIXED_RECORD_BYTES_MAX)
-                .ok_or_else(|| FormatError::Inconsistent {
-                    field: "shape",
-                    detail: format!("record larger than {FIXED_RECORD_BYTES_MAX} bytes"),
+            record_bytes =
+                record_bytes.checked_mul(dim).filter(|&bytes| bytes <= FIXED_RECORD_BYTES_MAX).ok_or_else(|| {
+                    FormatError::Inconsistent {
+                        field: "shape",
+                        detail: format!("record larger than {FIXED_RECORD_BYTES_MAX} bytes"),
+                    }
                 })?;
         }
         Ok(Self { dtype, dims: dims.to_vec(), record_bytes })

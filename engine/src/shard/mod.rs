@@ -28,6 +28,11 @@ pub use writer::{ShardWriter, WRITE_CHUNK_BYTES, WrittenShard};
 
 pub(crate) use layout::{read_u32, read_u64};
 
+/// The CRC32C used by every checksum of the format (Castagnoli, hardware-accelerated).
+pub fn crc32c(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+}
+
 /// Checks everything a decoder can check about arbitrary bytes presented as a shard file: the
 /// metadata, every data block, every record range and, for samples, every sample encoding. It
 /// never panics, whatever the input; the fuzz target calls it.
@@ -37,7 +42,8 @@ pub fn fuzz_decode(bytes: &[u8]) -> Result<u64, crate::error::FormatError> {
     let mut total = 0u64;
     for local in 0..meta.n_records() {
         let range = meta.record_range(local);
-        let record = &data[usize::try_from(range.start).expect("in file")..usize::try_from(range.end).expect("in file")];
+        let record =
+            &data[usize::try_from(range.start).expect("in file")..usize::try_from(range.end).expect("in file")];
         if matches!(meta.layout(), Layout::Samples) {
             Sample::decode(record)?;
         }

@@ -87,7 +87,8 @@ proptest! {
 /// Not sampled: every bit of a shard with records across block boundaries, one at a time.
 #[test]
 fn every_single_bit_flip_of_a_small_shard_is_detected() {
-    let records: Vec<Vec<u8>> = [0usize, 1, 4095, 4097, 300].iter().map(|&n| (0..n).map(|i| (i * 7) as u8).collect()).collect();
+    let records: Vec<Vec<u8>> =
+        [0usize, 1, 4095, 4097, 300].iter().map(|&n| (0..n).map(|i| (i * 7) as u8).collect()).collect();
     let (bytes, _) = shard_bytes(&Layout::Bytes, &records);
     assert_eq!(records_back(&bytes).unwrap(), records);
     let mut flipped = bytes.clone();

@@ -162,9 +162,9 @@ impl<W: Write> ShardWriter<W> {
 
     fn check_record_len(&self, len: u64) -> Result<()> {
         match self.layout.record_bytes() {
-            Some(record_bytes) if record_bytes != len => Err(Error::invalid_input(format!(
-                "a record of {len} bytes in a layout of {record_bytes}-byte records"
-            ))),
+            Some(record_bytes) if record_bytes != len => {
+                Err(Error::invalid_input(format!("a record of {len} bytes in a layout of {record_bytes}-byte records")))
+            }
             _ => Ok(()),
         }
     }

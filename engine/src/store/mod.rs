@@ -262,7 +262,8 @@ impl Store {
         fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
         let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("{}-{n}.tmp", std::process::id()));
-        let file = OpenOptions::new().write(true).create_new(true).open(&path).map_err(|e| Error::io("create", &path, e))?;
+        let file =
+            OpenOptions::new().write(true).create_new(true).open(&path).map_err(|e| Error::io("create", &path, e))?;
         Ok((file, path))
     }
 

@@ -70,9 +70,9 @@ impl VersionSpec {
         match text.split_once('@') {
             None => Ok(Self::Latest(DatasetName::new(text)?)),
             Some((name, number)) => {
-                let number = number.parse().map_err(|_| {
-                    Error::invalid_input(format!("{text:?}: the version after '@' must be a number"))
-                })?;
+                let number = number
+                    .parse()
+                    .map_err(|_| Error::invalid_input(format!("{text:?}: the version after '@' must be a number")))?;
                 Ok(Self::Numbered(DatasetName::new(name)?, number))
             }
         }

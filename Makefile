@@ -1,0 +1,42 @@
+# One entry point for checks. `make test` is what CI runs (see .ci/run).
+SHELL := /bin/bash
+CARGO ?= cargo
+FUZZ_SECONDS ?= 20
+
+.PHONY: test fmt-check clippy unit doc fuzz-smoke fuzz-seeds demo bench
+
+## Everything CI checks: formatting, lints, tests, docs, a short fuzz run.
+test: fmt-check clippy unit doc fuzz-smoke
+
+fmt-check:
+	$(CARGO) fmt --all --check
+
+clippy:
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+unit:
+	$(CARGO) test --workspace --locked
+
+doc:
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
+
+## Seeds the fuzz corpora with real shards, manifests, refs and samples (so mutations start from
+## valid files), then fuzzes each target for FUZZ_SECONDS. Needs nightly and cargo-fuzz, which
+## .ci/run installs; elsewhere: `rustup toolchain install nightly && cargo install cargo-fuzz`.
+fuzz-smoke: fuzz-seeds
+	@if ! $(CARGO) +nightly fuzz --version >/dev/null 2>&1; then \
+		echo "fuzz-smoke: needs nightly and cargo-fuzz (installed by .ci/run)"; exit 1; fi
+	cd fuzz && $(CARGO) +nightly fuzz run shard_decode corpus/shard_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
+	cd fuzz && $(CARGO) +nightly fuzz run object_decode corpus/object_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
+
+fuzz-seeds:
+	scripts/fuzz-seeds.sh
+
+## The main job end to end on data it makes itself.
+demo:
+	scripts/demo.sh
+
+## criterion benches, then the read benchmark table on the demo dataset.
+bench:
+	$(CARGO) bench -p granary
+	scripts/demo.sh --bench-only

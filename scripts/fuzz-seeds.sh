@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Fills fuzz/corpus/ with valid objects: shards of every layout, manifests, refs, samples.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build -q -p granary --locked
+granary=target/debug/granary
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+head -c 40960 /dev/urandom > "$work/tokens.bin"
+mkdir -p "$work/tree/sub"
+printf 'a' > "$work/tree/one"; : > "$work/tree/empty"; head -c 5000 /dev/urandom > "$work/tree/sub/two"
+mkdir -p "$work/wds"
+printf 'x' > "$work/wds/0001.cls"; head -c 300 /dev/urandom > "$work/wds/0001.jpg"; printf 'y' > "$work/wds/0002.cls"
+tar -C "$work/wds" -cf "$work/wds.tar" 0001.cls 0001.jpg 0002.cls
+
+store="$work/store"
+$granary --root "$store" ingest records --name tok --record-bytes 4096 --dtype u16 --shard-bytes 16K "$work/tokens.bin" >/dev/null
+$granary --root "$store" ingest records --name odd --record-bytes 10 --drop-remainder --shard-bytes 8K "$work/tokens.bin" >/dev/null
+$granary --root "$store" ingest files --name tree "$work/tree" >/dev/null
+$granary --root "$store" ingest tar --name wds "$work/wds.tar" >/dev/null
+
+mkdir -p fuzz/corpus/shard_decode fuzz/corpus/object_decode
+find "$store/shards" -name '*.shard' -size -64k -exec cp {} fuzz/corpus/shard_decode/ \;
+find "$store/manifests" -name '*.manifest' -exec cp {} fuzz/corpus/object_decode/ \;
+for ref in "$store"/refs/*; do cp "$ref" "fuzz/corpus/object_decode/ref-$(basename "$ref")"; done
+echo "fuzz seeds: $(ls fuzz/corpus/shard_decode | wc -l) shards, $(ls fuzz/corpus/object_decode | wc -l) manifests and refs"
