@@ -73,3 +73,29 @@ fn repair_quarantines_a_corrupt_shard_and_reports_what_it_leaves_missing() {
     let err = granary_err(&root, &["get", "d", "39"]);
     assert!(!err.is_empty());
 }
+
+#[test]
+fn a_damaged_ref_is_quarantined_by_repair_and_does_not_lock_the_store() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let mut granary = Granary::create(&root).unwrap();
+    let records: Vec<Vec<u8>> = (0..5).map(|i| bytes(i, 100)).collect();
+    ingest(&mut granary, "good", Layout::Bytes, small_shards(4096), &records);
+    ingest(&mut granary, "bad", Layout::Bytes, small_shards(4096), &records[..2]);
+    drop(granary);
+    let ref_path = root.join("refs").join("bad");
+    let mut text = std::fs::read(&ref_path).unwrap();
+    text[16] ^= 0x02;
+    std::fs::write(&ref_path, &text).unwrap();
+
+    let verify = common::granary(&root, &["verify"]);
+    assert_eq!(verify.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&verify.stderr).contains("refs/bad"));
+    let out = common::granary(&root, &["repair"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("quarantined") && stderr.contains("refs/bad"), "{stderr}");
+    assert!(!ref_path.exists());
+    let granary = Granary::open(&root).unwrap();
+    let names: Vec<String> = granary.datasets().unwrap().into_iter().map(|d| d.name.to_string()).collect();
+    assert_eq!(names, ["good"]);
+}

@@ -122,7 +122,13 @@ impl Granary {
         let names = self.store.paths().list_refs()?;
         let mut changed = false;
         for name in &names {
-            let log = self.store.paths().read_ref(name)?;
+            // A damaged ref must not lock everyone out: `verify` reports it and `repair`
+            // quarantines it, and both need the store to open.
+            let log = match self.store.paths().read_ref(name) {
+                Ok(log) => log,
+                Err(e) if e.is_corruption() => continue,
+                Err(e) => return Err(e),
+            };
             if self.catalog.dataset(name)?.as_ref() != Some(&log) {
                 self.catalog.put_dataset(name, &log)?;
                 changed = true;
