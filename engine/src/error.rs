@@ -70,6 +70,99 @@ pub enum FormatError {
     },
 }
 
+/// What went wrong with a policy plugin. Every failure of a plugin is one of these: it never
+/// panics or hangs the host.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PluginError {
+    /// The plugin could not be loaded: not a component, not a granary policy, or it imports
+    /// something the sandbox does not offer (files, sockets).
+    #[error("plugin {plugin}: refused at load: {detail}")]
+    Load {
+        /// The plugin's name.
+        plugin: String,
+        /// Why.
+        detail: String,
+    },
+    /// The plugin trapped (a panic, an unreachable, a bad memory access).
+    #[error("plugin {plugin}: trapped in {call}: {detail}")]
+    Trap {
+        /// The plugin's name.
+        plugin: String,
+        /// The call that trapped.
+        call: &'static str,
+        /// The trap, and what the guest printed.
+        detail: String,
+    },
+    /// The plugin ran past the deadline of its call and was interrupted.
+    #[error("plugin {plugin}: {call} ran past its deadline of {deadline_ms} ms and was interrupted")]
+    Deadline {
+        /// The plugin's name.
+        plugin: String,
+        /// The call.
+        call: &'static str,
+        /// The deadline.
+        deadline_ms: u64,
+    },
+    /// The plugin tried to grow its memory past its cap.
+    #[error("plugin {plugin}: {call} hit the memory cap of {limit_bytes} bytes")]
+    MemoryLimit {
+        /// The plugin's name.
+        plugin: String,
+        /// The call.
+        call: &'static str,
+        /// The cap.
+        limit_bytes: u64,
+    },
+    /// The plugin overflowed its stack.
+    #[error("plugin {plugin}: {call} overflowed its stack")]
+    StackOverflow {
+        /// The plugin's name.
+        plugin: String,
+        /// The call.
+        call: &'static str,
+    },
+    /// The plugin ran out of fuel (fuel metering is used in tests and benchmarks).
+    #[error("plugin {plugin}: {call} ran out of fuel")]
+    OutOfFuel {
+        /// The plugin's name.
+        plugin: String,
+        /// The call.
+        call: &'static str,
+    },
+    /// The plugin returned something the host refuses: unknown ids, duplicates, ranges out of
+    /// bounds, a plan that is not a permutation.
+    #[error("plugin {plugin}: {call} returned an invalid output: {detail}")]
+    InvalidOutput {
+        /// The plugin's name.
+        plugin: String,
+        /// The call.
+        call: &'static str,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// The plugin refused its input (its own `policy-error`).
+    #[error("plugin {plugin}: {call} refused: {detail}")]
+    Rejected {
+        /// The plugin's name.
+        plugin: String,
+        /// The call.
+        call: &'static str,
+        /// The plugin's reason.
+        detail: String,
+    },
+    /// The plugin failed too often in a row and is no longer called.
+    #[error("plugin {plugin} is quarantined after {failures} consecutive failures (last: {last})")]
+    Quarantined {
+        /// The plugin's name.
+        plugin: String,
+        /// Failures in a row.
+        failures: u32,
+        /// The last failure.
+        last: String,
+    },
+}
+
 /// Everything the engine's library API can fail with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -158,6 +251,9 @@ pub enum Error {
         /// What is missing.
         detail: String,
     },
+    /// A policy plugin failed and no fallback policy could take over.
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
     /// The catalog database failed.
     #[error("catalog: {detail}")]
     Catalog {

@@ -33,10 +33,12 @@ pub mod ingest;
 pub mod plan;
 pub mod io;
 pub mod read;
+#[cfg(feature = "policy")]
+pub mod policy;
 pub mod engine;
 
 pub use engine::Granary;
-pub use error::{Error, FormatError, Result};
+pub use error::{Error, FormatError, PluginError, Result};
 pub use id::{ManifestId, ObjectId, ShardId};
 pub use ingest::{Ingest, IngestMode, IngestOptions};
 pub use io::{Backend, Io, IoConfig};

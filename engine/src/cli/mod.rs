@@ -1,6 +1,7 @@
 //! Argument parsing and the commands. Every failure is one line on stderr and a non-zero exit.
 
 mod bench;
+mod plugin;
 mod show;
 
 use std::io::Write;
@@ -66,6 +67,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// The policy plugin kit: check, simulate, make traces.
+    #[command(subcommand)]
+    Plugin(plugin::PluginCommand),
 }
 
 #[derive(Subcommand)]
@@ -141,6 +145,9 @@ pub(crate) fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
+    if let Command::Plugin(command) = cli.command {
+        return plugin::run(command).map(|ok| if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
+    }
     let root = cli.root.context("no store given: pass --root DIR or set GRANARY_ROOT")?;
     let paths = StorePaths::new(&root);
     match cli.command {
@@ -162,6 +169,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(BenchCommand::Read(args)) => bench::read(&paths, &args).map(|()| ExitCode::SUCCESS),
+        Command::Plugin(_) => unreachable!("handled above, before a store is needed"),
     }
 }
 

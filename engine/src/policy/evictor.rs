@@ -1,0 +1,411 @@
+//! The evictor host: batched access events into a plugin, every outcome checked against the
+//! host's own record of what is resident.
+//!
+//! The host keeps the resident set (the mirror) itself: a plugin's answer is replayed against it
+//! (hits must be resident, misses must not be, victims must be resident, the cache must never
+//! overflow) before anything changes, so an invalid answer changes nothing and the batch is
+//! answered by the fallback policy instead. Because the mirror is the truth, any policy can
+//! take over from any other: a new or rebuilt instance is restored from the mirror, in the order
+//! of the latest snapshot (and with that snapshot's policy-specific state when it is still
+//! exact).
+
+use std::collections::{HashMap, HashSet};
+
+use wasmtime::component::ResourceAny;
+
+use super::bindings::evictor::EvictorPlugin;
+use super::bindings::evictor::exports::granary::policy::evictor as wit;
+use super::supervise::{PolicyStatus, Supervisor, SwapHandle};
+use super::{Instance, Plugin, PolicyKind, invalid, rejected};
+use crate::error::{Error, PluginError};
+
+/// What a batch did, as validated.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AccessOutcome {
+    /// Whether each access hit.
+    pub hits: Vec<bool>,
+    /// (access index, key): `key` was evicted before access `index` was inserted.
+    pub evictions: Vec<(u32, u64)>,
+}
+
+/// Counters of an evictor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EvictorStats {
+    /// Batches applied.
+    pub batches: u64,
+    /// Accesses applied.
+    pub accesses: u64,
+    /// Hits among them.
+    pub hits: u64,
+    /// Objects evicted.
+    pub evictions: u64,
+    /// Fuel burnt by the active plugin's current instance (when metered).
+    pub fuel: u64,
+}
+
+struct Live {
+    instance: Instance<EvictorPlugin>,
+    policy: ResourceAny,
+}
+
+/// The last snapshot: the order (and state) to restore a new instance with.
+#[derive(Clone, Default)]
+struct Snapshot {
+    policy: String,
+    order: Vec<(u64, u32)>,
+    state: Vec<u8>,
+}
+
+/// A supervised evictor plugin with its cache's resident set.
+pub struct Evictor {
+    supervisor: Supervisor<Live>,
+    state: State,
+}
+
+/// The host's side of an evictor: the truth about what is resident.
+struct State {
+    capacity: u64,
+    resident: HashMap<u64, u32>,
+    used: u64,
+    snapshot: Snapshot,
+    /// Whether the resident set changed since `snapshot` was taken.
+    changed_since_snapshot: bool,
+    batches_since_snapshot: u32,
+    stats: EvictorStats,
+}
+
+impl Evictor {
+    /// An evictor for a cache of `capacity` bytes (give every object size 1 to count objects),
+    /// run by `plugin` with `options`, and `fallback` (with its defaults) answering when it fails.
+    pub fn new(
+        plugin: Plugin,
+        options: &[(String, String)],
+        fallback: Option<Plugin>,
+        capacity: u64,
+    ) -> Result<Self, Error> {
+        plugin.expect_kind(PolicyKind::Evictor)?;
+        if let Some(fallback) = &fallback {
+            fallback.expect_kind(PolicyKind::Evictor)?;
+        }
+        let options = options.to_vec();
+        let live = instantiate(&plugin, capacity, &options)?;
+        let limits = plugin.host().limits().clone();
+        Ok(Self {
+            supervisor: Supervisor::new(plugin, options, Some(live), fallback, limits),
+            state: State {
+                capacity,
+                resident: HashMap::new(),
+                used: 0,
+                snapshot: Snapshot::default(),
+                changed_since_snapshot: false,
+                batches_since_snapshot: 0,
+                stats: EvictorStats::default(),
+            },
+        })
+    }
+
+    /// Applies a batch of accesses (parallel lists) and returns what the policy did. On success
+    /// the host's resident set reflects it.
+    pub fn access(&mut self, keys: &[u64], sizes: &[u32], next_uses: &[u64]) -> Result<AccessOutcome, Error> {
+        if keys.len() != sizes.len() || keys.len() != next_uses.len() || keys.len() > u32::MAX as usize {
+            return Err(Error::invalid_input("keys, sizes and next uses must be lists of one length"));
+        }
+        self.apply_pending_swap()?;
+        let batch = wit::Accesses { keys: keys.to_vec(), sizes: sizes.to_vec(), next_uses: next_uses.to_vec() };
+        let outcome = self.run(&mut |this, live, plugin| {
+            let deadline = plugin.host().limits().deadline_evict;
+            let policy = live.policy;
+            let answer = live
+                .instance
+                .call("access", deadline, |b, s| b.granary_policy_evictor().policy().call_access(s, policy, &batch))?
+                .map_err(|e| rejected(plugin, "access", e))?;
+            let outcome = AccessOutcome {
+                hits: answer.hits,
+                evictions: answer.evictions.into_iter().map(|e| (e.before, e.key)).collect(),
+            };
+            this.check_and_apply(keys, sizes, &outcome).map_err(|detail| invalid(plugin, "access", detail))?;
+            Ok(outcome)
+        })?;
+        let state = &mut self.state;
+        state.stats.batches += 1;
+        state.stats.accesses += keys.len() as u64;
+        state.stats.hits += outcome.hits.iter().filter(|&&hit| hit).count() as u64;
+        state.stats.evictions += outcome.evictions.len() as u64;
+        state.changed_since_snapshot |= outcome.hits.iter().any(|&hit| !hit);
+        state.batches_since_snapshot += 1;
+        if state.batches_since_snapshot >= self.supervisor.active_plugin().host().limits().snapshot_every {
+            self.take_snapshot();
+        }
+        Ok(outcome)
+    }
+
+    /// Asks the policy to free at least `bytes` (or everything); returns the victims.
+    pub fn evict(&mut self, bytes: u64) -> Result<Vec<u64>, Error> {
+        self.apply_pending_swap()?;
+        let victims = self.run(&mut |this, live, plugin| {
+            let deadline = plugin.host().limits().deadline_evict;
+            let policy = live.policy;
+            let victims = live
+                .instance
+                .call("evict", deadline, |b, s| b.granary_policy_evictor().policy().call_evict(s, policy, bytes))?;
+            let mut freed = 0u64;
+            let mut seen = HashSet::with_capacity(victims.len());
+            for key in &victims {
+                let size = this
+                    .resident
+                    .get(key)
+                    .ok_or_else(|| invalid(plugin, "evict", format!("key {key} is not resident")))?;
+                if !seen.insert(*key) {
+                    return Err(invalid(plugin, "evict", format!("key {key} evicted twice")));
+                }
+                freed += u64::from(*size);
+            }
+            if freed < bytes.min(this.used) {
+                return Err(invalid(plugin, "evict", format!("freed {freed} of the {bytes} bytes asked")));
+            }
+            for key in &victims {
+                if let Some(size) = this.resident.remove(key) {
+                    this.used -= u64::from(size);
+                }
+            }
+            Ok(victims)
+        })?;
+        self.state.changed_since_snapshot |= !victims.is_empty();
+        Ok(victims)
+    }
+
+    /// Tells the policy the host removed `keys` by itself (keys not resident are ignored).
+    pub fn remove(&mut self, keys: &[u64]) -> Result<(), Error> {
+        let state = &mut self.state;
+        let keys: Vec<u64> = keys.iter().copied().filter(|key| state.resident.contains_key(key)).collect();
+        for key in &keys {
+            if let Some(size) = state.resident.remove(key) {
+                state.used -= u64::from(size);
+            }
+        }
+        state.changed_since_snapshot |= !keys.is_empty();
+        // The host's record is updated first: an instance rebuilt after a failure here is
+        // restored without these keys.
+        self.run(&mut |_, live, plugin| {
+            let deadline = plugin.host().limits().deadline_evict;
+            let policy = live.policy;
+            live.instance
+                .call("remove", deadline, |b, s| b.granary_policy_evictor().policy().call_remove(s, policy, &keys))
+        })
+    }
+
+    /// Switches to `plugin` (run with `options`) now: it is restored from the current state
+    /// first; on any failure the current plugin stays. The current one becomes the fallback.
+    pub fn swap(&mut self, plugin: Plugin, options: &[(String, String)]) -> Result<(), Error> {
+        plugin.expect_kind(PolicyKind::Evictor)?;
+        self.take_snapshot();
+        let options = options.to_vec();
+        let mut live = instantiate(&plugin, self.state.capacity, &options)?;
+        self.state.restore(&mut live, &plugin).map_err(Error::Plugin)?;
+        self.supervisor.promote(plugin, options, Some(live));
+        Ok(())
+    }
+
+    /// A handle through which another thread can swap the plugin; the swap happens before the
+    /// next call.
+    pub fn swap_handle(&self) -> SwapHandle {
+        self.supervisor.swap_handle()
+    }
+
+    /// Resident objects.
+    pub fn len(&self) -> usize {
+        self.state.resident.len()
+    }
+
+    /// Whether nothing is resident.
+    pub fn is_empty(&self) -> bool {
+        self.state.resident.is_empty()
+    }
+
+    /// Whether `key` is resident.
+    pub fn contains(&self, key: u64) -> bool {
+        self.state.resident.contains_key(&key)
+    }
+
+    /// Bytes resident.
+    pub fn used(&self) -> u64 {
+        self.state.used
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EvictorStats {
+        self.state.stats
+    }
+
+    /// Supervision state: which plugin answers, failures, quarantine.
+    pub fn status(&self) -> PolicyStatus {
+        self.supervisor.status()
+    }
+
+    fn apply_pending_swap(&mut self) -> Result<(), Error> {
+        match self.supervisor.take_pending() {
+            Some((plugin, options)) => self.swap(plugin, &options),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `op` under supervision, restoring an instance from the host's state first when it is
+    /// new or the other plugin answered last.
+    fn run<R>(
+        &mut self,
+        op: &mut dyn FnMut(&mut State, &mut Live, &Plugin) -> Result<R, PluginError>,
+    ) -> Result<R, Error> {
+        let state = &mut self.state;
+        let capacity = state.capacity;
+        let mut make = |plugin: &Plugin, options: &[(String, String)]| {
+            instantiate(plugin, capacity, &options.to_vec()).map_err(plugin_error)
+        };
+        self.supervisor.run(&mut make, &mut |live, fresh, _| {
+            let plugin = live.instance.plugin.clone();
+            if fresh {
+                state.restore(live, &plugin)?;
+            }
+            op(state, live, &plugin)
+        })
+    }
+
+    /// Takes a snapshot of the answering instance, if it is up; keeps the old one otherwise.
+    fn take_snapshot(&mut self) {
+        let state = &mut self.state;
+        state.batches_since_snapshot = 0;
+        let Some(live) = self.supervisor.active_instance() else { return };
+        let deadline = live.instance.plugin.host().limits().deadline_setup;
+        let policy = live.policy;
+        let taken = live
+            .instance
+            .call("snapshot", deadline, |b, s| b.granary_policy_evictor().policy().call_snapshot(s, policy));
+        state.stats.fuel = live.instance.fuel_used;
+        // A snapshot that disagrees with the host's resident set is not used for order or state.
+        if let Ok(snapshot) = taken
+            && snapshot.resident.len() == state.resident.len()
+            && snapshot.resident.iter().all(|e| state.resident.get(&e.key) == Some(&e.size))
+        {
+            state.snapshot = Snapshot {
+                policy: snapshot.policy,
+                order: snapshot.resident.into_iter().map(|e| (e.key, e.size)).collect(),
+                state: snapshot.state,
+            };
+            state.changed_since_snapshot = false;
+        }
+    }
+}
+
+impl State {
+    /// Brings `live` to the host's resident set.
+    fn restore(&self, live: &mut Live, plugin: &Plugin) -> Result<(), PluginError> {
+        let mut order: Vec<wit::Entry> = Vec::with_capacity(self.resident.len());
+        let mut listed = HashSet::with_capacity(self.resident.len());
+        for &(key, size) in &self.snapshot.order {
+            if self.resident.contains_key(&key) && listed.insert(key) {
+                order.push(wit::Entry { key, size });
+            }
+        }
+        let mut rest: Vec<(u64, u32)> =
+            self.resident.iter().filter(|(key, _)| !listed.contains(*key)).map(|(&key, &size)| (key, size)).collect();
+        rest.sort_unstable();
+        order.extend(rest.into_iter().map(|(key, size)| wit::Entry { key, size }));
+        let exact = !self.changed_since_snapshot;
+        let snapshot = wit::Snapshot {
+            policy: if exact { self.snapshot.policy.clone() } else { String::new() },
+            resident: order,
+            state: if exact { self.snapshot.state.clone() } else { Vec::new() },
+        };
+        let deadline = plugin.host().limits().deadline_setup;
+        let policy = live.policy;
+        live.instance
+            .call("restore", deadline, |b, s| b.granary_policy_evictor().policy().call_restore(s, policy, &snapshot))?
+            .map_err(|e| rejected(plugin, "restore", e))
+    }
+
+    /// Replays a batch's outcome against the resident set; applies it only if it is valid.
+    fn check_and_apply(&mut self, keys: &[u64], sizes: &[u32], outcome: &AccessOutcome) -> Result<(), String> {
+        if outcome.hits.len() != keys.len() {
+            return Err(format!("{} hit flags for {} accesses", outcome.hits.len(), keys.len()));
+        }
+        let mut undo: Vec<(u64, Option<u32>)> = Vec::new();
+        let mut used = self.used;
+        let checked = (|| {
+            let mut evictions = outcome.evictions.iter().peekable();
+            for (i, ((&key, &size), &hit)) in keys.iter().zip(sizes).zip(&outcome.hits).enumerate() {
+                while let Some(&&(before, victim)) = evictions.peek() {
+                    if before as usize != i {
+                        break;
+                    }
+                    evictions.next();
+                    if hit {
+                        return Err(format!("eviction before access {i}, which hit"));
+                    }
+                    let size =
+                        self.resident.remove(&victim).ok_or_else(|| format!("evicted key {victim} is not resident"))?;
+                    undo.push((victim, Some(size)));
+                    used -= u64::from(size);
+                }
+                let resident = self.resident.contains_key(&key);
+                if hit != resident {
+                    return Err(format!(
+                        "access {i} (key {key}) reported as a {} but is {}resident",
+                        if hit { "hit" } else { "miss" },
+                        if resident { "" } else { "not " }
+                    ));
+                }
+                if !hit && u64::from(size) <= self.capacity {
+                    self.resident.insert(key, size);
+                    undo.push((key, None));
+                    used += u64::from(size);
+                    if used > self.capacity {
+                        return Err(format!("after access {i} the cache holds {used} of {} bytes", self.capacity));
+                    }
+                }
+            }
+            match evictions.next() {
+                Some((before, key)) => {
+                    Err(format!("eviction of {key} before access {before}, out of order or past the batch"))
+                }
+                None => Ok(()),
+            }
+        })();
+        match checked {
+            Ok(()) => {
+                self.used = used;
+                Ok(())
+            }
+            Err(detail) => {
+                for (key, size) in undo.into_iter().rev() {
+                    match size {
+                        Some(size) => self.resident.insert(key, size),
+                        None => self.resident.remove(&key),
+                    };
+                }
+                Err(detail)
+            }
+        }
+    }
+}
+
+fn plugin_error(error: Error) -> PluginError {
+    match error {
+        Error::Plugin(error) => error,
+        other => PluginError::Load { plugin: "(host)".to_owned(), detail: other.to_string() },
+    }
+}
+
+/// A new instance of `plugin` with an empty policy for `capacity`.
+fn instantiate(plugin: &Plugin, capacity: u64, options: &Vec<(String, String)>) -> Result<Live, Error> {
+    let super::PluginPre::Evictor(pre) = &plugin.inner.pre else {
+        return Err(Error::Plugin(PluginError::Load {
+            plugin: plugin.name().to_owned(),
+            detail: "not an evictor".to_owned(),
+        }));
+    };
+    let deadline = plugin.host().limits().deadline_setup;
+    let mut instance = super::instantiate_with(plugin, |store| pre.instantiate(store)).map_err(Error::Plugin)?;
+    let policy = instance
+        .call("create", deadline, |b, s| b.granary_policy_evictor().policy().call_create(s, capacity, options))?
+        .map_err(|e| rejected(plugin, "create", e))?;
+    Ok(Live { instance, policy })
+}

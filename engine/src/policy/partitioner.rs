@@ -1,0 +1,231 @@
+//! The partitioner host: one call per epoch (or membership change) returns every rank's reads,
+//! checked to be a permutation of the records left in the epoch before it is used.
+
+use super::bindings::partitioner::PartitionerPlugin;
+use super::bindings::partitioner::exports::granary::policy::partitioner as wit;
+use super::supervise::{PolicyStatus, Supervisor, SwapHandle};
+use super::{Instance, Plugin, PolicyKind, invalid, rejected};
+use crate::error::{Error, PluginError};
+
+/// A shard as a partitioner sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardInfo {
+    /// The 32-byte content id.
+    pub id: [u8; 32],
+    /// Bytes of the shard file.
+    pub bytes: u64,
+    /// Records in the shard.
+    pub records: u64,
+    /// Nodes with a copy.
+    pub replicas: Vec<u32>,
+}
+
+/// A rank (one training process).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankInfo {
+    /// 0..n-1.
+    pub id: u32,
+    /// Its node.
+    pub node: u32,
+    /// Relative share.
+    pub weight: u32,
+    /// Taking part.
+    pub up: bool,
+}
+
+/// A node of the job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Stable id.
+    pub id: u32,
+    /// Relative capacity.
+    pub weight: u32,
+    /// Nodes that fail together share it.
+    pub failure_domain: u32,
+    /// Reachable now.
+    pub up: bool,
+}
+
+/// Which epoch to plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpochSpec {
+    /// The run's seed.
+    pub seed: u64,
+    /// The epoch.
+    pub epoch: u64,
+    /// Records per rank per step.
+    pub batch_size: u64,
+    /// Global positions already consumed in the epoch.
+    pub start: u64,
+}
+
+/// One rank's reads: dataset index ranges, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankPlan {
+    /// The rank.
+    pub rank: u32,
+    /// Half-open ranges.
+    pub ranges: Vec<std::ops::Range<u64>>,
+}
+
+impl RankPlan {
+    /// Records the rank reads.
+    pub fn n_records(&self) -> u64 {
+        self.ranges.iter().map(|r| r.end - r.start).sum()
+    }
+
+    /// The dataset indices, in read order.
+    pub fn records(&self) -> impl Iterator<Item = u64> + '_ {
+        self.ranges.iter().flat_map(|r| r.clone())
+    }
+}
+
+/// A supervised partitioner plugin.
+pub struct Partitioner {
+    supervisor: Supervisor<Instance<PartitionerPlugin>>,
+}
+
+impl Partitioner {
+    /// A partitioner run by `plugin` with `options`, and `fallback` (with its defaults)
+    /// answering when it fails.
+    pub fn new(plugin: Plugin, options: &[(String, String)], fallback: Option<Plugin>) -> Result<Self, Error> {
+        plugin.expect_kind(PolicyKind::Partitioner)?;
+        if let Some(fallback) = &fallback {
+            fallback.expect_kind(PolicyKind::Partitioner)?;
+        }
+        let instance = instantiate(&plugin).map_err(Error::Plugin)?;
+        let limits = plugin.host().limits().clone();
+        Ok(Self { supervisor: Supervisor::new(plugin, options.to_vec(), Some(instance), fallback, limits) })
+    }
+
+    /// The plan of one epoch: every record from global position `epoch.start` on, read exactly
+    /// once, by ranks that are up. Checked before it is returned.
+    pub fn plan(
+        &mut self,
+        shards: &[ShardInfo],
+        ranks: &[RankInfo],
+        nodes: &[NodeInfo],
+        epoch: EpochSpec,
+    ) -> Result<Vec<RankPlan>, Error> {
+        check_input(ranks)?;
+        if let Some((plugin, options)) = self.supervisor.take_pending() {
+            self.swap(plugin, &options)?;
+        }
+        let total = shards.iter().try_fold(0u64, |sum, shard| sum.checked_add(shard.records));
+        let total = total.ok_or_else(|| Error::invalid_input("more than 2^64 records"))?;
+        let shards: Vec<wit::Shard> = shards
+            .iter()
+            .map(|s| wit::Shard { id: s.id.to_vec(), bytes: s.bytes, records: s.records, replicas: s.replicas.clone() })
+            .collect();
+        let membership = wit::Membership {
+            ranks: ranks.iter().map(|r| wit::Rank { id: r.id, node: r.node, weight: r.weight, up: r.up }).collect(),
+            nodes: nodes
+                .iter()
+                .map(|n| super::bindings::WitNode {
+                    id: n.id,
+                    weight: n.weight,
+                    failure_domain: n.failure_domain,
+                    up: n.up,
+                })
+                .collect(),
+        };
+        let wit_epoch =
+            wit::Epoch { seed: epoch.seed, epoch: epoch.epoch, batch_size: epoch.batch_size, start: epoch.start };
+        self.supervisor.run(&mut |plugin, _| instantiate(plugin), &mut |instance, _, options| {
+            let options = options.to_vec();
+            let plugin = instance.plugin.clone();
+            let deadline = plugin.host().limits().deadline_plan;
+            let plans = instance
+                .call("plan", deadline, |b, s| {
+                    b.granary_policy_partitioner().call_plan(s, &shards, &membership, wit_epoch, &options)
+                })?
+                .map_err(|e| rejected(&plugin, "plan", e))?;
+            let plans: Vec<RankPlan> = plans
+                .into_iter()
+                .map(|p| RankPlan { rank: p.rank, ranges: p.ranges.into_iter().map(|r| r.start..r.end).collect() })
+                .collect();
+            check_plan(&plans, ranks, total, epoch.start).map_err(|detail| invalid(&plugin, "plan", detail))?;
+            Ok(plans)
+        })
+    }
+
+    /// Switches to `plugin` (run with `options`) now; it must instantiate. The current one
+    /// becomes the fallback.
+    pub fn swap(&mut self, plugin: Plugin, options: &[(String, String)]) -> Result<(), Error> {
+        plugin.expect_kind(PolicyKind::Partitioner)?;
+        let instance = instantiate(&plugin).map_err(Error::Plugin)?;
+        self.supervisor.promote(plugin, options.to_vec(), Some(instance));
+        Ok(())
+    }
+
+    /// A handle to swap the plugin from another thread.
+    pub fn swap_handle(&self) -> SwapHandle {
+        self.supervisor.swap_handle()
+    }
+
+    /// Supervision state.
+    pub fn status(&self) -> PolicyStatus {
+        self.supervisor.status()
+    }
+}
+
+fn check_input(ranks: &[RankInfo]) -> Result<(), Error> {
+    let mut ids: Vec<u32> = ranks.iter().map(|r| r.id).collect();
+    ids.sort_unstable();
+    if ids.windows(2).any(|w| w[0] == w[1]) {
+        return Err(Error::invalid_input("two ranks share an id"));
+    }
+    if !ranks.iter().any(|r| r.up) {
+        return Err(Error::invalid_input("no rank is up"));
+    }
+    Ok(())
+}
+
+/// A plan is valid when every range is non-empty and inside the dataset, no record is read
+/// twice, only known ranks that are up read, each at most once in the list, and the ranges cover
+/// exactly the `total - start` records left (all of them when `start` is 0: a permutation).
+pub(crate) fn check_plan(plans: &[RankPlan], ranks: &[RankInfo], total: u64, start: u64) -> Result<(), String> {
+    let mut seen_ranks = std::collections::HashSet::new();
+    let mut ranges: Vec<std::ops::Range<u64>> = Vec::new();
+    for plan in plans {
+        match ranks.iter().find(|r| r.id == plan.rank) {
+            None => return Err(format!("rank {} is not in the membership", plan.rank)),
+            Some(rank) if !rank.up => return Err(format!("rank {} is down but has reads", plan.rank)),
+            Some(_) => {}
+        }
+        if !seen_ranks.insert(plan.rank) {
+            return Err(format!("rank {} has two plans", plan.rank));
+        }
+        for range in &plan.ranges {
+            if range.start >= range.end {
+                return Err(format!("rank {}: empty or reversed range {range:?}", plan.rank));
+            }
+            if range.end > total {
+                return Err(format!("rank {}: range {range:?} past the last record {}", plan.rank, total));
+            }
+            ranges.push(range.clone());
+        }
+    }
+    ranges.sort_unstable_by_key(|r| r.start);
+    let mut covered = 0u64;
+    let mut previous_end = 0u64;
+    for range in &ranges {
+        if range.start < previous_end {
+            return Err(format!("records {}..{} are read twice", range.start, previous_end.min(range.end)));
+        }
+        previous_end = range.end;
+        covered += range.end - range.start;
+    }
+    let left = total.saturating_sub(start);
+    if covered != left {
+        return Err(format!("the plan reads {covered} records, {left} are left in the epoch"));
+    }
+    Ok(())
+}
+
+fn instantiate(plugin: &Plugin) -> Result<Instance<PartitionerPlugin>, PluginError> {
+    let super::PluginPre::Partitioner(pre) = &plugin.inner.pre else {
+        return Err(PluginError::Load { plugin: plugin.name().to_owned(), detail: "not a partitioner".to_owned() });
+    };
+    super::instantiate_with(plugin, |store| pre.instantiate(store))
+}

@@ -1,0 +1,40 @@
+//! FIFO: evicts the object inserted longest ago, whatever its hits (libCacheSim's `FIFO`).
+
+use granary_policy_sdk::evict::Evictor;
+use granary_policy_sdk::list::KeyList;
+use granary_policy_sdk::{Error, Options};
+
+/// Insertion order: head is the newest.
+pub struct Fifo {
+    queue: KeyList<()>,
+}
+
+impl Evictor for Fifo {
+    const NAME: &'static str = "fifo";
+
+    fn new(_capacity: u64, options: &Options) -> Result<Self, Error> {
+        options.allow_only(&[])?;
+        Ok(Self { queue: KeyList::default() })
+    }
+
+    fn insert(&mut self, key: u64, _size: u32, _next_use: u64) {
+        self.queue.push_head(key, ());
+    }
+
+    fn hit(&mut self, _key: u64, _size: u32, _next_use: u64) {}
+
+    fn evict(&mut self) -> Option<u64> {
+        self.queue.pop_tail().map(|(key, ())| key)
+    }
+
+    fn remove(&mut self, key: u64) {
+        self.queue.remove(key);
+    }
+
+    fn order(&self) -> Vec<u64> {
+        self.queue.keys_oldest_first()
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+granary_policy_sdk::export_evictor!(Fifo);

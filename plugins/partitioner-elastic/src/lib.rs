@@ -1,0 +1,171 @@
+//! The elastic partitioner: which records each rank reads in an epoch, in which order.
+//!
+//! Records are cut into chunks of `chunk-records` consecutive records of one shard (default 1:
+//! a full record-level shuffle; larger chunks make a block shuffle whose reads stay sequential
+//! within a chunk while the chunk order mixes all shards).
+//!
+//! - `mode=global` (default): the chunks are put in a seeded order that depends only on the
+//!   dataset, the seed and the epoch, never on the world. Steps of `ranks x batch-size`
+//!   positions of that order are cut into one contiguous slice per rank that is up, in rank
+//!   order (a short last step is split as evenly as possible), so concatenating the ranks' reads
+//!   step by step gives the global order for any world size, and planning from a global
+//!   position `start` covers exactly the rest of the epoch. Rank weights are not used.
+//! - `mode=affinity`: every chunk is owned by one rank chosen by weighted rendezvous hashing,
+//!   so shares follow the rank weights and a change of membership moves only the chunks of the
+//!   ranks that came or went. With `locality=true`, a chunk goes to a rank whose node holds a
+//!   replica of its shard when one is up. Each rank reads its chunks in a seeded order.
+
+use granary_policy_sdk::hash::{Permutation, key_of, mix, rendezvous_score};
+use granary_policy_sdk::partition::{Epoch, Node, Partitioner, Rank, RankPlan, Shard};
+use granary_policy_sdk::{Error, Options};
+
+/// The elastic partitioner.
+pub struct Elastic;
+
+/// A run of consecutive records of one shard.
+#[derive(Clone, Copy)]
+struct Chunk {
+    first: u64,
+    len: u64,
+    shard: u32,
+    /// The chunk's index within its shard.
+    index: u64,
+}
+
+fn chunks(shards: &[Shard], chunk_records: u64) -> Result<Vec<Chunk>, Error> {
+    let mut out = Vec::new();
+    let mut first = 0u64;
+    for (s, shard) in shards.iter().enumerate() {
+        let mut offset = 0;
+        let mut index = 0;
+        while offset < shard.records {
+            let len = chunk_records.min(shard.records - offset);
+            out.push(Chunk { first: first + offset, len, shard: s as u32, index });
+            offset += len;
+            index += 1;
+        }
+        first = first.checked_add(shard.records).ok_or_else(|| Error::InvalidInput("more than 2^64 records".into()))?;
+    }
+    Ok(out)
+}
+
+impl Partitioner for Elastic {
+    fn plan(
+        shards: &[Shard],
+        ranks: &[Rank],
+        nodes: &[Node],
+        epoch: Epoch,
+        options: &Options,
+    ) -> Result<Vec<RankPlan>, Error> {
+        options.allow_only(&["mode", "chunk-records", "locality"])?;
+        let chunk_records: u64 = options.parse("chunk-records", 1)?;
+        let locality: bool = options.parse("locality", false)?;
+        if chunk_records == 0 {
+            return Err(Error::InvalidInput("chunk-records must be at least 1".into()));
+        }
+        let mut up: Vec<Rank> = ranks.iter().copied().filter(|r| r.up).collect();
+        up.sort_by_key(|r| r.id);
+        if up.is_empty() {
+            return Err(Error::InvalidInput("no rank is up".into()));
+        }
+        let chunks = chunks(shards, chunk_records)?;
+        match options.get("mode").unwrap_or("global") {
+            "global" => Ok(global(&chunks, &up, epoch)),
+            "affinity" => affinity(&chunks, shards, &up, nodes, epoch, locality),
+            other => Err(Error::InvalidInput(format!("unknown mode {other:?} (global or affinity)"))),
+        }
+    }
+}
+
+fn epoch_seed(epoch: &Epoch) -> u64 {
+    mix(epoch.seed ^ mix(epoch.epoch.wrapping_add(0x6a09_e667_f3bc_c909)))
+}
+
+fn global(chunks: &[Chunk], up: &[Rank], epoch: Epoch) -> Vec<RankPlan> {
+    let permutation = Permutation::new(chunks.len() as u64, epoch_seed(&epoch));
+    let order: Vec<Chunk> = (0..chunks.len() as u64).map(|j| chunks[permutation.apply(j) as usize]).collect();
+    // ends[j]: the global position just past chunk j of the order.
+    let mut ends = Vec::with_capacity(order.len());
+    let mut total = 0u64;
+    for chunk in &order {
+        total += chunk.len;
+        ends.push(total);
+    }
+    let mut plans: Vec<RankPlan> = up.iter().map(|r| RankPlan { rank: r.id, ranges: Vec::new() }).collect();
+    let world = up.len() as u64;
+    let batch = epoch.batch_size.max(1);
+    let mut cursor = epoch.start.min(total);
+    let mut j = ends.partition_point(|&end| end <= cursor);
+    while cursor < total {
+        let step = (world * batch).min(total - cursor);
+        let (base, extra) = if step == world * batch { (batch, 0) } else { (step / world, step % world) };
+        for (r, plan) in plans.iter_mut().enumerate() {
+            let r = r as u64;
+            let len = base + u64::from(r < extra);
+            let (mut from, to) = (cursor, cursor + len);
+            cursor = to;
+            while from < to {
+                let chunk = order[j];
+                let chunk_start = ends[j] - chunk.len;
+                let end = to.min(ends[j]);
+                plan.push(chunk.first + (from - chunk_start), chunk.first + (end - chunk_start));
+                from = end;
+                if from == ends[j] {
+                    j += 1;
+                }
+            }
+        }
+    }
+    plans
+}
+
+fn affinity(
+    chunks: &[Chunk],
+    shards: &[Shard],
+    up: &[Rank],
+    nodes: &[Node],
+    epoch: Epoch,
+    locality: bool,
+) -> Result<Vec<RankPlan>, Error> {
+    if epoch.start != 0 {
+        return Err(Error::Unsupported("mode=affinity plans whole epochs (start must be 0)".into()));
+    }
+    let node_up = |id: u32| nodes.iter().any(|n| n.id == id && n.up);
+    let mut owned: Vec<Vec<Chunk>> = vec![Vec::new(); up.len()];
+    for chunk in chunks {
+        let shard = &shards[chunk.shard as usize];
+        let key = mix(key_of(&shard.id) ^ mix(chunk.index));
+        let local = |r: &Rank| shard.replicas.contains(&r.node) && node_up(r.node);
+        let any_local = locality && up.iter().any(local);
+        let owner = up
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !any_local || local(r))
+            .max_by(|(_, a), (_, b)| {
+                rendezvous_score(key, u64::from(a.id), a.weight).total_cmp(&rendezvous_score(
+                    key,
+                    u64::from(b.id),
+                    b.weight,
+                ))
+            })
+            .map(|(i, _)| i)
+            .ok_or_else(|| Error::InvalidInput("no rank is up".into()))?;
+        owned[owner].push(*chunk);
+    }
+    Ok(up
+        .iter()
+        .zip(owned)
+        .map(|(rank, chunks)| {
+            let permutation = Permutation::new(chunks.len() as u64, epoch_seed(&epoch) ^ mix(u64::from(rank.id)));
+            let mut plan = RankPlan { rank: rank.id, ranges: Vec::new() };
+            for j in 0..chunks.len() as u64 {
+                let chunk = chunks[permutation.apply(j) as usize];
+                plan.push(chunk.first, chunk.first + chunk.len);
+            }
+            plan
+        })
+        .collect())
+}
+
+#[cfg(target_arch = "wasm32")]
+granary_policy_sdk::export_partitioner!(Elastic);

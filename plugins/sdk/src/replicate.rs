@@ -1,0 +1,75 @@
+//! Replication policies: implement [`Replicator::place`]; a repair plan follows from it.
+
+use std::collections::HashSet;
+
+use crate::options::{Error, Options};
+pub use crate::partition::Node;
+
+/// Whether an ingest waits for its copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Wait until the copies are verified.
+    Sync,
+    /// Copy in the background.
+    Async,
+}
+
+/// Shard key k lives on `buckets[k % buckets.len()]`, most preferred first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Sync or async.
+    pub mode: Mode,
+    /// The table.
+    pub buckets: Vec<Vec<u32>>,
+}
+
+impl Placement {
+    /// The nodes of shard `key`.
+    pub fn nodes(&self, key: u64) -> &[u32] {
+        if self.buckets.is_empty() { &[] } else { &self.buckets[(key % self.buckets.len() as u64) as usize] }
+    }
+}
+
+/// Where the copies of a shard are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holding {
+    /// The shard's key.
+    pub key: u64,
+    /// Nodes with a copy.
+    pub nodes: Vec<u32>,
+}
+
+/// One copy to make.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    /// The shard's key.
+    pub key: u64,
+    /// A node with a copy.
+    pub source: u32,
+    /// A node that should have one.
+    pub target: u32,
+}
+
+/// A replication policy.
+pub trait Replicator: 'static {
+    /// The placement table for these nodes.
+    fn place(nodes: &[Node], replicas: u32, options: &Options) -> Result<Placement, Error>;
+
+    /// The copies that bring every shard to its placement: for each target of a shard's bucket
+    /// that is up and lacks a copy, copy from the first up holder. Shards with no up holder
+    /// cannot be repaired and are left out.
+    fn repair(nodes: &[Node], replicas: u32, holdings: &[Holding], options: &Options) -> Result<Vec<Transfer>, Error> {
+        let placement = Self::place(nodes, replicas, options)?;
+        let up: HashSet<u32> = nodes.iter().filter(|n| n.up).map(|n| n.id).collect();
+        let mut transfers = Vec::new();
+        for holding in holdings {
+            let Some(&source) = holding.nodes.iter().find(|n| up.contains(n)) else { continue };
+            for &target in placement.nodes(holding.key) {
+                if up.contains(&target) && !holding.nodes.contains(&target) {
+                    transfers.push(Transfer { key: holding.key, source, target });
+                }
+            }
+        }
+        Ok(transfers)
+    }
+}
