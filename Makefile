@@ -3,13 +3,17 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 20
 
-.PHONY: test fmt-check clippy unit doc fuzz-smoke fuzz-seeds demo bench
+.PHONY: test fmt-check clippy unit doc plugins libcachesim fuzz-smoke fuzz-seeds demo bench
 
-## Everything CI checks: formatting, lints, tests, docs, a short fuzz run.
-test: fmt-check clippy unit doc fuzz-smoke
+PYTHON ?= $(shell test -x target/lcs-venv/bin/python && echo target/lcs-venv/bin/python || echo python3)
+
+## Everything CI checks: formatting, lints, tests, docs, the plugins, the libCacheSim comparison,
+## a short fuzz run.
+test: fmt-check clippy unit doc plugins libcachesim fuzz-smoke
 
 fmt-check:
 	$(CARGO) fmt --all --check
+	cd plugins && $(CARGO) fmt --all --check
 
 clippy:
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
@@ -19,6 +23,17 @@ unit:
 
 doc:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
+
+## The plugins workspace: lints for wasm32-wasip2, and the policies' own tests, run natively.
+plugins:
+	cd plugins && $(CARGO) clippy --workspace --release --locked --target-dir ../target/plugins -- -D warnings
+	cd plugins && $(CARGO) test --workspace --locked --target $$(rustc -vV | sed -n 's/^host: //p') --target-dir ../target/plugins-native
+
+## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces
+## (needs `pip install libcachesim`; .ci/run puts it in target/lcs-venv).
+libcachesim:
+	$(CARGO) build -p granary --locked
+	$(PYTHON) scripts/compare-libcachesim.py --granary target/debug/granary
 
 ## Seeds the fuzz corpora with real shards, manifests, refs and samples (so mutations start from
 ## valid files), then fuzzes each target for FUZZ_SECONDS. Needs nightly and cargo-fuzz, which

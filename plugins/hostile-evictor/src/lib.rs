@@ -2,8 +2,9 @@
 //! `loop` (spins forever), `grow` (allocates until stopped), `trap` (panics), `recurse`
 //! (recurses until the stack runs out), `bad-hits` (a hit list of the wrong length),
 //! `bad-evict` (evicts a key that was never inserted), `overfill` (never evicts),
-//! `trap-on-key=K` (panics on batches holding key K, behaves otherwise); anything else behaves
-//! as FIFO. Misbehaviour starts at the first `access` call.
+//! `trap-on-key=K` (panics on batches holding key K, behaves otherwise), `fifo` (behaves as
+//! FIFO). Without the option it answers with too many hit flags, so it fails `plugin check`.
+//! Misbehaviour starts at the first `access` call.
 #![cfg(target_arch = "wasm32")]
 
 use std::cell::RefCell;
@@ -32,7 +33,7 @@ fn recurse(depth: u64) -> u64 {
 
 impl wit::GuestPolicy for Hostile {
     fn create(capacity: u64, options: Vec<(String, String)>) -> Result<wit::Policy, PolicyError> {
-        let behave = options.iter().find(|(k, _)| k == "behave").map(|(_, v)| v.clone()).unwrap_or_default();
+        let behave = options.iter().find(|(k, _)| k == "behave").map_or_else(|| "bad-hits".to_owned(), |(_, v)| v.clone());
         Ok(wit::Policy::new(Hostile { behave, capacity, queue: RefCell::new(VecDeque::new()) }))
     }
 

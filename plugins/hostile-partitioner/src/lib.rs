@@ -1,7 +1,8 @@
 //! A hostile partitioner for the host's tests. Option `behave`: `loop`, `overlap` (a record
 //! twice), `out-of-range` (past the last record), `missing` (drops a record), `down-rank`
-//! (gives records to a rank that is down), `unknown-rank`, `empty-range`; anything else gives
-//! every record to the first rank in order (a valid plan).
+//! (gives records to a rank that is down), `unknown-rank`, `empty-range`, `valid` (every record
+//! to the first rank that is up, in order). Without the option it drops a record, so it fails
+//! `plugin check`.
 #![cfg(target_arch = "wasm32")]
 
 use granary_policy_sdk::partitioner_bindings::exports::granary::policy::partitioner as wit;
@@ -16,7 +17,7 @@ impl wit::Guest for Plugin {
         epoch: wit::Epoch,
         options: Vec<(String, String)>,
     ) -> Result<Vec<wit::RankPlan>, PolicyError> {
-        let behave = options.iter().find(|(k, _)| k == "behave").map(|(_, v)| v.as_str()).unwrap_or("");
+        let behave = options.iter().find(|(k, _)| k == "behave").map_or("missing", |(_, v)| v.as_str());
         let total: u64 = shards.iter().map(|s| s.records).sum();
         let first_up = membership.ranks.iter().find(|r| r.up).map(|r| r.id).unwrap_or(0);
         let range = |start, end| wit::RecordRange { start, end };

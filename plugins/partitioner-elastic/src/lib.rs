@@ -131,25 +131,29 @@ fn affinity(
         return Err(Error::Unsupported("mode=affinity plans whole epochs (start must be 0)".into()));
     }
     let node_up = |id: u32| nodes.iter().any(|n| n.id == id && n.up);
+    let equal_weights = up.iter().all(|r| r.weight == up[0].weight && r.weight > 0);
+    let max_id = up.iter().map(|r| r.id).max().unwrap_or(0);
+    let rank_keys: Vec<u64> = (0..=u64::from(max_id)).map(|id| mix(id.wrapping_add(0x9e37_79b9_7f4a_7c15))).collect();
     let mut owned: Vec<Vec<Chunk>> = vec![Vec::new(); up.len()];
     for chunk in chunks {
         let shard = &shards[chunk.shard as usize];
         let key = mix(key_of(&shard.id) ^ mix(chunk.index));
         let local = |r: &Rank| shard.replicas.contains(&r.node) && node_up(r.node);
         let any_local = locality && up.iter().any(local);
-        let owner = up
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| !any_local || local(r))
-            .max_by(|(_, a), (_, b)| {
-                rendezvous_score(key, u64::from(a.id), a.weight).total_cmp(&rendezvous_score(
-                    key,
-                    u64::from(b.id),
-                    b.weight,
-                ))
-            })
-            .map(|(i, _)| i)
-            .ok_or_else(|| Error::InvalidInput("no rank is up".into()))?;
+        let candidates = up.iter().enumerate().filter(|(_, r)| !any_local || local(r));
+        // With equal weights the rendezvous order is the order of the raw hashes: no logarithm
+        // per (chunk, rank) pair, which is most of the cost of a large plan.
+        let owner = if equal_weights {
+            candidates.max_by_key(|(_, r)| mix(key ^ rank_keys[r.id as usize])).map(|(i, _)| i)
+        } else {
+            candidates
+                .max_by(|(_, a), (_, b)| {
+                    let score = |r: &Rank| rendezvous_score(key, u64::from(r.id), r.weight);
+                    score(a).total_cmp(&score(b))
+                })
+                .map(|(i, _)| i)
+        }
+        .ok_or_else(|| Error::InvalidInput("no rank is up".into()))?;
         owned[owner].push(*chunk);
     }
     Ok(up
