@@ -79,7 +79,10 @@ fn plugins_that_reach_for_files_or_sockets_are_refused_at_load() {
         }
         other => panic!("expected a refusal at load, got {other:?}"),
     }
-    let err = common::granary_err(std::path::Path::new("/nonexistent"), &["plugin", "check", built_plugin_path("hostile_io").to_str().unwrap()]);
+    let err = common::granary_err(
+        std::path::Path::new("/nonexistent"),
+        &["plugin", "check", built_plugin_path("hostile_io").to_str().unwrap()],
+    );
     assert!(err.contains("refused at load"), "{err}");
     assert!(matches!(host.load_bytes("junk", b"not wasm"), Err(Error::Plugin(PluginError::Load { .. }))));
     assert!(matches!(host.load("no-such-plugin"), Err(Error::Io { .. })));
@@ -87,8 +90,10 @@ fn plugins_that_reach_for_files_or_sockets_are_refused_at_load() {
 
 #[test]
 fn a_plugin_that_keeps_failing_is_quarantined() {
-    let host = PolicyHost::new(Limits { backoff_base: Duration::ZERO, quarantine_after: 3, ..Limits::default() }, None).unwrap();
-    let mut evictor = Evictor::new(hostile_evictor(&host), &behave("trap"), Some(host.load("fifo").unwrap()), 3).unwrap();
+    let host = PolicyHost::new(Limits { backoff_base: Duration::ZERO, quarantine_after: 3, ..Limits::default() }, None)
+        .unwrap();
+    let mut evictor =
+        Evictor::new(hostile_evictor(&host), &behave("trap"), Some(host.load("fifo").unwrap()), 3).unwrap();
     for round in 0..6 {
         let mut evictor_round = || evictor.access(&[round, round + 100], &[1, 1], &[u64::MAX; 2]);
         assert!(evictor_round().is_ok(), "round {round}: the fallback answers");
@@ -102,7 +107,8 @@ fn a_plugin_that_keeps_failing_is_quarantined() {
 #[test]
 fn a_failed_plugin_is_rebuilt_after_its_backoff_and_recovers() {
     let host = host();
-    let mut evictor = Evictor::new(hostile_evictor(&host), &behave("trap-on-key=666"), Some(host.load("lru").unwrap()), 4).unwrap();
+    let mut evictor =
+        Evictor::new(hostile_evictor(&host), &behave("trap-on-key=666"), Some(host.load("lru").unwrap()), 4).unwrap();
     evictor.access(&[1, 2, 3], &[1; 3], &[u64::MAX; 3]).unwrap();
     evictor.access(&[666, 1], &[1; 2], &[u64::MAX; 2]).unwrap();
     assert_eq!(evictor.status().failures, 1);
@@ -182,7 +188,8 @@ fn the_elastic_plan_is_one_global_order_for_any_world_and_resumes_exactly() {
         let options = vec![("chunk-records".to_owned(), chunk.to_owned())];
         let mut partitioner = Partitioner::new(host.load("elastic").unwrap(), &options, None).unwrap();
         let epoch = |start| EpochSpec { seed: 11, epoch: 2, batch_size: 8, start };
-        let global = partitioner.plan(&dataset, &ranks(1), &nodes(), epoch(0)).unwrap()[0].records().collect::<Vec<_>>();
+        let global =
+            partitioner.plan(&dataset, &ranks(1), &nodes(), epoch(0)).unwrap()[0].records().collect::<Vec<_>>();
         let mut sorted = global.clone();
         sorted.sort_unstable();
         assert_eq!(sorted, (0..total).collect::<Vec<_>>(), "a permutation");
@@ -208,10 +215,16 @@ fn invalid_plans_are_refused_and_the_fallback_plans() {
     for what in ["overlap", "out-of-range", "missing", "down-rank", "unknown-rank", "empty-range", "loop"] {
         let limits = Limits { deadline_plan: Duration::from_millis(50), ..host.limits().clone() };
         let quick = PolicyHost::new(limits, None).unwrap();
-        let hostile = if what == "loop" { quick.load_file(&built_plugin_path("hostile_partitioner")).unwrap() } else { hostile.clone() };
+        let hostile = if what == "loop" {
+            quick.load_file(&built_plugin_path("hostile_partitioner")).unwrap()
+        } else {
+            hostile.clone()
+        };
         let fallback = Some(quick.load("elastic").unwrap());
         let mut partitioner = Partitioner::new(hostile, &behave(what), fallback).unwrap();
-        let plans = partitioner.plan(&dataset, &members, &nodes(), EpochSpec { seed: 1, epoch: 0, batch_size: 4, start: 0 }).unwrap();
+        let plans = partitioner
+            .plan(&dataset, &members, &nodes(), EpochSpec { seed: 1, epoch: 0, batch_size: 4, start: 0 })
+            .unwrap();
         let mut all: Vec<u64> = plans.iter().flat_map(|p| p.records()).collect();
         all.sort_unstable();
         assert_eq!(all, (0..30).collect::<Vec<_>>(), "{what}: the fallback's plan");
@@ -258,7 +271,8 @@ fn rendezvous_replication_moves_little_spreads_domains_and_repairs() {
     assert!(results[0].balance_error < 0.08, "{:?}", results[0]);
 
     let mut replicator = Replicator::new(plugin, &[], None).unwrap();
-    let cluster: Vec<NodeInfo> = (0..6).map(|id| NodeInfo { id, weight: 1, failure_domain: id % 3, up: true }).collect();
+    let cluster: Vec<NodeInfo> =
+        (0..6).map(|id| NodeInfo { id, weight: 1, failure_domain: id % 3, up: true }).collect();
     let placement = replicator.place(&cluster, 2).unwrap();
     for bucket in &placement.buckets {
         assert_ne!(bucket[0] % 3, bucket[1] % 3, "copies in distinct failure domains");
@@ -314,11 +328,17 @@ fn every_default_plugin_passes_conformance_and_hostile_ones_fail_it() {
     for hostile in ["hostile_evictor", "hostile_partitioner"] {
         let report = conformance::check(&host.load_file(&built_plugin_path(hostile)).unwrap(), 12, 3);
         assert!(!report.passed(), "{hostile} should fail");
-        assert!(report.checks.iter().any(|c| c.failure.as_deref().is_some_and(|f| f.contains("invalid output"))), "{report:?}");
+        assert!(
+            report.checks.iter().any(|c| c.failure.as_deref().is_some_and(|f| f.contains("invalid output"))),
+            "{report:?}"
+        );
     }
     let out = common::granary(std::path::Path::new("/nonexistent"), &["plugin", "check", "lru", "--cases", "8"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("conformance: passed"));
-    let out = common::granary(std::path::Path::new("/nonexistent"), &["plugin", "check", built_plugin_path("hostile_evictor").to_str().unwrap(), "--cases", "8"]);
+    let out = common::granary(
+        std::path::Path::new("/nonexistent"),
+        &["plugin", "check", built_plugin_path("hostile_evictor").to_str().unwrap(), "--cases", "8"],
+    );
     assert_eq!(out.status.code(), Some(1));
 }

@@ -33,7 +33,8 @@ fn recurse(depth: u64) -> u64 {
 
 impl wit::GuestPolicy for Hostile {
     fn create(capacity: u64, options: Vec<(String, String)>) -> Result<wit::Policy, PolicyError> {
-        let behave = options.iter().find(|(k, _)| k == "behave").map_or_else(|| "bad-hits".to_owned(), |(_, v)| v.clone());
+        let behave =
+            options.iter().find(|(k, _)| k == "behave").map_or_else(|| "bad-hits".to_owned(), |(_, v)| v.clone());
         Ok(wit::Policy::new(Hostile { behave, capacity, queue: RefCell::new(VecDeque::new()) }))
     }
 
