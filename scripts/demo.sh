@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job end to end, on data this script makes: ingest a token corpus, a directory tree and
-# a WebDataset tar; list, inspect, read back and compare; scrub; benchmark the read path.
+# a WebDataset tar; list, inspect, read back and compare; scrub; run the policy plugins (checks
+# and simulations); benchmark the read path.
 #   DEMO_MIB   size of the token corpus (default 1024)
 #   DEMO_DIR   where data and store go (default target/demo)
 #   --bench-only   reuse an existing demo store and only run the benchmark
@@ -46,6 +47,23 @@ if [[ "${1:-}" != "--bench-only" ]]; then
 
   step "verify: BLAKE3 of every file, CRC32C of every block"
   granary verify
+
+  step "policy plugins: the conformance suite on the default evictor (a WebAssembly component)"
+  granary plugin check lru --cases 32
+
+  step "evictors on 4 shuffled epochs over 20000 records, cache of 2000: LRU is near worst, the plan-aware evictor optimal"
+  granary plugin trace shuffled --objects 20000 --epochs 4 --out "$dir/shuffled.trace"
+  for plugin in lru sieve s3-fifo plan-aware; do
+    printf '%-11s ' "$plugin"
+    granary plugin sim evict --plugin "$plugin" --trace "$dir/shuffled.trace" --cache-objects 2000 | sed -n 2p
+  done
+
+  step "partitioner: 20000 shards on 8, then 9, then 8 ranks (affinity mode): balance and movement"
+  granary plugin sim partition --plugin elastic --shards 20000 --ranks 8,9,8 --records-per-shard 100 \
+    --options mode=affinity,chunk-records=100
+
+  step "replicator: 3 copies over 10 nodes in 5 failure domains, then 11 and 9 nodes"
+  granary plugin sim replicate --plugin rendezvous --nodes 10 --replicas 3 --domains 5
 fi
 
 step "benchmark: the engine against a bare io_uring O_DIRECT reader on the same blocks"

@@ -41,7 +41,8 @@ fn hostile_evictors_get_clear_errors_and_the_fallback_answers() {
     let limits = Limits { memory_bytes_max: 16 << 20, deadline_evict: Duration::from_millis(300), ..Limits::default() };
     let host = PolicyHost::new(limits, None).unwrap();
     let fifo = host.load("fifo").unwrap();
-    let cases: [(&str, fn(&PluginError) -> bool); 7] = [
+    type Expected = fn(&PluginError) -> bool;
+    let cases: [(&str, Expected); 7] = [
         ("loop", |e| matches!(e, PluginError::Deadline { call: "access", .. })),
         ("grow", |e| matches!(e, PluginError::MemoryLimit { .. })),
         ("trap", |e| matches!(e, PluginError::Trap { detail, .. } if detail.contains("traps on purpose"))),
@@ -341,4 +342,29 @@ fn every_default_plugin_passes_conformance_and_hostile_ones_fail_it() {
         &["plugin", "check", built_plugin_path("hostile_evictor").to_str().unwrap(), "--cases", "8"],
     );
     assert_eq!(out.status.code(), Some(1));
+}
+
+#[test]
+fn the_defaults_are_plugins_with_a_fallback_and_fuel_measures_work() {
+    let host = PolicyHost::new(Limits { fuel: true, ..Limits::default() }, None).unwrap();
+    let mut evictor = host.evictor(None, &[], 100).unwrap();
+    let status = evictor.status();
+    assert_eq!((status.active.as_str(), status.fallback.as_deref()), ("lru", Some("lru")));
+    let keys: Vec<u64> = (0..1024).map(|i| i * 13 % 300).collect();
+    evictor.access(&keys, &[1; 1024], &[u64::MAX; 1024]).unwrap();
+    let fuel = evictor.stats().fuel;
+    // Fuel counts the plugin's instructions: a batch of 1024 LRU updates is millions, not billions.
+    assert!(fuel > 10_000 && fuel < 100_000_000, "fuel {fuel}");
+    let mut partitioner = host.partitioner(None, &[]).unwrap();
+    assert_eq!(partitioner.status().active, "elastic");
+    let plans = partitioner.plan(
+        &shards(&[5, 5]),
+        &ranks(2),
+        &nodes(),
+        EpochSpec { seed: 0, epoch: 0, batch_size: 2, start: 0 },
+    );
+    assert_eq!(plans.unwrap().iter().map(RankPlan::n_records).sum::<u64>(), 10);
+    assert_eq!(host.replicator(None, &[]).unwrap().status().active, "rendezvous");
+    let user = host.evictor(Some(built_plugin_path("evictor_template").to_str().unwrap()), &[], 10).unwrap();
+    assert_eq!(user.status().fallback.as_deref(), Some("lru"));
 }

@@ -39,7 +39,8 @@ pub struct EvictorStats {
     pub hits: u64,
     /// Objects evicted.
     pub evictions: u64,
-    /// Fuel burnt by the active plugin's current instance (when metered).
+    /// Fuel burnt by the active plugin's current instance so far, when `Limits::fuel` meters it
+    /// (a measure of the plugin's work that does not depend on the machine).
     pub fuel: u64,
 }
 
@@ -127,6 +128,9 @@ impl Evictor {
             Ok(outcome)
         })?;
         let state = &mut self.state;
+        if let Some(live) = self.supervisor.active_instance() {
+            state.stats.fuel = live.instance.fuel_used;
+        }
         state.stats.batches += 1;
         state.stats.accesses += keys.len() as u64;
         state.stats.hits += outcome.hits.iter().filter(|&&hit| hit).count() as u64;

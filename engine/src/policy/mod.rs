@@ -187,6 +187,35 @@ impl PolicyHost {
         }
     }
 
+    /// A partitioner: the plugin `name_or_path` (the built-in default when `None`) run with
+    /// `options`, and the built-in default (with its defaults) as the fallback.
+    pub fn partitioner(&self, name_or_path: Option<&str>, options: &[(String, String)]) -> Result<Partitioner, Error> {
+        let fallback = self.load_builtin(builtin::DEFAULT_PARTITIONER)?;
+        let plugin = name_or_path.map_or_else(|| Ok(fallback.clone()), |name| self.load(name))?;
+        Partitioner::new(plugin, options, Some(fallback))
+    }
+
+    /// An evictor for `capacity`: the plugin `name_or_path` (the built-in default when `None`)
+    /// run with `options`, and the built-in default as the fallback.
+    pub fn evictor(
+        &self,
+        name_or_path: Option<&str>,
+        options: &[(String, String)],
+        capacity: u64,
+    ) -> Result<Evictor, Error> {
+        let fallback = self.load_builtin(builtin::DEFAULT_EVICTOR)?;
+        let plugin = name_or_path.map_or_else(|| Ok(fallback.clone()), |name| self.load(name))?;
+        Evictor::new(plugin, options, Some(fallback), capacity)
+    }
+
+    /// A replicator: the plugin `name_or_path` (the built-in default when `None`) run with
+    /// `options`, and the built-in default as the fallback.
+    pub fn replicator(&self, name_or_path: Option<&str>, options: &[(String, String)]) -> Result<Replicator, Error> {
+        let fallback = self.load_builtin(builtin::DEFAULT_REPLICATOR)?;
+        let plugin = name_or_path.map_or_else(|| Ok(fallback.clone()), |name| self.load(name))?;
+        Replicator::new(plugin, options, Some(fallback))
+    }
+
     /// Loads a plugin from component bytes.
     pub fn load_bytes(&self, name: &str, bytes: &[u8]) -> Result<Plugin, Error> {
         let refuse = |detail: String| Error::Plugin(PluginError::Load { plugin: name.to_owned(), detail });

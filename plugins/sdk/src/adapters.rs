@@ -1,7 +1,5 @@
 //! The glue between the plain traits and the generated component bindings.
 
-use std::marker::PhantomData;
-
 use crate::options::{Error, Options};
 
 macro_rules! policy_error {
@@ -20,6 +18,8 @@ macro_rules! policy_error {
 
 #[cfg(feature = "partitioner")]
 mod partitioner {
+    use std::marker::PhantomData;
+
     use super::*;
     use crate::partition::{Epoch, Node, Partitioner, Rank, Shard};
     use crate::partitioner_bindings::exports::granary::policy::partitioner as wit;
@@ -131,6 +131,8 @@ pub use evictor::EvictorAdapter;
 
 #[cfg(feature = "replicator")]
 mod replicator {
+    use std::marker::PhantomData;
+
     use super::*;
     use crate::replicate::{Holding, Mode, Node, Replicator};
     use crate::replicator_bindings::exports::granary::policy::replicator as wit;

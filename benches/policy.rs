@@ -1,0 +1,123 @@
+//! Policy plugin costs: an eviction batch through the component boundary against the same policy
+//! compiled natively, a 100k-shard plan, interrupting an infinite loop, loading from the cache.
+//!
+//! Back of the envelope: a component call costs ~200 ns (concurrency support off), a batch of
+//! 1024 accesses moves ~20 KiB across the boundary, and LRU costs ~30-60 ns per access natively,
+//! so a batch should cost at most 1.25x native per access. An infinite loop must stop within 2
+//! epoch ticks of its deadline. A plan for 100k shards and 64 ranks must take under 100 ms.
+
+use std::time::Duration;
+
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use granary::policy::builtin::built_plugin_path;
+use granary::policy::{EpochSpec, Evictor, Limits, NodeInfo, Partitioner, PolicyHost, RankInfo, sim, trace};
+use granary_policy_sdk::Options;
+use granary_policy_sdk::evict::Cache;
+
+const BATCH: usize = 1024;
+
+/// `policy_evict_batch1024`: LRU over a Zipf(1.0) trace, cache of 1000 objects, 1024 accesses per
+/// iteration: through the host (one component call, outcome validated against the host's
+/// resident set), and the same LRU source compiled natively with the SDK's batch driver.
+fn policy_evict_batch1024(c: &mut Criterion) {
+    let requests = trace::zipf(10_000, 1 << 20, 1.0, 7);
+    let keys: Vec<u64> = requests.iter().map(|r| r.key).collect();
+    let sizes = vec![1u32; BATCH];
+    let next_uses = vec![u64::MAX; BATCH];
+    let host = PolicyHost::new(Limits::default(), None).expect("a host");
+    let mut group = c.benchmark_group("policy_evict_batch1024");
+    group.throughput(Throughput::Elements(BATCH as u64));
+    let mut evictor = Evictor::new(host.load("lru").expect("built in"), &[], None, 1000).expect("an evictor");
+    let mut at = 0;
+    group.bench_function("wasm/lru", |b| {
+        b.iter(|| {
+            let batch = &keys[at..at + BATCH];
+            at = (at + BATCH) % (keys.len() - BATCH);
+            evictor.access(batch, &sizes, &next_uses).expect("valid")
+        })
+    });
+    let mut native = Cache::<evictor_lru::Lru>::new(1000, &Options::default()).expect("a cache");
+    let (mut hits, mut evictions) = (Vec::with_capacity(BATCH), Vec::new());
+    let mut at = 0;
+    group.bench_function("native/lru", |b| {
+        b.iter(|| {
+            let batch = &keys[at..at + BATCH];
+            at = (at + BATCH) % (keys.len() - BATCH);
+            hits.clear();
+            evictions.clear();
+            native.access(batch, &sizes, &next_uses, &mut hits, &mut evictions).expect("valid");
+            hits.len()
+        })
+    });
+    group.finish();
+}
+
+/// `policy_plan_100k_shards_64_ranks`: the elastic partitioner's global plan (block shuffle of one
+/// chunk per shard) for 100k shards of 1000 records and 64 ranks, validated by the host.
+fn policy_plan_100k_shards_64_ranks(c: &mut Criterion) {
+    let host = PolicyHost::new(Limits::default(), None).expect("a host");
+    let options = vec![("chunk-records".to_owned(), "1000".to_owned())];
+    let mut partitioner =
+        Partitioner::new(host.load("elastic").expect("built in"), &options, None).expect("a partitioner");
+    let shards = sim::synthetic_shards(100_000, 1000);
+    let ranks: Vec<RankInfo> = (0..64).map(|id| RankInfo { id, node: id / 8, weight: 1, up: true }).collect();
+    let nodes: Vec<NodeInfo> = (0..8).map(|id| NodeInfo { id, weight: 1, failure_domain: id, up: true }).collect();
+    let mut group = c.benchmark_group("policy_plan_100k_shards_64_ranks");
+    group.sample_size(20);
+    group.bench_function("elastic_global", |b| {
+        b.iter(|| {
+            partitioner
+                .plan(&shards, &ranks, &nodes, EpochSpec { seed: 1, epoch: 0, batch_size: 256, start: 0 })
+                .expect("valid")
+        })
+    });
+    group.finish();
+}
+
+/// `policy_interrupt_loop`: a call into an infinite loop with a deadline of 2 ticks of 1 ms; the
+/// time per call minus the deadline is how long the interruption took (target: within 2 ticks).
+fn policy_interrupt_loop(c: &mut Criterion) {
+    let limits = Limits {
+        tick: Duration::from_millis(1),
+        deadline_evict: Duration::from_millis(2),
+        backoff_base: Duration::ZERO,
+        quarantine_after: u32::MAX,
+        ..Limits::default()
+    };
+    let host = PolicyHost::new(limits, None).expect("a host");
+    let hostile = host.load_file(&built_plugin_path("hostile_evictor")).expect("built");
+    let options = vec![("behave".to_owned(), "loop".to_owned())];
+    let mut evictor = Evictor::new(hostile, &options, None, 10).expect("an evictor");
+    let mut group = c.benchmark_group("policy_interrupt_loop");
+    group.sample_size(30);
+    group.bench_function("deadline_2_ticks", |b| b.iter(|| evictor.access(&[1], &[1], &[u64::MAX]).is_err()));
+    group.finish();
+}
+
+/// `policy_load`: a plugin compiled from scratch, and loaded from the disk cache by a new host
+/// (what a restart pays; target: well under a millisecond).
+fn policy_load(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let warm = PolicyHost::new(Limits::default(), Some(dir.path().to_owned())).expect("a host");
+    warm.load("lru").expect("built in");
+    let mut group = c.benchmark_group("policy_load");
+    group.sample_size(20);
+    group.bench_function("compile", |b| {
+        b.iter_batched(
+            || PolicyHost::new(Limits::default(), None).expect("a host"),
+            |host| host.load("lru").expect("built in"),
+            BatchSize::PerIteration,
+        )
+    });
+    group.bench_function("from_disk_cache", |b| {
+        b.iter_batched(
+            || PolicyHost::new(Limits::default(), Some(dir.path().to_owned())).expect("a host"),
+            |host| host.load("lru").expect("built in"),
+            BatchSize::PerIteration,
+        )
+    });
+    group.finish();
+}
+
+criterion_group!(benches, policy_evict_batch1024, policy_plan_100k_shards_64_ranks, policy_interrupt_loop, policy_load);
+criterion_main!(benches);
