@@ -36,7 +36,10 @@ fn usage_errors_are_one_line_each() {
     let err = granary_err(&root, &["ingest", "files", "--name", "t", dir.path().join("nodir").to_str().unwrap()]);
     assert!(err.contains("nodir"), "{err}");
 
-    // Nothing was created by the refusals above except the store itself.
+    // The refusals above left no shard and no temp file behind.
+    assert!(shard_files(&root).is_empty());
+    let tmp = root.join("tmp");
+    assert!(!tmp.exists() || std::fs::read_dir(&tmp).unwrap().next().is_none());
     let out =
         granary_ok(&root, &["ingest", "records", "--name", "t", "--record-bytes", "8", "--drop-remainder", input]);
     assert!(out.contains("t@1: 125 records"), "{out}");

@@ -112,6 +112,26 @@ fn bad_ops_and_reads_past_the_end_are_errors_and_the_backend_survives() {
 }
 
 #[test]
+fn a_short_read_is_continued_and_ends_in_end_of_file() {
+    // A file that ends 100 bytes into its second block: the read of that block comes back short,
+    // the backend asks for the rest, and gets end of file.
+    let dir = tempdir();
+    let path = dir.path().join("short");
+    let content = bytes(3, 4096 + 100);
+    std::fs::write(&path, &content).unwrap();
+    let buffered = |backend, queue_depth| IoConfig { backend, queue_depth, op_bytes_max: 8192, direct: false };
+    for config in [buffered(Backend::Uring, 4), buffered(Backend::Uring, 1), buffered(Backend::Pread, 1)] {
+        let mut io = config.build().unwrap();
+        let file = io.open(&path).unwrap();
+        match read(io.as_mut(), &[ReadOp { file, offset: 4096, len: 4096 }]) {
+            Err(Error::Io { source, .. }) => assert_eq!(source.kind(), std::io::ErrorKind::UnexpectedEof, "{config:?}"),
+            other => panic!("{config:?}: expected end of file, got {other:?}"),
+        }
+        assert_eq!(read(io.as_mut(), &[ReadOp { file, offset: 0, len: 4096 }]).unwrap()[0], content[..4096]);
+    }
+}
+
+#[test]
 fn a_failing_callback_stops_the_read_and_the_next_read_works() {
     let dir = tempdir();
     let files = files(dir.path());

@@ -71,7 +71,7 @@ fn repair_quarantines_a_corrupt_shard_and_reports_what_it_leaves_missing() {
     let victim_id = victim.file_stem().unwrap().to_str().unwrap();
     assert!(granary.catalog().shards().unwrap().iter().all(|(id, _)| id.to_string() != victim_id));
     let err = granary_err(&root, &["get", "d", "39"]);
-    assert!(!err.is_empty());
+    assert!(err.contains(&format!("not found: shard {victim_id}")), "{err}");
 }
 
 #[test]

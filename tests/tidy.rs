@@ -45,7 +45,7 @@ fn unsafe_code_lives_in_io_and_staging_and_says_why() {
         let lines: Vec<&str> = text.lines().collect();
         for (i, line) in lines.iter().enumerate() {
             let code = line.split("//").next().unwrap_or("");
-            let is_unsafe = code.contains("unsafe {") || code.contains("unsafe impl") || code.contains("unsafe fn");
+            let is_unsafe = ["unsafe {", "unsafe{", "unsafe impl", "unsafe fn"].iter().any(|u| code.contains(u));
             if !is_unsafe {
                 continue;
             }

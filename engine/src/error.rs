@@ -273,8 +273,13 @@ impl Error {
         Self::InvalidInput { detail: detail.into() }
     }
 
-    /// True for errors that mean stored bytes are damaged (as opposed to I/O or usage errors).
+    /// True for errors that mean stored bytes are damaged (as opposed to I/O or usage errors, or
+    /// a file written by a newer build, which is intact but not readable by this one).
     pub fn is_corruption(&self) -> bool {
-        matches!(self, Self::Format { .. } | Self::ChecksumMismatch { .. } | Self::HashMismatch { .. })
+        match self {
+            Self::Format { source: FormatError::UnsupportedVersion { .. }, .. } => false,
+            Self::Format { .. } | Self::ChecksumMismatch { .. } | Self::HashMismatch { .. } => true,
+            _ => false,
+        }
     }
 }

@@ -1,10 +1,12 @@
 //! granary: an embedded storage engine that keeps a trainer's GPU fed from local disk.
 //!
-//! Modules follow a sample's path: `shard` (the file format) -> `manifest` (dataset versions) ->
+//! Modules follow a sample's path (after `id` and `error`): `shard` (the file format) -> `manifest` (dataset versions) ->
 //! `store` (files on disk, crash-safe publishing) -> `catalog` (sled cache of what the files say)
 //! -> `ingest` (sources into shards) -> `plan` (which record each rank reads, in which order) ->
-//! `io` (io_uring and pread backends) -> `read` (batch planning, verification, assembly).
-//! `engine` wires them together; it is the only module that reaches across the others.
+//! `io` (io_uring and pread backends) -> `read` (batch planning, verification, assembly), and
+//! `policy` (partitioning, eviction and replication as WebAssembly plugins). `engine` wires the
+//! write side together (store, catalog, ingest); a module uses only the modules before it in
+//! this order, never one after it.
 //!
 //! ```no_run
 //! use granary::{Granary, IngestOptions, Layout, Dtype, FixedLayout, DatasetName, VersionSpec};
@@ -23,8 +25,8 @@
 
 #![deny(clippy::unwrap_used)]
 
-pub mod error;
 pub mod id;
+pub mod error;
 pub mod shard;
 pub mod manifest;
 pub mod store;

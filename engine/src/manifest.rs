@@ -139,6 +139,12 @@ impl Manifest {
                 }
             })
             .collect();
+        if entries.iter().try_fold(0u64, |sum, entry| sum.checked_add(entry.file_bytes)).is_none() {
+            return Err(FormatError::Inconsistent {
+                field: "file_bytes",
+                detail: "the entries sum past 2^64".to_owned(),
+            });
+        }
         let sum = entries.iter().try_fold(0u64, |sum, entry| sum.checked_add(entry.n_records));
         if sum != Some(n_records) {
             return Err(FormatError::Inconsistent {

@@ -194,6 +194,8 @@ impl<'g> Ingest<'g> {
             stats: stats.clone(),
         };
         if let Some(latest) = self.log.as_ref().map(RefLog::latest).filter(|latest| latest.manifest == id) {
+            // Shards this ingest found already stored may have been cataloged again.
+            self.catalog.flush()?;
             return Ok(committed(latest.number));
         }
         let published = self.store.publish_manifest(&manifest)?;
@@ -201,7 +203,9 @@ impl<'g> Ingest<'g> {
         self.catalog.put_manifest(id, &manifest_entry(&manifest))?;
         self.catalog.flush()?;
         let log = match &self.log {
-            Some(log) => log.with_next(id),
+            Some(log) => log
+                .with_next(id)
+                .ok_or_else(|| Error::invalid_input(format!("dataset {} has used every version number", self.name)))?,
             None => RefLog::first(id),
         };
         self.store.write_ref(&self.name, &log)?;

@@ -130,7 +130,7 @@ pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &d
         for entry in archive.entries().map_err(bad_tar)? {
             let mut entry = entry.map_err(bad_tar)?;
             let size = entry.size();
-            progress.advance(size + 512);
+            progress.advance(size.saturating_add(512));
             if !entry.header().entry_type().is_file() {
                 continue;
             }

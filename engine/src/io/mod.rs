@@ -7,8 +7,9 @@
 //! the others are still in flight, so planning, checking and copying overlap the disk. The bytes live in the backend's own buffers (for io_uring: page-
 //! aligned memory registered with the ring as fixed buffers) and are valid only during the
 //! callback. Invariants: every op is block-aligned (O_DIRECT-legal) and no longer than
-//! `op_bytes_max`; a backend never returns from `read` with an op still in flight, also when the
-//! callback fails; short reads, EINTR, EAGAIN and ECANCELED are retried, EIO and end-of-file are
+//! `op_bytes_max`; a backend never returns from `read_stream` with an op still in flight, also
+//! when the stream fails, unless the ring itself breaks (then it refuses further reads and leaks
+//! its buffers rather than unmap memory the kernel may still write); short reads, EINTR, EAGAIN and ECANCELED are retried, EIO and end-of-file are
 //! errors naming the file and offset. Never: allocates per op on the hot path, or interprets the
 //! bytes (the `read` module checks them).
 

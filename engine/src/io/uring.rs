@@ -116,7 +116,9 @@ impl FileOpener for Opener<'_> {
 
 /// Reads through io_uring.
 pub struct UringIo {
-    // Declared before `arena`, so the ring closes before the buffers are unmapped.
+    // What keeps the buffers valid for the kernel is `drain` (no op outlives `read_stream` or
+    // `Drop` unless the ring broke, and then the buffers are leaked); the ring is declared first
+    // only so that its registrations go before the memory they name.
     ring: IoUring,
     arena: Option<AlignedBuf>,
     queue_depth: usize,
@@ -178,7 +180,8 @@ impl UringIo {
 
     fn slot_ptr(&self, slot: usize) -> *mut u8 {
         let arena = self.arena.as_ref().expect("the arena lives until drop");
-        // SAFETY: slot < queue_depth, so the offset is inside the arena's mapping.
+        // SAFETY: slot < 2 * queue_depth (the number of slots), so the offset is inside the
+        // arena's mapping.
         unsafe { arena.base_ptr().add(slot * self.op_bytes_max) }
     }
 
@@ -273,16 +276,22 @@ impl Io for UringIo {
             self.reap(&mut issue);
             self.fill(stream, &mut issue);
             if let Some((slot, verdict)) = self.ready.pop_front() {
-                // Submitting costs a system call: batch new ops until the kernel holds less than
-                // half the queue (the wait below submits whatever is left).
-                if self.unsubmitted > 0 && self.in_flight - self.unsubmitted < self.queue_depth.div_ceil(2) {
-                    self.ring.submit().map_err(|e| Error::io("io_uring_enter", "io_uring", e))?;
-                    self.unsubmitted = 0;
-                }
                 // The slot goes back on the free list before its bytes are handed out: only
                 // `fill` reuses free slots, and it runs after the callback returns. A callback
-                // that panics therefore loses no slot.
+                // that panics (or a failed submit) therefore loses no slot.
                 self.free_slots.push(slot);
+                // Submitting costs a system call: batch new ops until the kernel holds less than
+                // half the queue (the wait below submits whatever is left, so a transient refusal
+                // here only delays them).
+                if self.unsubmitted > 0 && self.in_flight - self.unsubmitted < self.queue_depth.div_ceil(2) {
+                    match self.ring.submit() {
+                        Ok(_) => self.unsubmitted = 0,
+                        Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)) => {}
+                        Err(e) => {
+                            issue.failure.get_or_insert(Error::io("io_uring_enter", "io_uring", e));
+                        }
+                    }
+                }
                 if issue.failure.is_none()
                     && let Err(e) = self.finish(slot, verdict, stream)
                 {
@@ -296,8 +305,9 @@ impl Io for UringIo {
                 }
                 break;
             }
-            // Ops may still be in flight after a failed wait: `Drop` then leaks the buffers
-            // unless a later drain succeeds.
+            // Only a broken ring fails here, with ops possibly in flight: the backend then
+            // refuses further reads (its drain fails) and `Drop` leaks the buffers rather than
+            // unmap memory the kernel may still write.
             self.submit_and_wait()?;
         }
         issue.failure.map_or(Ok(()), Err)

@@ -156,7 +156,7 @@ impl Planner {
         op_blocks_max: usize,
         batch: &mut Batch,
     ) -> Result<()> {
-        assert!(op_blocks_max > 0);
+        debug_assert!(op_blocks_max > 0, "checked by the reader");
         // The bytes are kept: every byte of the new batch is overwritten before it is returned,
         // and zeroing hundreds of megabytes per batch would cost as much as reading them.
         batch.indices.clear();
@@ -285,7 +285,13 @@ impl Planner {
     /// Checks extent `e`'s blocks, then copies its pieces into the batch's bytes.
     pub(super) fn deliver(&self, dataset: &Dataset, e: usize, bytes: &[u8], data: &mut [u8]) -> Result<()> {
         let extent = self.extents[e];
-        assert_eq!(bytes.len(), extent.n_blocks as usize * BLOCK_BYTES);
+        if bytes.len() != extent.n_blocks as usize * BLOCK_BYTES {
+            return Err(Error::invalid_input(format!(
+                "the backend returned {} bytes for an op of {}",
+                bytes.len(),
+                extent.n_blocks as usize * BLOCK_BYTES
+            )));
+        }
         let shard = extent.shard as usize;
         let meta = dataset.shard_meta(shard)?;
         meta.check_blocks(extent.first_block, bytes).map_err(|(block, expected, actual)| Error::ChecksumMismatch {

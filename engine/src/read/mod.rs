@@ -261,11 +261,20 @@ impl Reader {
         depth: usize,
         sink: &mut dyn FnMut(&Batch) -> Result<()>,
     ) -> Result<()> {
+        // `Io` is a public trait: a backend is checked, never trusted to be sane.
+        let op_blocks_max = self.io.op_bytes_max() / crate::shard::BLOCK_BYTES;
+        if op_blocks_max == 0 {
+            return Err(Error::invalid_input(format!(
+                "backend {} reads at most {} bytes per op, less than one block",
+                self.io.name(),
+                self.io.op_bytes_max()
+            )));
+        }
         let mut pipeline = Pipeline {
             dataset: &self.dataset,
             files: &mut self.files,
             slots: &mut self.slots[..depth],
-            op_blocks_max: self.io.op_bytes_max() / crate::shard::BLOCK_BYTES,
+            op_blocks_max,
             batches,
             exhausted: false,
             in_order: std::collections::VecDeque::with_capacity(depth),
@@ -372,7 +381,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             .iter()
             .copied()
             .find(|&s| seq >= slots[s].first_seq && seq < slots[s].first_seq + slots[s].issued as u64)
-            .expect("every completion belongs to a batch in flight");
+            .ok_or_else(|| Error::invalid_input(format!("the backend completed op {seq}, which was never issued")))?;
         let slot = &mut slots[owner];
         let extent = usize::try_from(seq - slot.first_seq).expect("fewer extents than memory");
         slot.planner.deliver(self.dataset, extent, bytes, slot.batch.data_mut())?;

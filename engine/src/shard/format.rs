@@ -25,6 +25,14 @@ pub(crate) const INDEX_ENTRY_BYTES: u64 = 8;
 /// Bytes of a block checksum in the checksum table.
 pub(crate) const CRC_ENTRY_BYTES: u64 = 4;
 
+/// The largest shard file accepted: 1 TiB. Far beyond any real shard, and small enough that no
+/// offset computed from a checked footer can overflow.
+pub const FILE_BYTES_MAX: u64 = 1 << 40;
+
+/// The largest metadata tail (record index and checksum table) accepted: 1 GiB, so that a
+/// hostile footer cannot make a reader allocate by an unchecked length.
+pub(crate) const TAIL_BYTES_MAX: u64 = 1 << 30;
+
 /// Where a block's own CRC32C sits: its last four bytes.
 const CRC_AT: usize = BLOCK_BYTES - 4;
 
@@ -198,12 +206,17 @@ impl Footer {
                 detail: format!("{file_bytes} bytes, the footer says {}", self.file_bytes),
             });
         }
-        // Every count is bounded by the file length before any arithmetic, so nothing overflows.
+        // Every count is bounded by the file length (itself bounded) before any arithmetic, so
+        // nothing below can overflow, whatever the footer claims.
+        if file_bytes > FILE_BYTES_MAX {
+            return Err(inconsistent("file_bytes", file_bytes, FILE_BYTES_MAX));
+        }
         if self.data_bytes > file_bytes {
             return Err(inconsistent("data_bytes", self.data_bytes, file_bytes));
         }
-        if self.n_records > file_bytes {
-            return Err(inconsistent("n_records", self.n_records, file_bytes));
+        let n_records_max = if layout.is_variable() { file_bytes / INDEX_ENTRY_BYTES } else { file_bytes };
+        if self.n_records > n_records_max {
+            return Err(inconsistent("n_records", self.n_records, n_records_max));
         }
         let expected = Footer::for_counts(layout, self.n_records, self.data_bytes, self.header_crc);
         if self.n_data_blocks != expected.n_data_blocks {

@@ -14,8 +14,8 @@ use std::path::Path;
 use crate::error::{Error, FormatError, Result};
 
 use super::format::{
-    BLOCK_BYTES, BLOCK_BYTES_U64, CRC_ENTRY_BYTES, DATA_OFFSET, Footer, INDEX_ENTRY_BYTES, block_crc, decode_header,
-    padded,
+    BLOCK_BYTES, BLOCK_BYTES_U64, CRC_ENTRY_BYTES, DATA_OFFSET, Footer, INDEX_ENTRY_BYTES, TAIL_BYTES_MAX, block_crc,
+    decode_header, padded,
 };
 use super::layout::{Layout, read_u32, read_u64};
 
@@ -145,6 +145,12 @@ impl ShardMeta {
         let (layout, _) = decode_header(&header).map_err(&format)?;
         let footer = Footer::decode(&footer_block, &layout, file_bytes).map_err(&format)?;
         let tail = Self::tail_range(&footer);
+        if tail.end - tail.start > TAIL_BYTES_MAX {
+            return Err(format(FormatError::Inconsistent {
+                field: "index and checksum table",
+                detail: format!("{} bytes, at most {TAIL_BYTES_MAX}", tail.end - tail.start),
+            }));
+        }
         let tail = read_at(tail.start, tail.end - tail.start)?;
         Self::decode(&header, &footer_block, &tail, file_bytes).map_err(format)
     }

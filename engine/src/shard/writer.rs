@@ -3,8 +3,9 @@
 //! Owns the write side of the format. Bytes leave in whole blocks of at most
 //! `WRITE_CHUNK_BYTES` at a time; each block's checksum and the BLAKE3 id are computed from the
 //! exact bytes written, so the id names the file as it is on disk. Memory is bounded by the write
-//! chunk plus 4 bytes per data block and 8 per variable-length record; the ingest driver rolls
-//! over to a new shard long before either grows large. Never: fsyncs or renames (the store
+//! chunk plus 4 bytes per data block and 8 per variable-length record, about twice that while
+//! `finish` encodes the index and checksum table; the ingest driver rolls over to a new shard
+//! long before either grows large (64 MiB of data: 64 KiB of checksums). Never: fsyncs or renames (the store
 //! publishes), never writes a partial block except through `finish`.
 
 use std::io::{Read, Write};

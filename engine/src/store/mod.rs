@@ -272,20 +272,26 @@ impl Store {
     /// copy already in place is quarantined and replaced.
     pub fn publish(&self, kind: ObjectKind, id: ObjectId, tmp: &Path) -> Result<bool> {
         let target = self.paths.object(kind, id);
+        let fan = target.parent().expect("objects live in a fan-out directory");
+        let kind_dir = fan.parent().expect("fan-out directories have a parent");
         if target.exists() {
             if hash_file(&target)? == id {
                 fs::remove_file(tmp).map_err(|e| Error::io("remove", tmp, e))?;
+                // The copy found may be one a killed writer renamed but never made durable:
+                // make it durable now, before a manifest that names it is.
+                File::open(&target).and_then(|f| f.sync_all()).map_err(|e| Error::io("fsync", &target, e))?;
+                sync_dir(fan)?;
+                sync_dir(kind_dir)?;
                 return Ok(false);
             }
             self.quarantine(&target)?;
         }
-        let fan = target.parent().expect("objects live in a fan-out directory");
-        if !fan.exists() {
-            fs::create_dir_all(fan).map_err(|e| Error::io("create directory", fan, e))?;
-            sync_dir(fan.parent().expect("fan-out directories have a parent"))?;
-        }
+        fs::create_dir_all(fan).map_err(|e| Error::io("create directory", fan, e))?;
         fs::rename(tmp, &target).map_err(|e| Error::io("rename", &target, e))?;
+        // The rename, and the fan-out directory's own entry (a writer may have been killed
+        // between creating it and syncing its parent).
         sync_dir(fan)?;
+        sync_dir(kind_dir)?;
         Ok(true)
     }
 

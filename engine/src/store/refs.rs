@@ -125,11 +125,12 @@ impl RefLog {
         self.versions.iter().copied().find(|version| version.number == number)
     }
 
-    /// This ref with `manifest` added as the next version.
-    pub fn with_next(&self, manifest: ManifestId) -> Self {
+    /// This ref with `manifest` added as the next version; `None` once version numbers run out.
+    pub fn with_next(&self, manifest: ManifestId) -> Option<Self> {
+        let number = self.latest().number.checked_add(1)?;
         let mut versions = self.versions.clone();
-        versions.push(Version { number: self.latest().number + 1, manifest });
-        Self { versions }
+        versions.push(Version { number, manifest });
+        Some(Self { versions })
     }
 
     /// This ref without version `number`; `None` when that would leave no version.
@@ -222,10 +223,12 @@ mod tests {
     fn refs_round_trip_and_reject_damage() {
         let log = RefLog::first(ManifestId(ObjectId::of(b"1")))
             .with_next(ManifestId(ObjectId::of(b"2")))
-            .with_next(ManifestId(ObjectId::of(b"3")));
+            .unwrap()
+            .with_next(ManifestId(ObjectId::of(b"3")))
+            .unwrap();
         let log = log.without(2).unwrap();
         assert_eq!(log.versions().iter().map(|v| v.number).collect::<Vec<_>>(), [1, 3]);
-        assert_eq!(log.with_next(ManifestId(ObjectId::of(b"4"))).latest().number, 4);
+        assert_eq!(log.with_next(ManifestId(ObjectId::of(b"4"))).unwrap().latest().number, 4);
         let text = log.encode();
         assert_eq!(RefLog::decode(text.as_bytes()).unwrap(), log);
         for at in 0..text.len() {
