@@ -41,7 +41,7 @@ pub fn crc32c(bytes: &[u8]) -> u32 {
 /// bytes too short or misaligned to hold a header and a footer; never panics.
 pub fn fix_checksums(bytes: &mut [u8]) {
     let len = bytes.len();
-    if len < 2 * BLOCK_BYTES || len % BLOCK_BYTES != 0 {
+    if len < 2 * BLOCK_BYTES || !len.is_multiple_of(BLOCK_BYTES) {
         return;
     }
     let seal = |block: &mut [u8]| {
