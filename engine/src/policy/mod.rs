@@ -144,6 +144,10 @@ impl PolicyHost {
         config.epoch_interruption(true);
         config.consume_fuel(limits.fuel);
         config.max_wasm_stack(limits.stack_bytes_max);
+        // `perf` can name the plugins' functions: compiled code goes into /tmp/perf-PID.map.
+        if std::env::var_os("GRANARY_WASM_PERFMAP").is_some() {
+            config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
         let mut pool = wasmtime::PoolingAllocationConfig::default();
         pool.total_component_instances(256);
         pool.total_core_instances(512);

@@ -3,7 +3,9 @@
 //! policy for objects of one size; for shuffled epochs, where LRU is close to the worst case, it
 //! is the miss ratio to beat. Objects with no known next use go first.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use granary_policy_sdk::hash::KeyMap;
 
 use granary_policy_sdk::evict::Evictor;
 use granary_policy_sdk::{Error, Options};
@@ -11,7 +13,7 @@ use granary_policy_sdk::{Error, Options};
 /// Resident objects ordered by next use.
 pub struct PlanAware {
     by_next_use: BTreeSet<(u64, u64)>,
-    next_use: HashMap<u64, u64>,
+    next_use: KeyMap<u64>,
 }
 
 impl PlanAware {
@@ -28,7 +30,7 @@ impl Evictor for PlanAware {
 
     fn new(_capacity: u64, options: &Options) -> Result<Self, Error> {
         options.allow_only(&[])?;
-        Ok(Self { by_next_use: BTreeSet::new(), next_use: HashMap::new() })
+        Ok(Self { by_next_use: BTreeSet::new(), next_use: KeyMap::default() })
     }
 
     fn insert(&mut self, key: u64, _size: u32, next_use: u64) {

@@ -6,7 +6,7 @@
 //! current `S3FIFO`, not the paper's original). Unlike libCacheSim, an object at least as large
 //! as the small queue is still admitted.
 
-use std::collections::HashMap;
+use granary_policy_sdk::hash::KeyMap;
 
 use granary_policy_sdk::evict::Evictor;
 use granary_policy_sdk::list::KeyList;
@@ -21,7 +21,7 @@ pub struct S3Fifo {
     small_capacity: u64,
     main_capacity: u64,
     has_evicted: bool,
-    sizes: HashMap<u64, u32>,
+    sizes: KeyMap<u32>,
     ghost: KeyList<u32>,
     ghost_bytes: u64,
     ghost_capacity: u64,
@@ -95,7 +95,7 @@ impl Evictor for S3Fifo {
             small_capacity,
             main_capacity: capacity - small_capacity,
             has_evicted: false,
-            sizes: HashMap::new(),
+            sizes: KeyMap::default(),
             ghost: KeyList::default(),
             ghost_bytes: 0,
             ghost_capacity: (capacity as f64 * ghost_ratio) as u64,

@@ -5,7 +5,7 @@
 //! inserted. A policy only orders objects and picks victims; the cache keeps membership and
 //! occupancy, so every policy agrees with the host on what is resident.
 
-use std::collections::HashMap;
+use crate::hash::KeyMap;
 
 use crate::options::{Error, Options};
 
@@ -56,13 +56,13 @@ pub struct Cache<P> {
     policy: P,
     capacity: u64,
     used: u64,
-    resident: HashMap<u64, u32>,
+    resident: KeyMap<u32>,
 }
 
 impl<P: Evictor> Cache<P> {
     /// A cache of `capacity` bytes.
     pub fn new(capacity: u64, options: &Options) -> Result<Self, Error> {
-        Ok(Self { policy: P::new(capacity, options)?, capacity, used: 0, resident: HashMap::new() })
+        Ok(Self { policy: P::new(capacity, options)?, capacity, used: 0, resident: KeyMap::default() })
     }
 
     /// The policy.
@@ -148,7 +148,7 @@ impl<P: Evictor> Cache<P> {
     pub fn restore(&mut self, policy: &str, resident: &[(u64, u32)], state: &[u8]) -> Result<(), Error> {
         let keys: Vec<u64> = self.resident.keys().copied().collect();
         self.remove(&keys);
-        let mut seen = HashMap::with_capacity(resident.len());
+        let mut seen = KeyMap::default();
         let mut used = 0u64;
         for &(key, size) in resident {
             if seen.insert(key, size).is_some() {

@@ -1,5 +1,36 @@
 //! Deterministic hashing and shuffling helpers shared by policies.
 
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// A hash map keyed by `u64` with a fast, deterministic hash (policies must be deterministic,
+/// and SipHash costs more than the policy's own work on small keys).
+pub type KeyMap<V> = HashMap<u64, V, BuildHasherDefault<KeyHasher>>;
+
+/// A set of `u64` keys with the same hash.
+pub type KeySet = HashSet<u64, BuildHasherDefault<KeyHasher>>;
+
+/// Hashes a `u64` with one multiply and a fold (Fibonacci hashing).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.write_u64(u64::from(byte));
+        }
+    }
+
+    fn write_u64(&mut self, key: u64) {
+        let h = (self.0 ^ key).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = h ^ (h >> 29);
+    }
+}
+
 /// The splitmix64 finalizer: a fast, well-mixing bijection of u64.
 pub fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

@@ -1,7 +1,7 @@
 //! An intrusive doubly-linked list of keys in a slab, with O(1) insert, remove and move by key:
 //! the queue that LRU, FIFO, SIEVE and S3-FIFO are built from. Head is the newest end.
 
-use std::collections::HashMap;
+use crate::hash::KeyMap;
 
 const NIL: u32 = u32::MAX;
 
@@ -18,14 +18,14 @@ struct Node<T> {
 pub struct KeyList<T> {
     nodes: Vec<Node<T>>,
     free: Vec<u32>,
-    index: HashMap<u64, u32>,
+    index: KeyMap<u32>,
     head: u32,
     tail: u32,
 }
 
 impl<T: Copy> Default for KeyList<T> {
     fn default() -> Self {
-        Self { nodes: Vec::new(), free: Vec::new(), index: HashMap::new(), head: NIL, tail: NIL }
+        Self { nodes: Vec::new(), free: Vec::new(), index: KeyMap::default(), head: NIL, tail: NIL }
     }
 }
 
