@@ -32,7 +32,8 @@ plugins:
 ## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces
 ## (needs `pip install libcachesim`; .ci/run puts it in target/lcs-venv).
 libcachesim:
-	$(CARGO) build -p granary --locked
+	@# --tests: the feature set `cargo test` built with, so nothing is rebuilt.
+	$(CARGO) build -p granary --tests --locked
 	$(PYTHON) scripts/compare-libcachesim.py --granary target/debug/granary
 
 ## Seeds the fuzz corpora with real shards, manifests, refs and samples (so mutations start from
