@@ -254,6 +254,14 @@ pub enum Error {
     /// A policy plugin failed and no fallback policy could take over.
     #[error(transparent)]
     Plugin(#[from] PluginError),
+    /// A CUDA driver call failed.
+    #[error("CUDA {call}: {detail}")]
+    Cuda {
+        /// The driver call.
+        call: &'static str,
+        /// The driver's error name and text.
+        detail: String,
+    },
     /// The catalog database failed.
     #[error("catalog: {detail}")]
     Catalog {

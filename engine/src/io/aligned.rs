@@ -15,6 +15,9 @@ use std::ptr::NonNull;
 use crate::error::{Error, Result};
 use crate::shard::BLOCK_BYTES;
 
+/// Buffers mapped so far, process-wide (tests check that steady-state reading maps none).
+static MAPPINGS_MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Transparent huge page size on x86-64 and arm64 with 4 KiB base pages.
 const HUGE_PAGE_BYTES: usize = 2 << 20;
 
@@ -27,6 +30,11 @@ pub struct AlignedBuf {
 // SAFETY: the buffer owns its mapping exclusively (no aliasing handles exist), so moving it to
 // another thread moves sole ownership, like a `Box<[u8]>`.
 unsafe impl Send for AlignedBuf {}
+
+// SAFETY: through a shared reference the buffer can only be read (`as_slice`) or its address
+// taken (`base_ptr`, whose writers are unsafe code that must itself exclude other access), so
+// sharing it between threads is like sharing a `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
     /// At least `len` bytes (rounded up to whole 4 KiB pages, at least one; buffers of 2 MiB
@@ -73,7 +81,13 @@ impl AlignedBuf {
             }
         }
         let ptr = NonNull::new(start).expect("mmap does not return null on success");
+        MAPPINGS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Self { ptr, len })
+    }
+
+    /// Buffers mapped so far in this process.
+    pub fn mappings_made() -> u64 {
+        MAPPINGS_MADE.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Length in bytes.

@@ -79,6 +79,38 @@ pub trait ReadStream {
     fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()>;
 }
 
+/// Memory a backend may hand to the kernel for its reads (its slots): a page-aligned region that
+/// the value owns alone. Implemented by [`AlignedBuf`] and by staging leases.
+///
+/// # Safety
+///
+/// `as_ptr()` and `len()` describe the same page-aligned, initialised, writable region on every
+/// call, valid until the value is dropped (it does not move when the value moves), and nothing
+/// outside the value reads or writes it while the value lives.
+#[allow(unsafe_code, reason = "implementors promise memory the kernel may write into")]
+pub unsafe trait OwnedMemory: Send {
+    /// The region's start.
+    fn as_ptr(&self) -> *mut u8;
+    /// The region's length.
+    fn len(&self) -> usize;
+    /// Whether the region is empty (never, for a usable one).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+// SAFETY: an `AlignedBuf` is its own page-aligned mapping, owned alone, unmapped only on drop.
+#[allow(unsafe_code, reason = "an AlignedBuf is such memory")]
+unsafe impl OwnedMemory for AlignedBuf {
+    fn as_ptr(&self) -> *mut u8 {
+        self.base_ptr()
+    }
+
+    fn len(&self) -> usize {
+        AlignedBuf::len(self)
+    }
+}
+
 /// Called once per op with its index in the slice and its bytes, in completion order.
 pub type OnRead<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
 

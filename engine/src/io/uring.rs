@@ -1,7 +1,8 @@
 //! The io_uring backend: O_DIRECT reads into registered (fixed) buffers, batched submission.
 //!
 //! The backend owns `2 * queue_depth` buffer slots of `op_bytes_max` bytes each, carved from one
-//! page-aligned mapping and registered with the ring once, and registers each opened file in a
+//! page-aligned mapping (or handed in by the caller, such as page-locked staging buffers that a GPU
+//! copy engine reads) and registered with the ring once, and registers each opened file in a
 //! sparse fixed-file table. `read_stream` keeps up to `queue_depth` ops in flight, one per slot.
 //! Finished ops queue up; before each one's bytes go to the stream (which checks and copies them)
 //! the backend collects new completions and refills the queue from the spare slots, so the disk
@@ -19,7 +20,9 @@ use std::path::{Path, PathBuf};
 
 use io_uring::{IoUring, opcode, squeue, types};
 
-use super::{AlignedBuf, FileId, FileOpener, Io, IoConfig, Next, ReadOp, ReadStream, check_op, read_error, stalled};
+use super::{
+    AlignedBuf, FileId, FileOpener, Io, IoConfig, Next, OwnedMemory, ReadOp, ReadStream, check_op, read_error, stalled,
+};
 use crate::error::{Error, Result};
 
 /// Fixed-file table size; files past it are read through their plain descriptor.
@@ -120,7 +123,8 @@ pub struct UringIo {
     // `Drop` unless the ring broke, and then the buffers are leaked); the ring is declared first
     // only so that its registrations go before the memory they name.
     ring: IoUring,
-    arena: Option<AlignedBuf>,
+    /// The slots' memory: one region per slot, or one region carved into all of them.
+    memory: Option<Vec<Box<dyn OwnedMemory>>>,
     queue_depth: usize,
     op_bytes_max: usize,
     fixed_buffers: bool,
@@ -139,26 +143,44 @@ impl UringIo {
     /// A ring of `config.queue_depth` entries with its buffers registered.
     pub fn new(config: &IoConfig) -> Result<Self> {
         config.validate()?;
+        let n_slots = 2 * config.queue_depth as usize;
+        let arena = AlignedBuf::new(n_slots * config.op_bytes_max)?;
+        Self::build(config, vec![Box::new(arena)])
+    }
+
+    /// A ring whose slots are `slots` (at least `2 * queue_depth` regions of at least
+    /// `op_bytes_max` bytes each), registered as its fixed buffers: the disk's DMA lands in them.
+    pub fn with_slots(config: &IoConfig, slots: Vec<Box<dyn OwnedMemory>>) -> Result<Self> {
+        config.validate()?;
+        let n_slots = 2 * config.queue_depth as usize;
+        if slots.len() < n_slots || slots.iter().any(|slot| slot.len() < config.op_bytes_max) {
+            return Err(Error::invalid_input(format!(
+                "io_uring needs {n_slots} slot buffers of {} bytes, was given {}",
+                config.op_bytes_max,
+                slots.len()
+            )));
+        }
+        Self::build(config, slots)
+    }
+
+    fn build(config: &IoConfig, memory: Vec<Box<dyn OwnedMemory>>) -> Result<Self> {
         let queue_depth = config.queue_depth as usize;
         let ring = IoUring::new(config.queue_depth).map_err(|e| Error::io("io_uring_setup", "io_uring", e))?;
         let n_slots = 2 * queue_depth;
-        let mut arena = AlignedBuf::new(n_slots * config.op_bytes_max)?;
-        let base = arena.as_mut_ptr();
         let iovecs: Vec<libc::iovec> = (0..n_slots)
             .map(|slot| libc::iovec {
-                // SAFETY: slot * op_bytes_max < arena.len(), so the pointer stays in the mapping.
-                iov_base: unsafe { base.add(slot * config.op_bytes_max) }.cast(),
+                iov_base: slot_start(&memory, slot, config.op_bytes_max).cast(),
                 iov_len: config.op_bytes_max,
             })
             .collect();
-        // SAFETY: every iovec lies inside `arena`, which this backend owns and keeps mapped until
-        // the ring is closed (field order, and `Drop` waits for ops in flight).
+        // SAFETY: every iovec lies inside `memory` (`slot_start`), which this backend owns and
+        // keeps valid until the ring is closed (field order, and `Drop` waits for ops in flight).
         let fixed_buffers = unsafe { ring.submitter().register_buffers(&iovecs) }.is_ok();
         let fixed_files =
             if ring.submitter().register_files_sparse(FIXED_FILES_MAX).is_ok() { FIXED_FILES_MAX } else { 0 };
         Ok(Self {
             ring,
-            arena: Some(arena),
+            memory: Some(memory),
             queue_depth,
             op_bytes_max: config.op_bytes_max,
             fixed_buffers,
@@ -179,10 +201,7 @@ impl UringIo {
     }
 
     fn slot_ptr(&self, slot: usize) -> *mut u8 {
-        let arena = self.arena.as_ref().expect("the arena lives until drop");
-        // SAFETY: slot < 2 * queue_depth (the number of slots), so the offset is inside the
-        // arena's mapping.
-        unsafe { arena.base_ptr().add(slot * self.op_bytes_max) }
+        slot_start(self.memory.as_ref().expect("the memory lives until drop"), slot, self.op_bytes_max)
     }
 
     /// Queues the unread rest of `slot`'s op.
@@ -410,11 +429,25 @@ impl UringIo {
     }
 }
 
+/// Where slot `slot` starts: in region `slot` when there is one per slot, else carved from the
+/// single region. Callers keep `slot < 2 * queue_depth`, and the constructors checked that the
+/// regions are that many and that large.
+fn slot_start(memory: &[Box<dyn OwnedMemory>], slot: usize, op_bytes_max: usize) -> *mut u8 {
+    if memory.len() > 1 {
+        memory[slot].as_ptr()
+    } else {
+        debug_assert!((slot + 1) * op_bytes_max <= memory[0].len());
+        // SAFETY: the single region holds `2 * queue_depth * op_bytes_max` bytes (`new`) and
+        // `slot < 2 * queue_depth`, so the offset stays inside it.
+        unsafe { memory[0].as_ptr().add(slot * op_bytes_max) }
+    }
+}
+
 impl Drop for UringIo {
     fn drop(&mut self) {
         if !self.drain() {
             // The kernel may still write into the buffers: leak them rather than unmap them.
-            std::mem::forget(self.arena.take());
+            std::mem::forget(self.memory.take());
         }
     }
 }

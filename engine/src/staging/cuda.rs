@@ -1,0 +1,391 @@
+//! The CUDA driver API, loaded at run time (cudarc with dynamic loading): nothing links against
+//! CUDA, and where no driver or no device exists `Cuda::get` says why and returns `None`.
+//!
+//! Owns the few driver objects the loader needs: the primary context of device 0, page-locked
+//! registrations of staging memory, streams, events, device buffers, and `Upload` (an
+//! asynchronous host-to-device copy that owns its source lease and destination buffer until the
+//! copy is done, so neither can be reused or freed under the copy engine). Every call makes the
+//! context current on the calling thread first. Invariants: host memory is unregistered before
+//! it is unmapped (`HostRegistration` is dropped before the mapping, by field order in the pool);
+//! an `Upload` waits for its copy before it gives back or drops its lease. Never: calls the
+//! driver without checking first that the library loaded (cudarc's safe layer panics then).
+#![allow(unsafe_code, reason = "CUDA driver calls through cudarc's raw API, and handles shared between threads")]
+
+use crate::error::{Error, Result};
+use crate::io::AlignedBuf;
+
+use super::Lease;
+
+#[cfg(feature = "cuda")]
+use cudarc::driver::{result, sys};
+
+/// The CUDA device the engine uses (device 0) and its primary context.
+pub struct Cuda {
+    #[cfg(feature = "cuda")]
+    ctx: sys::CUcontext,
+    name: String,
+    memory_bytes: usize,
+}
+
+// SAFETY: a primary context is a process-wide handle that the driver lets any thread make
+// current; `Cuda` only passes it to the driver and never dereferences it.
+#[cfg(feature = "cuda")]
+unsafe impl Send for Cuda {}
+// SAFETY: as for `Send`: shared use only hands the same handle to thread-safe driver calls.
+#[cfg(feature = "cuda")]
+unsafe impl Sync for Cuda {}
+
+static CUDA: std::sync::OnceLock<std::result::Result<Cuda, String>> = std::sync::OnceLock::new();
+
+impl Cuda {
+    /// The device, initialised on first use; `None` without a driver or a device.
+    pub fn get() -> Option<&'static Cuda> {
+        CUDA.get_or_init(Cuda::init).as_ref().ok()
+    }
+
+    /// Why `get` returns `None`.
+    pub fn unavailable_reason() -> Option<&'static str> {
+        CUDA.get_or_init(Cuda::init).as_ref().err().map(String::as_str)
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device's memory in bytes.
+    pub fn memory_bytes(&self) -> usize {
+        self.memory_bytes
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn init() -> std::result::Result<Cuda, String> {
+        Err("this build has no CUDA support (the `cuda` feature is off)".to_owned())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn init() -> std::result::Result<Cuda, String> {
+        // SAFETY: only probes whether the driver library can be loaded.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("no CUDA driver library (libcuda) found".to_owned());
+        }
+        result::init().map_err(|e| format!("cuInit: {e:?}"))?;
+        let count = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))?;
+        if count < 1 {
+            return Err("the CUDA driver sees no device".to_owned());
+        }
+        let device = result::device::get(0).map_err(|e| format!("cuDeviceGet: {e:?}"))?;
+        let name = result::device::get_name(device).unwrap_or_else(|_| "CUDA device 0".to_owned());
+        // SAFETY: `device` is a valid ordinal handle returned just above.
+        let memory_bytes = unsafe { result::device::total_mem(device) }.unwrap_or(0);
+        // SAFETY: as above; the primary context is retained for the life of the process.
+        let ctx =
+            unsafe { result::primary_ctx::retain(device) }.map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
+        Ok(Cuda { ctx, name, memory_bytes })
+    }
+
+    /// Makes the context current on this thread.
+    #[cfg(feature = "cuda")]
+    fn bind(&self) -> Result<()> {
+        // SAFETY: `ctx` is the retained primary context, valid for the life of the process.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))
+    }
+
+    /// Page-locks `memory` (portable, not write-combined) until the registration is dropped.
+    pub(crate) fn register_host(&self, memory: &AlignedBuf) -> Result<HostRegistration> {
+        #[cfg(feature = "cuda")]
+        {
+            self.bind()?;
+            let ptr = memory.base_ptr();
+            // SAFETY: `ptr..ptr + len` is a live mapping owned by the pool, which drops this
+            // registration (unregistering) before it unmaps the memory.
+            unsafe { sys::cuMemHostRegister_v2(ptr.cast(), memory.len(), sys::CU_MEMHOSTREGISTER_PORTABLE) }
+                .result()
+                .map_err(|e| cuda_error("cuMemHostRegister", e))?;
+            Ok(HostRegistration { ptr })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = memory;
+            Err(Error::invalid_input("this build has no CUDA support"))
+        }
+    }
+
+    /// A stream of its own (non-blocking with respect to the legacy default stream).
+    pub fn stream(&'static self) -> Result<Stream> {
+        #[cfg(feature = "cuda")]
+        {
+            self.bind()?;
+            let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(|e| cuda_error("cuStreamCreate", e))?;
+            Ok(Stream { cuda: self, raw })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(Error::invalid_input("this build has no CUDA support"))
+    }
+
+    /// `bytes` of device memory.
+    pub fn alloc(&'static self, bytes: usize) -> Result<DeviceBuffer> {
+        #[cfg(feature = "cuda")]
+        {
+            self.bind()?;
+            // SAFETY: a plain allocation; the pointer is owned by the returned buffer and freed
+            // once, in its `Drop`.
+            let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| cuda_error("cuMemAlloc", e))?;
+            Ok(DeviceBuffer { cuda: self, ptr, len: bytes })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = bytes;
+            Err(Error::invalid_input("this build has no CUDA support"))
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_error(call: &'static str, e: result::DriverError) -> Error {
+    let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    Error::Cuda { call, detail: format!("{:?} {text}", e.0) }
+}
+
+/// A page-locked registration of host memory.
+pub struct HostRegistration {
+    ptr: *mut u8,
+}
+
+// SAFETY: the registration is an address the driver knows; unregistering it from another thread
+// is allowed (the context is made current first).
+unsafe impl Send for HostRegistration {}
+// SAFETY: shared references give no access to the pointer.
+unsafe impl Sync for HostRegistration {}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = Cuda::get()
+            && cuda.bind().is_ok()
+        {
+            // SAFETY: `ptr` was registered by `register_host` and is unregistered once, here,
+            // before the pool unmaps it.
+            let _ = unsafe { sys::cuMemHostUnregister(self.ptr.cast()) };
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = self.ptr;
+    }
+}
+
+/// A CUDA stream.
+pub struct Stream {
+    cuda: &'static Cuda,
+    #[cfg(feature = "cuda")]
+    raw: sys::CUstream,
+}
+
+// SAFETY: a stream handle may be used from any thread with its context current (every method
+// binds it first).
+unsafe impl Send for Stream {}
+
+impl Stream {
+    /// The raw `CUstream`, for a caller that enqueues its own work after the loader's copies.
+    #[cfg(feature = "cuda")]
+    pub fn raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
+    /// Copies `lease`'s bytes to the start of `buffer` on this stream, and records an event after
+    /// the copy. The upload owns both until it is done.
+    pub fn upload(&self, lease: Lease, buffer: DeviceBuffer) -> Result<Upload> {
+        if lease.len() > buffer.len {
+            return Err(Error::invalid_input(format!(
+                "a batch of {} bytes does not fit a device buffer of {} bytes",
+                lease.len(),
+                buffer.len
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            self.cuda.bind()?;
+            let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| cuda_error("cuEventCreate", e))?;
+            let event = Event { raw: event };
+            // SAFETY: the source is the lease's `len` bytes and the destination the start of a
+            // device buffer at least that long; the returned `Upload` owns both and does not
+            // release either before the event after the copy has completed.
+            unsafe { result::memcpy_htod_async(buffer.ptr, lease.as_slice(), self.raw) }
+                .map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))?;
+            // SAFETY: both handles are live and belong to the current context.
+            unsafe { result::event::record(event.raw, self.raw) }.map_err(|e| cuda_error("cuEventRecord", e))?;
+            Ok(Upload { parts: Some((lease, buffer)), event })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (self.cuda, lease, buffer);
+            Err(Error::invalid_input("this build has no CUDA support"))
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if self.cuda.bind().is_ok() {
+            // SAFETY: the stream was created by `Cuda::stream` and is destroyed once, here; the
+            // driver finishes work already enqueued before it releases the stream.
+            let _ = unsafe { result::stream::destroy(self.raw) };
+        }
+    }
+}
+
+/// A CUDA event.
+struct Event {
+    #[cfg(feature = "cuda")]
+    raw: sys::CUevent,
+}
+
+// SAFETY: an event handle may be queried, synchronised and destroyed from any thread.
+unsafe impl Send for Event {}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        // SAFETY: created by `upload` and destroyed once, here.
+        let _ = unsafe { result::event::destroy(self.raw) };
+    }
+}
+
+/// Device memory.
+pub struct DeviceBuffer {
+    cuda: &'static Cuda,
+    #[cfg(feature = "cuda")]
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: device memory may be used and freed from any thread with its context current.
+unsafe impl Send for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// The device address.
+    pub fn device_ptr(&self) -> u64 {
+        #[cfg(feature = "cuda")]
+        return self.ptr;
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies the first `out.len()` bytes back to the host, waiting for the copy (for tests and
+    /// checks, not the hot path).
+    pub fn download(&self, out: &mut [u8]) -> Result<()> {
+        if out.len() > self.len {
+            return Err(Error::invalid_input("more bytes asked than the device buffer holds"));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            self.cuda.bind()?;
+            // SAFETY: `out` is at most `len` bytes and the source is this buffer's allocation;
+            // the synchronous copy is done when the call returns.
+            unsafe { result::memcpy_dtoh_sync(out, self.ptr) }.map_err(|e| cuda_error("cuMemcpyDtoH", e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = self.cuda;
+            Err(Error::invalid_input("this build has no CUDA support"))
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if self.cuda.bind().is_ok() {
+            // SAFETY: allocated by `Cuda::alloc` and freed once, here; uploads into it own it, so
+            // none is in flight (an `Upload` waits before it gives the buffer back).
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// A host-to-device copy in flight (or done), owning its source and destination.
+pub struct Upload {
+    parts: Option<(Lease, DeviceBuffer)>,
+    event: Event,
+}
+
+impl Upload {
+    /// Whether the copy has completed.
+    pub fn is_ready(&self) -> Result<bool> {
+        #[cfg(feature = "cuda")]
+        {
+            // SAFETY: the event is live (owned by `self`).
+            match unsafe { result::event::query(self.event.raw) } {
+                Ok(()) => Ok(true),
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+                Err(e) => Err(cuda_error("cuEventQuery", e)),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = &self.event;
+            Ok(true)
+        }
+    }
+
+    /// Waits for the copy.
+    pub fn wait(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            if let Some((_, buffer)) = &self.parts {
+                buffer.cuda.bind()?;
+            }
+            // SAFETY: the event is live (owned by `self`).
+            unsafe { result::event::synchronize(self.event.raw) }.map_err(|e| cuda_error("cuEventSynchronize", e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Ok(())
+    }
+
+    /// The raw event recorded after the copy, for a stream that should wait on it.
+    #[cfg(feature = "cuda")]
+    pub fn event_raw(&self) -> sys::CUevent {
+        self.event.raw
+    }
+
+    /// The source bytes (valid to read: the copy only reads them).
+    pub fn host(&self) -> &Lease {
+        &self.parts.as_ref().expect("parts are taken only by into_parts").0
+    }
+
+    /// The destination.
+    pub fn device(&self) -> &DeviceBuffer {
+        &self.parts.as_ref().expect("parts are taken only by into_parts").1
+    }
+
+    /// Waits for the copy, then gives back the lease and the buffer.
+    pub fn into_parts(mut self) -> Result<(Lease, DeviceBuffer)> {
+        self.wait()?;
+        Ok(self.parts.take().expect("parts are taken once"))
+    }
+}
+
+impl Drop for Upload {
+    fn drop(&mut self) {
+        if self.parts.is_some() {
+            // The copy may still read the lease: wait before the lease goes back to the pool. If
+            // waiting fails the context is broken; leak the lease rather than hand out memory
+            // the copy engine may still read.
+            if self.wait().is_err() {
+                std::mem::forget(self.parts.take());
+            }
+        }
+    }
+}
