@@ -3,10 +3,12 @@
 //! Modules follow a sample's path (after `id` and `error`): `shard` (the file format) -> `manifest` (dataset versions) ->
 //! `store` (files on disk, crash-safe publishing) -> `catalog` (sled cache of what the files say)
 //! -> `ingest` (sources into shards) -> `plan` (which record each rank reads, in which order) ->
-//! `io` (io_uring and pread backends) -> `read` (batch planning, verification, assembly), and
-//! `policy` (partitioning, eviction and replication as WebAssembly plugins). `engine` wires the
-//! write side together (store, catalog, ingest); a module uses only the modules before it in
-//! this order, never one after it.
+//! `io` (io_uring and pread backends) -> `staging` (the bounded pool of page-aligned buffers,
+//! page-locked through CUDA when present) -> `read` (batch planning, verification, assembly) ->
+//! `policy` (partitioning, eviction and replication as WebAssembly plugins) -> `loader` (one
+//! rank's batches, prefetched, verified, copied to the GPU). `engine` wires the write side
+//! together (store, catalog, ingest); a module uses only the modules before it in this order,
+//! never one after it.
 //!
 //! ```no_run
 //! use granary::{Granary, IngestOptions, Layout, Dtype, FixedLayout, DatasetName, VersionSpec};
@@ -34,9 +36,11 @@ pub mod catalog;
 pub mod ingest;
 pub mod plan;
 pub mod io;
+pub mod staging;
 pub mod read;
 #[cfg(feature = "policy")]
 pub mod policy;
+pub mod loader;
 pub mod engine;
 
 pub use engine::Granary;
@@ -44,7 +48,9 @@ pub use error::{Error, FormatError, PluginError, Result};
 pub use id::{ManifestId, ObjectId, ShardId};
 pub use ingest::{Ingest, IngestMode, IngestOptions};
 pub use io::{Backend, Io, IoConfig};
+pub use loader::{LoadedBatch, Loader, LoaderConfig, LoaderStats, PlanSource, Target};
 pub use plan::{EpochPlan, Order, Position, RankCursor, World};
 pub use read::{Batch, Dataset, Reader};
 pub use shard::{Dtype, FixedLayout, Layout};
+pub use staging::{Lease, StagingConfig, StagingPool};
 pub use store::{DatasetName, StorePaths, VersionSpec};

@@ -10,11 +10,14 @@ use super::Dataset;
 use crate::error::{Error, Result};
 use crate::io::{AlignedBuf, FileId, ReadOp};
 use crate::shard::{BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET};
+use crate::staging::{Lease, StagingPool};
 
 /// Records read together: their bytes back to back in request order, and where each ends.
 ///
 /// The bytes live in page-aligned memory (huge pages when large), reused from batch to batch:
-/// it is what a device copy wants, and it keeps TLB misses off the copy into the batch.
+/// it is what a device copy wants, and it keeps TLB misses off the copy into the batch. A reader
+/// with a staging pool puts them in a lease of the pool instead (page-locked when CUDA is
+/// present), which the batch holds until it is dropped or the lease is taken.
 #[derive(Debug, Default)]
 pub struct Batch {
     indices: Vec<u64>,
@@ -22,31 +25,62 @@ pub struct Batch {
     data: BatchBytes,
 }
 
-/// A growable page-aligned byte buffer whose contents need not survive growth.
+/// A page-aligned byte buffer whose contents need not survive growth: owned and growable, or a
+/// staging lease of fixed capacity.
 #[derive(Debug, Default)]
 struct BatchBytes {
-    buf: Option<AlignedBuf>,
+    storage: Storage,
     len: usize,
+}
+
+#[derive(Debug, Default)]
+enum Storage {
+    #[default]
+    Empty,
+    Owned(AlignedBuf),
+    Leased(Lease),
 }
 
 impl BatchBytes {
     fn as_slice(&self) -> &[u8] {
-        self.buf.as_ref().map_or(&[], |buf| &buf.as_slice()[..self.len])
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        match &mut self.buf {
-            Some(buf) => &mut buf.as_mut_slice()[..self.len],
-            None => &mut [],
+        match &self.storage {
+            Storage::Empty => &[],
+            Storage::Owned(buf) => &buf.as_slice()[..self.len],
+            Storage::Leased(lease) => lease.as_slice(),
         }
     }
 
-    /// Sets the length; growing past the capacity allocates afresh and does not keep the bytes
-    /// (every byte of a batch is written before it is read).
-    fn set_len(&mut self, len: usize) -> Result<()> {
-        if self.buf.as_ref().is_none_or(|buf| buf.len() < len) {
-            self.buf = None;
-            self.buf = Some(AlignedBuf::new(len.next_power_of_two())?);
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match &mut self.storage {
+            Storage::Empty => &mut [],
+            Storage::Owned(buf) => &mut buf.as_mut_slice()[..self.len],
+            Storage::Leased(lease) => lease.as_mut_slice(),
+        }
+    }
+
+    /// Sets the length; growing past the capacity allocates afresh (or leases from `staging`,
+    /// waiting for a buffer to come back) and does not keep the bytes (every byte of a batch is
+    /// written before it is read).
+    fn set_len(&mut self, len: usize, staging: Option<&StagingPool>) -> Result<()> {
+        match (staging, &mut self.storage) {
+            (Some(_), Storage::Leased(lease)) if lease.capacity() >= len => lease.set_len(len)?,
+            (Some(pool), _) => {
+                if len > pool.buffer_bytes() {
+                    return Err(Error::invalid_input(format!(
+                        "a batch of {len} bytes does not fit a staging buffer of {} bytes",
+                        pool.buffer_bytes()
+                    )));
+                }
+                self.storage = Storage::Empty;
+                let mut lease = pool.acquire();
+                lease.set_len(len)?;
+                self.storage = Storage::Leased(lease);
+            }
+            (None, Storage::Owned(buf)) if buf.len() >= len => {}
+            (None, _) => {
+                self.storage = Storage::Empty;
+                self.storage = Storage::Owned(AlignedBuf::new(len.next_power_of_two())?);
+            }
         }
         self.len = len;
         Ok(())
@@ -90,10 +124,36 @@ impl Batch {
         (0..self.len()).map(|i| self.record(i))
     }
 
+    /// The staging lease holding the bytes, if a staging pool provided them (page-locked when
+    /// CUDA is present: what a device copy reads).
+    pub fn lease(&self) -> Option<&Lease> {
+        match &self.data.storage {
+            Storage::Leased(lease) => Some(lease),
+            _ => None,
+        }
+    }
+
+    /// Takes the staging lease out of the batch (its bytes go with it; `data` is then empty).
+    pub(crate) fn take_lease(&mut self) -> Option<Lease> {
+        match std::mem::take(&mut self.data.storage) {
+            Storage::Leased(lease) => {
+                self.data.len = 0;
+                Some(lease)
+            }
+            other => {
+                self.data.storage = other;
+                None
+            }
+        }
+    }
+
     pub(super) fn clear(&mut self) {
         self.indices.clear();
         self.ends.clear();
         self.data.len = 0;
+        if let Storage::Leased(lease) = &mut self.data.storage {
+            lease.set_len(0).expect("0 bytes fit");
+        }
     }
 
     pub(super) fn data_mut(&mut self) -> &mut [u8] {
@@ -155,6 +215,7 @@ impl Planner {
         indices: &[u64],
         op_blocks_max: usize,
         batch: &mut Batch,
+        staging: Option<&StagingPool>,
     ) -> Result<()> {
         debug_assert!(op_blocks_max > 0, "checked by the reader");
         // The bytes are kept: every byte of the new batch is overwritten before it is returned,
@@ -173,7 +234,7 @@ impl Planner {
         }
         batch.indices.extend_from_slice(indices);
         let total = usize::try_from(dst).map_err(|_| Error::invalid_input("a batch larger than memory"))?;
-        batch.data.set_len(total)?;
+        batch.data.set_len(total, staging)?;
         debug_assert_eq!(batch.ends.len(), batch.indices.len());
 
         self.order.clear();

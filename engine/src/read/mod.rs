@@ -21,6 +21,7 @@ use crate::id::{ManifestId, ShardId};
 use crate::io::{FileId, FileOpener, Io, Next, ReadStream};
 use crate::manifest::Manifest;
 use crate::shard::{Layout, ShardMeta};
+use crate::staging::StagingPool;
 use crate::store::{DatasetName, StorePaths, VersionSpec};
 
 /// An opened, immutable dataset version. Shared between readers.
@@ -180,6 +181,7 @@ pub struct Reader {
     files: Vec<Option<FileId>>,
     slots: Vec<BatchSlot>,
     stats: ReadStats,
+    staging: Option<StagingPool>,
 }
 
 /// A batch being read: its plan, its bytes, and how far its ops have got.
@@ -205,7 +207,14 @@ impl Reader {
     /// A reader of `dataset` through `io`.
     pub fn new(dataset: Arc<Dataset>, io: Box<dyn Io>) -> Self {
         let files = vec![None; dataset.n_shards()];
-        Self { dataset, io, files, slots: Vec::new(), stats: ReadStats::default() }
+        Self { dataset, io, files, slots: Vec::new(), stats: ReadStats::default(), staging: None }
+    }
+
+    /// Puts every batch's bytes in leases of `pool` from now on: planning a batch waits for a
+    /// free buffer (so a consumer that holds batches slows the reader down instead of making it
+    /// allocate), and a batch larger than the pool's buffers is an error.
+    pub fn set_staging(&mut self, pool: StagingPool) {
+        self.staging = Some(pool);
     }
 
     /// The dataset.
@@ -241,12 +250,13 @@ impl Reader {
     /// Reads a sequence of batches, handing each to `sink` in order as soon as it is complete,
     /// with up to `depth` batches in flight: the next batches are planned and read while earlier
     /// ones are checked, copied and consumed, so the disk never waits between batches. Stops at
-    /// the first error; every batch handed to `sink` was fully verified.
+    /// the first error; every batch handed to `sink` was fully verified. The sink may take the
+    /// batch (`std::mem::take`), its staging lease with it; the reader then starts afresh.
     pub fn read_batches<B: AsRef<[u64]>>(
         &mut self,
         batches: impl IntoIterator<Item = B>,
         depth: usize,
-        sink: &mut dyn FnMut(&Batch) -> Result<()>,
+        sink: &mut dyn FnMut(&mut Batch) -> Result<()>,
     ) -> Result<()> {
         let depth = depth.max(1);
         while self.slots.len() < depth {
@@ -259,7 +269,7 @@ impl Reader {
         &mut self,
         batches: impl Iterator<Item = B>,
         depth: usize,
-        sink: &mut dyn FnMut(&Batch) -> Result<()>,
+        sink: &mut dyn FnMut(&mut Batch) -> Result<()>,
     ) -> Result<()> {
         // `Io` is a public trait: a backend is checked, never trusted to be sane.
         let op_blocks_max = self.io.op_bytes_max() / crate::shard::BLOCK_BYTES;
@@ -282,6 +292,7 @@ impl Reader {
             issued: 0,
             sink,
             stats: &mut self.stats,
+            staging: self.staging.as_ref(),
         };
         self.io.read_stream(&mut pipeline)?;
         pipeline.deliver_ready()?;
@@ -311,15 +322,16 @@ struct Pipeline<'r, I> {
     free: Vec<usize>,
     /// Ops issued in this stream so far.
     issued: u64,
-    sink: &'r mut dyn FnMut(&Batch) -> Result<()>,
+    sink: &'r mut dyn FnMut(&mut Batch) -> Result<()>,
     stats: &'r mut ReadStats,
+    staging: Option<&'r StagingPool>,
 }
 
 impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
     /// Hands every complete batch at the front of the queue to the sink and frees its slot.
     fn deliver_ready(&mut self) -> Result<()> {
         while let Some(&front) = self.in_order.front() {
-            let slot = &self.slots[front];
+            let slot = &mut self.slots[front];
             if !slot.is_complete() {
                 break;
             }
@@ -329,7 +341,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
             self.stats.ops += slot.planner.n_extents() as u64;
             self.stats.bytes_read += read_bytes;
             self.stats.blocks_verified += read_bytes / crate::shard::BLOCK_BYTES_U64;
-            (self.sink)(&slot.batch)?;
+            (self.sink)(&mut slot.batch)?;
             self.in_order.pop_front();
             self.free.push(front);
         }
@@ -359,7 +371,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             };
             self.free.pop();
             let slot = &mut self.slots[free];
-            slot.planner.plan(self.dataset, indices.as_ref(), self.op_blocks_max, &mut slot.batch)?;
+            slot.planner.plan(self.dataset, indices.as_ref(), self.op_blocks_max, &mut slot.batch, self.staging)?;
             for shard in slot.planner.shards_touched() {
                 if self.files[shard].is_none() {
                     self.files[shard] = Some(opener.open(&self.dataset.shard_path(shard))?);

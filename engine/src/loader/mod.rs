@@ -1,0 +1,745 @@
+//! The loader: one rank's batches, verified, in staging memory and (with CUDA) on the GPU, ahead
+//! of the trainer.
+//!
+//! Owns the stage threads and the queues between them:
+//!
+//! ```text
+//! reader thread: epoch plan -> Reader (io_uring into pinned slots, CRC check, gather into a
+//!                staging lease) -> queue of `prefetch` batches
+//! device thread (CUDA only): lease -> device buffer on the loader's stream, event after it
+//!                -> queue of 2 uploads
+//! trainer: Loader::next -> LoadedBatch (host view, device pointer and event, indices, position)
+//! ```
+//!
+//! The plan comes from the partitioner plugin (the built-in elastic one by default) or from the
+//! native `EpochPlan`. A `Position` (epoch, global cursor) after each batch resumes exactly:
+//! positions count steps of `world x batch_size` records, which is how both plans are cut.
+//! Invariants: memory is bounded by configuration (a staging pool of fixed size; a consumer
+//! that holds batches makes the reader wait, never allocate); every byte of a batch passed its
+//! block checksum before the batch was queued; batches come in plan order; `next` never waits
+//! forever (a consumer that holds `hold_max` batches gets an error instead of a deadlock).
+//! Never: panics on bad input, or hands out a batch after an error (the error comes instead,
+//! once, then the end).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::io::{Fault, FaultIo, Io, IoConfig, OwnedMemory};
+use crate::plan::{EpochPlan, Order, Position, RankCursor, World};
+use crate::read::{Batch, Dataset, ReadStats, Reader};
+use crate::staging::cuda::{Cuda, DeviceBuffer, Stream, Upload};
+use crate::staging::{Pinning, PoolStats, StagingConfig, StagingPool};
+
+/// Where batches go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Target {
+    /// To the GPU when CUDA is present, host memory otherwise.
+    #[default]
+    Auto,
+    /// Host memory only (page-locked when CUDA is present).
+    Host,
+    /// The GPU, or an error.
+    Gpu,
+}
+
+/// Which plan orders an epoch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PlanSource {
+    /// The native `EpochPlan`.
+    Native(Order),
+    /// A partitioner plugin (built-in name or file; `None`: the default) and its options. Its
+    /// plan must be cut in steps as the built-in's `mode=global` is, so positions resume.
+    #[cfg(feature = "policy")]
+    Partitioner {
+        /// Built-in name or file; `None` for the default.
+        plugin: Option<String>,
+        /// `key=value` options.
+        options: Vec<(String, String)>,
+    },
+}
+
+impl Default for PlanSource {
+    fn default() -> Self {
+        #[cfg(feature = "policy")]
+        return PlanSource::Partitioner { plugin: None, options: Vec::new() };
+        #[cfg(not(feature = "policy"))]
+        PlanSource::Native(Order::Shuffled)
+    }
+}
+
+/// How a loader runs.
+#[derive(Clone, Debug)]
+pub struct LoaderConfig {
+    /// Records per batch (per rank).
+    pub batch_size: u64,
+    /// This rank and the world.
+    pub world: World,
+    /// The run's seed.
+    pub seed: u64,
+    /// The epoch order.
+    pub plan: PlanSource,
+    /// Epochs to run from the start position's epoch; `None` runs until dropped.
+    pub epochs: Option<u64>,
+    /// Batches the reader keeps in flight at once.
+    pub read_depth: usize,
+    /// Verified batches queued ahead of the trainer.
+    pub prefetch: usize,
+    /// Batches the trainer may hold at once.
+    pub hold_max: usize,
+    /// The read backend.
+    pub io: IoConfig,
+    /// Where batches go.
+    pub target: Target,
+    /// Bytes per staging buffer (the largest batch); `None`: exact for fixed-size records,
+    /// 64 MiB otherwise.
+    pub batch_bytes_max: Option<usize>,
+    /// Faults injected into the reads (tests and drills).
+    pub faults: Vec<Fault>,
+}
+
+impl Default for LoaderConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 256,
+            world: World::single(),
+            seed: 0,
+            plan: PlanSource::default(),
+            epochs: Some(1),
+            read_depth: 2,
+            prefetch: 4,
+            hold_max: 2,
+            io: IoConfig::default(),
+            target: Target::Auto,
+            batch_bytes_max: None,
+            faults: Vec::new(),
+        }
+    }
+}
+
+/// Batches ready on the device: where, and the event after the copy.
+pub struct DeviceBatch<'a> {
+    upload: &'a Upload,
+}
+
+impl DeviceBatch<'_> {
+    /// The device address of the batch's bytes.
+    pub fn ptr(&self) -> u64 {
+        self.upload.device().device_ptr()
+    }
+
+    /// Bytes on the device.
+    pub fn len(&self) -> usize {
+        self.upload.host().len()
+    }
+
+    /// Whether the batch holds no byte.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the copy has completed.
+    pub fn is_ready(&self) -> Result<bool> {
+        self.upload.is_ready()
+    }
+
+    /// Waits for the copy.
+    pub fn wait(&self) -> Result<()> {
+        self.upload.wait()
+    }
+
+    /// The raw `CUevent` recorded after the copy: make the trainer's stream wait on it.
+    #[cfg(feature = "cuda")]
+    pub fn event(&self) -> cudarc::driver::sys::CUevent {
+        self.upload.event_raw()
+    }
+
+    /// Copies the device bytes back (for checks, not the hot path).
+    pub fn download(&self, out: &mut [u8]) -> Result<()> {
+        self.upload.wait()?;
+        self.upload.device().download(out)
+    }
+}
+
+/// One batch handed to the trainer. Dropping it returns its staging buffer (and device buffer)
+/// to the loader: drop it only after the work that reads it has finished.
+pub struct LoadedBatch {
+    batch: Batch,
+    upload: Option<Upload>,
+    position: Position,
+    stall: Duration,
+    returns: Option<Sender<DeviceBuffer>>,
+    held: Arc<AtomicUsize>,
+}
+
+impl LoadedBatch {
+    /// The dataset indices of the records, in batch order.
+    pub fn indices(&self) -> &[u64] {
+        self.batch.indices()
+    }
+
+    /// Records in the batch.
+    pub fn len(&self) -> usize {
+        self.batch.len()
+    }
+
+    /// Whether the batch has no records.
+    pub fn is_empty(&self) -> bool {
+        self.batch.is_empty()
+    }
+
+    /// Where each record ends in `data`.
+    pub fn ends(&self) -> &[u64] {
+        self.batch.ends()
+    }
+
+    /// The verified bytes in host (staging) memory: for fixed-size records one dense
+    /// `len x shape` array, otherwise records back to back (see `ends`).
+    pub fn data(&self) -> &[u8] {
+        match &self.upload {
+            Some(upload) => upload.host().as_slice(),
+            None => self.batch.data(),
+        }
+    }
+
+    /// The bytes of record `i` of the batch.
+    pub fn record(&self, i: usize) -> &[u8] {
+        let ends = self.ends();
+        let start = if i == 0 { 0 } else { ends[i - 1] as usize };
+        &self.data()[start..ends[i] as usize]
+    }
+
+    /// The batch on the GPU, when the loader copies to one.
+    pub fn device(&self) -> Option<DeviceBatch<'_>> {
+        self.upload.as_ref().map(|upload| DeviceBatch { upload })
+    }
+
+    /// Where the run is after this batch: resume from here to read the next one.
+    pub fn position(&self) -> Position {
+        self.position
+    }
+
+    /// How long `next` waited for this batch.
+    pub fn stall(&self) -> Duration {
+        self.stall
+    }
+
+    /// Whether the bytes are in page-locked memory.
+    pub fn pinned(&self) -> bool {
+        match &self.upload {
+            Some(upload) => upload.host().pinned(),
+            None => self.batch.lease().is_some_and(|lease| lease.pinned()),
+        }
+    }
+}
+
+impl Drop for LoadedBatch {
+    fn drop(&mut self) {
+        if let Some(upload) = self.upload.take()
+            && let Ok((lease, buffer)) = upload.into_parts()
+        {
+            drop(lease);
+            if let Some(returns) = &self.returns {
+                let _ = returns.send(buffer);
+            }
+        }
+        self.held.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Counters of a loader.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoaderStats {
+    /// Batches handed out.
+    pub batches: u64,
+    /// Records handed out.
+    pub records: u64,
+    /// Bytes handed out.
+    pub bytes: u64,
+    /// Time `next` spent waiting for data, in total.
+    pub stall: Duration,
+    /// The longest wait for one batch.
+    pub stall_max: Duration,
+    /// From the first `next` to the last.
+    pub elapsed: Duration,
+    /// The reader's counters.
+    pub read: ReadStats,
+    /// The staging pool's counters.
+    pub pool: PoolStats,
+}
+
+impl LoaderStats {
+    /// Fraction of the time between the first and last `next` spent waiting for data.
+    pub fn stall_fraction(&self) -> f64 {
+        if self.elapsed.is_zero() { 0.0 } else { self.stall.as_secs_f64() / self.elapsed.as_secs_f64() }
+    }
+}
+
+enum Message {
+    Batch(Box<Batch>, Position),
+    Uploaded(Box<Batch>, Upload, Position),
+    Failed(Error),
+}
+
+/// One rank's batch stream. See the module documentation.
+pub struct Loader {
+    receiver: Option<Receiver<Message>>,
+    threads: Vec<JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+    returns: Option<Sender<DeviceBuffer>>,
+    held: Arc<AtomicUsize>,
+    hold_max: usize,
+    pool: StagingPool,
+    read_stats: Arc<Mutex<ReadStats>>,
+    position: Position,
+    stats: LoaderStats,
+    first_next: Option<Instant>,
+    finished: bool,
+    device: Option<String>,
+}
+
+impl Loader {
+    /// Starts loading `dataset` from `start` (`Position::default()` for the beginning).
+    pub fn new(dataset: Arc<Dataset>, config: LoaderConfig, start: Position) -> Result<Self> {
+        check(&config)?;
+        let cuda = match config.target {
+            Target::Host => None,
+            Target::Auto => Cuda::get(),
+            Target::Gpu => Some(Cuda::get().ok_or_else(|| {
+                Error::invalid_input(format!(
+                    "loading to the GPU needs CUDA: {}",
+                    Cuda::unavailable_reason().unwrap_or("not available")
+                ))
+            })?),
+        };
+        let batch_bytes = match (config.batch_bytes_max, dataset.layout().record_bytes()) {
+            (Some(bytes), _) => bytes,
+            (None, Some(record)) => usize::try_from(record.saturating_mul(config.batch_size))
+                .map_err(|_| Error::invalid_input("a batch larger than memory"))?,
+            (None, None) => 64 << 20,
+        };
+        // Buffers: the reader's batches in flight, the queue to the trainer, what the device
+        // stage holds (one being copied, two queued), what the trainer holds, and one spare.
+        let device_held = if cuda.is_some() { 3 } else { 0 };
+        let buffers = config.read_depth + config.prefetch + device_held + config.hold_max + 1;
+        let pinning = if cuda.is_some() { Pinning::Auto } else { Pinning::Off };
+        let pool = StagingPool::new(StagingConfig { buffers, buffer_bytes: batch_bytes.max(1), pinning })?;
+        let io = build_io(&config, pinning)?;
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let read_stats = Arc::new(Mutex::new(ReadStats::default()));
+        let (to_next, from_reader) = std::sync::mpsc::sync_channel(config.prefetch);
+        let mut threads = Vec::new();
+        let reader = ReaderStage {
+            dataset,
+            io,
+            pool: pool.clone(),
+            config: config.clone(),
+            start,
+            out: to_next,
+            stop: Arc::clone(&stop),
+            stats: Arc::clone(&read_stats),
+        };
+        threads.push(spawn("granary-reader", move || reader.run())?);
+        let (receiver, returns) = match cuda {
+            None => (from_reader, None),
+            Some(cuda) => {
+                let (to_trainer, receiver) = std::sync::mpsc::sync_channel(2);
+                let (returns, returned) = std::sync::mpsc::channel();
+                let stream = cuda.stream()?;
+                let buffers =
+                    (0..config.hold_max + 3).map(|_| cuda.alloc(pool.buffer_bytes())).collect::<Result<Vec<_>>>()?;
+                let device = DeviceStage {
+                    stream,
+                    free: buffers,
+                    returned,
+                    input: from_reader,
+                    out: to_trainer,
+                    stop: Arc::clone(&stop),
+                };
+                threads.push(spawn("granary-device", move || device.run())?);
+                (receiver, Some(returns))
+            }
+        };
+        Ok(Self {
+            receiver: Some(receiver),
+            threads,
+            stop,
+            returns,
+            held: Arc::new(AtomicUsize::new(0)),
+            hold_max: config.hold_max,
+            pool,
+            read_stats,
+            position: start,
+            stats: LoaderStats::default(),
+            first_next: None,
+            finished: false,
+            device: cuda.map(|cuda| cuda.name().to_owned()),
+        })
+    }
+
+    /// The next batch in plan order; `None` after the last epoch (or after an error was
+    /// returned). Waits for the batch if it is not ready; the wait is counted as stall.
+    #[allow(clippy::should_implement_trait, reason = "a fallible stream, not an iterator of values")]
+    pub fn next(&mut self) -> Option<Result<LoadedBatch>> {
+        if self.finished {
+            return None;
+        }
+        let held = self.held.load(Ordering::Acquire);
+        if held >= self.hold_max {
+            return Some(Err(Error::invalid_input(format!(
+                "the trainer holds {held} batches, the most this loader allows (hold_max); drop one first"
+            ))));
+        }
+        let receiver = self.receiver.as_ref()?;
+        let now = Instant::now();
+        let first = *self.first_next.get_or_insert(now);
+        let message = match receiver.try_recv() {
+            Ok(message) => Ok(message),
+            Err(TryRecvError::Empty) => receiver.recv().map_err(|_| ()),
+            Err(TryRecvError::Disconnected) => Err(()),
+        };
+        let stall = now.elapsed();
+        self.stats.stall += stall;
+        self.stats.stall_max = self.stats.stall_max.max(stall);
+        self.stats.elapsed = first.elapsed();
+        let (batch, upload, position) = match message {
+            Ok(Message::Batch(batch, position)) => (batch, None, position),
+            Ok(Message::Uploaded(batch, upload, position)) => (batch, Some(upload), position),
+            Ok(Message::Failed(error)) => {
+                self.finished = true;
+                return Some(Err(error));
+            }
+            Err(()) => {
+                self.finished = true;
+                return None;
+            }
+        };
+        self.held.fetch_add(1, Ordering::AcqRel);
+        let loaded = LoadedBatch {
+            batch: *batch,
+            upload,
+            position,
+            stall,
+            returns: self.returns.clone(),
+            held: Arc::clone(&self.held),
+        };
+        self.position = position;
+        self.stats.batches += 1;
+        self.stats.records += loaded.len() as u64;
+        self.stats.bytes += loaded.data().len() as u64;
+        Some(Ok(loaded))
+    }
+
+    /// Where the run is: after the last batch handed out (the start, before the first).
+    pub fn position(&self) -> Position {
+        self.position
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> LoaderStats {
+        let mut stats = self.stats;
+        stats.read = *self.read_stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        stats.pool = self.pool.stats();
+        stats
+    }
+
+    /// The GPU batches are copied to, if any.
+    pub fn device(&self) -> Option<&str> {
+        self.device.as_deref()
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Dropping the queue frees the batches in it, so a stage waiting for a buffer or for
+        // room in the queue wakes up, sees the stop or a closed queue, and ends.
+        self.receiver = None;
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn check(config: &LoaderConfig) -> Result<()> {
+    if config.batch_size == 0 {
+        return Err(Error::invalid_input("batch size must be at least 1"));
+    }
+    if config.read_depth == 0 || config.prefetch == 0 || config.hold_max == 0 {
+        return Err(Error::invalid_input("read depth, prefetch and hold_max must each be at least 1"));
+    }
+    config.io.validate()
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new().name(name.to_owned()).spawn(f).map_err(|e| Error::io("spawn", name, e))
+}
+
+/// The read backend: io_uring reading into slots from a staging pool (page-locked with CUDA,
+/// registered as fixed buffers), or what `config.io` builds.
+fn build_io(config: &LoaderConfig, pinning: Pinning) -> Result<Box<dyn Io>> {
+    let io: Box<dyn Io> = match config.io.backend {
+        crate::io::Backend::Pread => config.io.build()?,
+        #[cfg(target_os = "linux")]
+        backend => {
+            let slots = 2 * config.io.queue_depth as usize;
+            let staged =
+                StagingPool::new(StagingConfig { buffers: slots, buffer_bytes: config.io.op_bytes_max, pinning })
+                    .and_then(|pool| {
+                        let leases: Vec<Box<dyn OwnedMemory>> =
+                            (0..slots).map(|_| Box::new(pool.acquire()) as Box<dyn OwnedMemory>).collect();
+                        crate::io::UringIo::with_slots(&config.io, leases)
+                    });
+            match (staged, backend) {
+                (Ok(uring), _) => Box::new(uring),
+                (Err(e), crate::io::Backend::Uring) => return Err(e),
+                (Err(_), _) => config.io.build()?,
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        _ => config.io.build()?,
+    };
+    Ok(if config.faults.is_empty() { io } else { Box::new(FaultIo::new(io, config.faults.clone())) })
+}
+
+struct ReaderStage {
+    dataset: Arc<Dataset>,
+    io: Box<dyn Io>,
+    pool: StagingPool,
+    config: LoaderConfig,
+    start: Position,
+    out: SyncSender<Message>,
+    stop: Arc<AtomicBool>,
+    stats: Arc<Mutex<ReadStats>>,
+}
+
+impl ReaderStage {
+    fn run(self) {
+        let ReaderStage { dataset, io, pool, config, start, out, stop, stats } = self;
+        let mut reader = Reader::new(Arc::clone(&dataset), io);
+        reader.set_staging(pool);
+        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, &stats);
+        if let Err(Some(error)) = outcome {
+            let _ = out.send(Message::Failed(error));
+        }
+    }
+}
+
+/// Reads epochs from `start`; `Err(None)` when stopped, `Err(Some(e))` on a failure.
+fn run_epochs(
+    reader: &mut Reader,
+    dataset: &Dataset,
+    config: &LoaderConfig,
+    start: Position,
+    out: &SyncSender<Message>,
+    stop: &AtomicBool,
+    stats: &Mutex<ReadStats>,
+) -> std::result::Result<(), Option<Error>> {
+    let n_records = dataset.n_records();
+    let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
+    let mut position = if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
+    let end_epoch = config.epochs.map(|epochs| start.epoch.saturating_add(epochs));
+    while end_epoch.is_none_or(|end| position.epoch < end) {
+        if n_records == 0 {
+            return Ok(());
+        }
+        let batches = planner.epoch(position).map_err(Some)?;
+        let positions = std::cell::RefCell::new(std::collections::VecDeque::new());
+        let mut stopped = false;
+        let planned = batches.into_iter().inspect(|(_, after)| positions.borrow_mut().push_back(*after));
+        let outcome = reader.read_batches(planned.map(|(records, _)| records), config.read_depth, &mut |batch| {
+            let after = positions.borrow_mut().pop_front().expect("one position per planned batch");
+            if stop.load(Ordering::Acquire) {
+                stopped = true;
+                return Err(Error::invalid_input("stopped"));
+            }
+            let batch = Box::new(std::mem::take(batch));
+            if out.send(Message::Batch(batch, after)).is_err() {
+                stopped = true;
+                return Err(Error::invalid_input("stopped"));
+            }
+            Ok(())
+        });
+        if stopped {
+            return Err(None);
+        }
+        outcome.map_err(Some)?;
+        *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = reader.stats();
+        position = Position { epoch: position.epoch + 1, cursor: 0 };
+    }
+    Ok(())
+}
+
+/// Cuts epochs into this rank's batches, each with the position after it.
+struct EpochPlanner {
+    n_records: u64,
+    seed: u64,
+    world: World,
+    batch_size: u64,
+    source: Source,
+}
+
+enum Source {
+    Native(Order),
+    #[cfg(feature = "policy")]
+    Plugin {
+        partitioner: Box<crate::policy::Partitioner>,
+        shards: Vec<crate::policy::ShardInfo>,
+        ranks: Vec<crate::policy::RankInfo>,
+        nodes: Vec<crate::policy::NodeInfo>,
+    },
+}
+
+impl EpochPlanner {
+    fn new(config: &LoaderConfig, dataset: &Dataset) -> Result<Self> {
+        let source = match &config.plan {
+            PlanSource::Native(order) => Source::Native(*order),
+            #[cfg(feature = "policy")]
+            PlanSource::Partitioner { plugin, options } => {
+                use crate::policy::{Limits, NodeInfo, PolicyHost, RankInfo, ShardInfo};
+                let host = PolicyHost::new(Limits::default(), None)?;
+                let partitioner = host.partitioner(plugin.as_deref(), options)?;
+                let shards = dataset
+                    .manifest()
+                    .entries()
+                    .iter()
+                    .map(|entry| ShardInfo {
+                        id: *entry.shard.0.as_bytes(),
+                        bytes: entry.file_bytes,
+                        records: entry.n_records,
+                        replicas: Vec::new(),
+                    })
+                    .collect();
+                let ranks = (0..config.world.size()).map(|id| RankInfo { id, node: 0, weight: 1, up: true }).collect();
+                let nodes = vec![NodeInfo { id: 0, weight: 1, failure_domain: 0, up: true }];
+                Source::Plugin { partitioner: Box::new(partitioner), shards, ranks, nodes }
+            }
+        };
+        Ok(Self {
+            n_records: dataset.n_records(),
+            seed: config.seed,
+            world: config.world,
+            batch_size: config.batch_size,
+            source,
+        })
+    }
+
+    /// This rank's batches from `from` to the end of its epoch, each with the position after
+    /// it. Steps in which this rank reads nothing (a short last step) give no batch.
+    fn epoch(&mut self, from: Position) -> Result<Vec<(Vec<u64>, Position)>> {
+        let (n, world, batch_size) = (self.n_records, self.world, self.batch_size);
+        // Positions and step sizes follow the native plan's arithmetic, which the step-cut
+        // plugin plans share.
+        let steps = EpochPlan::new(n, self.seed, from.epoch, Order::Sequential);
+        let after = |cursor: u64| {
+            let next = cursor + steps.step_len(cursor, world.size(), batch_size);
+            if next >= n {
+                Position { epoch: from.epoch + 1, cursor: 0 }
+            } else {
+                Position { epoch: from.epoch, cursor: next }
+            }
+        };
+        let mut batches = Vec::new();
+        match &mut self.source {
+            Source::Native(order) => {
+                let plan = EpochPlan::new(n, self.seed, from.epoch, *order);
+                let mut cursor = RankCursor::new(plan, world, batch_size, from.cursor);
+                loop {
+                    let at = cursor.cursor();
+                    let mut records = Vec::new();
+                    if !cursor.next_batch(&mut records) {
+                        break;
+                    }
+                    if !records.is_empty() {
+                        batches.push((records, after(at)));
+                    }
+                }
+            }
+            #[cfg(feature = "policy")]
+            Source::Plugin { partitioner, shards, ranks, nodes } => {
+                let spec =
+                    crate::policy::EpochSpec { seed: self.seed, epoch: from.epoch, batch_size, start: from.cursor };
+                let plans = partitioner.plan(shards, ranks, nodes, spec)?;
+                let mine = plans.iter().find(|plan| plan.rank == world.rank());
+                let mut records = mine.map(|plan| plan.records()).into_iter().flatten();
+                let mut cursor = from.cursor;
+                let mut planned = 0u64;
+                while cursor < n {
+                    let take = steps.rank_positions(cursor, world, batch_size);
+                    let batch: Vec<u64> = records.by_ref().take((take.end - take.start) as usize).collect();
+                    planned += batch.len() as u64;
+                    if batch.len() as u64 != take.end - take.start {
+                        return Err(step_mismatch(world, planned));
+                    }
+                    if !batch.is_empty() {
+                        batches.push((batch, after(cursor)));
+                    }
+                    cursor += steps.step_len(cursor, world.size(), batch_size);
+                }
+                if records.next().is_some() {
+                    return Err(step_mismatch(world, planned + 1));
+                }
+            }
+        }
+        Ok(batches)
+    }
+}
+
+#[cfg(feature = "policy")]
+fn step_mismatch(world: World, planned: u64) -> Error {
+    Error::invalid_input(format!(
+        "the partitioner's plan for rank {} is not cut in steps of world x batch size (at its record {planned}); \
+         the loader needs a step-cut plan (the built-in elastic partitioner's mode=global) to resume exactly",
+        world.rank()
+    ))
+}
+
+/// Copies each verified batch to a device buffer on the loader's stream.
+struct DeviceStage {
+    stream: Stream,
+    free: Vec<DeviceBuffer>,
+    returned: Receiver<DeviceBuffer>,
+    input: Receiver<Message>,
+    out: SyncSender<Message>,
+    stop: Arc<AtomicBool>,
+}
+
+impl DeviceStage {
+    fn run(mut self) {
+        while let Ok(message) = self.input.recv() {
+            let message = match message {
+                Message::Batch(mut batch, position) => match self.upload(&mut batch) {
+                    Ok(upload) => Message::Uploaded(batch, upload, position),
+                    Err(error) => Message::Failed(error),
+                },
+                other => other,
+            };
+            let failed = matches!(message, Message::Failed(_));
+            if self.out.send(message).is_err() || failed {
+                return;
+            }
+        }
+    }
+
+    fn upload(&mut self, batch: &mut Batch) -> Result<Upload> {
+        self.free.extend(self.returned.try_iter());
+        // The trainer holds at most `hold_max` and the queue two, so one comes back, unless the
+        // loader is being dropped while the trainer keeps its batches: then stop.
+        let buffer = loop {
+            if let Some(buffer) = self.free.pop() {
+                break buffer;
+            }
+            match self.returned.recv_timeout(Duration::from_millis(10)) {
+                Ok(buffer) => break buffer,
+                Err(RecvTimeoutError::Timeout) if !self.stop.load(Ordering::Acquire) => {}
+                Err(_) => return Err(Error::invalid_input("stopped")),
+            }
+        };
+        let lease = batch.take_lease().ok_or_else(|| Error::invalid_input("a batch without a staging buffer"))?;
+        self.stream.upload(lease, buffer)
+    }
+}

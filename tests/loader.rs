@@ -1,0 +1,276 @@
+//! The loader on the CPU path: batches come in plan order with the right bytes, a position
+//! resumes exactly, a flipped bit is caught, memory stays bounded with a slow trainer, and a
+//! trainer that holds too many batches gets an error rather than a hang. The GPU test at the end
+//! runs only where asked (`cargo test --test loader -- --ignored`, on a machine with CUDA).
+
+mod common;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use common::*;
+use granary::io::{AlignedBuf, Fault};
+use granary::loader::{LoadedBatch, Loader, LoaderConfig, PlanSource, Target};
+use granary::{Backend, Dataset, EpochPlan, Granary, IoConfig, Order, Position, RankCursor, VersionSpec, World};
+
+/// Tests here count memory mappings process-wide: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+const TOKENS: u64 = 50;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    dataset: Arc<Dataset>,
+    records: Vec<Vec<u8>>,
+}
+
+/// `n` records of 50 u16 tokens in shards of about 16 KiB.
+fn fixture(n: usize) -> Fixture {
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64, TOKENS as usize * 2)).collect();
+    ingest(&mut granary, "tokens", tokens_layout(TOKENS), small_shards(16 << 10), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
+    Fixture { _dir: dir, dataset, records }
+}
+
+fn config(plan: PlanSource, world: World) -> LoaderConfig {
+    LoaderConfig {
+        batch_size: 16,
+        world,
+        seed: 7,
+        plan,
+        epochs: Some(2),
+        io: IoConfig { backend: Backend::Auto, queue_depth: 8, op_bytes_max: 16 << 10, direct: true },
+        target: Target::Host,
+        ..LoaderConfig::default()
+    }
+}
+
+fn drain(loader: &mut Loader, records: &[Vec<u8>]) -> Vec<(Vec<u64>, Position)> {
+    let mut out = Vec::new();
+    while let Some(batch) = loader.next() {
+        let batch = batch.unwrap();
+        check_bytes(&batch, records);
+        out.push((batch.indices().to_vec(), batch.position()));
+    }
+    out
+}
+
+fn check_bytes(batch: &LoadedBatch, records: &[Vec<u8>]) {
+    assert_eq!(batch.data().len(), batch.len() * TOKENS as usize * 2, "one dense array");
+    for (i, &index) in batch.indices().iter().enumerate() {
+        assert_eq!(batch.record(i), &records[index as usize][..], "record {index}");
+    }
+}
+
+fn sources() -> Vec<PlanSource> {
+    vec![
+        PlanSource::Native(Order::Shuffled),
+        PlanSource::Native(Order::Sequential),
+        PlanSource::Partitioner { plugin: None, options: Vec::new() },
+        PlanSource::Partitioner { plugin: None, options: vec![("chunk-records".into(), "8".into())] },
+    ]
+}
+
+#[test]
+fn batches_follow_the_plan_with_the_right_bytes() {
+    let _serial = serial();
+    let fx = fixture(500);
+    let n = fx.records.len() as u64;
+    for world in [World::single(), World::new(1, 3).unwrap()] {
+        // The native plan, rank by rank, is the model.
+        let mut loader = Loader::new(
+            Arc::clone(&fx.dataset),
+            config(PlanSource::Native(Order::Shuffled), world),
+            Position::default(),
+        )
+        .unwrap();
+        let got: Vec<Vec<u64>> = drain(&mut loader, &fx.records).into_iter().map(|(indices, _)| indices).collect();
+        let mut wanted = Vec::new();
+        for epoch in 0..2 {
+            let mut cursor = RankCursor::new(EpochPlan::new(n, 7, epoch, Order::Shuffled), world, 16, 0);
+            let mut records = Vec::new();
+            while cursor.next_batch(&mut records) {
+                if !records.is_empty() {
+                    wanted.push(records.clone());
+                }
+            }
+        }
+        assert_eq!(got, wanted, "world {world:?}");
+        assert_eq!(loader.position(), Position { epoch: 2, cursor: 0 });
+    }
+    // With the partitioner plugin: every rank's batches together read each record once per epoch.
+    for plan in sources() {
+        let mut seen = vec![0u32; fx.records.len()];
+        for rank in 0..3 {
+            let mut loader = Loader::new(
+                Arc::clone(&fx.dataset),
+                config(plan.clone(), World::new(rank, 3).unwrap()),
+                Position::default(),
+            )
+            .unwrap();
+            for (indices, _) in drain(&mut loader, &fx.records) {
+                assert!(indices.len() <= 16);
+                for index in indices {
+                    seen[index as usize] += 1;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&count| count == 2), "{plan:?}: each record once per epoch, two epochs");
+    }
+}
+
+#[test]
+fn a_position_resumes_exactly() {
+    let _serial = serial();
+    let fx = fixture(300);
+    for plan in sources() {
+        for world in [World::single(), World::new(2, 4).unwrap()] {
+            let full = drain(
+                &mut Loader::new(Arc::clone(&fx.dataset), config(plan.clone(), world), Position::default()).unwrap(),
+                &fx.records,
+            );
+            assert!(full.len() > 4);
+            for cut in [0, 1, full.len() / 2, full.len() - 2] {
+                let from = full[cut].1;
+                let mut config = config(plan.clone(), world);
+                // The resumed run ends where the full one does: at the end of epoch 1.
+                config.epochs = Some(2 - from.epoch);
+                let rest = drain(&mut Loader::new(Arc::clone(&fx.dataset), config, from).unwrap(), &fx.records);
+                assert_eq!(rest, full[cut + 1..].to_vec(), "{plan:?}, {world:?}, resumed after batch {cut}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_bit_flipped_after_the_read_is_caught_before_any_batch_holds_it() {
+    let _serial = serial();
+    let fx = fixture(300);
+    for backend in [Backend::Uring, Backend::Pread] {
+        let mut config = config(PlanSource::Native(Order::Sequential), World::single());
+        config.io.backend = backend;
+        config.faults = vec![Fault::FlipBit { op: 3, bit: 12_345 }];
+        let mut loader = Loader::new(Arc::clone(&fx.dataset), config, Position::default()).unwrap();
+        let mut delivered = 0;
+        let error = loop {
+            match loader.next().expect("an error comes before the end") {
+                Ok(batch) => {
+                    check_bytes(&batch, &fx.records);
+                    delivered += 1;
+                }
+                Err(error) => break error,
+            }
+        };
+        assert!(error.is_corruption(), "{backend:?}: {error}");
+        assert!(delivered < 19, "the corrupt op's batch was never handed out");
+        assert!(loader.next().is_none(), "nothing after the error");
+    }
+}
+
+#[test]
+fn a_slow_trainer_makes_the_loader_wait_not_allocate() {
+    let _serial = serial();
+    let fx = fixture(400);
+    let mut config = config(PlanSource::Native(Order::Shuffled), World::single());
+    config.prefetch = 2;
+    let mut loader = Loader::new(Arc::clone(&fx.dataset), config, Position::default()).unwrap();
+    let first = loader.next().unwrap().unwrap();
+    drop(first);
+    std::thread::sleep(Duration::from_millis(50));
+    let mappings = AlignedBuf::mappings_made();
+    let bound = loader.stats().pool.buffers;
+    let mut batches = 1;
+    while let Some(batch) = loader.next() {
+        let batch = batch.unwrap();
+        check_bytes(&batch, &fx.records);
+        std::thread::sleep(Duration::from_millis(3));
+        batches += 1;
+    }
+    let stats = loader.stats();
+    assert_eq!(batches, 50);
+    assert_eq!(AlignedBuf::mappings_made(), mappings, "no buffer was allocated after the start");
+    assert_eq!(stats.pool.buffers, bound);
+    assert!(stats.pool.leased_max <= bound);
+    assert!(stats.stall <= stats.elapsed);
+}
+
+#[test]
+fn a_trainer_holding_too_many_batches_gets_an_error_not_a_hang() {
+    let _serial = serial();
+    let fx = fixture(200);
+    let mut loader = Loader::new(
+        Arc::clone(&fx.dataset),
+        config(PlanSource::Native(Order::Shuffled), World::single()),
+        Position::default(),
+    )
+    .unwrap();
+    let a = loader.next().unwrap().unwrap();
+    let b = loader.next().unwrap().unwrap();
+    let error = loader.next().unwrap().err().expect("hold_max is 2");
+    assert!(error.to_string().contains("hold"), "{error}");
+    drop(a);
+    let c = loader.next().unwrap().unwrap();
+    assert_ne!(b.indices(), c.indices());
+    // And dropping the loader with batches held and queued ends its threads.
+    drop(loader);
+    check_bytes(&c, &fx.records);
+}
+
+#[test]
+fn bad_configurations_are_errors() {
+    let _serial = serial();
+    let fx = fixture(100);
+    let mut bad = config(PlanSource::Native(Order::Shuffled), World::single());
+    bad.batch_size = 0;
+    assert!(Loader::new(Arc::clone(&fx.dataset), bad, Position::default()).is_err());
+    let mut small = config(PlanSource::Native(Order::Shuffled), World::single());
+    // Buffers are whole pages: 64 records of 100 bytes do not fit one.
+    small.batch_size = 64;
+    small.batch_bytes_max = Some(100);
+    let mut loader = Loader::new(Arc::clone(&fx.dataset), small, Position::default()).unwrap();
+    let error = loader.next().unwrap().err().expect("a batch larger than the staging buffer");
+    assert!(error.to_string().contains("staging buffer"), "{error}");
+}
+
+/// Run on a GPU machine: `cargo test --test loader -- --ignored`.
+#[test]
+#[ignore = "needs CUDA and a GPU"]
+fn batches_copied_to_the_gpu_come_back_identical() {
+    let _serial = serial();
+    for (dtype, shape) in [
+        (granary::Dtype::U8, vec![4096u64]),
+        (granary::Dtype::U16, vec![2048]),
+        (granary::Dtype::F32, vec![3, 33]),
+        (granary::Dtype::Bf16, vec![7, 5]),
+    ] {
+        let dir = tempdir();
+        let mut granary = Granary::create(dir.path().join("store")).unwrap();
+        let layout = granary::Layout::Fixed(granary::FixedLayout::new(dtype, &shape).unwrap());
+        let record_bytes = layout.record_bytes().unwrap() as usize;
+        let records: Vec<Vec<u8>> = (0..700).map(|i| bytes(i, record_bytes)).collect();
+        ingest(&mut granary, "gpu", layout, small_shards(256 << 10), &records);
+        let dataset = granary.open_dataset(&VersionSpec::parse("gpu").unwrap()).unwrap();
+        for batch_size in [1, 64, 256] {
+            let mut config = config(PlanSource::Native(Order::Shuffled), World::single());
+            config.target = Target::Gpu;
+            config.batch_size = batch_size;
+            config.epochs = Some(1);
+            let mut loader = Loader::new(Arc::clone(&dataset), config, Position::default()).unwrap();
+            while let Some(batch) = loader.next() {
+                let batch = batch.unwrap();
+                assert!(batch.pinned(), "staging is page-locked with CUDA");
+                let device = batch.device().expect("copied to the GPU");
+                let mut back = vec![0u8; device.len()];
+                device.download(&mut back).unwrap();
+                let wanted: Vec<u8> = batch.indices().iter().flat_map(|&i| records[i as usize].clone()).collect();
+                assert_eq!(back, wanted, "{dtype:?} {shape:?} batch {batch_size}");
+            }
+        }
+    }
+}
