@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job end to end, on data this script makes: ingest a token corpus, a directory tree and
 # a WebDataset tar; list, inspect, read back and compare; scrub; run the policy plugins (checks
-# and simulations); benchmark the read path.
+# and simulations); train on the loader; benchmark the read path.
 #   DEMO_MIB   size of the token corpus (default 1024)
 #   DEMO_DIR   where data and store go (default target/demo)
 #   --bench-only   reuse an existing demo store and only run the benchmark
@@ -64,6 +64,9 @@ if [[ "${1:-}" != "--bench-only" ]]; then
 
   step "replicator: 3 copies over 10 nodes in 5 failure domains, then 11 and 9 nodes"
   granary plugin sim replicate --plugin rendezvous --nodes 10 --replicas 3 --domains 5
+
+  step "train: the example trainer on tokens (GPU if present, else host memory), stopped and resumed halfway"
+  cargo run --release -q -p granary --locked --example trainer -- "$store" tokens --epochs 2 --batch 64 --step-us 200
 fi
 
 step "benchmark: the engine against a bare io_uring O_DIRECT reader on the same blocks"

@@ -1,6 +1,7 @@
 //! Argument parsing and the commands. Every failure is one line on stderr and a non-zero exit.
 
 mod bench;
+mod bench_loader;
 mod plugin;
 mod show;
 
@@ -129,6 +130,9 @@ enum BenchCommand {
     /// Random and sequential reads through the engine against a bare io_uring O_DIRECT reader on
     /// the same files, plus checksum and hash speed.
     Read(bench::ReadArgs),
+    /// The loader against the disk's and the bus's limits: a bare io_uring reader, the engine to
+    /// host memory and to the GPU, a pinned copy; cold, warm, and under a simulated training step.
+    Loader(bench_loader::LoaderArgs),
 }
 
 /// Runs the command line; prints errors as one line.
@@ -169,6 +173,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(BenchCommand::Read(args)) => bench::read(&paths, &args).map(|()| ExitCode::SUCCESS),
+        Command::Bench(BenchCommand::Loader(args)) => {
+            bench_loader::loader(&root, &paths, &args).map(|()| ExitCode::SUCCESS)
+        }
         Command::Plugin(_) => unreachable!("handled above, before a store is needed"),
     }
 }

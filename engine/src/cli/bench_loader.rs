@@ -1,0 +1,403 @@
+//! `granary bench loader`: the loader against the limits of the disk and of the bus, in one run.
+//!
+//! Rows, each measured cold (page cache dropped before each measurement where the process may):
+//! the bare io_uring O_DIRECT reader on the same blocks at the same queue depth (the disk's
+//! limit), the engine to host memory, the engine to the GPU, and a pinned host-to-device copy of
+//! the same bytes (the bus's limit); then warm (data in the page cache) to the GPU, and a
+//! simulated training step. Ratios are taken within each run, medians over runs. CPU is the
+//! process's user + system time over the loader's run, per GB/s delivered.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use granary::io::bare::{BareOp, BareReader};
+use granary::loader::{Loader, LoaderConfig, PlanSource, Target};
+use granary::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
+use granary::staging::cuda::Cuda;
+use granary::staging::{Pinning, StagingConfig, StagingPool};
+use granary::{
+    Backend, Dataset, DatasetName, EpochPlan, FixedLayout, Granary, IngestOptions, IoConfig, Layout, Order, Position,
+    StorePaths, VersionSpec,
+};
+
+use super::parse_size;
+use super::show::bytes;
+
+#[derive(Args)]
+pub(crate) struct LoaderArgs {
+    /// The dataset version (NAME, NAME@N or manifest id); with --generate, the name to create.
+    #[arg(default_value = "bench-loader")]
+    dataset: String,
+    /// Make the dataset first: this many bytes of random fixed-size records, written as raw
+    /// `.bin` files (for the PyTorch baseline) and ingested.
+    #[arg(long, value_parser = parse_size)]
+    generate: Option<u64>,
+    /// Where --generate writes the raw files (default: the store root with `.raw` added).
+    #[arg(long)]
+    raw_dir: Option<PathBuf>,
+    /// Bytes per record, for --generate.
+    #[arg(long, default_value = "4KiB", value_parser = parse_size)]
+    record_bytes: u64,
+    /// Records per batch.
+    #[arg(long, default_value_t = 256)]
+    batch: u64,
+    /// Batches per measurement.
+    #[arg(long, default_value_t = 600)]
+    batches: u64,
+    /// Queue depth of the random workload.
+    #[arg(long, default_value_t = 256)]
+    qd: u32,
+    /// Queue depth of the sequential workload.
+    #[arg(long, default_value_t = 32)]
+    seq_qd: u32,
+    /// Largest read op in the sequential workload.
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    op_bytes: u64,
+    /// Simulated training step per batch, in microseconds (the last row, random order: pick one
+    /// the disk can feed, or the row measures the disk instead of the loader).
+    #[arg(long, default_value_t = 5000)]
+    step_us: u64,
+    /// Runs; the table reports medians.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+}
+
+/// One measurement: bytes delivered, time, CPU seconds.
+#[derive(Clone, Copy, Default)]
+struct Sample {
+    bytes: u64,
+    seconds: f64,
+    cpu: f64,
+    /// Stall rows: the stall fraction after the first batch (whose wait is the pipeline filling).
+    steady: f64,
+}
+
+impl Sample {
+    fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.seconds / 1e9
+    }
+}
+
+pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Result<()> {
+    if args.runs == 0 || args.batch == 0 || args.batches == 0 {
+        bail!("--runs, --batch and --batches must be positive");
+    }
+    let raw_dir = args.raw_dir.clone().unwrap_or_else(|| root.with_extension("raw"));
+    if let Some(total) = args.generate {
+        generate(root, &raw_dir, &args.dataset, total, args.record_bytes)?;
+    }
+    let dataset = Dataset::open(paths, &VersionSpec::parse(&args.dataset)?)?;
+    let record_bytes = dataset.layout().record_bytes().context("the loader benchmark needs fixed-size records")?;
+    let n = dataset.n_records();
+    let wanted = args.batch * args.batches;
+    if n < wanted {
+        bail!("{} has {n} records; --batch x --batches needs {wanted}", args.dataset);
+    }
+    let cuda = Cuda::get();
+    let gpu_note = Cuda::unavailable_reason().unwrap_or("");
+    let dropped = drop_page_cache();
+
+    let shard_paths: Vec<PathBuf> = (0..dataset.n_shards()).map(|s| dataset.shard_path(s)).collect();
+    let shard_refs: Vec<&Path> = shard_paths.iter().map(PathBuf::as_path).collect();
+    let random_plan = EpochPlan::new(n, 1, 0, Order::Shuffled);
+    let random: Vec<u64> = (0..wanted).map(|p| random_plan.record_at(p)).collect();
+    let sequential: Vec<u64> = (0..wanted).collect();
+    let op_bytes = usize::try_from(args.op_bytes).context("--op-bytes")?;
+    let random_ops = bare_ops(&dataset, &random, op_bytes, false)?;
+    let seq_ops = bare_ops(&dataset, &sequential, op_bytes, true)?;
+    let mut random_bare = BareReader::new(args.qd, 64 << 10)?;
+    random_bare.open_all(&shard_refs)?;
+    let mut seq_bare = BareReader::new(args.seq_qd, op_bytes)?;
+    seq_bare.open_all(&shard_refs)?;
+
+    let batch_bytes = args.batch * record_bytes;
+    let random_io = IoConfig { backend: Backend::Uring, queue_depth: args.qd, op_bytes_max: 64 << 10, direct: true };
+    let seq_io = IoConfig { backend: Backend::Uring, queue_depth: args.seq_qd, op_bytes_max: op_bytes, direct: true };
+    // Enough batches in flight to keep the sequential queue full.
+    let seq_depth = (u64::from(args.seq_qd) * args.op_bytes).div_ceil(batch_bytes).clamp(2, 64) as usize;
+    let base = LoaderConfig { batch_size: args.batch, epochs: Some(1), ..LoaderConfig::default() };
+    let random_config = |target| LoaderConfig {
+        plan: PlanSource::Native(Order::Shuffled),
+        seed: 1,
+        io: random_io,
+        // Two batches of 256 single-block ops keep a queue of 256 only just full.
+        read_depth: 4,
+        target,
+        ..base.clone()
+    };
+    let seq_config = |target| LoaderConfig {
+        plan: PlanSource::Native(Order::Sequential),
+        io: seq_io,
+        read_depth: seq_depth,
+        target,
+        ..base.clone()
+    };
+
+    let mut rows: Vec<(String, Vec<Sample>)> = Vec::new();
+    let mut record = |label: &str, sample: Sample| match rows.iter_mut().find(|(l, _)| l == label) {
+        Some((_, samples)) => samples.push(sample),
+        None => rows.push((label.to_owned(), vec![sample])),
+    };
+    for run in 0..args.runs {
+        eprintln!("run {} of {}", run + 1, args.runs);
+        record("random: bare io_uring", measure_bare(&mut random_bare, &random_ops, wanted * record_bytes)?);
+        record("random: engine -> host", measure_loader(&dataset, random_config(Target::Host), args.batches, 0)?);
+        if cuda.is_some() {
+            record("random: engine -> GPU", measure_loader(&dataset, random_config(Target::Gpu), args.batches, 0)?);
+        }
+        record("sequential: bare io_uring", measure_bare(&mut seq_bare, &seq_ops, wanted * record_bytes)?);
+        record("sequential: engine -> host", measure_loader(&dataset, seq_config(Target::Host), args.batches, 0)?);
+        if cuda.is_some() {
+            record("sequential: engine -> GPU", measure_loader(&dataset, seq_config(Target::Gpu), args.batches, 0)?);
+            record("pinned copy to GPU", measure_pinned_copy(batch_bytes, args.batches)?);
+        }
+        // Warm: read through the page cache once, then measure with the data in memory.
+        let warm_target = if cuda.is_some() { Target::Gpu } else { Target::Host };
+        let mut warm = seq_config(warm_target);
+        warm.io.direct = false;
+        measure_loader(&dataset, warm.clone(), args.batches, 0)?;
+        record("warm: engine -> target", measure_loader(&dataset, warm, args.batches, 0)?);
+        let mut step = random_config(warm_target);
+        step.prefetch = 8;
+        record("random + training step: stall", measure_loader(&dataset, step, args.batches.min(300), args.step_us)?);
+    }
+
+    println!(
+        "granary bench loader {}: {n} records of {} in {} shards; batch {} records ({}); {} batches per row; {} runs, medians",
+        args.dataset,
+        bytes(record_bytes),
+        dataset.n_shards(),
+        args.batch,
+        bytes(batch_bytes),
+        args.batches,
+        args.runs
+    );
+    println!(
+        "GPU: {}; page cache {}",
+        cuda.map_or_else(|| format!("none ({gpu_note}): GPU rows skipped"), |c| c.name().to_owned()),
+        if dropped { "dropped before each cold row" } else { "not dropped (needs root; O_DIRECT bypasses it)" }
+    );
+    println!();
+    println!("{:<34} {:>12} {:>14} {:>12} {:>16}", "row", "GB/s", "records/s", "cores", "cores per GB/s");
+    let median_of = |samples: &[Sample], f: &dyn Fn(&Sample) -> f64| median(samples.iter().map(f).collect());
+    for (label, samples) in &rows {
+        let gbps = median_of(samples, &|s| s.gbps());
+        let cores = median_of(samples, &|s| s.cpu / s.seconds);
+        if label.ends_with("stall") {
+            let stall = median_of(samples, &|s| s.cpu);
+            let steady = median_of(samples, &|s| s.steady);
+            println!(
+                "{label:<34} {:>12} {:>14} {:>12} {:>16}   ({:.2}% after the first batch; target < 1%)",
+                "",
+                "",
+                "",
+                format!("{:.2}%", stall * 100.0),
+                steady * 100.0
+            );
+            continue;
+        }
+        println!(
+            "{label:<34} {gbps:>12.3} {:>14.0} {cores:>12.2} {:>16.3}",
+            gbps * 1e9 / record_bytes as f64,
+            cores / gbps
+        );
+    }
+    println!();
+    let ratio = |a: &str, b: &str| -> Option<f64> {
+        let (a, b) = (rows.iter().find(|(l, _)| l == a)?, rows.iter().find(|(l, _)| l == b)?);
+        Some(median(a.1.iter().zip(&b.1).map(|(x, y)| x.gbps() / y.gbps()).collect()))
+    };
+    let show = |label: &str, value: Option<f64>, target: &str| match value {
+        Some(value) => println!("{label:<48} {value:>8.3}   target {target}"),
+        None => println!("{label:<48} {:>8}   target {target}", "n/a"),
+    };
+    show("random, engine -> host / bare", ratio("random: engine -> host", "random: bare io_uring"), ">= 0.90");
+    show("random, engine -> GPU / bare", ratio("random: engine -> GPU", "random: bare io_uring"), ">= 0.90");
+    show(
+        "sequential, engine -> host / bare",
+        ratio("sequential: engine -> host", "sequential: bare io_uring"),
+        ">= 0.95",
+    );
+    show(
+        "sequential, engine -> GPU / bare",
+        ratio("sequential: engine -> GPU", "sequential: bare io_uring"),
+        ">= 0.95",
+    );
+    show(
+        "warm, engine -> GPU / pinned copy",
+        ratio("warm: engine -> target", "pinned copy to GPU").filter(|_| cuda.is_some()),
+        ">= 0.80",
+    );
+    println!();
+    println!(
+        "PyTorch baseline on the same files: python3 ../shared/bench/dataloader_baseline.py --dir {} \
+         --record-bytes {record_bytes} --batch {} --batches {} --order random --workers 15",
+        raw_dir.display(),
+        args.batch,
+        args.batches
+    );
+    Ok(())
+}
+
+/// Writes `total` bytes of random records into raw files and ingests them as `name`.
+fn generate(root: &Path, raw_dir: &Path, name: &str, total: u64, record_bytes: u64) -> Result<()> {
+    if record_bytes == 0 || total < record_bytes {
+        bail!("--generate needs at least one record of --record-bytes");
+    }
+    std::fs::create_dir_all(raw_dir).with_context(|| format!("create {}", raw_dir.display()))?;
+    let mut granary = Granary::create(root)?;
+    let layout = Layout::Fixed(FixedLayout::new(granary::Dtype::U8, &[record_bytes])?);
+    let options = IngestOptions { mode: granary::IngestMode::Replace, ..IngestOptions::default() };
+    let mut ingest = granary.ingest(DatasetName::new(name)?, layout, options)?;
+    let records = total / record_bytes;
+    let per_file = ((256u64 << 20) / record_bytes).max(1);
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut record = vec![0u8; record_bytes as usize];
+    let mut file = None;
+    for i in 0..records {
+        if i % per_file == 0 {
+            let path = raw_dir.join(format!("part-{:05}.bin", i / per_file));
+            file = Some(std::io::BufWriter::new(
+                std::fs::File::create(&path).with_context(|| path.display().to_string())?,
+            ));
+        }
+        for chunk in record.chunks_mut(8) {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+        }
+        use std::io::Write;
+        file.as_mut().expect("opened at the first record").write_all(&record)?;
+        ingest.push(&record)?;
+    }
+    if let Some(mut file) = file {
+        use std::io::Write;
+        file.flush()?;
+    }
+    ingest.commit()?;
+    eprintln!("generated {records} records of {} in {} and the store", bytes(record_bytes), raw_dir.display());
+    Ok(())
+}
+
+fn measure_bare(reader: &mut BareReader, ops: &[BareOp], record_bytes: u64) -> Result<Sample> {
+    drop_page_cache();
+    let cpu = cpu_seconds();
+    let start = Instant::now();
+    reader.run(ops)?;
+    Ok(Sample { bytes: record_bytes, seconds: start.elapsed().as_secs_f64(), cpu: cpu_seconds() - cpu, steady: 0.0 })
+}
+
+/// Runs a loader for `batches` batches; with `step_us`, the consumer busies itself that long
+/// per batch and the sample's `cpu` carries the stall fraction instead.
+fn measure_loader(dataset: &Arc<Dataset>, config: LoaderConfig, batches: u64, step_us: u64) -> Result<Sample> {
+    if !config.io.direct {
+        // Warm rows keep the page cache.
+    } else {
+        drop_page_cache();
+    }
+    let cpu = cpu_seconds();
+    let start = Instant::now();
+    let mut loader = Loader::new(Arc::clone(dataset), config, Position::default())?;
+    let mut delivered = 0u64;
+    let mut first_stall = Duration::ZERO;
+    for i in 0..batches {
+        let batch = loader.next().context("the epoch ended early")??;
+        if i == 0 {
+            first_stall = batch.stall();
+        }
+        if let Some(device) = batch.device() {
+            device.wait()?;
+        }
+        delivered += batch.data().len() as u64;
+        if step_us > 0 {
+            let until = Instant::now() + Duration::from_micros(step_us);
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu;
+    let stats = loader.stats();
+    drop(loader);
+    let steady = (stats.stall - first_stall).as_secs_f64() / seconds;
+    Ok(Sample { bytes: delivered, seconds, cpu: if step_us > 0 { stats.stall_fraction() } else { cpu }, steady })
+}
+
+/// A page-locked buffer of `batch_bytes` copied to the GPU `batches` times.
+fn measure_pinned_copy(batch_bytes: u64, batches: u64) -> Result<Sample> {
+    let cuda = Cuda::get().context("no CUDA")?;
+    let len = usize::try_from(batch_bytes)?;
+    let pool = StagingPool::new(StagingConfig { buffers: 1, buffer_bytes: len, pinning: Pinning::Required })?;
+    let stream = cuda.stream()?;
+    let (mut lease, mut buffer) = (pool.acquire(), cuda.alloc(len)?);
+    lease.set_len(len)?;
+    let cpu = cpu_seconds();
+    let start = Instant::now();
+    for _ in 0..batches {
+        (lease, buffer) = stream.upload(lease, buffer)?.into_parts()?;
+    }
+    Ok(Sample {
+        bytes: batch_bytes * batches,
+        seconds: start.elapsed().as_secs_f64(),
+        cpu: cpu_seconds() - cpu,
+        steady: 0.0,
+    })
+}
+
+/// The bare reader's ops for `records`: each record's blocks cut at `op_bytes`; with `coalesce`,
+/// consecutive records' blocks merge as the engine's planner merges them.
+fn bare_ops(dataset: &Dataset, records: &[u64], op_bytes: usize, coalesce: bool) -> Result<Vec<BareOp>> {
+    let op_blocks = (op_bytes as u64 / BLOCK_BYTES_U64).max(1);
+    let mut ops: Vec<BareOp> = Vec::with_capacity(records.len());
+    for &index in records {
+        let (shard, local) = dataset.locate(index)?;
+        let range = dataset.shard_meta(shard)?.record_range(local);
+        let file = u32::try_from(shard).context("shard count")?;
+        let (mut block, end) = (range.start / BLOCK_BYTES_U64, range.end.div_ceil(BLOCK_BYTES_U64));
+        while block < end {
+            if let Some(last) = ops.last_mut().filter(|last| coalesce && last.file == file) {
+                let last_end = (last.offset - DATA_OFFSET) / BLOCK_BYTES_U64 + u64::from(last.len) / BLOCK_BYTES_U64;
+                let room = op_blocks - u64::from(last.len) / BLOCK_BYTES_U64;
+                if last_end == block && room > 0 {
+                    let n = room.min(end - block);
+                    last.len += u32::try_from(n * BLOCK_BYTES_U64)?;
+                    block += n;
+                    continue;
+                }
+            }
+            let n = op_blocks.min(end - block);
+            ops.push(BareOp {
+                file,
+                offset: DATA_OFFSET + block * BLOCK_BYTES_U64,
+                len: u32::try_from(n * BLOCK_BYTES_U64)?,
+            });
+            block += n;
+        }
+    }
+    Ok(ops)
+}
+
+/// This process's user + system CPU seconds (from /proc, in the kernel's fixed 100 Hz units).
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return 0.0 };
+    // Fields after the parenthesised command name: state is field 3; utime and stime are 14, 15.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else { return 0.0 };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    (ticks(11) + ticks(12)) as f64 / 100.0
+}
+
+/// Asks the kernel to drop clean page-cache pages; returns whether it could (root only).
+fn drop_page_cache() -> bool {
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
