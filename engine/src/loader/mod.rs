@@ -282,6 +282,8 @@ enum Message {
     Batch(Box<Batch>, Position),
     Uploaded(Box<Batch>, Upload, Position),
     Failed(Error),
+    /// The last epoch is done: a queue that closes without it means a stage died.
+    End,
 }
 
 /// One rank's batch stream. See the module documentation.
@@ -398,22 +400,22 @@ impl Loader {
         let now = Instant::now();
         let first = *self.first_next.get_or_insert(now);
         let message = match receiver.try_recv() {
-            Ok(message) => Ok(message),
-            Err(TryRecvError::Empty) => receiver.recv().map_err(|_| ()),
-            Err(TryRecvError::Disconnected) => Err(()),
+            Ok(message) => message,
+            Err(TryRecvError::Empty) => receiver.recv().unwrap_or_else(|_| died()),
+            Err(TryRecvError::Disconnected) => died(),
         };
         let stall = now.elapsed();
         self.stats.stall += stall;
         self.stats.stall_max = self.stats.stall_max.max(stall);
         self.stats.elapsed = first.elapsed();
         let (batch, upload, position) = match message {
-            Ok(Message::Batch(batch, position)) => (batch, None, position),
-            Ok(Message::Uploaded(batch, upload, position)) => (batch, Some(upload), position),
-            Ok(Message::Failed(error)) => {
+            Message::Batch(batch, position) => (batch, None, position),
+            Message::Uploaded(batch, upload, position) => (batch, Some(upload), position),
+            Message::Failed(error) => {
                 self.finished = true;
                 return Some(Err(error));
             }
-            Err(()) => {
+            Message::End => {
                 self.finished = true;
                 return None;
             }
@@ -463,6 +465,12 @@ impl Drop for Loader {
             let _ = thread.join();
         }
     }
+}
+
+/// What the trainer gets when a stage's queue closes without `End` or an error: a stage thread
+/// ended unexpectedly (a panic), and the data stops short of the plan.
+fn died() -> Message {
+    Message::Failed(Error::invalid_input("a loader thread ended unexpectedly; the epoch is incomplete"))
 }
 
 fn check(config: &LoaderConfig) -> Result<()> {
@@ -523,9 +531,11 @@ impl ReaderStage {
         let mut reader = Reader::new(Arc::clone(&dataset), io);
         reader.set_staging(pool);
         let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, &stats);
-        if let Err(Some(error)) = outcome {
-            let _ = out.send(Message::Failed(error));
-        }
+        let _ = match outcome {
+            Ok(()) => out.send(Message::End),
+            Err(Some(error)) => out.send(Message::Failed(error)),
+            Err(None) => Ok(()),
+        };
     }
 }
 
