@@ -2,7 +2,8 @@
 # Fills fuzz/corpus/ with valid objects: shards of every layout, manifests, refs, samples.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build -q -p granary --locked
+# --tests: the feature set `cargo test` built with (make test), so nothing is rebuilt.
+cargo build -q -p granary --tests --locked
 granary=target/debug/granary
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
