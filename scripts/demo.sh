@@ -12,7 +12,8 @@ dir=${DEMO_DIR:-target/demo}
 store="$dir/store"
 step() { printf '\n== %s\n' "$*"; }
 
-cargo build --release -q -p granary --locked
+# The binary and the example trainer in one build (one feature set, so nothing builds twice).
+cargo build --release -q -p granary --locked --bins --examples
 granary() { target/release/granary --root "$store" "$@"; }
 
 if [[ "${1:-}" != "--bench-only" ]]; then
@@ -66,7 +67,7 @@ if [[ "${1:-}" != "--bench-only" ]]; then
   granary plugin sim replicate --plugin rendezvous --nodes 10 --replicas 3 --domains 5
 
   step "train: the example trainer on tokens (GPU if present, else host memory), stopped and resumed halfway"
-  cargo run --release -q -p granary --locked --example trainer -- "$store" tokens --epochs 2 --batch 64 --step-us 200
+  target/release/examples/trainer "$store" tokens --epochs 2 --batch 64 --step-us 200
 fi
 
 step "benchmark: the engine against a bare io_uring O_DIRECT reader on the same blocks"
