@@ -52,7 +52,10 @@ pub enum PlanSource {
     /// The native `EpochPlan`.
     Native(Order),
     /// A partitioner plugin (built-in name or file; `None`: the default) and its options. Its
-    /// plan must be cut in steps as the built-in's `mode=global` is, so positions resume.
+    /// plan must be cut in steps as the built-in's `mode=global` is, so positions resume. The
+    /// plan is explicit ranges, planned per epoch inside the plugin's memory cap (256 MiB by
+    /// default): a record-level shuffle fits a few million records; beyond that, use a block
+    /// shuffle (`chunk-records`) or `Native`, whose plan takes O(1) memory.
     #[cfg(feature = "policy")]
     Partitioner {
         /// Built-in name or file; `None` for the default.
