@@ -17,7 +17,7 @@ use crate::id::{ManifestId, ObjectId, ShardId};
 use crate::ingest::{Ingest, IngestOptions, manifest_entry};
 use crate::read::Dataset;
 use crate::shard::{BLOCK_BYTES, DATA_OFFSET, ShardMeta};
-use crate::store::{DatasetName, ObjectKind, Store, StorePaths, VersionSpec};
+use crate::store::{DatasetName, ObjectKind, RefLog, Store, StorePaths, VersionSpec};
 
 /// One dataset version as listed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,6 +106,21 @@ impl Granary {
     /// Opens the store at `root` for writing, creating it if needed.
     pub fn create(root: impl Into<PathBuf>) -> Result<Self> {
         Self::open_inner(root.into(), true)
+    }
+
+    /// Opens (or, with `create`, creates) the store for writing, waiting up to `wait` while
+    /// another writer holds it: an ingest, or a replication node publishing what arrived.
+    pub fn open_waiting(root: impl Into<PathBuf>, create: bool, wait: std::time::Duration) -> Result<Self> {
+        let root = root.into();
+        let started = std::time::Instant::now();
+        loop {
+            match Self::open_inner(root.clone(), create) {
+                Err(e) if e.is_busy() && started.elapsed() < wait => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                other => return other,
+            }
+        }
     }
 
     fn open_inner(root: PathBuf, create: bool) -> Result<Self> {
@@ -253,6 +268,94 @@ impl Granary {
     /// spec, only that version's manifest and shards; otherwise every file in the store.
     pub fn verify(&self, spec: Option<&VersionSpec>) -> Result<VerifyReport> {
         verify(self.store.paths(), spec)
+    }
+
+    /// Publishes `file` (a synced file on the store's filesystem, outside `shards/` and
+    /// `manifests/`) as object `id` of `kind`, and catalogs it. The caller has hashed the file's
+    /// bytes to `id` (replication streams and hashes them as they arrive); this checks that they
+    /// decode as what they claim to be (a shard's metadata, a manifest), so a well-formed id
+    /// cannot smuggle in bytes the read path would refuse later. Returns false when an intact
+    /// copy was already there (the file is then removed).
+    pub fn adopt_object(&mut self, kind: ObjectKind, id: ObjectId, file: &Path) -> Result<bool> {
+        let entry = match kind {
+            ObjectKind::Shard => {
+                let meta = ShardMeta::read(file)?;
+                ObjectEntry {
+                    n_records: meta.n_records(),
+                    n_shards: 1,
+                    file_bytes: meta.file_bytes(),
+                    layout: meta.layout().clone(),
+                }
+            }
+            ObjectKind::Manifest => {
+                let bytes = std::fs::read(file).map_err(|e| Error::io("read", file, e))?;
+                let manifest = crate::manifest::Manifest::decode(&bytes)
+                    .map_err(|source| Error::Format { path: file.to_owned(), source })?;
+                manifest_entry(&manifest)
+            }
+        };
+        let published = self.store.publish(kind, id, file)?;
+        match kind {
+            ObjectKind::Shard => self.catalog.put_shard(ShardId(id), &entry)?,
+            ObjectKind::Manifest => self.catalog.put_manifest(ManifestId(id), &entry)?,
+        }
+        self.catalog.flush()?;
+        Ok(published)
+    }
+
+    /// Moves object `id` to `quarantine/` (it failed verification) and forgets it in the catalog.
+    /// Returns where it went, or `None` when there was no such file.
+    pub fn quarantine_object(&mut self, kind: ObjectKind, id: ObjectId) -> Result<Option<PathBuf>> {
+        let path = self.store.paths().object(kind, id);
+        if !path.exists() {
+            return Ok(None);
+        }
+        let moved = self.store.quarantine(&path)?;
+        self.forget_in_catalog(kind, id)?;
+        Ok(Some(moved))
+    }
+
+    /// Deletes object `id` (a cached copy that another node holds) and forgets it.
+    pub fn forget_object(&mut self, kind: ObjectKind, id: ObjectId) -> Result<()> {
+        match self.store.remove_object(kind, id) {
+            Ok(()) => {}
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        self.forget_in_catalog(kind, id)
+    }
+
+    fn forget_in_catalog(&mut self, kind: ObjectKind, id: ObjectId) -> Result<()> {
+        match kind {
+            ObjectKind::Shard => self.catalog.remove_shard(ShardId(id))?,
+            ObjectKind::Manifest => self.catalog.remove_manifest(ManifestId(id))?,
+        }
+        self.catalog.flush()
+    }
+
+    /// Adopts `log` as dataset `name`'s ref when it is ahead of the local one (or there is
+    /// none): its latest version is newer, and every manifest it names is stored here. Returns
+    /// whether it was adopted. A ref that is not ahead is left as it is: refs only move forward.
+    pub fn adopt_ref(&mut self, name: &DatasetName, log: &RefLog) -> Result<bool> {
+        for version in log.versions() {
+            if !self.store.paths().manifest(version.manifest).exists() {
+                return Err(Error::NotFound {
+                    what: format!("manifest {} of {name}@{}", version.manifest, version.number),
+                });
+            }
+        }
+        match self.store.paths().read_ref(name) {
+            Ok(local) if local.latest().number >= log.latest().number => return Ok(false),
+            Ok(_) => {}
+            Err(Error::NotFound { .. }) => {}
+            // A damaged local ref is replaced by the good one.
+            Err(e) if e.is_corruption() => {}
+            Err(e) => return Err(e),
+        }
+        self.store.write_ref(name, log)?;
+        self.catalog.put_dataset(name, log)?;
+        self.catalog.flush()?;
+        Ok(true)
     }
 
     /// Rebuilds the catalog from a scan of the files, verifying each one; files that fail are

@@ -6,8 +6,9 @@
 //! without parsing text. Never: formats multi-line messages; every `Display` is one line.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
-use crate::id::{ObjectId, ShardId};
+use crate::id::{ManifestId, ObjectId, ShardId};
 
 /// A result whose error is the engine's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -66,6 +67,48 @@ pub enum FormatError {
         /// The field that does not fit.
         field: &'static str,
         /// What was expected against what was found.
+        detail: String,
+    },
+}
+
+/// Why bytes are not a valid replication frame (`replication::frame`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// Fewer bytes than the header or the body needs.
+    #[error("truncated {what}: {needed} bytes needed, {present} present")]
+    Truncated {
+        /// The part that is cut short.
+        what: &'static str,
+        /// Bytes it needs.
+        needed: usize,
+        /// Bytes there are.
+        present: usize,
+    },
+    /// A frame (or record) longer than its cap.
+    #[error("{what} of {bytes} bytes is over its cap of {max}")]
+    TooLarge {
+        /// What is too long.
+        what: &'static str,
+        /// Its length.
+        bytes: usize,
+        /// The cap.
+        max: usize,
+    },
+    /// A kind byte this version does not know.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// Bytes that must be zero are not.
+    #[error("nonzero reserved bytes in a {0} frame")]
+    Reserved(&'static str),
+    /// A field with a value outside its range.
+    #[error("bad {field} in a {kind} frame: {detail}")]
+    BadField {
+        /// The frame's kind.
+        kind: &'static str,
+        /// The field.
+        field: &'static str,
+        /// What is wrong.
         detail: String,
     },
 }
@@ -163,6 +206,80 @@ pub enum PluginError {
     },
 }
 
+/// What went wrong on a connection between nodes. Each ends the connection; none harms the node.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// A socket call failed.
+    #[error("{op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The other side closed the connection.
+    #[error("the connection was closed")]
+    Closed,
+    /// A deadline passed.
+    #[error("{what} took longer than {} ms", after.as_millis())]
+    Timeout {
+        /// What was waited for.
+        what: &'static str,
+        /// The deadline.
+        after: Duration,
+    },
+    /// The handshake failed: the other side does not hold the cluster key, or is not a node.
+    #[error("handshake refused: {detail}")]
+    Handshake {
+        /// Why.
+        detail: String,
+    },
+    /// A record's length prefix is over the cap: refused before any of it is read.
+    #[error("a record of {bytes} bytes is over the cap of {max}")]
+    RecordTooLarge {
+        /// The length the prefix claims.
+        bytes: u64,
+        /// The cap.
+        max: usize,
+    },
+    /// A record did not authenticate: corrupted, forged, or replayed.
+    #[error("a record failed authentication (corrupted, forged or replayed)")]
+    Decrypt,
+    /// An authenticated record that is not a valid frame.
+    #[error("bad frame: {0}")]
+    Frame(#[source] FrameError),
+    /// A frame out of sequence: replayed, dropped or reordered.
+    #[error("frame number {got} where {expected} was due (a replayed or reordered frame)")]
+    Sequence {
+        /// The sequence number due.
+        expected: u64,
+        /// The one received.
+        got: u64,
+    },
+    /// A frame from another incarnation of the peer than the one that said hello.
+    #[error("a frame of incarnation {got} on a connection of incarnation {expected}")]
+    Epoch {
+        /// The connection's incarnation.
+        expected: u64,
+        /// The frame's.
+        got: u64,
+    },
+    /// A frame that is valid but not what the protocol allows here.
+    #[error("protocol violation: {detail}")]
+    Protocol {
+        /// What happened.
+        detail: String,
+    },
+}
+
+impl TransportError {
+    pub(crate) fn io(op: &'static str, source: std::io::Error) -> Self {
+        Self::Io { op, source }
+    }
+}
+
 /// Everything the engine's library API can fail with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -223,6 +340,14 @@ pub enum Error {
         /// What was looked for.
         what: String,
     },
+    /// A shard that a dataset version lists is not in the store (a peer may have it).
+    #[error("not found: shard {shard} of {manifest}")]
+    MissingShard {
+        /// The shard.
+        shard: ShardId,
+        /// The version that lists it.
+        manifest: ManifestId,
+    },
     /// Input that cannot be ingested or a request that cannot be served as asked.
     #[error("invalid input: {detail}")]
     InvalidInput {
@@ -268,6 +393,35 @@ pub enum Error {
         /// The database's message.
         detail: String,
     },
+    /// A connection to another node failed.
+    #[error("{peer}: {source}")]
+    Transport {
+        /// Which node, and where.
+        peer: String,
+        /// What went wrong.
+        #[source]
+        source: TransportError,
+    },
+    /// Another node answered a request with an error.
+    #[error("{peer} refused {request}: {code}: {message}")]
+    PeerRefused {
+        /// Which node.
+        peer: String,
+        /// The request.
+        request: &'static str,
+        /// The kind of failure it reported.
+        code: String,
+        /// Its message.
+        message: String,
+    },
+    /// No node could provide a verified copy, or not every copy could be made.
+    #[error("{what} is unavailable: {detail}")]
+    Unavailable {
+        /// What was wanted.
+        what: String,
+        /// What each source said.
+        detail: String,
+    },
 }
 
 impl Error {
@@ -279,6 +433,16 @@ impl Error {
     /// An `Error::InvalidInput` with a one-line detail.
     pub fn invalid_input(detail: impl Into<String>) -> Self {
         Self::InvalidInput { detail: detail.into() }
+    }
+
+    /// True when another writer holds the store (its lock, or the catalog that comes with it,
+    /// which sled releases a moment after a writer in this process closed it): worth waiting for.
+    pub fn is_busy(&self) -> bool {
+        match self {
+            Self::StoreLocked { .. } => true,
+            Self::Io { op: "open catalog", source, .. } => source.kind() == std::io::ErrorKind::WouldBlock,
+            _ => false,
+        }
     }
 
     /// True for errors that mean stored bytes are damaged (as opposed to I/O or usage errors, or

@@ -102,6 +102,9 @@ pub struct LoaderConfig {
     pub batch_bytes_max: Option<usize>,
     /// Faults injected into the reads (tests and drills).
     pub faults: Vec<Fault>,
+    /// Where a damaged or missing shard gets replaced from (a replication node): the read is
+    /// then retried and the batches come in the same order. `None`: such a read fails.
+    pub repair: Option<Arc<dyn crate::read::ShardRepair>>,
 }
 
 impl Default for LoaderConfig {
@@ -119,6 +122,7 @@ impl Default for LoaderConfig {
             target: Target::Auto,
             batch_bytes_max: None,
             faults: Vec::new(),
+            repair: None,
         }
     }
 }
@@ -533,6 +537,9 @@ impl ReaderStage {
         let ReaderStage { dataset, io, pool, config, start, out, stop, stats } = self;
         let mut reader = Reader::new(Arc::clone(&dataset), io);
         reader.set_staging(pool);
+        if let Some(hook) = &config.repair {
+            reader.set_repair(Arc::clone(hook));
+        }
         let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, &stats);
         let _ = match outcome {
             Ok(()) => out.send(Message::End),

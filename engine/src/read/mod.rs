@@ -112,6 +112,22 @@ impl Dataset {
         Ok((shard, index - self.record_starts[shard]))
     }
 
+    /// The shard a read error is about, when it names one: a damaged block or file, a missing
+    /// file, a failed read of its file.
+    pub fn shard_of_error(&self, error: &Error) -> Option<usize> {
+        let by_id = |id: ShardId| (0..self.n_shards()).find(|&s| self.shard_id(s) == id);
+        let by_path = |path: &std::path::Path| {
+            let path = path.to_string_lossy();
+            // A failed read names its file and then the offset.
+            (0..self.n_shards()).find(|&s| path.starts_with(self.shard_path(s).to_string_lossy().as_ref()))
+        };
+        match error {
+            Error::ChecksumMismatch { shard, .. } | Error::MissingShard { shard, .. } => by_id(*shard),
+            Error::Format { path, .. } | Error::HashMismatch { path, .. } | Error::Io { path, .. } => by_path(path),
+            _ => None,
+        }
+    }
+
     /// The verified metadata of shard `shard`, read on first use and checked against the
     /// manifest (length, record count, layout), so a truncated or swapped file fails here.
     pub fn shard_meta(&self, shard: usize) -> Result<&Arc<ShardMeta>> {
@@ -122,7 +138,7 @@ impl Dataset {
         let entry = &self.manifest.entries()[shard];
         let meta = ShardMeta::read(&path).map_err(|e| match e {
             Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                Error::NotFound { what: format!("shard {} of {}", entry.shard, self.manifest_id) }
+                Error::MissingShard { shard: entry.shard, manifest: self.manifest_id }
             }
             other => other,
         })?;
@@ -158,6 +174,23 @@ impl Dataset {
     }
 }
 
+/// Replaces a damaged or missing shard with a verified copy from elsewhere (a peer of the
+/// replication layer), so that a read that failed on it can be retried. Implemented by
+/// `replication::Node` (in the reading process) and `replication::NodeClient` (a node beside it).
+pub trait ShardRepair: Send + Sync + std::fmt::Debug {
+    /// Makes the file of shard `shard` intact again; `cause` is the error the read met. Returns
+    /// once a verified copy is in place (or with the reason there is none).
+    fn repair(&self, shard: ShardId, cause: &Error) -> Result<()>;
+
+    /// The shards a batch just read, for the cache's access accounting. Cheap; batched.
+    fn accessed(&self, shards: &[ShardId]) {
+        let _ = shards;
+    }
+}
+
+/// Repairs (and re-reads after them) that one read may need before it gives up.
+const REPAIRS_PER_READ_MAX: usize = 8;
+
 /// Counters of one reader.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReadStats {
@@ -171,6 +204,8 @@ pub struct ReadStats {
     pub ops: u64,
     /// Blocks whose checksum was checked.
     pub blocks_verified: u64,
+    /// Shards replaced through the repair hook.
+    pub shards_repaired: u64,
 }
 
 /// Reads records of one dataset version through one backend. Not shared between threads: each
@@ -182,6 +217,7 @@ pub struct Reader {
     slots: Vec<BatchSlot>,
     stats: ReadStats,
     staging: Option<StagingPool>,
+    repair: Option<Arc<dyn ShardRepair>>,
 }
 
 /// A batch being read: its plan, its bytes, and how far its ops have got.
@@ -207,7 +243,14 @@ impl Reader {
     /// A reader of `dataset` through `io`.
     pub fn new(dataset: Arc<Dataset>, io: Box<dyn Io>) -> Self {
         let files = vec![None; dataset.n_shards()];
-        Self { dataset, io, files, slots: Vec::new(), stats: ReadStats::default(), staging: None }
+        Self { dataset, io, files, slots: Vec::new(), stats: ReadStats::default(), staging: None, repair: None }
+    }
+
+    /// Repairs shards through `hook` when a read finds one damaged or missing, then reads again
+    /// what was not delivered yet: the caller sees the same records in the same order, or the
+    /// original error when no verified copy can be had.
+    pub fn set_repair(&mut self, hook: Arc<dyn ShardRepair>) {
+        self.repair = Some(hook);
     }
 
     /// Puts every batch's bytes in leases of `pool` from now on: planning a batch waits for a
@@ -280,24 +323,59 @@ impl Reader {
                 self.io.op_bytes_max()
             )));
         }
-        let mut pipeline = Pipeline {
-            dataset: &self.dataset,
-            files: &mut self.files,
-            slots: &mut self.slots[..depth],
-            op_blocks_max,
-            batches,
-            exhausted: false,
-            in_order: std::collections::VecDeque::with_capacity(depth),
-            free: (0..depth).rev().collect(),
-            issued: 0,
-            sink,
-            stats: &mut self.stats,
-            staging: self.staging.as_ref(),
-        };
-        self.io.read_stream(&mut pipeline)?;
-        pipeline.deliver_ready()?;
-        debug_assert!(pipeline.in_order.is_empty(), "every planned batch was delivered");
-        Ok(())
+        let mut batches = batches;
+        // Batches planned but not delivered when a repairable failure stopped the read: they are
+        // read again, first, after the repair.
+        let mut replay: std::collections::VecDeque<Vec<u64>> = std::collections::VecDeque::new();
+        let mut repairs = 0;
+        loop {
+            let mut source = Replay { replay: &mut replay, rest: &mut batches };
+            let mut pipeline = Pipeline {
+                dataset: &self.dataset,
+                files: &mut self.files,
+                slots: &mut self.slots[..depth],
+                op_blocks_max,
+                batches: &mut source,
+                exhausted: false,
+                in_order: std::collections::VecDeque::with_capacity(depth),
+                free: (0..depth).rev().collect(),
+                issued: 0,
+                sink: &mut *sink,
+                stats: &mut self.stats,
+                staging: self.staging.as_ref(),
+                touched: Vec::new(),
+                hook: self.repair.as_deref(),
+                unplanned: None,
+            };
+            let outcome = self.io.read_stream(&mut pipeline).and_then(|()| pipeline.deliver_ready());
+            let error = match outcome {
+                Ok(()) => {
+                    debug_assert!(pipeline.in_order.is_empty(), "every planned batch was delivered");
+                    return Ok(());
+                }
+                Err(error) => error,
+            };
+            let mut undelivered: Vec<Vec<u64>> =
+                pipeline.in_order.iter().map(|&slot| pipeline.slots[slot].batch.indices().to_vec()).collect();
+            undelivered.extend(pipeline.unplanned.take());
+            drop(pipeline);
+            let (Some(hook), Some(shard)) = (self.repair.clone(), self.dataset.shard_of_error(&error)) else {
+                return Err(error);
+            };
+            if repairs == REPAIRS_PER_READ_MAX {
+                return Err(error);
+            }
+            repairs += 1;
+            if hook.repair(self.dataset.shard_id(shard), &error).is_err() {
+                return Err(error);
+            }
+            self.stats.shards_repaired += 1;
+            // The repaired file is a new file under the old name: open it afresh.
+            self.files[shard] = None;
+            for indices in undelivered.into_iter().rev() {
+                replay.push_front(indices);
+            }
+        }
     }
 
     /// The bytes of one record.
@@ -325,6 +403,43 @@ struct Pipeline<'r, I> {
     sink: &'r mut dyn FnMut(&mut Batch) -> Result<()>,
     stats: &'r mut ReadStats,
     staging: Option<&'r StagingPool>,
+    /// Scratch: the shards of a delivered batch, for the repair hook's access accounting.
+    touched: Vec<ShardId>,
+    hook: Option<&'r dyn ShardRepair>,
+    /// A batch taken from the source whose planning failed.
+    unplanned: Option<Vec<u64>>,
+}
+
+/// Batches to read again after a repair, then the caller's.
+struct Replay<'a, I> {
+    replay: &'a mut std::collections::VecDeque<Vec<u64>>,
+    rest: &'a mut I,
+}
+
+/// One batch's indices: replayed (owned) or the caller's.
+enum Either<B> {
+    Replayed(Vec<u64>),
+    Fresh(B),
+}
+
+impl<B: AsRef<[u64]>> AsRef<[u64]> for Either<B> {
+    fn as_ref(&self) -> &[u64] {
+        match self {
+            Either::Replayed(indices) => indices,
+            Either::Fresh(batch) => batch.as_ref(),
+        }
+    }
+}
+
+impl<B, I: Iterator<Item = B>> Iterator for Replay<'_, I> {
+    type Item = Either<B>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        match self.replay.pop_front() {
+            Some(indices) => Some(Either::Replayed(indices)),
+            None => self.rest.next().map(Either::Fresh),
+        }
+    }
 }
 
 impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
@@ -341,6 +456,11 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
             self.stats.ops += slot.planner.n_extents() as u64;
             self.stats.bytes_read += read_bytes;
             self.stats.blocks_verified += read_bytes / crate::shard::BLOCK_BYTES_U64;
+            if let Some(hook) = self.hook {
+                self.touched.clear();
+                self.touched.extend(slot.planner.shards_touched().map(|s| self.dataset.shard_id(s)));
+                hook.accessed(&self.touched);
+            }
             (self.sink)(&mut slot.batch)?;
             self.in_order.pop_front();
             self.free.push(front);
@@ -369,14 +489,29 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                 self.exhausted = true;
                 return Ok(Next::Done);
             };
-            self.free.pop();
             let slot = &mut self.slots[free];
-            slot.planner.plan(self.dataset, indices.as_ref(), self.op_blocks_max, &mut slot.batch, self.staging)?;
-            for shard in slot.planner.shards_touched() {
-                if self.files[shard].is_none() {
-                    self.files[shard] = Some(opener.open(&self.dataset.shard_path(shard))?);
+            let mut planned =
+                slot.planner.plan(self.dataset, indices.as_ref(), self.op_blocks_max, &mut slot.batch, self.staging);
+            if planned.is_ok() {
+                for shard in slot.planner.shards_touched() {
+                    if self.files[shard].is_none() {
+                        match opener.open(&self.dataset.shard_path(shard)) {
+                            Ok(file) => self.files[shard] = Some(file),
+                            Err(e) => {
+                                planned = Err(e);
+                                break;
+                            }
+                        }
+                    }
                 }
             }
+            if let Err(e) = planned {
+                // Kept so that the batch can be read again after a repair.
+                self.unplanned = Some(indices.as_ref().to_vec());
+                return Err(e);
+            }
+            self.free.pop();
+            let slot = &mut self.slots[free];
             slot.first_seq = self.issued;
             slot.issued = 0;
             slot.remaining = slot.planner.n_extents();
