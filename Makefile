@@ -44,6 +44,7 @@ fuzz-smoke: fuzz-seeds
 		echo "fuzz-smoke: needs nightly and cargo-fuzz (installed by .ci/run)"; exit 1; fi
 	cd fuzz && $(CARGO) +nightly fuzz run shard_decode corpus/shard_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 	cd fuzz && $(CARGO) +nightly fuzz run object_decode corpus/object_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
+	cd fuzz && $(CARGO) +nightly fuzz run frame_decode corpus/frame_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 
 fuzz-seeds:
 	scripts/fuzz-seeds.sh

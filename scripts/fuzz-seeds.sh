@@ -25,4 +25,6 @@ mkdir -p fuzz/corpus/shard_decode fuzz/corpus/object_decode
 find "$store/shards" -name '*.shard' -size -64k -exec cp {} fuzz/corpus/shard_decode/ \;
 find "$store/manifests" -name '*.manifest' -exec cp {} fuzz/corpus/object_decode/ \;
 for ref in "$store"/refs/*; do cp "$ref" "fuzz/corpus/object_decode/ref-$(basename "$ref")"; done
-echo "fuzz seeds: $(ls fuzz/corpus/shard_decode | wc -l) shards, $(ls fuzz/corpus/object_decode | wc -l) manifests and refs"
+# One replication frame of every kind, from the frame codec's own samples.
+GRANARY_FRAME_SEEDS="$PWD/fuzz/corpus/frame_decode" cargo test -q -p granary --lib --locked write_frame_fuzz_seeds -- --ignored >/dev/null
+echo "fuzz seeds: $(ls fuzz/corpus/shard_decode | wc -l) shards, $(ls fuzz/corpus/object_decode | wc -l) manifests and refs, $(ls fuzz/corpus/frame_decode | wc -l) frames"

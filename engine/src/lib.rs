@@ -7,8 +7,9 @@
 //! page-locked through CUDA when present) -> `read` (batch planning, verification, assembly) ->
 //! `policy` (partitioning, eviction and replication as WebAssembly plugins) -> `loader` (one
 //! rank's batches, prefetched, verified, copied to the GPU). `engine` wires the write side
-//! together (store, catalog, ingest); a module uses only the modules before it in this order,
-//! never one after it.
+//! together (store, catalog, ingest); `replication` (a side path) keeps copies of shards on the
+//! other nodes of a job and repairs reads from them. A module uses only the modules before it in
+//! this order, never one after it.
 //!
 //! ```no_run
 //! use granary::{Granary, IngestOptions, Layout, Dtype, FixedLayout, DatasetName, VersionSpec};
@@ -42,6 +43,7 @@ pub mod read;
 pub mod policy;
 pub mod loader;
 pub mod engine;
+pub mod replication;
 
 pub use engine::Granary;
 pub use error::{Error, FormatError, PluginError, Result};
@@ -50,7 +52,7 @@ pub use ingest::{Ingest, IngestMode, IngestOptions};
 pub use io::{Backend, Io, IoConfig};
 pub use loader::{LoadedBatch, Loader, LoaderConfig, LoaderStats, PlanSource, Target};
 pub use plan::{EpochPlan, Order, Position, RankCursor, World};
-pub use read::{Batch, Dataset, Reader};
+pub use read::{Batch, Dataset, Reader, ShardRepair};
 pub use shard::{Dtype, FixedLayout, Layout};
 pub use staging::{Lease, StagingConfig, StagingPool};
 pub use store::{DatasetName, StorePaths, VersionSpec};

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_loader;
+mod cluster;
 mod plugin;
 mod show;
 
@@ -45,11 +46,15 @@ enum Command {
         records: u64,
     },
     /// Write the raw bytes of one record to stdout (every block it touches is checked first).
+    /// With a cluster key, a damaged or missing shard is repaired through the node serving the
+    /// store before the read is retried.
     Get {
         /// NAME, NAME@N or manifest id.
         dataset: String,
         /// The record's index in the dataset version.
         index: u64,
+        #[command(flatten)]
+        key: cluster::KeyArgs,
     },
     /// Full scrub: BLAKE3 of every file, CRC32C of every block; exits 1 on any failure.
     Verify {
@@ -71,6 +76,15 @@ enum Command {
     /// The policy plugin kit: check, simulate, make traces.
     #[command(subcommand)]
     Plugin(plugin::PluginCommand),
+    /// Run this store's node of a training job: serve shards to peers, keep the replication
+    /// goals, repair from peers. Runs until SIGINT or SIGTERM.
+    Serve(cluster::ServeArgs),
+    /// Replicate a dataset version to the job's nodes, as the replicator plugin places it.
+    Replicate(cluster::ReplicateArgs),
+    /// A node's view: peers, replication lag, under-replicated shards, transfers, cache.
+    Status(cluster::StatusArgs),
+    /// Make a new cluster secret file (give the same one to every node of the job).
+    ClusterKey(cluster::ClusterKeyArgs),
 }
 
 #[derive(Subcommand)]
@@ -135,6 +149,10 @@ enum BenchCommand {
     Loader(bench_loader::LoaderArgs),
 }
 
+/// How long a command that writes waits for another writer (an ingest, or `granary serve`
+/// publishing what arrived from a peer) to release the store.
+pub(crate) const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Runs the command line; prints errors as one line.
 pub(crate) fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -152,18 +170,21 @@ fn run(cli: Cli) -> Result<ExitCode> {
     if let Command::Plugin(command) = cli.command {
         return plugin::run(command).map(|ok| if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
     }
+    if let Command::ClusterKey(args) = &cli.command {
+        return cluster::cluster_key(args).map(|()| ExitCode::SUCCESS);
+    }
     let root = cli.root.context("no store given: pass --root DIR or set GRANARY_ROOT")?;
     let paths = StorePaths::new(&root);
     match cli.command {
         Command::Ingest(command) => ingest(root, command).map(|()| ExitCode::SUCCESS),
         Command::Ls => show::ls(&paths).map(|()| ExitCode::SUCCESS),
         Command::Inspect { target, records } => show::inspect(&paths, &target, records).map(|()| ExitCode::SUCCESS),
-        Command::Get { dataset, index } => get(&paths, &dataset, index).map(|()| ExitCode::SUCCESS),
+        Command::Get { dataset, index, key } => get(&paths, &dataset, index, &key).map(|()| ExitCode::SUCCESS),
         Command::Verify { dataset } => show::verify(&paths, dataset.as_deref()),
         Command::Repair => show::repair(root).map(|()| ExitCode::SUCCESS),
         Command::Rm { dataset } => remove(root, &dataset).map(|()| ExitCode::SUCCESS),
         Command::Gc => {
-            let report = Granary::open(root)?.gc()?;
+            let report = Granary::open_waiting(root, false, LOCK_WAIT)?.gc()?;
             println!(
                 "removed {} shards and {} manifests ({})",
                 report.shards,
@@ -176,7 +197,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Bench(BenchCommand::Loader(args)) => {
             bench_loader::loader(&root, &paths, &args).map(|()| ExitCode::SUCCESS)
         }
-        Command::Plugin(_) => unreachable!("handled above, before a store is needed"),
+        Command::Serve(args) => cluster::serve(&root, &args).map(|()| ExitCode::SUCCESS),
+        Command::Replicate(args) => cluster::replicate(&root, &args).map(|()| ExitCode::SUCCESS),
+        Command::Status(args) => cluster::status(&root, &args).map(|()| ExitCode::SUCCESS),
+        Command::Plugin(_) | Command::ClusterKey(_) => unreachable!("handled above, before a store is needed"),
     }
 }
 
@@ -194,7 +218,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         mode: if common.replace { IngestMode::Replace } else { IngestMode::Append },
         ..IngestOptions::default()
     };
-    let mut granary = Granary::create(root)?;
+    let mut granary = Granary::open_waiting(root, true, LOCK_WAIT)?;
     let mut session = granary.ingest(name, layout, options)?;
     let bar = Bar::new();
     match &command {
@@ -255,9 +279,15 @@ fn fixed_layout(record_bytes: u64, dtype: Option<&str>, shape: Option<&[u64]>) -
     Ok(layout)
 }
 
-fn get(paths: &StorePaths, spec: &str, index: u64) -> Result<()> {
+fn get(paths: &StorePaths, spec: &str, index: u64, key: &cluster::KeyArgs) -> Result<()> {
     let dataset = granary::Dataset::open(paths, &VersionSpec::parse(spec)?)?;
     let mut reader = Reader::new(dataset, IoConfig::default().build()?);
+    if let Some(key) = key.key_if_given()? {
+        // A node serving this store repairs what the read finds damaged (none serving: no hook).
+        if let Ok(client) = granary::replication::NodeClient::for_store(paths.root(), key) {
+            reader.set_repair(std::sync::Arc::new(client));
+        }
+    }
     let record = reader.get(index)?;
     let mut out = std::io::stdout().lock();
     out.write_all(&record).and_then(|()| out.flush()).context("write to stdout")?;
@@ -265,7 +295,7 @@ fn get(paths: &StorePaths, spec: &str, index: u64) -> Result<()> {
 }
 
 fn remove(root: PathBuf, spec: &str) -> Result<()> {
-    let mut granary = Granary::open(root)?;
+    let mut granary = Granary::open_waiting(root, false, LOCK_WAIT)?;
     match VersionSpec::parse(spec)? {
         VersionSpec::Latest(name) => {
             granary.remove(&name, None)?;

@@ -145,7 +145,7 @@ pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode>
 }
 
 pub(super) fn repair(root: PathBuf) -> Result<()> {
-    let mut granary = Granary::open(root)?;
+    let mut granary = Granary::open_waiting(root, false, super::LOCK_WAIT)?;
     let report = granary.repair()?;
     for (path, why) in &report.quarantined {
         eprintln!("granary: quarantined {}: {why}", path.display());

@@ -1,0 +1,98 @@
+//! The cache of shards a node fetched for its readers without being one of their placed nodes.
+//!
+//! Owns: which such shards are here and how many bytes they take, with the evictor plugin
+//! choosing victims when they exceed the bound (accesses are fed to it in batches, one per read
+//! batch). Sizes go to the plugin in 4 KiB blocks. Invariant: the cache only proposes victims;
+//! the node deletes one only if another node that is up holds a copy (the last known copy of a
+//! shard is never evicted). Never: touches files (the node does).
+
+use std::collections::HashMap;
+
+use crate::error::Result;
+use crate::id::ShardId;
+use crate::policy::{Evictor, PolicyHost, shard_key};
+use crate::shard::BLOCK_BYTES_U64;
+
+/// `next_use` of an access whose future is unknown.
+const NEVER: u64 = u64::MAX;
+
+/// Cached shards and their evictor.
+pub(crate) struct ShardCache {
+    /// `None` when the cache is unbounded.
+    evictor: Option<Evictor>,
+    entries: HashMap<u64, (ShardId, u64)>,
+    used_bytes: u64,
+}
+
+impl ShardCache {
+    /// A cache of at most `capacity_bytes` (0: unbounded, no evictor) run by the evictor plugin
+    /// `evictor` (the built-in default when `None`).
+    pub(crate) fn new(host: &PolicyHost, evictor: Option<&str>, capacity_bytes: u64) -> Result<Self> {
+        let evictor = if capacity_bytes == 0 {
+            None
+        } else {
+            Some(host.evictor(evictor, &[], (capacity_bytes / BLOCK_BYTES_U64).max(1))?)
+        };
+        Ok(Self { evictor, entries: HashMap::new(), used_bytes: 0 })
+    }
+
+    /// Bytes of cached shards.
+    pub(crate) fn used_bytes(&self) -> u64 {
+        self.used_bytes
+    }
+
+    /// Cached shards.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// A shard of `bytes` was fetched for a read; returns the victims the evictor chose.
+    pub(crate) fn admit(&mut self, id: ShardId, bytes: u64) -> Result<Vec<(ShardId, u64)>> {
+        let key = shard_key(id.0.as_bytes());
+        if self.entries.insert(key, (id, bytes)).is_none() {
+            self.used_bytes += bytes;
+        }
+        let Some(evictor) = &mut self.evictor else { return Ok(Vec::new()) };
+        let blocks = u32::try_from(bytes.div_ceil(BLOCK_BYTES_U64)).unwrap_or(u32::MAX);
+        let outcome = evictor.access(&[key], &[blocks], &[NEVER])?;
+        let resident = evictor.contains(key);
+        let mut victims = self.take_victims(outcome.evictions.iter().map(|&(_, key)| key));
+        if !resident {
+            // Larger than the whole cache, so not resident: a victim at once, like any other
+            // (the node still keeps it when it is the last known copy).
+            victims.extend(self.take_victims(std::iter::once(key)));
+        }
+        Ok(victims)
+    }
+
+    /// Shards were read: the cached ones count as accesses; returns the victims (none, unless
+    /// the plugin changed its mind about what fits).
+    pub(crate) fn touch(&mut self, shards: &[ShardId]) -> Result<Vec<(ShardId, u64)>> {
+        let Some(evictor) = &mut self.evictor else { return Ok(Vec::new()) };
+        let (mut keys, mut sizes) = (Vec::new(), Vec::new());
+        for shard in shards {
+            let key = shard_key(shard.0.as_bytes());
+            if let Some(&(_, bytes)) = self.entries.get(&key) {
+                keys.push(key);
+                sizes.push(u32::try_from(bytes.div_ceil(BLOCK_BYTES_U64)).unwrap_or(u32::MAX));
+            }
+        }
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let next_uses = vec![NEVER; keys.len()];
+        let outcome = evictor.access(&keys, &sizes, &next_uses)?;
+        Ok(self.take_victims(outcome.evictions.iter().map(|&(_, key)| key)))
+    }
+
+    fn take_victims(&mut self, keys: impl Iterator<Item = u64>) -> Vec<(ShardId, u64)> {
+        let mut victims = Vec::new();
+        for key in keys {
+            if let Some((id, bytes)) = self.entries.remove(&key) {
+                self.used_bytes -= bytes;
+                victims.push((id, bytes));
+            }
+        }
+        victims
+    }
+}

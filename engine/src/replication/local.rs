@@ -1,0 +1,319 @@
+//! The node's own store: what it holds, its replication goals and incarnation, and the short
+//! write sessions through which objects that arrived from peers are published.
+//!
+//! The node does not hold the store's write lock for its lifetime: `granary ingest` must be able
+//! to run beside `granary serve`. It opens a `Granary` (lock and catalog) for each publication,
+//! waiting a bounded time when another writer holds the lock, and keeps its partial transfers in
+//! `incoming/`, which no other writer touches. Invariants: the inventory lists only objects whose
+//! files are complete (published); the node lock (`replication/NODE.lock`) keeps two nodes off one
+//! store. Never: reads or writes shard bytes on behalf of a transfer (`pull` and `server` do).
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use super::frame::{InventoryEntry, WireKind};
+use crate::engine::Granary;
+use crate::error::{Error, Result};
+use crate::id::ObjectId;
+use crate::store::{DatasetName, ObjectKind, RefLog, StorePaths, sync_dir};
+
+/// A store as one node sees it.
+pub(crate) struct LocalStore {
+    paths: StorePaths,
+    incoming: PathBuf,
+    goals_dir: PathBuf,
+    /// Every published object: (kind, id) -> bytes.
+    inventory: RwLock<BTreeMap<(WireKind, ObjectId), u64>>,
+    /// Bumped on every change of the inventory, so peers refetch it only when it changed.
+    generation: AtomicU64,
+    /// The open write session, if any: kept open between publications that follow each other,
+    /// closed once idle (`release_if_idle`) so an ingest can take the store. Also serialises
+    /// this process's writes (the store lock is per open file).
+    writer: Mutex<Option<(Granary, Instant)>>,
+    lock_wait: Duration,
+    /// Held for its `Drop`, which releases the node lock.
+    _node_lock: File,
+    incarnation: u64,
+}
+
+impl LocalStore {
+    /// Opens the node's view of the store at `root`: takes the node lock, counts this start as a
+    /// new incarnation, and lists what is stored.
+    pub(crate) fn open(root: &Path, lock_wait: Duration) -> Result<Self> {
+        let paths = StorePaths::new(root);
+        paths.check()?;
+        let dir = root.join("replication");
+        let incoming = root.join("incoming");
+        let goals_dir = dir.join("goals");
+        for d in [&dir, &incoming, &goals_dir] {
+            fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
+        }
+        let lock_path = dir.join("NODE.lock");
+        let node_lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| Error::io("open", &lock_path, e))?;
+        node_lock.try_lock().map_err(|e| match e {
+            fs::TryLockError::WouldBlock => Error::invalid_input(format!(
+                "another granary node already serves the store {} ({} is locked)",
+                root.display(),
+                lock_path.display()
+            )),
+            fs::TryLockError::Error(e) => Error::io("lock", &lock_path, e),
+        })?;
+        let incarnation = next_incarnation(&dir)?;
+        let store = Self {
+            paths,
+            incoming,
+            goals_dir,
+            inventory: RwLock::new(BTreeMap::new()),
+            generation: AtomicU64::new(1),
+            writer: Mutex::new(None),
+            lock_wait,
+            _node_lock: node_lock,
+            incarnation,
+        };
+        store.rescan()?;
+        store.drop_stale_partials()?;
+        Ok(store)
+    }
+
+    /// Removes partial transfers of objects that are now held (a transfer that finished
+    /// elsewhere, or an ingest of the same content); the others stay, to be resumed.
+    fn drop_stale_partials(&self) -> Result<()> {
+        let entries = match fs::read_dir(&self.incoming) {
+            Ok(entries) => entries,
+            Err(e) => return Err(Error::io("read directory", &self.incoming, e)),
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let mut parts = name.splitn(3, '.');
+            let (Some(hex), Some(kind), Some("part")) = (parts.next(), parts.next(), parts.next()) else { continue };
+            let kind = match kind {
+                "shard" => WireKind::Shard,
+                "manifest" => WireKind::Manifest,
+                _ => continue,
+            };
+            if let Some(id) = ObjectId::parse_hex(hex)
+                && self.holds(kind, id).is_some()
+            {
+                let path = entry.path();
+                fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn paths(&self) -> &StorePaths {
+        &self.paths
+    }
+
+    /// This start's incarnation: greater than every earlier one of this store's node.
+    pub(crate) fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// The inventory's generation.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Re-lists the store (objects another process published, or removed). Returns whether the
+    /// inventory changed.
+    pub(crate) fn rescan(&self) -> Result<bool> {
+        let mut fresh = BTreeMap::new();
+        for (kind, wire) in [(ObjectKind::Shard, WireKind::Shard), (ObjectKind::Manifest, WireKind::Manifest)] {
+            for (id, path) in self.paths.list_objects(kind)? {
+                // A file removed between the listing and the stat is simply not held.
+                if let Ok(meta) = fs::metadata(&path) {
+                    fresh.insert((wire, id), meta.len());
+                }
+            }
+        }
+        let mut inventory = self.inventory.write().expect("the inventory lock is never poisoned");
+        if *inventory == fresh {
+            return Ok(false);
+        }
+        *inventory = fresh;
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(true)
+    }
+
+    /// The length of object `id`, if it is held.
+    pub(crate) fn holds(&self, kind: WireKind, id: ObjectId) -> Option<u64> {
+        self.inventory.read().expect("the inventory lock is never poisoned").get(&(kind, id)).copied()
+    }
+
+    /// Every object held, in (kind, id) order.
+    pub(crate) fn entries(&self) -> Vec<InventoryEntry> {
+        let inventory = self.inventory.read().expect("the inventory lock is never poisoned");
+        inventory.iter().map(|(&(kind, id), &bytes)| InventoryEntry { kind, id, bytes }).collect()
+    }
+
+    /// Up to `max` entries after `after`, and whether more follow.
+    pub(crate) fn page(&self, after: Option<(WireKind, ObjectId)>, max: usize) -> (Vec<InventoryEntry>, bool) {
+        use std::ops::Bound;
+        let inventory = self.inventory.read().expect("the inventory lock is never poisoned");
+        let start = match after {
+            None => Bound::Unbounded,
+            Some(key) => Bound::Excluded(key),
+        };
+        let mut iter = inventory.range((start, Bound::Unbounded));
+        let page: Vec<InventoryEntry> =
+            iter.by_ref().take(max).map(|(&(kind, id), &bytes)| InventoryEntry { kind, id, bytes }).collect();
+        (page, iter.next().is_some())
+    }
+
+    /// Where object `id` lives when held.
+    pub(crate) fn object_path(&self, kind: WireKind, id: ObjectId) -> PathBuf {
+        self.paths.object(kind.object_kind(), id)
+    }
+
+    /// Where a transfer of object `id` keeps its bytes until they are verified.
+    pub(crate) fn incoming_path(&self, kind: WireKind, id: ObjectId) -> PathBuf {
+        let suffix = match kind {
+            WireKind::Shard => "shard",
+            WireKind::Manifest => "manifest",
+        };
+        self.incoming.join(format!("{id}.{suffix}.part"))
+    }
+
+    /// Runs `f` in a write session: the store lock and the catalog, waiting up to the lock wait
+    /// for another writer (an ingest) to finish. Blocking.
+    pub(crate) fn with_granary<R>(&self, f: impl FnOnce(&mut Granary) -> Result<R>) -> Result<R> {
+        let mut writer = self.writer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if writer.is_none() {
+            *writer = Some((Granary::open_waiting(self.paths.root(), false, self.lock_wait)?, Instant::now()));
+        }
+        let (granary, last_used) = writer.as_mut().expect("opened above");
+        *last_used = Instant::now();
+        f(granary)
+    }
+
+    /// Closes the write session if it has been idle for `idle` (it never waits for it).
+    pub(crate) fn release_if_idle(&self, idle: Duration) {
+        if let Ok(mut writer) = self.writer.try_lock()
+            && writer.as_ref().is_some_and(|(_, last_used)| last_used.elapsed() >= idle)
+        {
+            *writer = None;
+        }
+    }
+
+    /// Publishes a verified file from `incoming/` as object `id` (see `Granary::adopt_object`).
+    /// Blocking.
+    pub(crate) fn adopt(&self, kind: WireKind, id: ObjectId, file: &Path) -> Result<()> {
+        let bytes = fs::metadata(file).map_err(|e| Error::io("stat", file, e))?.len();
+        self.with_granary(|granary| granary.adopt_object(kind.object_kind(), id, file))?;
+        self.note_added(kind, id, bytes);
+        Ok(())
+    }
+
+    fn note_added(&self, kind: WireKind, id: ObjectId, bytes: u64) {
+        let mut inventory = self.inventory.write().expect("the inventory lock is never poisoned");
+        if inventory.insert((kind, id), bytes) != Some(bytes) {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    fn note_removed(&self, kind: WireKind, id: ObjectId) {
+        let mut inventory = self.inventory.write().expect("the inventory lock is never poisoned");
+        if inventory.remove(&(kind, id)).is_some() {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Moves a damaged object to quarantine. Blocking.
+    pub(crate) fn quarantine(&self, kind: WireKind, id: ObjectId) -> Result<Option<PathBuf>> {
+        let moved = self.with_granary(|granary| granary.quarantine_object(kind.object_kind(), id))?;
+        self.note_removed(kind, id);
+        Ok(moved)
+    }
+
+    /// Deletes an object (a cache eviction). Blocking.
+    pub(crate) fn remove(&self, kind: WireKind, id: ObjectId) -> Result<()> {
+        self.with_granary(|granary| granary.forget_object(kind.object_kind(), id))?;
+        self.note_removed(kind, id);
+        Ok(())
+    }
+
+    /// Adopts dataset `name`'s ref from a peer if it is newer. Blocking.
+    pub(crate) fn adopt_ref(&self, name: &DatasetName, log: &RefLog) -> Result<bool> {
+        self.with_granary(|granary| granary.adopt_ref(name, log))
+    }
+
+    /// Records where the node listens, for clients on this machine.
+    pub(crate) fn record_listen(&self, addr: &std::net::SocketAddr) -> Result<()> {
+        let dir = self.paths.root().join("replication");
+        write_atomically(&dir, &dir.join("listen"), format!("{addr}\n").as_bytes())
+    }
+
+    /// The replication goal of every dataset that has one: copies wanted of each shard.
+    pub(crate) fn goals(&self) -> Result<BTreeMap<DatasetName, u32>> {
+        let mut goals = BTreeMap::new();
+        let entries = match fs::read_dir(&self.goals_dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(goals),
+            Err(e) => return Err(Error::io("read directory", &self.goals_dir, e)),
+        };
+        for entry in entries {
+            let entry = entry.map_err(|e| Error::io("read directory", &self.goals_dir, e))?;
+            let Some(name) = entry.file_name().to_str().and_then(|n| DatasetName::new(n).ok()) else { continue };
+            let path = entry.path();
+            let text = fs::read_to_string(&path).map_err(|e| Error::io("read", &path, e))?;
+            let replicas = text
+                .strip_prefix("replicas ")
+                .and_then(|rest| rest.trim_end().parse::<u32>().ok())
+                .filter(|&r| r >= 1)
+                .ok_or_else(|| Error::invalid_input(format!("{}: not a replication goal: {text:?}", path.display())))?;
+            goals.insert(name, replicas);
+        }
+        Ok(goals)
+    }
+
+    /// Sets the goal of dataset `name` to `replicas` copies, durably.
+    pub(crate) fn set_goal(&self, name: &DatasetName, replicas: u32) -> Result<()> {
+        if replicas == 0 {
+            return Err(Error::invalid_input("a replication factor is at least 1"));
+        }
+        let target = self.goals_dir.join(name.as_str());
+        if fs::read_to_string(&target).ok().as_deref() == Some(format!("replicas {replicas}\n").as_str()) {
+            return Ok(());
+        }
+        write_atomically(&self.goals_dir, &target, format!("replicas {replicas}\n").as_bytes())
+    }
+}
+
+/// Writes `bytes` to `target` through a temp file in `dir`: fsync, rename, fsync the directory.
+fn write_atomically(dir: &Path, target: &Path, bytes: &[u8]) -> Result<()> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{}-{n}.tmp", std::process::id()));
+    let mut file = File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(|e| Error::io("write", &tmp, e))?;
+    fs::rename(&tmp, target).map_err(|e| Error::io("rename", target, e))?;
+    sync_dir(dir)
+}
+
+/// Reads, increments and durably stores the node's incarnation counter.
+fn next_incarnation(dir: &Path) -> Result<u64> {
+    let path = dir.join("incarnation");
+    let previous = match fs::read_to_string(&path) {
+        Ok(text) => text
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| Error::invalid_input(format!("{}: not a number: {text:?}", path.display())))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(Error::io("read", &path, e)),
+    };
+    let next = previous + 1;
+    write_atomically(dir, &path, format!("{next}\n").as_bytes())?;
+    Ok(next)
+}

@@ -1,0 +1,457 @@
+//! The authenticated, encrypted channel between two nodes (or a node and a client).
+//!
+//! Owns: `ClusterKey` (the job's shared secret, never printed), `Channel` (one TCP connection
+//! after a Noise handshake) and the record layer under it. A connection is: a Noise
+//! `NNpsk0_25519_AESGCM_SHA256` handshake keyed with the cluster key (snow: no home-made
+//! cryptography), then one `Hello` each way, then frames, each encrypted into one record:
+//! `length u32 LE | ciphertext`. Invariants: a peer without the cluster key fails the handshake's
+//! first message, before any application byte is read; no record longer than
+//! `RECORD_BYTES_MAX` is read (its length is checked before a byte of it is); every read and
+//! write has a deadline; a frame whose epoch is not the peer's `Hello` epoch, or whose sequence
+//! number is not exactly the next, ends the connection (a replayed or reordered frame has no
+//! effect). Never: interprets a frame beyond its header (the node does).
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::frame::{FRAME_BYTES_MAX, Frame, Kind, PROTOCOL_VERSION, RECORD_BYTES_MAX, Role, TAG_BYTES};
+use crate::error::{Error, Result, TransportError};
+
+/// The Noise protocol: a pre-shared key mixed in before the first message authenticates both
+/// sides (each proves it holds the key by producing a message the other can decrypt), and
+/// fresh ephemeral keys give each connection its own session keys.
+const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_AESGCM_SHA256";
+/// Bound into the handshake, so a key used by another protocol cannot be confused with ours.
+const PROLOGUE: &[u8] = b"granary replication";
+/// The environment variable a cluster secret can come from.
+pub const CLUSTER_KEY_ENV: &str = "GRANARY_CLUSTER_KEY";
+/// The shortest secret accepted.
+pub const SECRET_BYTES_MIN: usize = 16;
+/// Handshake records are small; anything longer is not a granary peer.
+const HANDSHAKE_RECORD_BYTES_MAX: usize = 256;
+
+/// The job's shared secret, as the 32-byte Noise pre-shared key derived from it.
+#[derive(Clone)]
+pub struct ClusterKey([u8; 32]);
+
+impl fmt::Debug for ClusterKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ClusterKey(..)")
+    }
+}
+
+impl ClusterKey {
+    /// The key of `secret` (at least 16 bytes; surrounding whitespace is not part of it).
+    pub fn from_secret(secret: &[u8]) -> Result<Self> {
+        let secret = secret.trim_ascii();
+        if secret.len() < SECRET_BYTES_MIN {
+            return Err(Error::invalid_input(format!(
+                "a cluster secret of {} bytes is too short (at least {SECRET_BYTES_MIN})",
+                secret.len()
+            )));
+        }
+        Ok(Self(blake3::derive_key("granary 2026 cluster key v1", secret)))
+    }
+
+    /// The key in file `path`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let secret = std::fs::read(path).map_err(|e| Error::io("read cluster key", path, e))?;
+        Self::from_secret(&secret).map_err(|e| match e {
+            Error::InvalidInput { detail } => Error::invalid_input(format!("{}: {detail}", path.display())),
+            other => other,
+        })
+    }
+
+    /// The key in the environment variable `GRANARY_CLUSTER_KEY`, if it is set.
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var_os(CLUSTER_KEY_ENV) {
+            None => Ok(None),
+            Some(secret) => Self::from_secret(secret.as_encoded_bytes()).map(Some),
+        }
+    }
+
+    /// A new random secret (64 hex digits) for a key file.
+    pub fn generate_secret() -> Result<String> {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes)
+            .map_err(|e| Error::io("read randomness", "getrandom", std::io::Error::other(e.to_string())))?;
+        Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    }
+}
+
+/// Deadlines of a channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadlines {
+    /// Connecting and the whole handshake, `Hello`s included.
+    pub handshake: Duration,
+    /// Reading one record once its first byte is awaited, and writing one record.
+    pub io: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Self { handshake: Duration::from_secs(5), io: Duration::from_secs(10) }
+    }
+}
+
+/// Who is at the other end, as its `Hello` said.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerHello {
+    /// Its node id.
+    pub node_id: u32,
+    /// Peer or client.
+    pub role: Role,
+    /// Its placement weight.
+    pub weight: u32,
+    /// Its failure domain.
+    pub failure_domain: u32,
+    /// Where it listens.
+    pub listen: String,
+    /// Its incarnation.
+    pub epoch: u64,
+}
+
+/// What this side says in its `Hello`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalHello {
+    /// This node's id.
+    pub node_id: u32,
+    /// Peer or client.
+    pub role: Role,
+    /// This node's placement weight.
+    pub weight: u32,
+    /// This node's failure domain.
+    pub failure_domain: u32,
+    /// Where this node listens ("" for a client).
+    pub listen: String,
+    /// This node's incarnation.
+    pub epoch: u64,
+}
+
+/// One authenticated, encrypted connection.
+pub struct Channel {
+    stream: TcpStream,
+    noise: snow::TransportState,
+    peer_addr: SocketAddr,
+    deadlines: Deadlines,
+    /// One record as read: ciphertext.
+    record: Box<[u8]>,
+    /// The plaintext of the last record read.
+    plain: Box<[u8]>,
+    plain_len: usize,
+    /// Scratch: an encoded frame, then its length prefix and ciphertext.
+    frame_out: Vec<u8>,
+    wire_out: Vec<u8>,
+    local_epoch: u64,
+    sent: u64,
+    peer_epoch: u64,
+    received: u64,
+}
+
+impl fmt::Debug for Channel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Channel").field("peer", &self.peer_addr).field("sent", &self.sent).finish_non_exhaustive()
+    }
+}
+
+fn noise_builder(key: &ClusterKey) -> std::result::Result<snow::Builder<'_>, snow::Error> {
+    let params: snow::params::NoiseParams = NOISE_PARAMS.parse().expect("the protocol name is valid");
+    snow::Builder::new(params).psk(0, &key.0)?.prologue(PROLOGUE)
+}
+
+fn noise_error(e: snow::Error) -> TransportError {
+    match e {
+        snow::Error::Decrypt => TransportError::Decrypt,
+        other => TransportError::Protocol { detail: format!("noise: {other}") },
+    }
+}
+
+impl Channel {
+    /// Connects to `addr`, runs the handshake and exchanges `Hello`s.
+    pub async fn connect(
+        addr: SocketAddr,
+        key: &ClusterKey,
+        hello: &LocalHello,
+        deadlines: Deadlines,
+    ) -> std::result::Result<(Channel, PeerHello), TransportError> {
+        let handshake = async {
+            let stream = TcpStream::connect(addr).await.map_err(|e| TransportError::io("connect", e))?;
+            stream.set_nodelay(true).map_err(|e| TransportError::io("set TCP_NODELAY", e))?;
+            let mut stream = stream;
+            let mut noise = noise_builder(key).and_then(|b| b.build_initiator()).map_err(noise_error)?;
+            let mut message = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
+            let n = noise.write_message(&[], &mut message).map_err(noise_error)?;
+            write_record(&mut stream, &message[..n]).await?;
+            // A node that cannot decrypt the first message closes the connection: that is how a
+            // wrong key looks from this side.
+            let n = read_handshake_record(&mut stream, &mut message).await.map_err(|e| match e {
+                TransportError::Closed => TransportError::Handshake {
+                    detail: "the other side closed the connection: it does not hold this cluster key \
+                             (or is not a granary node)"
+                        .to_owned(),
+                },
+                other => other,
+            })?;
+            let mut payload = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
+            noise.read_message(&message[..n], &mut payload).map_err(|e| match e {
+                snow::Error::Decrypt => TransportError::Handshake {
+                    detail: "the peer does not hold this cluster key (or is not a granary node)".to_owned(),
+                },
+                other => noise_error(other),
+            })?;
+            let noise = noise.into_transport_mode().map_err(noise_error)?;
+            let mut channel = Channel::new(stream, noise, addr, deadlines, hello.epoch);
+            channel.send(&hello_frame(hello)).await?;
+            let peer = channel.recv_hello().await?;
+            Ok((channel, peer))
+        };
+        tokio::time::timeout(deadlines.handshake, handshake)
+            .await
+            .unwrap_or(Err(TransportError::Timeout { what: "connection handshake", after: deadlines.handshake }))
+    }
+
+    /// Runs the responder's side of the handshake on an accepted connection and exchanges
+    /// `Hello`s. A peer without the cluster key is refused here, after its first message.
+    pub async fn accept(
+        stream: TcpStream,
+        key: &ClusterKey,
+        hello: &LocalHello,
+        deadlines: Deadlines,
+    ) -> std::result::Result<(Channel, PeerHello), TransportError> {
+        let handshake = async {
+            let peer_addr = stream.peer_addr().map_err(|e| TransportError::io("peer address", e))?;
+            stream.set_nodelay(true).map_err(|e| TransportError::io("set TCP_NODELAY", e))?;
+            let mut stream = stream;
+            let mut noise = noise_builder(key).and_then(|b| b.build_responder()).map_err(noise_error)?;
+            let mut message = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
+            let n = read_handshake_record(&mut stream, &mut message).await?;
+            let mut payload = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
+            noise.read_message(&message[..n], &mut payload).map_err(|e| match e {
+                snow::Error::Decrypt => TransportError::Handshake {
+                    detail: "the connecting side does not hold this cluster key".to_owned(),
+                },
+                other => noise_error(other),
+            })?;
+            let n = noise.write_message(&[], &mut message).map_err(noise_error)?;
+            write_record(&mut stream, &message[..n]).await?;
+            let noise = noise.into_transport_mode().map_err(noise_error)?;
+            let mut channel = Channel::new(stream, noise, peer_addr, deadlines, hello.epoch);
+            let peer = channel.recv_hello().await?;
+            channel.send(&hello_frame(hello)).await?;
+            Ok((channel, peer))
+        };
+        tokio::time::timeout(deadlines.handshake, handshake)
+            .await
+            .unwrap_or(Err(TransportError::Timeout { what: "connection handshake", after: deadlines.handshake }))
+    }
+
+    fn new(
+        stream: TcpStream,
+        noise: snow::TransportState,
+        peer_addr: SocketAddr,
+        deadlines: Deadlines,
+        local_epoch: u64,
+    ) -> Channel {
+        Channel {
+            stream,
+            noise,
+            peer_addr,
+            deadlines,
+            record: vec![0; RECORD_BYTES_MAX].into_boxed_slice(),
+            plain: vec![0; FRAME_BYTES_MAX].into_boxed_slice(),
+            plain_len: 0,
+            frame_out: Vec::with_capacity(FRAME_BYTES_MAX),
+            wire_out: Vec::with_capacity(4 + RECORD_BYTES_MAX),
+            local_epoch,
+            sent: 0,
+            peer_epoch: 0,
+            received: 0,
+        }
+    }
+
+    async fn recv_hello(&mut self) -> std::result::Result<PeerHello, TransportError> {
+        let (header_epoch, frame) = self.recv_raw().await?;
+        let Frame::Hello { version, node_id, role, weight, failure_domain, listen } = frame else {
+            return Err(TransportError::Protocol { detail: format!("expected Hello first, got {:?}", frame.kind()) });
+        };
+        if version != PROTOCOL_VERSION {
+            return Err(TransportError::Protocol {
+                detail: format!("the peer speaks protocol version {version}, this node {PROTOCOL_VERSION}"),
+            });
+        }
+        let peer = PeerHello { node_id, role, weight, failure_domain, listen: listen.to_owned(), epoch: header_epoch };
+        self.peer_epoch = header_epoch;
+        Ok(peer)
+    }
+
+    /// The address of the other end.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer_addr
+    }
+
+    /// Encrypts and sends one frame.
+    pub async fn send(&mut self, frame: &Frame<'_>) -> std::result::Result<(), TransportError> {
+        self.frame_out.clear();
+        frame.encode(self.local_epoch, self.sent + 1, &mut self.frame_out).map_err(TransportError::Frame)?;
+        self.wire_out.clear();
+        self.wire_out.resize(4 + self.frame_out.len() + TAG_BYTES, 0);
+        let n = self.noise.write_message(&self.frame_out, &mut self.wire_out[4..]).map_err(noise_error)?;
+        self.wire_out[..4].copy_from_slice(&(n as u32).to_le_bytes());
+        self.wire_out.truncate(4 + n);
+        let deadline = self.deadlines.io;
+        tokio::time::timeout(deadline, self.stream.write_all(&self.wire_out))
+            .await
+            .map_err(|_| TransportError::Timeout { what: "sending a frame", after: deadline })?
+            .map_err(|e| TransportError::io("write", e))?;
+        self.sent += 1;
+        Ok(())
+    }
+
+    /// Receives one frame, waiting at most `idle` for it to start (the per-record deadline
+    /// applies once it has).
+    pub async fn recv_within(&mut self, idle: Duration) -> std::result::Result<Frame<'_>, TransportError> {
+        let mut prefix = [0u8; 4];
+        tokio::time::timeout(idle, self.stream.read_exact(&mut prefix[..1]))
+            .await
+            .map_err(|_| TransportError::Timeout { what: "waiting for a frame", after: idle })?
+            .map_err(closed_or_io)?;
+        self.finish_recv(prefix).await
+    }
+
+    /// Receives one frame within the I/O deadline.
+    pub async fn recv(&mut self) -> std::result::Result<Frame<'_>, TransportError> {
+        self.recv_within(self.deadlines.io).await
+    }
+
+    async fn recv_raw(&mut self) -> std::result::Result<(u64, Frame<'_>), TransportError> {
+        let mut prefix = [0u8; 4];
+        let deadline = self.deadlines.io;
+        tokio::time::timeout(deadline, self.stream.read_exact(&mut prefix[..1]))
+            .await
+            .map_err(|_| TransportError::Timeout { what: "waiting for a frame", after: deadline })?
+            .map_err(closed_or_io)?;
+        self.read_record(prefix).await?;
+        let (header, frame) = Frame::decode(&self.plain[..self.plain_len]).map_err(TransportError::Frame)?;
+        if header.seq != self.received + 1 {
+            return Err(TransportError::Sequence { expected: self.received + 1, got: header.seq });
+        }
+        self.received += 1;
+        Ok((header.epoch, frame))
+    }
+
+    /// Reads the rest of a record whose first prefix byte is in `prefix[0]`, and decrypts it.
+    async fn read_record(&mut self, mut prefix: [u8; 4]) -> std::result::Result<(), TransportError> {
+        let deadline = self.deadlines.io;
+        let stream = &mut self.stream;
+        let record = &mut self.record;
+        let read = async {
+            stream.read_exact(&mut prefix[1..]).await.map_err(closed_or_io)?;
+            let len = u32::from_le_bytes(prefix) as usize;
+            // The length is checked before any byte of the record is read.
+            if len > RECORD_BYTES_MAX {
+                return Err(TransportError::RecordTooLarge { bytes: len as u64, max: RECORD_BYTES_MAX });
+            }
+            if len < TAG_BYTES {
+                return Err(TransportError::Protocol {
+                    detail: format!("a record of {len} bytes has no room for its tag"),
+                });
+            }
+            stream.read_exact(&mut record[..len]).await.map_err(closed_or_io)?;
+            Ok(len)
+        };
+        let len = tokio::time::timeout(deadline, read)
+            .await
+            .map_err(|_| TransportError::Timeout { what: "reading a frame", after: deadline })??;
+        self.plain_len = self.noise.read_message(&self.record[..len], &mut self.plain).map_err(noise_error)?;
+        Ok(())
+    }
+
+    async fn finish_recv(&mut self, prefix: [u8; 4]) -> std::result::Result<Frame<'_>, TransportError> {
+        self.read_record(prefix).await?;
+        let (header, frame) = Frame::decode(&self.plain[..self.plain_len]).map_err(TransportError::Frame)?;
+        if header.epoch != self.peer_epoch {
+            return Err(TransportError::Epoch { expected: self.peer_epoch, got: header.epoch });
+        }
+        if header.seq != self.received + 1 {
+            return Err(TransportError::Sequence { expected: self.received + 1, got: header.seq });
+        }
+        if header.kind == Kind::Hello {
+            return Err(TransportError::Protocol { detail: "a second Hello".to_owned() });
+        }
+        self.received += 1;
+        Ok(frame)
+    }
+
+    /// Sends raw bytes as they are, bypassing encryption: for tests of what a node does with a
+    /// malformed stream.
+    #[doc(hidden)]
+    pub async fn send_raw_for_tests(&mut self, bytes: &[u8]) -> std::result::Result<(), TransportError> {
+        self.stream.write_all(bytes).await.map_err(|e| TransportError::io("write", e))
+    }
+
+    /// Encrypts a frame with an explicit epoch and sequence number, for tests of replay
+    /// protection. Returns the record as sent, so a test can send it again byte for byte.
+    #[doc(hidden)]
+    pub async fn send_with_seq_for_tests(
+        &mut self,
+        frame: &Frame<'_>,
+        epoch: u64,
+        seq: u64,
+    ) -> std::result::Result<Vec<u8>, TransportError> {
+        self.frame_out.clear();
+        frame.encode(epoch, seq, &mut self.frame_out).map_err(TransportError::Frame)?;
+        let mut wire = vec![0u8; 4 + self.frame_out.len() + TAG_BYTES];
+        let n = self.noise.write_message(&self.frame_out, &mut wire[4..]).map_err(noise_error)?;
+        wire[..4].copy_from_slice(&(n as u32).to_le_bytes());
+        wire.truncate(4 + n);
+        self.stream.write_all(&wire).await.map_err(|e| TransportError::io("write", e))?;
+        self.sent = self.sent.max(seq);
+        Ok(wire)
+    }
+}
+
+fn hello_frame(hello: &LocalHello) -> Frame<'_> {
+    Frame::Hello {
+        version: PROTOCOL_VERSION,
+        node_id: hello.node_id,
+        role: hello.role,
+        weight: hello.weight,
+        failure_domain: hello.failure_domain,
+        listen: &hello.listen,
+    }
+}
+
+fn closed_or_io(e: std::io::Error) -> TransportError {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
+            TransportError::Closed
+        }
+        _ => TransportError::io("read", e),
+    }
+}
+
+async fn write_record(stream: &mut TcpStream, message: &[u8]) -> std::result::Result<(), TransportError> {
+    let mut wire = Vec::with_capacity(4 + message.len());
+    wire.extend_from_slice(&(message.len() as u32).to_le_bytes());
+    wire.extend_from_slice(message);
+    stream.write_all(&wire).await.map_err(|e| TransportError::io("write", e))
+}
+
+async fn read_handshake_record(
+    stream: &mut TcpStream,
+    out: &mut [u8; HANDSHAKE_RECORD_BYTES_MAX],
+) -> std::result::Result<usize, TransportError> {
+    let mut prefix = [0u8; 4];
+    stream.read_exact(&mut prefix).await.map_err(closed_or_io)?;
+    let len = u32::from_le_bytes(prefix) as usize;
+    if len > HANDSHAKE_RECORD_BYTES_MAX {
+        return Err(TransportError::RecordTooLarge { bytes: len as u64, max: HANDSHAKE_RECORD_BYTES_MAX });
+    }
+    stream.read_exact(&mut out[..len]).await.map_err(closed_or_io)?;
+    Ok(len)
+}

@@ -1,0 +1,724 @@
+//! Replication between `granary serve` processes on loopback (and in network namespaces for the
+//! partition): copies reach their factor verified, a node killed mid-transfer leaves no partial
+//! shard and another peer finishes, a partitioned node heals and converges, a damaged shard is
+//! repaired on read, a peer without the key is refused, a peer that sends wrong bytes is demoted,
+//! launcher (torchrun) membership, and the cache's last-copy rule. Each scenario prints the data
+//! lost (always 0, or the test fails) and its time to converge.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use granary::engine::verify_shard;
+use granary::replication::{ClusterKey, NodeClient};
+use granary::store::ObjectKind;
+use granary::{Dataset, Granary, IoConfig, Reader, ShardId, StorePaths, VersionSpec};
+
+const KEY: &str = "a cluster secret for the tests, 42 bytes!!";
+
+/// A port nothing listens on now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct NodeProc {
+    root: PathBuf,
+    listen: SocketAddr,
+    child: Option<Child>,
+    log: PathBuf,
+    env: Vec<(String, String)>,
+    args: Vec<String>,
+    /// Run inside this network namespace.
+    netns: Option<String>,
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    key_file: PathBuf,
+    nodes: Vec<NodeProc>,
+}
+
+impl Cluster {
+    /// `n` nodes with empty stores on loopback.
+    fn new(n: usize) -> Cluster {
+        let dir = tempdir();
+        let key_file = dir.path().join("cluster.key");
+        std::fs::write(&key_file, KEY).unwrap();
+        let nodes = (0..n)
+            .map(|i| {
+                let root = dir.path().join(format!("node{i}"));
+                drop(Granary::create(&root).unwrap());
+                NodeProc {
+                    root,
+                    listen: SocketAddr::from(([127, 0, 0, 1], free_port())),
+                    child: None,
+                    log: dir.path().join(format!("node{i}.log")),
+                    env: Vec::new(),
+                    args: Vec::new(),
+                    netns: None,
+                }
+            })
+            .collect();
+        Cluster { dir, key_file, nodes }
+    }
+
+    fn key(&self) -> ClusterKey {
+        ClusterKey::from_secret(KEY.as_bytes()).unwrap()
+    }
+
+    fn root(&self, i: usize) -> &Path {
+        &self.nodes[i].root
+    }
+
+    fn command(&self, i: usize) -> Command {
+        let node = &self.nodes[i];
+        match &node.netns {
+            Some(ns) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", ns]).arg(env!("CARGO_BIN_EXE_granary"));
+                command
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_granary")),
+        }
+    }
+
+    /// Starts node `i` with every other node as its peer, and waits until it listens.
+    fn start(&mut self, i: usize) {
+        let peers: Vec<String> =
+            (0..self.nodes.len()).filter(|&j| j != i).map(|j| self.nodes[j].listen.to_string()).collect();
+        self.start_with(i, &peers);
+    }
+
+    fn start_with(&mut self, i: usize, peers: &[String]) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.nodes[i].log).unwrap();
+        let mut command = self.command(i);
+        command
+            .arg("--root")
+            .arg(&self.nodes[i].root)
+            .args(["serve", "--listen", &self.nodes[i].listen.to_string()])
+            .arg("--cluster-key")
+            .arg(&self.key_file)
+            .args(["--heartbeat-ms", "100", "--down-after-ms", "800"])
+            .args(&self.nodes[i].args)
+            .envs(self.nodes[i].env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env_remove("GRANARY_ROOT")
+            .env_remove("GRANARY_CLUSTER_KEY")
+            .stdout(Stdio::null())
+            .stderr(log);
+        if !peers.is_empty() {
+            command.arg("--peers").arg(peers.join(","));
+        }
+        let child = command.spawn().unwrap();
+        self.nodes[i].child = Some(child);
+        let listen_file = self.nodes[i].root.join("replication").join("listen");
+        let started = Instant::now();
+        while std::fs::read_to_string(&listen_file).ok().is_none_or(|t| t.trim() != self.nodes[i].listen.to_string()) {
+            if let Some(status) = self.nodes[i].child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("node {i} exited with {status}:\n{}", self.logs());
+            }
+            assert!(started.elapsed() < Duration::from_secs(30), "node {i} did not start:\n{}", self.logs());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes[i].child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    /// The `granary` command line against node `i` (through its netns, if any).
+    fn cli(&self, i: usize, args: &[&str]) -> std::process::Output {
+        self.command(i)
+            .arg("--root")
+            .arg(&self.nodes[i].root)
+            .args(args)
+            .arg("--cluster-key")
+            .arg(&self.key_file)
+            .env_remove("GRANARY_ROOT")
+            .env_remove("GRANARY_CLUSTER_KEY")
+            .output()
+            .unwrap()
+    }
+
+    fn status(&self, i: usize) -> String {
+        let out = self.cli(i, &["status"]);
+        if out.status.success() { String::from_utf8(out.stdout).unwrap() } else { String::new() }
+    }
+
+    /// The value after `key` on the status line that starts with `line`.
+    fn stat(&self, i: usize, line: &str, key: &str) -> Option<u64> {
+        let status = self.status(i);
+        let words: Vec<&str> = status.lines().find(|l| l.starts_with(line))?.split_whitespace().collect();
+        let at = words.iter().position(|w| *w == key)?;
+        words.get(at + 1)?.parse().ok()
+    }
+
+    fn peers_up(&self, i: usize) -> usize {
+        self.status(i).lines().filter(|l| l.starts_with("peer ") && l.contains(" up ")).count()
+    }
+
+    fn logs(&self) -> String {
+        let mut out = String::new();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let text = std::fs::read_to_string(&node.log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(40).collect();
+            out.push_str(&format!("--- node {i} (last lines)\n"));
+            for line in tail.into_iter().rev() {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out
+    }
+
+    /// Waits for `done`, polling; returns how long it took.
+    fn wait(&self, what: &str, timeout: Duration, mut done: impl FnMut(&Cluster) -> bool) -> Duration {
+        let started = Instant::now();
+        while !done(self) {
+            assert!(started.elapsed() < timeout, "timed out waiting for {what}:\n{}", self.logs());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        started.elapsed()
+    }
+
+    /// The shards node `i` holds, each checked in full (BLAKE3 and every CRC): a file under
+    /// `shards/` that is partial or damaged fails the test.
+    fn verified_shards(&self, i: usize) -> BTreeSet<ShardId> {
+        let paths = StorePaths::new(self.root(i));
+        let mut out = BTreeSet::new();
+        for (id, path) in paths.list_objects(ObjectKind::Shard).unwrap() {
+            match verify_shard(&path, ShardId(id)) {
+                Ok(_) => {
+                    out.insert(ShardId(id));
+                }
+                // A file removed (evicted) between the listing and the check is not held.
+                Err(granary::Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => panic!("node {i} has a visible shard that fails verification: {e}"),
+            }
+        }
+        out
+    }
+
+    /// Shards of `name` on `root`'s manifest with no verified copy on any of `nodes`.
+    fn lost(&self, name: &str, nodes: &[usize]) -> usize {
+        let shards = shards_of(self.root(0), name);
+        let held: BTreeSet<ShardId> = nodes.iter().flat_map(|&i| self.verified_shards(i)).collect();
+        shards.iter().filter(|s| !held.contains(s)).count()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            if let Some(mut child) = self.nodes[i].child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+fn shards_of(root: &Path, name: &str) -> Vec<ShardId> {
+    let dataset = Dataset::open(&StorePaths::new(root), &VersionSpec::parse(name).unwrap()).unwrap();
+    (0..dataset.n_shards()).map(|s| dataset.shard_id(s)).collect()
+}
+
+/// Ingests `n` records of 4 KiB (seeded) into `name` on `root`, in shards of `shard_bytes`.
+fn ingest_tokens(root: &Path, name: &str, seed: u64, n: usize, shard_bytes: u64) -> Vec<Vec<u8>> {
+    let mut granary = Granary::open(root).unwrap();
+    let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(seed * 1_000_003 + i as u64, 4096)).collect();
+    ingest(&mut granary, name, tokens_layout(2048), small_shards(shard_bytes), &records);
+    records
+}
+
+fn report(scenario: &str, lost: usize, converge: Duration) {
+    println!(
+        "replication scenario {scenario:?}: data lost {lost} shards, time to converge {:.2} s",
+        converge.as_secs_f64()
+    );
+    assert_eq!(lost, 0, "{scenario}: data lost");
+}
+
+#[test]
+fn a_dataset_ingested_on_one_node_reaches_its_replication_factor_verified() {
+    let mut cluster = Cluster::new(4);
+    let records = ingest_tokens(cluster.root(0), "tokens", 1, 1024, 512 << 10);
+    // Synchronous mode: `replicate` returns only once every copy is verified on its node.
+    for i in 0..4 {
+        cluster.nodes[i].args = vec!["--replicator-options".into(), "mode=sync".into()];
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(20), |c| (0..4).all(|i| c.peers_up(i) == 3));
+    let started = Instant::now();
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "3"]);
+    assert!(out.status.success(), "replicate failed: {}\n{}", String::from_utf8_lossy(&out.stderr), cluster.logs());
+    let converge = started.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("synchronous"), "{stdout}");
+    // No waiting: synchronous mode means the copies are there, verified, now.
+    let shards = shards_of(cluster.root(0), "tokens");
+    assert!(shards.len() >= 8, "{} shards", shards.len());
+    let holdings: Vec<BTreeSet<ShardId>> = (0..4).map(|i| cluster.verified_shards(i)).collect();
+    for shard in &shards {
+        let copies = holdings.iter().filter(|h| h.contains(shard)).count();
+        assert!(copies >= 3, "shard {shard} has {copies} verified copies");
+    }
+    // Every node knows the dataset (ref and manifest came along) and reads what it holds.
+    for i in 1..4 {
+        let dataset = Dataset::open(&StorePaths::new(cluster.root(i)), &VersionSpec::parse("tokens").unwrap()).unwrap();
+        assert_eq!(dataset.n_records(), records.len() as u64);
+    }
+    report("ingest on one node reaches 3 copies on 4 nodes", cluster.lost("tokens", &[0, 1, 2, 3]), converge);
+}
+
+#[test]
+fn a_node_killed_mid_transfer_leaves_no_partial_shard_and_another_peer_finishes() {
+    let mut cluster = Cluster::new(3);
+    // Nodes 0 and 2 hold the same dataset (content-addressed: the same shards); node 1 none.
+    ingest_tokens(cluster.root(0), "tokens", 2, 2048, 4 << 20);
+    ingest_tokens(cluster.root(2), "tokens", 2, 2048, 4 << 20);
+    // Node 0 sends slowly, so that it dies in the middle of a transfer.
+    cluster.nodes[0].env = vec![("GRANARY_FAULT_SEND_DELAY_MS".into(), "400".into())];
+    cluster.nodes[0].args = vec!["--replicator-options".into(), "mode=sync".into()];
+    // Node 2 starts once the transfers from node 0 are under way, so node 0 is the only source
+    // node 1 is first told of.
+    cluster.start(0);
+    cluster.start_with(1, &[cluster.nodes[0].listen.to_string()]);
+    cluster.wait("nodes 0 and 1 up", Duration::from_secs(20), |c| c.peers_up(0) == 1 && c.peers_up(1) == 1);
+    let mut replicate = cluster
+        .command(0)
+        .arg("--root")
+        .arg(cluster.root(0))
+        .args(["replicate", "tokens", "--replicas", "3", "--cluster-key"])
+        .arg(&cluster.key_file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Node 1 pulls from node 0: partial files appear in incoming/.
+    let incoming = cluster.root(1).join("incoming");
+    let partial = |_: &Cluster| {
+        std::fs::read_dir(&incoming).unwrap().flatten().any(|e| e.metadata().map(|m| m.len() > 0).unwrap_or(false))
+    };
+    cluster.wait("a transfer to node 1 under way", Duration::from_secs(30), partial);
+    cluster.start(2);
+    cluster.wait("node 1 to see node 2", Duration::from_secs(20), |c| c.peers_up(1) == 2);
+    assert!(partial(&cluster), "the transfers ended before node 0 could be killed");
+    // Nothing partial is visible meanwhile.
+    cluster.verified_shards(1);
+    cluster.kill(0);
+    let _ = replicate.kill();
+    let _ = replicate.wait();
+    let shards = shards_of(cluster.root(2), "tokens");
+    let converge = cluster.wait("node 1 to hold every shard", Duration::from_secs(60), |c| {
+        let held = c.verified_shards(1);
+        shards.iter().all(|s| held.contains(s))
+    });
+    let leftovers: Vec<_> = std::fs::read_dir(&incoming).unwrap().flatten().map(|e| e.path()).collect();
+    assert!(leftovers.is_empty(), "partial files left in incoming/: {leftovers:?}");
+    // Node 1 kept what node 0 had sent and resumed from node 2 where node 0 stopped.
+    let log = std::fs::read_to_string(&cluster.nodes[1].log).unwrap();
+    assert!(log.contains("resuming the transfer"), "no resumed transfer:\n{log}");
+    report("a node killed mid-transfer; another peer finishes", cluster.lost("tokens", &[1, 2]), converge);
+}
+
+#[test]
+fn a_damaged_local_shard_is_repaired_on_read_without_changing_the_order() {
+    let mut cluster = Cluster::new(2);
+    let records = ingest_tokens(cluster.root(0), "tokens", 3, 256, 256 << 10);
+    for i in 0..2 {
+        cluster.nodes[i].args = vec!["--replicator-options".into(), "mode=sync".into()];
+        cluster.start(i);
+    }
+    cluster.wait("peers up", Duration::from_secs(20), |c| c.peers_up(0) == 1 && c.peers_up(1) == 1);
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Flip one bit in a data block of one of node 1's shards.
+    let paths = StorePaths::new(cluster.root(1));
+    let dataset = Dataset::open(&paths, &VersionSpec::parse("tokens").unwrap()).unwrap();
+    let victim = dataset.shard_path(1);
+    let mut file = std::fs::read(&victim).unwrap();
+    file[4096 + 1234] ^= 0x10;
+    std::fs::write(&victim, &file).unwrap();
+    // A reader on node 1 with the node as its repair hook reads everything, in a shuffled order.
+    let started = Instant::now();
+    let mut reader = Reader::new(Arc::clone(&dataset), IoConfig::default().build().unwrap());
+    reader.set_repair(Arc::new(NodeClient::for_store(cluster.root(1), cluster.key()).unwrap()));
+    let plan = granary::EpochPlan::new(records.len() as u64, 9, 0, granary::Order::Shuffled);
+    let order: Vec<u64> = (0..records.len() as u64).map(|p| plan.record_at(p)).collect();
+    let batches: Vec<Vec<u64>> = order.chunks(32).map(<[u64]>::to_vec).collect();
+    let mut seen = Vec::new();
+    reader
+        .read_batches(batches.iter(), 2, &mut |batch| {
+            for (i, &index) in batch.indices().iter().enumerate() {
+                assert_eq!(batch.record(i), &records[index as usize][..], "record {index}");
+                seen.push(index);
+            }
+            Ok(())
+        })
+        .unwrap();
+    let converge = started.elapsed();
+    assert_eq!(seen, order, "the sample order changed");
+    // The damaged file is in quarantine; a verified copy is in its place.
+    let quarantined = std::fs::read_dir(cluster.root(1).join("quarantine")).unwrap().count();
+    assert_eq!(quarantined, 1);
+    verify_shard(&victim, dataset.shard_id(1)).unwrap();
+    assert!(cluster.stat(1, "transfers", "repairs").unwrap() >= 1);
+    // The command line does the same: damage another shard and `get` a record from it.
+    let victim = dataset.shard_path(2);
+    let mut file = std::fs::read(&victim).unwrap();
+    file[4096] ^= 0x01;
+    std::fs::write(&victim, &file).unwrap();
+    let index = (0..records.len() as u64).find(|&i| dataset.locate(i).unwrap().0 == 2).unwrap();
+    let out = cluster.cli(1, &["get", "tokens", &index.to_string()]);
+    assert!(out.status.success(), "get failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.stdout, records[index as usize]);
+    report("a damaged shard repaired on read", cluster.lost("tokens", &[0, 1]), converge);
+}
+
+#[test]
+fn a_peer_without_the_cluster_key_is_refused() {
+    let mut cluster = Cluster::new(2);
+    cluster.start(0);
+    // A client with another key: refused at the handshake, with a clear error.
+    let wrong = ClusterKey::from_secret(b"not the cluster secret at all").unwrap();
+    let client = NodeClient::new(cluster.nodes[0].listen, wrong);
+    let error = client.status().unwrap_err().to_string();
+    assert!(error.contains("cluster key"), "{error}");
+    // A node with another key never becomes a peer.
+    let other_key = cluster.dir.path().join("other.key");
+    std::fs::write(&other_key, "another secret of enough length").unwrap();
+    let peers = vec![cluster.nodes[0].listen.to_string()];
+    cluster.nodes[1].args = vec![];
+    let key_file = std::mem::replace(&mut cluster.key_file, other_key);
+    cluster.start_with(1, &peers);
+    cluster.key_file = key_file;
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(cluster.peers_up(0), 0, "{}", cluster.status(0));
+    assert!(cluster.stat(0, "security", "connections-refused").unwrap() >= 2, "{}", cluster.status(0));
+    report("a peer with a wrong key", 0, Duration::ZERO);
+}
+
+#[test]
+fn oversized_corrupt_and_replayed_frames_are_rejected() {
+    use granary::replication::frame::{Frame, RECORD_BYTES_MAX};
+    let mut cluster = Cluster::new(1);
+    cluster.start(0);
+    let client = NodeClient::new(cluster.nodes[0].listen, cluster.key());
+    let closed = |result: granary::Result<bool>| result.unwrap();
+    // An oversized length prefix: the node drops the connection without reading on.
+    assert!(closed(client.with_channel(|mut channel| {
+        Box::pin(async move {
+            channel.send_raw_for_tests(&u32::MAX.to_le_bytes()).await.ok();
+            Ok(channel.recv().await.is_err())
+        })
+    })));
+    // A corrupt frame: a record of the right size whose bytes do not authenticate.
+    assert!(closed(client.with_channel(|mut channel| {
+        Box::pin(async move {
+            let mut record = (100u32).to_le_bytes().to_vec();
+            record.extend_from_slice(&[0x5a; 100]);
+            channel.send_raw_for_tests(&record).await.ok();
+            Ok(channel.recv().await.is_err())
+        })
+    })));
+    // A replayed record: sent once (and answered), then the same bytes again. (Frame 1 of each
+    // direction is the Hello; a client's incarnation is 0.)
+    assert!(closed(client.with_channel(|mut channel| {
+        Box::pin(async move {
+            let record = channel.send_with_seq_for_tests(&Frame::StatusRequest { request: 1 }, 0, 2).await.unwrap();
+            assert!(matches!(channel.recv().await, Ok(Frame::Status { .. })));
+            channel.send_raw_for_tests(&record).await.ok();
+            Ok(channel.recv().await.is_err())
+        })
+    })));
+    // A well-encrypted frame that repeats a sequence number (a peer replaying its own message).
+    assert!(closed(client.with_channel(|mut channel| {
+        Box::pin(async move {
+            channel.send_with_seq_for_tests(&Frame::StatusRequest { request: 1 }, 0, 2).await.unwrap();
+            assert!(matches!(channel.recv().await, Ok(Frame::Status { .. })));
+            channel.send_with_seq_for_tests(&Frame::StatusRequest { request: 2 }, 0, 2).await.unwrap();
+            Ok(channel.recv().await.is_err())
+        })
+    })));
+    // Before the handshake: a length prefix over the handshake's cap, from a plain socket.
+    {
+        use std::io::{Read, Write};
+        let mut raw = std::net::TcpStream::connect(cluster.nodes[0].listen).unwrap();
+        raw.write_all(&(RECORD_BYTES_MAX as u32 + 1).to_le_bytes()).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 16];
+        assert_eq!(raw.read(&mut buf).unwrap_or(0), 0, "the node answered a bogus handshake");
+    }
+    // The node is unharmed and counted each one.
+    let status = cluster.status(0);
+    assert!(status.starts_with("node "), "{status}");
+    assert!(cluster.stat(0, "security", "frames-rejected").unwrap() >= 4, "{status}");
+    assert!(cluster.stat(0, "security", "connections-refused").unwrap() >= 1, "{status}");
+    report("oversized, corrupt and replayed frames", 0, Duration::ZERO);
+}
+
+#[test]
+fn a_peer_that_sends_wrong_bytes_for_an_id_is_demoted() {
+    let mut cluster = Cluster::new(3);
+    ingest_tokens(cluster.root(0), "tokens", 4, 512, 512 << 10);
+    ingest_tokens(cluster.root(2), "tokens", 4, 512, 512 << 10);
+    cluster.nodes[0].env = vec![("GRANARY_FAULT_CORRUPT_SENDS".into(), "1".into())];
+    cluster.nodes[0].args = vec!["--replicator-options".into(), "mode=sync".into()];
+    for i in 0..3 {
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(20), |c| (0..3).all(|i| c.peers_up(i) == 2));
+    let started = Instant::now();
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "3"]);
+    assert!(out.status.success(), "replicate failed: {}\n{}", String::from_utf8_lossy(&out.stderr), cluster.logs());
+    let converge = started.elapsed();
+    let status = cluster.status(1);
+    assert!(cluster.stat(1, "transfers", "demotions").unwrap() >= 1, "{status}");
+    assert!(cluster.stat(1, "transfers", "verify-failures").unwrap() >= 1, "{status}");
+    assert!(status.lines().any(|l| l.starts_with("peer 0 ") || l.contains("demoted yes")), "{status}");
+    let shards = shards_of(cluster.root(0), "tokens");
+    let held = cluster.verified_shards(1);
+    assert!(shards.iter().all(|s| held.contains(s)), "node 1 lacks shards");
+    report("a peer that sends wrong bytes", cluster.lost("tokens", &[1, 2]), converge);
+}
+
+#[test]
+fn nodes_find_each_other_through_the_launchers_rendezvous() {
+    let mut cluster = Cluster::new(3);
+    let rendezvous = cluster.nodes[0].listen;
+    for i in 0..3 {
+        cluster.nodes[i].env = vec![
+            ("WORLD_SIZE".into(), "6".into()),
+            ("LOCAL_WORLD_SIZE".into(), "2".into()),
+            ("GROUP_RANK".into(), i.to_string()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), (rendezvous.port() - 1).to_string()),
+        ];
+    }
+    for i in 0..3 {
+        cluster.start_with(i, &[]);
+    }
+    let converge =
+        cluster.wait("every node to see the others", Duration::from_secs(30), |c| (0..3).all(|i| c.peers_up(i) == 2));
+    for i in 0..3 {
+        assert!(cluster.status(i).starts_with(&format!("node {i} ")), "node ids are the node ranks");
+    }
+    report("launcher membership", 0, converge);
+}
+
+#[test]
+fn the_read_cache_evicts_by_plugin_but_keeps_the_last_known_copy() {
+    let mut cluster = Cluster::new(3);
+    ingest_tokens(cluster.root(0), "tokens", 5, 512, 256 << 10);
+    ingest_tokens(cluster.root(2), "other", 6, 256, 256 << 10);
+    // Node 1 knows both datasets (their refs and manifests) but holds no shard.
+    for (from, name) in [(0, "tokens"), (2, "other")] {
+        let src = StorePaths::new(cluster.root(from));
+        let dst = cluster.root(1).to_owned();
+        let log = src.read_ref(&granary::DatasetName::new(name).unwrap()).unwrap();
+        for version in log.versions() {
+            let target = StorePaths::new(&dst).manifest(version.manifest);
+            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+            std::fs::copy(src.manifest(version.manifest), target).unwrap();
+        }
+        std::fs::create_dir_all(dst.join("refs")).unwrap();
+        std::fs::write(dst.join("refs").join(name), log.encode()).unwrap();
+    }
+    let tokens = Dataset::open(&StorePaths::new(cluster.root(0)), &VersionSpec::parse("tokens").unwrap()).unwrap();
+    let shard_bytes = std::fs::metadata(tokens.shard_path(0)).unwrap().len();
+    cluster.nodes[1].args =
+        vec!["--cache-bytes".into(), (3 * shard_bytes).to_string(), "--evictor".into(), "lru".into()];
+    for i in 0..3 {
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(20), |c| (0..3).all(|i| c.peers_up(i) == 2));
+    let started = Instant::now();
+    // Reads one record of every shard of `name` on node 1, which fetches what it lacks.
+    let read_all = |cluster: &Cluster, name: &str| {
+        let dataset = Dataset::open(&StorePaths::new(cluster.root(1)), &VersionSpec::parse(name).unwrap()).unwrap();
+        let mut reader = Reader::new(Arc::clone(&dataset), IoConfig::default().build().unwrap());
+        reader.set_repair(Arc::new(NodeClient::for_store(cluster.root(1), cluster.key()).unwrap()));
+        for shard in 0..dataset.n_shards() {
+            let index = (0..dataset.n_records()).find(|&i| dataset.locate(i).unwrap().0 == shard).unwrap();
+            reader.get(index).unwrap();
+        }
+        dataset.n_shards()
+    };
+    // Reading every shard of `tokens` on node 1 fetches each from node 0 into the cache, which
+    // holds three: the others are evicted (node 0 still has them).
+    let n = read_all(&cluster, "tokens");
+    assert!(n >= 6, "{n} shards");
+    assert!(cluster.verified_shards(1).len() <= 3, "the cache outgrew its bound: {}", cluster.status(1));
+    assert!(cluster.stat(1, "cache", "evicted").unwrap() >= (n - 3) as u64);
+    // With node 0 gone, its shards in node 1's cache are the last copies up: reading `other`
+    // (from node 2) makes them victims, and they are kept.
+    cluster.kill(0);
+    cluster.wait("node 0 down", Duration::from_secs(10), |c| c.peers_up(1) == 1);
+    let kept_before = cluster.verified_shards(1).len();
+    read_all(&cluster, "other");
+    assert!(cluster.stat(1, "cache", "kept-last-copy").unwrap() >= 1, "{}", cluster.status(1));
+    let tokens_shards: BTreeSet<ShardId> = shards_of(cluster.root(0), "tokens").into_iter().collect();
+    let still: usize = cluster.verified_shards(1).intersection(&tokens_shards).count();
+    assert_eq!(still, kept_before, "a last copy was deleted");
+    report("cache eviction keeps the last copy", 0, started.elapsed());
+}
+
+/// Network namespaces of one test: a switch (a bridge) and one namespace per node, each joined
+/// to the switch by a veth pair. Removed on drop.
+struct Netns {
+    prefix: String,
+    n: usize,
+}
+
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip").args(args).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+impl Netns {
+    /// The namespaces, or `None` where this process may not make them (not root, no iproute2).
+    fn create(n: usize) -> Option<Netns> {
+        // SAFETY-free check: geteuid has no preconditions; through std it is not exposed, so ask `id`.
+        let root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.trim_ascii() == b"0");
+        if !root || !ip(&["-V"]) {
+            return None;
+        }
+        let prefix = format!("gr{}", std::process::id() % 100_000);
+        let netns = Netns { prefix, n };
+        let p = &netns.prefix;
+        let sw = format!("{p}sw");
+        let ok = ip(&["netns", "add", &sw])
+            && ip(&["-n", &sw, "link", "set", "lo", "up"])
+            && ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])
+            && ip(&["-n", &sw, "link", "set", "br0", "up"]);
+        if !ok {
+            return None;
+        }
+        for i in 0..n {
+            let (ns, a, b) = (format!("{p}n{i}"), format!("{p}v{i}a"), format!("{p}v{i}b"));
+            let addr = format!("{}/24", netns.ip_of(i));
+            let ok = ip(&["netns", "add", &ns])
+                && ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])
+                && ip(&["link", "set", &a, "netns", &ns])
+                && ip(&["link", "set", &b, "netns", &sw])
+                && ip(&["-n", &sw, "link", "set", &b, "master", "br0"])
+                && ip(&["-n", &sw, "link", "set", &b, "up"])
+                && ip(&["-n", &ns, "addr", "add", &addr, "dev", &a])
+                && ip(&["-n", &ns, "link", "set", &a, "up"])
+                && ip(&["-n", &ns, "link", "set", "lo", "up"]);
+            assert!(ok, "could not set up network namespace {ns}");
+        }
+        Some(netns)
+    }
+
+    /// Node `i`'s address: a private range, inside this test's own namespaces only.
+    fn ip_of(&self, i: usize) -> String {
+        format!("10.231.{}.{}", std::process::id() % 250, i + 1)
+    }
+
+    fn ns(&self, i: usize) -> String {
+        format!("{}n{i}", self.prefix)
+    }
+
+    /// Cuts (or restores) node `i`'s link to the switch: its packets are dropped, connections hang.
+    fn set_link(&self, i: usize, up: bool) {
+        let (sw, b) = (format!("{}sw", self.prefix), format!("{}v{i}b", self.prefix));
+        assert!(ip(&["-n", &sw, "link", "set", &b, if up { "up" } else { "down" }]));
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for i in 0..self.n {
+            ip(&["netns", "del", &self.ns(i)]);
+        }
+        ip(&["netns", "del", &format!("{}sw", self.prefix)]);
+    }
+}
+
+#[test]
+fn a_partitioned_node_heals_and_converges() {
+    let Some(netns) = Netns::create(3) else {
+        // Network namespaces need root and iproute2 (CI has both); say so rather than pass quietly.
+        println!("SKIPPED a_partitioned_node_heals_and_converges: needs root and iproute2 for network namespaces");
+        return;
+    };
+    let mut cluster = Cluster::new(3);
+    for i in 0..3 {
+        cluster.nodes[i].listen = format!("{}:7000", netns.ip_of(i)).parse().unwrap();
+        cluster.nodes[i].netns = Some(netns.ns(i));
+    }
+    ingest_tokens(cluster.root(0), "tokens", 7, 512, 512 << 10);
+    for i in 0..3 {
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(30), |c| (0..3).all(|i| c.peers_up(i) == 2));
+    // Asynchronous mode (the default): the copies are made in the background.
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "3"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v1 = shards_of(cluster.root(0), "tokens");
+    cluster.wait("3 copies of version 1", Duration::from_secs(60), |c| {
+        (0..3).all(|i| {
+            let held = c.verified_shards(i);
+            v1.iter().all(|s| held.contains(s))
+        })
+    });
+    // Partition node 2; a new version is ingested on node 0 (beside its running node) and
+    // replicated to the nodes that are reachable.
+    netns.set_link(2, false);
+    cluster.wait("node 2 seen down", Duration::from_secs(30), |c| c.peers_up(0) == 1 && c.peers_up(1) == 1);
+    let input = cluster.dir.path().join("more.bin");
+    write_records(&input, &(0..256).map(|i| bytes(99_000 + i, 4096)).collect::<Vec<_>>());
+    let out = cluster
+        .command(0)
+        .arg("--root")
+        .arg(cluster.root(0))
+        .args([
+            "ingest",
+            "records",
+            "--name",
+            "tokens",
+            "--record-bytes",
+            "4096",
+            "--dtype",
+            "u16",
+            "--shard-bytes",
+            "512K",
+        ])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ingest beside a running node failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "3"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v2 = shards_of(cluster.root(0), "tokens");
+    assert!(v2.len() > v1.len());
+    cluster.wait("version 2 on the reachable nodes", Duration::from_secs(60), |c| {
+        (0..2).all(|i| {
+            let held = c.verified_shards(i);
+            v2.iter().all(|s| held.contains(s))
+        })
+    });
+    assert!(!v2.iter().all(|s| cluster.verified_shards(2).contains(s)), "node 2 got data through a partition");
+    // Heal: node 2 catches up, ref and shards, without anyone asking.
+    let healed = Instant::now();
+    netns.set_link(2, true);
+    let converge = cluster.wait("node 2 to converge", Duration::from_secs(60), |c| {
+        let held = c.verified_shards(2);
+        let latest = StorePaths::new(c.root(2))
+            .read_ref(&granary::DatasetName::new("tokens").unwrap())
+            .map(|log| log.latest().number)
+            .unwrap_or(0);
+        latest == 2 && v2.iter().all(|s| held.contains(s))
+    });
+    assert!(healed.elapsed() >= converge);
+    report("a partitioned node heals", cluster.lost("tokens", &[0, 1, 2]), converge);
+}
