@@ -282,7 +282,7 @@ fn median(values: &[Duration]) -> Duration {
     sorted[sorted.len() / 2]
 }
 
-fn median_f64(mut values: Vec<f64>) -> f64 {
+pub(crate) fn median_f64(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
 }

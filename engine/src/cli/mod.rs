@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_loader;
+mod bench_replication;
 mod cluster;
 mod plugin;
 mod show;
@@ -147,6 +148,10 @@ enum BenchCommand {
     /// The loader against the disk's and the bus's limits: a bare io_uring reader, the engine to
     /// host memory and to the GPU, a pinned copy; cold, warm, and under a simulated training step.
     Loader(bench_loader::LoaderArgs),
+    /// One shard's transfer between two nodes (encrypted, verified) against a plain TCP copy of
+    /// the same file, and the time to restore the replication factor after a node loss. The
+    /// root is a scratch directory.
+    Replication(bench_replication::ReplicationArgs),
 }
 
 /// How long a command that writes waits for another writer (an ingest, or `granary serve`
@@ -194,6 +199,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(BenchCommand::Read(args)) => bench::read(&paths, &args).map(|()| ExitCode::SUCCESS),
+        Command::Bench(BenchCommand::Replication(args)) => {
+            bench_replication::replication(&root, &args).map(|()| ExitCode::SUCCESS)
+        }
         Command::Bench(BenchCommand::Loader(args)) => {
             bench_loader::loader(&root, &paths, &args).map(|()| ExitCode::SUCCESS)
         }

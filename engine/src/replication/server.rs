@@ -240,8 +240,9 @@ async fn send_object(
 ) -> Result<(), TransportError> {
     let path = shared.local.object_path(kind, id);
     let (tx, mut rx) = mpsc::channel::<Result<Piece>>(READ_AHEAD_MAX);
+    let (spare_tx, spare_rx) = mpsc::channel::<Vec<u8>>(READ_AHEAD_MAX + 1);
     let reader_path = path.clone();
-    let reader = tokio::task::spawn_blocking(move || read_verified(kind, id, &reader_path, offset, &tx));
+    let reader = tokio::task::spawn_blocking(move || read_verified(kind, id, &reader_path, offset, &tx, spare_rx));
     let faults = shared.config.faults;
     let mut sent = offset;
     let mut failure: Option<Error> = None;
@@ -263,10 +264,11 @@ async fn send_object(
         // The first piece starts at the block holding `offset`.
         let skip = (sent - piece.offset) as usize;
         for chunk in piece.bytes[skip..].chunks(CHUNK_BYTES_MAX) {
-            channel.send(&Frame::Chunk { transfer, offset: sent, data: chunk }).await?;
+            channel.queue(&Frame::Chunk { transfer, offset: sent, data: chunk }).await?;
             sent += chunk.len() as u64;
             shared.stats.bytes_sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         }
+        let _ = spare_tx.try_send(piece.bytes);
         if !faults.send_delay_per_mib.is_zero() {
             tokio::time::sleep(faults.send_delay_per_mib).await;
         }
@@ -289,7 +291,14 @@ async fn send_object(
 
 /// The reader thread: checks the object, then reads it from the block holding `offset` in
 /// pieces, CRC-checking every data block of a shard, and queues the pieces.
-fn read_verified(kind: WireKind, id: ObjectId, path: &std::path::Path, offset: u64, out: &mpsc::Sender<Result<Piece>>) {
+fn read_verified(
+    kind: WireKind,
+    id: ObjectId,
+    path: &std::path::Path,
+    offset: u64,
+    out: &mpsc::Sender<Result<Piece>>,
+    mut spare: mpsc::Receiver<Vec<u8>>,
+) {
     let send = |piece: Result<Piece>| out.blocking_send(piece).is_ok();
     let not_found = |e: Error| match e {
         Error::Io { ref source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
@@ -341,7 +350,10 @@ fn read_verified(kind: WireKind, id: ObjectId, path: &std::path::Path, offset: u
             let mut at = offset - offset % BLOCK_BYTES_U64;
             while at < file_bytes {
                 let len = ((file_bytes - at) as usize).min(PIECE_BYTES);
-                let mut bytes = vec![0u8; len];
+                // Buffers come back from the network side: after the first few, nothing is
+                // allocated or zeroed per piece.
+                let mut bytes = spare.try_recv().unwrap_or_default();
+                bytes.resize(len, 0);
                 if let Err(e) = file.read_exact_at(&mut bytes, at) {
                     send(Err(Error::io("read", path, e)));
                     return;
