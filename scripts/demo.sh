@@ -32,7 +32,7 @@ if [[ "${1:-}" != "--bench-only" ]]; then
 
   step "ingest"
   time granary ingest records --name tokens --record-bytes 4096 --dtype u16 --shape 2048 "$dir/tokens.bin"
-  granary ingest files --name tree "$dir/tree"
+  granary ingest files --name tree --shard-bytes 256K "$dir/tree"
   granary ingest tar --name samples "$dir/samples.tar"
 
   step "ls"
@@ -68,6 +68,9 @@ if [[ "${1:-}" != "--bench-only" ]]; then
 
   step "train: the example trainer on tokens (GPU if present, else host memory), stopped and resumed halfway"
   target/release/examples/trainer "$store" tokens --epochs 2 --batch 64 --step-us 200
+
+  step "replication: three nodes on loopback, the tree dataset at 2 copies, a damaged shard repaired on read"
+  scripts/demo-replication.sh "$dir" "$store"
 fi
 
 step "benchmark: the engine against a bare io_uring O_DIRECT reader on the same blocks"

@@ -240,3 +240,36 @@ fn readers_share_a_store_while_a_writer_holds_it() {
     drop(granary);
     assert!(Granary::open(&root).is_ok());
 }
+
+#[test]
+fn a_ref_from_elsewhere_is_adopted_only_when_it_extends_this_history() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let mut granary = Granary::create(&root).unwrap();
+    let records: Vec<Vec<u8>> = (0..8).map(|i| bytes(i, 64)).collect();
+    ingest(&mut granary, "d", tokens_layout(32), small_shards(1 << 20), &records[..4]);
+    ingest(&mut granary, "d", tokens_layout(32), small_shards(1 << 20), &records[4..]);
+    ingest(&mut granary, "e", tokens_layout(32), small_shards(1 << 20), &records[..2]);
+    let name = granary::DatasetName::new("d").unwrap();
+    let local = granary.paths().read_ref(&name).unwrap();
+    let other = granary.paths().read_ref(&granary::DatasetName::new("e").unwrap()).unwrap().latest().manifest;
+    // Not ahead: kept as it is.
+    assert!(!granary.adopt_ref(&name, &local).unwrap());
+    // Ahead, with version 2 removed where it comes from: adopted, and version 2 goes.
+    let ahead = local.with_next(other).unwrap().without(2).unwrap();
+    assert!(granary.adopt_ref(&name, &ahead).unwrap());
+    let now = granary.paths().read_ref(&name).unwrap();
+    assert_eq!(now, ahead);
+    assert!(now.version(2).is_none());
+    // Another history under the same name (version 1 names another manifest): refused.
+    let diverged = granary::store::RefLog::first(other)
+        .with_next(other)
+        .unwrap()
+        .with_next(other)
+        .unwrap()
+        .with_next(other)
+        .unwrap();
+    let error = granary.adopt_ref(&name, &diverged).unwrap_err().to_string();
+    assert!(error.contains("two histories"), "{error}");
+    assert_eq!(granary.paths().read_ref(&name).unwrap(), ahead);
+}

@@ -334,8 +334,11 @@ impl Granary {
     }
 
     /// Adopts `log` as dataset `name`'s ref when it is ahead of the local one (or there is
-    /// none): its latest version is newer, and every manifest it names is stored here. Returns
-    /// whether it was adopted. A ref that is not ahead is left as it is: refs only move forward.
+    /// none): its latest version is newer, every version number the two share names the same
+    /// manifest (one history, not two datasets that happen to share a name), and every manifest
+    /// it names is stored here. Versions the local ref has and `log` lacks were removed where
+    /// `log` comes from, and go. Returns whether it was adopted; a ref that is not ahead is left
+    /// as it is (refs only move forward), and a diverged one is refused.
     pub fn adopt_ref(&mut self, name: &DatasetName, log: &RefLog) -> Result<bool> {
         for version in log.versions() {
             if !self.store.paths().manifest(version.manifest).exists() {
@@ -346,7 +349,18 @@ impl Granary {
         }
         match self.store.paths().read_ref(name) {
             Ok(local) if local.latest().number >= log.latest().number => return Ok(false),
-            Ok(_) => {}
+            Ok(local) => {
+                for version in local.versions() {
+                    if let Some(theirs) = log.version(version.number)
+                        && theirs.manifest != version.manifest
+                    {
+                        return Err(Error::invalid_input(format!(
+                            "dataset {name}: version {} is manifest {} here and {} in the offered ref: two histories",
+                            version.number, version.manifest, theirs.manifest
+                        )));
+                    }
+                }
+            }
             Err(Error::NotFound { .. }) => {}
             // A damaged local ref is replaced by the good one.
             Err(e) if e.is_corruption() => {}

@@ -102,6 +102,10 @@ fn options(list: &[String]) -> Result<Vec<(String, String)>> {
 
 pub(crate) fn serve(root: &Path, args: &ServeArgs) -> Result<()> {
     let key = args.key.key()?;
+    // A node that joins a job may start with nothing: its store is made now.
+    if !root.join("granary-store").exists() {
+        drop(granary::Granary::create(root)?);
+    }
     let listen = socket_addr(&args.listen)?;
     let membership = if !args.peers.is_empty() {
         Membership::peers(&args.peers)?
@@ -151,10 +155,13 @@ fn client(root: &Path, node: Option<&str>, key: ClusterKey) -> Result<NodeClient
 
 pub(crate) fn replicate(root: &Path, args: &ReplicateArgs) -> Result<()> {
     let client = client(root, args.node.as_deref(), args.key.key()?)?;
-    let report = client.replicate(&args.dataset, args.replicas, |done, total| {
-        eprint!("\rreplicating: {done}/{total} shards confirmed");
-        if done == total {
-            eprintln!();
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let report = client.replicate(&args.dataset, args.replicas, move |done, total| {
+        if tty {
+            eprint!("\rreplicating: {done}/{total} shards confirmed");
+            if done == total {
+                eprintln!();
+            }
         }
     })?;
     println!("{report}");

@@ -46,23 +46,25 @@ impl ShardCache {
         self.entries.len()
     }
 
-    /// A shard of `bytes` was fetched for a read; returns the victims the evictor chose.
-    pub(crate) fn admit(&mut self, id: ShardId, bytes: u64) -> Result<Vec<(ShardId, u64)>> {
+    /// A shard of `bytes` was fetched for a read; returns the victims the evictor chose to make
+    /// room for it (never the shard itself: the reader that fetched it is about to read it), and
+    /// whether the shard is now a cache entry (one larger than the whole cache is not).
+    pub(crate) fn admit(&mut self, id: ShardId, bytes: u64) -> Result<(Vec<(ShardId, u64)>, bool)> {
         let key = shard_key(id.0.as_bytes());
-        if self.entries.insert(key, (id, bytes)).is_none() {
-            self.used_bytes += bytes;
-        }
-        let Some(evictor) = &mut self.evictor else { return Ok(Vec::new()) };
+        let Some(evictor) = &mut self.evictor else {
+            if self.entries.insert(key, (id, bytes)).is_none() {
+                self.used_bytes += bytes;
+            }
+            return Ok((Vec::new(), true));
+        };
         let blocks = u32::try_from(bytes.div_ceil(BLOCK_BYTES_U64)).unwrap_or(u32::MAX);
         let outcome = evictor.access(&[key], &[blocks], &[NEVER])?;
         let resident = evictor.contains(key);
-        let mut victims = self.take_victims(outcome.evictions.iter().map(|&(_, key)| key));
-        if !resident {
-            // Larger than the whole cache, so not resident: a victim at once, like any other
-            // (the node still keeps it when it is the last known copy).
-            victims.extend(self.take_victims(std::iter::once(key)));
+        let victims = self.take_victims(outcome.evictions.iter().map(|&(_, key)| key).filter(|&k| k != key));
+        if resident && self.entries.insert(key, (id, bytes)).is_none() {
+            self.used_bytes += bytes;
         }
-        Ok(victims)
+        Ok((victims, resident))
     }
 
     /// Shards were read: the cached ones count as accesses; returns the victims (none, unless

@@ -50,7 +50,7 @@ pub const MEMBERS_MAX: usize = 256;
 /// The protocol version a `Hello` announces.
 pub const PROTOCOL_VERSION: u16 = 1;
 
-const INVENTORY_ENTRY_BYTES: usize = 1 + ID_BYTES + 8;
+const INVENTORY_ENTRY_BYTES: usize = 2 + ID_BYTES + 8;
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -254,6 +254,10 @@ pub struct InventoryEntry {
     pub id: ObjectId,
     /// Its length.
     pub bytes: u64,
+    /// Whether the node holds it only as a cache entry (it may evict it). Copies that are not
+    /// cached are never evicted, so another node may evict its own cached copy only when some
+    /// node holds one that is not.
+    pub cached: bool,
 }
 
 /// An object kind as it travels: [`ObjectKind`] with a total order and a wire code.
@@ -687,9 +691,20 @@ impl<'a> Frame<'a> {
                 for entry in raw.chunks_exact(INVENTORY_ENTRY_BYTES) {
                     let mut e = Cursor { bytes: entry, at: 0 };
                     let object = wire_kind(e.u8()?, kind)?;
+                    let cached = match e.u8()? {
+                        0 => false,
+                        1 => true,
+                        other => {
+                            return Err(FrameError::BadField {
+                                kind: kind.name(),
+                                field: "entry flags",
+                                detail: format!("{other:#04x}"),
+                            });
+                        }
+                    };
                     let id = e.id()?;
                     let bytes = e.u64()?;
-                    entries.push(InventoryEntry { kind: object, id, bytes });
+                    entries.push(InventoryEntry { kind: object, id, bytes, cached });
                 }
                 if entries.windows(2).any(|w| (w[0].kind, w[0].id) >= (w[1].kind, w[1].id)) {
                     return Err(FrameError::BadField {
@@ -896,6 +911,7 @@ impl<'a> Frame<'a> {
                 out.extend_from_slice(&[0; 5]);
                 for entry in entries {
                     out.push(entry.kind.code());
+                    out.push(u8::from(entry.cached));
                     out.extend_from_slice(entry.id.as_bytes());
                     out.extend_from_slice(&entry.bytes.to_le_bytes());
                 }
@@ -1034,7 +1050,12 @@ mod tests {
     fn samples() -> Vec<Frame<'static>> {
         let id = ObjectId::of(b"a shard");
         let entries = (0..INVENTORY_ENTRIES_MAX as u64)
-            .map(|i| InventoryEntry { kind: WireKind::Shard, id: ObjectId::of(&i.to_le_bytes()), bytes: i })
+            .map(|i| InventoryEntry {
+                kind: WireKind::Shard,
+                id: ObjectId::of(&i.to_le_bytes()),
+                bytes: i,
+                cached: i % 3 == 0,
+            })
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
             .collect();
@@ -1164,7 +1185,7 @@ mod tests {
     #[test]
     fn inventory_entries_must_be_sorted() {
         let id = ObjectId::of(b"x");
-        let entry = InventoryEntry { kind: WireKind::Shard, id, bytes: 1 };
+        let entry = InventoryEntry { kind: WireKind::Shard, id, bytes: 1, cached: false };
         let mut bytes = Vec::new();
         Frame::Inventory { entries: vec![entry, entry], more: false }.encode(1, 1, &mut bytes).expect("encodes");
         assert!(matches!(Frame::decode(&bytes), Err(FrameError::BadField { field: "entries", .. })));

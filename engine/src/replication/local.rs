@@ -8,7 +8,7 @@
 //! files are complete (published); the node lock (`replication/NODE.lock`) keeps two nodes off one
 //! store. Never: reads or writes shard bytes on behalf of a transfer (`pull` and `server` do).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -22,6 +22,9 @@ use crate::error::{Error, Result};
 use crate::id::ObjectId;
 use crate::store::{DatasetName, ObjectKind, RefLog, StorePaths, sync_dir};
 
+/// A partial transfer untouched for this long is removed when the node starts.
+const PARTIAL_AGE_MAX: Duration = Duration::from_secs(24 * 3600);
+
 /// A store as one node sees it.
 pub(crate) struct LocalStore {
     paths: StorePaths,
@@ -29,6 +32,8 @@ pub(crate) struct LocalStore {
     goals_dir: PathBuf,
     /// Every published object: (kind, id) -> bytes.
     inventory: RwLock<BTreeMap<(WireKind, ObjectId), u64>>,
+    /// The shards held only as cache entries (evictable); peers see the flag.
+    cached: RwLock<HashSet<ObjectId>>,
     /// Bumped on every change of the inventory, so peers refetch it only when it changed.
     generation: AtomicU64,
     /// The open write session, if any: kept open between publications that follow each other,
@@ -74,6 +79,7 @@ impl LocalStore {
             incoming,
             goals_dir,
             inventory: RwLock::new(BTreeMap::new()),
+            cached: RwLock::new(HashSet::new()),
             generation: AtomicU64::new(1),
             writer: Mutex::new(None),
             lock_wait,
@@ -86,7 +92,8 @@ impl LocalStore {
     }
 
     /// Removes partial transfers of objects that are now held (a transfer that finished
-    /// elsewhere, or an ingest of the same content); the others stay, to be resumed.
+    /// elsewhere, or an ingest of the same content), and those untouched for a day (nothing
+    /// wanted them since); the others stay, to be resumed.
     fn drop_stale_partials(&self) -> Result<()> {
         let entries = match fs::read_dir(&self.incoming) {
             Ok(entries) => entries,
@@ -102,9 +109,13 @@ impl LocalStore {
                 "manifest" => WireKind::Manifest,
                 _ => continue,
             };
-            if let Some(id) = ObjectId::parse_hex(hex)
-                && self.holds(kind, id).is_some()
-            {
+            let stale = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > PARTIAL_AGE_MAX);
+            if stale || ObjectId::parse_hex(hex).is_some_and(|id| self.holds(kind, id).is_some()) {
                 let path = entry.path();
                 fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
             }
@@ -155,7 +166,20 @@ impl LocalStore {
     /// Every object held, in (kind, id) order.
     pub(crate) fn entries(&self) -> Vec<InventoryEntry> {
         let inventory = self.inventory.read().expect("the inventory lock is never poisoned");
-        inventory.iter().map(|(&(kind, id), &bytes)| InventoryEntry { kind, id, bytes }).collect()
+        let cached = self.cached.read().expect("the cache set lock is never poisoned");
+        inventory
+            .iter()
+            .map(|(&(kind, id), &bytes)| InventoryEntry { kind, id, bytes, cached: cached.contains(&id) })
+            .collect()
+    }
+
+    /// Marks shard `id` as held only as a cache entry (or no longer).
+    pub(crate) fn set_cached(&self, id: ObjectId, is_cached: bool) {
+        let mut cached = self.cached.write().expect("the cache set lock is never poisoned");
+        let changed = if is_cached { cached.insert(id) } else { cached.remove(&id) };
+        if changed {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     /// Up to `max` entries after `after`, and whether more follow.
@@ -166,9 +190,13 @@ impl LocalStore {
             None => Bound::Unbounded,
             Some(key) => Bound::Excluded(key),
         };
+        let cached = self.cached.read().expect("the cache set lock is never poisoned");
         let mut iter = inventory.range((start, Bound::Unbounded));
-        let page: Vec<InventoryEntry> =
-            iter.by_ref().take(max).map(|(&(kind, id), &bytes)| InventoryEntry { kind, id, bytes }).collect();
+        let page: Vec<InventoryEntry> = iter
+            .by_ref()
+            .take(max)
+            .map(|(&(kind, id), &bytes)| InventoryEntry { kind, id, bytes, cached: cached.contains(&id) })
+            .collect();
         (page, iter.next().is_some())
     }
 
@@ -224,6 +252,7 @@ impl LocalStore {
     }
 
     fn note_removed(&self, kind: WireKind, id: ObjectId) {
+        self.set_cached(id, false);
         let mut inventory = self.inventory.write().expect("the inventory lock is never poisoned");
         if inventory.remove(&(kind, id)).is_some() {
             self.generation.fetch_add(1, Ordering::AcqRel);

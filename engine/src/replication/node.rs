@@ -36,8 +36,17 @@ use crate::store::{DatasetName, VersionSpec};
 const PULLS_MAX: usize = 4;
 /// Fetch requests this node has outstanding with its peers at once.
 const FETCHES_MAX: usize = 8;
+/// Fetch requests the reconciler starts in one pass (the others wait for a later pass).
+const FETCHES_PER_PASS_MAX: usize = 4 * FETCHES_MAX;
 /// Recent events kept for the status report.
 const EVENTS_MAX: usize = 32;
+/// A probe of a peer (ping, and its inventory when that changed) takes at most this long.
+const PROBE_DEADLINE: Duration = Duration::from_secs(30);
+/// Objects a peer's inventory may list (bounds the memory a peer can make this node use).
+const PEER_OBJECTS_MAX: usize = 1 << 20;
+/// Peers a node keeps (each has a heartbeat task and an inventory).
+const PEERS_MAX: usize = super::frame::MEMBERS_MAX;
+
 /// A write session idle for this long is closed, so that an ingest can take the store.
 const WRITE_SESSION_IDLE: Duration = Duration::from_millis(500);
 
@@ -161,7 +170,8 @@ struct Peer {
     last_ok: Option<Instant>,
     changed: Instant,
     generation: u64,
-    inventory: HashMap<(WireKind, ObjectId), u64>,
+    /// (kind, id) -> (bytes, held only as a cache entry).
+    inventory: HashMap<(WireKind, ObjectId), (u64, bool)>,
     demoted_until: Option<Instant>,
     last_error: String,
 }
@@ -204,6 +214,24 @@ struct Lag {
 /// Where a task that joins another's work gets its outcome (`None` until there is one).
 pub(crate) type Outcome<T> = watch::Receiver<Option<std::result::Result<T, String>>>;
 
+/// A handshake in progress from one address; released on drop.
+pub(crate) struct HandshakeSlot {
+    shared: Arc<Shared>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        let mut handshakes = self.shared.handshakes.lock().expect("the handshake table lock is never poisoned");
+        if let Some(n) = handshakes.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                handshakes.remove(&self.ip);
+            }
+        }
+    }
+}
+
 /// Everything the node's tasks share.
 pub(crate) struct Shared {
     pub(crate) config: NodeConfig,
@@ -218,7 +246,11 @@ pub(crate) struct Shared {
     /// Fetch requests outstanding, by (object, target): a second asker waits for the first's
     /// answer instead of asking again.
     fetching: Mutex<HashMap<(ObjectId, u32), Outcome<()>>>,
+    /// Refs being brought to peers, by (peer, dataset): one at a time each.
+    pushing: Mutex<std::collections::HashSet<(u32, DatasetName)>>,
     pub(crate) connection_slots: Arc<Semaphore>,
+    /// Handshakes in progress, by source address.
+    handshakes: Mutex<HashMap<std::net::IpAddr, usize>>,
     pub(crate) wake: Notify,
     events: Mutex<VecDeque<String>>,
     replicator: Mutex<Replicator>,
@@ -287,7 +319,9 @@ impl Node {
             pull_slots: Semaphore::new(PULLS_MAX),
             fetch_slots: Arc::new(Semaphore::new(FETCHES_MAX)),
             fetching: Mutex::new(HashMap::new()),
+            pushing: Mutex::new(std::collections::HashSet::new()),
             connection_slots: Arc::new(Semaphore::new(super::server::CONNECTIONS_MAX)),
+            handshakes: Mutex::new(HashMap::new()),
             wake: Notify::new(),
             events: Mutex::new(VecDeque::new()),
             replicator: Mutex::new(replicator),
@@ -406,10 +440,21 @@ impl ShardRepair for Node {
     }
 
     fn accessed(&self, shards: &[ShardId]) {
-        let shared = Arc::clone(&self.shared);
-        let shards = shards.to_vec();
-        if let Some(runtime) = &self.runtime {
-            runtime.spawn(async move { shared.touch_cache(shards).await });
+        // On the reader's thread: the evictor call is short; a task is started only when
+        // there is something to delete.
+        let victims = {
+            let mut cache = self.shared.cache.lock().expect("the cache lock is never poisoned");
+            cache.touch(shards)
+        };
+        match victims {
+            Ok(victims) if victims.is_empty() => {}
+            Ok(victims) => {
+                let shared = Arc::clone(&self.shared);
+                if let Some(runtime) = &self.runtime {
+                    runtime.spawn(async move { shared.evict(victims).await });
+                }
+            }
+            Err(e) => self.shared.event(format!("cache evictor failed: {e}")),
         }
     }
 }
@@ -437,6 +482,19 @@ impl Shared {
         events.push_back(text);
     }
 
+    /// A handshake slot for a connection from `ip`, unless too many are in progress (in all, or
+    /// from that address).
+    pub(crate) fn begin_handshake(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<HandshakeSlot> {
+        let mut handshakes = self.handshakes.lock().expect("the handshake table lock is never poisoned");
+        let total: usize = handshakes.values().sum();
+        let from_ip = handshakes.get(&ip).copied().unwrap_or(0);
+        if total >= super::server::HANDSHAKES_MAX || from_ip >= super::server::HANDSHAKES_PER_ADDRESS_MAX {
+            return None;
+        }
+        *handshakes.entry(ip).or_insert(0) += 1;
+        Some(HandshakeSlot { shared: Arc::clone(self), ip })
+    }
+
     pub(crate) fn next_request_id(&self) -> u32 {
         self.request_ids.fetch_add(1, Ordering::Relaxed)
     }
@@ -454,6 +512,11 @@ impl Shared {
         let index = {
             let mut peers = self.peers.lock().expect("the peer lock is never poisoned");
             if peers.iter().any(|p| p.addr == addr) {
+                return;
+            }
+            if peers.len() >= PEERS_MAX {
+                drop(peers);
+                self.event(format!("not adding a peer at {addr}: {PEERS_MAX} peers already"));
                 return;
             }
             peers.push(Peer::new(addr));
@@ -554,7 +617,18 @@ impl Shared {
         bytes: u64,
         sources: &[u32],
     ) -> Result<()> {
-        match pull::pull(self, kind, id, bytes, sources).await? {
+        let length = match (kind, self.manifest_bytes(ShardId(id))) {
+            (WireKind::Shard, Some(known)) => {
+                if bytes != known {
+                    return Err(Error::invalid_input(format!(
+                        "shard {id} is {known} bytes by the manifest here, not {bytes}"
+                    )));
+                }
+                pull::Length::new(known, true)
+            }
+            _ => pull::Length::new(bytes, false),
+        };
+        match pull::pull(self, kind, id, length, sources).await? {
             Pulled::AlreadyHeld | Pulled::Joined => {}
             Pulled::Published { bytes } => {
                 self.event(format!("received {kind:?} {} ({bytes} bytes)", id.short(12)));
@@ -599,9 +673,11 @@ impl Shared {
                 Err(e) => return Err(e),
             }
         }
-        let bytes_hint = self.bytes_known(kind, id.0);
+        // The length from a manifest is verified; a peer's inventory is only a hint.
+        let bytes_hint = self.manifest_bytes(id).unwrap_or_else(|| self.bytes_known(kind, id.0));
+        let trusted = self.manifest_bytes(id).is_some();
         let sources = self.sources_for(kind, id.0, &[]);
-        let pulled = pull::pull(self, kind, id.0, bytes_hint, &sources).await?;
+        let pulled = pull::pull(self, kind, id.0, pull::Length::new(bytes_hint, trusted), &sources).await?;
         self.stats.repairs.fetch_add(1, Ordering::Relaxed);
         let message = match pulled {
             Pulled::AlreadyHeld | Pulled::Joined => format!("shard {id} is here"),
@@ -611,11 +687,16 @@ impl Shared {
         if !was_here && !self.is_placed_here(id).await {
             // A shard fetched for a read, not placed here: it is a cache entry.
             let bytes = self.local.holds(kind, id.0).unwrap_or(bytes_hint);
-            let victims = {
+            let (victims, cached) = {
                 let mut cache = self.cache.lock().expect("the cache lock is never poisoned");
-                cache.admit(id, bytes)
+                cache.admit(id, bytes)?
             };
-            self.evict(victims?).await;
+            if cached {
+                self.local.set_cached(id.0, true);
+            } else {
+                self.event(format!("shard {} is larger than the whole cache: kept outside it", id.0.short(12)));
+            }
+            self.evict(victims).await;
         }
         self.wake.notify_one();
         Ok(message)
@@ -624,21 +705,25 @@ impl Shared {
     /// The length of an object as some peer lists it (0 when no peer does).
     fn bytes_known(&self, kind: WireKind, id: ObjectId) -> u64 {
         let peers = self.peers.lock().expect("the peer lock is never poisoned");
-        peers.iter().find_map(|p| p.inventory.get(&(kind, id)).copied()).unwrap_or(0)
+        peers.iter().find_map(|p| p.inventory.get(&(kind, id)).map(|&(bytes, _)| bytes)).unwrap_or(0)
     }
 
-    pub(crate) async fn touch_cache(self: &Arc<Self>, shards: Vec<ShardId>) {
-        let victims = {
-            let mut cache = self.cache.lock().expect("the cache lock is never poisoned");
-            cache.touch(&shards)
-        };
-        match victims {
-            Ok(victims) => self.evict(victims).await,
-            Err(e) => self.event(format!("cache evictor failed: {e}")),
+    /// The length of shard `id` as a manifest stored here says (verified: manifests are
+    /// checked against their ids when read).
+    fn manifest_bytes(&self, id: ShardId) -> Option<u64> {
+        let paths = self.local.paths();
+        for name in paths.list_refs().ok()? {
+            let Ok(log) = paths.read_ref(&name) else { continue };
+            for version in log.versions() {
+                let Ok(manifest) = paths.read_manifest(version.manifest) else { continue };
+                if let Some(entry) = manifest.entries().iter().find(|e| e.shard == id) {
+                    return Some(entry.file_bytes);
+                }
+            }
         }
+        None
     }
 
-    /// Deletes cache victims, except a last known copy (kept, and no longer counted as cache).
     /// Whether the replicator places shard `id` on this node for some replication goal.
     async fn is_placed_here(self: &Arc<Self>, id: ShardId) -> bool {
         let Ok(goals) = self.local.goals() else { return false };
@@ -655,19 +740,30 @@ impl Shared {
         false
     }
 
+    /// Deletes cache victims, except a copy that may be the last: a victim is deleted only when
+    /// a node that is up holds it as a copy that is not cached (such copies are never evicted,
+    /// so two caches evicting at once cannot both count on each other). Kept victims become
+    /// ordinary copies, no longer cached.
     async fn evict(self: &Arc<Self>, victims: Vec<(ShardId, u64)>) {
         for (id, _) in victims {
             if self.is_placed_here(id).await {
                 // Placement moved it here since it was cached: it stays, as a placed copy.
+                self.local.set_cached(id.0, false);
                 continue;
             }
-            let others = {
+            let durable_elsewhere = {
                 let peers = self.peers.lock().expect("the peer lock is never poisoned");
-                peers.iter().filter(|p| p.up && p.inventory.contains_key(&(WireKind::Shard, id.0))).count()
+                peers
+                    .iter()
+                    .any(|p| p.up && p.inventory.get(&(WireKind::Shard, id.0)).is_some_and(|&(_, cached)| !cached))
             };
-            if others == 0 {
+            if !durable_elsewhere {
+                self.local.set_cached(id.0, false);
                 self.stats.kept_last_copy.fetch_add(1, Ordering::Relaxed);
-                self.event(format!("kept shard {} although evicted: no other node holds a copy", id.0.short(12)));
+                self.event(format!(
+                    "kept shard {} although evicted: no node that is up holds a copy that is not cached",
+                    id.0.short(12)
+                ));
                 continue;
             }
             let shared = Arc::clone(self);
@@ -730,7 +826,7 @@ impl Shared {
     fn note_peer_has(&self, node: u32, kind: WireKind, id: ObjectId, bytes: u64) {
         let mut peers = self.peers.lock().expect("the peer lock is never poisoned");
         if let Some(p) = peers.iter_mut().find(|p| p.id() == Some(node)) {
-            p.inventory.insert((kind, id), bytes);
+            p.inventory.entry((kind, id)).or_insert((bytes, false));
         }
     }
 
@@ -993,7 +1089,9 @@ impl Shared {
                 (made, errors)
             });
         }
-        let mut done = total - tasks.len() as u64;
+        // A shard counts as done once every copy it needed is confirmed (at once, when it needed
+        // none); one that no node holds never does.
+        let mut done = 0;
         if let Some(progress) = &progress {
             let _ = progress.send((done, total)).await;
         }
@@ -1044,13 +1142,16 @@ impl Shared {
                     Ok(log) => log.versions().iter().any(|v| !self.peer_holds(peer, WireKind::Manifest, v.manifest.0)),
                     Err(_) => false,
                 };
-                if missing {
+                if missing
+                    && self.pushing.lock().expect("the push table lock is never poisoned").insert((peer, name.clone()))
+                {
                     let shared = Arc::clone(self);
                     let name = name.clone();
                     tokio::spawn(async move {
                         if let Err(e) = shared.push_ref(peer, &name, replicas).await {
                             shared.event(format!("could not bring {name} to node {peer}: {e}"));
                         }
+                        shared.pushing.lock().expect("the push table lock is never poisoned").remove(&(peer, name));
                     });
                 }
             }
@@ -1081,11 +1182,24 @@ impl Shared {
                     continue;
                 }
             };
+            let mut started = 0;
             for t in transfers {
                 if t.source != self.hello.node_id {
                     continue;
                 }
                 let Some(&(shard, bytes)) = by_key.get(&t.key) else { continue };
+                // One request per (shard, target) at a time, and a bounded number started per
+                // pass: the rest wait for the next pass.
+                if started == FETCHES_PER_PASS_MAX
+                    || self
+                        .fetching
+                        .lock()
+                        .expect("the fetch table lock is never poisoned")
+                        .contains_key(&(shard.0, t.target))
+                {
+                    continue;
+                }
+                started += 1;
                 let others = self.holders(WireKind::Shard, shard.0);
                 let shared = Arc::clone(self);
                 tokio::spawn(async move {
@@ -1210,7 +1324,11 @@ async fn heartbeat(shared: Arc<Shared>, index: usize, mut shutdown: watch::Recei
             _ = shutdown.changed() => return,
         }
         nonce += 1;
-        let probed = probe(&shared, index, addr, &mut channel, nonce).await;
+        // The whole probe, inventory pages included, has a deadline: a peer that keeps answering
+        // slowly must not stall its heartbeat.
+        let probed = tokio::time::timeout(PROBE_DEADLINE, probe(&shared, index, addr, &mut channel, nonce))
+            .await
+            .unwrap_or(Err(TransportError::Timeout { what: "probing a peer", after: PROBE_DEADLINE }));
         let now = Instant::now();
         let mut changed = false;
         {
@@ -1219,6 +1337,7 @@ async fn heartbeat(shared: Arc<Shared>, index: usize, mut shutdown: watch::Recei
             match probed {
                 Ok(()) => {
                     peer.last_ok = Some(now);
+                    peer.last_error.clear();
                     if !peer.up {
                         peer.up = true;
                         peer.changed = now;
@@ -1268,8 +1387,14 @@ async fn probe(
         {
             let mut peers = shared.peers.lock().expect("the peer lock is never poisoned");
             if let Some(other) = peers.iter().position(|p| p.id() == Some(hello.node_id) && p.addr != addr) {
-                let detail = format!("node {} is already known at {}", hello.node_id, peers[other].addr);
-                return Err(TransportError::Protocol { detail });
+                if peers[other].up {
+                    let detail = format!("node {} is already known, up, at {}", hello.node_id, peers[other].addr);
+                    return Err(TransportError::Protocol { detail });
+                }
+                // The node came back at another address: the old one no longer names it.
+                peers[other].hello = None;
+                peers[other].inventory.clear();
+                peers[other].generation = 0;
             }
             let peer = &mut peers[index];
             if peer.hello.as_ref().is_some_and(|h| h.epoch != hello.epoch) {
@@ -1305,10 +1430,22 @@ async fn probe(
                 });
             }
         };
+        // Each page must start after the last one (a peer cannot make this loop forever by
+        // sending the same page), and the whole inventory is bounded.
+        if let (Some(previous), Some(first)) = (after, entries.first())
+            && (first.kind, first.id) <= previous
+        {
+            return Err(TransportError::Protocol { detail: "an inventory page went backwards".to_owned() });
+        }
         if let Some(last) = entries.last() {
             after = Some((last.kind, last.id));
         }
-        inventory.extend(entries.into_iter().map(|e| ((e.kind, e.id), e.bytes)));
+        inventory.extend(entries.into_iter().map(|e| ((e.kind, e.id), (e.bytes, e.cached))));
+        if inventory.len() > PEER_OBJECTS_MAX {
+            return Err(TransportError::Protocol {
+                detail: format!("an inventory of more than {PEER_OBJECTS_MAX} objects"),
+            });
+        }
         if !more || after.is_none() {
             break;
         }

@@ -44,14 +44,39 @@ pub(crate) enum Pulled {
 
 type Outcome = std::result::Result<Pulled, String>;
 
-/// Pulls object `id` (expected to be `bytes_hint` long, 0 when unknown) from `sources` (tried
-/// first, in order) and then from any other up peer that lists it; returns once a verified copy
-/// is published here.
+/// What is known of an object's length before it arrives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Length {
+    bytes: u64,
+    /// From a verified manifest: a source that sends more is misbehaving. Otherwise the length
+    /// is a peer's word, and only the id decides.
+    trusted: bool,
+}
+
+impl Length {
+    /// `bytes` (0: unknown), trusted or not.
+    pub(crate) fn new(bytes: u64, trusted: bool) -> Self {
+        Self { bytes, trusted: trusted && bytes > 0 }
+    }
+
+    /// The most bytes a source may send.
+    fn max(self) -> u64 {
+        if self.trusted { self.bytes } else { FILE_BYTES_MAX }
+    }
+}
+
+/// A transfer slower than this, once it has run for `SLOW_AFTER`, is given up on that source
+/// (a peer that trickles bytes must not hold a pull slot for ever).
+const BYTES_PER_SECOND_MIN: u64 = 1 << 20;
+const SLOW_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Pulls object `id` (of `length`) from `sources` (tried first, in order) and then from any
+/// other up peer that lists it; returns once a verified copy is published here.
 pub(crate) async fn pull(
     shared: &Arc<Shared>,
     kind: WireKind,
     id: ObjectId,
-    bytes_hint: u64,
+    length: Length,
     sources: &[u32],
 ) -> Result<Pulled> {
     if shared.local.holds(kind, id).is_some() {
@@ -80,7 +105,7 @@ pub(crate) async fn pull(
     };
     let outcome = {
         let _slot = shared.pull_slots.acquire().await.expect("the pull semaphore is never closed");
-        run(shared, kind, id, bytes_hint, sources).await
+        run(shared, kind, id, length, sources).await
     };
     shared.pulls.lock().expect("the pull table lock is never poisoned").remove(&(kind, id));
     let shared_outcome: Outcome = outcome.as_ref().map(|p| *p).map_err(ToString::to_string);
@@ -100,13 +125,18 @@ enum SourceFailure {
     Interrupted(String),
     /// It sent bytes that are not the object's: it is demoted.
     Misbehaved(String),
+    /// This node failed (its disk): the pull stops, nobody is blamed.
+    Local(Error),
 }
 
-async fn run(shared: &Arc<Shared>, kind: WireKind, id: ObjectId, bytes_hint: u64, sources: &[u32]) -> Result<Pulled> {
+async fn run(shared: &Arc<Shared>, kind: WireKind, id: ObjectId, length: Length, sources: &[u32]) -> Result<Pulled> {
     if shared.local.holds(kind, id).is_some() {
         return Ok(Pulled::AlreadyHeld);
     }
-    let bytes_max = if bytes_hint > 0 { bytes_hint } else { FILE_BYTES_MAX };
+    if shared.sources_for(kind, id, sources).is_empty() {
+        return Err(unavailable(id, "no peer that is up lists it".to_owned()));
+    }
+    let bytes_max = length.max();
     let path = shared.local.incoming_path(kind, id);
     let mut writer = Writer::open(path.clone()).await?;
     // Bytes already on disk came from an earlier attempt (perhaps of an earlier life of this
@@ -142,6 +172,7 @@ async fn run(shared: &Arc<Shared>, kind: WireKind, id: ObjectId, bytes_hint: u64
                     failures.push(format!("node {source}: {why}"));
                     continue;
                 }
+                Err(SourceFailure::Local(e)) => return Err(e),
                 Err(SourceFailure::Misbehaved(why)) => {
                     shared.demote(source, &format!("sent a bad transfer of {id}: {why}"));
                     failures.push(format!("node {source} (demoted): {why}"));
@@ -192,7 +223,17 @@ async fn fetch_from(
     let transfer = shared.next_request_id();
     channel.send(&Frame::Get { transfer, kind, id, offset: writer.len }).await.map_err(interrupted)?;
     let mut expected = writer.len;
+    let started = std::time::Instant::now();
+    let start = writer.len;
     loop {
+        let elapsed = started.elapsed();
+        if elapsed > SLOW_AFTER && (expected - start) < BYTES_PER_SECOND_MIN * elapsed.as_secs() {
+            return Err(SourceFailure::Interrupted(format!(
+                "{} bytes in {} s: slower than {BYTES_PER_SECOND_MIN} bytes per second",
+                expected - start,
+                elapsed.as_secs()
+            )));
+        }
         let frame = channel.recv().await.map_err(|e| match e {
             // A frame that fails to decrypt or decode came from a peer that holds the key.
             TransportError::Frame(_) | TransportError::Sequence { .. } | TransportError::Epoch { .. } => {
@@ -209,7 +250,7 @@ async fn fetch_from(
                 if end > bytes_max {
                     return Err(SourceFailure::Misbehaved(format!("{end} bytes, more than the {bytes_max} expected")));
                 }
-                writer.append(data).await.map_err(|e| SourceFailure::Interrupted(e.to_string()))?;
+                writer.append(data).await.map_err(SourceFailure::Local)?;
                 expected = end;
             }
             Frame::End { transfer: t, total_bytes } if t == transfer => {
@@ -218,11 +259,11 @@ async fn fetch_from(
                         "ended at {total_bytes} bytes after sending {expected}"
                     )));
                 }
-                writer.flush().await.map_err(|e| SourceFailure::Interrupted(e.to_string()))?;
+                writer.flush().await.map_err(SourceFailure::Local)?;
                 return Ok(());
             }
             Frame::Reply { request, code, message } if request == transfer => {
-                writer.flush().await.map_err(|e| SourceFailure::Interrupted(e.to_string()))?;
+                writer.flush().await.map_err(SourceFailure::Local)?;
                 return Err(match code {
                     ReplyCode::NotFound | ReplyCode::Corrupt | ReplyCode::Unavailable | ReplyCode::Internal => {
                         SourceFailure::Refused(format!("{code}: {message}"))

@@ -32,6 +32,9 @@ const PROLOGUE: &[u8] = b"granary replication";
 pub const CLUSTER_KEY_ENV: &str = "GRANARY_CLUSTER_KEY";
 /// The shortest secret accepted.
 pub const SECRET_BYTES_MIN: usize = 16;
+/// A connecting side must send its first handshake message within this long: a connection
+/// that sends nothing holds a handshake slot only this long.
+const FIRST_MESSAGE_DEADLINE: Duration = Duration::from_secs(1);
 /// Handshake records are small; anything longer is not a granary peer.
 const HANDSHAKE_RECORD_BYTES_MAX: usize = 256;
 /// The read buffer: prefixes and small frames come out of it; a large record (a chunk) finds it
@@ -239,7 +242,10 @@ impl Channel {
             let mut stream = stream;
             let mut noise = noise_builder(key).and_then(|b| b.build_responder()).map_err(noise_error)?;
             let mut message = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
-            let n = read_handshake_record(&mut stream, &mut message).await?;
+            let first = FIRST_MESSAGE_DEADLINE.min(deadlines.handshake);
+            let n = tokio::time::timeout(first, read_handshake_record(&mut stream, &mut message))
+                .await
+                .map_err(|_| TransportError::Timeout { what: "the first handshake message", after: first })??;
             let mut payload = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
             noise.read_message(&message[..n], &mut payload).map_err(|e| match e {
                 snow::Error::Decrypt => TransportError::Handshake {

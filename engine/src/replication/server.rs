@@ -25,8 +25,15 @@ use crate::id::{ObjectId, ShardId};
 use crate::shard::{BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET, ShardMeta};
 use crate::store::{DatasetName, RefLog};
 
-/// Connections served at once.
-pub(crate) const CONNECTIONS_MAX: usize = 64;
+/// Authenticated connections served at once (each peer keeps one for its heartbeat, and opens
+/// more for transfers).
+pub(crate) const CONNECTIONS_MAX: usize = 128;
+/// Handshakes in progress at once, in all and from one address: a peer without the key can
+/// hold a handshake slot only until its first message is due. A node opens up to about 16
+/// connections at once to one peer (fetch requests, pulls, its heartbeat, a ref), and nodes
+/// may share an address (one host, loopback), hence the room per address.
+pub(crate) const HANDSHAKES_MAX: usize = 64;
+pub(crate) const HANDSHAKES_PER_ADDRESS_MAX: usize = 32;
 /// Bytes the reader thread reads and checks at a time.
 const PIECE_BYTES: usize = 1 << 20;
 /// Pieces the reader thread may be ahead of the network.
@@ -38,15 +45,14 @@ pub(crate) async fn listen(shared: Arc<Shared>, listener: TcpListener, mut shutd
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
-                    let Ok(permit) = Arc::clone(&shared.connection_slots).try_acquire_owned() else {
-                        shared.event(format!("closed a connection from {addr}: {CONNECTIONS_MAX} already served"));
+                    let Some(handshake) = shared.begin_handshake(addr.ip()) else {
+                        shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
                         drop(stream);
                         continue;
                     };
                     let shared = Arc::clone(&shared);
                     tokio::spawn(async move {
-                        serve_connection(&shared, stream, addr).await;
-                        drop(permit);
+                        serve_connection(&shared, stream, addr, handshake).await;
                     });
                 }
                 Err(e) => {
@@ -90,16 +96,28 @@ fn to_request(frame: Frame<'_>) -> Request {
     }
 }
 
-async fn serve_connection(shared: &Arc<Shared>, stream: TcpStream, addr: std::net::SocketAddr) {
-    let (mut channel, peer) =
-        match Channel::accept(stream, &shared.config.key, &shared.hello, shared.config.deadlines).await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
-                shared.event(format!("refused a connection from {addr}: {e}"));
-                return;
-            }
-        };
+async fn serve_connection(
+    shared: &Arc<Shared>,
+    stream: TcpStream,
+    addr: std::net::SocketAddr,
+    handshake: super::node::HandshakeSlot,
+) {
+    let accepted = Channel::accept(stream, &shared.config.key, &shared.hello, shared.config.deadlines).await;
+    drop(handshake);
+    let (mut channel, peer) = match accepted {
+        Ok(accepted) => accepted,
+        Err(e) => {
+            shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+            shared.event(format!("refused a connection from {addr}: {e}"));
+            return;
+        }
+    };
+    let Ok(_slot) = Arc::clone(&shared.connection_slots).try_acquire_owned() else {
+        shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+        let message = format!("{CONNECTIONS_MAX} connections already served");
+        let _ = channel.send(&Frame::Reply { request: 0, code: ReplyCode::Refused, message: &message }).await;
+        return;
+    };
     if peer.role == Role::Peer
         && let Err(why) = shared.check_incarnation(peer.node_id, peer.epoch, &peer.listen, addr)
     {
@@ -110,6 +128,11 @@ async fn serve_connection(shared: &Arc<Shared>, stream: TcpStream, addr: std::ne
     }
     loop {
         let request = match channel.recv_within(shared.config.idle).await {
+            // A client (a command line tool, a reader) asks; only a node makes this node pull
+            // objects or adopt refs.
+            Ok(frame) if peer.role == Role::Client && matches!(frame.kind(), Kind::Fetch | Kind::PutRef) => {
+                Request::Unexpected(frame.kind())
+            }
             Ok(frame) => to_request(frame),
             Err(TransportError::Closed) => return,
             Err(TransportError::Timeout { .. }) => return,
