@@ -1,7 +1,7 @@
 # One entry point for checks. `make test` is what CI runs (see .ci/run).
 SHELL := /bin/bash
 CARGO ?= cargo
-FUZZ_SECONDS ?= 20
+FUZZ_SECONDS ?= 15
 
 .PHONY: test fmt-check clippy unit doc plugins libcachesim fuzz-smoke fuzz-seeds demo bench
 

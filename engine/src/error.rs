@@ -275,6 +275,7 @@ pub enum TransportError {
 }
 
 impl TransportError {
+    #[cfg(feature = "replication")]
     pub(crate) fn io(op: &'static str, source: std::io::Error) -> Self {
         Self::Io { op, source }
     }
