@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use super::frame::{Frame, ReplyCode, Role};
-use super::secure::{Channel, ClusterKey, Deadlines, LocalHello};
+use super::secure::{Channel, ClusterKey, Deadlines, Hello};
 use crate::error::{Error, Result, TransportError};
 use crate::id::ShardId;
 use crate::read::ShardRepair;
@@ -63,7 +63,7 @@ impl NodeClient {
                         .build()
                         .map_err(|e| Error::io("start a client runtime", "tokio", e))?;
                     runtime.block_on(async move {
-                        let hello = LocalHello {
+                        let hello = Hello {
                             node_id: 0,
                             role: Role::Client,
                             weight: 0,

@@ -19,6 +19,8 @@ mod cache;
 #[cfg(feature = "replication")]
 mod client;
 #[cfg(feature = "replication")]
+mod flight;
+#[cfg(feature = "replication")]
 mod local;
 #[cfg(feature = "replication")]
 pub mod membership;

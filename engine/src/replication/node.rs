@@ -21,11 +21,12 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
 
 use super::cache::ShardCache;
+use super::flight::{Flight, InFlight};
 use super::frame::{Frame, InventoryEntry, ReplyCode, Role, WireKind};
 use super::local::LocalStore;
 use super::membership::Membership;
 use super::pull::{self, Pulled};
-use super::secure::{Channel, ClusterKey, Deadlines, LocalHello, PeerHello};
+use super::secure::{Channel, ClusterKey, Deadlines, Hello};
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
 use crate::policy::{Holding, NodeInfo, Placement, PolicyHost, ReplicationMode, Replicator, shard_key};
@@ -165,7 +166,7 @@ pub(crate) struct Stats {
 /// What this node knows of one peer.
 struct Peer {
     addr: SocketAddr,
-    hello: Option<PeerHello>,
+    hello: Option<Hello>,
     up: bool,
     last_ok: Option<Instant>,
     changed: Instant,
@@ -211,9 +212,6 @@ struct Lag {
     max: Duration,
 }
 
-/// Where a task that joins another's work gets its outcome (`None` until there is one).
-pub(crate) type Outcome<T> = watch::Receiver<Option<std::result::Result<T, String>>>;
-
 /// A handshake in progress from one address; released on drop.
 pub(crate) struct HandshakeSlot {
     shared: Arc<Shared>,
@@ -236,16 +234,16 @@ impl Drop for HandshakeSlot {
 pub(crate) struct Shared {
     pub(crate) config: NodeConfig,
     pub(crate) local: LocalStore,
-    pub(crate) hello: LocalHello,
+    pub(crate) hello: Hello,
     pub(crate) stats: Stats,
     peers: Mutex<Vec<Peer>>,
     incarnations: Mutex<HashMap<u32, u64>>,
-    pub(crate) pulls: Mutex<HashMap<(WireKind, ObjectId), Outcome<Pulled>>>,
+    pub(crate) pulls: InFlight<(WireKind, ObjectId), Pulled>,
     pub(crate) pull_slots: Semaphore,
     fetch_slots: Arc<Semaphore>,
     /// Fetch requests outstanding, by (object, target): a second asker waits for the first's
     /// answer instead of asking again.
-    fetching: Mutex<HashMap<(ObjectId, u32), Outcome<()>>>,
+    fetching: InFlight<(ObjectId, u32), ()>,
     /// Refs being brought to peers, by (peer, dataset): one at a time each.
     pushing: Mutex<std::collections::HashSet<(u32, DatasetName)>>,
     pub(crate) connection_slots: Arc<Semaphore>,
@@ -299,7 +297,7 @@ impl Node {
         let bound =
             listener.local_addr().map_err(|e| Error::io("listen", PathBuf::from(config.listen.to_string()), e))?;
         let node_id = config.node_id.or(config.membership.node_rank()).unwrap_or_else(|| node_id_of(&bound));
-        let hello = LocalHello {
+        let hello = Hello {
             node_id,
             role: Role::Peer,
             weight: config.weight,
@@ -315,10 +313,10 @@ impl Node {
             stats: Stats::default(),
             peers: Mutex::new(Vec::new()),
             incarnations: Mutex::new(HashMap::new()),
-            pulls: Mutex::new(HashMap::new()),
+            pulls: InFlight::new(),
             pull_slots: Semaphore::new(PULLS_MAX),
             fetch_slots: Arc::new(Semaphore::new(FETCHES_MAX)),
-            fetching: Mutex::new(HashMap::new()),
+            fetching: InFlight::new(),
             pushing: Mutex::new(std::collections::HashSet::new()),
             connection_slots: Arc::new(Semaphore::new(super::server::CONNECTIONS_MAX)),
             handshakes: Mutex::new(HashMap::new()),
@@ -500,7 +498,7 @@ impl Shared {
     }
 
     /// Opens an authenticated channel to a peer.
-    pub(crate) async fn connect(&self, addr: SocketAddr) -> std::result::Result<(Channel, PeerHello), TransportError> {
+    pub(crate) async fn connect(&self, addr: SocketAddr) -> std::result::Result<(Channel, Hello), TransportError> {
         Channel::connect(addr, &self.config.key, &self.hello, self.config.deadlines).await
     }
 
@@ -903,34 +901,18 @@ impl Shared {
         bytes: u64,
         others: Vec<u32>,
     ) -> Result<()> {
-        let (mut rx, leader) = {
-            let mut fetching = self.fetching.lock().expect("the fetch table lock is never poisoned");
-            match fetching.get(&(id, target)) {
-                Some(rx) => (rx.clone(), None),
-                None => {
-                    let (tx, rx) = watch::channel(None);
-                    fetching.insert((id, target), rx.clone());
-                    (rx, Some(tx))
-                }
-            }
-        };
-        let Some(tx) = leader else {
-            let outcome = rx
-                .wait_for(Option::is_some)
-                .await
-                .map_err(|_| Error::invalid_input("the fetch it waited for was abandoned"))?
-                .clone()
-                .expect("waited for Some");
-            return outcome
-                .map_err(|detail| Error::Unavailable { what: format!("a copy of {id} on node {target}"), detail });
-        };
-        let outcome = {
+        let work = async {
             let _slot =
                 Arc::clone(&self.fetch_slots).acquire_owned().await.expect("the fetch semaphore is never closed");
             self.ask_to_fetch(target, kind, id, bytes, &others).await
         };
-        self.fetching.lock().expect("the fetch table lock is never poisoned").remove(&(id, target));
-        let _ = tx.send(Some(outcome.as_ref().copied().map_err(ToString::to_string)));
+        let outcome = match self.fetching.run((id, target), work).await {
+            Flight::Led(outcome) => outcome,
+            Flight::Joined(outcome) => {
+                return outcome
+                    .map_err(|detail| Error::Unavailable { what: format!("a copy of {id} on node {target}"), detail });
+            }
+        };
         match &outcome {
             Ok(()) => {
                 if kind == WireKind::Shard {
@@ -1190,13 +1172,7 @@ impl Shared {
                 let Some(&(shard, bytes)) = by_key.get(&t.key) else { continue };
                 // One request per (shard, target) at a time, and a bounded number started per
                 // pass: the rest wait for the next pass.
-                if started == FETCHES_PER_PASS_MAX
-                    || self
-                        .fetching
-                        .lock()
-                        .expect("the fetch table lock is never poisoned")
-                        .contains_key(&(shard.0, t.target))
-                {
+                if started == FETCHES_PER_PASS_MAX || self.fetching.contains(&(shard.0, t.target)) {
                     continue;
                 }
                 started += 1;
@@ -1275,7 +1251,7 @@ impl Shared {
             lag_oldest_ms,
             lag_last_ms,
             lag_max_ms,
-            pending_fetches: self.fetching.lock().expect("the fetch table lock is never poisoned").len(),
+            pending_fetches: self.fetching.len(),
             copies_made: stat(&self.stats.copies_made),
             copies_failed: stat(&self.stats.copies_failed),
             objects_received: stat(&self.stats.objects_received),

@@ -15,8 +15,9 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot};
 
+use super::flight::Flight;
 use super::frame::{Frame, ReplyCode, WireKind};
 use super::node::Shared;
 use crate::error::{Error, Result, TransportError};
@@ -41,8 +42,6 @@ pub(crate) enum Pulled {
     /// Another pull of the same object, which this one waited for, published it.
     Joined,
 }
-
-type Outcome = std::result::Result<Pulled, String>;
 
 /// What is known of an object's length before it arrives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,34 +82,14 @@ pub(crate) async fn pull(
         return Ok(Pulled::AlreadyHeld);
     }
     // One transfer per object: a second pull waits for the first one's outcome.
-    let (mut rx, leader) = {
-        let mut pulls = shared.pulls.lock().expect("the pull table lock is never poisoned");
-        match pulls.get(&(kind, id)) {
-            Some(rx) => (rx.clone(), None),
-            None => {
-                let (tx, rx) = watch::channel(None);
-                pulls.insert((kind, id), rx.clone());
-                (rx, Some(tx))
-            }
-        }
-    };
-    let Some(tx) = leader else {
-        let outcome = rx
-            .wait_for(Option::is_some)
-            .await
-            .map_err(|_| unavailable(id, "the transfer it waited for was abandoned".to_owned()))?
-            .clone()
-            .expect("waited for Some");
-        return outcome.map(|_| Pulled::Joined).map_err(|detail| unavailable(id, detail));
-    };
-    let outcome = {
+    let work = async {
         let _slot = shared.pull_slots.acquire().await.expect("the pull semaphore is never closed");
         run(shared, kind, id, length, sources).await
     };
-    shared.pulls.lock().expect("the pull table lock is never poisoned").remove(&(kind, id));
-    let shared_outcome: Outcome = outcome.as_ref().map(|p| *p).map_err(ToString::to_string);
-    let _ = tx.send(Some(shared_outcome));
-    outcome
+    match shared.pulls.run((kind, id), work).await {
+        Flight::Led(outcome) => outcome,
+        Flight::Joined(outcome) => outcome.map(|_| Pulled::Joined).map_err(|detail| unavailable(id, detail)),
+    }
 }
 
 fn unavailable(id: ObjectId, detail: String) -> Error {

@@ -108,37 +108,21 @@ impl Default for Deadlines {
     }
 }
 
-/// Who is at the other end, as its `Hello` said.
+/// What one side of a connection says of itself in its `Hello` (this side's, sent; or the
+/// other side's, as received).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PeerHello {
-    /// Its node id.
+pub struct Hello {
+    /// The node's id (0 for a client).
     pub node_id: u32,
     /// Peer or client.
     pub role: Role,
-    /// Its placement weight.
+    /// The node's placement weight.
     pub weight: u32,
-    /// Its failure domain.
+    /// The node's failure domain.
     pub failure_domain: u32,
-    /// Where it listens.
+    /// Where the node listens ("" for a client).
     pub listen: String,
-    /// Its incarnation.
-    pub epoch: u64,
-}
-
-/// What this side says in its `Hello`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LocalHello {
-    /// This node's id.
-    pub node_id: u32,
-    /// Peer or client.
-    pub role: Role,
-    /// This node's placement weight.
-    pub weight: u32,
-    /// This node's failure domain.
-    pub failure_domain: u32,
-    /// Where this node listens ("" for a client).
-    pub listen: String,
-    /// This node's incarnation.
+    /// The node's incarnation (0 for a client).
     pub epoch: u64,
 }
 
@@ -189,9 +173,9 @@ impl Channel {
     pub async fn connect(
         addr: SocketAddr,
         key: &ClusterKey,
-        hello: &LocalHello,
+        hello: &Hello,
         deadlines: Deadlines,
-    ) -> std::result::Result<(Channel, PeerHello), TransportError> {
+    ) -> std::result::Result<(Channel, Hello), TransportError> {
         let handshake = async {
             let stream = TcpStream::connect(addr).await.map_err(|e| TransportError::io("connect", e))?;
             stream.set_nodelay(true).map_err(|e| TransportError::io("set TCP_NODELAY", e))?;
@@ -233,9 +217,9 @@ impl Channel {
     pub async fn accept(
         stream: TcpStream,
         key: &ClusterKey,
-        hello: &LocalHello,
+        hello: &Hello,
         deadlines: Deadlines,
-    ) -> std::result::Result<(Channel, PeerHello), TransportError> {
+    ) -> std::result::Result<(Channel, Hello), TransportError> {
         let handshake = async {
             let peer_addr = stream.peer_addr().map_err(|e| TransportError::io("peer address", e))?;
             stream.set_nodelay(true).map_err(|e| TransportError::io("set TCP_NODELAY", e))?;
@@ -291,7 +275,7 @@ impl Channel {
         }
     }
 
-    async fn recv_hello(&mut self) -> std::result::Result<PeerHello, TransportError> {
+    async fn recv_hello(&mut self) -> std::result::Result<Hello, TransportError> {
         let (header_epoch, frame) = self.recv_raw().await?;
         let Frame::Hello { version, node_id, role, weight, failure_domain, listen } = frame else {
             return Err(TransportError::Protocol { detail: format!("expected Hello first, got {:?}", frame.kind()) });
@@ -301,7 +285,7 @@ impl Channel {
                 detail: format!("the peer speaks protocol version {version}, this node {PROTOCOL_VERSION}"),
             });
         }
-        let peer = PeerHello { node_id, role, weight, failure_domain, listen: listen.to_owned(), epoch: header_epoch };
+        let peer = Hello { node_id, role, weight, failure_domain, listen: listen.to_owned(), epoch: header_epoch };
         self.peer_epoch = header_epoch;
         Ok(peer)
     }
@@ -453,7 +437,7 @@ impl Channel {
     }
 }
 
-fn hello_frame(hello: &LocalHello) -> Frame<'_> {
+fn hello_frame(hello: &Hello) -> Frame<'_> {
     Frame::Hello {
         version: PROTOCOL_VERSION,
         node_id: hello.node_id,
