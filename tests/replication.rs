@@ -239,17 +239,18 @@ fn ingest_tokens(root: &Path, name: &str, seed: u64, n: usize, shard_bytes: u64)
     records
 }
 
-fn report(scenario: &str, lost: usize, converge: Duration) {
-    println!(
-        "replication scenario {scenario:?}: data lost {lost} shards, time to converge {:.2} s",
-        converge.as_secs_f64()
-    );
+/// Prints a scenario's outcome (`cargo test --test replication -- --nocapture` shows them) and
+/// fails it if any data was lost. `converge` is `None` where nothing has to converge.
+fn report(scenario: &str, lost: usize, converge: impl Into<Option<Duration>>) {
+    let converge = converge.into().map_or_else(|| "n/a".to_owned(), |d| format!("{:.2} s", d.as_secs_f64()));
+    println!("replication scenario {scenario:?}: data lost {lost} shards, time to converge {converge}");
     assert_eq!(lost, 0, "{scenario}: data lost");
 }
 
 #[test]
 fn a_dataset_ingested_on_one_node_reaches_its_replication_factor_verified() {
-    let mut cluster = Cluster::new(4);
+    // Four nodes start; a fifth (already in their peer lists) joins at the end.
+    let mut cluster = Cluster::new(5);
     let records = ingest_tokens(cluster.root(0), "tokens", 1, 1024, 512 << 10);
     // Synchronous mode: `replicate` returns only once every copy is verified on its node.
     for i in 0..4 {
@@ -277,6 +278,53 @@ fn a_dataset_ingested_on_one_node_reaches_its_replication_factor_verified() {
         assert_eq!(dataset.n_records(), records.len() as u64);
     }
     report("ingest on one node reaches 3 copies on 4 nodes", cluster.lost("tokens", &[0, 1, 2, 3]), converge);
+
+    // An ingest beside the running node, with --replicas: the command acknowledges once the
+    // copies of the new version are verified on their nodes.
+    let input = cluster.dir.path().join("more.bin");
+    write_records(&input, &(0..512).map(|i| bytes(77_000 + i, 4096)).collect::<Vec<_>>());
+    let out = cluster.cli(
+        0,
+        &[
+            "ingest",
+            "records",
+            "--name",
+            "tokens",
+            "--record-bytes",
+            "4096",
+            "--dtype",
+            "u16",
+            "--shard-bytes",
+            "512K",
+            "--replicas",
+            "3",
+            input.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "ingest --replicas failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        cluster.logs()
+    );
+    let v2 = shards_of(cluster.root(0), "tokens");
+    let holdings: Vec<BTreeSet<ShardId>> = (0..4).map(|i| cluster.verified_shards(i)).collect();
+    for shard in &v2 {
+        let copies = holdings.iter().filter(|h| h.contains(shard)).count();
+        assert!(copies >= 3, "version 2: shard {shard} has {copies} verified copies right after the ingest");
+    }
+
+    // A node joins: the replicator's repair plan gives it its share, and no shard drops below 3.
+    let joined = Instant::now();
+    cluster.start(4);
+    let converge = cluster.wait("the new node to get its share", Duration::from_secs(60), |c| {
+        let held: Vec<BTreeSet<ShardId>> = (0..5).map(|i| c.verified_shards(i)).collect();
+        !held[4].is_empty()
+            && v2.iter().all(|s| held.iter().filter(|h| h.contains(s)).count() >= 3)
+            && c.status(0).contains("under-replicated 0 ")
+    });
+    assert!(joined.elapsed() >= converge);
+    report("a node joins", cluster.lost("tokens", &[0, 1, 2, 3, 4]), converge);
 }
 
 #[test]
@@ -404,7 +452,7 @@ fn a_peer_without_the_cluster_key_is_refused() {
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(cluster.peers_up(0), 0, "{}", cluster.status(0));
     assert!(cluster.stat(0, "security", "connections-refused").unwrap() >= 2, "{}", cluster.status(0));
-    report("a peer with a wrong key", 0, Duration::ZERO);
+    report("a peer with a wrong key", 0, None);
 }
 
 #[test]
@@ -463,7 +511,7 @@ fn oversized_corrupt_and_replayed_frames_are_rejected() {
     assert!(status.starts_with("node "), "{status}");
     assert!(cluster.stat(0, "security", "frames-rejected").unwrap() >= 4, "{status}");
     assert!(cluster.stat(0, "security", "connections-refused").unwrap() >= 1, "{status}");
-    report("oversized, corrupt and replayed frames", 0, Duration::ZERO);
+    report("oversized, corrupt and replayed frames", 0, None);
 }
 
 #[test]
@@ -725,5 +773,9 @@ fn a_partitioned_node_heals_and_converges() {
         latest == 2 && v2.iter().all(|s| held.contains(s))
     });
     assert!(healed.elapsed() >= converge);
+    // The lag of those copies (asynchronous mode) is measured and reported.
+    cluster.wait("node 0 to report the lag", Duration::from_secs(20), |c| {
+        c.stat(0, "replication", "lag-last-ms").is_some() && c.stat(0, "replication", "under-replicated") == Some(0)
+    });
     report("a partitioned node heals", cluster.lost("tokens", &[0, 1, 2]), converge);
 }

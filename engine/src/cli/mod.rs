@@ -138,6 +138,13 @@ struct IngestArgs {
     /// Close a shard once it holds this much record data (suffixes K, M, G, KiB, MiB, GiB).
     #[arg(long, default_value = "64MiB", value_parser = parse_size)]
     shard_bytes: u64,
+    /// Then replicate the new version with this many copies of each shard, through the node
+    /// serving this store; in synchronous mode the command returns once every copy is verified
+    /// on its node.
+    #[arg(long)]
+    replicas: Option<u32>,
+    #[command(flatten)]
+    key: cluster::KeyArgs,
 }
 
 #[derive(Subcommand)]
@@ -226,7 +233,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         mode: if common.replace { IngestMode::Replace } else { IngestMode::Append },
         ..IngestOptions::default()
     };
-    let mut granary = Granary::open_waiting(root, true, LOCK_WAIT)?;
+    let mut granary = Granary::open_waiting(&root, true, LOCK_WAIT)?;
     let mut session = granary.ingest(name, layout, options)?;
     let bar = Bar::new();
     match &command {
@@ -241,6 +248,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         }
     }
     let committed = session.commit()?;
+    drop(granary);
     bar.finish();
     let stats = &committed.stats;
     println!(
@@ -255,6 +263,11 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         stats.shards_published,
         stats.shards_deduplicated
     );
+    if let Some(replicas) = common.replicas {
+        let spec = format!("{}@{}", committed.name, committed.version);
+        let client = granary::replication::NodeClient::for_store(&root, common.key.key()?)?;
+        println!("{}", client.replicate(&spec, replicas, |_, _| {})?);
+    }
     Ok(())
 }
 

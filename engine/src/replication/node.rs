@@ -997,6 +997,13 @@ impl Shared {
                 return Err(Error::invalid_input("replicate takes NAME or NAME@N (a ref goes with the copies)"));
             }
         };
+        // What an ingest beside this node just published is not listed yet.
+        {
+            let shared = Arc::clone(self);
+            tokio::task::spawn_blocking(move || shared.local.rescan())
+                .await
+                .map_err(|e| Error::invalid_input(format!("rescan failed: {e}")))??;
+        }
         let paths = self.local.paths().clone();
         let (manifest_id, _) = paths.resolve(&spec)?;
         let manifest = paths.read_manifest(manifest_id)?;
