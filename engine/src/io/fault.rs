@@ -59,6 +59,10 @@ impl Io for FaultIo {
         self.inner.open(path)
     }
 
+    fn close_all(&mut self) -> Result<()> {
+        self.inner.close_all()
+    }
+
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
         let first = self.ops_issued;
         let mut faulty =

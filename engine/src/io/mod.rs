@@ -133,6 +133,11 @@ pub trait Io: Send {
     /// returns it. A stream that waits while nothing is in flight is an error, not a hang.
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()>;
 
+    /// Closes every open file (never called with an op in flight); the next `open` starts
+    /// again from the first `FileId`. A reader calls this when a read ends, so that a file
+    /// removed meanwhile (an evicted cache entry, a quarantined shard) frees its space.
+    fn close_all(&mut self) -> Result<()>;
+
     /// Reads every op of a slice, calling `on_done` with each op's index as it completes.
     fn read(&mut self, ops: &[ReadOp], on_done: &mut OnRead<'_>) -> Result<()> {
         self.read_stream(&mut SliceStream { ops, next: 0, on_done })

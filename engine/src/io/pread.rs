@@ -44,6 +44,11 @@ impl Io for PreadIo {
         self.files.open(path)
     }
 
+    fn close_all(&mut self) -> Result<()> {
+        self.files.0.clear();
+        Ok(())
+    }
+
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
         let mut seq = 0;
         loop {

@@ -284,6 +284,23 @@ impl Io for UringIo {
         self.files.open(&self.ring, path)
     }
 
+    fn close_all(&mut self) -> Result<()> {
+        if !self.drain() {
+            return Err(Error::io("io_uring_enter", "io_uring", std::io::Error::other("ring failed")));
+        }
+        // Fixed-file slots are handed out from 0 in open order: empty those in use.
+        let n_fixed = self.files.open.iter().filter(|f| f.fixed.is_some()).count();
+        if n_fixed > 0 {
+            let empty = vec![-1; n_fixed];
+            self.ring
+                .submitter()
+                .register_files_update(0, &empty)
+                .map_err(|e| Error::io("io_uring_register", "io_uring", e))?;
+        }
+        self.files.open.clear();
+        Ok(())
+    }
+
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
         if !self.drain() {
             return Err(Error::io("io_uring_enter", "io_uring", std::io::Error::other("ring failed")));

@@ -188,8 +188,8 @@ pub trait ShardRepair: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Repairs (and re-reads after them) that one read may need before it gives up.
-const REPAIRS_PER_READ_MAX: usize = 8;
+/// Repairs beyond one per shard that a read may make without delivering a batch.
+const REPAIRS_WITHOUT_PROGRESS_SLACK: usize = 8;
 
 /// Counters of one reader.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -314,6 +314,27 @@ impl Reader {
         depth: usize,
         sink: &mut dyn FnMut(&mut Batch) -> Result<()>,
     ) -> Result<()> {
+        let outcome = self.run_open(batches, depth, sink);
+        // Files are opened when a read first needs them and closed when it ends, so a file
+        // removed meanwhile (an evicted cache entry, a quarantined shard) frees its space.
+        let closed = self.close_files();
+        outcome.and(closed)
+    }
+
+    fn close_files(&mut self) -> Result<()> {
+        if self.files.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        self.files.iter_mut().for_each(|file| *file = None);
+        self.io.close_all()
+    }
+
+    fn run_open<B: AsRef<[u64]>>(
+        &mut self,
+        batches: impl Iterator<Item = B>,
+        depth: usize,
+        sink: &mut dyn FnMut(&mut Batch) -> Result<()>,
+    ) -> Result<()> {
         // `Io` is a public trait: a backend is checked, never trusted to be sane.
         let op_blocks_max = self.io.op_bytes_max() / crate::shard::BLOCK_BYTES;
         if op_blocks_max == 0 {
@@ -327,7 +348,12 @@ impl Reader {
         // Batches planned but not delivered when a repairable failure stopped the read: they are
         // read again, first, after the repair.
         let mut replay: std::collections::VecDeque<Vec<u64>> = std::collections::VecDeque::new();
+        // A read gives up when repairs stop helping: the shard just repaired fails again before
+        // any batch is delivered, or more repairs than shards pass without one. However many
+        // shards a long read (an epoch on a node that caches) repairs along the way, it goes on.
         let mut repairs = 0;
+        let mut delivered = self.stats.records;
+        let mut last_repaired: Option<usize> = None;
         loop {
             let mut source = Replay { replay: &mut replay, rest: &mut batches };
             let mut pipeline = Pipeline {
@@ -362,16 +388,22 @@ impl Reader {
             let (Some(hook), Some(shard)) = (self.repair.clone(), self.dataset.shard_of_error(&error)) else {
                 return Err(error);
             };
-            if repairs == REPAIRS_PER_READ_MAX {
+            if self.stats.records > delivered {
+                delivered = self.stats.records;
+                repairs = 0;
+                last_repaired = None;
+            }
+            if last_repaired == Some(shard) || repairs >= self.dataset.n_shards() + REPAIRS_WITHOUT_PROGRESS_SLACK {
                 return Err(error);
             }
             repairs += 1;
+            last_repaired = Some(shard);
             if hook.repair(self.dataset.shard_id(shard), &error).is_err() {
                 return Err(error);
             }
             self.stats.shards_repaired += 1;
-            // The repaired file is a new file under the old name: open it afresh.
-            self.files[shard] = None;
+            // The repaired file is a new file under the old name: open the files afresh.
+            self.close_files()?;
             for indices in undelivered.into_iter().rev() {
                 replay.push_front(indices);
             }
