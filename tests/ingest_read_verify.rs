@@ -255,12 +255,17 @@ fn a_ref_from_elsewhere_is_adopted_only_when_it_extends_this_history() {
     let other = granary.paths().read_ref(&granary::DatasetName::new("e").unwrap()).unwrap().latest().manifest;
     // Not ahead: kept as it is.
     assert!(!granary.adopt_ref(&name, &local).unwrap());
-    // Ahead, with version 2 removed where it comes from: adopted, and version 2 goes.
-    let ahead = local.with_next(other).unwrap().without(2).unwrap();
+    // Newer, but without this node's latest version: not an extension of this history.
+    let skipping = local.with_next(other).unwrap().without(2).unwrap();
+    let error = granary.adopt_ref(&name, &skipping).unwrap_err().to_string();
+    assert!(error.contains("two histories"), "{error}");
+    assert_eq!(granary.paths().read_ref(&name).unwrap(), local);
+    // Ahead, with version 1 removed where it comes from: adopted, and version 1 goes.
+    let ahead = local.with_next(other).unwrap().without(1).unwrap();
     assert!(granary.adopt_ref(&name, &ahead).unwrap());
     let now = granary.paths().read_ref(&name).unwrap();
     assert_eq!(now, ahead);
-    assert!(now.version(2).is_none());
+    assert!(now.version(1).is_none());
     // Another history under the same name (version 1 names another manifest): refused.
     let diverged = granary::store::RefLog::first(other)
         .with_next(other)

@@ -617,6 +617,24 @@ fn the_read_cache_evicts_by_plugin_but_keeps_the_last_known_copy() {
     let tokens_shards: BTreeSet<ShardId> = shards_of(cluster.root(0), "tokens").into_iter().collect();
     let still: usize = cluster.verified_shards(1).intersection(&tokens_shards).count();
     assert_eq!(still, kept_before, "a last copy was deleted");
+    // The cache entries outlive a restart: node 1, restarted with room for one shard, evicts
+    // the entries of its earlier life that no longer fit (every one has a copy elsewhere).
+    let cached_file = cluster.root(1).join("replication").join("cached");
+    let cached: BTreeSet<ShardId> = std::fs::read_to_string(&cached_file)
+        .unwrap()
+        .lines()
+        .map(|line| ShardId(granary::ObjectId::parse_hex(line).unwrap()))
+        .collect();
+    assert!(cached.len() >= 2, "{} cache entries recorded", cached.len());
+    assert!(cached.is_subset(&cluster.verified_shards(1)));
+    cluster.kill(1);
+    cluster.start(0);
+    cluster.nodes[1].args = vec!["--cache-bytes".into(), shard_bytes.to_string(), "--evictor".into(), "lru".into()];
+    cluster.start(1);
+    cluster.wait("the old cache entries evicted", Duration::from_secs(30), |c| {
+        c.verified_shards(1).intersection(&cached).count() <= 1
+    });
+    assert_eq!(cluster.verified_shards(1).intersection(&tokens_shards).count(), kept_before, "a kept copy went");
     report("cache eviction keeps the last copy", 0, started.elapsed());
 }
 

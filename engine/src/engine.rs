@@ -333,12 +333,13 @@ impl Granary {
         self.catalog.flush()
     }
 
-    /// Adopts `log` as dataset `name`'s ref when it is ahead of the local one (or there is
-    /// none): its latest version is newer, every version number the two share names the same
-    /// manifest (one history, not two datasets that happen to share a name), and every manifest
-    /// it names is stored here. Versions the local ref has and `log` lacks were removed where
-    /// `log` comes from, and go. Returns whether it was adopted; a ref that is not ahead is left
-    /// as it is (refs only move forward), and a diverged one is refused.
+    /// Adopts `log` as dataset `name`'s ref when it extends the local one (or there is none):
+    /// it holds the local latest version with the same manifest, its own latest is newer, every
+    /// version number the two share names the same manifest (one history, not two datasets that
+    /// happen to share a name), and every manifest it names is stored here. Older local versions
+    /// that `log` lacks were removed where it comes from, and go. Returns whether it was adopted;
+    /// a ref that is not ahead is left as it is (refs only move forward), and one that does not
+    /// extend this history is refused, never merged: a person decides which history to keep.
     pub fn adopt_ref(&mut self, name: &DatasetName, log: &RefLog) -> Result<bool> {
         for version in log.versions() {
             if !self.store.paths().manifest(version.manifest).exists() {
@@ -350,6 +351,14 @@ impl Granary {
         match self.store.paths().read_ref(name) {
             Ok(local) if local.latest().number >= log.latest().number => return Ok(false),
             Ok(local) => {
+                let latest = local.latest();
+                if log.version(latest.number).is_none_or(|theirs| theirs.manifest != latest.manifest) {
+                    return Err(Error::invalid_input(format!(
+                        "dataset {name}: the offered ref does not hold this node's latest version {} ({}): \
+                         two histories",
+                        latest.number, latest.manifest
+                    )));
+                }
                 for version in local.versions() {
                     if let Some(theirs) = log.version(version.number)
                         && theirs.manifest != version.manifest

@@ -228,6 +228,13 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         IngestCommand::Tar { common, .. } => (common, Layout::Samples),
     };
     let name = DatasetName::new(&common.name)?;
+    // What replicating afterwards needs is checked before anything is ingested: a failure
+    // after the commit would invite a second ingest of the same records.
+    let replicate_with = match common.replicas {
+        Some(0) => bail!("--replicas must be at least 1"),
+        Some(replicas) => Some((replicas, granary::replication::NodeClient::for_store(&root, common.key.key()?)?)),
+        None => None,
+    };
     let options = IngestOptions {
         shard_bytes_target: common.shard_bytes,
         mode: if common.replace { IngestMode::Replace } else { IngestMode::Append },
@@ -263,10 +270,14 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         stats.shards_published,
         stats.shards_deduplicated
     );
-    if let Some(replicas) = common.replicas {
+    if let Some((replicas, client)) = replicate_with {
         let spec = format!("{}@{}", committed.name, committed.version);
-        let client = granary::replication::NodeClient::for_store(&root, common.key.key()?)?;
-        println!("{}", client.replicate(&spec, replicas, |_, _| {})?);
+        let report = client.replicate(&spec, replicas, |_, _| {}).with_context(|| {
+            format!(
+                "{spec} is committed here, but not replicated: `granary replicate {spec} --replicas {replicas}` retries"
+            )
+        })?;
+        println!("{report}");
     }
     Ok(())
 }

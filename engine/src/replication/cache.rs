@@ -87,6 +87,18 @@ impl ShardCache {
         Ok(self.take_victims(outcome.evictions.iter().map(|&(_, key)| key)))
     }
 
+    /// Stops counting shard `id` (quarantined, or now a placed copy).
+    pub(crate) fn forget(&mut self, id: ShardId) {
+        let key = shard_key(id.0.as_bytes());
+        if self.entries.get(&key).is_some_and(|&(held, _)| held == id) {
+            self.take_victims(std::iter::once(key));
+            if let Some(evictor) = &mut self.evictor {
+                // The plugin forgets it too; a failure here only leaves it a victim later.
+                let _ = evictor.remove(&[key]);
+            }
+        }
+    }
+
     fn take_victims(&mut self, keys: impl Iterator<Item = u64>) -> Vec<(ShardId, u64)> {
         let mut victims = Vec::new();
         for key in keys {

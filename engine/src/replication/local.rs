@@ -88,6 +88,7 @@ impl LocalStore {
         };
         store.rescan()?;
         store.drop_stale_partials()?;
+        store.load_cached()?;
         Ok(store)
     }
 
@@ -118,6 +119,25 @@ impl LocalStore {
             if stale || ObjectId::parse_hex(hex).is_some_and(|id| self.holds(kind, id).is_some()) {
                 let path = entry.path();
                 fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `replication/cached`, keeping the shards still held.
+    fn load_cached(&self) -> Result<()> {
+        let path = self.paths.root().join("replication").join("cached");
+        let text = match fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io("read", &path, e)),
+        };
+        let mut cached = self.cached.write().expect("the cache set lock is never poisoned");
+        for line in text.lines() {
+            if let Some(id) = ObjectId::parse_hex(line.trim())
+                && self.holds(WireKind::Shard, id).is_some()
+            {
+                cached.insert(id);
             }
         }
         Ok(())
@@ -173,13 +193,42 @@ impl LocalStore {
             .collect()
     }
 
-    /// Marks shard `id` as held only as a cache entry (or no longer).
+    /// Whether shard `id` is held only as a cache entry.
+    pub(crate) fn is_cached(&self, id: ObjectId) -> bool {
+        self.cached.read().expect("the cache set lock is never poisoned").contains(&id)
+    }
+
+    /// Forgets a listed object whose file is gone.
+    pub(crate) fn note_missing(&self, kind: WireKind, id: ObjectId) {
+        self.note_removed(kind, id);
+    }
+
+    /// Marks shard `id` as held only as a cache entry (or no longer). The set is kept in
+    /// `replication/cached`, so a restart does not turn cache entries into copies that are
+    /// never evicted.
     pub(crate) fn set_cached(&self, id: ObjectId, is_cached: bool) {
         let mut cached = self.cached.write().expect("the cache set lock is never poisoned");
         let changed = if is_cached { cached.insert(id) } else { cached.remove(&id) };
         if changed {
             self.generation.fetch_add(1, Ordering::AcqRel);
+            let mut ids: Vec<String> = cached.iter().map(ToString::to_string).collect();
+            ids.sort();
+            let dir = self.paths.root().join("replication");
+            let text: String = ids.into_iter().map(|id| id + "\n").collect();
+            // Losing this write only makes an entry a copy that is kept: never data lost.
+            if let Err(e) = write_atomically(&dir, &dir.join("cached"), text.as_bytes()) {
+                eprintln!("granary node: could not record the cache entries: {e}");
+            }
         }
+    }
+
+    /// The shards held as cache entries, with their lengths (at start, to rebuild the cache).
+    pub(crate) fn cached_entries(&self) -> Vec<(ObjectId, u64)> {
+        let cached = self.cached.read().expect("the cache set lock is never poisoned");
+        let mut out: Vec<(ObjectId, u64)> =
+            cached.iter().filter_map(|&id| self.holds(WireKind::Shard, id).map(|bytes| (id, bytes))).collect();
+        out.sort();
+        out
     }
 
     /// Up to `max` entries after `after`, and whether more follow.

@@ -41,6 +41,8 @@ const FETCHES_MAX: usize = 8;
 const FETCHES_PER_PASS_MAX: usize = 4 * FETCHES_MAX;
 /// Recent events kept for the status report.
 const EVENTS_MAX: usize = 32;
+/// A read that needs a shard from a peer waits at most this long for one that lists it.
+const PEER_WAIT_FOR_READ: Duration = Duration::from_secs(10);
 /// A probe of a peer (ping, and its inventory when that changed) takes at most this long.
 const PROBE_DEADLINE: Duration = Duration::from_secs(30);
 /// Objects a peer's inventory may list (bounds the memory a peer can make this node use).
@@ -337,6 +339,25 @@ impl Node {
         for addr in peers {
             shared.learn_peer(addr);
         }
+        // The cache entries of an earlier life count against the bound again.
+        let mut victims = Vec::new();
+        for (id, bytes) in shared.local.cached_entries() {
+            let (evicted, cached) =
+                shared.cache.lock().expect("the cache lock is never poisoned").admit(ShardId(id), bytes)?;
+            if !cached {
+                shared.local.set_cached(id, false);
+            }
+            victims.extend(evicted);
+        }
+        if !victims.is_empty() {
+            // Deleted once the peers' inventories are known (a victim with no copy that is not
+            // cached on a node that is up is kept).
+            let shared = Arc::clone(&shared);
+            runtime.spawn(async move {
+                tokio::time::sleep(shared.config.down_after * 2).await;
+                shared.evict(victims).await;
+            });
+        }
         runtime.spawn(reconciler(Arc::clone(&shared), shutdown));
         shared.event(format!("node {node_id} (incarnation {}) listening on {bound}", shared.hello.epoch));
         Ok(Node { runtime: Some(runtime), shared, stop })
@@ -626,6 +647,11 @@ impl Shared {
             }
             _ => pull::Length::new(bytes, false),
         };
+        // A peer asks this node to hold the object: a placed copy, not a cache entry.
+        if self.local.is_cached(id) {
+            self.local.set_cached(id, false);
+            self.cache.lock().expect("the cache lock is never poisoned").forget(ShardId(id));
+        }
         match pull::pull(self, kind, id, length, sources).await? {
             Pulled::AlreadyHeld | Pulled::Joined => {}
             Pulled::Published { bytes } => {
@@ -639,6 +665,7 @@ impl Shared {
     /// Quarantines this node's damaged copy; the reconciler brings a good one back when the
     /// shard belongs here.
     pub(crate) async fn quarantine_and_heal(self: &Arc<Self>, kind: WireKind, id: ObjectId) {
+        self.cache.lock().expect("the cache lock is never poisoned").forget(ShardId(id));
         let shared = Arc::clone(self);
         let moved = tokio::task::spawn_blocking(move || shared.local.quarantine(kind, id)).await;
         match moved {
@@ -655,6 +682,7 @@ impl Shared {
     pub(crate) async fn repair_shard(self: &Arc<Self>, id: ShardId) -> Result<String> {
         let kind = WireKind::Shard;
         let was_here = self.local.holds(kind, id.0).is_some();
+        let was_cached = self.local.is_cached(id.0);
         if was_here {
             let path = self.local.object_path(kind, id.0);
             let checked = tokio::task::spawn_blocking(move || crate::engine::verify_shard(&path, id))
@@ -667,37 +695,66 @@ impl Shared {
                     self.event(format!("read found shard {} damaged: {e}", id.0.short(12)));
                     self.quarantine_and_heal(kind, id.0).await;
                 }
-                Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+                // Listed but gone (removed by another process): no longer listed.
+                Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                    self.local.note_missing(kind, id.0);
+                }
                 Err(e) => return Err(e),
             }
         }
-        // The length from a manifest is verified; a peer's inventory is only a hint.
-        let bytes_hint = self.manifest_bytes(id).unwrap_or_else(|| self.bytes_known(kind, id.0));
-        let trusted = self.manifest_bytes(id).is_some();
-        let sources = self.sources_for(kind, id.0, &[]);
-        let pulled = pull::pull(self, kind, id.0, pull::Length::new(bytes_hint, trusted), &sources).await?;
+        // A shard fetched for a read and not placed here is a cache entry; peers must see it
+        // flagged as such from the moment it is listed (they count on copies that are not).
+        let as_cache = (was_cached || !was_here) && !self.is_placed_here(id).await;
+        if as_cache {
+            self.local.set_cached(id.0, true);
+        }
+        let pulled = self.pull_for_read(id).await;
+        let pulled = match pulled {
+            Ok(pulled) => pulled,
+            Err(e) => {
+                if as_cache {
+                    self.local.set_cached(id.0, false);
+                    self.cache.lock().expect("the cache lock is never poisoned").forget(id);
+                }
+                return Err(e);
+            }
+        };
         self.stats.repairs.fetch_add(1, Ordering::Relaxed);
         let message = match pulled {
             Pulled::AlreadyHeld | Pulled::Joined => format!("shard {id} is here"),
             Pulled::Published { bytes } => format!("shard {id} replaced with a verified copy ({bytes} bytes)"),
         };
         self.event(message.clone());
-        if !was_here && !self.is_placed_here(id).await {
-            // A shard fetched for a read, not placed here: it is a cache entry.
-            let bytes = self.local.holds(kind, id.0).unwrap_or(bytes_hint);
+        if as_cache {
+            let bytes = self.local.holds(kind, id.0).unwrap_or(0);
             let (victims, cached) = {
                 let mut cache = self.cache.lock().expect("the cache lock is never poisoned");
                 cache.admit(id, bytes)?
             };
-            if cached {
-                self.local.set_cached(id.0, true);
-            } else {
+            if !cached {
+                self.local.set_cached(id.0, false);
                 self.event(format!("shard {} is larger than the whole cache: kept outside it", id.0.short(12)));
             }
             self.evict(victims).await;
         }
         self.wake.notify_one();
         Ok(message)
+    }
+
+    /// Pulls shard `id` for a reader: its length from a manifest here when there is one (a
+    /// peer's inventory is only a hint), from whichever peer lists it, waiting a little for
+    /// one to be up (right after a start, no heartbeat has answered yet).
+    async fn pull_for_read(self: &Arc<Self>, id: ShardId) -> Result<Pulled> {
+        let kind = WireKind::Shard;
+        let started = Instant::now();
+        while self.sources_for(kind, id.0, &[]).is_empty() && started.elapsed() < PEER_WAIT_FOR_READ {
+            tokio::time::sleep(self.config.heartbeat.min(Duration::from_millis(100))).await;
+        }
+        let length = match self.manifest_bytes(id) {
+            Some(bytes) => pull::Length::new(bytes, true),
+            None => pull::Length::new(self.bytes_known(kind, id.0), false),
+        };
+        pull::pull(self, kind, id.0, length, &[]).await
     }
 
     /// The length of an object as some peer lists it (0 when no peer does).
@@ -722,17 +779,20 @@ impl Shared {
         None
     }
 
-    /// Whether the replicator places shard `id` on this node for some replication goal.
+    /// Whether the replicator places shard `id` on this node for some replication goal. When
+    /// that cannot be told (a goal or the plugin fails), the answer is yes: the copy is kept.
     async fn is_placed_here(self: &Arc<Self>, id: ShardId) -> bool {
-        let Ok(goals) = self.local.goals() else { return false };
+        let Ok(goals) = self.local.goals() else { return true };
         for (name, replicas) in goals {
-            if !self.shards_of(&name).is_ok_and(|shards| shards.contains_key(&id)) {
-                continue;
+            match self.shards_of(&name) {
+                Ok(shards) if shards.contains_key(&id) => {}
+                Ok(_) => continue,
+                Err(_) => return true,
             }
-            if let Ok(placement) = self.placement(self.node_infos(), replicas).await
-                && placement.nodes(id.0.as_bytes()).contains(&self.hello.node_id)
-            {
-                return true;
+            match self.placement(self.node_infos(), replicas).await {
+                Ok(placement) if placement.nodes(id.0.as_bytes()).contains(&self.hello.node_id) => return true,
+                Ok(_) => {}
+                Err(_) => return true,
             }
         }
         false
@@ -872,8 +932,9 @@ impl Shared {
         sources.extend(others.iter().copied().filter(|&n| n != self.hello.node_id && n != target));
         sources.truncate(super::frame::SOURCES_MAX);
         channel.send(&Frame::Fetch { request, kind, id, bytes, sources }).await.map_err(transport)?;
-        // The target replies once it has pulled and verified the object: allow for a slow link.
-        let wait = Duration::from_secs(60) + Duration::from_millis(bytes / 1_000_000 * 100);
+        // The target replies once it has pulled and verified the object: allow for the slowest
+        // transfer a pull accepts (1 MiB/s), and for a wait for one of its pull slots.
+        let wait = Duration::from_secs(120) + Duration::from_secs(bytes / (1 << 20));
         match channel.recv_within(wait).await.map_err(transport)? {
             Frame::Reply { request: r, code: ReplyCode::Ok, .. } if r == request => {
                 self.note_peer_has(target, kind, id, bytes);
@@ -938,7 +999,7 @@ impl Shared {
                     .local
                     .holds(WireKind::Manifest, id)
                     .ok_or_else(|| Error::NotFound { what: format!("manifest {id} of {name}@{}", version.number) })?;
-                self.ask_to_fetch(target, WireKind::Manifest, id, bytes, &[]).await?;
+                self.fetch_once(target, WireKind::Manifest, id, bytes, Vec::new()).await?;
             }
         }
         let addr = self.peer_addr(target).ok_or_else(|| Error::NotFound { what: format!("node {target}") })?;
@@ -1148,6 +1209,8 @@ impl Shared {
         let now = Instant::now();
         let mut under: HashMap<ShardId, Instant> = HashMap::new();
         let mut unavailable = 0;
+        // Fetch requests started in this pass, across factors; none while many are pending.
+        let mut started = self.fetching.len();
         for (&replicas, shards) in &by_factor {
             let want = (replicas as usize).min(n_up);
             let mut holdings = Vec::with_capacity(shards.len());
@@ -1171,7 +1234,6 @@ impl Shared {
                     continue;
                 }
             };
-            let mut started = 0;
             for t in transfers {
                 if t.source != self.hello.node_id {
                     continue;
@@ -1179,7 +1241,7 @@ impl Shared {
                 let Some(&(shard, bytes)) = by_key.get(&t.key) else { continue };
                 // One request per (shard, target) at a time, and a bounded number started per
                 // pass: the rest wait for the next pass.
-                if started == FETCHES_PER_PASS_MAX || self.fetching.contains(&(shard.0, t.target)) {
+                if started >= FETCHES_PER_PASS_MAX || self.fetching.contains(&(shard.0, t.target)) {
                     continue;
                 }
                 started += 1;

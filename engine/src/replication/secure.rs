@@ -140,9 +140,9 @@ pub struct Channel {
     plain_len: usize,
     /// Scratch: an encoded frame.
     frame_out: Vec<u8>,
-    /// Records queued to be written: `out[..queued]` (sized once, never cleared: every byte
-    /// sent is written first).
-    out: Box<[u8]>,
+    /// Records queued to be written: `out[..queued]` (never cleared: every byte sent is
+    /// written first).
+    out: Vec<u8>,
     queued: usize,
     local_epoch: u64,
     sent: u64,
@@ -241,7 +241,11 @@ impl Channel {
             write_record(&mut stream, &message[..n]).await?;
             let noise = noise.into_transport_mode().map_err(noise_error)?;
             let mut channel = Channel::new(stream, noise, peer_addr, deadlines, hello.epoch);
-            let peer = channel.recv_hello().await?;
+            // A replayed first message gets this far; its sender cannot produce the Hello, and
+            // holds the handshake slot only as long as an honest peer needs to send it.
+            let peer = tokio::time::timeout(first, channel.recv_hello())
+                .await
+                .map_err(|_| TransportError::Timeout { what: "the Hello", after: first })??;
             channel.send(&hello_frame(hello)).await?;
             Ok((channel, peer))
         };
@@ -266,7 +270,8 @@ impl Channel {
             plain: vec![0; FRAME_BYTES_MAX].into_boxed_slice(),
             plain_len: 0,
             frame_out: Vec::with_capacity(FRAME_BYTES_MAX),
-            out: vec![0; WRITE_BUFFER_BYTES + 4 + RECORD_BYTES_MAX].into_boxed_slice(),
+            // Room for one record; grown to a batch's worth by the first stream of chunks.
+            out: vec![0; 4 + RECORD_BYTES_MAX],
             queued: 0,
             local_epoch,
             sent: 0,
@@ -307,6 +312,9 @@ impl Channel {
         self.frame_out.clear();
         frame.encode(self.local_epoch, self.sent + 1, &mut self.frame_out).map_err(TransportError::Frame)?;
         let at = self.queued;
+        if at + 4 + RECORD_BYTES_MAX > self.out.len() {
+            self.out.resize(WRITE_BUFFER_BYTES + 4 + RECORD_BYTES_MAX, 0);
+        }
         let n = self.noise.write_message(&self.frame_out, &mut self.out[at + 4..]).map_err(noise_error)?;
         self.out[at..at + 4].copy_from_slice(&(n as u32).to_le_bytes());
         self.queued += 4 + n;

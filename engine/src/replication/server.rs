@@ -25,9 +25,10 @@ use crate::id::{ObjectId, ShardId};
 use crate::shard::{BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET, ShardMeta};
 use crate::store::{DatasetName, RefLog};
 
-/// Authenticated connections served at once (each peer keeps one for its heartbeat, and opens
-/// more for transfers).
-pub(crate) const CONNECTIONS_MAX: usize = 128;
+/// Authenticated connections served at once: every peer keeps one for its heartbeat (up to
+/// 256 peers), and transfers, fetch requests and clients use the rest. An idle connection
+/// holds about 200 KiB of buffers.
+pub(crate) const CONNECTIONS_MAX: usize = super::frame::MEMBERS_MAX + 64;
 /// Handshakes in progress at once, in all and from one address: a peer without the key can
 /// hold a handshake slot only until its first message is due. A node opens up to about 16
 /// connections at once to one peer (fetch requests, pulls, its heartbeat, a ref), and nodes
