@@ -257,3 +257,54 @@ fn read_error(path: &Path, op: &ReadOp, source: std::io::Error) -> Error {
     named.as_mut_os_string().push(format!(" at offset {} (+{} bytes)", op.offset, op.len));
     Error::io("read", named, source)
 }
+
+/// Asks the kernel to start writing `len` bytes of `file` from `offset` back to the disk, and
+/// returns without waiting: a writer that calls this as it goes leaves little for its final
+/// fsync, so the flush overlaps the work that produced the bytes. Durability still comes only
+/// from fsync. A no-op where the call does not exist.
+pub fn start_writeback(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+        };
+        #[allow(unsafe_code, reason = "sync_file_range has no safe wrapper in std")]
+        // SAFETY: the descriptor is open for as long as `file` is borrowed, and the call only
+        // reads its integer arguments; it touches no memory of this process.
+        let rc = unsafe { libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, offset, len);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Seek, SeekFrom, Write};
+
+    use super::start_writeback;
+
+    #[test]
+    fn writeback_is_a_hint_that_changes_no_byte_and_refuses_offsets_past_the_range() {
+        let mut file = tempfile::tempfile().expect("a temp file");
+        let bytes: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 251) as u8).collect();
+        file.write_all(&bytes).expect("written");
+        start_writeback(&file, 0, 1 << 20).expect("writeback of a written range");
+        // Past the end, and the rest of the file: both accepted (the kernel writes what is there).
+        start_writeback(&file, 1 << 20, 8 << 20).expect("writeback past the end");
+        file.sync_all().expect("synced");
+        let mut back = Vec::new();
+        file.seek(SeekFrom::Start(0)).expect("seek");
+        file.read_to_end(&mut back).expect("read back");
+        assert!(back == bytes, "writeback changed the file");
+        #[cfg(target_os = "linux")]
+        {
+            let error = start_writeback(&file, u64::MAX, 1).expect_err("an offset past i64");
+            assert_eq!(error.kind(), std::io::ErrorKind::InvalidInput);
+        }
+    }
+}

@@ -24,6 +24,8 @@ use crate::error::{Error, Result, TransportError};
 use crate::id::ObjectId;
 use crate::shard::{BLOCK_BYTES, FILE_BYTES_MAX};
 
+/// The writer thread starts the disk's writeback each time this many bytes have arrived.
+const WRITEBACK_BYTES: u64 = 8 << 20;
 /// Bytes handed to the writer thread at a time.
 const WRITE_BATCH_BYTES: usize = 1 << 20;
 /// Batches queued for the writer at most (backpressure on the network side).
@@ -351,6 +353,8 @@ fn writer_thread(
     let _ = ready.send(Ok(len));
     // The first write error is kept and reported at the next flush or finish.
     let mut failed: Option<Error> = None;
+    // Bytes before this offset have been handed to the kernel's writeback.
+    let mut written_back = len;
     while let Some(msg) = rx.blocking_recv() {
         match msg {
             WriterMsg::Data(mut data) => {
@@ -362,6 +366,12 @@ fn writer_thread(
                         }
                         Err(e) => failed = Some(Error::io("write", path, e)),
                     }
+                }
+                if failed.is_none() && len - written_back >= WRITEBACK_BYTES {
+                    // The disk writes while the network delivers the rest; the fsync at the end
+                    // then has little left. Only a hint: a failure here changes nothing.
+                    let _ = crate::io::start_writeback(&file, written_back, len - written_back);
+                    written_back = len;
                 }
                 data.clear();
                 let _ = spare.try_send(data);
@@ -386,6 +396,7 @@ fn writer_thread(
                     .map_err(|e| Error::io("truncate", path, e));
                 hasher = blake3::Hasher::new();
                 len = 0;
+                written_back = 0;
                 failed = None;
                 let _ = answer.send(reset);
             }
