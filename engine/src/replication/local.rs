@@ -215,8 +215,9 @@ impl LocalStore {
             ids.sort();
             let dir = self.paths.root().join("replication");
             let text: String = ids.into_iter().map(|id| id + "\n").collect();
-            // Losing this write only makes an entry a copy that is kept: never data lost.
-            if let Err(e) = write_atomically(&dir, &dir.join("cached"), text.as_bytes()) {
+            // Not synced: this is on a read's path, and losing the file (a crash before the
+            // kernel wrote it) only makes its entries copies that are kept, never data lost.
+            if let Err(e) = replace_file(&dir, &dir.join("cached"), text.as_bytes(), false) {
                 eprintln!("granary node: could not record the cache entries: {e}");
             }
         }
@@ -371,13 +372,21 @@ impl LocalStore {
 
 /// Writes `bytes` to `target` through a temp file in `dir`: fsync, rename, fsync the directory.
 fn write_atomically(dir: &Path, target: &Path, bytes: &[u8]) -> Result<()> {
+    replace_file(dir, target, bytes, true)
+}
+
+/// Replaces `target` with `bytes` through a temp file in `dir` (readers see the old content or
+/// the new, never a mix); durable (synced) only when `durable`.
+fn replace_file(dir: &Path, target: &Path, bytes: &[u8], durable: bool) -> Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let tmp = dir.join(format!(".{}-{n}.tmp", std::process::id()));
     let mut file = File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(|e| Error::io("write", &tmp, e))?;
+    file.write_all(bytes)
+        .and_then(|()| if durable { file.sync_all() } else { Ok(()) })
+        .map_err(|e| Error::io("write", &tmp, e))?;
     fs::rename(&tmp, target).map_err(|e| Error::io("rename", target, e))?;
-    sync_dir(dir)
+    if durable { sync_dir(dir) } else { Ok(()) }
 }
 
 /// Reads, increments and durably stores the node's incarnation counter.
