@@ -1,6 +1,7 @@
 //! One conformance suite that every `Io` backend passes: the bytes of every op, any queue depth,
 //! errors for bad ops and end of file, a failing callback that stops the read without losing the
-//! backend, and a stream that waits with nothing in flight (an error, never a hang).
+//! backend, a stream that waits with nothing in flight (an error, never a hang), and closing
+//! every file (no descriptor kept, ids and fixed-file slots reusable).
 
 mod common;
 
@@ -212,4 +213,40 @@ fn injected_faults_hit_the_op_they_name() {
     assert_eq!(second[2], expected, "op 12 is the third op of the second read");
     let third = read(&mut io, &ops[..6]);
     assert!(matches!(third, Err(Error::Io { ref source, .. }) if source.raw_os_error() == Some(libc::EIO)));
+}
+
+#[test]
+fn closing_every_file_forgets_their_ids_and_files_opened_after_read_their_own_bytes() {
+    let dir = tempdir();
+    let files = files(dir.path());
+    for (name, make) in backends() {
+        let mut io = make();
+        let old: Vec<FileId> = files.iter().map(|(path, _)| io.open(path).unwrap()).collect();
+        let op = |file| ReadOp { file, offset: 4096, len: 8192 };
+        assert_eq!(read(io.as_mut(), &[op(old[2])]).unwrap()[0], files[2].1[4096..12288], "{name}");
+        io.close_all().unwrap();
+        // The closed files' ids name nothing now.
+        assert!(matches!(read(io.as_mut(), &[op(old[0])]), Err(Error::InvalidInput { .. })), "{name}");
+        // A file removed after the close is gone for good (nothing holds it open), and the next
+        // file opened reads its own bytes, not those of the file its id or slot had before.
+        std::fs::remove_file(&files[0].0).unwrap();
+        assert!(!held_open(&files[0].0), "{name}: a closed file is still open");
+        std::fs::write(&files[0].0, &files[1].1).unwrap();
+        let new = io.open(&files[2].0).unwrap();
+        assert_eq!(read(io.as_mut(), &[op(new)]).unwrap()[0], files[2].1[4096..12288], "{name}");
+        let replaced = io.open(&files[0].0).unwrap();
+        assert_eq!(read(io.as_mut(), &[op(replaced)]).unwrap()[0], files[1].1[4096..12288], "{name}");
+        io.close_all().unwrap();
+        io.close_all().unwrap();
+        std::fs::write(&files[0].0, &files[0].1).unwrap();
+    }
+}
+
+/// Whether this process holds a descriptor of the removed file `path` (Linux: /proc/self/fd).
+fn held_open(path: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else { return false };
+    let deleted = format!("{} (deleted)", path.display());
+    entries
+        .flatten()
+        .any(|entry| std::fs::read_link(entry.path()).is_ok_and(|target| target.to_string_lossy() == deleted))
 }

@@ -288,10 +288,11 @@ impl Io for UringIo {
         if !self.drain() {
             return Err(Error::io("io_uring_enter", "io_uring", std::io::Error::other("ring failed")));
         }
-        // Fixed-file slots are handed out from 0 in open order: empty those in use.
-        let n_fixed = self.files.open.iter().filter(|f| f.fixed.is_some()).count();
-        if n_fixed > 0 {
-            let empty = vec![-1; n_fixed];
+        // File `i` may hold fixed-file slot `i` (slots below the table's size, in open order):
+        // empty every slot an open file could have taken, registered or not.
+        let n_slots = self.files.open.len().min(self.files.fixed_files as usize);
+        if n_slots > 0 {
+            let empty = vec![-1; n_slots];
             self.ring
                 .submitter()
                 .register_files_update(0, &empty)
