@@ -382,10 +382,16 @@ fn replace_file(dir: &Path, target: &Path, bytes: &[u8], durable: bool) -> Resul
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let tmp = dir.join(format!(".{}-{n}.tmp", std::process::id()));
     let mut file = File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-    file.write_all(bytes)
+    let written = file
+        .write_all(bytes)
         .and_then(|()| if durable { file.sync_all() } else { Ok(()) })
-        .map_err(|e| Error::io("write", &tmp, e))?;
-    fs::rename(&tmp, target).map_err(|e| Error::io("rename", target, e))?;
+        .map_err(|e| Error::io("write", &tmp, e))
+        .and_then(|()| fs::rename(&tmp, target).map_err(|e| Error::io("rename", target, e)));
+    if let Err(e) = written {
+        // A full disk, say: leave no temp file behind.
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
     if durable { sync_dir(dir) } else { Ok(()) }
 }
 
