@@ -27,9 +27,12 @@ done
 for i in 0 1 2; do
   for _ in $(seq 100); do [[ -f "${roots[$i]}/replication/listen" ]] && break; sleep 0.1; done
 done
-# Wait until node 0 sees both peers.
-for _ in $(seq 100); do
-  [[ $($bin --root "$store" status --cluster-key "$key" | grep -c ' up ') == 2 ]] && break; sleep 0.1
+# Wait until every node sees both peers (a node that has not heard from the origin yet would
+# wait for it anyway, up to 10 s, when asked to fetch).
+for i in 0 1 2; do
+  for _ in $(seq 100); do
+    [[ $($bin --root "${roots[$i]}" status --cluster-key "$key" | grep -c ' up ') == 2 ]] && break; sleep 0.1
+  done
 done
 $bin --root "$store" replicate tree --replicas 2 --cluster-key "$key"
 $bin --root "$store" status --cluster-key "$key" | grep -v '^event'

@@ -41,8 +41,9 @@ const FETCHES_MAX: usize = 8;
 const FETCHES_PER_PASS_MAX: usize = 4 * FETCHES_MAX;
 /// Recent events kept for the status report.
 const EVENTS_MAX: usize = 32;
-/// A read that needs a shard from a peer waits at most this long for one that lists it.
-const PEER_WAIT_FOR_READ: Duration = Duration::from_secs(10);
+/// A read or a fetch request that needs an object from a peer waits at most this long for one
+/// that is up and can serve it (right after a start, no heartbeat has answered yet).
+const PEER_WAIT_FOR_SOURCE: Duration = Duration::from_secs(10);
 /// A probe of a peer (ping, and its inventory when that changed) takes at most this long.
 const PROBE_DEADLINE: Duration = Duration::from_secs(30);
 /// Objects a peer's inventory may list (bounds the memory a peer can make this node use).
@@ -652,6 +653,11 @@ impl Shared {
             self.local.set_cached(id, false);
             self.cache.lock().expect("the cache lock is never poisoned").forget(ShardId(id));
         }
+        // The asking peer may not be up in this node's table yet (it just started, or its first
+        // heartbeat has not been answered): give it a moment rather than refuse.
+        if self.local.holds(kind, id).is_none() {
+            self.wait_for_source(kind, id, sources).await;
+        }
         match pull::pull(self, kind, id, length, sources).await? {
             Pulled::AlreadyHeld | Pulled::Joined => {}
             Pulled::Published { bytes } => {
@@ -746,15 +752,21 @@ impl Shared {
     /// one to be up (right after a start, no heartbeat has answered yet).
     async fn pull_for_read(self: &Arc<Self>, id: ShardId) -> Result<Pulled> {
         let kind = WireKind::Shard;
-        let started = Instant::now();
-        while self.sources_for(kind, id.0, &[]).is_empty() && started.elapsed() < PEER_WAIT_FOR_READ {
-            tokio::time::sleep(self.config.heartbeat.min(Duration::from_millis(100))).await;
-        }
+        self.wait_for_source(kind, id.0, &[]).await;
         let length = match self.manifest_bytes(id) {
             Some(bytes) => pull::Length::new(bytes, true),
             None => pull::Length::new(self.bytes_known(kind, id.0), false),
         };
         pull::pull(self, kind, id.0, length, &[]).await
+    }
+
+    /// Waits (at most `PEER_WAIT_FOR_SOURCE`) until some peer that is up can serve the object:
+    /// one of `preferred`, or one that lists it.
+    async fn wait_for_source(&self, kind: WireKind, id: ObjectId, preferred: &[u32]) {
+        let started = Instant::now();
+        while self.sources_for(kind, id, preferred).is_empty() && started.elapsed() < PEER_WAIT_FOR_SOURCE {
+            tokio::time::sleep(self.config.heartbeat.min(Duration::from_millis(100))).await;
+        }
     }
 
     /// The length of an object as some peer lists it (0 when no peer does).
