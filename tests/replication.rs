@@ -226,6 +226,11 @@ impl Drop for Cluster {
     }
 }
 
+/// `granary ingest` of 4 KiB u16 records into dataset `tokens`, in 512 KiB shards (the input
+/// file follows).
+const INGEST_TOKENS: &[&str] =
+    &["ingest", "records", "--name", "tokens", "--record-bytes", "4096", "--dtype", "u16", "--shard-bytes", "512K"];
+
 fn shards_of(root: &Path, name: &str) -> Vec<ShardId> {
     let dataset = Dataset::open(&StorePaths::new(root), &VersionSpec::parse(name).unwrap()).unwrap();
     (0..dataset.n_shards()).map(|s| dataset.shard_id(s)).collect()
@@ -283,24 +288,7 @@ fn a_dataset_ingested_on_one_node_reaches_its_replication_factor_verified() {
     // copies of the new version are verified on their nodes.
     let input = cluster.dir.path().join("more.bin");
     write_records(&input, &(0..512).map(|i| bytes(77_000 + i, 4096)).collect::<Vec<_>>());
-    let out = cluster.cli(
-        0,
-        &[
-            "ingest",
-            "records",
-            "--name",
-            "tokens",
-            "--record-bytes",
-            "4096",
-            "--dtype",
-            "u16",
-            "--shard-bytes",
-            "512K",
-            "--replicas",
-            "3",
-            input.to_str().unwrap(),
-        ],
-    );
+    let out = cluster.cli(0, &[INGEST_TOKENS, &["--replicas", "3", input.to_str().unwrap()]].concat());
     assert!(
         out.status.success(),
         "ingest --replicas failed: {}\n{}",
@@ -748,25 +736,7 @@ fn a_partitioned_node_heals_and_converges() {
     cluster.wait("node 2 seen down", Duration::from_secs(30), |c| c.peers_up(0) == 1 && c.peers_up(1) == 1);
     let input = cluster.dir.path().join("more.bin");
     write_records(&input, &(0..256).map(|i| bytes(99_000 + i, 4096)).collect::<Vec<_>>());
-    let out = cluster
-        .command(0)
-        .arg("--root")
-        .arg(cluster.root(0))
-        .args([
-            "ingest",
-            "records",
-            "--name",
-            "tokens",
-            "--record-bytes",
-            "4096",
-            "--dtype",
-            "u16",
-            "--shard-bytes",
-            "512K",
-        ])
-        .arg(&input)
-        .output()
-        .unwrap();
+    let out = cluster.command(0).arg("--root").arg(cluster.root(0)).args(INGEST_TOKENS).arg(&input).output().unwrap();
     assert!(out.status.success(), "ingest beside a running node failed: {}", String::from_utf8_lossy(&out.stderr));
     let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "3"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

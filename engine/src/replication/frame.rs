@@ -513,6 +513,17 @@ impl<'a> Cursor<'a> {
         Ok(ObjectId::from_bytes(self.take(ID_BYTES)?.try_into().expect("32 bytes")))
     }
 
+    /// A byte that must be 0 (false) or 1 (true).
+    fn flag(&mut self, kind: Kind, field: &'static str) -> Result<bool, FrameError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => {
+                Err(FrameError::BadField { kind: kind.name(), field, detail: format!("{other} is neither 0 nor 1") })
+            }
+        }
+    }
+
     fn zeros(&mut self, n: usize, kind: Kind) -> Result<(), FrameError> {
         if self.take(n)?.iter().any(|&b| b != 0) { Err(FrameError::Reserved(kind.name())) } else { Ok(()) }
     }
@@ -646,41 +657,22 @@ impl<'a> Frame<'a> {
             Kind::Ping => Frame::Ping(c.u64()?),
             Kind::Pong => Frame::Pong { nonce: c.u64()?, generation: c.u64()? },
             Kind::InventoryRequest => {
-                let present = c.u8()?;
+                let present = c.flag(kind, "cursor flag")?;
                 let code = c.u8()?;
                 c.zeros(6, kind)?;
                 let id = c.id()?;
-                let after = match present {
-                    0 => {
-                        if code != 0 || id != ObjectId::from_bytes([0; ID_BYTES]) {
-                            return Err(FrameError::Reserved(kind.name()));
-                        }
-                        None
-                    }
-                    1 => Some((wire_kind(code, kind)?, id)),
-                    other => {
-                        return Err(FrameError::BadField {
-                            kind: kind.name(),
-                            field: "cursor flag",
-                            detail: format!("{other} is neither 0 nor 1"),
-                        });
-                    }
+                let after = if present {
+                    Some((wire_kind(code, kind)?, id))
+                } else if code != 0 || id != ObjectId::from_bytes([0; ID_BYTES]) {
+                    return Err(FrameError::Reserved(kind.name()));
+                } else {
+                    None
                 };
                 Frame::InventoryRequest { after }
             }
             Kind::Inventory => {
                 let n = usize::from(c.u16()?);
-                let more = match c.u8()? {
-                    0 => false,
-                    1 => true,
-                    other => {
-                        return Err(FrameError::BadField {
-                            kind: kind.name(),
-                            field: "more",
-                            detail: format!("{other}"),
-                        });
-                    }
-                };
+                let more = c.flag(kind, "more")?;
                 c.zeros(5, kind)?;
                 if n > INVENTORY_ENTRIES_MAX {
                     return Err(FrameError::TooLarge { what: "inventory page", bytes: n, max: INVENTORY_ENTRIES_MAX });
@@ -691,17 +683,7 @@ impl<'a> Frame<'a> {
                 for entry in raw.chunks_exact(INVENTORY_ENTRY_BYTES) {
                     let mut e = Cursor { bytes: entry, at: 0 };
                     let object = wire_kind(e.u8()?, kind)?;
-                    let cached = match e.u8()? {
-                        0 => false,
-                        1 => true,
-                        other => {
-                            return Err(FrameError::BadField {
-                                kind: kind.name(),
-                                field: "entry flags",
-                                detail: format!("{other:#04x}"),
-                            });
-                        }
-                    };
+                    let cached = e.flag(kind, "entry flags")?;
                     let id = e.id()?;
                     let bytes = e.u64()?;
                     entries.push(InventoryEntry { kind: object, id, bytes, cached });
@@ -794,17 +776,7 @@ impl<'a> Frame<'a> {
             }
             Kind::Progress => {
                 let request = c.u32()?;
-                let last = match c.u8()? {
-                    0 => false,
-                    1 => true,
-                    other => {
-                        return Err(FrameError::BadField {
-                            kind: kind.name(),
-                            field: "last",
-                            detail: format!("{other}"),
-                        });
-                    }
-                };
+                let last = c.flag(kind, "last")?;
                 c.zeros(1, kind)?;
                 let code = reply_code(c.u16()?, kind)?;
                 let done = c.u64()?;
