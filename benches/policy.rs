@@ -6,9 +6,9 @@
 //! so a batch should cost at most 1.25x native per access. An infinite loop must stop within 2
 //! epoch ticks of its deadline. A plan for 100k shards and 64 ranks must take under 100 ms.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, Throughput, criterion_group};
 use granary::policy::builtin::built_plugin_path;
 use granary::policy::{EpochSpec, Evictor, Limits, NodeInfo, Partitioner, PolicyHost, RankInfo, sim, trace};
 use granary_policy_sdk::Options;
@@ -119,5 +119,83 @@ fn policy_load(c: &mut Criterion) {
     group.finish();
 }
 
+/// `policy_evict_ratio`: the eviction target as one figure. The two criterion rows above run one
+/// after the other, and on a shared machine the speed drifts between them by more than the
+/// difference being measured; here rounds of wasm and native batches alternate (order flipped
+/// every round) and the ratio is taken per round, so drift cancels.
+fn policy_evict_ratio() {
+    const ROUNDS: usize = 101;
+    const BATCHES: usize = 32;
+    let requests = trace::zipf(10_000, 1 << 20, 1.0, 7);
+    let keys: Vec<u64> = requests.iter().map(|r| r.key).collect();
+    let sizes = vec![1u32; BATCH];
+    let next_uses = vec![u64::MAX; BATCH];
+    let host = PolicyHost::new(Limits::default(), None).expect("a host");
+    let mut evictor = Evictor::new(host.load("lru").expect("built in"), &[], None, 1000).expect("an evictor");
+    let mut native = Cache::<evictor_lru::Lru>::new(1000, &Options::default()).expect("a cache");
+    let (mut hits, mut evictions) = (Vec::with_capacity(BATCH), Vec::new());
+    let (mut wasm_at, mut native_at) = (0, 0);
+    let mut wasm_round = || {
+        let started = Instant::now();
+        for _ in 0..BATCHES {
+            let batch = &keys[wasm_at..wasm_at + BATCH];
+            wasm_at = (wasm_at + BATCH) % (keys.len() - BATCH);
+            std::hint::black_box(evictor.access(batch, &sizes, &next_uses).expect("valid"));
+        }
+        started.elapsed().as_secs_f64()
+    };
+    let mut native_round = || {
+        let started = Instant::now();
+        for _ in 0..BATCHES {
+            let batch = &keys[native_at..native_at + BATCH];
+            native_at = (native_at + BATCH) % (keys.len() - BATCH);
+            hits.clear();
+            evictions.clear();
+            native.access(batch, &sizes, &next_uses, &mut hits, &mut evictions).expect("valid");
+            std::hint::black_box(&hits);
+        }
+        started.elapsed().as_secs_f64()
+    };
+    // Warm up both sides (compiled code, caches, the tables at their steady size).
+    for _ in 0..8 {
+        wasm_round();
+        native_round();
+    }
+    let mut rounds: Vec<(f64, f64)> = (0..ROUNDS)
+        .map(|round| {
+            if round % 2 == 0 {
+                let wasm = wasm_round();
+                (wasm, native_round())
+            } else {
+                let native = native_round();
+                (wasm_round(), native)
+            }
+        })
+        .collect();
+    let per_batch_us = |seconds: f64| seconds / BATCHES as f64 * 1e6;
+    let mut ratios: Vec<f64> = rounds.iter().map(|(wasm, native)| wasm / native).collect();
+    ratios.sort_by(f64::total_cmp);
+    rounds.sort_by(|a, b| (a.0 / a.1).total_cmp(&(b.0 / b.1)));
+    let (wasm, native) = rounds[ROUNDS / 2];
+    println!(
+        "policy_evict_ratio: wasm/native per access, median of {ROUNDS} interleaved rounds of {BATCHES} batches: \
+         {:.2} (p10 {:.2}, p90 {:.2}); in the median round {:.1} us vs {:.1} us per batch of {BATCH}",
+        ratios[ROUNDS / 2],
+        ratios[ROUNDS / 10],
+        ratios[ROUNDS * 9 / 10],
+        per_batch_us(wasm),
+        per_batch_us(native),
+    );
+}
+
 criterion_group!(benches, policy_evict_batch1024, policy_plan_100k_shards_64_ranks, policy_interrupt_loop, policy_load);
-criterion_main!(benches);
+
+fn main() {
+    // `cargo bench -- FILTER`: the ratio runs when no filter is given or the filter names it.
+    let filter = std::env::args().skip(1).find(|arg| !arg.starts_with('-'));
+    if filter.as_deref().is_none_or(|filter| "policy_evict_ratio".contains(filter)) {
+        policy_evict_ratio();
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

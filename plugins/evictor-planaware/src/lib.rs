@@ -43,12 +43,12 @@ impl Evictor for PlanAware {
 
     fn evict(&mut self) -> Option<u64> {
         let (_, key) = self.by_next_use.pop_last()?;
-        self.next_use.remove(&key);
+        self.next_use.remove(key);
         Some(key)
     }
 
     fn remove(&mut self, key: u64) {
-        if let Some(next_use) = self.next_use.remove(&key) {
+        if let Some(next_use) = self.next_use.remove(key) {
             self.by_next_use.remove(&(next_use, key));
         }
     }
@@ -58,7 +58,7 @@ impl Evictor for PlanAware {
     }
 
     fn state(&self) -> Vec<u8> {
-        self.order().iter().flat_map(|key| self.next_use[key].to_le_bytes()).collect()
+        self.by_next_use.iter().rev().flat_map(|&(next_use, _)| next_use.to_le_bytes()).collect()
     }
 
     fn restore(&mut self, resident: &[(u64, u32)], state: Option<&[u8]>) -> Result<(), Error> {

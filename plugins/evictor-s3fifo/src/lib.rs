@@ -6,22 +6,19 @@
 //! current `S3FIFO`, not the paper's original). Unlike libCacheSim, an object at least as large
 //! as the small queue is still admitted.
 
-use granary_policy_sdk::hash::KeyMap;
-
 use granary_policy_sdk::evict::Evictor;
 use granary_policy_sdk::list::KeyList;
 use granary_policy_sdk::{Error, Options};
 
-/// The three queues; values are hit counters.
+/// The three queues; values are (hit counter, size) in small and main, the size in ghost.
 pub struct S3Fifo {
-    small: KeyList<u8>,
-    main: KeyList<u8>,
+    small: KeyList<(u8, u32)>,
+    main: KeyList<(u8, u32)>,
     small_bytes: u64,
     main_bytes: u64,
     small_capacity: u64,
     main_capacity: u64,
     has_evicted: bool,
-    sizes: KeyMap<u32>,
     ghost: KeyList<u32>,
     ghost_bytes: u64,
     ghost_capacity: u64,
@@ -44,15 +41,13 @@ impl S3Fifo {
     /// One pass over the small queue: moves frequently hit objects to main and evicts the first
     /// other one (into the ghost queue). Returns the evicted key, if any.
     fn evict_small(&mut self) -> Option<u64> {
-        while let Some((key, freq)) = self.small.pop_tail() {
-            let size = self.sizes[&key];
+        while let Some((key, (freq, size))) = self.small.pop_tail() {
             self.small_bytes -= u64::from(size);
             if freq >= self.move_to_main_threshold {
-                self.main.push_head(key, 0);
+                self.main.push_head(key, (0, size));
                 self.main_bytes += u64::from(size);
             } else {
                 self.ghost_insert(key, size);
-                self.sizes.remove(&key);
                 return Some(key);
             }
         }
@@ -62,12 +57,11 @@ impl S3Fifo {
     /// The main queue's clock: objects hit since their last pass go around again with one hit
     /// fewer; the first one without hits is evicted.
     fn evict_main(&mut self) -> Option<u64> {
-        while let Some((key, freq)) = self.main.pop_tail() {
+        while let Some((key, (freq, size))) = self.main.pop_tail() {
             if freq >= 1 {
-                self.main.push_head(key, freq.min(3) - 1);
+                self.main.push_head(key, (freq.min(3) - 1, size));
             } else {
-                self.main_bytes -= u64::from(self.sizes[&key]);
-                self.sizes.remove(&key);
+                self.main_bytes -= u64::from(size);
                 return Some(key);
             }
         }
@@ -95,7 +89,6 @@ impl Evictor for S3Fifo {
             small_capacity,
             main_capacity: capacity - small_capacity,
             has_evicted: false,
-            sizes: KeyMap::default(),
             ghost: KeyList::default(),
             ghost_bytes: 0,
             ghost_capacity: (capacity as f64 * ghost_ratio) as u64,
@@ -104,22 +97,21 @@ impl Evictor for S3Fifo {
     }
 
     fn insert(&mut self, key: u64, size: u32, _next_use: u64) {
-        self.sizes.insert(key, size);
         let from_ghost =
             self.ghost.remove(key).inspect(|&ghost_size| self.ghost_bytes -= u64::from(ghost_size)).is_some();
         if from_ghost || (!self.has_evicted && self.small_bytes >= self.small_capacity) {
-            self.main.push_head(key, 0);
+            self.main.push_head(key, (0, size));
             self.main_bytes += u64::from(size);
         } else {
-            self.small.push_head(key, 0);
+            self.small.push_head(key, (0, size));
             self.small_bytes += u64::from(size);
         }
     }
 
     fn hit(&mut self, key: u64, _size: u32, _next_use: u64) {
-        if let Some(freq) = self.small.get_mut(key) {
+        if let Some((freq, _)) = self.small.get_mut(key) {
             *freq = freq.saturating_add(1);
-        } else if let Some(freq) = self.main.get_mut(key) {
+        } else if let Some((freq, _)) = self.main.get_mut(key) {
             *freq = freq.saturating_add(1);
         }
     }
@@ -139,12 +131,10 @@ impl Evictor for S3Fifo {
     }
 
     fn remove(&mut self, key: u64) {
-        if let Some(size) = self.sizes.remove(&key) {
-            if self.small.remove(key).is_some() {
-                self.small_bytes -= u64::from(size);
-            } else if self.main.remove(key).is_some() {
-                self.main_bytes -= u64::from(size);
-            }
+        if let Some((_, size)) = self.small.remove(key) {
+            self.small_bytes -= u64::from(size);
+        } else if let Some((_, size)) = self.main.remove(key) {
+            self.main_bytes -= u64::from(size);
         }
     }
 

@@ -94,7 +94,7 @@ impl<P: Evictor> Cache<P> {
         }
         hits.reserve(keys.len());
         for (i, ((&key, &size), &next_use)) in keys.iter().zip(sizes).zip(next_uses).enumerate() {
-            if self.resident.contains_key(&key) {
+            if self.resident.contains_key(key) {
                 self.policy.hit(key, size, next_use);
                 hits.push(true);
                 continue;
@@ -129,7 +129,7 @@ impl<P: Evictor> Cache<P> {
     /// Forgets keys the host removed; unknown keys are ignored.
     pub fn remove(&mut self, keys: &[u64]) {
         for key in keys {
-            if let Some(size) = self.resident.remove(key) {
+            if let Some(size) = self.resident.remove(*key) {
                 self.used -= u64::from(size);
                 self.policy.remove(*key);
             }
@@ -140,13 +140,13 @@ impl<P: Evictor> Cache<P> {
     pub fn snapshot(&self) -> (Vec<(u64, u32)>, Vec<u8>) {
         let order = self.policy.order();
         debug_assert_eq!(order.len(), self.resident.len());
-        let resident = order.iter().map(|key| (*key, self.resident.get(key).copied().unwrap_or(0))).collect();
+        let resident = order.iter().map(|key| (*key, self.resident.get(*key).unwrap_or(0))).collect();
         (resident, self.policy.state())
     }
 
     /// Replaces the contents with a snapshot's (from this policy or another).
     pub fn restore(&mut self, policy: &str, resident: &[(u64, u32)], state: &[u8]) -> Result<(), Error> {
-        let keys: Vec<u64> = self.resident.keys().copied().collect();
+        let keys: Vec<u64> = self.resident.keys().collect();
         self.remove(&keys);
         let mut seen = KeyMap::default();
         let mut used = 0u64;
@@ -172,7 +172,7 @@ impl<P: Evictor> Cache<P> {
             .ok_or_else(|| Error::InvalidInput(format!("{} found no victim in a non-empty cache", P::NAME)))?;
         let size = self
             .resident
-            .remove(&victim)
+            .remove(victim)
             .ok_or_else(|| Error::InvalidInput(format!("{} evicted key {victim}, which is not resident", P::NAME)))?;
         self.used -= u64::from(size);
         Ok(victim)

@@ -46,13 +46,13 @@ impl<T: Copy> KeyList<T> {
 
     /// Whether `key` is in the list.
     pub fn contains(&self, key: u64) -> bool {
-        self.index.contains_key(&key)
+        self.index.contains_key(key)
     }
 
     /// Inserts `key` (not in the list) at the head.
     pub fn push_head(&mut self, key: u64, value: T) {
         debug_assert!(!self.contains(key));
-        let node = Node { key, prev: NIL, next: self.head, value };
+        let node = Node { key, prev: NIL, next: NIL, value };
         let at = match self.free.pop() {
             Some(at) => {
                 self.nodes[at as usize] = node;
@@ -63,43 +63,31 @@ impl<T: Copy> KeyList<T> {
                 (self.nodes.len() - 1) as u32
             }
         };
-        if self.head != NIL {
-            self.nodes[self.head as usize].prev = at;
-        } else {
-            self.tail = at;
-        }
-        self.head = at;
+        self.link_head(at);
         self.index.insert(key, at);
     }
 
     /// Removes `key`; returns its value.
     pub fn remove(&mut self, key: u64) -> Option<T> {
-        let at = self.index.remove(&key)?;
-        let Node { prev, next, value, .. } = self.nodes[at as usize];
-        if prev != NIL {
-            self.nodes[prev as usize].next = next
-        } else {
-            self.head = next
-        }
-        if next != NIL {
-            self.nodes[next as usize].prev = prev
-        } else {
-            self.tail = prev
-        }
+        let at = self.index.remove(key)?;
+        self.unlink(at);
         self.free.push(at);
-        Some(value)
+        Some(self.nodes[at as usize].value)
     }
 
-    /// Moves `key` to the head.
+    /// Moves `key` to the head (one lookup; the node stays where it is stored).
     pub fn move_to_head(&mut self, key: u64) {
-        if let Some(value) = self.remove(key) {
-            self.push_head(key, value);
+        if let Some(at) = self.index.get(key)
+            && at != self.head
+        {
+            self.unlink(at);
+            self.link_head(at);
         }
     }
 
     /// The value of `key`.
     pub fn get_mut(&mut self, key: u64) -> Option<&mut T> {
-        let at = *self.index.get(&key)?;
+        let at = self.index.get(key)?;
         Some(&mut self.nodes[at as usize].value)
     }
 
@@ -132,7 +120,7 @@ impl<T: Copy> KeyList<T> {
 
     /// The cursor of `key`.
     pub fn cursor(&self, key: u64) -> Option<Cursor> {
-        self.index.get(&key).map(|&at| Cursor(at))
+        self.index.get(key).map(Cursor)
     }
 
     /// Removes and returns the oldest key and its value.
@@ -150,5 +138,58 @@ impl<T: Copy> KeyList<T> {
             at = self.nodes[at as usize].prev;
         }
         out
+    }
+
+    /// Links the stored node `at` in at the head.
+    fn link_head(&mut self, at: u32) {
+        self.nodes[at as usize].prev = NIL;
+        self.nodes[at as usize].next = self.head;
+        if self.head != NIL {
+            self.nodes[self.head as usize].prev = at;
+        } else {
+            self.tail = at;
+        }
+        self.head = at;
+    }
+
+    /// Unlinks the stored node `at` from its neighbours (it stays stored).
+    fn unlink(&mut self, at: u32) {
+        let Node { prev, next, .. } = self.nodes[at as usize];
+        if prev != NIL {
+            self.nodes[prev as usize].next = next
+        } else {
+            self.head = next
+        }
+        if next != NIL { self.nodes[next as usize].prev = prev } else { self.tail = prev }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moves_and_removals_keep_the_order_and_the_index() {
+        let mut list = KeyList::<u8>::default();
+        for key in 1..=5 {
+            list.push_head(key, key as u8);
+        }
+        assert_eq!(list.keys_oldest_first(), [1, 2, 3, 4, 5]);
+        list.move_to_head(1);
+        list.move_to_head(3);
+        list.move_to_head(3);
+        assert_eq!(list.keys_oldest_first(), [2, 4, 5, 1, 3]);
+        assert_eq!(list.remove(5), Some(5));
+        assert_eq!(list.remove(5), None);
+        list.move_to_head(5);
+        assert_eq!(list.pop_tail(), Some((2, 2)));
+        list.push_head(6, 6);
+        assert_eq!(list.keys_oldest_first(), [4, 1, 3, 6]);
+        assert_eq!(list.get_mut(1).copied(), Some(1));
+        assert_eq!(list.at(list.tail().expect("not empty")), (4, 4));
+        assert_eq!(list.at(list.head().expect("not empty")), (6, 6));
+        assert_eq!(list.len(), 4);
+        while list.pop_tail().is_some() {}
+        assert!(list.is_empty() && list.head().is_none() && list.tail().is_none());
     }
 }
