@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group};
 use granary::policy::builtin::built_plugin_path;
-use granary::policy::{EpochSpec, Evictor, Limits, NodeInfo, Partitioner, PolicyHost, RankInfo, sim, trace};
+use granary::policy::{
+    AccessOutcome, EpochSpec, Evictor, Limits, NodeInfo, Partitioner, PolicyHost, RankInfo, ResidentSet, sim, trace,
+};
 use granary_policy_sdk::Options;
 use granary_policy_sdk::evict::Cache;
 
@@ -121,8 +123,10 @@ fn policy_load(c: &mut Criterion) {
 
 /// `policy_evict_ratio`: the eviction target as one figure. The two criterion rows above run one
 /// after the other, and on a shared machine the speed drifts between them by more than the
-/// difference being measured; here rounds of wasm and native batches alternate (order flipped
-/// every round) and the ratio is taken per round, so drift cancels.
+/// difference being measured; here rounds of wasm and native batches alternate (order rotated
+/// every round) and the ratio is taken per round, so drift cancels. A third side runs the native
+/// policy with the host's check of every outcome (`ResidentSet::apply`, what the host does to a
+/// plugin's answer): how much of the budget the check alone takes.
 fn policy_evict_ratio() {
     const ROUNDS: usize = 101;
     const BATCHES: usize = 32;
@@ -130,61 +134,78 @@ fn policy_evict_ratio() {
     let keys: Vec<u64> = requests.iter().map(|r| r.key).collect();
     let sizes = vec![1u32; BATCH];
     let next_uses = vec![u64::MAX; BATCH];
+    let (keys, sizes, next_uses) = (&keys, &sizes, &next_uses);
     let host = PolicyHost::new(Limits::default(), None).expect("a host");
     let mut evictor = Evictor::new(host.load("lru").expect("built in"), &[], None, 1000).expect("an evictor");
-    let mut native = Cache::<evictor_lru::Lru>::new(1000, &Options::default()).expect("a cache");
-    let (mut hits, mut evictions) = (Vec::with_capacity(BATCH), Vec::new());
-    let (mut wasm_at, mut native_at) = (0, 0);
+    let mut wasm_at = 0;
     let mut wasm_round = || {
         let started = Instant::now();
         for _ in 0..BATCHES {
             let batch = &keys[wasm_at..wasm_at + BATCH];
             wasm_at = (wasm_at + BATCH) % (keys.len() - BATCH);
-            std::hint::black_box(evictor.access(batch, &sizes, &next_uses).expect("valid"));
+            std::hint::black_box(evictor.access(batch, sizes, next_uses).expect("valid"));
         }
         started.elapsed().as_secs_f64()
     };
-    let mut native_round = || {
-        let started = Instant::now();
-        for _ in 0..BATCHES {
-            let batch = &keys[native_at..native_at + BATCH];
-            native_at = (native_at + BATCH) % (keys.len() - BATCH);
-            hits.clear();
-            evictions.clear();
-            native.access(batch, &sizes, &next_uses, &mut hits, &mut evictions).expect("valid");
-            std::hint::black_box(&hits);
+    let native_side = |checked: bool| {
+        let mut cache = Cache::<evictor_lru::Lru>::new(1000, &Options::default()).expect("a cache");
+        let mut resident = ResidentSet::new(1000);
+        let mut outcome = AccessOutcome { hits: Vec::with_capacity(BATCH), evictions: Vec::new() };
+        let mut at = 0;
+        move || {
+            let started = Instant::now();
+            for _ in 0..BATCHES {
+                let batch = &keys[at..at + BATCH];
+                at = (at + BATCH) % (keys.len() - BATCH);
+                outcome.hits.clear();
+                outcome.evictions.clear();
+                cache.access(batch, sizes, next_uses, &mut outcome.hits, &mut outcome.evictions).expect("valid");
+                if checked {
+                    resident.apply(batch, sizes, &outcome).expect("valid");
+                }
+                std::hint::black_box(&outcome);
+            }
+            started.elapsed().as_secs_f64()
         }
-        started.elapsed().as_secs_f64()
     };
-    // Warm up both sides (compiled code, caches, the tables at their steady size).
+    let mut native_round = native_side(false);
+    let mut checked_round = native_side(true);
+    // Warm up every side (compiled code, caches, the tables at their steady size).
     for _ in 0..8 {
         wasm_round();
         native_round();
+        checked_round();
     }
-    let mut rounds: Vec<(f64, f64)> = (0..ROUNDS)
+    let mut rounds: Vec<[f64; 3]> = (0..ROUNDS)
         .map(|round| {
-            if round % 2 == 0 {
-                let wasm = wasm_round();
-                (wasm, native_round())
-            } else {
-                let native = native_round();
-                (wasm_round(), native)
+            let mut times = [0.0; 3];
+            for side in (0..3).map(|k| (k + round) % 3) {
+                times[side] = match side {
+                    0 => wasm_round(),
+                    1 => native_round(),
+                    _ => checked_round(),
+                };
             }
+            times
         })
         .collect();
     let per_batch_us = |seconds: f64| seconds / BATCHES as f64 * 1e6;
-    let mut ratios: Vec<f64> = rounds.iter().map(|(wasm, native)| wasm / native).collect();
-    ratios.sort_by(f64::total_cmp);
-    rounds.sort_by(|a, b| (a.0 / a.1).total_cmp(&(b.0 / b.1)));
-    let (wasm, native) = rounds[ROUNDS / 2];
+    let quantiles = |mut ratios: Vec<f64>| {
+        ratios.sort_by(f64::total_cmp);
+        (ratios[ROUNDS / 2], ratios[ROUNDS / 10], ratios[ROUNDS * 9 / 10])
+    };
+    let (wasm, wasm_p10, wasm_p90) = quantiles(rounds.iter().map(|[w, n, _]| w / n).collect());
+    let (checked, checked_p10, checked_p90) = quantiles(rounds.iter().map(|[_, n, c]| c / n).collect());
+    rounds.sort_by(|a, b| (a[0] / a[1]).total_cmp(&(b[0] / b[1])));
+    let [w, n, c] = rounds[ROUNDS / 2];
     println!(
-        "policy_evict_ratio: wasm/native per access, median of {ROUNDS} interleaved rounds of {BATCHES} batches: \
-         {:.2} (p10 {:.2}, p90 {:.2}); in the median round {:.1} us vs {:.1} us per batch of {BATCH}",
-        ratios[ROUNDS / 2],
-        ratios[ROUNDS / 10],
-        ratios[ROUNDS * 9 / 10],
-        per_batch_us(wasm),
-        per_batch_us(native),
+        "policy_evict_ratio: per access, medians of {ROUNDS} interleaved rounds of {BATCHES} batches of {BATCH}:\n  \
+         wasm / native: {wasm:.2} (p10 {wasm_p10:.2}, p90 {wasm_p90:.2})\n  \
+         native checked by the host / native: {checked:.2} (p10 {checked_p10:.2}, p90 {checked_p90:.2})\n  \
+         median round: wasm {:.1} us, native {:.1} us, native checked {:.1} us per batch",
+        per_batch_us(w),
+        per_batch_us(n),
+        per_batch_us(c),
     );
 }
 

@@ -66,9 +66,7 @@ pub struct Evictor {
 
 /// The host's side of an evictor: the truth about what is resident.
 struct State {
-    capacity: u64,
-    resident: HashMap<u64, u32, BuildHasherDefault<KeyHasher>>,
-    used: u64,
+    resident: ResidentSet,
     snapshot: Snapshot,
     /// Whether the resident set changed since `snapshot` was taken.
     changed_since_snapshot: bool,
@@ -95,9 +93,7 @@ impl Evictor {
         Ok(Self {
             supervisor: Supervisor::new(plugin, options, Some(live), fallback, limits),
             state: State {
-                capacity,
-                resident: HashMap::default(),
-                used: 0,
+                resident: ResidentSet::new(capacity),
                 snapshot: Snapshot::default(),
                 changed_since_snapshot: false,
                 batches_since_snapshot: 0,
@@ -125,7 +121,7 @@ impl Evictor {
                 hits: answer.hits,
                 evictions: answer.evictions.into_iter().map(|e| (e.before, e.key)).collect(),
             };
-            this.check_and_apply(keys, sizes, &outcome).map_err(|detail| invalid(plugin, "access", detail))?;
+            this.resident.apply(keys, sizes, &outcome).map_err(|detail| invalid(plugin, "access", detail))?;
             Ok(outcome)
         })?;
         let state = &mut self.state;
@@ -158,20 +154,18 @@ impl Evictor {
             for key in &victims {
                 let size = this
                     .resident
-                    .get(key)
+                    .size_of(*key)
                     .ok_or_else(|| invalid(plugin, "evict", format!("key {key} is not resident")))?;
                 if !seen.insert(*key) {
                     return Err(invalid(plugin, "evict", format!("key {key} evicted twice")));
                 }
-                freed += u64::from(*size);
+                freed += u64::from(size);
             }
-            if freed < bytes.min(this.used) {
+            if freed < bytes.min(this.resident.used()) {
                 return Err(invalid(plugin, "evict", format!("freed {freed} of the {bytes} bytes asked")));
             }
             for key in &victims {
-                if let Some(size) = this.resident.remove(key) {
-                    this.used -= u64::from(size);
-                }
+                this.resident.remove(*key);
             }
             Ok(victims)
         })?;
@@ -182,11 +176,9 @@ impl Evictor {
     /// Tells the policy the host removed `keys` by itself (keys not resident are ignored).
     pub fn remove(&mut self, keys: &[u64]) -> Result<(), Error> {
         let state = &mut self.state;
-        let keys: Vec<u64> = keys.iter().copied().filter(|key| state.resident.contains_key(key)).collect();
+        let keys: Vec<u64> = keys.iter().copied().filter(|key| state.resident.contains(*key)).collect();
         for key in &keys {
-            if let Some(size) = state.resident.remove(key) {
-                state.used -= u64::from(size);
-            }
+            state.resident.remove(*key);
         }
         state.changed_since_snapshot |= !keys.is_empty();
         // The host's record is updated first: an instance rebuilt after a failure here is
@@ -205,7 +197,7 @@ impl Evictor {
         plugin.expect_kind(PolicyKind::Evictor)?;
         self.take_snapshot();
         let options = options.to_vec();
-        let mut live = instantiate(&plugin, self.state.capacity, &options)?;
+        let mut live = instantiate(&plugin, self.state.resident.capacity(), &options)?;
         self.state.restore(&mut live, &plugin).map_err(Error::Plugin)?;
         self.supervisor.promote(plugin, options, Some(live));
         Ok(())
@@ -229,12 +221,12 @@ impl Evictor {
 
     /// Whether `key` is resident.
     pub fn contains(&self, key: u64) -> bool {
-        self.state.resident.contains_key(&key)
+        self.state.resident.contains(key)
     }
 
     /// Bytes resident.
     pub fn used(&self) -> u64 {
-        self.state.used
+        self.state.resident.used()
     }
 
     /// Counters.
@@ -261,7 +253,7 @@ impl Evictor {
         op: &mut dyn FnMut(&mut State, &mut Live, &Plugin) -> Result<R, PluginError>,
     ) -> Result<R, Error> {
         let state = &mut self.state;
-        let capacity = state.capacity;
+        let capacity = state.resident.capacity();
         let mut make = |plugin: &Plugin, options: &[(String, String)]| {
             instantiate(plugin, capacity, &options.to_vec()).map_err(plugin_error)
         };
@@ -288,7 +280,7 @@ impl Evictor {
         // A snapshot that disagrees with the host's resident set is not used for order or state.
         if let Ok(snapshot) = taken
             && snapshot.resident.len() == state.resident.len()
-            && snapshot.resident.iter().all(|e| state.resident.get(&e.key) == Some(&e.size))
+            && snapshot.resident.iter().all(|e| state.resident.size_of(e.key) == Some(e.size))
         {
             state.snapshot = Snapshot {
                 policy: snapshot.policy,
@@ -306,12 +298,17 @@ impl State {
         let mut order: Vec<wit::Entry> = Vec::with_capacity(self.resident.len());
         let mut listed = HashSet::with_capacity(self.resident.len());
         for &(key, size) in &self.snapshot.order {
-            if self.resident.contains_key(&key) && listed.insert(key) {
+            if self.resident.contains(key) && listed.insert(key) {
                 order.push(wit::Entry { key, size });
             }
         }
-        let mut rest: Vec<(u64, u32)> =
-            self.resident.iter().filter(|(key, _)| !listed.contains(*key)).map(|(&key, &size)| (key, size)).collect();
+        let mut rest: Vec<(u64, u32)> = self
+            .resident
+            .map
+            .iter()
+            .filter(|(key, _)| !listed.contains(*key))
+            .map(|(&key, &size)| (key, size))
+            .collect();
         rest.sort_unstable();
         order.extend(rest.into_iter().map(|(key, size)| wit::Entry { key, size }));
         let exact = !self.changed_since_snapshot;
@@ -326,13 +323,70 @@ impl State {
             .call("restore", deadline, |b, s| b.granary_policy_evictor().policy().call_restore(s, policy, &snapshot))?
             .map_err(|e| rejected(plugin, "restore", e))
     }
+}
+
+/// The host's record of what a cache holds, against which every outcome of a policy is
+/// replayed before it is believed. Public so that a native policy can be measured with the same
+/// check (`benches/policy.rs`).
+#[derive(Clone, Debug)]
+pub struct ResidentSet {
+    capacity: u64,
+    map: HashMap<u64, u32, BuildHasherDefault<KeyHasher>>,
+    used: u64,
+    /// Scratch: how to undo the batch being checked (kept, so a batch allocates nothing).
+    undo: Vec<(u64, Option<u32>)>,
+}
+
+impl ResidentSet {
+    /// An empty set for a cache of `capacity` bytes.
+    pub fn new(capacity: u64) -> Self {
+        Self { capacity, map: HashMap::default(), used: 0, undo: Vec::new() }
+    }
+
+    /// The cache's capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes resident.
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// Objects resident.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether nothing is resident.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Whether `key` is resident.
+    pub fn contains(&self, key: u64) -> bool {
+        self.map.contains_key(&key)
+    }
+
+    /// The size of resident `key`.
+    pub fn size_of(&self, key: u64) -> Option<u32> {
+        self.map.get(&key).copied()
+    }
+
+    /// Removes `key`; returns its size.
+    pub fn remove(&mut self, key: u64) -> Option<u32> {
+        let size = self.map.remove(&key)?;
+        self.used -= u64::from(size);
+        Some(size)
+    }
 
     /// Replays a batch's outcome against the resident set; applies it only if it is valid.
-    fn check_and_apply(&mut self, keys: &[u64], sizes: &[u32], outcome: &AccessOutcome) -> Result<(), String> {
+    pub fn apply(&mut self, keys: &[u64], sizes: &[u32], outcome: &AccessOutcome) -> Result<(), String> {
         if outcome.hits.len() != keys.len() {
             return Err(format!("{} hit flags for {} accesses", outcome.hits.len(), keys.len()));
         }
-        let mut undo: Vec<(u64, Option<u32>)> = Vec::new();
+        let mut undo = std::mem::take(&mut self.undo);
+        undo.clear();
         let mut used = self.used;
         let checked = (|| {
             let mut evictions = outcome.evictions.iter().peekable();
@@ -346,11 +400,11 @@ impl State {
                         return Err(format!("eviction before access {i}, which hit"));
                     }
                     let size =
-                        self.resident.remove(&victim).ok_or_else(|| format!("evicted key {victim} is not resident"))?;
+                        self.map.remove(&victim).ok_or_else(|| format!("evicted key {victim} is not resident"))?;
                     undo.push((victim, Some(size)));
                     used -= u64::from(size);
                 }
-                let resident = self.resident.contains_key(&key);
+                let resident = self.map.contains_key(&key);
                 if hit != resident {
                     return Err(format!(
                         "access {i} (key {key}) reported as a {} but is {}resident",
@@ -359,7 +413,7 @@ impl State {
                     ));
                 }
                 if !hit && u64::from(size) <= self.capacity {
-                    self.resident.insert(key, size);
+                    self.map.insert(key, size);
                     undo.push((key, None));
                     used += u64::from(size);
                     if used > self.capacity {
@@ -374,21 +428,23 @@ impl State {
                 None => Ok(()),
             }
         })();
-        match checked {
+        let result = match checked {
             Ok(()) => {
                 self.used = used;
                 Ok(())
             }
             Err(detail) => {
-                for (key, size) in undo.into_iter().rev() {
+                for (key, size) in undo.drain(..).rev() {
                     match size {
-                        Some(size) => self.resident.insert(key, size),
-                        None => self.resident.remove(&key),
+                        Some(size) => self.map.insert(key, size),
+                        None => self.map.remove(&key),
                     };
                 }
                 Err(detail)
             }
-        }
+        };
+        self.undo = undo;
+        result
     }
 }
 
@@ -435,5 +491,45 @@ impl Hasher for KeyHasher {
     fn write_u64(&mut self, key: u64) {
         let h = (self.0 ^ key).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         self.0 = h ^ (h >> 29);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(hits: &[bool], evictions: &[(u32, u64)]) -> AccessOutcome {
+        AccessOutcome { hits: hits.to_vec(), evictions: evictions.to_vec() }
+    }
+
+    #[test]
+    fn an_invalid_outcome_changes_nothing_and_a_valid_one_applies() {
+        let mut set = ResidentSet::new(2);
+        set.apply(&[1, 2], &[1, 1], &outcome(&[false, false], &[])).expect("valid");
+        let before: Vec<(u64, u32)> = {
+            let mut v: Vec<_> = set.map.iter().map(|(&k, &s)| (k, s)).collect();
+            v.sort_unstable();
+            v
+        };
+        // Each answer goes wrong only after it has inserted or evicted something.
+        let wrong = [
+            (vec![3, 1], outcome(&[false, false], &[(0, 2)]), "reported as a miss"),
+            (vec![3, 4], outcome(&[false, false], &[(0, 2), (1, 9)]), "not resident"),
+            (vec![3, 4], outcome(&[false, false], &[(0, 2)]), "holds 3 of 2"),
+            (vec![3, 1], outcome(&[false, true], &[(0, 2), (5, 1)]), "past the batch"),
+            (vec![3], outcome(&[false, false], &[]), "hit flags"),
+        ];
+        for (keys, answer, why) in wrong {
+            let sizes = vec![1; keys.len()];
+            let error = set.apply(&keys, &sizes, &answer).expect_err(why);
+            assert!(error.contains(why), "{error:?} should say {why:?}");
+            let mut after: Vec<_> = set.map.iter().map(|(&k, &s)| (k, s)).collect();
+            after.sort_unstable();
+            assert_eq!(after, before, "{why}: the set changed");
+            assert_eq!(set.used(), 2);
+        }
+        set.apply(&[3, 1], &[1, 1], &outcome(&[false, true], &[(0, 2)])).expect("valid");
+        assert!(set.contains(1) && set.contains(3) && !set.contains(2));
+        assert_eq!((set.len(), set.used()), (2, 2));
     }
 }

@@ -32,7 +32,7 @@ use wasmtime::component::Linker;
 use wasmtime::{Engine, Store};
 
 pub use cache::CompiledFrom;
-pub use evictor::{AccessOutcome, Evictor, EvictorStats};
+pub use evictor::{AccessOutcome, Evictor, EvictorStats, ResidentSet};
 pub use partitioner::{EpochSpec, NodeInfo, Partitioner, RankInfo, RankPlan, ShardInfo};
 pub use replicator::{Holding, Placement, ReplicationMode, Replicator, Transfer, shard_key};
 pub use supervise::{PolicyStatus, SwapHandle};
