@@ -213,7 +213,34 @@ criterion_group!(benches, policy_evict_batch1024, policy_plan_100k_shards_64_ran
 
 fn main() {
     // `cargo bench -- FILTER`: the ratio runs when no filter is given or the filter names it.
-    let filter = std::env::args().skip(1).find(|arg| !arg.starts_with('-'));
+    // The filter is the first argument that is neither an option nor the value of one.
+    const TAKES_VALUE: &[&str] = &[
+        "--warm-up-time",
+        "--measurement-time",
+        "--sample-size",
+        "--profile-time",
+        "--save-baseline",
+        "--baseline",
+        "--baseline-lenient",
+        "--load-baseline",
+        "--output-format",
+        "--color",
+        "--plotting-backend",
+        "--nresamples",
+        "--noise-threshold",
+        "--confidence-level",
+        "--significance-level",
+    ];
+    let mut args = std::env::args().skip(1);
+    let mut filter = None;
+    while let Some(arg) = args.next() {
+        if TAKES_VALUE.contains(&arg.as_str()) {
+            args.next();
+        } else if !arg.starts_with('-') {
+            filter = Some(arg);
+            break;
+        }
+    }
     if filter.as_deref().is_none_or(|filter| "policy_evict_ratio".contains(filter)) {
         policy_evict_ratio();
     }
