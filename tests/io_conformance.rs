@@ -224,13 +224,15 @@ fn closing_every_file_forgets_their_ids_and_files_opened_after_read_their_own_by
         let old: Vec<FileId> = files.iter().map(|(path, _)| io.open(path).unwrap()).collect();
         let op = |file| ReadOp { file, offset: 4096, len: 8192 };
         assert_eq!(read(io.as_mut(), &[op(old[2])]).unwrap()[0], files[2].1[4096..12288], "{name}");
-        io.close_all().unwrap();
-        // The closed files' ids name nothing now.
-        assert!(matches!(read(io.as_mut(), &[op(old[0])]), Err(Error::InvalidInput { .. })), "{name}");
-        // A file removed after the close is gone for good (nothing holds it open), and the next
-        // file opened reads its own bytes, not those of the file its id or slot had before.
+        // Removed while open, a file is still held (so the check below can see a leak)...
         std::fs::remove_file(&files[0].0).unwrap();
+        assert!(held_open(&files[0].0), "{name}: an open file is not seen as held");
+        io.close_all().unwrap();
+        // ...and after the close nothing holds it: its space is free.
         assert!(!held_open(&files[0].0), "{name}: a closed file is still open");
+        // The closed files' ids name nothing now, and the next file opened reads its own
+        // bytes, not those of the file its id or slot had before.
+        assert!(matches!(read(io.as_mut(), &[op(old[0])]), Err(Error::InvalidInput { .. })), "{name}");
         std::fs::write(&files[0].0, &files[1].1).unwrap();
         let new = io.open(&files[2].0).unwrap();
         assert_eq!(read(io.as_mut(), &[op(new)]).unwrap()[0], files[2].1[4096..12288], "{name}");
@@ -244,7 +246,7 @@ fn closing_every_file_forgets_their_ids_and_files_opened_after_read_their_own_by
 
 /// Whether this process holds a descriptor of the removed file `path` (Linux: /proc/self/fd).
 fn held_open(path: &Path) -> bool {
-    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else { return false };
+    let entries = std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd lists this process's descriptors");
     let deleted = format!("{} (deleted)", path.display());
     entries
         .flatten()
