@@ -321,8 +321,12 @@ fn a_node_killed_mid_transfer_leaves_no_partial_shard_and_another_peer_finishes(
     // Nodes 0 and 2 hold the same dataset (content-addressed: the same shards); node 1 none.
     ingest_tokens(cluster.root(0), "tokens", 2, 2048, 4 << 20);
     ingest_tokens(cluster.root(2), "tokens", 2, 2048, 4 << 20);
-    // Node 0 sends slowly, so that it dies in the middle of a transfer.
-    cluster.nodes[0].env = vec![("GRANARY_FAULT_SEND_DELAY_MS".into(), "400".into())];
+    // Node 0 sends slowly, so that it dies in the middle of a transfer: 4 s after each MiB
+    // keeps a 4 MiB shard's partial file in node 1's incoming/ for about 16 s, while node 2
+    // starts and is seen, on a loaded machine too (0.4 s per MiB was not always enough), and
+    // stays below the receiver's 10 s deadline for the next record, so node 1 waits for node 0
+    // rather than giving up on it before the kill.
+    cluster.nodes[0].env = vec![("GRANARY_FAULT_SEND_DELAY_MS".into(), "4000".into())];
     cluster.nodes[0].args = vec!["--replicator-options".into(), "mode=sync".into()];
     // Node 2 starts once the transfers from node 0 are under way, so node 0 is the only source
     // node 1 is first told of.
@@ -339,15 +343,18 @@ fn a_node_killed_mid_transfer_leaves_no_partial_shard_and_another_peer_finishes(
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    // Node 1 pulls from node 0: partial files appear in incoming/.
+    // Node 1 pulls from node 0: partial shard files appear in incoming/ (the manifest's, which
+    // comes first and is one short piece, does not count: it is done after one delay).
     let incoming = cluster.root(1).join("incoming");
     let partial = |_: &Cluster| {
-        std::fs::read_dir(&incoming).unwrap().flatten().any(|e| e.metadata().map(|m| m.len() > 0).unwrap_or(false))
+        std::fs::read_dir(&incoming).unwrap().flatten().any(|e| {
+            e.file_name().to_string_lossy().ends_with(".shard.part") && e.metadata().is_ok_and(|m| m.len() > 0)
+        })
     };
     cluster.wait("a transfer to node 1 under way", Duration::from_secs(30), partial);
     cluster.start(2);
     cluster.wait("node 1 to see node 2", Duration::from_secs(20), |c| c.peers_up(1) == 2);
-    assert!(partial(&cluster), "the transfers ended before node 0 could be killed");
+    assert!(partial(&cluster), "the transfers ended before node 0 could be killed\n{}", cluster.logs());
     // Nothing partial is visible meanwhile.
     cluster.verified_shards(1);
     cluster.kill(0);
