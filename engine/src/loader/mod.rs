@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::io::{Fault, FaultIo, Io, IoConfig, OwnedMemory};
 use crate::plan::{EpochPlan, Order, Position, RankCursor, World};
 use crate::read::{Batch, Dataset, ReadStats, Reader};
-use crate::staging::cuda::{Cuda, DeviceBuffer, Stream, Upload};
+use crate::staging::cuda::{Cuda, DeviceBuffer, Fence, Stream, Upload};
 use crate::staging::{Pinning, PoolStats, StagingConfig, StagingPool};
 
 /// Where batches go.
@@ -158,6 +158,13 @@ impl DeviceBatch<'_> {
         self.upload.wait()
     }
 
+    /// Makes later work on `stream` (a raw `CUstream` of the loader's device; 1 and 2 name the
+    /// legacy and the per-thread default streams, as in DLPack) wait for the copy, without
+    /// blocking the calling thread.
+    pub fn order_before(&self, stream: u64) -> Result<()> {
+        self.upload.order_before(stream)
+    }
+
     /// The raw `CUevent` recorded after the copy: make the trainer's stream wait on it.
     #[cfg(feature = "cuda")]
     pub fn event(&self) -> cudarc::driver::sys::CUevent {
@@ -178,9 +185,14 @@ pub struct LoadedBatch {
     upload: Option<Upload>,
     position: Position,
     stall: Duration,
-    returns: Option<Sender<DeviceBuffer>>,
+    returns: Option<Sender<Returned>>,
+    /// Points in the trainer's streams after which the device buffer is free again.
+    fences: Vec<Fence>,
     held: Arc<AtomicUsize>,
 }
+
+/// A device buffer back from the trainer, free once its fences have passed.
+type Returned = (DeviceBuffer, Vec<Fence>);
 
 impl LoadedBatch {
     /// The dataset indices of the records, in batch order.
@@ -234,6 +246,18 @@ impl LoadedBatch {
         self.stall
     }
 
+    /// Keeps the device buffer from being reused until the work enqueued so far on `stream` (a
+    /// raw `CUstream` of the loader's device, as in `DeviceBatch::order_before`) has run: for a
+    /// consumer that drops the batch while kernels reading it are still queued. Nothing to do for
+    /// a host batch (host reads are done when they return).
+    pub fn release_after(&mut self, stream: u64) -> Result<()> {
+        if self.upload.is_some() {
+            let cuda = Cuda::get().ok_or_else(|| Error::invalid_input("a device batch without CUDA"))?;
+            self.fences.push(Fence::record(cuda, stream)?);
+        }
+        Ok(())
+    }
+
     /// Whether the bytes are in page-locked memory.
     pub fn pinned(&self) -> bool {
         match &self.upload {
@@ -250,7 +274,7 @@ impl Drop for LoadedBatch {
         {
             drop(lease);
             if let Some(returns) = &self.returns {
-                let _ = returns.send(buffer);
+                let _ = returns.send((buffer, std::mem::take(&mut self.fences)));
             }
         }
         self.held.fetch_sub(1, Ordering::AcqRel);
@@ -266,6 +290,8 @@ pub struct LoaderStats {
     pub records: u64,
     /// Bytes handed out.
     pub bytes: u64,
+    /// Batches that were already in the queue when `next` asked for them (no wait at all).
+    pub ready: u64,
     /// Time `next` spent waiting for data, in total.
     pub stall: Duration,
     /// The longest wait for one batch.
@@ -298,7 +324,7 @@ pub struct Loader {
     receiver: Option<Receiver<Message>>,
     threads: Vec<JoinHandle<()>>,
     stop: Arc<AtomicBool>,
-    returns: Option<Sender<DeviceBuffer>>,
+    returns: Option<Sender<Returned>>,
     held: Arc<AtomicUsize>,
     hold_max: usize,
     pool: StagingPool,
@@ -363,7 +389,7 @@ impl Loader {
                     (0..config.hold_max + 3).map(|_| cuda.alloc(pool.buffer_bytes())).collect::<Result<Vec<_>>>()?;
                 let device = DeviceStage {
                     stream,
-                    free: buffers,
+                    free: buffers.into_iter().map(|buffer| (buffer, Vec::new())).collect(),
                     returned,
                     input: from_reader,
                     out: to_trainer,
@@ -406,10 +432,10 @@ impl Loader {
         let receiver = self.receiver.as_ref()?;
         let now = Instant::now();
         let first = *self.first_next.get_or_insert(now);
-        let message = match receiver.try_recv() {
-            Ok(message) => message,
-            Err(TryRecvError::Empty) => receiver.recv().unwrap_or_else(|_| died()),
-            Err(TryRecvError::Disconnected) => died(),
+        let (message, ready) = match receiver.try_recv() {
+            Ok(message) => (message, true),
+            Err(TryRecvError::Empty) => (receiver.recv().unwrap_or_else(|_| died()), false),
+            Err(TryRecvError::Disconnected) => (died(), false),
         };
         let stall = now.elapsed();
         self.stats.stall += stall;
@@ -434,10 +460,12 @@ impl Loader {
             position,
             stall,
             returns: self.returns.clone(),
+            fences: Vec::new(),
             held: Arc::clone(&self.held),
         };
         self.position = position;
         self.stats.batches += 1;
+        self.stats.ready += u64::from(ready);
         self.stats.records += loaded.len() as u64;
         self.stats.bytes += loaded.data().len() as u64;
         Some(Ok(loaded))
@@ -537,10 +565,11 @@ impl ReaderStage {
         let ReaderStage { dataset, io, pool, config, start, out, stop, stats } = self;
         let mut reader = Reader::new(Arc::clone(&dataset), io);
         reader.set_staging(pool);
+        reader.publish_stats(Arc::clone(&stats));
         if let Some(hook) = &config.repair {
             reader.set_repair(Arc::clone(hook));
         }
-        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, &stats);
+        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop);
         let _ = match outcome {
             Ok(()) => out.send(Message::End),
             Err(Some(error)) => out.send(Message::Failed(error)),
@@ -557,7 +586,6 @@ fn run_epochs(
     start: Position,
     out: &SyncSender<Message>,
     stop: &AtomicBool,
-    stats: &Mutex<ReadStats>,
 ) -> std::result::Result<(), Option<Error>> {
     let n_records = dataset.n_records();
     let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
@@ -588,7 +616,6 @@ fn run_epochs(
             return Err(None);
         }
         outcome.map_err(Some)?;
-        *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = reader.stats();
         position = Position { epoch: position.epoch + 1, cursor: 0 };
     }
     Ok(())
@@ -721,8 +748,8 @@ fn step_mismatch(world: World, planned: u64) -> Error {
 /// Copies each verified batch to a device buffer on the loader's stream.
 struct DeviceStage {
     stream: Stream,
-    free: Vec<DeviceBuffer>,
-    returned: Receiver<DeviceBuffer>,
+    free: Vec<Returned>,
+    returned: Receiver<Returned>,
     input: Receiver<Message>,
     out: SyncSender<Message>,
     stop: Arc<AtomicBool>,
@@ -749,16 +776,20 @@ impl DeviceStage {
         self.free.extend(self.returned.try_iter());
         // The trainer holds at most `hold_max` and the queue two, so one comes back, unless the
         // loader is being dropped while the trainer keeps its batches: then stop.
-        let buffer = loop {
-            if let Some(buffer) = self.free.pop() {
-                break buffer;
+        let (buffer, fences) = loop {
+            if let Some(free) = self.free.pop() {
+                break free;
             }
             match self.returned.recv_timeout(Duration::from_millis(10)) {
-                Ok(buffer) => break buffer,
+                Ok(free) => break free,
                 Err(RecvTimeoutError::Timeout) if !self.stop.load(Ordering::Acquire) => {}
                 Err(_) => return Err(Error::invalid_input("stopped")),
             }
         };
+        // The trainer's kernels that read the buffer's last batch run before the copy into it.
+        for fence in &fences {
+            self.stream.wait_for(fence)?;
+        }
         let lease = batch.take_lease().ok_or_else(|| Error::invalid_input("a batch without a staging buffer"))?;
         self.stream.upload(lease, buffer)
     }

@@ -206,6 +206,9 @@ pub struct ReadStats {
     pub blocks_verified: u64,
     /// Shards replaced through the repair hook.
     pub shards_repaired: u64,
+    /// Reads that found damaged bytes (a block's CRC32C, a shard's BLAKE3 or its metadata did
+    /// not check out): each was repaired (see `shards_repaired`) or ended the read with an error.
+    pub verify_failures: u64,
 }
 
 /// Reads records of one dataset version through one backend. Not shared between threads: each
@@ -216,6 +219,8 @@ pub struct Reader {
     files: Vec<Option<FileId>>,
     slots: Vec<BatchSlot>,
     stats: ReadStats,
+    /// A copy of `stats` kept current for another thread (see `publish_stats`).
+    published: Option<Arc<std::sync::Mutex<ReadStats>>>,
     staging: Option<StagingPool>,
     repair: Option<Arc<dyn ShardRepair>>,
 }
@@ -243,7 +248,16 @@ impl Reader {
     /// A reader of `dataset` through `io`.
     pub fn new(dataset: Arc<Dataset>, io: Box<dyn Io>) -> Self {
         let files = vec![None; dataset.n_shards()];
-        Self { dataset, io, files, slots: Vec::new(), stats: ReadStats::default(), staging: None, repair: None }
+        Self {
+            dataset,
+            io,
+            files,
+            slots: Vec::new(),
+            stats: ReadStats::default(),
+            published: None,
+            staging: None,
+            repair: None,
+        }
     }
 
     /// Repairs shards through `hook` when a read finds one damaged or missing, then reads again
@@ -258,6 +272,12 @@ impl Reader {
     /// allocate), and a batch larger than the pool's buffers is an error.
     pub fn set_staging(&mut self, pool: StagingPool) {
         self.staging = Some(pool);
+    }
+
+    /// Copies the counters into `to` after every delivered batch and every repair, so another
+    /// thread sees them while a long read runs.
+    pub fn publish_stats(&mut self, to: Arc<std::sync::Mutex<ReadStats>>) {
+        self.published = Some(to);
     }
 
     /// The dataset.
@@ -369,6 +389,7 @@ impl Reader {
                 sink: &mut *sink,
                 stats: &mut self.stats,
                 staging: self.staging.as_ref(),
+                published: self.published.as_deref(),
                 touched: Vec::new(),
                 hook: self.repair.as_deref(),
                 unplanned: None,
@@ -385,6 +406,10 @@ impl Reader {
                 pipeline.in_order.iter().map(|&slot| pipeline.slots[slot].batch.indices().to_vec()).collect();
             undelivered.extend(pipeline.unplanned.take());
             drop(pipeline);
+            if error.is_corruption() {
+                self.stats.verify_failures += 1;
+                self.publish();
+            }
             let (Some(hook), Some(shard)) = (self.repair.clone(), self.dataset.shard_of_error(&error)) else {
                 return Err(error);
             };
@@ -402,11 +427,18 @@ impl Reader {
                 return Err(error);
             }
             self.stats.shards_repaired += 1;
+            self.publish();
             // The repaired file is a new file under the old name: open the files afresh.
             self.close_files()?;
             for indices in undelivered.into_iter().rev() {
                 replay.push_front(indices);
             }
+        }
+    }
+
+    fn publish(&self) {
+        if let Some(published) = &self.published {
+            *published.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = self.stats;
         }
     }
 
@@ -434,6 +466,7 @@ struct Pipeline<'r, I> {
     issued: u64,
     sink: &'r mut dyn FnMut(&mut Batch) -> Result<()>,
     stats: &'r mut ReadStats,
+    published: Option<&'r std::sync::Mutex<ReadStats>>,
     staging: Option<&'r StagingPool>,
     /// Scratch: the shards of a delivered batch, for the repair hook's access accounting.
     touched: Vec<ShardId>,
@@ -488,6 +521,9 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
             self.stats.ops += slot.planner.n_extents() as u64;
             self.stats.bytes_read += read_bytes;
             self.stats.blocks_verified += read_bytes / crate::shard::BLOCK_BYTES_U64;
+            if let Some(published) = self.published {
+                *published.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = *self.stats;
+            }
             if let Some(hook) = self.hook {
                 self.touched.clear();
                 self.touched.extend(slot.planner.shards_touched().map(|s| self.dataset.shard_id(s)));

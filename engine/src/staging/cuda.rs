@@ -1,7 +1,8 @@
 //! The CUDA driver API, loaded at run time (cudarc with dynamic loading): nothing links against
 //! CUDA, and where no driver or no device exists `Cuda::get` says why and returns `None`.
 //!
-//! Owns the few driver objects the loader needs: the primary context of device 0, page-locked
+//! Owns the few driver objects the loader needs: the primary context of one device (0 unless
+//! the process selected another with `Cuda::select` before first use), page-locked
 //! registrations of staging memory, streams, events, device buffers, and `Upload` (an
 //! asynchronous host-to-device copy that owns its source lease and destination buffer until the
 //! copy is done, so neither can be reused or freed under the copy engine). Every call makes the
@@ -19,10 +20,11 @@ use super::Lease;
 #[cfg(feature = "cuda")]
 use cudarc::driver::{result, sys};
 
-/// The CUDA device the engine uses (device 0) and its primary context.
+/// The CUDA device the engine uses and its primary context.
 pub struct Cuda {
     #[cfg(feature = "cuda")]
     ctx: sys::CUcontext,
+    ordinal: u32,
     name: String,
     memory_bytes: usize,
 }
@@ -38,14 +40,34 @@ unsafe impl Sync for Cuda {}
 static CUDA: std::sync::OnceLock<std::result::Result<Cuda, String>> = std::sync::OnceLock::new();
 
 impl Cuda {
-    /// The device, initialised on first use; `None` without a driver or a device.
+    /// The device, initialised on first use (device 0 unless `select` chose another first);
+    /// `None` without a driver or a device.
     pub fn get() -> Option<&'static Cuda> {
-        CUDA.get_or_init(Cuda::init).as_ref().ok()
+        CUDA.get_or_init(|| Cuda::init(0)).as_ref().ok()
     }
 
     /// Why `get` returns `None`.
     pub fn unavailable_reason() -> Option<&'static str> {
-        CUDA.get_or_init(Cuda::init).as_ref().err().map(String::as_str)
+        CUDA.get_or_init(|| Cuda::init(0)).as_ref().err().map(String::as_str)
+    }
+
+    /// Uses device `ordinal` (as the driver numbers the visible devices) for the rest of the
+    /// process. One device per process: an error if another one is already in use, or if this
+    /// one cannot be used.
+    pub fn select(ordinal: u32) -> Result<&'static Cuda> {
+        match CUDA.get_or_init(|| Cuda::init(ordinal)) {
+            Ok(cuda) if cuda.ordinal == ordinal => Ok(cuda),
+            Ok(cuda) => Err(Error::invalid_input(format!(
+                "this process already uses CUDA device {} ({}); one process loads to one device",
+                cuda.ordinal, cuda.name
+            ))),
+            Err(reason) => Err(Error::invalid_input(format!("CUDA device {ordinal} cannot be used: {reason}"))),
+        }
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
     }
 
     /// The device's name.
@@ -59,12 +81,12 @@ impl Cuda {
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn init() -> std::result::Result<Cuda, String> {
+    fn init(_ordinal: u32) -> std::result::Result<Cuda, String> {
         Err("this build has no CUDA support (the `cuda` feature is off)".to_owned())
     }
 
     #[cfg(feature = "cuda")]
-    fn init() -> std::result::Result<Cuda, String> {
+    fn init(ordinal: u32) -> std::result::Result<Cuda, String> {
         // SAFETY: only probes whether the driver library can be loaded.
         if !unsafe { sys::is_culib_present() } {
             return Err("no CUDA driver library (libcuda) found".to_owned());
@@ -74,14 +96,18 @@ impl Cuda {
         if count < 1 {
             return Err("the CUDA driver sees no device".to_owned());
         }
-        let device = result::device::get(0).map_err(|e| format!("cuDeviceGet: {e:?}"))?;
-        let name = result::device::get_name(device).unwrap_or_else(|_| "CUDA device 0".to_owned());
+        let index = i32::try_from(ordinal)
+            .ok()
+            .filter(|&index| index < count)
+            .ok_or_else(|| format!("the CUDA driver sees {count} devices, so there is no device {ordinal}"))?;
+        let device = result::device::get(index).map_err(|e| format!("cuDeviceGet: {e:?}"))?;
+        let name = result::device::get_name(device).unwrap_or_else(|_| format!("CUDA device {ordinal}"));
         // SAFETY: `device` is a valid ordinal handle returned just above.
         let memory_bytes = unsafe { result::device::total_mem(device) }.unwrap_or(0);
         // SAFETY: as above; the primary context is retained for the life of the process.
         let ctx =
             unsafe { result::primary_ctx::retain(device) }.map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
-        Ok(Cuda { ctx, name, memory_bytes })
+        Ok(Cuda { ctx, ordinal, name, memory_bytes })
     }
 
     /// Makes the context current on this thread.
@@ -225,6 +251,27 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// Makes later work on this stream wait until `fence` has passed (without blocking the
+    /// calling thread).
+    pub fn wait_for(&self, fence: &Fence) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            self.cuda.bind()?;
+            // SAFETY: both handles are live: the stream is owned by `self`, the event by `fence`.
+            unsafe {
+                result::stream::wait_event(self.raw, fence.event.raw, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+            }
+            .map_err(|e| cuda_error("cuStreamWaitEvent", e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (self.cuda, &fence.event);
+            Ok(())
+        }
+    }
+}
+
 impl Drop for Stream {
     fn drop(&mut self) {
         #[cfg(feature = "cuda")]
@@ -250,6 +297,37 @@ impl Drop for Event {
         #[cfg(feature = "cuda")]
         // SAFETY: created by `upload` and destroyed once, here.
         let _ = unsafe { result::event::destroy(self.raw) };
+    }
+}
+
+/// A point in a stream the engine does not own (a consumer's): an event recorded there, so
+/// that the engine's own stream can wait for the work enqueued before it.
+pub struct Fence {
+    event: Event,
+}
+
+impl Fence {
+    /// Records a fence after the work enqueued so far on `stream`, a raw `CUstream` of `cuda`'s
+    /// context (1 and 2 name the legacy and the per-thread default streams, as in DLPack).
+    pub fn record(cuda: &Cuda, stream: u64) -> Result<Fence> {
+        #[cfg(feature = "cuda")]
+        {
+            cuda.bind()?;
+            let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| cuda_error("cuEventCreate", e))?;
+            let event = Event { raw };
+            // SAFETY: the event is live. The stream handle is the caller's promise (DLPack's
+            // contract: the consumer names one of its streams on this device); the driver
+            // only enqueues the record on it.
+            unsafe { result::event::record(event.raw, stream as sys::CUstream) }
+                .map_err(|e| cuda_error("cuEventRecord", e))?;
+            Ok(Fence { event })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (cuda, stream);
+            Err(Error::invalid_input("this build has no CUDA support"))
+        }
     }
 }
 
@@ -337,6 +415,34 @@ impl Upload {
         {
             let _ = &self.event;
             Ok(true)
+        }
+    }
+
+    /// Makes later work on `stream` (a raw `CUstream` of this context; 1 and 2 name the legacy
+    /// and the per-thread default streams, as in DLPack) wait for the copy, without blocking the
+    /// calling thread.
+    pub fn order_before(&self, stream: u64) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            if let Some((_, buffer)) = &self.parts {
+                buffer.cuda.bind()?;
+            }
+            // SAFETY: the event is live (owned by `self`). The stream handle is the caller's
+            // promise (DLPack's contract: the consumer names one of its streams on this
+            // device); the driver only enqueues the wait on it.
+            unsafe {
+                result::stream::wait_event(
+                    stream as sys::CUstream,
+                    self.event.raw,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| cuda_error("cuStreamWaitEvent", e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = stream;
+            Ok(())
         }
     }
 
