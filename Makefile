@@ -3,13 +3,13 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 15
 
-.PHONY: test fmt-check clippy unit doc plugins libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: test fmt-check clippy unit doc plugins python python-env libcachesim fuzz-smoke fuzz-seeds demo bench
 
 PYTHON ?= $(shell test -x target/lcs-venv/bin/python && echo target/lcs-venv/bin/python || echo python3)
 
-## Everything CI checks: formatting, lints, tests, docs, the plugins, the libCacheSim comparison,
-## a short fuzz run.
-test: fmt-check clippy unit doc plugins libcachesim fuzz-smoke
+## Everything CI checks: formatting, lints, tests, docs, the plugins, the Python bindings, the
+## libCacheSim comparison, a short fuzz run.
+test: fmt-check clippy unit doc plugins python libcachesim fuzz-smoke
 
 fmt-check:
 	$(CARGO) fmt --all --check
@@ -28,6 +28,18 @@ doc:
 plugins:
 	cd plugins && $(CARGO) clippy --workspace --release --locked --target-dir ../target/plugins -- -D warnings
 	cd plugins && $(CARGO) test --workspace --locked --target $$(rustc -vV | sed -n 's/^host: //p') --target-dir ../target/plugins-native
+
+## The Python bindings: built into target/py-venv with maturin (the dev profile, so after `unit`
+## nothing is compiled again), then their pytest suite (NumPy only; the torch tests skip
+## without torch).
+PYVENV := $(CURDIR)/target/py-venv
+python: python-env
+	cd python && VIRTUAL_ENV=$(PYVENV) PATH=$(PYVENV)/bin:$$PATH maturin develop --locked --quiet
+	cd python && $(PYVENV)/bin/python -m pytest -q tests
+
+python-env:
+	@test -x $(PYVENV)/bin/maturin || { python3 -m venv $(PYVENV) && \
+		$(PYVENV)/bin/pip install -q 'maturin>=1.9,<2' 'numpy>=1.23' 'pytest>=7'; }
 
 ## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces
 ## (needs `pip install libcachesim`; .ci/run puts it in target/lcs-venv).

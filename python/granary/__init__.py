@@ -1,0 +1,356 @@
+"""granary: an embedded storage engine for ML training data.
+
+Shards on local disk are content-addressed (BLAKE3) and checksummed (CRC32C); every byte a
+batch holds passed its checksum before the batch was handed over. Batches come as PyTorch
+tensors (NumPy arrays where torch is absent) through DLPack, without a copy: on the GPU, ready
+on the consumer's stream, or in page-locked host memory.
+
+    import granary
+    store = granary.Store("/data/store", create=True)
+    store.ingest("tokens", records, dtype="uint16", shape=[2048])
+    loader = store.loader("tokens", batch_size=32, seed=0, device="cuda")
+    for epoch in range(3):
+        for batch in loader:          # one epoch per iteration; (32, 2048) uint16 tensors
+            ...
+        checkpoint = loader.state_dict()
+
+Processes: a `Loader` starts its I/O threads (and its CUDA stream) on the first batch asked
+for, in the process that asks. Make loaders in the process that iterates them; one used after
+a fork raises `ForkError`. `granary.torch.IterableDataset` does this for DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+from . import _native
+from ._native import CorruptionError, Error, ForkError, NotFoundError, PluginError
+
+__all__ = [
+    "Store",
+    "Loader",
+    "Error",
+    "CorruptionError",
+    "NotFoundError",
+    "PluginError",
+    "ForkError",
+    "cuda_available",
+    "world_from_env",
+]
+__version__ = _native.__version__
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def cuda_available() -> Tuple[bool, str]:
+    """`(True, device name)` when this process can load to a GPU, else `(False, why not)`."""
+    return _native.cuda_available()
+
+
+def world_from_env() -> Tuple[int, int]:
+    """`(rank, world_size)` from torchrun's environment (`RANK`, `WORLD_SIZE`); `(0, 1)` alone."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return rank, world_size
+
+
+class Store:
+    """A granary store on local disk (opened per call: the object holds no threads or locks)."""
+
+    def __init__(self, path: PathLike, *, create: bool = False) -> None:
+        self._native = _native.Store(os.fspath(path), create=create)
+
+    @property
+    def path(self) -> str:
+        return str(self._native.path)
+
+    def datasets(self) -> List[Dict[str, Any]]:
+        """Every dataset: `name`, `version`, `versions`, `manifest`, `records`, `shards`,
+        `bytes`, `layout`."""
+        return self._native.datasets()
+
+    def ingest(
+        self,
+        name: str,
+        records: Iterable[Any],
+        *,
+        dtype: Optional[str] = None,
+        shape: Optional[Sequence[int]] = None,
+        replace: bool = False,
+        shard_bytes: Optional[int] = None,
+        progress: Union[bool, Callable[[int, int], None], None] = None,
+    ) -> Dict[str, Any]:
+        """Ingests `records` (bytes, bytearray, or arrays: anything with `tobytes()`) as a new
+        version of `name`. With `dtype` and `shape` every record is one fixed-size array
+        (`"uint16"`, `"float32"`, ... or a torch dtype) and batches are dense tensors; without
+        them records are byte strings of any length. `progress=True` prints to stderr; a
+        callable gets `(records, bytes)` every half second. Returns what was committed."""
+        return self._native.ingest(
+            name,
+            records,
+            dtype=_dtype_name(dtype),
+            shape=None if shape is None else [int(d) for d in shape],
+            replace=replace,
+            shard_bytes=shard_bytes,
+            progress=progress,
+        )
+
+    def ingest_files(
+        self,
+        name: str,
+        source: Union[PathLike, Sequence[PathLike]],
+        *,
+        dtype: Optional[str] = None,
+        shape: Optional[Sequence[int]] = None,
+        drop_remainder: bool = False,
+        replace: bool = False,
+        shard_bytes: Optional[int] = None,
+        progress: Union[bool, Callable[[int, int], None], None] = None,
+    ) -> Dict[str, Any]:
+        """With `dtype` and `shape`: files of back-to-back fixed-size records (nanoGPT or
+        Megatron `.bin` token files). Without: every file under the directory `source` is one
+        record. Runs with the GIL released."""
+        return self._native.ingest_files(
+            name,
+            _paths(source),
+            dtype=_dtype_name(dtype),
+            shape=None if shape is None else [int(d) for d in shape],
+            drop_remainder=drop_remainder,
+            replace=replace,
+            shard_bytes=shard_bytes,
+            progress=progress,
+        )
+
+    def ingest_tars(
+        self,
+        name: str,
+        tars: Union[PathLike, Sequence[PathLike]],
+        *,
+        replace: bool = False,
+        shard_bytes: Optional[int] = None,
+        progress: Union[bool, Callable[[int, int], None], None] = None,
+    ) -> Dict[str, Any]:
+        """WebDataset tar files: the entries sharing a key are one sample, one record."""
+        return self._native.ingest_tars(name, _paths(tars), replace=replace, shard_bytes=shard_bytes, progress=progress)
+
+    def loader(self, dataset: str, batch_size: int, **options: Any) -> "Loader":
+        """A `Loader` of `dataset` (see `Loader` for the options)."""
+        return Loader(self, dataset, batch_size, **options)
+
+    def __repr__(self) -> str:
+        return f"granary.Store({self.path!r})"
+
+
+class Loader:
+    """One rank's batches of a dataset, verified, prefetched, one epoch per iteration.
+
+    `dataset`: a name, `name@version`, or a manifest id. `rank` and `world_size` default to
+    torchrun's `RANK` and `WORLD_SIZE`. `device`: `"cuda"` (the current torch device, else
+    `LOCAL_RANK`, else 0), `"cuda:N"`, `"cpu"` (page-locked host memory when CUDA is present), or
+    `None` (the GPU when there is one). `prefetch`: batches read ahead; `hold`: batches the
+    trainer may keep at once (a batch is held while any tensor made from it lives). `order`:
+    `"shuffled"` or `"sequential"` (the native plan); `partitioner`: a partitioner plugin by
+    name (`"default"`, the built-in elastic one) or `.wasm` path instead, with
+    `partitioner_options`. `output`: `"torch"` or `"numpy"` (default: torch when importable).
+    `with_indices=True` yields `(indices, batch)`.
+
+    Each batch is a tensor of shape `(records, *record_shape)` for fixed-size records, or a pair
+    `(data, offsets)` for byte records (record `i` is `data[offsets[i]:offsets[i+1]]`).
+    """
+
+    def __init__(
+        self,
+        store: Union[Store, PathLike],
+        dataset: str,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        epoch: int = 0,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        device: Optional[str] = None,
+        prefetch: int = 4,
+        read_depth: int = 2,
+        hold: int = 4,
+        order: str = "shuffled",
+        partitioner: Optional[str] = None,
+        partitioner_options: Optional[Dict[str, Any]] = None,
+        io: Optional[str] = None,
+        output: Optional[str] = None,
+        with_indices: bool = False,
+    ) -> None:
+        env_rank, env_world = world_from_env()
+        rank = env_rank if rank is None else rank
+        world_size = env_world if world_size is None else world_size
+        if output is None:
+            output = "torch" if _torch() is not None else "numpy"
+        if output not in ("torch", "numpy"):
+            raise ValueError(f"output {output!r}: expected 'torch' or 'numpy'")
+        if output == "numpy" and device is None:
+            device = "cpu"
+        if device is not None:
+            device = _device_name(str(device))
+        self._output = output
+        self._with_indices = with_indices
+        self._seed = seed
+        self._native = _native.Loader(
+            store._native if isinstance(store, Store) else os.fspath(store),
+            dataset,
+            batch_size,
+            seed=seed,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            prefetch=prefetch,
+            read_depth=read_depth,
+            hold=hold,
+            order=order,
+            partitioner=partitioner,
+            partitioner_options=None
+            if partitioner_options is None
+            else [(str(k), str(v)) for k, v in partitioner_options.items()],
+            io=io,
+        )
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        self._native.begin_epoch()
+        return self
+
+    def __next__(self) -> Any:
+        batch = self._native.next_batch()
+        if batch is None:
+            raise StopIteration
+        return self._convert(batch)
+
+    def __len__(self) -> int:
+        return self._native.batches_per_epoch()
+
+    def _convert(self, batch: Any) -> Any:
+        to = _to_torch if self._output == "torch" else _to_numpy
+        data = to(batch.data())
+        out = data if batch.fixed else (data, to(batch.offsets()))
+        if self._with_indices:
+            return to(batch.indices()), out
+        return out
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to."""
+        return self._native.position[0]
+
+    @property
+    def position(self) -> Tuple[int, int]:
+        """`(epoch, cursor)` after the last batch handed out; the cursor counts the epoch's
+        records consumed by all ranks together."""
+        return self._native.position
+
+    @property
+    def device(self) -> Optional[str]:
+        return self._native.device
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts `epoch` from its beginning at the next iteration."""
+        self._native.set_epoch(epoch)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The exact position, to resume from (on any world size)."""
+        epoch, cursor = self._native.position
+        return {
+            "format": 1,
+            "epoch": epoch,
+            "cursor": cursor,
+            "seed": self._seed,
+            "manifest": self._native.manifest,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resumes at `state`'s position: the next batches are exactly the samples not yet read,
+        split over this loader's world (which may differ from the one that saved it)."""
+        if state.get("format") != 1:
+            raise ValueError(f"not a granary loader state (format {state.get('format')!r})")
+        if state["seed"] != self._seed:
+            raise ValueError(f"the state was saved with seed {state['seed']}, this loader has seed {self._seed}")
+        manifest = self._native.manifest
+        if state["manifest"] != manifest:
+            raise ValueError(
+                f"the state was saved reading dataset version {state['manifest']}, this loader reads {manifest}; "
+                "open the same version (pass the manifest id as the dataset) to resume"
+            )
+        self._native.seek(int(state["epoch"]), int(state["cursor"]))
+
+    def metrics(self) -> Dict[str, Any]:
+        """Counters since the loader was made: `batches`, `records`, `bytes`, `stall_seconds`
+        (time the trainer waited for data), `stall_max_seconds`, `stall_fraction`,
+        `cache_hit_ratio` (batches already prefetched when asked for), `bytes_read`,
+        `blocks_verified`, `verify_failures`, `shards_repaired`, `pinned`."""
+        return self._native.metrics()
+
+    def close(self) -> None:
+        """Stops the I/O threads now (iterating again restarts them where it stopped)."""
+        self._native.close()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _to_torch(exported: Any) -> Any:
+    import torch
+
+    return torch.from_dlpack(exported)
+
+
+def _to_numpy(exported: Any) -> Any:
+    import numpy
+
+    if exported.__dlpack_device__()[0] != 1:
+        raise ValueError("NumPy holds host arrays only: load with device='cpu', or use output='torch'")
+    return numpy.from_dlpack(exported)
+
+
+def _device_name(device: str) -> str:
+    if device != "cuda":
+        return device
+    torch = _torch()
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"cuda:{torch.cuda.current_device()}"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+def _dtype_name(dtype: Any) -> Optional[str]:
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        return dtype
+    name = getattr(dtype, "name", None)  # a numpy dtype
+    if isinstance(name, str):
+        return name
+    if isinstance(dtype, type):  # a numpy scalar type such as numpy.uint16
+        try:
+            import numpy
+
+            return numpy.dtype(dtype).name
+        except (ImportError, TypeError):
+            pass
+    return str(dtype)  # a torch dtype prints as "torch.uint16"
+
+
+def _paths(source: Any) -> Any:
+    if isinstance(source, (str, os.PathLike)):
+        return os.fspath(source)
+    return [os.fspath(p) for p in source]

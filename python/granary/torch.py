@@ -1,0 +1,97 @@
+"""`IterableDataset`: granary batches for code that insists on `torch.utils.data.DataLoader`.
+
+    ds = granary.torch.IterableDataset("/data/store", "tokens", batch_size=32, seed=0)
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        for batch in dl:
+            ...
+
+Each item is a whole batch (granary batches and shuffles), so the DataLoader takes
+`batch_size=None`. The granary loader is made inside `__iter__`, in the process that iterates:
+in the main process with `num_workers=0`, in each worker otherwise, where worker `w` of `W`
+reads as rank `rank * W + w` of `world_size * W` (together the workers read every sample of
+the rank once). Workers load to host memory (CUDA does not survive a fork); the main process
+loads to `device`. `state_dict` and `load_state_dict` work with `num_workers=0` (workers'
+positions stay in the workers).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, Optional
+
+import torch.utils.data
+
+from . import Loader, Store, world_from_env
+
+
+class IterableDataset(torch.utils.data.IterableDataset):
+    """See the module documentation; the keyword arguments are `granary.Loader`'s."""
+
+    def __init__(self, store: Any, dataset: str, batch_size: int, **options: Any) -> None:
+        super().__init__()
+        self._store = store.path if isinstance(store, Store) else os.fspath(store)
+        self._dataset = dataset
+        self._batch_size = batch_size
+        self._options = dict(options)
+        self._epoch = int(self._options.pop("epoch", 0))
+        self._resume: Optional[Dict[str, Any]] = None
+        self._loader: Optional[Loader] = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads (as `DistributedSampler.set_epoch`)."""
+        self._epoch = epoch
+        self._resume = None
+        if self._loader is not None:
+            self._loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        options = dict(self._options)
+        rank = options.pop("rank", None)
+        world_size = options.pop("world_size", None)
+        env_rank, env_world = world_from_env()
+        rank = env_rank if rank is None else rank
+        world_size = env_world if world_size is None else world_size
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None:
+            rank = rank * worker.num_workers + worker.id
+            world_size = world_size * worker.num_workers
+            options["device"] = "cpu"
+            # A fresh loader per worker process, made here, after the fork.
+            loader = Loader(
+                self._store, self._dataset, self._batch_size, epoch=self._epoch, rank=rank,
+                world_size=world_size, output="torch", **options,
+            )
+            yield from loader
+            loader.close()
+            return
+        if self._loader is None:
+            self._loader = Loader(
+                self._store, self._dataset, self._batch_size, epoch=self._epoch, rank=rank,
+                world_size=world_size, output="torch", **options,
+            )
+            if self._resume is not None:
+                self._loader.load_state_dict(self._resume)
+                self._resume = None
+        yield from self._loader
+        self._epoch = self._loader.epoch
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The position of the main-process loader (`num_workers=0`)."""
+        if self._loader is None:
+            if self._resume is not None:
+                return dict(self._resume)
+            raise RuntimeError("nothing was read yet in this process (state_dict needs num_workers=0)")
+        return self._loader.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resumes at `state` on the next iteration (`num_workers=0`)."""
+        if self._loader is not None:
+            self._loader.load_state_dict(state)
+        else:
+            self._resume = dict(state)
+
+    def metrics(self) -> Dict[str, Any]:
+        """The main-process loader's counters (`num_workers=0`)."""
+        return {} if self._loader is None else self._loader.metrics()

@@ -1,0 +1,90 @@
+//! The engine's errors as Python exceptions. Each carries `kind` (a stable snake_case name of
+//! what went wrong) besides its message, so callers can branch without parsing text.
+
+use pyo3::exceptions::{PyException, PyOSError, PyValueError};
+use pyo3::prelude::*;
+
+pyo3::create_exception!(
+    _native,
+    Error,
+    PyException,
+    "An error of the granary engine; `kind` names it (see `granary.Error`)."
+);
+pyo3::create_exception!(
+    _native,
+    CorruptionError,
+    Error,
+    "Stored bytes failed verification (a block's CRC32C, a file's BLAKE3, or its format); none were returned."
+);
+pyo3::create_exception!(_native, NotFoundError, Error, "A dataset, version, record or shard that does not exist.");
+pyo3::create_exception!(
+    _native,
+    PluginError,
+    Error,
+    "A policy plugin failed to load, trapped, or returned an invalid answer."
+);
+pyo3::create_exception!(
+    _native,
+    ForkError,
+    Error,
+    "An object whose engine threads live in another process (it was copied by fork) was used."
+);
+
+/// The Python exception for an engine error.
+pub(crate) fn to_py(error: granary::Error) -> PyErr {
+    use granary::Error as E;
+    let kind = match &error {
+        E::Io { .. } => "io",
+        E::Format { .. } => "format",
+        E::ChecksumMismatch { .. } => "checksum_mismatch",
+        E::HashMismatch { .. } => "hash_mismatch",
+        E::InvalidName { .. } => "invalid_name",
+        E::NotFound { .. } => "not_found",
+        E::MissingShard { .. } => "missing_shard",
+        E::InvalidInput { .. } => "invalid_input",
+        E::RecordOutOfRange { .. } => "record_out_of_range",
+        E::StoreLocked { .. } => "store_locked",
+        E::NotAStore { .. } => "not_a_store",
+        E::Plugin(_) => "plugin",
+        E::Cuda { .. } => "cuda",
+        E::Catalog { .. } => "catalog",
+        E::Transport { .. } => "transport",
+        E::PeerRefused { .. } => "peer_refused",
+        E::Unavailable { .. } => "unavailable",
+        _ => "other",
+    };
+    let message = error.to_string();
+    let err = match &error {
+        _ if error.is_corruption() => CorruptionError::new_err(message),
+        E::NotFound { .. } | E::MissingShard { .. } | E::RecordOutOfRange { .. } | E::NotAStore { .. } => {
+            NotFoundError::new_err(message)
+        }
+        E::Plugin(_) => PluginError::new_err(message),
+        _ => Error::new_err(message),
+    };
+    Python::attach(|py| {
+        let _ = err.value(py).setattr("kind", kind);
+    });
+    err
+}
+
+/// A `ValueError` for an argument the bindings refuse before the engine sees it.
+pub(crate) fn invalid(message: impl Into<String>) -> PyErr {
+    PyValueError::new_err(message.into())
+}
+
+/// An `OSError` for a failure outside the engine (a path that is not UTF-8, for example).
+pub(crate) fn os(message: impl Into<String>) -> PyErr {
+    PyOSError::new_err(message.into())
+}
+
+/// The error for an object used in a process other than the one that started its threads.
+pub(crate) fn forked(what: &str, started_in: u32) -> PyErr {
+    ForkError::new_err(format!(
+        "this {what} was started in process {started_in} and copied into process {} by fork: its I/O \
+         threads (io_uring, and CUDA's) do not exist here. Create the {what} in the process that \
+         iterates it (for DataLoader workers: inside the dataset's __iter__, which granary's \
+         IterableDataset does), or use the 'spawn' start method",
+        std::process::id()
+    ))
+}

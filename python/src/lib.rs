@@ -1,0 +1,33 @@
+//! `granary._native`: the engine for Python. The `granary` package (`python/granary/`) wraps it:
+//! a `Store` (open, ingest, list), a `Loader` whose batches are exported through DLPack without
+//! a copy, and the exceptions.
+//!
+//! Invariants: every engine call that can wait (ingest from files, a loader's next batch) runs
+//! with the GIL released; an object whose engine threads belong to another process (a fork
+//! copied it) refuses to be used and is never dropped in the child (its threads do not exist
+//! there); an exported batch keeps its staging buffer, and its device buffer, until the last
+//! consumer's deleter runs.
+
+mod dlpack;
+mod errors;
+mod loader;
+mod store;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<store::Store>()?;
+    m.add_class::<loader::Loader>()?;
+    m.add_class::<loader::NativeBatch>()?;
+    m.add_class::<dlpack::Exported>()?;
+    m.add("Error", py.get_type::<errors::Error>())?;
+    m.add("CorruptionError", py.get_type::<errors::CorruptionError>())?;
+    m.add("NotFoundError", py.get_type::<errors::NotFoundError>())?;
+    m.add("PluginError", py.get_type::<errors::PluginError>())?;
+    m.add("ForkError", py.get_type::<errors::ForkError>())?;
+    m.add_function(wrap_pyfunction!(loader::cuda_available, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,542 @@
+//! `Loader`: one rank's batches, one epoch per iteration, resumable at the exact position.
+//!
+//! The engine loader (threads, staging pool, CUDA stream) is started lazily by the first batch
+//! asked for, in the process that asks: a `Loader` made before a fork and first iterated after
+//! it works in the child. Once started, it runs on across epoch ends (so the next epoch's first
+//! batches are read while the trainer finishes this one) and is restarted only when the
+//! position is moved (`load_state_dict`, `set_epoch`). Using a started loader in a forked child
+//! is a `ForkError`; the child never drops the parent's engine loader (it leaks the copy).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use granary::staging::cuda::Cuda;
+use granary::{
+    Dataset, Layout, LoaderConfig, LoaderStats, Order, PlanSource, Position, StorePaths, Target, VersionSpec, World,
+};
+
+use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DlDataType, Exported, HeldBatch, Owner};
+use crate::errors::{forked, invalid, to_py};
+use crate::store::Store;
+
+/// Whether this process can load to a GPU, and if not, why: `(True, device name)` or
+/// `(False, reason)`.
+#[pyfunction]
+pub(crate) fn cuda_available(py: Python<'_>) -> (bool, String) {
+    py.detach(|| match Cuda::get() {
+        Some(cuda) => (true, cuda.name().to_owned()),
+        None => (false, Cuda::unavailable_reason().unwrap_or("not available").to_owned()),
+    })
+}
+
+/// The engine loader of one rank (see the module documentation).
+#[pyclass(module = "granary._native")]
+pub(crate) struct Loader {
+    /// The process whose threads run the engine loader; 0 while none runs.
+    started_in: AtomicU32,
+    state: Mutex<State>,
+}
+
+struct State {
+    root: PathBuf,
+    spec: VersionSpec,
+    config: LoaderConfig,
+    /// The CUDA device batches go to, when they go to one.
+    device: Option<u32>,
+    dataset: Option<Arc<Dataset>>,
+    /// After the last batch handed out; an epoch's end is the next epoch's start.
+    position: Position,
+    /// The epoch the current iteration covers.
+    iterating: u64,
+    running: Option<Running>,
+    /// Counters of engine loaders already stopped (a restart starts new ones).
+    before: LoaderStats,
+}
+
+/// An engine loader and the process that started its threads.
+struct Running {
+    loader: Option<granary::Loader>,
+    pid: u32,
+}
+
+impl Running {
+    fn loader(&mut self) -> &mut granary::Loader {
+        self.loader.as_mut().expect("taken only in drop")
+    }
+
+    fn stats(&self) -> LoaderStats {
+        self.loader.as_ref().map(granary::Loader::stats).unwrap_or_default()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(loader) = self.loader.take()
+            && self.pid != std::process::id()
+        {
+            // A fork's copy: its threads are the parent's, and joining them here would wait
+            // forever. The copy is leaked.
+            std::mem::forget(loader);
+        }
+    }
+}
+
+impl State {
+    /// Stops the engine loader, keeping its counters.
+    fn stop(&mut self) {
+        if let Some(running) = self.running.take() {
+            add(&mut self.before, &running.stats());
+        }
+    }
+
+    fn dataset(&mut self) -> granary::Result<Arc<Dataset>> {
+        if let Some(dataset) = &self.dataset {
+            return Ok(Arc::clone(dataset));
+        }
+        let dataset = Dataset::open(&StorePaths::new(&self.root), &self.spec)?;
+        self.dataset = Some(Arc::clone(&dataset));
+        Ok(dataset)
+    }
+
+    fn normalized(&mut self, position: Position) -> granary::Result<Position> {
+        let n = self.dataset()?.n_records();
+        Ok(if n > 0 && position.cursor >= n { Position { epoch: position.epoch + 1, cursor: 0 } } else { position })
+    }
+}
+
+#[pymethods]
+impl Loader {
+    /// See `granary.Loader` for the arguments.
+    #[new]
+    #[pyo3(signature = (
+        store, dataset, batch_size, *, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
+        prefetch = 4, read_depth = 2, hold = 4, order = "shuffled", partitioner = None,
+        partitioner_options = None, io = None,
+    ))]
+    #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+    fn new(
+        store: &Bound<'_, PyAny>,
+        dataset: &str,
+        batch_size: u64,
+        seed: u64,
+        epoch: u64,
+        rank: u32,
+        world_size: u32,
+        device: Option<&str>,
+        prefetch: usize,
+        read_depth: usize,
+        hold: usize,
+        order: &str,
+        partitioner: Option<String>,
+        partitioner_options: Option<Vec<(String, String)>>,
+        io: Option<&str>,
+    ) -> PyResult<Self> {
+        let root = match store.cast::<Store>() {
+            Ok(store) => store.get().root().to_path_buf(),
+            Err(_) => store.extract::<PathBuf>().map_err(|_| invalid("store is a granary.Store or a path"))?,
+        };
+        let spec = VersionSpec::parse(dataset).map_err(to_py)?;
+        if batch_size == 0 {
+            return Err(invalid("batch_size must be at least 1"));
+        }
+        let world = World::new(rank, world_size)
+            .ok_or_else(|| invalid(format!("rank {rank} is not in a world of {world_size}")))?;
+        let (target, device) = match device {
+            None => (Target::Auto, None),
+            Some("cpu") => (Target::Host, None),
+            Some(name) => {
+                let ordinal = match name {
+                    "cuda" => 0,
+                    other => other.strip_prefix("cuda:").and_then(|n| n.parse::<u32>().ok()).ok_or_else(|| {
+                        invalid(format!("device {other:?}: expected \"cpu\", \"cuda\" or \"cuda:N\""))
+                    })?,
+                };
+                (Target::Gpu, Some(ordinal))
+            }
+        };
+        let plan = match (order, partitioner) {
+            (_, Some(plugin)) => PlanSource::Partitioner {
+                plugin: if plugin == "default" { None } else { Some(plugin) },
+                options: partitioner_options.unwrap_or_default(),
+            },
+            ("shuffled", None) => PlanSource::Native(Order::Shuffled),
+            ("sequential", None) => PlanSource::Native(Order::Sequential),
+            (other, None) => return Err(invalid(format!("order {other:?}: expected \"shuffled\" or \"sequential\""))),
+        };
+        let mut config = LoaderConfig {
+            batch_size,
+            world,
+            seed,
+            plan,
+            epochs: None,
+            read_depth,
+            prefetch,
+            hold_max: hold,
+            target,
+            ..LoaderConfig::default()
+        };
+        config.io.backend = match io {
+            None | Some("auto") => granary::Backend::Auto,
+            Some("uring") => granary::Backend::Uring,
+            Some("pread") => granary::Backend::Pread,
+            Some(other) => return Err(invalid(format!("io {other:?}: expected \"auto\", \"uring\" or \"pread\""))),
+        };
+        Ok(Self {
+            started_in: AtomicU32::new(0),
+            state: Mutex::new(State {
+                root,
+                spec,
+                config,
+                device,
+                dataset: None,
+                position: Position { epoch, cursor: 0 },
+                iterating: epoch,
+                running: None,
+                before: LoaderStats::default(),
+            }),
+        })
+    }
+
+    /// Starts an iteration over the rest of the current epoch (the next one if the current one
+    /// was read to its end).
+    fn begin_epoch(&self) -> PyResult<u64> {
+        let mut state = self.lock()?;
+        let position = state.position;
+        state.iterating = position.epoch;
+        Ok(position.epoch)
+    }
+
+    /// The next batch of the epoch being iterated, or `None` at its end. Waits with the GIL
+    /// released.
+    fn next_batch(&self, py: Python<'_>) -> PyResult<Option<NativeBatch>> {
+        let mut state = self.lock()?;
+        if state.position.epoch > state.iterating {
+            return Ok(None);
+        }
+        if state.running.is_none() {
+            self.start(py, &mut state)?;
+        }
+        let State { running, dataset, .. } = &mut *state;
+        let loader = running.as_mut().expect("started above").loader();
+        let next = py.detach(|| loader.next());
+        let batch = match next {
+            None => {
+                // The engine loader ran out: the dataset is empty (it runs epochs without end).
+                return Ok(None);
+            }
+            Some(Err(e)) => {
+                state.stop();
+                self.started_in.store(0, Ordering::Release);
+                return Err(to_py(e));
+            }
+            Some(Ok(batch)) => batch,
+        };
+        let dataset = Arc::clone(dataset.as_ref().expect("opened by start"));
+        let after = batch.position();
+        state.position = state.normalized(after).map_err(to_py)?;
+        NativeBatch::new(batch, &dataset, state.device).map(Some)
+    }
+
+    /// Moves to the start of `epoch` (as `DistributedSampler.set_epoch` does).
+    fn set_epoch(&self, epoch: u64) -> PyResult<()> {
+        let mut state = self.lock()?;
+        self.move_to(&mut state, Position { epoch, cursor: 0 });
+        state.iterating = epoch;
+        Ok(())
+    }
+
+    /// Moves to `(epoch, cursor)`: the next batch is the one after that position.
+    fn seek(&self, epoch: u64, cursor: u64) -> PyResult<()> {
+        let mut state = self.lock()?;
+        let position = state.normalized(Position { epoch, cursor }).map_err(to_py)?;
+        self.move_to(&mut state, position);
+        state.iterating = position.epoch;
+        Ok(())
+    }
+
+    /// `(epoch, cursor)` after the last batch handed out: the cursor counts the epoch's
+    /// records consumed by all ranks together.
+    #[getter]
+    fn position(&self) -> PyResult<(u64, u64)> {
+        let state = self.lock()?;
+        Ok((state.position.epoch, state.position.cursor))
+    }
+
+    /// The manifest id of the dataset version being read.
+    #[getter]
+    fn manifest(&self) -> PyResult<String> {
+        let mut state = self.lock()?;
+        Ok(state.dataset().map_err(to_py)?.manifest_id().to_string())
+    }
+
+    /// Records in the dataset version.
+    #[getter]
+    fn records(&self) -> PyResult<u64> {
+        let mut state = self.lock()?;
+        Ok(state.dataset().map_err(to_py)?.n_records())
+    }
+
+    /// Batches this rank reads per epoch.
+    fn batches_per_epoch(&self) -> PyResult<u64> {
+        let mut state = self.lock()?;
+        let n = state.dataset().map_err(to_py)?.n_records();
+        let step = u64::from(state.config.world.size()) * state.config.batch_size;
+        Ok(n.div_ceil(step))
+    }
+
+    /// The loader's counters since it was made (see `granary.Loader.metrics`).
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let state = self.lock()?;
+        let mut stats = state.before;
+        if let Some(running) = &state.running {
+            add(&mut stats, &running.stats());
+        }
+        let out = PyDict::new(py);
+        out.set_item("batches", stats.batches)?;
+        out.set_item("records", stats.records)?;
+        out.set_item("bytes", stats.bytes)?;
+        out.set_item("stall_seconds", stats.stall.as_secs_f64())?;
+        out.set_item("stall_max_seconds", stats.stall_max.as_secs_f64())?;
+        out.set_item("elapsed_seconds", stats.elapsed.as_secs_f64())?;
+        out.set_item("stall_fraction", stats.stall_fraction())?;
+        let hit = if stats.batches == 0 { 0.0 } else { stats.ready as f64 / stats.batches as f64 };
+        out.set_item("cache_hit_ratio", hit)?;
+        out.set_item("bytes_read", stats.read.bytes_read)?;
+        out.set_item("blocks_verified", stats.read.blocks_verified)?;
+        out.set_item("verify_failures", stats.read.verify_failures)?;
+        out.set_item("shards_repaired", stats.read.shards_repaired)?;
+        out.set_item("pinned", stats.pool.pinned)?;
+        Ok(out)
+    }
+
+    /// Where batches go: `"cpu"` or `"cuda:N"` (known once the first batch was asked for).
+    #[getter]
+    fn device(&self) -> PyResult<Option<String>> {
+        let state = self.lock()?;
+        Ok(match (&state.running, state.device) {
+            (Some(running), _) => Some(match running.loader.as_ref().and_then(granary::Loader::device) {
+                Some(_) => format!("cuda:{}", Cuda::get().map_or(0, Cuda::ordinal)),
+                None => "cpu".to_owned(),
+            }),
+            (None, Some(ordinal)) => Some(format!("cuda:{ordinal}")),
+            (None, None) => None,
+        })
+    }
+
+    /// Reads up to `batches` batches of the epoch being iterated entirely in Rust, dropping
+    /// each at once, with the GIL released: the engine loader's own rate, which benchmarks
+    /// compare the Python iteration with (same build, same data). Returns `(batches, records,
+    /// bytes, seconds)`.
+    fn drain(&self, py: Python<'_>, batches: u64) -> PyResult<(u64, u64, u64, f64)> {
+        let mut state = self.lock()?;
+        if state.running.is_none() {
+            self.start(py, &mut state)?;
+        }
+        let iterating = state.iterating;
+        let mut position = state.position;
+        let n_records = state.dataset().map_err(to_py)?.n_records();
+        let loader = state.running.as_mut().expect("started above").loader();
+        let outcome = py.detach(|| {
+            let start = std::time::Instant::now();
+            let (mut n, mut records, mut bytes) = (0, 0, 0);
+            while n < batches && position.epoch <= iterating {
+                match loader.next() {
+                    None => break,
+                    Some(Err(e)) => return Err(e),
+                    Some(Ok(batch)) => {
+                        n += 1;
+                        records += batch.len() as u64;
+                        bytes += batch.data().len() as u64;
+                        position = batch.position();
+                        if position.cursor >= n_records {
+                            position = Position { epoch: position.epoch + 1, cursor: 0 };
+                        }
+                    }
+                }
+            }
+            Ok((n, records, bytes, start.elapsed().as_secs_f64()))
+        });
+        match outcome {
+            Ok(counts) => {
+                state.position = position;
+                Ok(counts)
+            }
+            Err(e) => {
+                state.stop();
+                self.started_in.store(0, Ordering::Release);
+                Err(to_py(e))
+            }
+        }
+    }
+
+    /// Stops the engine loader's threads now (the next batch asked for starts them again).
+    fn close(&self) -> PyResult<()> {
+        let mut state = self.lock()?;
+        state.stop();
+        self.started_in.store(0, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl Loader {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, State>> {
+        let started_in = self.started_in.load(Ordering::Acquire);
+        if started_in != 0 && started_in != std::process::id() {
+            return Err(forked("granary.Loader", started_in));
+        }
+        Ok(self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    fn start(&self, py: Python<'_>, state: &mut State) -> PyResult<()> {
+        if let Some(ordinal) = state.device {
+            py.detach(|| Cuda::select(ordinal)).map_err(to_py)?;
+        }
+        let dataset = state.dataset().map_err(to_py)?;
+        let config = state.config.clone();
+        let position = state.position;
+        let loader = py.detach(|| granary::Loader::new(dataset, config, position)).map_err(to_py)?;
+        state.running = Some(Running { loader: Some(loader), pid: std::process::id() });
+        self.started_in.store(std::process::id(), Ordering::Release);
+        Ok(())
+    }
+
+    fn move_to(&self, state: &mut State, position: Position) {
+        if state.position != position || state.running.is_none() {
+            state.stop();
+            self.started_in.store(0, Ordering::Release);
+        }
+        state.position = position;
+    }
+}
+
+fn add(to: &mut LoaderStats, more: &LoaderStats) {
+    to.batches += more.batches;
+    to.ready += more.ready;
+    to.records += more.records;
+    to.bytes += more.bytes;
+    to.stall += more.stall;
+    to.stall_max = to.stall_max.max(more.stall_max);
+    to.elapsed += more.elapsed;
+    to.read.records += more.read.records;
+    to.read.bytes_delivered += more.read.bytes_delivered;
+    to.read.bytes_read += more.read.bytes_read;
+    to.read.ops += more.read.ops;
+    to.read.blocks_verified += more.read.blocks_verified;
+    to.read.shards_repaired += more.read.shards_repaired;
+    to.read.verify_failures += more.read.verify_failures;
+    to.pool = more.pool;
+}
+
+/// One batch as the engine handed it over, before conversion to tensors.
+#[pyclass(module = "granary._native", frozen)]
+pub(crate) struct NativeBatch {
+    held: Arc<HeldBatch>,
+    /// Dimensions of one record, and its dtype, for fixed-size records.
+    fixed: Option<(Vec<i64>, DlDataType)>,
+    device: (i32, i32),
+    len: usize,
+    position: (u64, u64),
+    stall: f64,
+    pinned: bool,
+}
+
+impl NativeBatch {
+    fn new(batch: granary::LoadedBatch, dataset: &Dataset, device: Option<u32>) -> PyResult<Self> {
+        let fixed = match dataset.layout() {
+            Layout::Fixed(fixed) => {
+                let dtype = DlDataType::of(fixed.dtype()).ok_or_else(|| {
+                    invalid(format!("dtype {} has no DLPack type in these bindings", fixed.dtype().name()))
+                })?;
+                Some((fixed.dims().iter().map(|&d| d as i64).collect(), dtype))
+            }
+            _ => None,
+        };
+        let on_device = batch.device().is_some();
+        let ordinal = device.or_else(|| Cuda::get().map(Cuda::ordinal)).unwrap_or(0);
+        let device = if on_device { (DEVICE_CUDA, ordinal as i32) } else { (DEVICE_CPU, 0) };
+        let position = batch.position();
+        Ok(Self {
+            len: batch.len(),
+            position: (position.epoch, position.cursor),
+            stall: batch.stall().as_secs_f64(),
+            pinned: batch.pinned(),
+            held: Arc::new(HeldBatch::new(batch)),
+            fixed,
+            device,
+        })
+    }
+}
+
+#[pymethods]
+impl NativeBatch {
+    /// Records in the batch.
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// The batch's bytes: `(records, *record_shape)` of the dataset's dtype for fixed-size
+    /// records, otherwise every record's bytes back to back (uint8; see `offsets`).
+    fn data(&self) -> Exported {
+        let (address, bytes) = self.held.with(|batch| match batch.device() {
+            Some(device) => (device.ptr(), batch.data().len()),
+            None => (batch.data().as_ptr() as u64, batch.data().len()),
+        });
+        let (shape, dtype) = match &self.fixed {
+            Some((dims, dtype)) => {
+                let mut shape = vec![self.len as i64];
+                shape.extend_from_slice(dims);
+                (shape, *dtype)
+            }
+            None => (vec![bytes as i64], DlDataType::U8),
+        };
+        Exported::new(Owner::Batch(Arc::clone(&self.held)), address, self.device, dtype, shape)
+    }
+
+    /// Where each record starts and ends in `data`: `len + 1` int64 offsets, from 0 (host
+    /// memory, whatever the device).
+    fn offsets(&self) -> Exported {
+        let mut offsets = Vec::with_capacity(self.len + 1);
+        offsets.push(0);
+        self.held.with(|batch| offsets.extend(batch.ends().iter().map(|&end| end as i64)));
+        Exported::host(offsets)
+    }
+
+    /// The dataset indices of the records, in batch order (int64, host memory).
+    fn indices(&self) -> Exported {
+        Exported::host(self.held.with(|batch| batch.indices().iter().map(|&i| i as i64).collect()))
+    }
+
+    /// `(epoch, cursor)` after this batch.
+    #[getter]
+    fn position(&self) -> (u64, u64) {
+        self.position
+    }
+
+    /// Seconds the loader waited for this batch.
+    #[getter]
+    fn stall_seconds(&self) -> f64 {
+        self.stall
+    }
+
+    /// Whether the host bytes are page-locked.
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// Whether the records are fixed-size arrays (`data` is then one dense array).
+    #[getter]
+    fn fixed(&self) -> bool {
+        self.fixed.is_some()
+    }
+
+    /// `"cpu"` or `"cuda:N"`.
+    #[getter]
+    fn device(&self) -> String {
+        if self.device.0 == DEVICE_CUDA { format!("cuda:{}", self.device.1) } else { "cpu".to_owned() }
+    }
+}

@@ -1,0 +1,392 @@
+//! `Store`: a store root, opened per call (so the object holds no engine threads, no catalog
+//! and no lock, and survives a fork), with ingest and listing.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
+
+use granary::ingest::{self as sources, Progress};
+use granary::{DatasetName, Dtype, FixedLayout, Granary, IngestMode, IngestOptions, Layout, StorePaths};
+
+use crate::errors::{invalid, os, to_py};
+
+/// How often progress is reported at most.
+const PROGRESS_EVERY: Duration = Duration::from_millis(500);
+
+/// A granary store on local disk.
+#[pyclass(module = "granary._native", frozen)]
+pub(crate) struct Store {
+    root: PathBuf,
+}
+
+#[pymethods]
+impl Store {
+    /// Opens the store at `path`; `create=True` makes it if it does not exist.
+    #[new]
+    #[pyo3(signature = (path, *, create = false))]
+    fn new(py: Python<'_>, path: PathBuf, create: bool) -> PyResult<Self> {
+        let root = path.clone();
+        py.detach(|| if create { Granary::create(&root) } else { Granary::open(&root) }.map(drop)).map_err(to_py)?;
+        Ok(Self { root: path })
+    }
+
+    /// The store's root directory.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.root.clone()
+    }
+
+    /// Every dataset: a list of dicts with `name`, `version` (the current one), `versions`,
+    /// `records`, `shards`, `bytes` (of its shard files) and `layout`.
+    fn datasets<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let paths = StorePaths::new(&self.root);
+        let summaries = py.detach(|| granary::engine::datasets_from_files(&paths)).map_err(to_py)?;
+        let out = PyList::empty(py);
+        for summary in summaries {
+            let Some(current) = summary.versions.last() else { continue };
+            let entry = PyDict::new(py);
+            entry.set_item("name", summary.name.as_str())?;
+            entry.set_item("version", current.number)?;
+            entry.set_item("versions", summary.versions.iter().map(|v| v.number).collect::<Vec<_>>())?;
+            entry.set_item("manifest", current.manifest.to_string())?;
+            if let Some(object) = &current.entry {
+                entry.set_item("records", object.n_records)?;
+                entry.set_item("shards", object.n_shards)?;
+                entry.set_item("bytes", object.file_bytes)?;
+                entry.set_item("layout", object.layout.to_string())?;
+            }
+            out.append(entry)?;
+        }
+        Ok(out)
+    }
+
+    /// Ingests `records` (an iterable of bytes-like objects: `bytes`, `bytearray`, or anything
+    /// with `tobytes()`, such as a NumPy array) as a new version of dataset `name`. With `dtype`
+    /// and `shape` the records are fixed-size arrays (every record exactly that many bytes, and
+    /// a batch is one dense array); without them, byte strings of any length. `replace=True`
+    /// makes the version hold only these records (otherwise it appends to the current one).
+    /// `progress`: `True` prints to stderr, a callable gets `(records, bytes)` every half
+    /// second. Returns what was committed (see `ingest_files`).
+    #[pyo3(signature = (name, records, *, dtype = None, shape = None, replace = false, shard_bytes = None, progress = None))]
+    #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+    fn ingest<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        records: &Bound<'py, PyAny>,
+        dtype: Option<&str>,
+        shape: Option<Vec<u64>>,
+        replace: bool,
+        shard_bytes: Option<u64>,
+        progress: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let layout = layout_of(dtype, shape)?;
+        let options = options_of(replace, shard_bytes);
+        let name = DatasetName::new(name).map_err(to_py)?;
+        let report = Report::new(name.as_str(), progress, None)?;
+        let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
+        let mut ingest = granary.ingest(name, layout, options).map_err(to_py)?;
+        let mut n = 0u64;
+        for record in records.try_iter()? {
+            let record = record?;
+            let len = if let Ok(data) = record.cast::<PyBytes>() {
+                ingest.push(data.as_bytes()).map_err(to_py)?;
+                data.as_bytes().len()
+            } else if let Ok(data) = record.cast::<PyByteArray>() {
+                let data = data.to_vec();
+                ingest.push(&data).map_err(to_py)?;
+                data.len()
+            } else {
+                let data = record.call_method0("tobytes").map_err(|_| {
+                    invalid(format!(
+                        "record {n}: a {} is not bytes-like (bytes, bytearray, or an object with tobytes())",
+                        record.get_type().name().map(|t| t.to_string()).unwrap_or_default()
+                    ))
+                })?;
+                let data = data
+                    .cast::<PyBytes>()
+                    .map_err(|_| invalid(format!("record {n}: tobytes() did not return bytes")))?;
+                ingest.push(data.as_bytes()).map_err(to_py)?;
+                data.as_bytes().len()
+            };
+            n += 1;
+            report.records.store(n, Ordering::Relaxed);
+            report.advance(len as u64);
+            // A callable that raised ends the ingest before anything is committed.
+            report.check()?;
+        }
+        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
+        report.finish();
+        report.check()?;
+        committed_dict(py, &committed)
+    }
+
+    /// Ingests files as a new version of dataset `name`. With `dtype` and `shape`: files of
+    /// back-to-back fixed-size records (nanoGPT and Megatron `.bin` token files, for example;
+    /// `drop_remainder=True` skips each file's incomplete last record). Without: every regular
+    /// file under the directory `source` is one record, in byte order of their paths. `source`
+    /// is a path or a list of paths (record files) or one directory. The GIL is released while
+    /// it runs. Returns a dict: `name`, `version`, `manifest`, `records`, `shards`,
+    /// `records_added`, `bytes_added`, `shards_published`, `shards_deduplicated`.
+    #[pyo3(signature = (name, source, *, dtype = None, shape = None, drop_remainder = false, replace = false, shard_bytes = None, progress = None))]
+    #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+    fn ingest_files<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        source: &Bound<'py, PyAny>,
+        dtype: Option<&str>,
+        shape: Option<Vec<u64>>,
+        drop_remainder: bool,
+        replace: bool,
+        shard_bytes: Option<u64>,
+        progress: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let paths = paths_of(source)?;
+        let fixed = dtype.is_some() || shape.is_some();
+        let layout = if fixed { layout_of(dtype, shape)? } else { Layout::Bytes };
+        if !fixed && paths.len() != 1 {
+            return Err(invalid("without dtype and shape, source is one directory (each file under it a record)"));
+        }
+        let options = options_of(replace, shard_bytes);
+        let name = DatasetName::new(name).map_err(to_py)?;
+        let report = Report::new(name.as_str(), progress, None)?;
+        let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
+        let ingest = py
+            .detach(|| {
+                let mut ingest = granary.ingest(name, layout, options)?;
+                if fixed {
+                    sources::records_from_files(&mut ingest, &paths, drop_remainder, &report)?;
+                } else {
+                    sources::files_from_dir(&mut ingest, &paths[0], &report)?;
+                }
+                Ok(ingest)
+            })
+            .map_err(to_py)?;
+        report.finish();
+        // A callable that raised ends the ingest before anything is committed.
+        report.check()?;
+        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
+        committed_dict(py, &committed)
+    }
+
+    /// Ingests WebDataset tar files (a path or a list) as a new version of dataset `name`: the
+    /// entries that share a key form one sample, stored as one record. The GIL is released while
+    /// it runs. Returns what was committed (see `ingest_files`).
+    #[pyo3(signature = (name, tars, *, replace = false, shard_bytes = None, progress = None))]
+    fn ingest_tars<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        tars: &Bound<'py, PyAny>,
+        replace: bool,
+        shard_bytes: Option<u64>,
+        progress: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let paths = paths_of(tars)?;
+        let options = options_of(replace, shard_bytes);
+        let name = DatasetName::new(name).map_err(to_py)?;
+        let report = Report::new(name.as_str(), progress, None)?;
+        let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
+        let ingest = py
+            .detach(|| {
+                let mut ingest = granary.ingest(name, Layout::Samples, options)?;
+                sources::samples_from_tars(&mut ingest, &paths, &report)?;
+                Ok(ingest)
+            })
+            .map_err(to_py)?;
+        report.finish();
+        // A callable that raised ends the ingest before anything is committed.
+        report.check()?;
+        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
+        committed_dict(py, &committed)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("granary.Store({:?})", self.root.display().to_string())
+    }
+}
+
+impl Store {
+    pub(crate) fn root(&self) -> &std::path::Path {
+        &self.root
+    }
+}
+
+/// The layout for `dtype` and `shape`: both or neither.
+fn layout_of(dtype: Option<&str>, shape: Option<Vec<u64>>) -> PyResult<Layout> {
+    match (dtype, shape) {
+        (None, None) => Ok(Layout::Bytes),
+        (Some(dtype), shape) => {
+            let parsed = Dtype::from_name(dtype)
+                .or_else(|| numpy_dtype(dtype))
+                .ok_or_else(|| invalid(format!("unknown dtype {dtype:?} (u8, i8, u16, ..., f16, bf16, f32, f64)")))?;
+            let shape = shape.ok_or_else(|| invalid("dtype needs shape (the dimensions of one record)"))?;
+            FixedLayout::new(parsed, &shape).map(Layout::Fixed).map_err(|e| invalid(e.to_string()))
+        }
+        (None, Some(_)) => Err(invalid("shape needs dtype")),
+    }
+}
+
+/// NumPy's and PyTorch's names for the engine's dtypes.
+fn numpy_dtype(name: &str) -> Option<Dtype> {
+    let name = name.strip_prefix("torch.").unwrap_or(name);
+    Some(match name {
+        "uint8" => Dtype::U8,
+        "int8" => Dtype::I8,
+        "uint16" => Dtype::U16,
+        "int16" => Dtype::I16,
+        "uint32" => Dtype::U32,
+        "int32" => Dtype::I32,
+        "uint64" => Dtype::U64,
+        "int64" => Dtype::I64,
+        "float16" | "half" => Dtype::F16,
+        "bfloat16" => Dtype::Bf16,
+        "float32" | "float" => Dtype::F32,
+        "float64" | "double" => Dtype::F64,
+        _ => return None,
+    })
+}
+
+fn options_of(replace: bool, shard_bytes: Option<u64>) -> IngestOptions {
+    let mut options = IngestOptions::default();
+    if replace {
+        options.mode = IngestMode::Replace;
+    }
+    if let Some(bytes) = shard_bytes {
+        options.shard_bytes_target = bytes;
+    }
+    options
+}
+
+/// One path or a list of paths (`str` or `os.PathLike`).
+fn paths_of(source: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
+    if let Ok(path) = source.extract::<PathBuf>() {
+        return Ok(vec![path]);
+    }
+    let mut paths = Vec::new();
+    for item in source.try_iter().map_err(|_| invalid("expected a path or an iterable of paths"))? {
+        paths.push(item?.extract::<PathBuf>().map_err(|_| os("expected a path (str or os.PathLike)"))?);
+    }
+    Ok(paths)
+}
+
+fn committed_dict<'py>(py: Python<'py>, committed: &granary::ingest::Committed) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    out.set_item("name", committed.name.as_str())?;
+    out.set_item("version", committed.version)?;
+    out.set_item("manifest", committed.manifest.to_string())?;
+    out.set_item("records", committed.n_records)?;
+    out.set_item("shards", committed.n_shards)?;
+    out.set_item("records_added", committed.stats.records)?;
+    out.set_item("bytes_added", committed.stats.bytes)?;
+    out.set_item("shards_published", committed.stats.shards_published)?;
+    out.set_item("shards_deduplicated", committed.stats.shards_deduplicated)?;
+    Ok(out)
+}
+
+/// Progress of an ingest, reported to stderr or to a Python callable at most every half second.
+struct Report {
+    name: String,
+    sink: Sink,
+    total: AtomicU64,
+    done: AtomicU64,
+    records: AtomicU64,
+    last: Mutex<Option<Instant>>,
+    /// The first exception the callable raised; the ingest fails with it.
+    failed: Mutex<Option<PyErr>>,
+}
+
+enum Sink {
+    None,
+    Stderr,
+    Call(Py<PyAny>),
+}
+
+impl Report {
+    fn new(name: &str, progress: Option<Bound<'_, PyAny>>, total: Option<u64>) -> PyResult<Self> {
+        let sink = match progress {
+            None => Sink::None,
+            Some(p) if p.is_none() => Sink::None,
+            Some(p) if p.is_callable() => Sink::Call(p.unbind()),
+            Some(p) => {
+                if p.is_truthy()? {
+                    Sink::Stderr
+                } else {
+                    Sink::None
+                }
+            }
+        };
+        Ok(Self {
+            name: name.to_owned(),
+            sink,
+            total: AtomicU64::new(total.unwrap_or(0)),
+            done: AtomicU64::new(0),
+            records: AtomicU64::new(0),
+            last: Mutex::new(None),
+            failed: Mutex::new(None),
+        })
+    }
+
+    fn report(&self, last: bool) {
+        let (done, total) = (self.done.load(Ordering::Relaxed), self.total.load(Ordering::Relaxed));
+        match &self.sink {
+            Sink::None => {}
+            Sink::Stderr => {
+                let share =
+                    if total > 0 { format!(" {:.0}%", 100.0 * done as f64 / total as f64) } else { String::new() };
+                let records = self.records.load(Ordering::Relaxed);
+                let records = if records > 0 { format!(", {records} records") } else { String::new() };
+                eprint!(
+                    "\ringest {}:{share} {:.1} MB{records}{}",
+                    self.name,
+                    done as f64 / 1e6,
+                    if last { "\n" } else { "" }
+                );
+            }
+            Sink::Call(callable) => Python::attach(|py| {
+                let mut failed = self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if failed.is_none()
+                    && let Err(e) = callable.call1(py, (self.records.load(Ordering::Relaxed), done))
+                {
+                    *failed = Some(e);
+                }
+            }),
+        }
+    }
+
+    fn finish(&self) {
+        if self.done.load(Ordering::Relaxed) > 0 || self.records.load(Ordering::Relaxed) > 0 {
+            self.report(true);
+        }
+    }
+
+    /// Raises what the callable raised, if it did.
+    fn check(&self) -> PyResult<()> {
+        match self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Progress for Report {
+    fn start(&self, total_bytes: u64) {
+        self.total.store(total_bytes, Ordering::Relaxed);
+    }
+
+    fn advance(&self, bytes: u64) {
+        self.done.fetch_add(bytes, Ordering::Relaxed);
+        let mut last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = Instant::now();
+        if last.is_none_or(|at| now.duration_since(at) >= PROGRESS_EVERY) {
+            *last = Some(now);
+            drop(last);
+            self.report(false);
+        }
+    }
+}
