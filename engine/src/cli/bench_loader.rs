@@ -97,7 +97,7 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         bail!("{} has {n} records; --batch x --batches needs {wanted}", args.dataset);
     }
     let cuda = Cuda::get();
-    let gpu_note = Cuda::unavailable_reason().unwrap_or("");
+    let gpu_note = Cuda::unavailable_reason().unwrap_or_default();
     let dropped = drop_page_cache();
 
     let shard_paths: Vec<PathBuf> = (0..dataset.n_shards()).map(|s| dataset.shard_path(s)).collect();

@@ -191,8 +191,37 @@ pub struct LoadedBatch {
     held: Arc<AtomicUsize>,
 }
 
-/// A device buffer back from the trainer, free once its fences have passed.
-type Returned = (DeviceBuffer, Vec<Fence>);
+/// A device buffer back from the trainer, free once its fences have passed. Dropped unused
+/// (the loader is gone, or stops), it waits for them before the buffer is freed.
+struct Returned {
+    buffer: Option<DeviceBuffer>,
+    fences: Vec<Fence>,
+}
+
+impl Returned {
+    /// The buffer, once `stream`'s later work is ordered after the fences.
+    fn after_fences_on(mut self, stream: &Stream) -> Result<DeviceBuffer> {
+        for fence in &self.fences {
+            stream.wait_for(fence)?;
+        }
+        self.fences.clear();
+        Ok(self.buffer.take().expect("taken once"))
+    }
+}
+
+impl Drop for Returned {
+    fn drop(&mut self) {
+        if let Some(buffer) = self.buffer.take() {
+            // Freeing memory a consumer's queued kernels may still read is not allowed: wait.
+            // If waiting fails the context is broken; leak the buffer rather than free it.
+            if self.fences.iter().all(|fence| fence.wait().is_ok()) {
+                drop(buffer);
+            } else {
+                std::mem::forget(buffer);
+            }
+        }
+    }
+}
 
 impl LoadedBatch {
     /// The dataset indices of the records, in batch order.
@@ -273,8 +302,10 @@ impl Drop for LoadedBatch {
             && let Ok((lease, buffer)) = upload.into_parts()
         {
             drop(lease);
+            let returned = Returned { buffer: Some(buffer), fences: std::mem::take(&mut self.fences) };
             if let Some(returns) = &self.returns {
-                let _ = returns.send((buffer, std::mem::take(&mut self.fences)));
+                // A closed queue hands the buffer back, to be dropped after its fences.
+                let _ = returns.send(returned);
             }
         }
         self.held.fetch_sub(1, Ordering::AcqRel);
@@ -346,7 +377,7 @@ impl Loader {
             Target::Gpu => Some(Cuda::get().ok_or_else(|| {
                 Error::invalid_input(format!(
                     "loading to the GPU needs CUDA: {}",
-                    Cuda::unavailable_reason().unwrap_or("not available")
+                    Cuda::unavailable_reason().unwrap_or_else(|| "not available".to_owned())
                 ))
             })?),
         };
@@ -389,7 +420,10 @@ impl Loader {
                     (0..config.hold_max + 3).map(|_| cuda.alloc(pool.buffer_bytes())).collect::<Result<Vec<_>>>()?;
                 let device = DeviceStage {
                     stream,
-                    free: buffers.into_iter().map(|buffer| (buffer, Vec::new())).collect(),
+                    free: buffers
+                        .into_iter()
+                        .map(|buffer| Returned { buffer: Some(buffer), fences: Vec::new() })
+                        .collect(),
                     returned,
                     input: from_reader,
                     out: to_trainer,
@@ -469,6 +503,12 @@ impl Loader {
         self.stats.records += loaded.len() as u64;
         self.stats.bytes += loaded.data().len() as u64;
         Some(Ok(loaded))
+    }
+
+    /// Whether the stream has ended: the last epoch was handed out, or an error was (a refusal
+    /// to hand out more than `hold_max` batches does not end it).
+    pub fn is_finished(&self) -> bool {
+        self.finished
     }
 
     /// Where the run is: after the last batch handed out (the start, before the first).
@@ -748,7 +788,8 @@ fn step_mismatch(world: World, planned: u64) -> Error {
 /// Copies each verified batch to a device buffer on the loader's stream.
 struct DeviceStage {
     stream: Stream,
-    free: Vec<Returned>,
+    /// Oldest returned first: its consumer's work is the likeliest to be done.
+    free: std::collections::VecDeque<Returned>,
     returned: Receiver<Returned>,
     input: Receiver<Message>,
     out: SyncSender<Message>,
@@ -776,8 +817,8 @@ impl DeviceStage {
         self.free.extend(self.returned.try_iter());
         // The trainer holds at most `hold_max` and the queue two, so one comes back, unless the
         // loader is being dropped while the trainer keeps its batches: then stop.
-        let (buffer, fences) = loop {
-            if let Some(free) = self.free.pop() {
+        let free = loop {
+            if let Some(free) = self.free.pop_front() {
                 break free;
             }
             match self.returned.recv_timeout(Duration::from_millis(10)) {
@@ -787,9 +828,7 @@ impl DeviceStage {
             }
         };
         // The trainer's kernels that read the buffer's last batch run before the copy into it.
-        for fence in &fences {
-            self.stream.wait_for(fence)?;
-        }
+        let buffer = free.after_fences_on(&self.stream)?;
         let lease = batch.take_lease().ok_or_else(|| Error::invalid_input("a batch without a staging buffer"))?;
         self.stream.upload(lease, buffer)
     }

@@ -20,10 +20,30 @@ use super::Lease;
 #[cfg(feature = "cuda")]
 use cudarc::driver::{result, sys};
 
+/// The context `Cuda::bind` replaced on this thread, made current again on drop.
+#[cfg(feature = "cuda")]
+#[must_use]
+struct Bind {
+    restore: Option<sys::CUcontext>,
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for Bind {
+    fn drop(&mut self) {
+        if let Some(previous) = self.restore {
+            // SAFETY: `previous` was current on this thread a moment ago (or is null, which
+            // unbinds); the driver keeps a context alive while it is current anywhere.
+            let _ = unsafe { result::ctx::set_current(previous) };
+        }
+    }
+}
+
 /// The CUDA device the engine uses and its primary context.
 pub struct Cuda {
     #[cfg(feature = "cuda")]
     ctx: sys::CUcontext,
+    /// The process that initialised it: CUDA does not survive a fork.
+    pid: u32,
     ordinal: u32,
     name: String,
     memory_bytes: usize,
@@ -43,12 +63,38 @@ impl Cuda {
     /// The device, initialised on first use (device 0 unless `select` chose another first);
     /// `None` without a driver or a device.
     pub fn get() -> Option<&'static Cuda> {
-        CUDA.get_or_init(|| Cuda::init(0)).as_ref().ok()
+        CUDA.get_or_init(|| Cuda::init(0)).as_ref().ok().filter(|cuda| cuda.pid == std::process::id())
     }
 
     /// Why `get` returns `None`.
-    pub fn unavailable_reason() -> Option<&'static str> {
-        CUDA.get_or_init(|| Cuda::init(0)).as_ref().err().map(String::as_str)
+    pub fn unavailable_reason() -> Option<String> {
+        match CUDA.get_or_init(|| Cuda::init(0)) {
+            Err(reason) => Some(reason.clone()),
+            Ok(cuda) if cuda.pid != std::process::id() => Some(forked(cuda.pid)),
+            Ok(_) => None,
+        }
+    }
+
+    /// The devices the driver sees, without initialising the engine's device (so a later
+    /// `select` may still choose any); the reason when there is no usable driver.
+    pub fn device_count() -> std::result::Result<u32, String> {
+        match CUDA.get() {
+            Some(Ok(cuda)) if cuda.pid != std::process::id() => return Err(forked(cuda.pid)),
+            Some(Err(reason)) => return Err(reason.clone()),
+            _ => {}
+        }
+        #[cfg(feature = "cuda")]
+        {
+            // SAFETY: only probes whether the driver library can be loaded.
+            if !unsafe { sys::is_culib_present() } {
+                return Err("no CUDA driver library (libcuda) found".to_owned());
+            }
+            result::init().map_err(|e| format!("cuInit: {e:?}"))?;
+            let count = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))?;
+            Ok(u32::try_from(count).unwrap_or(0))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err("this build has no CUDA support (the `cuda` feature is off)".to_owned())
     }
 
     /// Uses device `ordinal` (as the driver numbers the visible devices) for the rest of the
@@ -56,6 +102,7 @@ impl Cuda {
     /// one cannot be used.
     pub fn select(ordinal: u32) -> Result<&'static Cuda> {
         match CUDA.get_or_init(|| Cuda::init(ordinal)) {
+            Ok(cuda) if cuda.pid != std::process::id() => Err(Error::invalid_input(forked(cuda.pid))),
             Ok(cuda) if cuda.ordinal == ordinal => Ok(cuda),
             Ok(cuda) => Err(Error::invalid_input(format!(
                 "this process already uses CUDA device {} ({}); one process loads to one device",
@@ -82,6 +129,7 @@ impl Cuda {
 
     #[cfg(not(feature = "cuda"))]
     fn init(_ordinal: u32) -> std::result::Result<Cuda, String> {
+        let _ = std::process::id;
         Err("this build has no CUDA support (the `cuda` feature is off)".to_owned())
     }
 
@@ -107,21 +155,28 @@ impl Cuda {
         // SAFETY: as above; the primary context is retained for the life of the process.
         let ctx =
             unsafe { result::primary_ctx::retain(device) }.map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
-        Ok(Cuda { ctx, ordinal, name, memory_bytes })
+        Ok(Cuda { ctx, pid: std::process::id(), ordinal, name, memory_bytes })
     }
 
-    /// Makes the context current on this thread.
+    /// Makes the context current on this thread until the returned guard is dropped, which
+    /// puts back the one that was current before: calls made on a caller's thread (a trainer's,
+    /// whose framework keeps its own current device) leave that thread as they found it.
     #[cfg(feature = "cuda")]
-    fn bind(&self) -> Result<()> {
+    fn bind(&self) -> Result<Bind> {
+        let previous = result::ctx::get_current().map_err(|e| cuda_error("cuCtxGetCurrent", e))?;
+        if previous == Some(self.ctx) {
+            return Ok(Bind { restore: None });
+        }
         // SAFETY: `ctx` is the retained primary context, valid for the life of the process.
-        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+        Ok(Bind { restore: Some(previous.unwrap_or(std::ptr::null_mut())) })
     }
 
     /// Page-locks `memory` (portable, not write-combined) until the registration is dropped.
     pub(crate) fn register_host(&self, memory: &AlignedBuf) -> Result<HostRegistration> {
         #[cfg(feature = "cuda")]
         {
-            self.bind()?;
+            let _bound = self.bind()?;
             let ptr = memory.base_ptr();
             // SAFETY: `ptr..ptr + len` is a live mapping owned by the pool, which drops this
             // registration (unregistering) before it unmaps the memory.
@@ -141,7 +196,7 @@ impl Cuda {
     pub fn stream(&'static self) -> Result<Stream> {
         #[cfg(feature = "cuda")]
         {
-            self.bind()?;
+            let _bound = self.bind()?;
             let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
                 .map_err(|e| cuda_error("cuStreamCreate", e))?;
             Ok(Stream { cuda: self, raw })
@@ -154,7 +209,7 @@ impl Cuda {
     pub fn alloc(&'static self, bytes: usize) -> Result<DeviceBuffer> {
         #[cfg(feature = "cuda")]
         {
-            self.bind()?;
+            let _bound = self.bind()?;
             // SAFETY: a plain allocation; the pointer is owned by the returned buffer and freed
             // once, in its `Drop`.
             let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| cuda_error("cuMemAlloc", e))?;
@@ -166,6 +221,16 @@ impl Cuda {
             Err(Error::invalid_input("this build has no CUDA support"))
         }
     }
+}
+
+/// Why CUDA cannot be used in this process: it was initialised in another, before a fork.
+fn forked(parent: u32) -> String {
+    format!(
+        "CUDA was initialised in process {parent}, which this process ({}) was forked from, and CUDA \
+         does not survive a fork: initialise it only in the process that uses it, or start \
+         children with the 'spawn' method",
+        std::process::id()
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -189,7 +254,7 @@ impl Drop for HostRegistration {
     fn drop(&mut self) {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = Cuda::get()
-            && cuda.bind().is_ok()
+            && let Ok(_bound) = cuda.bind()
         {
             // SAFETY: `ptr` was registered by `register_host` and is unregistered once, here,
             // before the pool unmaps it.
@@ -230,7 +295,7 @@ impl Stream {
         }
         #[cfg(feature = "cuda")]
         {
-            self.cuda.bind()?;
+            let _bound = self.cuda.bind()?;
             let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(|e| cuda_error("cuEventCreate", e))?;
             let event = Event { raw: event };
@@ -257,7 +322,7 @@ impl Stream {
     pub fn wait_for(&self, fence: &Fence) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
-            self.cuda.bind()?;
+            let _bound = self.cuda.bind()?;
             // SAFETY: both handles are live: the stream is owned by `self`, the event by `fence`.
             unsafe {
                 result::stream::wait_event(self.raw, fence.event.raw, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
@@ -275,7 +340,7 @@ impl Stream {
 impl Drop for Stream {
     fn drop(&mut self) {
         #[cfg(feature = "cuda")]
-        if self.cuda.bind().is_ok() {
+        if let Ok(_bound) = self.cuda.bind() {
             // SAFETY: the stream was created by `Cuda::stream` and is destroyed once, here; the
             // driver finishes work already enqueued before it releases the stream.
             let _ = unsafe { result::stream::destroy(self.raw) };
@@ -312,7 +377,7 @@ impl Fence {
     pub fn record(cuda: &Cuda, stream: u64) -> Result<Fence> {
         #[cfg(feature = "cuda")]
         {
-            cuda.bind()?;
+            let _bound = cuda.bind()?;
             let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(|e| cuda_error("cuEventCreate", e))?;
             let event = Event { raw };
@@ -327,6 +392,18 @@ impl Fence {
         {
             let _ = (cuda, stream);
             Err(Error::invalid_input("this build has no CUDA support"))
+        }
+    }
+
+    /// Blocks until the work before the fence has run.
+    pub fn wait(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        // SAFETY: the event is live (owned by `self`).
+        return unsafe { result::event::synchronize(self.event.raw) }.map_err(|e| cuda_error("cuEventSynchronize", e));
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = &self.event;
+            Ok(())
         }
     }
 }
@@ -369,7 +446,7 @@ impl DeviceBuffer {
         }
         #[cfg(feature = "cuda")]
         {
-            self.cuda.bind()?;
+            let _bound = self.cuda.bind()?;
             // SAFETY: `out` is at most `len` bytes and the source is this buffer's allocation;
             // the synchronous copy is done when the call returns.
             unsafe { result::memcpy_dtoh_sync(out, self.ptr) }.map_err(|e| cuda_error("cuMemcpyDtoH", e))
@@ -385,7 +462,7 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         #[cfg(feature = "cuda")]
-        if self.cuda.bind().is_ok() {
+        if let Ok(_bound) = self.cuda.bind() {
             // SAFETY: allocated by `Cuda::alloc` and freed once, here; uploads into it own it, so
             // none is in flight (an `Upload` waits before it gives the buffer back).
             let _ = unsafe { result::free_sync(self.ptr) };
@@ -424,9 +501,10 @@ impl Upload {
     pub fn order_before(&self, stream: u64) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
-            if let Some((_, buffer)) = &self.parts {
-                buffer.cuda.bind()?;
-            }
+            let _bound = match &self.parts {
+                Some((_, buffer)) => Some(buffer.cuda.bind()?),
+                None => None,
+            };
             // SAFETY: the event is live (owned by `self`). The stream handle is the caller's
             // promise (DLPack's contract: the consumer names one of its streams on this
             // device); the driver only enqueues the wait on it.
@@ -450,9 +528,10 @@ impl Upload {
     pub fn wait(&self) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
-            if let Some((_, buffer)) = &self.parts {
-                buffer.cuda.bind()?;
-            }
+            let _bound = match &self.parts {
+                Some((_, buffer)) => Some(buffer.cuda.bind()?),
+                None => None,
+            };
             // SAFETY: the event is live (owned by `self`).
             unsafe { result::event::synchronize(self.event.raw) }.map_err(|e| cuda_error("cuEventSynchronize", e))
         }

@@ -101,7 +101,7 @@ impl StagingPool {
                 let cuda = cuda::Cuda::get().ok_or_else(|| {
                     Error::invalid_input(format!(
                         "page-locked staging needs CUDA: {}",
-                        cuda::Cuda::unavailable_reason().unwrap_or("not available")
+                        cuda::Cuda::unavailable_reason().unwrap_or_else(|| "not available".to_owned())
                     ))
                 })?;
                 Some(cuda.register_host(&memory)?)
