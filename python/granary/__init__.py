@@ -146,17 +146,26 @@ class Loader:
     """One rank's batches of a dataset, verified, prefetched, one epoch per iteration.
 
     `dataset`: a name, `name@version`, or a manifest id. `rank` and `world_size` default to
-    torchrun's `RANK` and `WORLD_SIZE`. `device`: `"cuda"` (the current torch device, else
-    `LOCAL_RANK`, else 0), `"cuda:N"`, `"cpu"` (page-locked host memory when CUDA is present), or
-    `None` (the GPU when there is one). `prefetch`: batches read ahead; `hold`: batches the
-    trainer may keep at once (a batch is held while any tensor made from it lives). `order`:
-    `"shuffled"` or `"sequential"` (the native plan); `partitioner`: a partitioner plugin by
-    name (`"default"`, the built-in elastic one) or `.wasm` path instead, with
-    `partitioner_options`. `output`: `"torch"` or `"numpy"` (default: torch when importable).
-    `with_indices=True` yields `(indices, batch)`.
+    torchrun's `RANK` and `WORLD_SIZE`. `device`: `"cuda"` (torch's current device once torch
+    has initialised CUDA, else `LOCAL_RANK` when that device exists, else 0), `"cuda:N"`,
+    `"cpu"` (host memory), or `None` (`"cuda"` when torch sees a GPU, `"cpu"` otherwise).
+    `prefetch`: batches read ahead; `hold`: batches the trainer may keep at once (a batch is
+    held while any tensor made from it lives; asking for one more raises instead of waiting
+    forever). `order`: `"shuffled"` or `"sequential"` (the native plan); `partitioner`: a
+    partitioner plugin by name (`"default"`, the built-in elastic one) or `.wasm` path instead,
+    with `partitioner_options`. `drop_last=True` ends each epoch before its short last step,
+    so that every rank reads the same number of batches (DDP needs that; without it the last
+    step gives some ranks one batch fewer when it holds fewer records than there are ranks).
+    `output`: `"torch"` or `"numpy"` (default: torch when importable). `with_indices=True`
+    yields `(indices, batch)`.
 
     Each batch is a tensor of shape `(records, *record_shape)` for fixed-size records, or a pair
     `(data, offsets)` for byte records (record `i` is `data[offsets[i]:offsets[i+1]]`).
+
+    A GPU batch is ready on the torch stream current when it was converted; the loader reuses
+    its memory once the tensor is freed and the work queued on that stream by then has run. A
+    tensor used on other streams must be kept alive until that work is done (torch's
+    `record_stream` does not apply to memory torch did not allocate).
     """
 
     def __init__(
@@ -177,6 +186,7 @@ class Loader:
         partitioner: Optional[str] = None,
         partitioner_options: Optional[Dict[str, Any]] = None,
         io: Optional[str] = None,
+        drop_last: bool = False,
         output: Optional[str] = None,
         with_indices: bool = False,
     ) -> None:
@@ -187,13 +197,18 @@ class Loader:
             output = "torch" if _torch() is not None else "numpy"
         if output not in ("torch", "numpy"):
             raise ValueError(f"output {output!r}: expected 'torch' or 'numpy'")
-        if output == "numpy" and device is None:
-            device = "cpu"
-        if device is not None:
-            device = _device_name(str(device))
+        if device is None:
+            torch = _torch() if output == "torch" else None
+            device = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+        device = _device_name(str(device))
         self._output = output
         self._with_indices = with_indices
         self._seed = seed
+        self._plan = (
+            {"partitioner": partitioner, "options": {str(k): str(v) for k, v in (partitioner_options or {}).items()}}
+            if partitioner is not None
+            else {"order": order}
+        )
         self._native = _native.Loader(
             store._native if isinstance(store, Store) else os.fspath(store),
             dataset,
@@ -212,6 +227,7 @@ class Loader:
             if partitioner_options is None
             else [(str(k), str(v)) for k, v in partitioner_options.items()],
             io=io,
+            drop_last=drop_last,
         )
         self.rank = rank
         self.world_size = world_size
@@ -254,8 +270,13 @@ class Loader:
         return self._native.device
 
     def set_epoch(self, epoch: int) -> None:
-        """Starts `epoch` from its beginning at the next iteration."""
+        """Makes `epoch` the one the next iteration reads: from its start, or, when the loader
+        is already inside it (resumed by `load_state_dict`), from where it is."""
         self._native.set_epoch(epoch)
+
+    def seek(self, epoch: int, cursor: int = 0) -> None:
+        """Moves to `(epoch, cursor)` (`cursor` records of the epoch consumed by all ranks)."""
+        self._native.seek(epoch, cursor)
 
     def state_dict(self) -> Dict[str, Any]:
         """The exact position, to resume from (on any world size)."""
@@ -265,6 +286,7 @@ class Loader:
             "epoch": epoch,
             "cursor": cursor,
             "seed": self._seed,
+            "plan": dict(self._plan),
             "manifest": self._native.manifest,
         }
 
@@ -275,6 +297,8 @@ class Loader:
             raise ValueError(f"not a granary loader state (format {state.get('format')!r})")
         if state["seed"] != self._seed:
             raise ValueError(f"the state was saved with seed {state['seed']}, this loader has seed {self._seed}")
+        if state.get("plan") != self._plan:
+            raise ValueError(f"the state was saved with plan {state.get('plan')}, this loader has {self._plan}")
         manifest = self._native.manifest
         if state["manifest"] != manifest:
             raise ValueError(
@@ -326,10 +350,14 @@ def _to_numpy(exported: Any) -> Any:
 def _device_name(device: str) -> str:
     if device != "cuda":
         return device
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     torch = _torch()
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return f"cuda:{torch.cuda.current_device()}"
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    if torch is not None and torch.cuda.is_available():
+        if torch.cuda.is_initialized():
+            return f"cuda:{torch.cuda.current_device()}"
+        # A launcher that gives each process one visible device leaves LOCAL_RANK past it.
+        return f"cuda:{local if local < torch.cuda.device_count() else 0}"
+    return f"cuda:{local}"
 
 
 def _dtype_name(dtype: Any) -> Optional[str]:

@@ -12,8 +12,11 @@ Each item is a whole batch (granary batches and shuffles), so the DataLoader tak
 in the main process with `num_workers=0`, in each worker otherwise, where worker `w` of `W`
 reads as rank `rank * W + w` of `world_size * W` (together the workers read every sample of
 the rank once). Workers load to host memory (CUDA does not survive a fork); the main process
-loads to `device`. `state_dict` and `load_state_dict` work with `num_workers=0` (workers'
-positions stay in the workers).
+loads to `device` (then leave the DataLoader's `pin_memory` off: the batches may already be on
+the GPU). With workers, call `set_epoch` before each epoch, as with `DistributedSampler`: the
+workers' copies cannot tell the main process where they got to. `state_dict` and
+`load_state_dict` work with `num_workers=0` (workers' positions stay in the workers). For DDP,
+pass `drop_last=True` so every rank reads as many batches.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self._dataset = dataset
         self._batch_size = batch_size
         self._options = dict(options)
+        self._options.pop("output", None)  # always torch here
         self._epoch = int(self._options.pop("epoch", 0))
         self._resume: Optional[Dict[str, Any]] = None
         self._loader: Optional[Loader] = None
@@ -42,7 +46,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads (as `DistributedSampler.set_epoch`)."""
         self._epoch = epoch
-        self._resume = None
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None
         if self._loader is not None:
             self._loader.set_epoch(epoch)
 

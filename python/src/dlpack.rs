@@ -182,9 +182,11 @@ impl Exported {
         (self.device_type, self.device_id)
     }
 
-    /// A `dltensor` capsule. `stream` is the consumer's (CUDA: 1 the legacy default stream, 2
-    /// the per-thread one, otherwise a `cudaStream_t`; -1: no ordering wanted; `None`: the
-    /// legacy default stream). `copy=True` is refused: this exporter never copies.
+    /// A `dltensor` capsule. `stream` is the consumer's (CUDA: 1 the legacy default stream,
+    /// otherwise a `cudaStream_t`; -1: no ordering wanted; `None`: the legacy default stream).
+    /// The per-thread default stream (2) is refused: the batch's release is ordered after the
+    /// consumer's stream from whatever thread frees the tensor, where 2 would name another
+    /// stream. `copy=True` is refused: this exporter never copies.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         &self,
@@ -211,7 +213,13 @@ impl Exported {
             let stream = match stream {
                 None => Some(1),
                 Some(-1) => None,
-                Some(0) => return Err(PyValueError::new_err("stream 0 is ambiguous in DLPack; pass 1 or 2")),
+                Some(0) => return Err(PyValueError::new_err("stream 0 is ambiguous in DLPack; pass 1 or a stream")),
+                Some(2) => {
+                    return Err(PyBufferError::new_err(
+                        "granary cannot order a batch's release after the per-thread default stream (2): \
+                         export on the legacy default stream (1) or on an explicit stream",
+                    ));
+                }
                 Some(s) if s < 0 => return Err(PyValueError::new_err(format!("stream {s} is not a CUDA stream"))),
                 Some(s) => Some(s as u64),
             };
@@ -230,6 +238,12 @@ impl Exported {
     #[getter]
     fn shape(&self) -> Vec<i64> {
         self.shape.clone()
+    }
+
+    /// The address of the first element (host or device), for checks that nothing was copied.
+    #[getter]
+    fn address(&self) -> u64 {
+        self.data
     }
 }
 

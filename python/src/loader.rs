@@ -2,7 +2,8 @@
 //!
 //! The engine loader (threads, staging pool, CUDA stream) is started lazily by the first batch
 //! asked for, in the process that asks: a `Loader` made before a fork and first iterated after
-//! it works in the child. Once started, it runs on across epoch ends (so the next epoch's first
+//! it works in the child (to host memory, or to a GPU if the parent had not initialised CUDA;
+//! if it had, loading to the GPU in the child is an error that says so). Once started, it runs on across epoch ends (so the next epoch's first
 //! batches are read while the trainer finishes this one) and is restarted only when the
 //! position is moved (`load_state_dict`, `set_epoch`). Using a started loader in a forked child
 //! is a `ForkError`; the child never drops the parent's engine loader (it leaks the copy).
@@ -12,6 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use pyo3::types::PyDict;
 
 use granary::staging::cuda::Cuda;
@@ -23,13 +25,15 @@ use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DlDataType, Exported, HeldBatch, Ow
 use crate::errors::{forked, invalid, to_py};
 use crate::store::Store;
 
-/// Whether this process can load to a GPU, and if not, why: `(True, device name)` or
+/// Whether this process can load to a GPU, and if not, why: `(True, "N CUDA devices")` or
 /// `(False, reason)`.
 #[pyfunction]
 pub(crate) fn cuda_available(py: Python<'_>) -> (bool, String) {
-    py.detach(|| match Cuda::get() {
-        Some(cuda) => (true, cuda.name().to_owned()),
-        None => (false, Cuda::unavailable_reason().unwrap_or("not available").to_owned()),
+    // Counting devices does not choose one: a loader may still ask for any.
+    py.detach(|| match Cuda::device_count() {
+        Ok(0) => (false, "the CUDA driver sees no device".to_owned()),
+        Ok(n) => (true, format!("{n} CUDA device{}", if n == 1 { "" } else { "s" })),
+        Err(reason) => (false, reason),
     })
 }
 
@@ -47,6 +51,8 @@ struct State {
     config: LoaderConfig,
     /// The CUDA device batches go to, when they go to one.
     device: Option<u32>,
+    /// Stop each epoch before its short last step, so every rank reads as many batches.
+    drop_last: bool,
     dataset: Option<Arc<Dataset>>,
     /// After the last batch handed out; an epoch's end is the next epoch's start.
     position: Position,
@@ -102,9 +108,32 @@ impl State {
         Ok(dataset)
     }
 
+    /// `position`, or the next epoch's start when this rank reads nothing more in its epoch:
+    /// at the end, in the short last step when it holds fewer records than ranks and this
+    /// rank's share is empty, or with `drop_last` in that step at all.
     fn normalized(&mut self, position: Position) -> granary::Result<Position> {
         let n = self.dataset()?.n_records();
-        Ok(if n > 0 && position.cursor >= n { Position { epoch: position.epoch + 1, cursor: 0 } } else { position })
+        let done = Position { epoch: position.epoch + 1, cursor: 0 };
+        if n == 0 {
+            return Ok(position);
+        }
+        let (size, rank) = (u64::from(self.config.world.size()), u64::from(self.config.world.rank()));
+        let step = size * self.config.batch_size;
+        let end = if self.drop_last { n - n % step } else { n };
+        let left = end.saturating_sub(position.cursor);
+        let more = left >= step || (left > 0 && (left >= size || rank < left));
+        Ok(if more { position } else { done })
+    }
+
+    /// Batches this rank reads per epoch (the engine's cut: steps of `world x batch_size`,
+    /// the short last step spread one record at a time over the first ranks).
+    fn batches_per_epoch(&mut self) -> granary::Result<u64> {
+        let n = self.dataset()?.n_records();
+        let (size, rank) = (u64::from(self.config.world.size()), u64::from(self.config.world.rank()));
+        let step = size * self.config.batch_size;
+        let (full, left) = (n / step, n % step);
+        let last = !self.drop_last && left > 0 && (left >= size || rank < left);
+        Ok(full + u64::from(last))
     }
 }
 
@@ -115,7 +144,7 @@ impl Loader {
     #[pyo3(signature = (
         store, dataset, batch_size, *, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
         prefetch = 4, read_depth = 2, hold = 4, order = "shuffled", partitioner = None,
-        partitioner_options = None, io = None,
+        partitioner_options = None, io = None, drop_last = false,
     ))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
@@ -134,6 +163,7 @@ impl Loader {
         partitioner: Option<String>,
         partitioner_options: Option<Vec<(String, String)>>,
         io: Option<&str>,
+        drop_last: bool,
     ) -> PyResult<Self> {
         let root = match store.cast::<Store>() {
             Ok(store) => store.get().root().to_path_buf(),
@@ -192,6 +222,7 @@ impl Loader {
                 spec,
                 config,
                 device,
+                drop_last,
                 dataset: None,
                 position: Position { epoch, cursor: 0 },
                 iterating: epoch,
@@ -203,8 +234,8 @@ impl Loader {
 
     /// Starts an iteration over the rest of the current epoch (the next one if the current one
     /// was read to its end).
-    fn begin_epoch(&self) -> PyResult<u64> {
-        let mut state = self.lock()?;
+    fn begin_epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        let mut state = self.lock(py)?;
         let position = state.position;
         state.iterating = position.epoch;
         Ok(position.epoch)
@@ -213,45 +244,57 @@ impl Loader {
     /// The next batch of the epoch being iterated, or `None` at its end. Waits with the GIL
     /// released.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<NativeBatch>> {
-        let mut state = self.lock()?;
+        let mut state = self.lock(py)?;
         if state.position.epoch > state.iterating {
             return Ok(None);
         }
         if state.running.is_none() {
             self.start(py, &mut state)?;
         }
-        let State { running, dataset, .. } = &mut *state;
-        let loader = running.as_mut().expect("started above").loader();
-        let next = py.detach(|| loader.next());
-        let batch = match next {
-            None => {
-                // The engine loader ran out: the dataset is empty (it runs epochs without end).
-                return Ok(None);
+        loop {
+            let State { running, dataset, .. } = &mut *state;
+            let dataset = Arc::clone(dataset.as_ref().expect("opened by start"));
+            let loader = running.as_mut().expect("started above").loader();
+            let next = py.detach(|| loader.next());
+            let batch = match next {
+                None => {
+                    // The engine loader ran out: the dataset is empty (it runs epochs without end).
+                    return Ok(None);
+                }
+                Some(Err(e)) => {
+                    if loader.is_finished() {
+                        state.stop();
+                        self.started_in.store(0, Ordering::Release);
+                    }
+                    return Err(to_py(e));
+                }
+                Some(Ok(batch)) => batch,
+            };
+            let after = batch.position();
+            if epoch_of(after) < state.position.epoch {
+                // The short last step of an epoch this rank already ended (`drop_last`).
+                continue;
             }
-            Some(Err(e)) => {
-                state.stop();
-                self.started_in.store(0, Ordering::Release);
-                return Err(to_py(e));
-            }
-            Some(Ok(batch)) => batch,
-        };
-        let dataset = Arc::clone(dataset.as_ref().expect("opened by start"));
-        let after = batch.position();
-        state.position = state.normalized(after).map_err(to_py)?;
-        NativeBatch::new(batch, &dataset, state.device).map(Some)
+            state.position = state.normalized(after).map_err(to_py)?;
+            return NativeBatch::new(batch, &dataset, state.device).map(Some);
+        }
     }
 
-    /// Moves to the start of `epoch` (as `DistributedSampler.set_epoch` does).
-    fn set_epoch(&self, epoch: u64) -> PyResult<()> {
-        let mut state = self.lock()?;
-        self.move_to(&mut state, Position { epoch, cursor: 0 });
+    /// Makes `epoch` the one the next iteration reads (as `DistributedSampler.set_epoch`):
+    /// from its start, unless the loader is already inside it (resumed there, say), in which
+    /// case it goes on from where it is.
+    fn set_epoch(&self, py: Python<'_>, epoch: u64) -> PyResult<()> {
+        let mut state = self.lock(py)?;
+        if state.position.epoch != epoch {
+            self.move_to(&mut state, Position { epoch, cursor: 0 });
+        }
         state.iterating = epoch;
         Ok(())
     }
 
     /// Moves to `(epoch, cursor)`: the next batch is the one after that position.
-    fn seek(&self, epoch: u64, cursor: u64) -> PyResult<()> {
-        let mut state = self.lock()?;
+    fn seek(&self, py: Python<'_>, epoch: u64, cursor: u64) -> PyResult<()> {
+        let mut state = self.lock(py)?;
         let position = state.normalized(Position { epoch, cursor }).map_err(to_py)?;
         self.move_to(&mut state, position);
         state.iterating = position.epoch;
@@ -261,36 +304,33 @@ impl Loader {
     /// `(epoch, cursor)` after the last batch handed out: the cursor counts the epoch's
     /// records consumed by all ranks together.
     #[getter]
-    fn position(&self) -> PyResult<(u64, u64)> {
-        let state = self.lock()?;
+    fn position(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        let state = self.lock(py)?;
         Ok((state.position.epoch, state.position.cursor))
     }
 
     /// The manifest id of the dataset version being read.
     #[getter]
-    fn manifest(&self) -> PyResult<String> {
-        let mut state = self.lock()?;
+    fn manifest(&self, py: Python<'_>) -> PyResult<String> {
+        let mut state = self.lock(py)?;
         Ok(state.dataset().map_err(to_py)?.manifest_id().to_string())
     }
 
     /// Records in the dataset version.
     #[getter]
-    fn records(&self) -> PyResult<u64> {
-        let mut state = self.lock()?;
+    fn records(&self, py: Python<'_>) -> PyResult<u64> {
+        let mut state = self.lock(py)?;
         Ok(state.dataset().map_err(to_py)?.n_records())
     }
 
     /// Batches this rank reads per epoch.
-    fn batches_per_epoch(&self) -> PyResult<u64> {
-        let mut state = self.lock()?;
-        let n = state.dataset().map_err(to_py)?.n_records();
-        let step = u64::from(state.config.world.size()) * state.config.batch_size;
-        Ok(n.div_ceil(step))
+    fn batches_per_epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        self.lock(py)?.batches_per_epoch().map_err(to_py)
     }
 
     /// The loader's counters since it was made (see `granary.Loader.metrics`).
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let state = self.lock()?;
+        let state = self.lock(py)?;
         let mut stats = state.before;
         if let Some(running) = &state.running {
             add(&mut stats, &running.stats());
@@ -315,8 +355,8 @@ impl Loader {
 
     /// Where batches go: `"cpu"` or `"cuda:N"` (known once the first batch was asked for).
     #[getter]
-    fn device(&self) -> PyResult<Option<String>> {
-        let state = self.lock()?;
+    fn device(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        let state = self.lock(py)?;
         Ok(match (&state.running, state.device) {
             (Some(running), _) => Some(match running.loader.as_ref().and_then(granary::Loader::device) {
                 Some(_) => format!("cuda:{}", Cuda::get().map_or(0, Cuda::ordinal)),
@@ -332,50 +372,61 @@ impl Loader {
     /// compare the Python iteration with (same build, same data). Returns `(batches, records,
     /// bytes, seconds)`.
     fn drain(&self, py: Python<'_>, batches: u64) -> PyResult<(u64, u64, u64, f64)> {
-        let mut state = self.lock()?;
+        let mut state = self.lock(py)?;
         if state.running.is_none() {
             self.start(py, &mut state)?;
         }
+        state.dataset().map_err(to_py)?;
         let iterating = state.iterating;
+        let state = &mut *state;
         let mut position = state.position;
-        let n_records = state.dataset().map_err(to_py)?.n_records();
-        let loader = state.running.as_mut().expect("started above").loader();
-        let outcome = py.detach(|| {
-            let start = std::time::Instant::now();
-            let (mut n, mut records, mut bytes) = (0, 0, 0);
-            while n < batches && position.epoch <= iterating {
-                match loader.next() {
-                    None => break,
-                    Some(Err(e)) => return Err(e),
-                    Some(Ok(batch)) => {
-                        n += 1;
-                        records += batch.len() as u64;
-                        bytes += batch.data().len() as u64;
-                        position = batch.position();
-                        if position.cursor >= n_records {
-                            position = Position { epoch: position.epoch + 1, cursor: 0 };
-                        }
+        let mut running = state.running.take().expect("started above");
+        let loader = running.loader();
+        // The epoch-end rule needs the state, and the wait must not hold the GIL: the loop
+        // leaves the GIL and comes back for each batch's position, which costs nothing next
+        // to a batch.
+        let start = std::time::Instant::now();
+        let (mut n, mut records, mut bytes) = (0, 0, 0);
+        let mut failed = None;
+        while n < batches && position.epoch <= iterating {
+            match py.detach(|| loader.next()) {
+                None => break,
+                Some(Err(e)) => {
+                    failed = Some(e);
+                    break;
+                }
+                Some(Ok(batch)) => {
+                    let after = batch.position();
+                    if epoch_of(after) < position.epoch {
+                        continue;
                     }
+                    n += 1;
+                    records += batch.len() as u64;
+                    bytes += batch.data().len() as u64;
+                    drop(batch);
+                    position = state.normalized(after).map_err(to_py)?;
                 }
             }
-            Ok((n, records, bytes, start.elapsed().as_secs_f64()))
-        });
-        match outcome {
-            Ok(counts) => {
-                state.position = position;
-                Ok(counts)
-            }
-            Err(e) => {
-                state.stop();
-                self.started_in.store(0, Ordering::Release);
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        state.position = position;
+        let finished = running.loader().is_finished();
+        state.running = Some(running);
+        match failed {
+            None => Ok((n, records, bytes, seconds)),
+            Some(e) => {
+                if finished {
+                    state.stop();
+                    self.started_in.store(0, Ordering::Release);
+                }
                 Err(to_py(e))
             }
         }
     }
 
     /// Stops the engine loader's threads now (the next batch asked for starts them again).
-    fn close(&self) -> PyResult<()> {
-        let mut state = self.lock()?;
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let mut state = self.lock(py)?;
         state.stop();
         self.started_in.store(0, Ordering::Release);
         Ok(())
@@ -383,12 +434,14 @@ impl Loader {
 }
 
 impl Loader {
-    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, State>> {
+    /// The state, waited for with the GIL released: another thread may hold it while it waits
+    /// for a batch without the GIL, and needs the GIL back to let go of it.
+    fn lock(&self, py: Python<'_>) -> PyResult<std::sync::MutexGuard<'_, State>> {
         let started_in = self.started_in.load(Ordering::Acquire);
         if started_in != 0 && started_in != std::process::id() {
             return Err(forked("granary.Loader", started_in));
         }
-        Ok(self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+        Ok(self.state.lock_py_attached(py).unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     fn start(&self, py: Python<'_>, state: &mut State) -> PyResult<()> {
@@ -411,6 +464,12 @@ impl Loader {
         }
         state.position = position;
     }
+}
+
+/// The epoch of a batch, from the position after it (the last batch of epoch `e` reports the
+/// start of `e + 1`; no other batch ends at a cursor of 0).
+fn epoch_of(after: Position) -> u64 {
+    if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch }
 }
 
 fn add(to: &mut LoaderStats, more: &LoaderStats) {

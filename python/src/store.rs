@@ -119,9 +119,9 @@ impl Store {
             // A callable that raised ends the ingest before anything is committed.
             report.check()?;
         }
-        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
         report.finish();
         report.check()?;
+        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
         committed_dict(py, &committed)
     }
 

@@ -66,7 +66,6 @@ def test_batches_are_views_of_staging_memory_held_until_released(tokens):
     loader = store.loader("tokens", batch_size=100, seed=1, hold=2, output="numpy", with_indices=True, order="sequential")
     it = iter(loader)
     i0, b0 = next(it)
-    assert not b0.flags.owndata, "a batch is a view of the loader's buffer, not a copy"
     expected = np.stack([data[i] for i in i0.tolist()])
     i1, b1 = next(it)
     # Two batches held: the third is refused rather than deadlocking or overwriting one.
@@ -76,6 +75,23 @@ def test_batches_are_views_of_staging_memory_held_until_released(tokens):
     assert "holds 2 batches" in str(refused.value)
     # The first batch still holds its bytes while it lives.
     assert np.array_equal(b0, expected)
+    # Letting one go lets the loader go on where it was, in order, with nothing lost.
+    del i1, b1
+    gc.collect()
+    i2, _ = next(it)
+    assert i2.tolist() == list(range(200, 300))
+
+
+def test_an_array_is_the_loader_s_own_memory(tokens):
+    store, data = tokens
+    native = granary._native.Loader(store._native, "tokens", 100, device="cpu", order="sequential")
+    native.begin_epoch()
+    batch = native.next_batch()
+    exported = batch.data()
+    array = np.from_dlpack(exported)
+    assert array.ctypes.data == exported.address, "the array is a copy"
+    assert np.from_dlpack(batch.data()).ctypes.data == exported.address
+    assert np.array_equal(array, np.stack(data[:100]))
 
 
 def test_releasing_a_batch_lets_the_loader_go_on(tokens):
@@ -130,6 +146,53 @@ def test_resume_on_another_world_size_reads_exactly_the_rest(tokens):
     pinned = store.loader(state["manifest"], batch_size=32, seed=3, output="numpy")
     pinned.load_state_dict(state)
     assert sum(len(b) for b in pinned) == 1000 - state["cursor"]
+
+
+def test_the_short_last_step_ends_every_rank_s_epoch_together(store):
+    # 9 records, batches of 4, two ranks: one full step (4 + 4), then 1 record, which rank 0
+    # reads and rank 1 has no share of.
+    data = records(9, seed=4)
+    store.ingest("nine", data, dtype="uint16", shape=[RECORD])
+    for drop_last, counts in ((False, [2, 1]), (True, [1, 1])):
+        loaders = [
+            store.loader("nine", batch_size=4, seed=2, rank=r, world_size=2, output="numpy", with_indices=True, drop_last=drop_last)
+            for r in range(2)
+        ]
+        for epoch in range(3):
+            seen = []
+            for rank, loader in enumerate(loaders):
+                assert len(loader) == counts[rank], (drop_last, rank)
+                batches = list(loader)
+                assert len(batches) == counts[rank], (drop_last, epoch, rank)
+                seen.extend(i for indices, _ in batches for i in indices.tolist())
+                assert loader.position == (epoch + 1, 0), (drop_last, epoch, rank)
+            # Each epoch reads its own permutation: the same as a loader started at that epoch.
+            fresh = [
+                store.loader("nine", batch_size=4, seed=2, rank=r, world_size=2, epoch=epoch, output="numpy", with_indices=True, drop_last=drop_last)
+                for r in range(2)
+            ]
+            again = [i for loader in fresh for indices, _ in loader for i in indices.tolist()]
+            assert seen == again, (drop_last, epoch)
+            assert len(set(seen)) == (9 if not drop_last else 8)
+        assert loaders[0].state_dict() == loaders[1].state_dict()
+
+
+def test_set_epoch_keeps_a_resumed_position_and_a_changed_plan_is_refused(tokens):
+    store, _ = tokens
+    first = store.loader("tokens", batch_size=100, seed=1, output="numpy", with_indices=True)
+    it = iter(first)
+    read = [i for _ in range(3) for i in next(it)[0].tolist()]
+    state = first.state_dict()
+    resumed = store.loader("tokens", batch_size=100, seed=1, output="numpy", with_indices=True)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)  # the usual loop calls it every epoch: it must not rewind
+    rest = [i for indices, _ in resumed for i in indices.tolist()]
+    assert sorted(read + rest) == list(range(1000))
+    resumed.set_epoch(5)
+    assert resumed.position == (5, 0)
+    other = store.loader("tokens", batch_size=100, seed=1, order="sequential", output="numpy")
+    with pytest.raises(ValueError, match="plan"):
+        other.load_state_dict(state)
 
 
 def test_byte_records_come_with_offsets(store):
@@ -336,3 +399,36 @@ def test_drain_reads_the_epoch_as_iteration_does(tokens):
     assert loader._native.drain(5)[0] == 0, "drain stops at the end of the epoch being iterated"
     iter(loader)
     assert loader._native.drain(5)[:2] == (5, 320)
+
+
+def test_another_thread_can_ask_while_one_waits_for_a_batch(tokens, tmp_path):
+    # One thread iterates (waiting for batches with the GIL released, holding the loader's
+    # state); another asks for metrics and the position all the while. Run in a child process:
+    # were the state locked with the GIL held, both would wait on each other forever.
+    store, _ = tokens
+    script = f"""
+import threading, granary
+loader = granary.Store({str(tmp_path / "store")!r}).loader("tokens", batch_size=8, output="numpy", prefetch=1)
+done = threading.Event()
+asked = [0]
+def ask():
+    while not done.is_set():
+        loader.metrics(); loader.position
+        asked[0] += 1
+t = threading.Thread(target=ask)
+t.start()
+n = 0
+for epoch in range(5):
+    for batch in loader:
+        n += len(batch)
+done.set()
+t.join()
+print(n, asked[0])
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    n, asked = map(int, out.stdout.split())
+    assert n == 5000 and asked > 0
