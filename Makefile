@@ -29,17 +29,22 @@ plugins:
 	cd plugins && $(CARGO) clippy --workspace --release --locked --target-dir ../target/plugins -- -D warnings
 	cd plugins && $(CARGO) test --workspace --locked --target $$(rustc -vV | sed -n 's/^host: //p') --target-dir ../target/plugins-native
 
-## The Python bindings: built into target/py-venv with maturin (the dev profile, so after `unit`
-## nothing is compiled again), then their pytest suite (NumPy only; the torch tests skip
-## without torch).
+## The Python bindings' pytest suite (NumPy only; the torch tests skip without torch), run on
+## the package assembled in target/py-test around the extension as cargo builds it beside the
+## tests: `--lib --tests` unifies features as `cargo test` does, so after `unit` only the
+## extension itself is compiled (maturin builds the one package alone, with other features,
+## and would rebuild the engine). `pip install ./python` is the packaged build.
 PYVENV := $(CURDIR)/target/py-venv
 python: python-env
-	cd python && VIRTUAL_ENV=$(PYVENV) PATH=$(PYVENV)/bin:$$PATH maturin develop --locked --quiet
-	cd python && $(PYVENV)/bin/python -m pytest -q tests
+	$(CARGO) build --workspace --lib --tests --locked
+	rm -rf target/py-test && mkdir -p target/py-test/granary
+	cp python/granary/*.py target/py-test/granary/
+	cp target/debug/lib_native.so target/py-test/granary/_native.abi3.so
+	cd target/py-test && PYTHONPATH=$(CURDIR)/target/py-test $(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests
 
 python-env:
-	@test -x $(PYVENV)/bin/maturin || { python3 -m venv $(PYVENV) && \
-		$(PYVENV)/bin/pip install -q 'maturin>=1.9,<2' 'numpy>=1.23' 'pytest>=7'; }
+	@test -x $(PYVENV)/bin/pytest || { python3 -m venv $(PYVENV) && \
+		$(PYVENV)/bin/pip install -q 'numpy>=1.23' 'pytest>=7'; }
 
 ## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces
 ## (needs `pip install libcachesim`; .ci/run puts it in target/lcs-venv).

@@ -108,32 +108,54 @@ impl State {
         Ok(dataset)
     }
 
+    /// How this rank's epochs are cut.
+    fn cut(&mut self) -> granary::Result<Cut> {
+        Ok(Cut {
+            n: self.dataset()?.n_records(),
+            size: u64::from(self.config.world.size()),
+            rank: u64::from(self.config.world.rank()),
+            batch: self.config.batch_size,
+            drop_last: self.drop_last,
+        })
+    }
+
+    fn normalized(&mut self, position: Position) -> granary::Result<Position> {
+        Ok(self.cut()?.normalized(position))
+    }
+}
+
+/// The engine's cut of an epoch, as one rank sees it: steps of `size x batch` records, the short
+/// last step spread one record at a time over the first ranks.
+#[derive(Clone, Copy)]
+struct Cut {
+    n: u64,
+    size: u64,
+    rank: u64,
+    batch: u64,
+    drop_last: bool,
+}
+
+impl Cut {
     /// `position`, or the next epoch's start when this rank reads nothing more in its epoch:
     /// at the end, in the short last step when it holds fewer records than ranks and this
     /// rank's share is empty, or with `drop_last` in that step at all.
-    fn normalized(&mut self, position: Position) -> granary::Result<Position> {
-        let n = self.dataset()?.n_records();
-        let done = Position { epoch: position.epoch + 1, cursor: 0 };
-        if n == 0 {
-            return Ok(position);
+    fn normalized(self, position: Position) -> Position {
+        if self.n == 0 {
+            return position;
         }
-        let (size, rank) = (u64::from(self.config.world.size()), u64::from(self.config.world.rank()));
-        let step = size * self.config.batch_size;
-        let end = if self.drop_last { n - n % step } else { n };
+        let step = self.size * self.batch;
+        let end = if self.drop_last { self.n - self.n % step } else { self.n };
         let left = end.saturating_sub(position.cursor);
-        let more = left >= step || (left > 0 && (left >= size || rank < left));
-        Ok(if more { position } else { done })
+        let more = left >= step || (left > 0 && (left >= self.size || self.rank < left));
+        if more { position } else { Position { epoch: position.epoch + 1, cursor: 0 } }
     }
 
-    /// Batches this rank reads per epoch (the engine's cut: steps of `world x batch_size`,
-    /// the short last step spread one record at a time over the first ranks).
-    fn batches_per_epoch(&mut self) -> granary::Result<u64> {
-        let n = self.dataset()?.n_records();
-        let (size, rank) = (u64::from(self.config.world.size()), u64::from(self.config.world.rank()));
-        let step = size * self.config.batch_size;
-        let (full, left) = (n / step, n % step);
-        let last = !self.drop_last && left > 0 && (left >= size || rank < left);
-        Ok(full + u64::from(last))
+    /// Batches this rank reads per epoch.
+    fn batches_per_epoch(self) -> u64 {
+        let step = self.size * self.batch;
+        let (full, left) = (self.n / step, self.n % step);
+        let last = !self.drop_last && left > 0 && (left >= self.size || self.rank < left);
+        full + u64::from(last)
     }
 }
 
@@ -325,7 +347,7 @@ impl Loader {
 
     /// Batches this rank reads per epoch.
     fn batches_per_epoch(&self, py: Python<'_>) -> PyResult<u64> {
-        self.lock(py)?.batches_per_epoch().map_err(to_py)
+        Ok(self.lock(py)?.cut().map_err(to_py)?.batches_per_epoch())
     }
 
     /// The loader's counters since it was made (see `granary.Loader.metrics`).
@@ -376,42 +398,37 @@ impl Loader {
         if state.running.is_none() {
             self.start(py, &mut state)?;
         }
-        state.dataset().map_err(to_py)?;
+        let cut = state.cut().map_err(to_py)?;
         let iterating = state.iterating;
-        let state = &mut *state;
         let mut position = state.position;
-        let mut running = state.running.take().expect("started above");
-        let loader = running.loader();
-        // The epoch-end rule needs the state, and the wait must not hold the GIL: the loop
-        // leaves the GIL and comes back for each batch's position, which costs nothing next
-        // to a batch.
-        let start = std::time::Instant::now();
-        let (mut n, mut records, mut bytes) = (0, 0, 0);
-        let mut failed = None;
-        while n < batches && position.epoch <= iterating {
-            match py.detach(|| loader.next()) {
-                None => break,
-                Some(Err(e)) => {
-                    failed = Some(e);
-                    break;
-                }
-                Some(Ok(batch)) => {
-                    let after = batch.position();
-                    if epoch_of(after) < position.epoch {
-                        continue;
+        let loader = state.running.as_mut().expect("started above").loader();
+        let (n, records, bytes, seconds, failed) = py.detach(|| {
+            let start = std::time::Instant::now();
+            let (mut n, mut records, mut bytes) = (0, 0, 0);
+            let mut failed = None;
+            while n < batches && position.epoch <= iterating {
+                match loader.next() {
+                    None => break,
+                    Some(Err(e)) => {
+                        failed = Some(e);
+                        break;
                     }
-                    n += 1;
-                    records += batch.len() as u64;
-                    bytes += batch.data().len() as u64;
-                    drop(batch);
-                    position = state.normalized(after).map_err(to_py)?;
+                    Some(Ok(batch)) => {
+                        let after = batch.position();
+                        if epoch_of(after) < position.epoch {
+                            continue;
+                        }
+                        n += 1;
+                        records += batch.len() as u64;
+                        bytes += batch.data().len() as u64;
+                        position = cut.normalized(after);
+                    }
                 }
             }
-        }
-        let seconds = start.elapsed().as_secs_f64();
+            (n, records, bytes, start.elapsed().as_secs_f64(), failed)
+        });
+        let finished = loader.is_finished();
         state.position = position;
-        let finished = running.loader().is_finished();
-        state.running = Some(running);
         match failed {
             None => Ok((n, records, bytes, seconds)),
             Some(e) => {

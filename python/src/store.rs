@@ -152,26 +152,13 @@ impl Store {
         if !fixed && paths.len() != 1 {
             return Err(invalid("without dtype and shape, source is one directory (each file under it a record)"));
         }
-        let options = options_of(replace, shard_bytes);
-        let name = DatasetName::new(name).map_err(to_py)?;
-        let report = Report::new(name.as_str(), progress, None)?;
-        let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
-        let ingest = py
-            .detach(|| {
-                let mut ingest = granary.ingest(name, layout, options)?;
-                if fixed {
-                    sources::records_from_files(&mut ingest, &paths, drop_remainder, &report)?;
-                } else {
-                    sources::files_from_dir(&mut ingest, &paths[0], &report)?;
-                }
-                Ok(ingest)
-            })
-            .map_err(to_py)?;
-        report.finish();
-        // A callable that raised ends the ingest before anything is committed.
-        report.check()?;
-        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
-        committed_dict(py, &committed)
+        self.ingest_detached(py, name, layout, options_of(replace, shard_bytes), progress, |ingest, report| {
+            if fixed {
+                sources::records_from_files(ingest, &paths, drop_remainder, report)
+            } else {
+                sources::files_from_dir(ingest, &paths[0], report).map(drop)
+            }
+        })
     }
 
     /// Ingests WebDataset tar files (a path or a list) as a new version of dataset `name`: the
@@ -188,22 +175,9 @@ impl Store {
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let paths = paths_of(tars)?;
-        let options = options_of(replace, shard_bytes);
-        let name = DatasetName::new(name).map_err(to_py)?;
-        let report = Report::new(name.as_str(), progress, None)?;
-        let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
-        let ingest = py
-            .detach(|| {
-                let mut ingest = granary.ingest(name, Layout::Samples, options)?;
-                sources::samples_from_tars(&mut ingest, &paths, &report)?;
-                Ok(ingest)
-            })
-            .map_err(to_py)?;
-        report.finish();
-        // A callable that raised ends the ingest before anything is committed.
-        report.check()?;
-        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
-        committed_dict(py, &committed)
+        self.ingest_detached(py, name, Layout::Samples, options_of(replace, shard_bytes), progress, |ingest, report| {
+            sources::samples_from_tars(ingest, &paths, report).map(drop)
+        })
     }
 
     fn __repr__(&self) -> String {
@@ -214,6 +188,33 @@ impl Store {
 impl Store {
     pub(crate) fn root(&self) -> &std::path::Path {
         &self.root
+    }
+
+    /// Runs `source` into a new version of `name` with the GIL released, then commits it,
+    /// unless the progress callable raised (which ends the ingest with nothing committed).
+    fn ingest_detached<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        layout: Layout,
+        options: IngestOptions,
+        progress: Option<Bound<'py, PyAny>>,
+        source: impl FnOnce(&mut granary::Ingest<'_>, &Report) -> granary::Result<()> + Send,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let name = DatasetName::new(name).map_err(to_py)?;
+        let report = Report::new(name.as_str(), progress, None)?;
+        let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
+        let ingest = py
+            .detach(|| {
+                let mut ingest = granary.ingest(name, layout, options)?;
+                source(&mut ingest, &report)?;
+                Ok(ingest)
+            })
+            .map_err(to_py)?;
+        report.finish();
+        report.check()?;
+        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
+        committed_dict(py, &committed)
     }
 }
 
