@@ -4,9 +4,11 @@ Two loaders of the same dataset run in alternating rounds: one drained inside Ru
 (`_native.Loader.drain`: each batch dropped at once, no Python per batch), one iterated from
 Python with every batch converted to a tensor (NumPy, or torch with --output torch) and dropped.
 Each round's ratio is (Python bytes/s) / (Rust bytes/s); the median over the rounds is printed,
-with the rates, as one JSON line. Alternating cancels the drift of a shared machine.
+with the rates, as one JSON line. Alternating cancels the drift of a shared machine; the two
+sides read different records at any moment, so neither finds the other's reads in a cache.
 
     python python/bench/loader_ratio.py --dir /tmp/ratio --gib 1 --device cpu
+    python python/bench/loader_ratio.py --dir /tmp/ratio --gib 1 --device cpu --io pread  # from RAM
     python python/bench/loader_ratio.py --dir /tmp/ratio --gib 4 --device cuda --output torch
 """
 
@@ -46,14 +48,23 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--output", choices=["numpy", "torch"], default="numpy")
     p.add_argument("--order", choices=["shuffled", "sequential"], default="shuffled")
+    p.add_argument(
+        "--io", choices=["auto", "uring", "pread"], default="auto",
+        help="pread reads through the page cache: with a dataset that fits in memory, a CPU-bound run",
+    )
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     store = granary.Store(os.path.join(a.dir, "store"), create=True)
     if not any(d["name"] == "ratio" for d in store.datasets()):
         make(store, os.path.join(a.dir, "ratio.bin"), int(a.gib * (1 << 30)), a.record_bytes)
-    options = dict(batch_size=a.batch, seed=1, device=a.device, order=a.order, output=a.output)
-    rust = granary.Loader(store, "ratio", **options)
-    python = granary.Loader(store, "ratio", **options)
+    options = dict(batch_size=a.batch, device=a.device, order=a.order, output=a.output, io=a.io)
+    # The two sides read different records at any moment (other seeds; sequentially, half an
+    # epoch apart): the one going second must not find the first one's reads in a cache below
+    # the engine (the virtual disk has one).
+    rust = granary.Loader(store, "ratio", seed=1, **options)
+    python = granary.Loader(store, "ratio", seed=2, **options)
+    if a.order == "sequential":
+        python.seek(0, (python._native.records // 2) // a.batch * a.batch)
     if a.output == "torch" and a.device.startswith("cuda"):
         import torch
 
@@ -104,6 +115,7 @@ def main() -> None:
                 "device": python.device,
                 "output": a.output,
                 "order": a.order,
+                "io": a.io,
             }
         )
     )
