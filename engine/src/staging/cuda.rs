@@ -31,8 +31,8 @@ struct Bind {
 impl Drop for Bind {
     fn drop(&mut self) {
         if let Some(previous) = self.restore {
-            // SAFETY: `previous` was current on this thread a moment ago (or is null, which
-            // unbinds); the driver keeps a context alive while it is current anywhere.
+            // SAFETY: `previous` was current on this thread a moment ago; the driver keeps a
+            // context alive while it is current anywhere.
             let _ = unsafe { result::ctx::set_current(previous) };
         }
     }
@@ -58,6 +58,20 @@ unsafe impl Send for Cuda {}
 unsafe impl Sync for Cuda {}
 
 static CUDA: std::sync::OnceLock<std::result::Result<Cuda, String>> = std::sync::OnceLock::new();
+
+/// The process that initialised the driver (`cuInit`), which a forked child must not use.
+#[cfg(feature = "cuda")]
+static DRIVER_PID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+
+/// `cuInit`, once per process; an error in a child forked after the parent initialised it.
+#[cfg(feature = "cuda")]
+fn init_driver() -> std::result::Result<(), String> {
+    let pid = *DRIVER_PID.get_or_init(std::process::id);
+    if pid != std::process::id() {
+        return Err(forked(pid));
+    }
+    result::init().map_err(|e| format!("cuInit: {e:?}"))
+}
 
 impl Cuda {
     /// The device, initialised on first use (device 0 unless `select` chose another first);
@@ -89,7 +103,7 @@ impl Cuda {
             if !unsafe { sys::is_culib_present() } {
                 return Err("no CUDA driver library (libcuda) found".to_owned());
             }
-            result::init().map_err(|e| format!("cuInit: {e:?}"))?;
+            init_driver()?;
             let count = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))?;
             Ok(u32::try_from(count).unwrap_or(0))
         }
@@ -139,7 +153,7 @@ impl Cuda {
         if !unsafe { sys::is_culib_present() } {
             return Err("no CUDA driver library (libcuda) found".to_owned());
         }
-        result::init().map_err(|e| format!("cuInit: {e:?}"))?;
+        init_driver()?;
         let count = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))?;
         if count < 1 {
             return Err("the CUDA driver sees no device".to_owned());
@@ -158,9 +172,9 @@ impl Cuda {
         Ok(Cuda { ctx, pid: std::process::id(), ordinal, name, memory_bytes })
     }
 
-    /// Makes the context current on this thread until the returned guard is dropped, which
-    /// puts back the one that was current before: calls made on a caller's thread (a trainer's,
-    /// whose framework keeps its own current device) leave that thread as they found it.
+    /// Makes the context current on this thread. Where another context was current (a
+    /// trainer's thread, whose framework keeps its own current device), the returned guard
+    /// puts it back when dropped; where none was (the engine's own threads), the context stays.
     #[cfg(feature = "cuda")]
     fn bind(&self) -> Result<Bind> {
         let previous = result::ctx::get_current().map_err(|e| cuda_error("cuCtxGetCurrent", e))?;
@@ -169,7 +183,7 @@ impl Cuda {
         }
         // SAFETY: `ctx` is the retained primary context, valid for the life of the process.
         unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        Ok(Bind { restore: Some(previous.unwrap_or(std::ptr::null_mut())) })
+        Ok(Bind { restore: previous })
     }
 
     /// Page-locks `memory` (portable, not write-combined) until the registration is dropped.
@@ -298,7 +312,7 @@ impl Stream {
             let _bound = self.cuda.bind()?;
             let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(|e| cuda_error("cuEventCreate", e))?;
-            let event = Event { raw: event };
+            let event = Event { cuda: self.cuda, raw: event };
             // SAFETY: the source is the lease's `len` bytes and the destination the start of a
             // device buffer at least that long; the returned `Upload` owns both and does not
             // release either before the event after the copy has completed.
@@ -350,6 +364,7 @@ impl Drop for Stream {
 
 /// A CUDA event.
 struct Event {
+    cuda: &'static Cuda,
     #[cfg(feature = "cuda")]
     raw: sys::CUevent,
 }
@@ -357,11 +372,30 @@ struct Event {
 // SAFETY: an event handle may be queried, synchronised and destroyed from any thread.
 unsafe impl Send for Event {}
 
+impl Event {
+    /// Blocks until the work before the event has run.
+    fn synchronize(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let _bound = self.cuda.bind()?;
+            // SAFETY: the event is live (owned by `self`).
+            unsafe { result::event::synchronize(self.raw) }.map_err(|e| cuda_error("cuEventSynchronize", e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = self.cuda;
+            Ok(())
+        }
+    }
+}
+
 impl Drop for Event {
     fn drop(&mut self) {
         #[cfg(feature = "cuda")]
-        // SAFETY: created by `upload` and destroyed once, here.
-        let _ = unsafe { result::event::destroy(self.raw) };
+        if let Ok(_bound) = self.cuda.bind() {
+            // SAFETY: created by `upload` or `Fence::record` and destroyed once, here.
+            let _ = unsafe { result::event::destroy(self.raw) };
+        }
     }
 }
 
@@ -374,13 +408,13 @@ pub struct Fence {
 impl Fence {
     /// Records a fence after the work enqueued so far on `stream`, a raw `CUstream` of `cuda`'s
     /// context (1 and 2 name the legacy and the per-thread default streams, as in DLPack).
-    pub fn record(cuda: &Cuda, stream: u64) -> Result<Fence> {
+    pub fn record(cuda: &'static Cuda, stream: u64) -> Result<Fence> {
         #[cfg(feature = "cuda")]
         {
             let _bound = cuda.bind()?;
             let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(|e| cuda_error("cuEventCreate", e))?;
-            let event = Event { raw };
+            let event = Event { cuda, raw };
             // SAFETY: the event is live. The stream handle is the caller's promise (DLPack's
             // contract: the consumer names one of its streams on this device); the driver
             // only enqueues the record on it.
@@ -397,14 +431,7 @@ impl Fence {
 
     /// Blocks until the work before the fence has run.
     pub fn wait(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        // SAFETY: the event is live (owned by `self`).
-        return unsafe { result::event::synchronize(self.event.raw) }.map_err(|e| cuda_error("cuEventSynchronize", e));
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = &self.event;
-            Ok(())
-        }
+        self.event.synchronize()
     }
 }
 
@@ -481,6 +508,7 @@ impl Upload {
     pub fn is_ready(&self) -> Result<bool> {
         #[cfg(feature = "cuda")]
         {
+            let _bound = self.event.cuda.bind()?;
             // SAFETY: the event is live (owned by `self`).
             match unsafe { result::event::query(self.event.raw) } {
                 Ok(()) => Ok(true),
@@ -501,10 +529,7 @@ impl Upload {
     pub fn order_before(&self, stream: u64) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
-            let _bound = match &self.parts {
-                Some((_, buffer)) => Some(buffer.cuda.bind()?),
-                None => None,
-            };
+            let _bound = self.event.cuda.bind()?;
             // SAFETY: the event is live (owned by `self`). The stream handle is the caller's
             // promise (DLPack's contract: the consumer names one of its streams on this
             // device); the driver only enqueues the wait on it.
@@ -526,17 +551,7 @@ impl Upload {
 
     /// Waits for the copy.
     pub fn wait(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        {
-            let _bound = match &self.parts {
-                Some((_, buffer)) => Some(buffer.cuda.bind()?),
-                None => None,
-            };
-            // SAFETY: the event is live (owned by `self`).
-            unsafe { result::event::synchronize(self.event.raw) }.map_err(|e| cuda_error("cuEventSynchronize", e))
-        }
-        #[cfg(not(feature = "cuda"))]
-        Ok(())
+        self.event.synchronize()
     }
 
     /// The raw event recorded after the copy, for a stream that should wait on it.
