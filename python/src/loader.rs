@@ -150,6 +150,13 @@ impl Cut {
         if more { position } else { Position { epoch: position.epoch + 1, cursor: 0 } }
     }
 
+    /// Whether the batch that ends at `after` is one this rank drops: with `drop_last`, the
+    /// short last step (the batch that ends an epoch, reported at the next one's start, when
+    /// the epoch does not divide into whole steps).
+    fn dropped(self, after: Position) -> bool {
+        self.drop_last && after.cursor == 0 && !self.n.is_multiple_of(self.size * self.batch)
+    }
+
     /// Batches this rank reads per epoch.
     fn batches_per_epoch(self) -> u64 {
         let step = self.size * self.batch;
@@ -270,6 +277,13 @@ impl Loader {
         if state.position.epoch > state.iterating {
             return Ok(None);
         }
+        let cut = state.cut().map_err(to_py)?;
+        if cut.batches_per_epoch() == 0 {
+            // Nothing for this rank in any epoch (fewer records than ranks, or with
+            // `drop_last` fewer than one step): each epoch ends at once.
+            state.position = Position { epoch: state.iterating + 1, cursor: 0 };
+            return Ok(None);
+        }
         if state.running.is_none() {
             self.start(py, &mut state)?;
         }
@@ -293,11 +307,11 @@ impl Loader {
                 Some(Ok(batch)) => batch,
             };
             let after = batch.position();
-            if epoch_of(after) < state.position.epoch {
-                // The short last step of an epoch this rank already ended (`drop_last`).
+            if epoch_of(after) < state.position.epoch || cut.dropped(after) {
+                // The short last step of an epoch (`drop_last`).
                 continue;
             }
-            state.position = state.normalized(after).map_err(to_py)?;
+            state.position = cut.normalized(after);
             return NativeBatch::new(batch, &dataset, state.device).map(Some);
         }
     }
@@ -395,11 +409,15 @@ impl Loader {
     /// bytes, seconds)`.
     fn drain(&self, py: Python<'_>, batches: u64) -> PyResult<(u64, u64, u64, f64)> {
         let mut state = self.lock(py)?;
+        let cut = state.cut().map_err(to_py)?;
+        let iterating = state.iterating;
+        if cut.batches_per_epoch() == 0 {
+            state.position = Position { epoch: iterating + 1, cursor: 0 };
+            return Ok((0, 0, 0, 0.0));
+        }
         if state.running.is_none() {
             self.start(py, &mut state)?;
         }
-        let cut = state.cut().map_err(to_py)?;
-        let iterating = state.iterating;
         let mut position = state.position;
         let loader = state.running.as_mut().expect("started above").loader();
         let (n, records, bytes, seconds, failed) = py.detach(|| {
@@ -415,7 +433,7 @@ impl Loader {
                     }
                     Some(Ok(batch)) => {
                         let after = batch.position();
-                        if epoch_of(after) < position.epoch {
+                        if epoch_of(after) < position.epoch || cut.dropped(after) {
                             continue;
                         }
                         n += 1;

@@ -177,6 +177,23 @@ def test_the_short_last_step_ends_every_rank_s_epoch_together(store):
         assert loaders[0].state_dict() == loaders[1].state_dict()
 
 
+def test_ranks_with_nothing_to_read_end_their_epochs_at_once(store):
+    # 3 records: with four ranks the last reads nothing; with drop_last and batches of 2 over
+    # two ranks there is no whole step at all. Neither may hang or hand out a dropped batch.
+    store.ingest("three", records(3, seed=5), dtype="uint16", shape=[RECORD])
+    idle = store.loader("three", batch_size=1, rank=3, world_size=4, output="numpy")
+    assert len(idle) == 0
+    for epoch in range(2):
+        assert list(idle) == [] and idle.position == (epoch + 1, 0)
+    for rank in range(2):
+        short = store.loader("three", batch_size=2, rank=rank, world_size=2, drop_last=True, output="numpy")
+        assert len(short) == 0
+        for epoch in range(2):
+            assert list(short) == [] and short.position == (epoch + 1, 0)
+    busy = store.loader("three", batch_size=1, rank=0, world_size=4, output="numpy")
+    assert len(busy) == 1 and sum(len(b) for b in busy) == 1
+
+
 def test_set_epoch_keeps_a_resumed_position_and_a_changed_plan_is_refused(tokens):
     store, _ = tokens
     first = store.loader("tokens", batch_size=100, seed=1, output="numpy", with_indices=True)
