@@ -71,10 +71,6 @@ impl DlDataType {
         };
         Some(DlDataType { code, bits, lanes: 1 })
     }
-
-    fn bytes(self) -> usize {
-        usize::from(self.bits / 8)
-    }
 }
 
 #[repr(C)]
@@ -261,8 +257,6 @@ const CAPSULE_NAME: &CStr = c"dltensor";
 impl Exported {
     fn capsule<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let ndim = i32::try_from(self.shape.len()).map_err(|_| PyValueError::new_err("too many dimensions"))?;
-        let len: i64 = self.shape.iter().product();
-        debug_assert!(len >= 0 && self.dtype.bytes() > 0);
         let export = Box::new(Export {
             managed: DlManagedTensor {
                 dl_tensor: DlTensor {

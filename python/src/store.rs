@@ -87,7 +87,7 @@ impl Store {
         let layout = layout_of(dtype, shape)?;
         let options = options_of(replace, shard_bytes);
         let name = DatasetName::new(name).map_err(to_py)?;
-        let report = Report::new(name.as_str(), progress, None)?;
+        let report = Report::new(name.as_str(), progress)?;
         let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
         let mut ingest = granary.ingest(name, layout, options).map_err(to_py)?;
         let mut n = 0u64;
@@ -202,7 +202,7 @@ impl Store {
         source: impl FnOnce(&mut granary::Ingest<'_>, &Report) -> granary::Result<()> + Send,
     ) -> PyResult<Bound<'py, PyDict>> {
         let name = DatasetName::new(name).map_err(to_py)?;
-        let report = Report::new(name.as_str(), progress, None)?;
+        let report = Report::new(name.as_str(), progress)?;
         let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
         let ingest = py
             .detach(|| {
@@ -309,7 +309,7 @@ enum Sink {
 }
 
 impl Report {
-    fn new(name: &str, progress: Option<Bound<'_, PyAny>>, total: Option<u64>) -> PyResult<Self> {
+    fn new(name: &str, progress: Option<Bound<'_, PyAny>>) -> PyResult<Self> {
         let sink = match progress {
             None => Sink::None,
             Some(p) if p.is_none() => Sink::None,
@@ -325,7 +325,7 @@ impl Report {
         Ok(Self {
             name: name.to_owned(),
             sink,
-            total: AtomicU64::new(total.unwrap_or(0)),
+            total: AtomicU64::new(0),
             done: AtomicU64::new(0),
             records: AtomicU64::new(0),
             last: Mutex::new(None),

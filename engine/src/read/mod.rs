@@ -437,9 +437,7 @@ impl Reader {
     }
 
     fn publish(&self) {
-        if let Some(published) = &self.published {
-            *published.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = self.stats;
-        }
+        publish(self.published.as_deref(), &self.stats);
     }
 
     /// The bytes of one record.
@@ -473,6 +471,13 @@ struct Pipeline<'r, I> {
     hook: Option<&'r dyn ShardRepair>,
     /// A batch taken from the source whose planning failed.
     unplanned: Option<Vec<u64>>,
+}
+
+/// Copies `stats` to the counters another thread reads, if there are any.
+fn publish(to: Option<&std::sync::Mutex<ReadStats>>, stats: &ReadStats) {
+    if let Some(to) = to {
+        *to.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = *stats;
+    }
 }
 
 /// Batches to read again after a repair, then the caller's.
@@ -521,9 +526,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
             self.stats.ops += slot.planner.n_extents() as u64;
             self.stats.bytes_read += read_bytes;
             self.stats.blocks_verified += read_bytes / crate::shard::BLOCK_BYTES_U64;
-            if let Some(published) = self.published {
-                *published.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = *self.stats;
-            }
+            publish(self.published, self.stats);
             if let Some(hook) = self.hook {
                 self.touched.clear();
                 self.touched.extend(slot.planner.shards_touched().map(|s| self.dataset.shard_id(s)));

@@ -63,14 +63,24 @@ static CUDA: std::sync::OnceLock<std::result::Result<Cuda, String>> = std::sync:
 #[cfg(feature = "cuda")]
 static DRIVER_PID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
 
-/// `cuInit`, once per process; an error in a child forked after the parent initialised it.
-#[cfg(feature = "cuda")]
-fn init_driver() -> std::result::Result<(), String> {
-    let pid = *DRIVER_PID.get_or_init(std::process::id);
-    if pid != std::process::id() {
-        return Err(forked(pid));
+/// Loads and initialises the driver (`cuInit`; an error in a child forked after the parent
+/// initialised it) and returns how many devices it sees; the reason when it cannot.
+fn init_driver() -> std::result::Result<i32, String> {
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: only probes whether the driver library can be loaded.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("no CUDA driver library (libcuda) found".to_owned());
+        }
+        let pid = *DRIVER_PID.get_or_init(std::process::id);
+        if pid != std::process::id() {
+            return Err(forked(pid));
+        }
+        result::init().map_err(|e| format!("cuInit: {e:?}"))?;
+        result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))
     }
-    result::init().map_err(|e| format!("cuInit: {e:?}"))
+    #[cfg(not(feature = "cuda"))]
+    Err("this build has no CUDA support (the `cuda` feature is off)".to_owned())
 }
 
 impl Cuda {
@@ -97,18 +107,7 @@ impl Cuda {
             Some(Err(reason)) => return Err(reason.clone()),
             _ => {}
         }
-        #[cfg(feature = "cuda")]
-        {
-            // SAFETY: only probes whether the driver library can be loaded.
-            if !unsafe { sys::is_culib_present() } {
-                return Err("no CUDA driver library (libcuda) found".to_owned());
-            }
-            init_driver()?;
-            let count = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))?;
-            Ok(u32::try_from(count).unwrap_or(0))
-        }
-        #[cfg(not(feature = "cuda"))]
-        Err("this build has no CUDA support (the `cuda` feature is off)".to_owned())
+        init_driver().map(|count| u32::try_from(count).unwrap_or(0))
     }
 
     /// Uses device `ordinal` (as the driver numbers the visible devices) for the rest of the
@@ -143,18 +142,12 @@ impl Cuda {
 
     #[cfg(not(feature = "cuda"))]
     fn init(_ordinal: u32) -> std::result::Result<Cuda, String> {
-        let _ = std::process::id;
-        Err("this build has no CUDA support (the `cuda` feature is off)".to_owned())
+        Err(init_driver().err().unwrap_or_default())
     }
 
     #[cfg(feature = "cuda")]
     fn init(ordinal: u32) -> std::result::Result<Cuda, String> {
-        // SAFETY: only probes whether the driver library can be loaded.
-        if !unsafe { sys::is_culib_present() } {
-            return Err("no CUDA driver library (libcuda) found".to_owned());
-        }
-        init_driver()?;
-        let count = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))?;
+        let count = init_driver()?;
         if count < 1 {
             return Err("the CUDA driver sees no device".to_owned());
         }
