@@ -22,6 +22,7 @@ a fork raises `ForkError`. `granary.torch.IterableDataset` does this for DataLoa
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import _native
@@ -81,15 +82,17 @@ class Store:
         shard_bytes: Optional[int] = None,
         progress: Union[bool, Callable[[int, int], None], None] = None,
     ) -> Dict[str, Any]:
-        """Ingests `records` (bytes, bytearray, or arrays: anything with `tobytes()`) as a new
-        version of `name`. With `dtype` and `shape` every record is one fixed-size array
-        (`"uint16"`, `"float32"`, ... or a torch dtype) and batches are dense tensors; without
-        them records are byte strings of any length. `progress=True` prints to stderr; a
+        """Ingests `records` (bytes, bytearray, NumPy arrays, torch tensors, or anything with
+        `tobytes()`) as a new version of `name`. With `dtype` and `shape` every record is one
+        fixed-size array (`"uint16"`, `"float32"`, ... or a torch dtype; an array or tensor of
+        another dtype is refused) and batches are dense tensors; without them records are byte
+        strings of any length. `progress=True` prints to stderr; a
         callable gets `(records, bytes)` every half second. Returns what was committed."""
+        dtype = _dtype_name(dtype)
         return self._native.ingest(
             name,
-            records,
-            dtype=_dtype_name(dtype),
+            _record_sources(records, dtype),
+            dtype=dtype,
             shape=None if shape is None else [int(d) for d in shape],
             replace=replace,
             shard_bytes=shard_bytes,
@@ -376,6 +379,33 @@ def _dtype_name(dtype: Any) -> Optional[str]:
         except (ImportError, TypeError):
             pass
     return str(dtype)  # a torch dtype prints as "torch.uint16"
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
+
+
+def _canonical_dtype(name: str) -> str:
+    name = name[len("torch.") :] if name.startswith("torch.") else name
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def _record_sources(records: Iterable[Any], dtype: Optional[str]) -> Iterator[Any]:
+    """`records` as the native ingest takes them: torch tensors become their bytes (a NumPy
+    view of the tensor's memory, after a copy to the host when on a GPU), and an array whose
+    dtype is not the dataset's is refused, not ingested as bytes of another type."""
+    expected = None if dtype is None else _canonical_dtype(dtype)
+    torch = sys.modules.get("torch")
+    for n, record in enumerate(records):
+        if torch is not None and isinstance(record, torch.Tensor):
+            if expected is not None and _canonical_dtype(str(record.dtype)) != expected:
+                raise ValueError(f"record {n}: a {record.dtype} tensor, but the records are {expected}")
+            yield record.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            continue
+        if expected is not None and not isinstance(record, (bytes, bytearray, memoryview)):
+            got = getattr(getattr(record, "dtype", None), "name", None)
+            if isinstance(got, str) and _canonical_dtype(got) != expected:
+                raise ValueError(f"record {n}: a {got} array, but the records are {expected}")
+        yield record
 
 
 def _paths(source: Any) -> Any:

@@ -14,7 +14,9 @@ reads as rank `rank * W + w` of `world_size * W` (together the workers read ever
 the rank once). Workers load to host memory (CUDA does not survive a fork); the main process
 loads to `device` (then leave the DataLoader's `pin_memory` off: the batches may already be on
 the GPU). With workers, call `set_epoch` before each epoch, as with `DistributedSampler`: the
-workers' copies cannot tell the main process where they got to. `state_dict` and
+workers' copies cannot tell the main process where they got to. Persistent workers
+(`persistent_workers=True`) never see a later `set_epoch`: each of their iterations reads the
+epoch after the one before, from the epoch set when they started. `state_dict` and
 `load_state_dict` work with `num_workers=0` (workers' positions stay in the workers). For DDP,
 pass `drop_last=True` so every rank reads as many batches.
 """
@@ -42,6 +44,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self._epoch = int(self._options.pop("epoch", 0))
         self._resume: Optional[Dict[str, Any]] = None
         self._loader: Optional[Loader] = None
+        # Iterations begun by this copy of the dataset inside a DataLoader worker.
+        self._worker_iterations = 0
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads (as `DistributedSampler.set_epoch`)."""
@@ -63,13 +67,19 @@ class IterableDataset(torch.utils.data.IterableDataset):
             rank = rank * worker.num_workers + worker.id
             world_size = world_size * worker.num_workers
             options["device"] = "cpu"
-            # A fresh loader per worker process, made here, after the fork.
+            # A persistent worker keeps this object across epochs and never sees the main
+            # process's `set_epoch`: each iteration in it is the next epoch.
+            epoch = self._epoch + self._worker_iterations
+            self._worker_iterations += 1
+            # A fresh loader per iteration, made here, in the worker process.
             loader = Loader(
-                self._store, self._dataset, self._batch_size, epoch=self._epoch, rank=rank,
+                self._store, self._dataset, self._batch_size, epoch=epoch, rank=rank,
                 world_size=world_size, output="torch", **options,
             )
-            yield from loader
-            loader.close()
+            try:
+                yield from loader
+            finally:
+                loader.close()
             return
         if self._loader is None:
             self._loader = Loader(

@@ -1,5 +1,5 @@
-"""The Python bindings, end to end on a store each test makes (NumPy only; torch tests skip
-without torch)."""
+"""The Python bindings, end to end on a store each test makes, with NumPy only (the torch tests
+are in `test_torch.py`)."""
 
 import gc
 import multiprocessing
@@ -385,22 +385,6 @@ def test_metrics_count_what_was_delivered(tokens):
     assert m["blocks_verified"] > 0 and m["verify_failures"] == 0
     assert 0.0 <= m["cache_hit_ratio"] <= 1.0 and 0.0 <= m["stall_fraction"] <= 1.0
     assert m["stall_seconds"] >= 0.0
-
-
-def test_torch_tensors_and_the_iterable_dataset(tokens):
-    torch = pytest.importorskip("torch")
-    store, data = tokens
-    loader = store.loader("tokens", batch_size=50, seed=5, device="cpu", with_indices=True)
-    indices, batch = next(iter(loader))
-    assert isinstance(batch, torch.Tensor) and batch.dtype == torch.uint16 and batch.shape == (50, RECORD)
-    assert np.array_equal(batch.numpy()[0], data[int(indices[0])])
-    import granary.torch
-
-    ds = granary.torch.IterableDataset(store, "tokens", 100, seed=5, with_indices=True)
-    for workers in (0, 2):
-        dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
-        seen = sorted(i for idx, _ in dl for i in idx.tolist())
-        assert seen == list(range(1000)), f"num_workers={workers}"
 
 
 def test_drain_reads_the_epoch_as_iteration_does(tokens):
