@@ -162,8 +162,11 @@ class Loader:
     `output`: `"torch"` or `"numpy"` (default: torch when importable). `with_indices=True`
     yields `(indices, batch)`.
 
-    Each batch is a tensor of shape `(records, *record_shape)` for fixed-size records, or a pair
-    `(data, offsets)` for byte records (record `i` is `data[offsets[i]:offsets[i+1]]`).
+    Each batch is a tensor of shape `(records, *record_shape)` for fixed-size records, a pair
+    `(data, offsets)` for byte records (record `i` is `data[offsets[i]:offsets[i+1]]`), or for
+    WebDataset samples (`ingest_tars`) a list of dicts, one per sample, as WebDataset gives
+    them: `"__key__"` and one `bytes` value per part (`"jpg"`, `"cls"`, ...); samples load to
+    host memory.
 
     A GPU batch is ready on the torch stream current when it was converted; the loader reuses
     its memory once the tensor is freed and the work queued on that stream by then has run. A
@@ -200,6 +203,7 @@ class Loader:
             output = "torch" if _torch() is not None else "numpy"
         if output not in ("torch", "numpy"):
             raise ValueError(f"output {output!r}: expected 'torch' or 'numpy'")
+        device_chosen = device is not None
         if device is None:
             torch = _torch() if output == "torch" else None
             device = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
@@ -212,15 +216,11 @@ class Loader:
             if partitioner is not None
             else {"order": order}
         )
-        self._native = _native.Loader(
-            store._native if isinstance(store, Store) else os.fspath(store),
-            dataset,
-            batch_size,
+        options = dict(
             seed=seed,
             epoch=epoch,
             rank=rank,
             world_size=world_size,
-            device=device,
             prefetch=prefetch,
             read_depth=read_depth,
             hold=hold,
@@ -232,6 +232,15 @@ class Loader:
             io=io,
             drop_last=drop_last,
         )
+        source = store._native if isinstance(store, Store) else os.fspath(store)
+        self._native = _native.Loader(source, dataset, batch_size, device=device, **options)
+        if self._native.layout == "samples" and device != "cpu":
+            if device_chosen:
+                raise ValueError(
+                    f"{dataset} holds WebDataset samples, which are decoded in host memory: load it with device='cpu'"
+                )
+            # Samples are decoded on the host; the GPU chosen by default does not apply.
+            self._native = _native.Loader(source, dataset, batch_size, device="cpu", **options)
         self.rank = rank
         self.world_size = world_size
         self.batch_size = batch_size
@@ -251,8 +260,13 @@ class Loader:
 
     def _convert(self, batch: Any) -> Any:
         to = _to_torch if self._output == "torch" else _to_numpy
-        data = to(batch.data())
-        out = data if batch.fixed else (data, to(batch.offsets()))
+        layout = batch.layout
+        if layout == "samples":
+            out = batch.samples()
+        elif layout == "fixed":
+            out = to(batch.data())
+        else:
+            out = (to(batch.data()), to(batch.offsets()))
         if self._with_indices:
             return to(batch.indices()), out
         return out

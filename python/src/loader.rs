@@ -14,8 +14,9 @@ use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict, PyList};
 
+use granary::shard::Sample;
 use granary::staging::cuda::Cuda;
 use granary::{
     Dataset, Layout, LoaderConfig, LoaderStats, Order, PlanSource, Position, StorePaths, Target, VersionSpec, World,
@@ -359,6 +360,14 @@ impl Loader {
         Ok(state.dataset().map_err(to_py)?.n_records())
     }
 
+    /// How the dataset's records are laid out: `"fixed"` (arrays of one dtype and shape),
+    /// `"bytes"` (byte strings) or `"samples"` (WebDataset samples).
+    #[getter]
+    fn layout(&self, py: Python<'_>) -> PyResult<&'static str> {
+        let mut state = self.lock(py)?;
+        Ok(layout_name(state.dataset().map_err(to_py)?.layout()))
+    }
+
     /// Batches this rank reads per epoch.
     fn batches_per_epoch(&self, py: Python<'_>) -> PyResult<u64> {
         Ok(self.lock(py)?.cut().map_err(to_py)?.batches_per_epoch())
@@ -525,12 +534,23 @@ fn add(to: &mut LoaderStats, more: &LoaderStats) {
     to.pool = more.pool;
 }
 
+fn layout_name(layout: &Layout) -> &'static str {
+    match layout {
+        Layout::Fixed(_) => "fixed",
+        Layout::Samples => "samples",
+        _ => "bytes",
+    }
+}
+
 /// One batch as the engine handed it over, before conversion to tensors.
 #[pyclass(module = "granary._native", frozen)]
 pub(crate) struct NativeBatch {
     held: Arc<HeldBatch>,
     /// Dimensions of one record, and its dtype, for fixed-size records.
     fixed: Option<(Vec<i64>, DlDataType)>,
+    /// The dataset, when its records are WebDataset samples (to name a record that fails to
+    /// decode).
+    samples: Option<Arc<Dataset>>,
     device: (i32, i32),
     len: usize,
     position: (u64, u64),
@@ -539,7 +559,7 @@ pub(crate) struct NativeBatch {
 }
 
 impl NativeBatch {
-    fn new(batch: granary::LoadedBatch, dataset: &Dataset, device: Option<u32>) -> PyResult<Self> {
+    fn new(batch: granary::LoadedBatch, dataset: &Arc<Dataset>, device: Option<u32>) -> PyResult<Self> {
         let fixed = match dataset.layout() {
             Layout::Fixed(fixed) => {
                 let dtype = DlDataType::of(fixed.dtype()).ok_or_else(|| {
@@ -560,6 +580,7 @@ impl NativeBatch {
             pinned: batch.pinned(),
             held: Arc::new(HeldBatch::new(batch)),
             fixed,
+            samples: matches!(dataset.layout(), Layout::Samples).then(|| Arc::clone(dataset)),
             device,
         })
     }
@@ -588,6 +609,42 @@ impl NativeBatch {
             None => (vec![bytes as i64], DlDataType::U8),
         };
         Exported::new(Owner::Batch(Arc::clone(&self.held)), address, self.device, dtype, shape)
+    }
+
+    /// The records decoded as WebDataset samples, in batch order: one dict per record, its
+    /// key under `"__key__"` and each part's bytes under the part's name (`"jpg"`, `"cls"`,
+    /// ...). Samples datasets only, in host memory. A record that does not decode (it passed
+    /// its checksum, so it was written wrong) is a `CorruptionError` naming it.
+    fn samples<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let Some(dataset) = &self.samples else {
+            return Err(invalid("the dataset's records are not WebDataset samples"));
+        };
+        if self.device.0 == DEVICE_CUDA {
+            return Err(invalid("samples are decoded in host memory: load them with device='cpu'"));
+        }
+        let out = PyList::empty(py);
+        self.held.with(|batch| {
+            for (i, &index) in batch.indices().iter().enumerate() {
+                let sample = Sample::decode(batch.record(i)).map_err(|source| {
+                    let path = match dataset.locate(index) {
+                        Ok((shard, local)) => {
+                            let mut path = dataset.shard_path(shard).into_os_string();
+                            path.push(format!(" (record {local})"));
+                            PathBuf::from(path)
+                        }
+                        Err(_) => PathBuf::from(format!("record {index}")),
+                    };
+                    to_py(granary::Error::Format { path, source })
+                })?;
+                let dict = PyDict::new(py);
+                dict.set_item("__key__", sample.key)?;
+                for (name, bytes) in sample.parts {
+                    dict.set_item(name, PyBytes::new(py, bytes))?;
+                }
+                out.append(dict)?;
+            }
+            Ok(out)
+        })
     }
 
     /// Where each record starts and ends in `data`: `len + 1` int64 offsets, from 0 (host
@@ -620,6 +677,16 @@ impl NativeBatch {
     #[getter]
     fn pinned(&self) -> bool {
         self.pinned
+    }
+
+    /// `"fixed"`, `"bytes"` or `"samples"` (see `Loader.layout`).
+    #[getter]
+    fn layout(&self) -> &'static str {
+        match (&self.fixed, &self.samples) {
+            (Some(_), _) => "fixed",
+            (None, Some(_)) => "samples",
+            (None, None) => "bytes",
+        }
     }
 
     /// Whether the records are fixed-size arrays (`data` is then one dense array).

@@ -252,6 +252,19 @@ def test_ingest_files_directories_and_tars(store, tmp_path):
     names = {d["name"]: d for d in store.datasets()}
     assert set(names) == {"bin", "docs", "wds"}
     assert names["bin"]["records"] == 50 and names["wds"]["records"] == 3
+    # Samples come back as WebDataset gives them: one dict per sample.
+    loader = store.loader("wds", batch_size=2, order="sequential", with_indices=True)
+    assert loader._native.layout == "samples"
+    batches = list(loader)
+    assert [len(samples) for _, samples in batches] == [2, 1]
+    got = {int(i): s for indices, samples in batches for i, s in zip(indices.tolist(), samples)}
+    assert got == {
+        0: {"__key__": "s0", "txt": b"s0", "cls": b"1"},
+        1: {"__key__": "s1", "txt": b"s1", "cls": b"1"},
+        2: {"__key__": "s2", "txt": b"s2", "cls": b"1"},
+    }
+    with pytest.raises(ValueError, match="decoded in host memory"):
+        store.loader("wds", batch_size=2, device="cuda")
 
 
 def test_progress_is_reported_and_a_raising_callback_commits_nothing(store, tmp_path):
@@ -293,9 +306,8 @@ def test_errors_name_what_is_wrong(store, tmp_path):
     with pytest.raises(granary.NotFoundError) as missing:
         granary.Store(tmp_path / "nowhere")
     assert missing.value.kind == "not_a_store"
-    loader = store.loader("absent", batch_size=4, output="numpy")
     with pytest.raises(granary.NotFoundError) as absent:
-        next(iter(loader))
+        store.loader("absent", batch_size=4, output="numpy")
     assert absent.value.kind == "not_found"
     with pytest.raises(ValueError, match="dtype"):
         store.ingest("x", [b"ab"], dtype="complex64", shape=[1])
