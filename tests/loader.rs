@@ -1,6 +1,7 @@
 //! The loader on the CPU path: batches come in plan order with the right bytes, a position
 //! resumes exactly, a flipped bit is caught, memory stays bounded with a slow trainer, and a
-//! trainer that holds too many batches gets an error rather than a hang. The GPU test at the end
+//! trainer that holds too many batches gets an error rather than a hang; `granary bench loader`
+//! runs end to end at a small scale. The GPU test at the end
 //! runs only where asked (`cargo test --test loader -- --ignored`, on a machine with CUDA).
 
 mod common;
@@ -239,6 +240,32 @@ fn bad_configurations_are_errors() {
 }
 
 /// Run on a GPU machine: `cargo test --test loader -- --ignored`.
+#[test]
+fn the_loader_bench_prints_its_table_at_a_small_scale() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let args = ["bench", "loader", "--generate", "4MiB", "--batch", "16", "--batches", "8", "--runs", "1"];
+    let out = granary_ok(&root, &[&args[..], &["--rows", "random,warm", "--step-us", "100"]].concat());
+    let rate = |label: &str| -> f64 {
+        let line = out.lines().find(|line| line.starts_with(label)).unwrap_or_else(|| panic!("no {label}: {out}"));
+        line[label.len()..].split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0.0)
+    };
+    for label in ["random: bare io_uring", "random: engine -> host", "warm: engine -> target"] {
+        assert!(rate(label) > 0.0, "{label}: {out}");
+    }
+    assert!(!out.contains("sequential: engine") && !out.contains("training step"), "rows not asked for: {out}");
+    assert!(out.contains("random, engine -> host / bare"), "{out}");
+    // The raw files for the PyTorch baseline, beside the store, hold every record.
+    let raw: u64 = std::fs::read_dir(dir.path().join("store.raw"))
+        .unwrap()
+        .map(|entry| entry.unwrap().metadata().unwrap().len())
+        .sum();
+    assert_eq!(raw, 4 << 20);
+    let refused = granary(&root, &["bench", "loader", "--rows", "everything"]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("possible values: random, sequential, warm, step"), "{err}");
+}
+
 #[test]
 #[ignore = "needs CUDA and a GPU"]
 fn batches_copied_to_the_gpu_come_back_identical() {

@@ -63,6 +63,22 @@ pub(crate) struct LoaderArgs {
     /// Runs; the table reports medians.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// The workloads to measure (all by default): random, sequential, warm, step.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "random,sequential,warm,step")]
+    rows: Vec<Workload>,
+}
+
+/// A group of rows of the table.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Workload {
+    /// Random 4 KiB records: bare reader, engine to host, engine to GPU.
+    Random,
+    /// Sequential: bare reader, engine to host, engine to GPU, pinned copy.
+    Sequential,
+    /// The data in the page cache, engine to the target.
+    Warm,
+    /// Random with a simulated training step: the stall.
+    Step,
 }
 
 /// One measurement: bytes delivered, time, CPU seconds.
@@ -143,26 +159,41 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     };
     for run in 0..args.runs {
         eprintln!("run {} of {}", run + 1, args.runs);
-        record("random: bare io_uring", measure_bare(&mut random_bare, &random_ops, wanted * record_bytes)?);
-        record("random: engine -> host", measure_loader(&dataset, random_config(Target::Host), args.batches, 0)?);
-        if cuda.is_some() {
-            record("random: engine -> GPU", measure_loader(&dataset, random_config(Target::Gpu), args.batches, 0)?);
+        let wants = |workload| args.rows.contains(&workload);
+        if wants(Workload::Random) {
+            record("random: bare io_uring", measure_bare(&mut random_bare, &random_ops, wanted * record_bytes)?);
+            record("random: engine -> host", measure_loader(&dataset, random_config(Target::Host), args.batches, 0)?);
+            if cuda.is_some() {
+                record("random: engine -> GPU", measure_loader(&dataset, random_config(Target::Gpu), args.batches, 0)?);
+            }
         }
-        record("sequential: bare io_uring", measure_bare(&mut seq_bare, &seq_ops, wanted * record_bytes)?);
-        record("sequential: engine -> host", measure_loader(&dataset, seq_config(Target::Host), args.batches, 0)?);
-        if cuda.is_some() {
-            record("sequential: engine -> GPU", measure_loader(&dataset, seq_config(Target::Gpu), args.batches, 0)?);
-            record("pinned copy to GPU", measure_pinned_copy(batch_bytes, args.batches)?);
+        if wants(Workload::Sequential) {
+            record("sequential: bare io_uring", measure_bare(&mut seq_bare, &seq_ops, wanted * record_bytes)?);
+            record("sequential: engine -> host", measure_loader(&dataset, seq_config(Target::Host), args.batches, 0)?);
+            if cuda.is_some() {
+                record(
+                    "sequential: engine -> GPU",
+                    measure_loader(&dataset, seq_config(Target::Gpu), args.batches, 0)?,
+                );
+                record("pinned copy to GPU", measure_pinned_copy(batch_bytes, args.batches)?);
+            }
         }
-        // Warm: read through the page cache once, then measure with the data in memory.
         let warm_target = if cuda.is_some() { Target::Gpu } else { Target::Host };
-        let mut warm = seq_config(warm_target);
-        warm.io.direct = false;
-        measure_loader(&dataset, warm.clone(), args.batches, 0)?;
-        record("warm: engine -> target", measure_loader(&dataset, warm, args.batches, 0)?);
-        let mut step = random_config(warm_target);
-        step.prefetch = 8;
-        record("random + training step: stall", measure_loader(&dataset, step, args.batches.min(300), args.step_us)?);
+        if wants(Workload::Warm) {
+            // Read through the page cache once, then measure with the data in memory.
+            let mut warm = seq_config(warm_target);
+            warm.io.direct = false;
+            measure_loader(&dataset, warm.clone(), args.batches, 0)?;
+            record("warm: engine -> target", measure_loader(&dataset, warm, args.batches, 0)?);
+        }
+        if wants(Workload::Step) {
+            let mut step = random_config(warm_target);
+            step.prefetch = 8;
+            record(
+                "random + training step: stall",
+                measure_loader(&dataset, step, args.batches.min(300), args.step_us)?,
+            );
+        }
     }
 
     println!(
