@@ -57,13 +57,29 @@ fn catalog_error(e: sled::Error) -> Error {
     Error::Catalog { detail: e.to_string() }
 }
 
+/// How long opening waits for the database's lock file. sled 0.34 lets go of it from a
+/// background thread after its last handle is dropped (sled issues 1234 and 1289), so a reopen
+/// in the same process can find it held for a few milliseconds. The engine opens the catalog
+/// only while holding the store's own lock, so no other writer can hold this one longer.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl SledKv {
-    /// Opens or creates the database in `dir`.
+    /// Opens or creates the database in `dir`, waiting up to `LOCK_WAIT` (2 s) for its lock.
     pub fn open(dir: &std::path::Path) -> Result<Self> {
-        let db = sled::Config::new().path(dir).open().map_err(|e| match e {
-            sled::Error::Io(io) => Error::io("open catalog", dir, io),
-            other => catalog_error(other),
-        })?;
+        let started = std::time::Instant::now();
+        let db = loop {
+            match sled::Config::new().path(dir).open() {
+                Ok(db) => break db,
+                // sled reports a held lock as an `Other` error with this text.
+                Err(sled::Error::Io(io))
+                    if io.to_string().starts_with("could not acquire lock") && started.elapsed() < LOCK_WAIT =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                Err(sled::Error::Io(io)) => return Err(Error::io("open catalog", dir, io)),
+                Err(other) => return Err(catalog_error(other)),
+            }
+        };
         let trees =
             Tree::ALL.iter().map(|t| db.open_tree(t.name())).collect::<Result<_, _>>().map_err(catalog_error)?;
         Ok(Self { db, trees })

@@ -199,6 +199,22 @@ mod tests {
     }
 
     #[test]
+    fn a_sled_catalog_reopens_at_once_after_it_is_dropped() {
+        // sled lets go of its lock file from a background thread after a drop; an immediate
+        // reopen (what the Python bindings do, opening the store per call) must wait for it.
+        let dir = tempfile::tempdir().unwrap();
+        let shard = ShardId(ObjectId::of(b"s"));
+        let entry = ObjectEntry { n_records: 1, n_shards: 1, file_bytes: 12288, layout: Layout::Bytes };
+        for i in 0..200u64 {
+            let catalog = Catalog::open_sled(dir.path()).unwrap_or_else(|e| panic!("open {i}: {e}"));
+            catalog.put_shard(shard, &ObjectEntry { n_records: i, ..entry.clone() }).unwrap();
+            catalog.flush().unwrap();
+        }
+        let catalog = Catalog::open_sled(dir.path()).unwrap();
+        assert_eq!(catalog.shard(shard).unwrap().map(|e| e.n_records), Some(199));
+    }
+
+    #[test]
     fn memory_and_sled_catalogs_agree() {
         exercise(&Catalog::in_memory());
         let dir = tempfile::tempdir().unwrap();
