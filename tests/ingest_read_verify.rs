@@ -164,6 +164,28 @@ fn webdataset_tars_become_one_record_per_sample() {
     assert_eq!(samples[0].part("cls"), Some(&b"3"[..]));
     assert_eq!(samples[1].part("seg.png"), Some(&entries[3].1[..]));
     assert_eq!(samples[2].parts, vec![("cls", &b"9"[..])]);
+
+    // A part name twice in one sample, or one standing for the key, is refused (as WebDataset
+    // refuses it) and nothing is committed.
+    for (clash, why) in [
+        (["t/0.txt", "t/0.txt"], "already has a part of that name"),
+        (["t/0.txt", "t/0.__key__"], "stands for the sample's key"),
+    ] {
+        let tar_path = dir.path().join("clash.tar");
+        let mut builder = tar::Builder::new(std::fs::File::create(&tar_path).unwrap());
+        for path in clash {
+            let mut header = tar::Header::new_gnu();
+            header.set_size(1);
+            header.set_mode(0o644);
+            header.set_cksum();
+            builder.append_data(&mut header, path, &b"x"[..]).unwrap();
+        }
+        builder.into_inner().unwrap();
+        let err = granary_err(&root, &["ingest", "tar", "--name", "clash", tar_path.to_str().unwrap()]);
+        assert!(err.contains("clash.tar") && err.contains(clash[1]) && err.contains(why), "{err}");
+    }
+    let err = granary_err(&root, &["get", "clash", "0"]);
+    assert!(err.contains("not found: dataset clash"), "{err}");
 }
 
 #[test]

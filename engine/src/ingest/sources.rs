@@ -142,6 +142,18 @@ pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &d
                 }
                 sample.key = Some(key.to_owned());
             }
+            // As WebDataset: a part name twice in one sample, or one that would stand for the
+            // key, is refused rather than one of the two silently lost.
+            let clash = if part == "__key__" {
+                Some("the part name \"__key__\" stands for the sample's key")
+            } else if sample.parts.iter().any(|(other, _)| other == part) {
+                Some("the sample already has a part of that name")
+            } else {
+                None
+            };
+            if let Some(clash) = clash {
+                return Err(Error::invalid_input(format!("{}: {name}: {clash}", path.display())));
+            }
             let mut data = Vec::with_capacity(usize::try_from(size).unwrap_or(0).min(1 << 26));
             entry.read_to_end(&mut data).map_err(bad_tar)?;
             sample.parts.push((part.to_owned(), data));
