@@ -239,12 +239,13 @@ fn bad_configurations_are_errors() {
     assert!(error.to_string().contains("staging buffer"), "{error}");
 }
 
-/// Run on a GPU machine: `cargo test --test loader -- --ignored`.
 #[test]
 fn the_loader_bench_prints_its_table_at_a_small_scale() {
     let dir = tempdir();
     let root = dir.path().join("store");
-    let args = ["bench", "loader", "--generate", "4MiB", "--batch", "16", "--batches", "8", "--runs", "1"];
+    // --keep-cache: a test must not drop the machine's page cache under the other tests.
+    let args =
+        ["bench", "loader", "--generate", "4MiB", "--batch", "16", "--batches", "8", "--runs", "1", "--keep-cache"];
     let out = granary_ok(&root, &[&args[..], &["--rows", "random,warm", "--step-us", "100"]].concat());
     let rate = |label: &str| -> f64 {
         let line = out.lines().find(|line| line.starts_with(label)).unwrap_or_else(|| panic!("no {label}: {out}"));
@@ -266,6 +267,7 @@ fn the_loader_bench_prints_its_table_at_a_small_scale() {
     assert!(!refused.status.success() && err.contains("possible values: random, sequential, warm, step"), "{err}");
 }
 
+/// Run on a GPU machine: `cargo test --test loader -- --ignored`.
 #[test]
 #[ignore = "needs CUDA and a GPU"]
 fn batches_copied_to_the_gpu_come_back_identical() {

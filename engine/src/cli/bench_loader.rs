@@ -63,6 +63,10 @@ pub(crate) struct LoaderArgs {
     /// Runs; the table reports medians.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Leave the page cache alone (cold rows then read through O_DIRECT only; on a shared
+    /// machine, or in tests, dropping the whole machine's cache is not this process's call).
+    #[arg(long)]
+    keep_cache: bool,
     /// The workloads to measure (all by default): random, sequential, warm, step.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "random,sequential,warm,step")]
     rows: Vec<Workload>,
@@ -114,7 +118,8 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     }
     let cuda = Cuda::get();
     let gpu_note = Cuda::unavailable_reason().unwrap_or_default();
-    let dropped = drop_page_cache();
+    let cold = !args.keep_cache;
+    let dropped = cold && drop_page_cache();
 
     let shard_paths: Vec<PathBuf> = (0..dataset.n_shards()).map(|s| dataset.shard_path(s)).collect();
     let shard_refs: Vec<&Path> = shard_paths.iter().map(PathBuf::as_path).collect();
@@ -161,19 +166,28 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         eprintln!("run {} of {}", run + 1, args.runs);
         let wants = |workload| args.rows.contains(&workload);
         if wants(Workload::Random) {
-            record("random: bare io_uring", measure_bare(&mut random_bare, &random_ops, wanted * record_bytes)?);
-            record("random: engine -> host", measure_loader(&dataset, random_config(Target::Host), args.batches, 0)?);
+            record("random: bare io_uring", measure_bare(&mut random_bare, &random_ops, wanted * record_bytes, cold)?);
+            record(
+                "random: engine -> host",
+                measure_loader(&dataset, random_config(Target::Host), args.batches, 0, cold)?,
+            );
             if cuda.is_some() {
-                record("random: engine -> GPU", measure_loader(&dataset, random_config(Target::Gpu), args.batches, 0)?);
+                record(
+                    "random: engine -> GPU",
+                    measure_loader(&dataset, random_config(Target::Gpu), args.batches, 0, cold)?,
+                );
             }
         }
         if wants(Workload::Sequential) {
-            record("sequential: bare io_uring", measure_bare(&mut seq_bare, &seq_ops, wanted * record_bytes)?);
-            record("sequential: engine -> host", measure_loader(&dataset, seq_config(Target::Host), args.batches, 0)?);
+            record("sequential: bare io_uring", measure_bare(&mut seq_bare, &seq_ops, wanted * record_bytes, cold)?);
+            record(
+                "sequential: engine -> host",
+                measure_loader(&dataset, seq_config(Target::Host), args.batches, 0, cold)?,
+            );
             if cuda.is_some() {
                 record(
                     "sequential: engine -> GPU",
-                    measure_loader(&dataset, seq_config(Target::Gpu), args.batches, 0)?,
+                    measure_loader(&dataset, seq_config(Target::Gpu), args.batches, 0, cold)?,
                 );
                 record("pinned copy to GPU", measure_pinned_copy(batch_bytes, args.batches)?);
             }
@@ -183,15 +197,15 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
             // Read through the page cache once, then measure with the data in memory.
             let mut warm = seq_config(warm_target);
             warm.io.direct = false;
-            measure_loader(&dataset, warm.clone(), args.batches, 0)?;
-            record("warm: engine -> target", measure_loader(&dataset, warm, args.batches, 0)?);
+            measure_loader(&dataset, warm.clone(), args.batches, 0, cold)?;
+            record("warm: engine -> target", measure_loader(&dataset, warm, args.batches, 0, cold)?);
         }
         if wants(Workload::Step) {
             let mut step = random_config(warm_target);
             step.prefetch = 8;
             record(
                 "random + training step: stall",
-                measure_loader(&dataset, step, args.batches.min(300), args.step_us)?,
+                measure_loader(&dataset, step, args.batches.min(300), args.step_us, cold)?,
             );
         }
     }
@@ -209,7 +223,11 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     println!(
         "GPU: {}; page cache {}",
         cuda.map_or_else(|| format!("none ({gpu_note}): GPU rows skipped"), |c| c.name().to_owned()),
-        if dropped { "dropped before each cold row" } else { "not dropped (needs root; O_DIRECT bypasses it)" }
+        match (cold, dropped) {
+            (false, _) => "kept (--keep-cache; O_DIRECT bypasses it)",
+            (true, true) => "dropped before each cold row",
+            (true, false) => "not dropped (needs root; O_DIRECT bypasses it)",
+        }
     );
     println!();
     println!("{:<34} {:>12} {:>14} {:>12} {:>16}", "row", "GB/s", "records/s", "cores", "cores per GB/s");
@@ -314,8 +332,10 @@ fn generate(root: &Path, raw_dir: &Path, name: &str, total: u64, record_bytes: u
     Ok(())
 }
 
-fn measure_bare(reader: &mut BareReader, ops: &[BareOp], record_bytes: u64) -> Result<Sample> {
-    drop_page_cache();
+fn measure_bare(reader: &mut BareReader, ops: &[BareOp], record_bytes: u64, cold: bool) -> Result<Sample> {
+    if cold {
+        drop_page_cache();
+    }
     let cpu = cpu_seconds();
     let start = Instant::now();
     reader.run(ops)?;
@@ -324,10 +344,15 @@ fn measure_bare(reader: &mut BareReader, ops: &[BareOp], record_bytes: u64) -> R
 
 /// Runs a loader for `batches` batches; with `step_us`, the consumer busies itself that long
 /// per batch and the sample's `cpu` carries the stall fraction instead.
-fn measure_loader(dataset: &Arc<Dataset>, config: LoaderConfig, batches: u64, step_us: u64) -> Result<Sample> {
-    if !config.io.direct {
-        // Warm rows keep the page cache.
-    } else {
+fn measure_loader(
+    dataset: &Arc<Dataset>,
+    config: LoaderConfig,
+    batches: u64,
+    step_us: u64,
+    cold: bool,
+) -> Result<Sample> {
+    // Warm rows keep the page cache.
+    if cold && config.io.direct {
         drop_page_cache();
     }
     let cpu = cpu_seconds();
