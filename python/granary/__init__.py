@@ -148,7 +148,8 @@ class Store:
 class Loader:
     """One rank's batches of a dataset, verified, prefetched, one epoch per iteration.
 
-    `dataset`: a name, `name@version`, or a manifest id. `rank` and `world_size` default to
+    `dataset`: a name (its version current when the loader is made: a missing one is
+    `NotFoundError` here), `name@version`, or a manifest id. `rank` and `world_size` default to
     torchrun's `RANK` and `WORLD_SIZE`. `device`: `"cuda"` (torch's current device once torch
     has initialised CUDA, else `LOCAL_RANK` when that device exists, else 0), `"cuda:N"`,
     `"cpu"` (host memory), or `None` (`"cuda"` when torch sees a GPU, `"cpu"` otherwise).
@@ -164,9 +165,9 @@ class Loader:
 
     Each batch is a tensor of shape `(records, *record_shape)` for fixed-size records, a pair
     `(data, offsets)` for byte records (record `i` is `data[offsets[i]:offsets[i+1]]`), or for
-    WebDataset samples (`ingest_tars`) a list of dicts, one per sample, as WebDataset gives
-    them: `"__key__"` and one `bytes` value per part (`"jpg"`, `"cls"`, ...); samples load to
-    host memory.
+    WebDataset samples (`ingest_tars`) a list of dicts, one per sample, like WebDataset's:
+    `"__key__"` and one `bytes` value per part, named as in the tar (`"jpg"`, `"seg.png"`; not
+    lowercased, no `"__url__"`); samples load to host memory.
 
     A GPU batch is ready on the torch stream current when it was converted; the loader reuses
     its memory once the tensor is freed and the work queued on that stream by then has run. A
@@ -239,8 +240,9 @@ class Loader:
                 raise ValueError(
                     f"{dataset} holds WebDataset samples, which are decoded in host memory: load it with device='cpu'"
                 )
-            # Samples are decoded on the host; the GPU chosen by default does not apply.
-            self._native = _native.Loader(source, dataset, batch_size, device="cpu", **options)
+            # Samples are decoded on the host; the GPU chosen by default does not apply. The
+            # same version (by manifest id), whatever was committed to the name meanwhile.
+            self._native = _native.Loader(source, self._native.manifest, batch_size, device="cpu", **options)
         self.rank = rank
         self.world_size = world_size
         self.batch_size = batch_size
@@ -395,7 +397,24 @@ def _dtype_name(dtype: Any) -> Optional[str]:
     return str(dtype)  # a torch dtype prints as "torch.uint16"
 
 
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
+# Every name the engine takes for a dtype (its own short ones, NumPy's, torch's) to NumPy's.
+_DTYPE_ALIASES = {
+    "half": "float16",
+    "float": "float32",
+    "double": "float64",
+    "u8": "uint8",
+    "i8": "int8",
+    "u16": "uint16",
+    "i16": "int16",
+    "u32": "uint32",
+    "i32": "int32",
+    "u64": "uint64",
+    "i64": "int64",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f32": "float32",
+    "f64": "float64",
+}
 
 
 def _canonical_dtype(name: str) -> str:
@@ -406,19 +425,31 @@ def _canonical_dtype(name: str) -> str:
 def _record_sources(records: Iterable[Any], dtype: Optional[str]) -> Iterator[Any]:
     """`records` as the native ingest takes them: torch tensors become their bytes (a NumPy
     view of the tensor's memory, after a copy to the host when on a GPU), and an array whose
-    dtype is not the dataset's is refused, not ingested as bytes of another type."""
+    dtype is not the dataset's (or whose bytes are big-endian) is refused, not ingested as
+    bytes of another type."""
     expected = None if dtype is None else _canonical_dtype(dtype)
     torch = sys.modules.get("torch")
     for n, record in enumerate(records):
         if torch is not None and isinstance(record, torch.Tensor):
-            if expected is not None and _canonical_dtype(str(record.dtype)) != expected:
-                raise ValueError(f"record {n}: a {record.dtype} tensor, but the records are {expected}")
-            yield record.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            got = _canonical_dtype(str(record.dtype))
+            if expected is not None and got != expected:
+                raise ValueError(f"record {n}: a tensor of dtype {got}, but the records are {expected}")
+            try:
+                record = record.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"record {n}: this tensor's bytes cannot be read ({e})") from e
+            yield record
             continue
-        if expected is not None and not isinstance(record, (bytes, bytearray, memoryview)):
-            got = getattr(getattr(record, "dtype", None), "name", None)
-            if isinstance(got, str) and _canonical_dtype(got) != expected:
-                raise ValueError(f"record {n}: a {got} array, but the records are {expected}")
+        if not isinstance(record, (bytes, bytearray, memoryview)):
+            array_dtype = getattr(record, "dtype", None)
+            got = getattr(array_dtype, "name", None)
+            if expected is not None and isinstance(got, str) and _canonical_dtype(got) != expected:
+                raise ValueError(f"record {n}: an array of dtype {got}, but the records are {expected}")
+            if getattr(array_dtype, "byteorder", "=") == (">" if sys.byteorder == "little" else "<"):
+                raise ValueError(
+                    f"record {n}: an array of non-native byte order ({array_dtype}); records are stored as this "
+                    "machine's arrays are (convert it with .astype(dtype.newbyteorder('=')))"
+                )
         yield record
 
 

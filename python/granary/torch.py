@@ -13,16 +13,18 @@ in the main process with `num_workers=0`, in each worker otherwise, where worker
 reads as rank `rank * W + w` of `world_size * W` (together the workers read every sample of
 the rank once). Workers load to host memory (CUDA does not survive a fork); the main process
 loads to `device` (then leave the DataLoader's `pin_memory` off: the batches may already be on
-the GPU). With workers, call `set_epoch` before each epoch, as with `DistributedSampler`: the
-workers' copies cannot tell the main process where they got to. Persistent workers
-(`persistent_workers=True`) never see a later `set_epoch`: each of their iterations reads the
-epoch after the one before, from the epoch set when they started. `state_dict` and
-`load_state_dict` work with `num_workers=0` (workers' positions stay in the workers). For DDP,
-pass `drop_last=True` so every rank reads as many batches.
+the GPU). Each iteration reads the epoch after the last one read to its end, or the one
+`set_epoch` named (as with `DistributedSampler`); the epoch lives in shared memory, so this
+holds with workers, persistent (`persistent_workers=True`) or not. An iteration left before
+its end starts that epoch again next time with workers (a worker's position stays in the
+worker), and goes on where it stopped without. `state_dict` and `load_state_dict` work with
+`num_workers=0`. For DDP, pass `drop_last=True` so every rank reads as many batches.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import os
 from typing import Any, Dict, Iterator, Optional
 
@@ -41,15 +43,28 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self._batch_size = batch_size
         self._options = dict(options)
         self._options.pop("output", None)  # always torch here
-        self._epoch = int(self._options.pop("epoch", 0))
+        # The epoch the next iteration reads, in shared memory: DataLoader workers (forked or
+        # spawned, persistent or not) read it at each iteration and move it on at an epoch's end.
+        self._epoch = multiprocessing.RawValue("q", int(self._options.pop("epoch", 0)))
         self._resume: Optional[Dict[str, Any]] = None
         self._loader: Optional[Loader] = None
-        # Iterations begun by this copy of the dataset inside a DataLoader worker.
-        self._worker_iterations = 0
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_loader"] = None  # its threads stay in this process
+        if multiprocessing.context.get_spawning_popen() is None:
+            # A copy outside a process start (deepcopy, pickle): shared memory does not travel.
+            state["_epoch"] = self._epoch.value
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        if isinstance(state["_epoch"], int):
+            state["_epoch"] = multiprocessing.RawValue("q", state["_epoch"])
+        self.__dict__.update(state)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads (as `DistributedSampler.set_epoch`)."""
-        self._epoch = epoch
+        self._epoch.value = epoch
         if self._resume is not None and self._resume["epoch"] != epoch:
             self._resume = None
         if self._loader is not None:
@@ -67,10 +82,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
             rank = rank * worker.num_workers + worker.id
             world_size = world_size * worker.num_workers
             options["device"] = "cpu"
-            # A persistent worker keeps this object across epochs and never sees the main
-            # process's `set_epoch`: each iteration in it is the next epoch.
-            epoch = self._epoch + self._worker_iterations
-            self._worker_iterations += 1
+            epoch = self._epoch.value
             # A fresh loader per iteration, made here, in the worker process.
             loader = Loader(
                 self._store, self._dataset, self._batch_size, epoch=epoch, rank=rank,
@@ -80,17 +92,19 @@ class IterableDataset(torch.utils.data.IterableDataset):
                 yield from loader
             finally:
                 loader.close()
+            # Read to its end: every worker writes the same next epoch.
+            self._epoch.value = epoch + 1
             return
         if self._loader is None:
             self._loader = Loader(
-                self._store, self._dataset, self._batch_size, epoch=self._epoch, rank=rank,
+                self._store, self._dataset, self._batch_size, epoch=self._epoch.value, rank=rank,
                 world_size=world_size, output="torch", **options,
             )
             if self._resume is not None:
                 self._loader.load_state_dict(self._resume)
                 self._resume = None
         yield from self._loader
-        self._epoch = self._loader.epoch
+        self._epoch.value = self._loader.epoch
 
     def state_dict(self) -> Dict[str, Any]:
         """The position of the main-process loader (`num_workers=0`)."""

@@ -612,8 +612,8 @@ impl NativeBatch {
     }
 
     /// The records decoded as WebDataset samples, in batch order: one dict per record, its
-    /// key under `"__key__"` and each part's bytes under the part's name (`"jpg"`, `"cls"`,
-    /// ...). Samples datasets only, in host memory. A record that does not decode (it passed
+    /// key under `"__key__"` and each part's bytes under the part's name as the tar spelled it
+    /// (`"jpg"`, `"seg.png"`; `""` for a file name without a dot). Samples datasets only, in host memory. A record that does not decode (it passed
     /// its checksum, so it was written wrong) is a `CorruptionError` naming it.
     fn samples<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let Some(dataset) = &self.samples else {
@@ -622,29 +622,47 @@ impl NativeBatch {
         if self.device.0 == DEVICE_CUDA {
             return Err(invalid("samples are decoded in host memory: load them with device='cpu'"));
         }
-        let out = PyList::empty(py);
-        self.held.with(|batch| {
+        // Decoded into owned memory first: no Python object is made (no code that could run a
+        // finalizer touching this batch) while the batch's lock is held.
+        type Owned = (String, Vec<(String, Vec<u8>)>);
+        let decoded: Vec<Owned> = self.held.with(|batch| {
+            let mut decoded = Vec::with_capacity(batch.len());
             for (i, &index) in batch.indices().iter().enumerate() {
-                let sample = Sample::decode(batch.record(i)).map_err(|source| {
-                    let path = match dataset.locate(index) {
-                        Ok((shard, local)) => {
-                            let mut path = dataset.shard_path(shard).into_os_string();
-                            path.push(format!(" (record {local})"));
-                            PathBuf::from(path)
-                        }
-                        Err(_) => PathBuf::from(format!("record {index}")),
-                    };
-                    to_py(granary::Error::Format { path, source })
-                })?;
-                let dict = PyDict::new(py);
-                dict.set_item("__key__", sample.key)?;
-                for (name, bytes) in sample.parts {
-                    dict.set_item(name, PyBytes::new(py, bytes))?;
+                let record_path = || match dataset.locate(index) {
+                    Ok((shard, local)) => {
+                        let mut path = dataset.shard_path(shard).into_os_string();
+                        path.push(format!(" (record {local})"));
+                        PathBuf::from(path)
+                    }
+                    Err(_) => PathBuf::from(format!("record {index}")),
+                };
+                let sample = Sample::decode(batch.record(i))
+                    .map_err(|source| to_py(granary::Error::Format { path: record_path(), source }))?;
+                // Ingest refuses these; a store written before it did may hold them.
+                for (k, (name, _)) in sample.parts.iter().enumerate() {
+                    if *name == "__key__" || sample.parts[..k].iter().any(|(other, _)| other == name) {
+                        return Err(invalid(format!(
+                            "{}: sample {} has a part named {name:?} twice or one named \"__key__\"",
+                            record_path().display(),
+                            sample.key
+                        )));
+                    }
                 }
-                out.append(dict)?;
+                let parts = sample.parts.iter().map(|(name, bytes)| ((*name).to_owned(), bytes.to_vec())).collect();
+                decoded.push((sample.key.to_owned(), parts));
             }
-            Ok(out)
-        })
+            Ok::<_, PyErr>(decoded)
+        })?;
+        let out = PyList::empty(py);
+        for (key, parts) in decoded {
+            let dict = PyDict::new(py);
+            dict.set_item("__key__", key)?;
+            for (name, bytes) in parts {
+                dict.set_item(name, PyBytes::new(py, &bytes))?;
+            }
+            out.append(dict)?;
+        }
+        Ok(out)
     }
 
     /// Where each record starts and ends in `data`: `len + 1` int64 offsets, from 0 (host

@@ -267,6 +267,21 @@ def test_ingest_files_directories_and_tars(store, tmp_path):
         store.loader("wds", batch_size=2, device="cuda")
 
 
+def test_arrays_of_another_dtype_or_byte_order_are_refused(store):
+    # The engine's short names, NumPy's names and NumPy types all name the same dtype.
+    for name in ("u16", "uint16", np.uint16):
+        store.ingest("a", [np.arange(4, dtype=np.uint16)], dtype=name, shape=[4], replace=True)
+    with pytest.raises(ValueError, match="record 1: an array of dtype int16, but the records are uint16"):
+        store.ingest("a", [np.zeros(4, np.uint16), np.zeros(4, np.int16)], dtype="u16", shape=[4])
+    with pytest.raises(ValueError, match="record 0: an array of non-native byte order"):
+        store.ingest("b", [np.arange(4, dtype=">f4")], dtype="float32", shape=[4])
+    # Bytes carry no dtype: taken as they are.
+    store.ingest("c", [bytes(8)], dtype="f32", shape=[2])
+    assert {d["name"] for d in store.datasets()} == {"a", "c"}
+    (batch,) = list(store.loader("a", batch_size=1, output="numpy"))
+    assert batch.tolist() == [[0, 1, 2, 3]]
+
+
 def test_progress_is_reported_and_a_raising_callback_commits_nothing(store, tmp_path):
     calls = []
     store.ingest("p", (bytes(1000) for _ in range(50)), progress=lambda n, b: calls.append((n, b)))

@@ -80,14 +80,19 @@ def test_every_torch_dtype_goes_in_and_comes_back(store, dtype):
 
 
 def test_a_record_of_another_dtype_is_refused(store):
-    with pytest.raises(ValueError, match="record 2: a torch.float64 tensor, but the records are float32"):
+    with pytest.raises(ValueError, match="record 2: a tensor of dtype float64, but the records are float32"):
         store.ingest("x", [torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64)], dtype="float32",
                      shape=[4])
-    with pytest.raises(ValueError, match="record 0: a int32 array, but the records are float32"):
+    with pytest.raises(ValueError, match="record 0: an array of dtype int32, but the records are float32"):
         store.ingest("x", [np.zeros(4, dtype=np.int32)], dtype=torch.float32, shape=[4])
     assert store.datasets() == [], "a refused ingest commits nothing"
     # Same dtype under another name is the same dtype.
-    store.ingest("x", [torch.zeros(4, dtype=torch.half), np.zeros(4, dtype=np.float16)], dtype="float16", shape=[4])
+    for name in ("float16", "half", "f16", torch.float16, np.float16):
+        store.ingest("x", [torch.zeros(4, dtype=torch.half), np.zeros(4, dtype=np.float16)], dtype=name, shape=[4])
+    # A tensor whose bytes cannot be viewed says which record it is.
+    meta = torch.zeros(4, device="meta")
+    with pytest.raises(ValueError, match="record 1: this tensor's bytes cannot be read"):
+        store.ingest("y", [torch.zeros(4), meta], dtype="float32", shape=[4])
 
 
 def test_byte_records_come_as_data_and_offset_tensors(store):
@@ -126,15 +131,42 @@ def test_the_dataset_adapter_resumes_exactly_without_workers(tokens):
 @pytest.mark.parametrize("persistent", [False, True])
 def test_dataloader_workers_read_every_record_once_per_epoch(tokens, persistent):
     store, _ = tokens
-    ds = granary.torch.IterableDataset(store, "tokens", 50, seed=2, with_indices=True)
-    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
-    epochs = []
+
+    def dataloader():
+        ds = granary.torch.IterableDataset(store, "tokens", 50, seed=2, with_indices=True)
+        return ds, torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+
+    # Epochs named by set_epoch.
+    ds, dl = dataloader()
+    named = []
     for epoch in range(3):
         ds.set_epoch(epoch)
         got = epoch_indices(dl)
         assert sorted(got) == list(range(1000)), f"epoch {epoch}"
-        epochs.append(got)
-    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != epochs[2], "every epoch has its own order"
+        named.append(got)
+    assert named[0] != named[1] != named[2] and named[0] != named[2], "every epoch has its own order"
+    # set_epoch reaches the workers, persistent or not: the same epoch again is the same order.
+    ds.set_epoch(1)
+    assert epoch_indices(dl) == named[1]
+    # Without set_epoch, each iteration read to its end is followed by the next epoch; one left
+    # early starts its epoch again.
+    ds, dl = dataloader()
+    next(iter(dl))
+    assert [epoch_indices(dl) for _ in range(3)] == named
+
+
+def test_the_dataset_adapter_copies_and_pickles(tokens):
+    import copy
+    import pickle
+
+    store, _ = tokens
+    ds = granary.torch.IterableDataset(store, "tokens", 50, seed=2, with_indices=True)
+    ds.set_epoch(4)
+    epoch_indices(ds)  # reads epoch 4 in this process; the next is 5
+    for twin in (copy.deepcopy(ds), pickle.loads(pickle.dumps(ds))):
+        assert epoch_indices(twin) == epoch_indices(
+            granary.torch.IterableDataset(store, "tokens", 50, seed=2, epoch=5, with_indices=True)
+        )
 
 
 def test_worker_batches_hold_the_right_bytes(tokens):
