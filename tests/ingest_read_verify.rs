@@ -8,7 +8,7 @@ use std::sync::Arc;
 use common::*;
 use granary::ingest::{self, IngestMode};
 use granary::shard::Sample;
-use granary::{Backend, Batch, Dataset, Granary, IoConfig, Layout, Reader, StorePaths, VersionSpec};
+use granary::{Backend, Batch, Dataset, DatasetName, Granary, IoConfig, Layout, Reader, StorePaths, VersionSpec};
 
 fn backends() -> Vec<IoConfig> {
     let mut configs = vec![
@@ -189,6 +189,35 @@ fn webdataset_tars_become_one_record_per_sample() {
 }
 
 #[test]
+fn an_ingest_dropped_without_commit_removes_only_what_it_wrote() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let kept: Vec<Vec<u8>> = (0..40).map(|i| bytes(i, 512)).collect();
+    let mut granary = Granary::create(&root).unwrap();
+    let layout = tokens_layout(256);
+    ingest(&mut granary, "kept", layout.clone(), small_shards(4096), &kept);
+    let before = shard_files(&root);
+    assert!(before.len() > 1);
+
+    // The same records again (their shards are found already stored), then new ones (new
+    // shards, and a partial one still open), and the session is dropped.
+    let mut session = granary.ingest(DatasetName::new("dropped").unwrap(), layout, small_shards(4096)).unwrap();
+    for record in kept.iter().chain(&(100..150).map(|i| bytes(i, 512)).collect::<Vec<_>>()) {
+        session.push(record).unwrap();
+    }
+    assert!(session.stats().shards_published > 0 && session.stats().shards_deduplicated > 0);
+    assert!(shard_files(&root).len() > before.len());
+    drop(session);
+
+    assert_eq!(shard_files(&root), before, "exactly the new shards are gone");
+    let tmp = root.join("tmp");
+    assert!(!tmp.exists() || std::fs::read_dir(&tmp).unwrap().next().is_none(), "the partial shard is gone");
+    assert_eq!(granary.catalog().shards().unwrap().len(), before.len(), "and their catalog entries");
+    assert_eq!(read_all(&open(&root, "kept"), IoConfig::default()), kept);
+    assert_eq!(granary.gc().unwrap().shards, 0, "nothing was left for gc");
+}
+
+#[test]
 fn appends_make_versions_old_versions_stay_readable_and_gc_keeps_what_is_live() {
     let dir = tempdir();
     let root = dir.path().join("store");
@@ -225,8 +254,8 @@ fn appends_make_versions_old_versions_stay_readable_and_gc_keeps_what_is_live() 
     let mut session = granary.ingest(name.clone(), layout.clone(), options).unwrap();
     session.push(&second[0]).unwrap();
     assert_eq!(session.commit().unwrap().version, 3);
-    let appending_bytes = granary.ingest(name.clone(), Layout::Bytes, small_shards(4096));
-    assert!(matches!(appending_bytes, Err(granary::Error::InvalidInput { .. })));
+    let appending_bytes = granary.ingest(name.clone(), Layout::Bytes, small_shards(4096)).err();
+    assert!(matches!(appending_bytes, Some(granary::Error::InvalidInput { .. })));
 
     // Removing versions 2 and 3 leaves version 1 (shared with "copy"); gc frees what only they used.
     let shards_before = shard_files(&root).len();

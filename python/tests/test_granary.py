@@ -300,6 +300,28 @@ def test_progress_is_reported_and_a_raising_callback_commits_nothing(store, tmp_
     assert "q" not in names
 
 
+def test_an_ingest_that_fails_midway_leaves_no_files_behind(store):
+    store.ingest("a", [bytes([i]) * 100 for i in range(100)], shard_bytes=4096)
+    root = os.path.join(store.path, "shards")
+
+    def files():
+        return sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
+
+    before = files()
+
+    def failing():
+        for i in range(200):
+            yield bytes([i % 251]) * 1000
+        raise RuntimeError("the source failed")
+
+    with pytest.raises(RuntimeError, match="the source failed"):
+        store.ingest("b", failing(), shard_bytes=4096)
+    # Dozens of shards were published along the way; none are left, nor the partial one.
+    assert files() == before
+    assert os.listdir(os.path.join(store.path, "tmp")) == []
+    assert [d["name"] for d in store.datasets()] == ["a"]
+
+
 def test_corruption_is_a_structured_error_and_counted(tokens, tmp_path):
     store, _ = tokens
     shards = sorted((tmp_path / "store" / "shards").rglob("*.shard"))

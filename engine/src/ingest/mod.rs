@@ -7,7 +7,10 @@
 //! -> shard entries -> manifest file durable -> manifest entry -> catalog flush -> ref file
 //! durable -> dataset entry -> catalog flush. A crash at any point leaves the previous version
 //! current and no partial file visible; published but unreferenced files are garbage that
-//! `granary gc` removes. Never: reads records back (the read path does) or decides placement.
+//! `granary gc` removes. A session dropped without `commit` (a source that failed, a caller
+//! that gave up) removes what only it wrote: its partial shard and the shard files it newly
+//! published (not those it found already stored). Never: reads records back (the read path
+//! does) or decides placement.
 
 mod sources;
 
@@ -19,7 +22,7 @@ pub use sources::{Progress, files_from_dir, records_from_files, samples_from_tar
 
 use crate::catalog::{Catalog, ObjectEntry};
 use crate::error::{Error, Result};
-use crate::id::ManifestId;
+use crate::id::{ManifestId, ShardId};
 use crate::manifest::{Manifest, ManifestEntry};
 use crate::shard::{Layout, ShardWriter, WRITE_CHUNK_BYTES};
 use crate::store::{DatasetName, ObjectKind, RefLog, Store};
@@ -95,7 +98,8 @@ struct OpenShard {
     tmp: PathBuf,
 }
 
-/// An ingest in progress. Dropping it without `commit` leaves the dataset as it was.
+/// An ingest in progress. Dropping it without `commit` leaves the dataset as it was and
+/// removes the files only it wrote.
 pub struct Ingest<'g> {
     store: &'g Store,
     catalog: &'g Catalog,
@@ -107,6 +111,8 @@ pub struct Ingest<'g> {
     shard: Option<OpenShard>,
     scratch: Vec<u8>,
     stats: IngestStats,
+    /// Shards this session published as new files: nothing refers to them until `commit`.
+    new_shards: Vec<ShardId>,
 }
 
 impl<'g> Ingest<'g> {
@@ -147,6 +153,7 @@ impl<'g> Ingest<'g> {
             shard: None,
             scratch: Vec::new(),
             stats: IngestStats::default(),
+            new_shards: Vec::new(),
         })
     }
 
@@ -182,6 +189,9 @@ impl<'g> Ingest<'g> {
     /// current one (nothing pushed in append mode), no version is added.
     pub fn commit(mut self) -> Result<Committed> {
         self.seal_shard()?;
+        // From here on the shards are referenced (by the current version when nothing changed,
+        // or by the manifest about to be published): a failure leaves them to `granary gc`.
+        self.new_shards.clear();
         let manifest = Manifest::new(self.layout.clone(), std::mem::take(&mut self.entries));
         let (id, _) = manifest.encode();
         let stats = std::mem::take(&mut self.stats);
@@ -243,6 +253,7 @@ impl<'g> Ingest<'g> {
         drop(file);
         if self.store.publish(ObjectKind::Shard, written.id.0, &tmp)? {
             self.stats.shards_published += 1;
+            self.new_shards.push(written.id);
         } else {
             self.stats.shards_deduplicated += 1;
         }
@@ -260,6 +271,23 @@ impl<'g> Ingest<'g> {
             meta_digest: written.meta_digest,
         });
         Ok(())
+    }
+}
+
+impl Drop for Ingest<'_> {
+    /// Without `commit`: removes the partial shard and the shards only this session wrote, the
+    /// catalog entry before the file (an entry never names a missing file). Best effort: what
+    /// cannot be removed is left to `granary gc`, as after a crash.
+    fn drop(&mut self) {
+        if let Some(OpenShard { writer, tmp }) = self.shard.take() {
+            drop(writer);
+            let _ = std::fs::remove_file(&tmp);
+        }
+        for id in std::mem::take(&mut self.new_shards) {
+            if self.catalog.remove_shard(id).is_ok() {
+                let _ = self.store.remove_object(ObjectKind::Shard, id.0);
+            }
+        }
     }
 }
 
