@@ -131,11 +131,23 @@ fn a_directory_tree_becomes_one_record_per_file_in_path_order() {
     }
 }
 
+/// Writes a tar of `entries` (path, bytes) at `path`.
+fn write_tar(path: &std::path::Path, entries: &[(&str, Vec<u8>)]) {
+    let mut builder = tar::Builder::new(std::fs::File::create(path).unwrap());
+    for (name, data) in entries {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(data.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        builder.append_data(&mut header, name, &data[..]).unwrap();
+    }
+    builder.into_inner().unwrap();
+}
+
 #[test]
 fn webdataset_tars_become_one_record_per_sample() {
     let dir = tempdir();
     let tar_path = dir.path().join("shard-000.tar");
-    let mut builder = tar::Builder::new(std::fs::File::create(&tar_path).unwrap());
     let entries: [(&str, Vec<u8>); 5] = [
         ("s/000.jpg", bytes(1, 3000)),
         ("s/000.cls", b"3".to_vec()),
@@ -143,14 +155,7 @@ fn webdataset_tars_become_one_record_per_sample() {
         ("s/001.seg.png", bytes(3, 100)),
         ("s/002.cls", b"9".to_vec()),
     ];
-    for (path, data) in &entries {
-        let mut header = tar::Header::new_gnu();
-        header.set_size(data.len() as u64);
-        header.set_mode(0o644);
-        header.set_cksum();
-        builder.append_data(&mut header, path, &data[..]).unwrap();
-    }
-    builder.into_inner().unwrap();
+    write_tar(&tar_path, &entries);
     let root = dir.path().join("store");
     let out = granary_ok(&root, &["ingest", "tar", "--name", "wds", tar_path.to_str().unwrap()]);
     assert!(out.contains("wds@1: 3 records"), "{out}");
@@ -172,15 +177,7 @@ fn webdataset_tars_become_one_record_per_sample() {
         (["t/0.txt", "t/0.__key__"], "stands for the sample's key"),
     ] {
         let tar_path = dir.path().join("clash.tar");
-        let mut builder = tar::Builder::new(std::fs::File::create(&tar_path).unwrap());
-        for path in clash {
-            let mut header = tar::Header::new_gnu();
-            header.set_size(1);
-            header.set_mode(0o644);
-            header.set_cksum();
-            builder.append_data(&mut header, path, &b"x"[..]).unwrap();
-        }
-        builder.into_inner().unwrap();
+        write_tar(&tar_path, &clash.map(|path| (path, b"x".to_vec())));
         let err = granary_err(&root, &["ingest", "tar", "--name", "clash", tar_path.to_str().unwrap()]);
         assert!(err.contains("clash.tar") && err.contains(clash[1]) && err.contains(why), "{err}");
     }

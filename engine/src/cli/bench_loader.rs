@@ -165,31 +165,23 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     for run in 0..args.runs {
         eprintln!("run {} of {}", run + 1, args.runs);
         let wants = |workload| args.rows.contains(&workload);
-        if wants(Workload::Random) {
-            record("random: bare io_uring", measure_bare(&mut random_bare, &random_ops, wanted * record_bytes, cold)?);
-            record(
-                "random: engine -> host",
-                measure_loader(&dataset, random_config(Target::Host), args.batches, 0, cold)?,
-            );
-            if cuda.is_some() {
-                record(
-                    "random: engine -> GPU",
-                    measure_loader(&dataset, random_config(Target::Gpu), args.batches, 0, cold)?,
-                );
+        type Config<'a> = &'a dyn Fn(Target) -> LoaderConfig;
+        let cold_workloads = [
+            (Workload::Random, "random", &mut random_bare, &random_ops, &random_config as Config<'_>),
+            (Workload::Sequential, "sequential", &mut seq_bare, &seq_ops, &seq_config),
+        ];
+        for (workload, name, bare, ops, config) in cold_workloads {
+            if !wants(workload) {
+                continue;
             }
-        }
-        if wants(Workload::Sequential) {
-            record("sequential: bare io_uring", measure_bare(&mut seq_bare, &seq_ops, wanted * record_bytes, cold)?);
-            record(
-                "sequential: engine -> host",
-                measure_loader(&dataset, seq_config(Target::Host), args.batches, 0, cold)?,
-            );
+            record(&format!("{name}: bare io_uring"), measure_bare(bare, ops, wanted * record_bytes, cold)?);
+            let engine = |target| measure_loader(&dataset, config(target), args.batches, 0, cold);
+            record(&format!("{name}: engine -> host"), engine(Target::Host)?);
             if cuda.is_some() {
-                record(
-                    "sequential: engine -> GPU",
-                    measure_loader(&dataset, seq_config(Target::Gpu), args.batches, 0, cold)?,
-                );
-                record("pinned copy to GPU", measure_pinned_copy(batch_bytes, args.batches)?);
+                record(&format!("{name}: engine -> GPU"), engine(Target::Gpu)?);
+                if workload == Workload::Sequential {
+                    record("pinned copy to GPU", measure_pinned_copy(batch_bytes, args.batches)?);
+                }
             }
         }
         let warm_target = if cuda.is_some() { Target::Gpu } else { Target::Host };
