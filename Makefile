@@ -3,13 +3,13 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 15
 
-.PHONY: test fmt-check clippy unit doc plugins python python-env libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: test fmt-check clippy unit doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
 
 PYTHON ?= $(shell test -x target/lcs-venv/bin/python && echo target/lcs-venv/bin/python || echo python3)
 
 ## Everything CI checks: formatting, lints, tests, docs, the plugins, the Python bindings, the
-## libCacheSim comparison, a short fuzz run.
-test: fmt-check clippy unit doc plugins python libcachesim fuzz-smoke
+## GPU path against the fake driver, the libCacheSim comparison, a short fuzz run.
+test: fmt-check clippy unit doc plugins python gpu-fake libcachesim fuzz-smoke
 
 fmt-check:
 	$(CARGO) fmt --all --check
@@ -45,6 +45,23 @@ python: python-env
 python-env:
 	@test -x $(PYVENV)/bin/pytest || { python3 -m venv $(PYVENV) && \
 		$(PYVENV)/bin/pip install -q 'numpy>=1.23' 'pytest>=7'; }
+
+## The GPU path on a machine without a GPU: the GPU tests (Rust and Python) against
+## tests/fake-cuda, a strict stand-in for the CUDA driver (libcuda.so.1) that runs each stream's
+## work late and out of order with the others and aborts on misuse a GPU would turn into wrong
+## bytes. On a GPU machine the same tests run against the real driver:
+## `cargo test --test gpu -- --ignored` and `pytest python/tests`.
+FAKE_CUDA := $(CURDIR)/target/fake-cuda
+fake-cuda:
+	mkdir -p $(FAKE_CUDA)
+	$(CC) -shared -fPIC -pthread -O1 -std=c11 -Wall -Wextra -Werror -Wl,-soname,libcuda.so.1 \
+		-o $(FAKE_CUDA)/libcuda.so.1 tests/fake-cuda/fake_cuda.c
+	ln -sf libcuda.so.1 $(FAKE_CUDA)/libcuda.so
+
+gpu-fake: fake-cuda python
+	LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 $(CARGO) test --locked --test gpu --test loader -- --include-ignored
+	cd target/py-test && LD_LIBRARY_PATH=$(FAKE_CUDA) FAKE_CUDA_DELAY_US=5000 PYTHONPATH=$(CURDIR)/target/py-test \
+		$(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_cuda.py
 
 ## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces
 ## (needs `pip install libcachesim`; .ci/run puts it in target/lcs-venv).

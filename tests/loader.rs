@@ -1,8 +1,7 @@
 //! The loader on the CPU path: batches come in plan order with the right bytes, a position
 //! resumes exactly, a flipped bit is caught, memory stays bounded with a slow trainer, and a
 //! trainer that holds too many batches gets an error rather than a hang; `granary bench loader`
-//! runs end to end at a small scale. The GPU test at the end
-//! runs only where asked (`cargo test --test loader -- --ignored`, on a machine with CUDA).
+//! runs end to end at a small scale. The GPU path's tests are in `gpu.rs`.
 
 mod common;
 
@@ -265,41 +264,4 @@ fn the_loader_bench_prints_its_table_at_a_small_scale() {
     let refused = granary(&root, &["bench", "loader", "--rows", "everything"]);
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && err.contains("possible values: random, sequential, warm, step"), "{err}");
-}
-
-/// Run on a GPU machine: `cargo test --test loader -- --ignored`.
-#[test]
-#[ignore = "needs CUDA and a GPU"]
-fn batches_copied_to_the_gpu_come_back_identical() {
-    let _serial = serial();
-    for (dtype, shape) in [
-        (granary::Dtype::U8, vec![4096u64]),
-        (granary::Dtype::U16, vec![2048]),
-        (granary::Dtype::F32, vec![3, 33]),
-        (granary::Dtype::Bf16, vec![7, 5]),
-    ] {
-        let dir = tempdir();
-        let mut granary = Granary::create(dir.path().join("store")).unwrap();
-        let layout = granary::Layout::Fixed(granary::FixedLayout::new(dtype, &shape).unwrap());
-        let record_bytes = layout.record_bytes().unwrap() as usize;
-        let records: Vec<Vec<u8>> = (0..700).map(|i| bytes(i, record_bytes)).collect();
-        ingest(&mut granary, "gpu", layout, small_shards(256 << 10), &records);
-        let dataset = granary.open_dataset(&VersionSpec::parse("gpu").unwrap()).unwrap();
-        for batch_size in [1, 64, 256] {
-            let mut config = config(PlanSource::Native(Order::Shuffled), World::single());
-            config.target = Target::Gpu;
-            config.batch_size = batch_size;
-            config.epochs = Some(1);
-            let mut loader = Loader::new(Arc::clone(&dataset), config, Position::default()).unwrap();
-            while let Some(batch) = loader.next() {
-                let batch = batch.unwrap();
-                assert!(batch.pinned(), "staging is page-locked with CUDA");
-                let device = batch.device().expect("copied to the GPU");
-                let mut back = vec![0u8; device.len()];
-                device.download(&mut back).unwrap();
-                let wanted: Vec<u8> = batch.indices().iter().flat_map(|&i| records[i as usize].clone()).collect();
-                assert_eq!(back, wanted, "{dtype:?} {shape:?} batch {batch_size}");
-            }
-        }
-    }
 }

@@ -1,0 +1,287 @@
+//! The GPU path, from the trainer's side: batches copied to the device come back identical for
+//! several dtypes, shapes and batch sizes; a trainer that reads batches with work queued on its
+//! own stream and drops them before that work has run gets every byte, and no device buffer is
+//! reused under it.
+//!
+//! Runs only where asked: `cargo test --test gpu -- --ignored` on a machine with CUDA, and
+//! `make gpu-fake` everywhere else, against `tests/fake-cuda` (a strict stand-in for the driver
+//! that runs each stream's work late and out of order with the others, and aborts on the misuse
+//! a GPU would turn into silently wrong bytes). With the fake, the last test also checks that
+//! the fake catches each misuse it claims to, in child processes.
+#![allow(
+    unsafe_code,
+    reason = "the trainer's side of the GPU path: raw driver calls through cudarc, as a CUDA consumer makes them"
+)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use cudarc::driver::{result, sys};
+use granary::loader::{Loader, LoaderConfig, PlanSource, Target};
+use granary::staging::cuda::Cuda;
+use granary::{Granary, Order, Position, VersionSpec};
+
+/// The fake driver's live objects and counters, when it is the driver loaded (`None` with a real
+/// one): allocations, allocated bytes, host registrations, streams, events, queued ops, async
+/// copies, async copies from memory that was not page-locked.
+fn fake_cuda_stats() -> Option<[u64; 8]> {
+    // SAFETY: looks a symbol up in a library already loaded (RTLD_NOLOAD loads nothing); the
+    // fake's function fills exactly eight u64 counters.
+    unsafe {
+        let mut lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        if lib.is_null() {
+            lib = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        }
+        if lib.is_null() {
+            return None;
+        }
+        let symbol = libc::dlsym(lib, c"granary_fake_cuda_stats".as_ptr());
+        libc::dlclose(lib);
+        if symbol.is_null() {
+            return None;
+        }
+        let stats: extern "C" fn(*mut [u64; 8]) -> i32 = std::mem::transmute(symbol);
+        let mut out = [0u64; 8];
+        stats(&mut out);
+        Some(out)
+    }
+}
+
+/// `make gpu-fake` sets this: the fake must then be the driver loaded.
+fn fake_required() -> bool {
+    std::env::var_os("GRANARY_FAKE_CUDA").is_some_and(|v| v == "1")
+}
+
+/// Tests here count the driver's objects process-wide: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn cuda() -> &'static Cuda {
+    let cuda = Cuda::get().unwrap_or_else(|| panic!("no CUDA: {:?}", Cuda::unavailable_reason()));
+    // Touch the driver so that the library is loaded before the fake is looked for.
+    assert!(!fake_required() || fake_cuda_stats().is_some(), "GRANARY_FAKE_CUDA=1 but the fake driver is not loaded");
+    cuda
+}
+
+fn gpu_config(batch_size: u64) -> LoaderConfig {
+    LoaderConfig {
+        batch_size,
+        seed: 7,
+        plan: PlanSource::Native(Order::Shuffled),
+        epochs: Some(1),
+        target: Target::Gpu,
+        ..LoaderConfig::default()
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA and a GPU, or the fake driver (make gpu-fake)"]
+fn batches_copied_to_the_gpu_come_back_identical() {
+    let _serial = serial();
+    cuda();
+    for (dtype, shape) in [
+        (granary::Dtype::U8, vec![4096u64]),
+        (granary::Dtype::U16, vec![2048]),
+        (granary::Dtype::F32, vec![3, 33]),
+        (granary::Dtype::Bf16, vec![7, 5]),
+    ] {
+        let dir = tempdir();
+        let mut granary = Granary::create(dir.path().join("store")).unwrap();
+        let layout = granary::Layout::Fixed(granary::FixedLayout::new(dtype, &shape).unwrap());
+        let record_bytes = layout.record_bytes().unwrap() as usize;
+        let records: Vec<Vec<u8>> = (0..700).map(|i| bytes(i, record_bytes)).collect();
+        ingest(&mut granary, "gpu", layout, small_shards(256 << 10), &records);
+        let dataset = granary.open_dataset(&VersionSpec::parse("gpu").unwrap()).unwrap();
+        for batch_size in [1, 64, 256] {
+            let mut loader = Loader::new(Arc::clone(&dataset), gpu_config(batch_size), Position::default()).unwrap();
+            let mut seen = 0;
+            while let Some(batch) = loader.next() {
+                let batch = batch.unwrap();
+                assert!(batch.pinned(), "staging is page-locked with CUDA");
+                let device = batch.device().expect("copied to the GPU");
+                let mut back = vec![0u8; device.len()];
+                device.download(&mut back).unwrap();
+                let wanted: Vec<u8> = batch.indices().iter().flat_map(|&i| records[i as usize].clone()).collect();
+                assert_eq!(back, wanted, "{dtype:?} {shape:?} batch {batch_size}");
+                seen += batch.len();
+            }
+            assert_eq!(seen, records.len(), "{dtype:?} {shape:?} batch {batch_size}: one epoch");
+        }
+    }
+}
+
+/// A trainer that reads each device batch with work queued on its own stream (here an
+/// asynchronous copy back to the host) and drops the batch before that work has run, as a
+/// training step does: every byte arrives, and no device buffer is reused before the work on it
+/// has run (the fake aborts on such a reuse; on a GPU the bytes would differ). With the fake,
+/// the loader leaves nothing behind, and every copy it made was from page-locked memory.
+#[test]
+#[ignore = "needs CUDA and a GPU, or the fake driver (make gpu-fake)"]
+fn device_batches_released_before_the_trainers_work_has_run_stay_intact() {
+    let _serial = serial();
+    let cuda = cuda();
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    let records: Vec<Vec<u8>> = (0..3000).map(|i| bytes(i, 100)).collect();
+    ingest(&mut granary, "tokens", tokens_layout(50), small_shards(16 << 10), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
+    let before = fake_cuda_stats();
+    let trainer = cuda.stream().unwrap(); // also makes the context current on this thread
+    let mut trainer_copies = 0u64;
+    // The trainer's own stream, then the legacy default stream (1, as in DLPack).
+    for stream in [trainer.raw() as u64, 1] {
+        let config = LoaderConfig { hold_max: 1, prefetch: 2, ..gpu_config(16) };
+        let mut loader = Loader::new(Arc::clone(&dataset), config, Position::default()).unwrap();
+        let mut copies: Vec<(Vec<u64>, Vec<u8>)> = Vec::new();
+        while let Some(batch) = loader.next() {
+            let mut batch = batch.unwrap();
+            let device = batch.device().expect("copied to the GPU");
+            device.order_before(stream).unwrap();
+            let mut back = vec![0u8; device.len()];
+            // SAFETY: `back`'s heap buffer stays put (the Vec is moved, not its buffer) until
+            // the stream is synchronised below; the source is the batch's device bytes, which
+            // `release_after` keeps from reuse until this copy has run.
+            unsafe { result::memcpy_dtoh_async(&mut back, device.ptr(), stream as sys::CUstream) }.unwrap();
+            trainer_copies += 1;
+            batch.release_after(stream).unwrap();
+            copies.push((batch.indices().to_vec(), back));
+            drop(batch);
+        }
+        // SAFETY: a live stream of the current context, or the legacy default stream.
+        unsafe { result::stream::synchronize(stream as sys::CUstream) }.unwrap();
+        assert_eq!(copies.len(), records.len() / 16 + 1, "one epoch in batches of 16");
+        for (indices, back) in &copies {
+            let wanted: Vec<u8> = indices.iter().flat_map(|&i| records[i as usize].clone()).collect();
+            assert_eq!(back, &wanted, "stream {stream}");
+        }
+    }
+    drop(trainer);
+    if let (Some(before), Some(after)) = (before, fake_cuda_stats()) {
+        assert_eq!(after[..6], before[..6], "allocations, bytes, registrations, streams, events, queued ops");
+        assert_eq!(after[7] - before[7], trainer_copies, "the loader copied from page-locked memory only");
+        assert!(after[6] - before[6] >= 2 * trainer_copies, "the loader's copies were counted");
+    }
+}
+
+/// The misuses the fake driver claims to catch, each provoked in a child process (this test
+/// binary, running `fake_cuda_case`), with the message it must abort with; the first is the
+/// same work correctly ordered, which must pass.
+const FAKE_CASES: [(&str, Option<&str>); 6] = [
+    ("ordered", None),
+    ("source-changed", Some("the host source of an asynchronous copy changed before the copy ran")),
+    ("write-before-read", Some("a copy to device memory ran before an earlier read of it on another stream")),
+    ("read-before-write", Some("a copy from device memory ran before an earlier write to it on another stream")),
+    ("freed-in-use", Some("device memory freed while a copy queued on a stream still uses it")),
+    ("unregistered-in-use", Some("host memory unregistered while a copy queued on a stream still reads it")),
+];
+
+#[test]
+#[ignore = "needs the fake driver (make gpu-fake)"]
+fn the_fake_driver_catches_what_a_gpu_would_get_silently_wrong() {
+    let _serial = serial();
+    cuda();
+    if fake_cuda_stats().is_none() {
+        eprintln!("a real driver is loaded: nothing to check");
+        return;
+    }
+    for (case, message) in FAKE_CASES {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "fake_cuda_case", "--nocapture", "--test-threads", "1"])
+            .env("GRANARY_FAKE_CASE", case)
+            .env("FAKE_CUDA_DELAY_US", "20000")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        match message {
+            None => assert!(out.status.success(), "{case}: {stderr}"),
+            Some(message) => {
+                assert!(!out.status.success(), "{case}: not caught");
+                assert!(stderr.contains(&format!("fake CUDA: {message}")), "{case}: {stderr}");
+            }
+        }
+    }
+    // Without a current context, a call fails as the driver's does.
+    let refused = std::thread::spawn(|| {
+        // SAFETY: an allocation the driver must refuse (no context is current on a new thread).
+        unsafe { result::malloc_sync(4096) }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(refused.unwrap_err().0, sys::CUresult::CUDA_ERROR_INVALID_CONTEXT);
+}
+
+/// One case of the test above, when run as its child.
+#[test]
+#[ignore = "a child process of the_fake_driver_catches_what_a_gpu_would_get_silently_wrong"]
+fn fake_cuda_case() {
+    let Ok(case) = std::env::var("GRANARY_FAKE_CASE") else { return };
+    let _serial = serial();
+    let cuda = cuda();
+    let (a, b, c) = (cuda.stream().unwrap(), cuda.stream().unwrap(), cuda.stream().unwrap());
+    let (a, b, c) = (a.raw(), b.raw(), c.raw());
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+    let wait = sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+    let mut host = vec![7u8; 1 << 16];
+    let mut back = vec![0u8; 1 << 16];
+    let slow = vec![0u8; 1 << 16];
+    // SAFETY: every buffer outlives the work queued on it (the streams are synchronised before
+    // the function returns) except where a case breaks that rule on purpose, which the fake
+    // catches before any memory is misused.
+    unsafe {
+        let device = result::malloc_sync(host.len()).unwrap();
+        let other = result::malloc_sync(slow.len()).unwrap();
+        // An event that passes only after a copy on stream `c`: work on `b` behind it runs late.
+        let late = result::event::create(flags).unwrap();
+        result::memcpy_htod_async(other, &slow, c).unwrap();
+        result::event::record(late, c).unwrap();
+        match case.as_str() {
+            "ordered" => {
+                let written = result::event::create(flags).unwrap();
+                result::memcpy_htod_async(device, &host, a).unwrap();
+                result::event::record(written, a).unwrap();
+                result::stream::wait_event(b, written, wait).unwrap();
+                result::memcpy_dtoh_async(&mut back, device, b).unwrap();
+                let read = result::event::create(flags).unwrap();
+                result::event::record(read, b).unwrap();
+                result::stream::wait_event(a, read, wait).unwrap();
+                result::memcpy_htod_async(device, &slow, a).unwrap();
+                result::stream::synchronize(a).unwrap();
+                result::stream::synchronize(b).unwrap();
+                assert_eq!(back, host);
+            }
+            "source-changed" => {
+                result::memcpy_htod_async(device, &host, a).unwrap();
+                host[100] ^= 1;
+            }
+            "write-before-read" => {
+                result::stream::wait_event(b, late, wait).unwrap();
+                result::memcpy_dtoh_async(&mut back, device, b).unwrap();
+                result::memcpy_htod_async(device, &host, a).unwrap();
+            }
+            "read-before-write" => {
+                result::stream::wait_event(a, late, wait).unwrap();
+                result::memcpy_htod_async(device, &host, a).unwrap();
+                result::memcpy_dtoh_async(&mut back, device, b).unwrap();
+            }
+            "freed-in-use" => {
+                result::memcpy_htod_async(device, &host, a).unwrap();
+                result::free_sync(device).unwrap();
+            }
+            "unregistered-in-use" => {
+                let pinned = host.as_mut_ptr();
+                sys::cuMemHostRegister_v2(pinned.cast(), host.len(), 0).result().unwrap();
+                result::memcpy_htod_async(device, &host, a).unwrap();
+                sys::cuMemHostUnregister(pinned.cast()).result().unwrap();
+            }
+            other => panic!("no case {other}"),
+        }
+        for stream in [a, b, c] {
+            result::stream::synchronize(stream).unwrap();
+        }
+    }
+}
