@@ -68,6 +68,17 @@ fn cuda() -> &'static Cuda {
     cuda
 }
 
+/// Makes device `ordinal`'s primary context current on this thread, as a trainer's framework
+/// does, and returns it.
+fn make_current(ordinal: i32) -> sys::CUcontext {
+    let device = result::device::get(ordinal).unwrap();
+    // SAFETY: a valid device handle; the context is retained for the rest of the process.
+    let ctx = unsafe { result::primary_ctx::retain(device) }.unwrap();
+    // SAFETY: a retained context.
+    unsafe { result::ctx::set_current(ctx) }.unwrap();
+    ctx
+}
+
 fn gpu_config(batch_size: u64) -> LoaderConfig {
     LoaderConfig {
         batch_size,
@@ -131,24 +142,34 @@ fn device_batches_released_before_the_trainers_work_has_run_stay_intact() {
     ingest(&mut granary, "tokens", tokens_layout(50), small_shards(16 << 10), &records);
     let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
     let before = fake_cuda_stats();
-    let trainer = cuda.stream().unwrap(); // also makes the context current on this thread
+    make_current(cuda.ordinal() as i32);
+    let trainer = cuda.stream().unwrap();
     let mut trainer_copies = 0u64;
-    // The trainer's own stream, then the legacy default stream (1, as in DLPack).
-    for stream in [trainer.raw() as u64, 1] {
+    // The trainer's own stream, the legacy default stream (1, as in DLPack), and the trainer's
+    // stream again, unnamed: the loader is told only that it cannot know the streams.
+    for (stream, named) in [(trainer.raw() as u64, true), (1, true), (trainer.raw() as u64, false)] {
         let config = LoaderConfig { hold_max: 1, prefetch: 2, ..gpu_config(16) };
         let mut loader = Loader::new(Arc::clone(&dataset), config, Position::default()).unwrap();
         let mut copies: Vec<(Vec<u64>, Vec<u8>)> = Vec::new();
         while let Some(batch) = loader.next() {
             let mut batch = batch.unwrap();
             let device = batch.device().expect("copied to the GPU");
-            device.order_before(stream).unwrap();
+            if named {
+                device.order_before(stream).unwrap();
+            } else {
+                device.wait().unwrap();
+            }
             let mut back = vec![0u8; device.len()];
             // SAFETY: `back`'s heap buffer stays put (the Vec is moved, not its buffer) until
             // the stream is synchronised below; the source is the batch's device bytes, which
-            // `release_after` keeps from reuse until this copy has run.
+            // the release below keeps from reuse until this copy has run.
             unsafe { result::memcpy_dtoh_async(&mut back, device.ptr(), stream as sys::CUstream) }.unwrap();
             trainer_copies += 1;
-            batch.release_after(stream).unwrap();
+            if named {
+                batch.release_after(stream).unwrap();
+            } else {
+                batch.release_after_all_device_work();
+            }
             copies.push((batch.indices().to_vec(), back));
             drop(batch);
         }
@@ -157,7 +178,7 @@ fn device_batches_released_before_the_trainers_work_has_run_stay_intact() {
         assert_eq!(copies.len(), records.len() / 16 + 1, "one epoch in batches of 16");
         for (indices, back) in &copies {
             let wanted: Vec<u8> = indices.iter().flat_map(|&i| records[i as usize].clone()).collect();
-            assert_eq!(back, &wanted, "stream {stream}");
+            assert_eq!(back, &wanted, "stream {stream}, named: {named}");
         }
     }
     drop(trainer);
@@ -165,6 +186,44 @@ fn device_batches_released_before_the_trainers_work_has_run_stay_intact() {
         assert_eq!(after[..6], before[..6], "allocations, bytes, registrations, streams, events, queued ops");
         assert_eq!(after[7] - before[7], trainer_copies, "the loader copied from page-locked memory only");
         assert!(after[6] - before[6] >= 2 * trainer_copies, "the loader's copies were counted");
+    }
+}
+
+/// A loader used from a trainer's thread leaves the thread's current context as it found it:
+/// none (a framework that has not started CUDA yet would otherwise adopt the loader's device as
+/// its current one), the loader's own, or another device's.
+#[test]
+#[ignore = "needs CUDA and a GPU, or the fake driver (make gpu-fake)"]
+fn the_loader_leaves_the_trainers_current_context_alone() {
+    let _serial = serial();
+    let cuda = cuda();
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    let records: Vec<Vec<u8>> = (0..200).map(|i| bytes(i, 100)).collect();
+    ingest(&mut granary, "tokens", tokens_layout(50), small_shards(16 << 10), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
+    let count = result::device::get_count().unwrap();
+    let other = (0..count).find(|&d| d != cuda.ordinal() as i32);
+    // None current, the loader's device's context, another device's (where there is one).
+    for current in [None, Some(cuda.ordinal() as i32), other]
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, d)| (i == 0 || d.is_some()).then_some(d))
+    {
+        let dataset = Arc::clone(&dataset);
+        std::thread::spawn(move || {
+            let ctx = current.map(make_current);
+            let mut loader = Loader::new(dataset, gpu_config(16), Position::default()).unwrap();
+            let mut batch = loader.next().unwrap().unwrap();
+            batch.device().unwrap().wait().unwrap();
+            batch.release_after(1).unwrap();
+            let mut back = vec![0u8; batch.data().len()];
+            batch.device().unwrap().download(&mut back).unwrap();
+            drop((batch, loader));
+            assert_eq!(result::ctx::get_current().unwrap(), ctx, "current context before: device {current:?}");
+        })
+        .join()
+        .unwrap();
     }
 }
 
@@ -222,6 +281,7 @@ fn fake_cuda_case() {
     let Ok(case) = std::env::var("GRANARY_FAKE_CASE") else { return };
     let _serial = serial();
     let cuda = cuda();
+    make_current(cuda.ordinal() as i32);
     let (a, b, c) = (cuda.stream().unwrap(), cuda.stream().unwrap(), cuda.stream().unwrap());
     let (a, b, c) = (a.raw(), b.raw(), c.raw());
     let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;

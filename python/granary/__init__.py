@@ -45,7 +45,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 def cuda_available() -> Tuple[bool, str]:
-    """`(True, device name)` when this process can load to a GPU, else `(False, why not)`."""
+    """`(True, "N CUDA devices")` when this process can load to a GPU, else `(False, why not)`.
+    It initialises the CUDA driver in this process (no device is chosen), which a child forked
+    afterwards cannot use: ask in the process that loads, or start children with 'spawn'."""
     return _native.cuda_available()
 
 

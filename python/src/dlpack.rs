@@ -12,6 +12,8 @@
 //! Device batches: `__dlpack__(stream=s)` makes the consumer's stream `s` wait for the batch's
 //! copy (without blocking the host), and remembers `s` so that, once the consumer frees its
 //! tensor, the loader's next copy into that buffer waits for the work `s` had queued by then.
+//! A consumer that names no stream (-1), or whose stream can no longer take that fence, gets
+//! the safe fallback: the reuse waits for all the work queued on the device.
 #![allow(unsafe_code, reason = "DLPack is a C ABI: raw structs, a capsule, and a deleter called by the consumer")]
 
 use std::ffi::{CStr, c_void};
@@ -109,11 +111,18 @@ pub(crate) struct HeldBatch {
     pid: u32,
     /// Consumer streams the device bytes were handed to.
     streams: Mutex<Vec<u64>>,
+    /// The device bytes were handed to a consumer that named no stream (DLPack's -1).
+    unordered: std::sync::atomic::AtomicBool,
 }
 
 impl HeldBatch {
     pub(crate) fn new(batch: LoadedBatch) -> Self {
-        Self { batch: Mutex::new(Some(batch)), pid: std::process::id(), streams: Mutex::new(Vec::new()) }
+        Self {
+            batch: Mutex::new(Some(batch)),
+            pid: std::process::id(),
+            streams: Mutex::new(Vec::new()),
+            unordered: std::sync::atomic::AtomicBool::new(false),
+        }
     }
 
     /// Calls `f` with the batch.
@@ -135,10 +144,15 @@ impl Drop for HeldBatch {
             return;
         }
         let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        // A consumer that named no stream, or whose stream cannot take a fence (a handle
+        // destroyed while its tensor lived, against DLPack's contract), leaves the buffer's
+        // reuse ordered after all the device's work instead.
+        let mut after_all_work = *self.unordered.get_mut();
         for stream in streams {
-            // On failure the buffer is still returned; the copy into it cannot then be ordered
-            // after the consumer's kernels, which only a broken CUDA context would cause.
-            let _ = batch.release_after(stream);
+            after_all_work |= batch.release_after(stream).is_err();
+        }
+        if after_all_work {
+            batch.release_after_all_device_work();
         }
         drop(batch);
     }
@@ -179,7 +193,9 @@ impl Exported {
     }
 
     /// A `dltensor` capsule. `stream` is the consumer's (CUDA: 1 the legacy default stream,
-    /// otherwise a `cudaStream_t`; -1: no ordering wanted; `None`: the legacy default stream).
+    /// otherwise a `cudaStream_t`, which must outlive the tensor; `None`: the legacy default
+    /// stream; -1: no ordering wanted, the consumer synchronises itself, and the buffer's reuse
+    /// then waits for all the device's work, which is slow).
     /// The per-thread default stream (2) is refused: the batch's release is ordered after the
     /// consumer's stream from whatever thread frees the tensor, where 2 would name another
     /// stream. `copy=True` is refused: this exporter never copies.
@@ -219,12 +235,17 @@ impl Exported {
                 Some(s) if s < 0 => return Err(PyValueError::new_err(format!("stream {s} is not a CUDA stream"))),
                 Some(s) => Some(s as u64),
             };
-            if let (Some(stream), Owner::Batch(held)) = (stream, &self.owner) {
-                held.with(|batch| match batch.device() {
-                    Some(device) => device.order_before(stream).map_err(crate::errors::to_py),
-                    None => Err(PyValueError::new_err("not a device batch")),
-                })?;
-                held.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(stream);
+            if let Owner::Batch(held) = &self.owner {
+                match stream {
+                    Some(stream) => {
+                        held.with(|batch| match batch.device() {
+                            Some(device) => device.order_before(stream).map_err(crate::errors::to_py),
+                            None => Err(PyValueError::new_err("not a device batch")),
+                        })?;
+                        held.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(stream);
+                    }
+                    None => held.unordered.store(true, std::sync::atomic::Ordering::Relaxed),
+                }
             }
         }
         self.capsule(py)

@@ -569,9 +569,12 @@ impl NativeBatch {
             }
             _ => None,
         };
-        let on_device = batch.device().is_some();
-        let ordinal = device.or_else(|| Cuda::get().map(Cuda::ordinal)).unwrap_or(0);
-        let device = if on_device { (DEVICE_CUDA, ordinal as i32) } else { (DEVICE_CPU, 0) };
+        // Only a device batch asks CUDA which device: a host batch must not start CUDA (a
+        // context on device 0, and this process tied to it).
+        let device = match batch.device() {
+            Some(_) => (DEVICE_CUDA, device.or_else(|| Cuda::get().map(Cuda::ordinal)).unwrap_or(0) as i32),
+            None => (DEVICE_CPU, 0),
+        };
         let position = batch.position();
         Ok(Self {
             len: batch.len(),

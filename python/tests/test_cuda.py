@@ -6,6 +6,10 @@ skipped on CI's plain test run; `make gpu-fake` runs it against the fake driver
 before the loader's copy into it, and the GPU machine runs it against the real one."""
 
 import ctypes
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -46,6 +50,9 @@ class Driver:
     def synchronize(self, stream):
         self.check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
+    def synchronize_device(self):
+        self.check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
+
 
 def test_device_batches_reach_a_consumer_stream_intact(tmp_path):
     store = granary.Store(tmp_path / "store", create=True)
@@ -54,8 +61,10 @@ def test_device_batches_reach_a_consumer_stream_intact(tmp_path):
     store.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=16 << 10)
     driver = Driver()
     consumer = driver.stream()
-    # The consumer's own stream, the legacy default stream (1), and None (legacy too, in DLPack).
-    for stream in (consumer, 1, None):
+    on = {consumer: consumer, 1: 1, None: 1, -1: consumer}  # where the consumer's copies go
+    # The consumer's own stream, the legacy default stream (1), None (legacy too, in DLPack), and
+    # -1: the consumer synchronises itself and names no stream.
+    for stream in (consumer, 1, None, -1):
         native = granary._native.Loader(store._native, "tokens", 16, device="cuda", hold=1, prefetch=2, seed=9)
         native.begin_epoch()
         copies = []
@@ -64,12 +73,14 @@ def test_device_batches_reach_a_consumer_stream_intact(tmp_path):
             assert exported.__dlpack_device__() == (2, 0)
             assert exported.shape == [len(batch), RECORD]
             capsule = exported.__dlpack__(stream=stream)
+            if stream == -1:
+                driver.synchronize_device()
             out = np.empty((len(batch), RECORD), dtype=np.uint16)
-            driver.copy_back_async(out, exported.address, 1 if stream is None else stream)
+            driver.copy_back_async(out, exported.address, on[stream])
             copies.append((np.from_dlpack(batch.indices()).copy(), out))
             # Released before the copy has run: the loader must not reuse the buffer until then.
             del capsule, exported, batch
-        driver.synchronize(1 if stream is None else stream)
+        driver.synchronize(on[stream])
         assert len(copies) == 2000 // 16
         for indices, out in copies:
             assert np.array_equal(out, np.stack([data[i] for i in indices])), f"stream {stream}"
@@ -94,3 +105,34 @@ def test_device_exports_refuse_what_they_cannot_order(tmp_path):
     native.close()
     with pytest.raises(ValueError, match="device='cpu'"):
         next(iter(store.loader("tokens", batch_size=4, device="cuda", output="numpy")))
+
+
+def test_host_batches_do_not_start_cuda(tmp_path):
+    """A CPU loader (a DataLoader worker's, a samples dataset's) must not create a context on
+    device 0, nor tie its process to that device. Run in a fresh process."""
+    store = granary.Store(tmp_path / "store", create=True)
+    store.ingest("tokens", [np.zeros(RECORD, dtype=np.uint16)] * 8, dtype="uint16", shape=[RECORD])
+    script = textwrap.dedent(f"""
+        import ctypes, granary
+        store = granary.Store({str(tmp_path / "store")!r})
+        assert granary.cuda_available()[0]
+        for batch in store.loader("tokens", batch_size=4, device="cpu", output="numpy"):
+            assert batch.shape == (4, {RECORD})
+        lib = ctypes.CDLL("libcuda.so.1")
+        assert lib.cuInit(0) == 0
+        count = ctypes.c_int()
+        assert lib.cuDeviceGetCount(ctypes.byref(count)) == 0
+        for device in range(count.value):
+            flags, active = ctypes.c_uint(), ctypes.c_int()
+            assert lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+            assert active.value == 0, f"a CPU loader made a context on device {{device}}"
+        if count.value > 1:
+            loader = store.loader("tokens", batch_size=4, device="cuda:1", output="numpy")
+            assert loader.device == "cuda:1"
+            native = granary._native.Loader(store._native, "tokens", 4, device="cuda:1")
+            native.begin_epoch()
+            assert native.next_batch().data().__dlpack_device__() == (2, 1)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

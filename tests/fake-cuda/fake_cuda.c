@@ -510,6 +510,23 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     return r;
 }
 
+CUresult cuDevicePrimaryCtxGetState(CUdevice device, unsigned *flags, int *active) {
+    pthread_mutex_lock(&lock);
+    CUresult r = usable();
+    if (r == CUDA_SUCCESS && (device < 0 || device >= devices)) {
+        r = CUDA_ERROR_INVALID_DEVICE;
+    }
+    if (r == CUDA_SUCCESS && (flags == NULL || active == NULL)) {
+        r = CUDA_ERROR_INVALID_VALUE;
+    }
+    if (r == CUDA_SUCCESS) {
+        *flags = 0;
+        *active = contexts[device].retained > 0;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
 CUresult cuCtxGetCurrent(CUcontext *ctx) {
     pthread_mutex_lock(&lock);
     CUresult r = usable();
@@ -792,6 +809,24 @@ CUresult cuStreamDestroy_v2(CUstream handle) {
         s->destroyed = 1;
         stats.streams--;
         pthread_cond_broadcast(&progress);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+static int queued_before(const struct op *op, const void *arg) {
+    return op->seq < *(const uint64_t *)arg;
+}
+
+/* Waits for the work queued so far on every stream (work queued meanwhile is not waited for). */
+CUresult cuCtxSynchronize(void) {
+    pthread_mutex_lock(&lock);
+    CUresult r = usable_with_context();
+    if (r == CUDA_SUCCESS) {
+        uint64_t before = next_seq;
+        while (queued_op(NULL, queued_before, &before) != NULL) {
+            pthread_cond_wait(&progress, &lock);
+        }
     }
     pthread_mutex_unlock(&lock);
     return r;

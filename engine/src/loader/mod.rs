@@ -40,7 +40,7 @@ pub enum Target {
     /// To the GPU when CUDA is present, host memory otherwise.
     #[default]
     Auto,
-    /// Host memory only (page-locked when CUDA is present).
+    /// Host memory only, not page-locked (the pool is pinned only for copies to the GPU).
     Host,
     /// The GPU, or an error.
     Gpu,
@@ -188,14 +188,19 @@ pub struct LoadedBatch {
     returns: Option<Sender<Returned>>,
     /// Points in the trainer's streams after which the device buffer is free again.
     fences: Vec<Fence>,
+    /// The trainer's streams are unknown: the buffer is free once the whole device has run
+    /// the work queued before it is reused.
+    after_all_work: bool,
     held: Arc<AtomicUsize>,
 }
 
-/// A device buffer back from the trainer, free once its fences have passed. Dropped unused
-/// (the loader is gone, or stops), it waits for them before the buffer is freed.
+/// A device buffer back from the trainer, free once its fences have passed (or, with
+/// `after_all_work`, once the device has run everything queued before the reuse). Dropped
+/// unused (the loader is gone, or stops), it waits for them before the buffer is freed.
 struct Returned {
     buffer: Option<DeviceBuffer>,
     fences: Vec<Fence>,
+    after_all_work: bool,
 }
 
 impl Returned {
@@ -205,6 +210,10 @@ impl Returned {
             stream.wait_for(fence)?;
         }
         self.fences.clear();
+        if self.after_all_work {
+            Cuda::get().ok_or_else(|| Error::invalid_input("a device buffer without CUDA"))?.synchronize()?;
+            self.after_all_work = false;
+        }
         Ok(self.buffer.take().expect("taken once"))
     }
 }
@@ -214,7 +223,8 @@ impl Drop for Returned {
         if let Some(buffer) = self.buffer.take() {
             // Freeing memory a consumer's queued kernels may still read is not allowed: wait.
             // If waiting fails the context is broken; leak the buffer rather than free it.
-            if self.fences.iter().all(|fence| fence.wait().is_ok()) {
+            let idle = || Cuda::get().is_some_and(|cuda| cuda.synchronize().is_ok());
+            if self.fences.iter().all(|fence| fence.wait().is_ok()) && (!self.after_all_work || idle()) {
                 drop(buffer);
             } else {
                 std::mem::forget(buffer);
@@ -287,6 +297,15 @@ impl LoadedBatch {
         Ok(())
     }
 
+    /// Keeps the device buffer from being reused until the device has run all the work queued
+    /// on it before the reuse, on any stream: for a consumer that cannot name its streams
+    /// (DLPack's stream -1), or whose `release_after` failed. It costs a device-wide
+    /// synchronisation on the loader's copy thread at each such reuse; name the stream where
+    /// you can.
+    pub fn release_after_all_device_work(&mut self) {
+        self.after_all_work = self.upload.is_some();
+    }
+
     /// Whether the bytes are in page-locked memory.
     pub fn pinned(&self) -> bool {
         match &self.upload {
@@ -302,7 +321,11 @@ impl Drop for LoadedBatch {
             && let Ok((lease, buffer)) = upload.into_parts()
         {
             drop(lease);
-            let returned = Returned { buffer: Some(buffer), fences: std::mem::take(&mut self.fences) };
+            let returned = Returned {
+                buffer: Some(buffer),
+                fences: std::mem::take(&mut self.fences),
+                after_all_work: self.after_all_work,
+            };
             if let Some(returns) = &self.returns {
                 // A closed queue hands the buffer back, to be dropped after its fences.
                 let _ = returns.send(returned);
@@ -422,7 +445,7 @@ impl Loader {
                     stream,
                     free: buffers
                         .into_iter()
-                        .map(|buffer| Returned { buffer: Some(buffer), fences: Vec::new() })
+                        .map(|buffer| Returned { buffer: Some(buffer), fences: Vec::new(), after_all_work: false })
                         .collect(),
                     returned,
                     input: from_reader,
@@ -495,6 +518,7 @@ impl Loader {
             stall,
             returns: self.returns.clone(),
             fences: Vec::new(),
+            after_all_work: false,
             held: Arc::clone(&self.held),
         };
         self.position = position;

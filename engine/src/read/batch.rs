@@ -16,8 +16,8 @@ use crate::staging::{Lease, StagingPool};
 ///
 /// The bytes live in page-aligned memory (huge pages when large), reused from batch to batch:
 /// it is what a device copy wants, and it keeps TLB misses off the copy into the batch. A reader
-/// with a staging pool puts them in a lease of the pool instead (page-locked when CUDA is
-/// present), which the batch holds until it is dropped or the lease is taken.
+/// with a staging pool puts them in a lease of the pool instead (page-locked when the loader
+/// copies to a GPU), which the batch holds until it is dropped or the lease is taken.
 #[derive(Debug, Default)]
 pub struct Batch {
     indices: Vec<u64>,

@@ -6,7 +6,8 @@
 //! registrations of staging memory, streams, events, device buffers, and `Upload` (an
 //! asynchronous host-to-device copy that owns its source lease and destination buffer until the
 //! copy is done, so neither can be reused or freed under the copy engine). Every call makes the
-//! context current on the calling thread first. Invariants: host memory is unregistered before
+//! context current on the calling thread for its length, then restores what was current there.
+//! Invariants: host memory is unregistered before
 //! it is unmapped (`HostRegistration` is dropped before the mapping, by field order in the pool);
 //! an `Upload` waits for its copy before it gives back or drops its lease. Never: calls the
 //! driver without checking first that the library loaded (cudarc's safe layer panics then).
@@ -20,7 +21,8 @@ use super::Lease;
 #[cfg(feature = "cuda")]
 use cudarc::driver::{result, sys};
 
-/// The context `Cuda::bind` replaced on this thread, made current again on drop.
+/// What was current on this thread before `Cuda::bind` (another context, or none: null), made
+/// current again on drop.
 #[cfg(feature = "cuda")]
 #[must_use]
 struct Bind {
@@ -31,8 +33,8 @@ struct Bind {
 impl Drop for Bind {
     fn drop(&mut self) {
         if let Some(previous) = self.restore {
-            // SAFETY: `previous` was current on this thread a moment ago; the driver keeps a
-            // context alive while it is current anywhere.
+            // SAFETY: `previous` was current on this thread a moment ago (the driver keeps a
+            // context alive while it is current anywhere), or is null, which unbinds.
             let _ = unsafe { result::ctx::set_current(previous) };
         }
     }
@@ -165,9 +167,10 @@ impl Cuda {
         Ok(Cuda { ctx, pid: std::process::id(), ordinal, name, memory_bytes })
     }
 
-    /// Makes the context current on this thread. Where another context was current (a
-    /// trainer's thread, whose framework keeps its own current device), the returned guard
-    /// puts it back when dropped; where none was (the engine's own threads), the context stays.
+    /// Makes the context current on this thread until the returned guard is dropped, which
+    /// puts back what was current before: another context, or none. A trainer's thread is left
+    /// as found, so the engine never changes which device its framework (whose runtime adopts
+    /// a thread's current context) takes as current.
     #[cfg(feature = "cuda")]
     fn bind(&self) -> Result<Bind> {
         let previous = result::ctx::get_current().map_err(|e| cuda_error("cuCtxGetCurrent", e))?;
@@ -176,7 +179,19 @@ impl Cuda {
         }
         // SAFETY: `ctx` is the retained primary context, valid for the life of the process.
         unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        Ok(Bind { restore: previous })
+        Ok(Bind { restore: Some(previous.unwrap_or(std::ptr::null_mut())) })
+    }
+
+    /// Blocks until all work queued on the device so far, by anyone, has run
+    /// (`cuCtxSynchronize`): the fallback for a consumer whose streams are unknown.
+    pub fn synchronize(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let _bound = self.bind()?;
+            result::ctx::synchronize().map_err(|e| cuda_error("cuCtxSynchronize", e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Ok(())
     }
 
     /// Page-locks `memory` (portable, not write-combined) until the registration is dropped.
