@@ -394,6 +394,20 @@ pub enum Error {
         /// The database's message.
         detail: String,
     },
+    /// The catalog was opened in the process this one was forked from: the database's I/O
+    /// threads do not exist here, and opening it would wait for them forever.
+    #[error(
+        "the store's catalog was opened in process {parent}, which this process ({child}) was forked \
+         from, and its I/O threads do not survive a fork: write to the store (ingest, rm, gc) from a \
+         process not forked after opening it, or start children with the 'spawn' method. Reading \
+         (loaders, datasets) works in any process"
+    )]
+    CatalogForked {
+        /// The process that opened the catalog first.
+        parent: u32,
+        /// This process.
+        child: u32,
+    },
     /// A connection to another node failed.
     #[error("{peer}: {source}")]
     Transport {

@@ -59,7 +59,9 @@ def world_from_env() -> Tuple[int, int]:
 
 
 class Store:
-    """A granary store on local disk (opened per call: the object holds no threads or locks)."""
+    """A granary store on local disk (opened per call: the object holds no threads or locks).
+    Making one checks the store's files only, so it works in any process; writes (`ingest*`)
+    open the catalog, which a child forked after its parent wrote cannot (a `ForkError`)."""
 
     def __init__(self, path: PathLike, *, create: bool = False) -> None:
         self._native = _native.Store(os.fspath(path), create=create)

@@ -48,6 +48,7 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         E::Plugin(_) => "plugin",
         E::Cuda { .. } => "cuda",
         E::Catalog { .. } => "catalog",
+        E::CatalogForked { .. } => "forked",
         E::Transport { .. } => "transport",
         E::PeerRefused { .. } => "peer_refused",
         E::Unavailable { .. } => "unavailable",
@@ -60,6 +61,7 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
             NotFoundError::new_err(message)
         }
         E::Plugin(_) => PluginError::new_err(message),
+        E::CatalogForked { .. } => ForkError::new_err(message),
         _ => Error::new_err(message),
     };
     Python::attach(|py| {

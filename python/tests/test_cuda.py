@@ -136,3 +136,42 @@ def test_host_batches_do_not_start_cuda(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def _in_forked_child(started, root, queue):
+    results = []
+    try:
+        started.next_batch()
+        results.append("used")
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        results.append(f"{type(e).__name__}: {e}")
+    store = granary.Store(root)
+    try:
+        next(iter(store.loader("tokens", batch_size=4, device="cuda", output="numpy")))
+        results.append("loaded")
+    except BaseException as e:  # noqa: BLE001
+        results.append(f"{type(e).__name__}: {e}")
+    results.append(sum(len(b) for b in store.loader("tokens", batch_size=4, device="cpu", output="numpy")))
+    queue.put(results)
+
+
+def test_cuda_after_a_fork_is_refused_with_the_remedy_and_host_loading_still_works(tmp_path):
+    import multiprocessing
+
+    store = granary.Store(tmp_path / "store", create=True)
+    store.ingest("tokens", [np.zeros(RECORD, dtype=np.uint16)] * 8, dtype="uint16", shape=[RECORD])
+    started = granary._native.Loader(store._native, "tokens", 4, device="cuda")
+    started.begin_epoch()
+    assert started.next_batch().data().__dlpack_device__()[0] == 2
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_in_forked_child, args=(started, str(tmp_path / "store"), queue))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    used, fresh, host = queue.get(timeout=5)
+    assert used.startswith("ForkError"), used
+    assert "fork" in fresh and "spawn" in fresh, fresh
+    assert host == 8
+    # The parent's loader goes on.
+    assert started.next_batch() is not None

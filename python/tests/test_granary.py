@@ -401,6 +401,39 @@ def test_a_started_loader_refuses_a_forked_child_and_an_unstarted_one_works_ther
     assert queue.get(timeout=5) == 1000
 
 
+def _store_in_forked_child(root, queue):
+    results = []
+    store = granary.Store(root)  # files only: works in the child
+    results.append(sum(len(b) for b in store.loader("tokens", batch_size=100, output="numpy", device="cpu")))
+    results.append([d["name"] for d in store.datasets()])
+    try:
+        store.ingest("more", [np.zeros(RECORD, dtype=np.uint16)], dtype="uint16", shape=[RECORD])
+        results.append("ingested")
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        results.append(f"{type(e).__name__}: {e}")
+    queue.put(results)
+
+
+def test_a_forked_child_reads_the_store_and_gets_an_error_not_a_hang_for_writes(tokens):
+    # The parent has written (the catalog's I/O threads started); a child forked now (a
+    # DataLoader worker, by default) opens the store and reads, and a write there, which would
+    # wait forever for the parent's catalog threads, is a ForkError that says what to do.
+    store, _ = tokens
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_store_in_forked_child, args=(store.path, queue))
+    child.start()
+    child.join(60)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0, "the child hung"
+    records, names, write = queue.get(timeout=5)
+    assert records == 1000 and names == ["tokens"]
+    assert write.startswith("ForkError") and "forked" in write and "spawn" in write, write
+    # The parent goes on writing.
+    store.ingest("more", [np.zeros(RECORD, dtype=np.uint16)], dtype="uint16", shape=[RECORD])
+
+
 def test_waits_release_the_gil(store, tmp_path):
     big = tmp_path / "big.bin"
     big.write_bytes(np.random.default_rng(0).integers(0, 255, 96 << 20, dtype=np.uint8).tobytes())

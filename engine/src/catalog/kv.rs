@@ -63,9 +63,19 @@ fn catalog_error(e: sled::Error) -> Error {
 /// only while holding the store's own lock, so no other writer can hold this one longer.
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The process that opened a sled database first. sled's I/O thread pool is process-wide and
+/// started once: a child forked after that inherits a pool whose threads are gone, and opening
+/// a database there waits on them forever.
+static SLED_PROCESS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+
 impl SledKv {
-    /// Opens or creates the database in `dir`, waiting up to `LOCK_WAIT` (2 s) for its lock.
+    /// Opens or creates the database in `dir`, waiting up to `LOCK_WAIT` (2 s) for its lock;
+    /// `Error::CatalogForked` in a child forked after this process's parent opened one.
     pub fn open(dir: &std::path::Path) -> Result<Self> {
+        let parent = *SLED_PROCESS.get_or_init(std::process::id);
+        if parent != std::process::id() {
+            return Err(Error::CatalogForked { parent, child: std::process::id() });
+        }
         let started = std::time::Instant::now();
         let db = loop {
             match sled::Config::new().path(dir).open() {
