@@ -60,7 +60,8 @@ fake-cuda:
 
 gpu-fake: fake-cuda python
 	LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 FAKE_CUDA_DEVICES=2 $(CARGO) test --locked --test gpu --test loader -- --include-ignored
-	cd target/py-test && LD_LIBRARY_PATH=$(FAKE_CUDA) FAKE_CUDA_DELAY_US=5000 PYTHONPATH=$(CURDIR)/target/py-test \
+	cd target/py-test && LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_DELAY_US=5000 \
+		PYTHONPATH=$(CURDIR)/target/py-test \
 		$(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_cuda.py
 
 ## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces

@@ -6,8 +6,8 @@
 //! Runs only where asked: `cargo test --test gpu -- --ignored` on a machine with CUDA, and
 //! `make gpu-fake` everywhere else, against `tests/fake-cuda` (a strict stand-in for the driver
 //! that runs each stream's work late and out of order with the others, and aborts on the misuse
-//! a GPU would turn into silently wrong bytes). With the fake, the last test also checks that
-//! the fake catches each misuse it claims to, in child processes.
+//! a GPU would turn into silently wrong bytes). With the fake, one test also checks that the
+//! fake catches each misuse it claims to, in child processes.
 #![allow(
     unsafe_code,
     reason = "the trainer's side of the GPU path: raw driver calls through cudarc, as a CUDA consumer makes them"
@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use common::*;
 use cudarc::driver::{result, sys};
+use granary::io::AlignedBuf;
 use granary::loader::{Loader, LoaderConfig, PlanSource, Target};
 use granary::staging::cuda::Cuda;
 use granary::{Granary, Order, Position, VersionSpec};
@@ -150,7 +151,12 @@ fn device_batches_released_before_the_trainers_work_has_run_stay_intact() {
     for (stream, named) in [(trainer.raw() as u64, true), (1, true), (trainer.raw() as u64, false)] {
         let config = LoaderConfig { hold_max: 1, prefetch: 2, ..gpu_config(16) };
         let mut loader = Loader::new(Arc::clone(&dataset), config, Position::default()).unwrap();
-        let mut copies: Vec<(Vec<u64>, Vec<u8>)> = Vec::new();
+        // Page-locked, so that the copies back are asynchronous on a GPU too (into pageable
+        // memory the driver returns only once a copy has run).
+        let mut back = AlignedBuf::new(records.len() * 100).unwrap();
+        // SAFETY: `back` is a live mapping of its length, unregistered below before it is freed.
+        unsafe { sys::cuMemHostRegister_v2(back.base_ptr().cast(), back.len(), 0) }.result().unwrap();
+        let (mut copies, mut offset) = (Vec::new(), 0);
         while let Some(batch) = loader.next() {
             let mut batch = batch.unwrap();
             let device = batch.device().expect("copied to the GPU");
@@ -159,32 +165,38 @@ fn device_batches_released_before_the_trainers_work_has_run_stay_intact() {
             } else {
                 device.wait().unwrap();
             }
-            let mut back = vec![0u8; device.len()];
-            // SAFETY: `back`'s heap buffer stays put (the Vec is moved, not its buffer) until
-            // the stream is synchronised below; the source is the batch's device bytes, which
-            // the release below keeps from reuse until this copy has run.
-            unsafe { result::memcpy_dtoh_async(&mut back, device.ptr(), stream as sys::CUstream) }.unwrap();
+            let len = device.len();
+            let into = &mut back.as_mut_slice()[offset..offset + len];
+            // SAFETY: `into` stays allocated and untouched until the stream is synchronised
+            // below; the source is the batch's device bytes, which the release below keeps from
+            // reuse until this copy has run.
+            unsafe { result::memcpy_dtoh_async(into, device.ptr(), stream as sys::CUstream) }.unwrap();
             trainer_copies += 1;
             if named {
                 batch.release_after(stream).unwrap();
             } else {
                 batch.release_after_all_device_work();
             }
-            copies.push((batch.indices().to_vec(), back));
+            copies.push((batch.indices().to_vec(), offset..offset + len));
+            offset += len;
             drop(batch);
         }
-        // SAFETY: a live stream of the current context, or the legacy default stream.
-        unsafe { result::stream::synchronize(stream as sys::CUstream) }.unwrap();
+        // SAFETY: a live stream of the current context, or the legacy default stream; then the
+        // registration made above, with no copy left to use it.
+        unsafe {
+            result::stream::synchronize(stream as sys::CUstream).unwrap();
+            sys::cuMemHostUnregister(back.base_ptr().cast()).result().unwrap();
+        }
         assert_eq!(copies.len(), records.len() / 16 + 1, "one epoch in batches of 16");
-        for (indices, back) in &copies {
+        for (indices, range) in copies {
             let wanted: Vec<u8> = indices.iter().flat_map(|&i| records[i as usize].clone()).collect();
-            assert_eq!(back, &wanted, "stream {stream}, named: {named}");
+            assert_eq!(&back.as_slice()[range], &wanted[..], "stream {stream}, named: {named}");
         }
     }
     drop(trainer);
     if let (Some(before), Some(after)) = (before, fake_cuda_stats()) {
         assert_eq!(after[..6], before[..6], "allocations, bytes, registrations, streams, events, queued ops");
-        assert_eq!(after[7] - before[7], trainer_copies, "the loader copied from page-locked memory only");
+        assert_eq!(after[7], before[7], "every copy was between device and page-locked memory");
         assert!(after[6] - before[6] >= 2 * trainer_copies, "the loader's copies were counted");
     }
 }
@@ -216,6 +228,18 @@ fn the_loader_leaves_the_trainers_current_context_alone() {
             let mut loader = Loader::new(dataset, gpu_config(16), Position::default()).unwrap();
             let mut batch = loader.next().unwrap().unwrap();
             batch.device().unwrap().wait().unwrap();
+            let mut ordinal = -1i32;
+            // SAFETY: a device pointer of a live batch; the attribute is an int.
+            unsafe {
+                sys::cuPointerGetAttribute(
+                    (&raw mut ordinal).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    batch.device().unwrap().ptr(),
+                )
+            }
+            .result()
+            .unwrap();
+            assert_eq!(ordinal, cuda.ordinal() as i32, "the batch is on the loader's device");
             batch.release_after(1).unwrap();
             let mut back = vec![0u8; batch.data().len()];
             batch.device().unwrap().download(&mut back).unwrap();
@@ -232,11 +256,11 @@ fn the_loader_leaves_the_trainers_current_context_alone() {
 /// same work correctly ordered, which must pass.
 const FAKE_CASES: [(&str, Option<&str>); 6] = [
     ("ordered", None),
-    ("source-changed", Some("the host source of an asynchronous copy changed before the copy ran")),
+    ("source-changed", Some("page-locked host memory changed before the asynchronous copy from it ran")),
     ("write-before-read", Some("a copy to device memory ran before an earlier read of it on another stream")),
     ("read-before-write", Some("a copy from device memory ran before an earlier write to it on another stream")),
     ("freed-in-use", Some("device memory freed while a copy queued on a stream still uses it")),
-    ("unregistered-in-use", Some("host memory unregistered while a copy queued on a stream still reads it")),
+    ("unregistered-in-use", Some("host memory unregistered while a copy queued on a stream still uses it")),
 ];
 
 #[test]
@@ -252,7 +276,7 @@ fn the_fake_driver_catches_what_a_gpu_would_get_silently_wrong() {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--ignored", "--exact", "fake_cuda_case", "--nocapture", "--test-threads", "1"])
             .env("GRANARY_FAKE_CASE", case)
-            .env("FAKE_CUDA_DELAY_US", "20000")
+            .env("FAKE_CUDA_DELAY_US", "100000")
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -293,11 +317,19 @@ fn fake_cuda_case() {
     // the function returns) except where a case breaks that rule on purpose, which the fake
     // catches before any memory is misused.
     unsafe {
+        // Page-locked, so that every copy is asynchronous (copies from pageable memory are
+        // staged before they return, copies into it return once they have run).
+        for buffer in [host.as_mut_ptr(), back.as_mut_ptr(), slow.as_ptr().cast_mut()] {
+            sys::cuMemHostRegister_v2(buffer.cast(), 1 << 16, 0).result().unwrap();
+        }
         let device = result::malloc_sync(host.len()).unwrap();
         let other = result::malloc_sync(slow.len()).unwrap();
-        // An event that passes only after a copy on stream `c`: work on `b` behind it runs late.
+        // An event that passes only after four copies on stream `c` (at least twice as long as
+        // any one copy takes): work on `b` behind it runs after any single copy on `a`.
         let late = result::event::create(flags).unwrap();
-        result::memcpy_htod_async(other, &slow, c).unwrap();
+        for _ in 0..4 {
+            result::memcpy_htod_async(other, &slow, c).unwrap();
+        }
         result::event::record(late, c).unwrap();
         match case.as_str() {
             "ordered" => {
@@ -333,10 +365,8 @@ fn fake_cuda_case() {
                 result::free_sync(device).unwrap();
             }
             "unregistered-in-use" => {
-                let pinned = host.as_mut_ptr();
-                sys::cuMemHostRegister_v2(pinned.cast(), host.len(), 0).result().unwrap();
                 result::memcpy_htod_async(device, &host, a).unwrap();
-                sys::cuMemHostUnregister(pinned.cast()).result().unwrap();
+                sys::cuMemHostUnregister(host.as_mut_ptr().cast()).result().unwrap();
             }
             other => panic!("no case {other}"),
         }

@@ -6,6 +6,7 @@ skipped on CI's plain test run; `make gpu-fake` runs it against the fake driver
 before the loader's copy into it, and the GPU machine runs it against the real one."""
 
 import ctypes
+import mmap
 import os
 import subprocess
 import sys
@@ -16,6 +17,9 @@ import pytest
 
 import granary
 
+# `make gpu-fake` sets GRANARY_FAKE_CUDA=1: there, a missing device is a failure, not a skip.
+if os.environ.get("GRANARY_FAKE_CUDA") == "1":
+    assert granary.cuda_available()[0], f"GRANARY_FAKE_CUDA=1 but no CUDA: {granary.cuda_available()[1]}"
 pytestmark = pytest.mark.skipif(not granary.cuda_available()[0], reason="no CUDA device")
 
 RECORD = 64  # u16 tokens per record
@@ -34,10 +38,23 @@ class Driver:
         self.lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         self.lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
         self.lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+        self.lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self.lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
 
     @staticmethod
     def check(result, call):
         assert result == 0, f"{call}: CUresult {result}"
+
+    def pinned(self, nbytes):
+        """A page-locked host array (asynchronous copies into pageable memory return only once
+        they have run), in a mapping of its own; `unpin` before it goes."""
+        memory = mmap.mmap(-1, nbytes)
+        array = np.frombuffer(memory, dtype=np.uint8)
+        self.check(self.lib.cuMemHostRegister_v2(array.ctypes.data, nbytes, 0), "cuMemHostRegister")
+        return array
+
+    def unpin(self, array):
+        self.check(self.lib.cuMemHostUnregister(array.ctypes.data), "cuMemHostUnregister")
 
     def stream(self):
         stream = ctypes.c_void_p()
@@ -67,7 +84,9 @@ def test_device_batches_reach_a_consumer_stream_intact(tmp_path):
     for stream in (consumer, 1, None, -1):
         native = granary._native.Loader(store._native, "tokens", 16, device="cuda", hold=1, prefetch=2, seed=9)
         native.begin_epoch()
-        copies = []
+        back = driver.pinned(len(data) * RECORD * 2)
+        rows = back.view(np.uint16).reshape(len(data), RECORD)
+        copies, row = [], 0
         while (batch := native.next_batch()) is not None:
             exported = batch.data()
             assert exported.__dlpack_device__() == (2, 0)
@@ -75,12 +94,14 @@ def test_device_batches_reach_a_consumer_stream_intact(tmp_path):
             capsule = exported.__dlpack__(stream=stream)
             if stream == -1:
                 driver.synchronize_device()
-            out = np.empty((len(batch), RECORD), dtype=np.uint16)
+            out = rows[row : row + len(batch)]
             driver.copy_back_async(out, exported.address, on[stream])
             copies.append((np.from_dlpack(batch.indices()).copy(), out))
+            row += len(batch)
             # Released before the copy has run: the loader must not reuse the buffer until then.
             del capsule, exported, batch
         driver.synchronize(on[stream])
+        driver.unpin(back)
         assert len(copies) == 2000 // 16
         for indices, out in copies:
             assert np.array_equal(out, np.stack([data[i] for i in indices])), f"stream {stream}"

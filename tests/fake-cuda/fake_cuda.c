@@ -11,17 +11,24 @@
  * - Device memory is host memory the caller cannot address: a device pointer is the address of
  *   an inaccessible (PROT_NONE) reservation, so host code that reads a device pointer crashes, as
  *   on a real GPU. New allocations are filled with 0xA5, freed ones are unmapped.
- * - Calls that need a context fail with CUDA_ERROR_INVALID_CONTEXT when none is current on the
- *   calling thread; calls in a process forked after cuInit fail with CUDA_ERROR_NOT_INITIALIZED.
+ * - Contexts: one primary context per device (FAKE_CUDA_DEVICES, default 1), current per thread.
+ *   Calls that need one fail with CUDA_ERROR_INVALID_CONTEXT when none is current; streams,
+ *   events and allocations belong to the context current when they were made, and work on a
+ *   stream of another context than the current one is CUDA_ERROR_INVALID_HANDLE. Calls in a
+ *   process forked after cuInit fail with CUDA_ERROR_NOT_INITIALIZED.
+ * - Copies between the host and pageable (unregistered) memory behave as the driver's do: a
+ *   host-to-device copy takes the bytes when it is called; a device-to-host copy returns once it
+ *   has run. Only page-locked memory gives truly asynchronous copies.
  * - Protocol violations the driver would not report (the results would be silently wrong) abort
- *   the process with a message naming them: a host buffer changed between an asynchronous copy
- *   from it being enqueued and the copy running; a copy that writes device memory while a read of
- *   the same bytes enqueued earlier on another stream has not run (or reads while such a write has
- *   not run); device memory freed, or host memory unregistered, while queued work still uses it.
+ *   the process with a message naming them: page-locked host memory changed between an
+ *   asynchronous copy from it being enqueued and the copy running; a copy that writes device
+ *   memory while a read of the same bytes enqueued earlier on another stream has not run (or
+ *   reads while such a write has not run); device memory freed, or host memory unregistered,
+ *   while queued work still uses it.
  *
  * `granary_fake_cuda_stats` reports live objects and counters, for tests that check nothing
  * leaked. Blocking streams are treated like non-blocking ones (no implicit synchronisation with
- * the legacy stream): stricter than the driver, never looser. One context per device.
+ * the legacy stream): stricter than the driver, never looser.
  *
  * Build: cc -shared -fPIC -pthread -O1 -o libcuda.so.1 fake_cuda.c (`make fake-cuda`).
  */
@@ -55,6 +62,8 @@ enum {
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
 };
 
+enum { CU_POINTER_ATTRIBUTE_CONTEXT = 1, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9 };
+
 #define MAX_DEVICES 8
 #define STREAM_LEGACY ((uintptr_t)1)
 #define STREAM_PER_THREAD ((uintptr_t)2)
@@ -62,6 +71,7 @@ enum {
 struct fake_ctx {
     int device;
     int retained;
+    struct fake_stream *legacy; /* its legacy default stream, made on first use */
 };
 
 enum op_kind { OP_HTOD, OP_DTOH, OP_RECORD, OP_WAIT };
@@ -73,29 +83,35 @@ struct op {
     CUdeviceptr device; /* HTOD: destination; DTOH: source */
     void *host;         /* HTOD: source; DTOH: destination */
     size_t bytes;
-    uint64_t host_hash; /* HTOD: the source bytes' hash when enqueued */
+    unsigned char *staged; /* HTOD from pageable memory: the bytes, taken when enqueued */
+    uint64_t host_hash;    /* HTOD from page-locked memory: the source's hash when enqueued */
     struct fake_event *event;
     uint64_t generation; /* RECORD: the record this completes; WAIT: the one waited for */
 };
 
+/* Never freed once made (a destroyed stream's thread drains its queue, unlinks it and exits),
+ * so a caller waiting on one never reads freed memory. */
 struct fake_stream {
-    struct fake_stream *next; /* in `streams` */
-    int live;                 /* a valid handle: created and not destroyed (or a default stream) */
+    struct fake_stream *next; /* in `streams` while its thread runs */
+    struct fake_ctx *ctx;
+    int live; /* a valid handle: created and not destroyed (or a default stream) */
     struct op *head, *tail;
-    int destroyed; /* no new work; the thread frees the stream once the queue is empty */
+    uint64_t executed; /* seq of the last op run */
     unsigned int seed;
-    pthread_t thread;
 };
 
 struct fake_event {
-    uint64_t recorded; /* generation of the latest record */
-    uint64_t done;     /* generation of the latest record the stream has passed */
-    int destroyed;     /* the handle is no longer valid */
-    int refs;          /* the handle (until destroyed) + queued ops */
+    struct fake_event *next_live; /* in `events` until destroyed */
+    struct fake_ctx *ctx;
+    uint64_t recorded;   /* generation of the latest record (0: never recorded) */
+    unsigned char *done; /* done[g - 1]: record g has been passed by its stream */
+    size_t capacity;
+    int refs; /* the handle (until destroyed) + queued ops */
 };
 
 struct allocation {
     struct allocation *next;
+    struct fake_ctx *ctx;
     CUdeviceptr device; /* the PROT_NONE reservation's address */
     size_t bytes;
     size_t reserved;
@@ -127,14 +143,25 @@ static uint64_t memory_limit = 8ull << 30;
 static unsigned delay_us = 500;
 static uint64_t next_seq = 1;
 static struct fake_ctx contexts[MAX_DEVICES];
-/* Every stream with a thread: created ones, the default ones, destroyed ones still draining. */
 static struct fake_stream *streams;
-static struct fake_stream *legacy_stream;
+static struct fake_event *events;
 static struct allocation *allocations;
 static struct registration *registrations;
 static struct granary_fake_cuda_stats stats;
 static __thread CUcontext current;
-static __thread struct fake_stream *per_thread_stream;
+static __thread struct fake_stream *per_thread_streams[MAX_DEVICES];
+
+/* A fork while a stream thread holds the lock must not leave the child's copy locked: the child
+ * gets CUDA_ERROR_NOT_INITIALIZED from every call, and must be able to make them. */
+static void before_fork(void) { pthread_mutex_lock(&lock); }
+static void after_fork_parent(void) { pthread_mutex_unlock(&lock); }
+static void after_fork_child(void) {
+    pthread_mutex_unlock(&lock);
+    pthread_cond_init(&progress, NULL);
+}
+__attribute__((constructor)) static void install_fork_handlers(void) {
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+}
 
 static void violation(const char *what, const struct op *op) {
     if (op != NULL) {
@@ -224,14 +251,14 @@ static const struct op *queued_op(const struct fake_stream *except,
 struct range {
     CUdeviceptr device;
     size_t bytes;
-    uint64_t before; /* only ops enqueued before this sequence number */
-    enum op_kind kind;
+    uint64_t before; /* only ops enqueued before this sequence number (0: any) */
+    int kind;        /* only ops of this kind (-1: copies of either direction) */
 };
 
 static int touches_device(const struct op *op, const void *arg) {
     const struct range *r = arg;
     return (op->kind == OP_HTOD || op->kind == OP_DTOH) && (r->before == 0 || op->seq < r->before) &&
-           (r->kind == (enum op_kind)-1 || op->kind == r->kind) && overlaps(op->device, op->bytes, r->device, r->bytes);
+           (r->kind == -1 || (int)op->kind == r->kind) && overlaps(op->device, op->bytes, r->device, r->bytes);
 }
 
 struct host_range {
@@ -239,13 +266,29 @@ struct host_range {
     size_t bytes;
 };
 
-static int reads_host(const struct op *op, const void *arg) {
+/* A copy that will still read or write the host range (a staged copy has read it already). */
+static int uses_host(const struct op *op, const void *arg) {
     const struct host_range *r = arg;
-    return op->kind == OP_HTOD && host_overlaps(op->host, op->bytes, r->start, r->bytes);
+    return ((op->kind == OP_HTOD && op->staged == NULL) || op->kind == OP_DTOH) &&
+           host_overlaps(op->host, op->bytes, r->start, r->bytes);
+}
+
+static int event_live(CUevent event) {
+    for (struct fake_event *e = events; e != NULL; e = e->next_live) {
+        if (e == event) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int generation_done(const struct fake_event *e, uint64_t g) {
+    return g == 0 || (g <= e->capacity && e->done[g - 1]);
 }
 
 static void release_event(struct fake_event *event) {
     if (--event->refs == 0) {
+        free(event->done);
         free(event);
     }
 }
@@ -254,14 +297,13 @@ static void release_event(struct fake_event *event) {
 static void run(struct fake_stream *s, struct op *op) {
     switch (op->kind) {
     case OP_WAIT:
-        while (op->event->done < op->generation) {
+        while (!generation_done(op->event, op->generation)) {
             pthread_cond_wait(&progress, &lock);
         }
         break;
     case OP_RECORD:
-        if (op->event->done < op->generation) {
-            op->event->done = op->generation;
-        }
+        /* `done` was sized when the record was enqueued. */
+        op->event->done[op->generation - 1] = 1;
         break;
     case OP_HTOD:
     case OP_DTOH: {
@@ -285,13 +327,15 @@ static void run(struct fake_stream *s, struct op *op) {
                       op);
         }
         unsigned char *memory = a->memory + (op->device - a->device);
-        if (op->kind == OP_HTOD) {
+        if (op->kind == OP_DTOH) {
+            memcpy(op->host, memory, op->bytes);
+        } else if (op->staged != NULL) {
+            memcpy(memory, op->staged, op->bytes);
+        } else {
             if (hash_bytes(op->host, op->bytes) != op->host_hash) {
-                violation("the host source of an asynchronous copy changed before the copy ran", op);
+                violation("page-locked host memory changed before the asynchronous copy from it ran", op);
             }
             memcpy(memory, op->host, op->bytes);
-        } else {
-            memcpy(op->host, memory, op->bytes);
         }
         break;
     }
@@ -302,7 +346,7 @@ static void *stream_thread(void *arg) {
     struct fake_stream *s = arg;
     pthread_mutex_lock(&lock);
     for (;;) {
-        while (s->head == NULL && !s->destroyed) {
+        while (s->head == NULL && s->live) {
             pthread_cond_wait(&progress, &lock);
         }
         if (s->head == NULL) {
@@ -314,10 +358,12 @@ static void *stream_thread(void *arg) {
         if (s->head == NULL) {
             s->tail = NULL;
         }
+        s->executed = op->seq;
         stats.queued_ops--;
         if (op->event != NULL) {
             release_event(op->event);
         }
+        free(op->staged);
         free(op);
         pthread_cond_broadcast(&progress);
     }
@@ -327,22 +373,24 @@ static void *stream_thread(void *arg) {
     }
     *link = s->next;
     pthread_mutex_unlock(&lock);
-    free(s);
     return NULL;
 }
 
-/* A stream and its thread; with `lock` held (the thread starts once it is released). */
+/* A stream of the current context and its thread; with `lock` held (the thread starts once it
+ * is released). */
 static struct fake_stream *new_stream(void) {
     struct fake_stream *s = calloc(1, sizeof *s);
     if (s == NULL) {
         return NULL;
     }
     s->live = 1;
+    s->ctx = current;
     s->seed = (unsigned)(uintptr_t)s ^ (unsigned)time(NULL);
+    pthread_t thread;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int failed = pthread_create(&s->thread, &attr, stream_thread, s);
+    int failed = pthread_create(&thread, &attr, stream_thread, s);
     pthread_attr_destroy(&attr);
     if (failed) {
         free(s);
@@ -353,11 +401,14 @@ static struct fake_stream *new_stream(void) {
     return s;
 }
 
-/* The stream a handle names (0 and 1: the legacy stream; 2: this thread's default stream). */
-static CUresult resolve(CUstream handle, struct fake_stream **out) {
+/* The stream a handle names (0 and 1: the current context's legacy stream; 2: this thread's
+ * default stream in it); with `lock` held and a context current. With `same_context`, a stream
+ * of another context is CUDA_ERROR_INVALID_HANDLE, as for work enqueued on it. */
+static CUresult resolve(CUstream handle, int same_context, struct fake_stream **out) {
     uintptr_t raw = (uintptr_t)handle;
     if (raw == 0 || raw == STREAM_LEGACY || raw == STREAM_PER_THREAD) {
-        struct fake_stream **slot = raw == STREAM_PER_THREAD ? &per_thread_stream : &legacy_stream;
+        struct fake_stream **slot =
+            raw == STREAM_PER_THREAD ? &per_thread_streams[current->device] : &current->legacy;
         if (*slot == NULL && (*slot = new_stream()) == NULL) {
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
@@ -366,6 +417,9 @@ static CUresult resolve(CUstream handle, struct fake_stream **out) {
     }
     for (struct fake_stream *s = streams; s != NULL; s = s->next) {
         if (s == handle && s->live) {
+            if (same_context && s->ctx != current) {
+                return CUDA_ERROR_INVALID_HANDLE;
+            }
             *out = s;
             return CUDA_SUCCESS;
         }
@@ -373,10 +427,12 @@ static CUresult resolve(CUstream handle, struct fake_stream **out) {
     return CUDA_ERROR_INVALID_HANDLE;
 }
 
-static CUresult enqueue(struct fake_stream *s, struct op op) {
+/* Queues `op` on `s` and returns its sequence number (0 when out of memory). */
+static uint64_t enqueue(struct fake_stream *s, struct op op) {
     struct op *queued = malloc(sizeof *queued);
     if (queued == NULL) {
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        free(op.staged);
+        return 0;
     }
     *queued = op;
     queued->seq = next_seq++;
@@ -392,11 +448,21 @@ static CUresult enqueue(struct fake_stream *s, struct op op) {
     s->tail = queued;
     stats.queued_ops++;
     pthread_cond_broadcast(&progress);
-    return CUDA_SUCCESS;
+    return queued->seq;
 }
 
-static int event_live(CUevent event) {
-    return event != NULL && !event->destroyed;
+/* Waits until `s` has run its ops up to `seq`; with `lock` held. */
+static void wait_for_op(struct fake_stream *s, uint64_t seq) {
+    while (s->executed < seq) {
+        pthread_cond_wait(&progress, &lock);
+    }
+}
+
+/* Waits until `s` has run everything queued on it so far; with `lock` held. */
+static void drain(struct fake_stream *s) {
+    if (s->tail != NULL) {
+        wait_for_op(s, s->tail->seq);
+    }
 }
 
 /* ---- initialisation, devices, contexts ---- */
@@ -431,6 +497,14 @@ CUresult cuDriverGetVersion(int *version) {
     return CUDA_SUCCESS;
 }
 
+static CUresult usable_device(CUdevice device) {
+    CUresult r = usable();
+    if (r == CUDA_SUCCESS && (device < 0 || device >= devices)) {
+        r = CUDA_ERROR_INVALID_DEVICE;
+    }
+    return r;
+}
+
 CUresult cuDeviceGetCount(int *count) {
     pthread_mutex_lock(&lock);
     CUresult r = usable();
@@ -443,10 +517,7 @@ CUresult cuDeviceGetCount(int *count) {
 
 CUresult cuDeviceGet(CUdevice *device, int ordinal) {
     pthread_mutex_lock(&lock);
-    CUresult r = usable();
-    if (r == CUDA_SUCCESS && (ordinal < 0 || ordinal >= devices)) {
-        r = CUDA_ERROR_INVALID_DEVICE;
-    }
+    CUresult r = usable_device(ordinal);
     if (r == CUDA_SUCCESS) {
         *device = ordinal;
     }
@@ -456,10 +527,7 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal) {
 
 CUresult cuDeviceGetName(char *name, int len, CUdevice device) {
     pthread_mutex_lock(&lock);
-    CUresult r = usable();
-    if (r == CUDA_SUCCESS && (device < 0 || device >= devices)) {
-        r = CUDA_ERROR_INVALID_DEVICE;
-    }
+    CUresult r = usable_device(device);
     if (r == CUDA_SUCCESS && (name == NULL || len <= 0)) {
         r = CUDA_ERROR_INVALID_VALUE;
     }
@@ -472,10 +540,7 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice device) {
 
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice device) {
     pthread_mutex_lock(&lock);
-    CUresult r = usable();
-    if (r == CUDA_SUCCESS && (device < 0 || device >= devices)) {
-        r = CUDA_ERROR_INVALID_DEVICE;
-    }
+    CUresult r = usable_device(device);
     if (r == CUDA_SUCCESS) {
         *bytes = (size_t)memory_limit;
     }
@@ -485,10 +550,7 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice device) {
 
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
     pthread_mutex_lock(&lock);
-    CUresult r = usable();
-    if (r == CUDA_SUCCESS && (device < 0 || device >= devices)) {
-        r = CUDA_ERROR_INVALID_DEVICE;
-    }
+    CUresult r = usable_device(device);
     if (r == CUDA_SUCCESS) {
         contexts[device].retained++;
         *ctx = &contexts[device];
@@ -499,9 +561,9 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
 
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     pthread_mutex_lock(&lock);
-    CUresult r = usable();
-    if (r == CUDA_SUCCESS && (device < 0 || device >= devices || contexts[device].retained == 0)) {
-        r = CUDA_ERROR_INVALID_DEVICE;
+    CUresult r = usable_device(device);
+    if (r == CUDA_SUCCESS && contexts[device].retained == 0) {
+        r = CUDA_ERROR_INVALID_CONTEXT;
     }
     if (r == CUDA_SUCCESS) {
         contexts[device].retained--;
@@ -512,10 +574,7 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
 
 CUresult cuDevicePrimaryCtxGetState(CUdevice device, unsigned *flags, int *active) {
     pthread_mutex_lock(&lock);
-    CUresult r = usable();
-    if (r == CUDA_SUCCESS && (device < 0 || device >= devices)) {
-        r = CUDA_ERROR_INVALID_DEVICE;
-    }
+    CUresult r = usable_device(device);
     if (r == CUDA_SUCCESS && (flags == NULL || active == NULL)) {
         r = CUDA_ERROR_INVALID_VALUE;
     }
@@ -540,11 +599,41 @@ CUresult cuCtxGetCurrent(CUcontext *ctx) {
 CUresult cuCtxSetCurrent(CUcontext ctx) {
     pthread_mutex_lock(&lock);
     CUresult r = usable();
-    if (r == CUDA_SUCCESS && ctx != NULL && (ctx < &contexts[0] || ctx >= &contexts[MAX_DEVICES] || ctx->retained == 0)) {
+    if (r == CUDA_SUCCESS && ctx != NULL &&
+        (ctx < &contexts[0] || ctx >= &contexts[MAX_DEVICES] || ctx->retained == 0)) {
         r = CUDA_ERROR_INVALID_CONTEXT;
     }
     if (r == CUDA_SUCCESS) {
         current = ctx;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+static int queued_before(const struct op *op, const void *arg) {
+    return op->seq < *(const uint64_t *)arg;
+}
+
+/* Waits for the work queued so far on the current context's streams (work queued meanwhile is
+ * not waited for). */
+CUresult cuCtxSynchronize(void) {
+    pthread_mutex_lock(&lock);
+    CUresult r = usable_with_context();
+    if (r == CUDA_SUCCESS) {
+        uint64_t before = next_seq;
+        for (int again = 1; again;) {
+            again = 0;
+            for (struct fake_stream *s = streams; s != NULL && !again; s = s->next) {
+                if (s->ctx == current) {
+                    for (struct op *op = s->head; op != NULL && !again; op = op->next) {
+                        again = queued_before(op, &before);
+                    }
+                }
+            }
+            if (again) {
+                pthread_cond_wait(&progress, &lock);
+            }
+        }
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -561,9 +650,8 @@ CUresult cuMemAlloc_v2(CUdeviceptr *device, size_t bytes) {
     if (r == CUDA_SUCCESS && stats.allocated_bytes + bytes > memory_limit) {
         r = CUDA_ERROR_OUT_OF_MEMORY;
     }
-    struct allocation *a = NULL;
     if (r == CUDA_SUCCESS) {
-        a = calloc(1, sizeof *a);
+        struct allocation *a = calloc(1, sizeof *a);
         size_t page = (size_t)sysconf(_SC_PAGESIZE);
         size_t reserved = (bytes + page - 1) / page * page;
         void *reservation = a == NULL ? MAP_FAILED
@@ -577,6 +665,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *device, size_t bytes) {
             r = CUDA_ERROR_OUT_OF_MEMORY;
         } else {
             memset(memory, 0xA5, bytes);
+            a->ctx = current;
             a->device = (CUdeviceptr)(uintptr_t)reservation;
             a->bytes = bytes;
             a->reserved = reserved;
@@ -604,7 +693,7 @@ CUresult cuMemFree_v2(CUdeviceptr device) {
     }
     if (r == CUDA_SUCCESS) {
         struct allocation *a = *link;
-        struct range whole = {a->device, a->bytes, 0, (enum op_kind)-1};
+        struct range whole = {a->device, a->bytes, 0, -1};
         const struct op *op = queued_op(NULL, touches_device, &whole);
         if (op != NULL) {
             violation("device memory freed while a copy queued on a stream still uses it", op);
@@ -615,6 +704,24 @@ CUresult cuMemFree_v2(CUdeviceptr device) {
         stats.allocations--;
         stats.allocated_bytes -= a->bytes;
         free(a);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr device) {
+    pthread_mutex_lock(&lock);
+    CUresult r = usable();
+    struct allocation *a = r == CUDA_SUCCESS ? allocation_of(device, 0) : NULL;
+    if (r == CUDA_SUCCESS && (a == NULL || data == NULL)) {
+        r = CUDA_ERROR_INVALID_VALUE;
+    }
+    if (r == CUDA_SUCCESS && attribute == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) {
+        *(int *)data = a->ctx->device;
+    } else if (r == CUDA_SUCCESS && attribute == CU_POINTER_ATTRIBUTE_CONTEXT) {
+        *(CUcontext *)data = a->ctx;
+    } else if (r == CUDA_SUCCESS) {
+        r = CUDA_ERROR_INVALID_VALUE;
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -661,9 +768,9 @@ CUresult cuMemHostUnregister(void *host) {
     if (r == CUDA_SUCCESS) {
         struct registration *g = *link;
         struct host_range range = {g->start, g->bytes};
-        const struct op *op = queued_op(NULL, reads_host, &range);
+        const struct op *op = queued_op(NULL, uses_host, &range);
         if (op != NULL) {
-            violation("host memory unregistered while a copy queued on a stream still reads it", op);
+            violation("host memory unregistered while a copy queued on a stream still uses it", op);
         }
         *link = g->next;
         free(g);
@@ -673,24 +780,38 @@ CUresult cuMemHostUnregister(void *host) {
     return r;
 }
 
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr device, const void *host, size_t bytes, CUstream handle) {
-    pthread_mutex_lock(&lock);
+/* Checks a copy's arguments and resolves its stream; with `lock` held. */
+static CUresult copy_args(CUdeviceptr device, const void *host, size_t bytes, CUstream handle, struct fake_stream **s) {
     CUresult r = usable_with_context();
-    struct fake_stream *s = NULL;
     if (r == CUDA_SUCCESS) {
-        r = resolve(handle, &s);
+        r = resolve(handle, 1, s);
     }
     if (r == CUDA_SUCCESS && (host == NULL || allocation_of(device, bytes) == NULL)) {
         r = CUDA_ERROR_INVALID_VALUE;
     }
+    return r;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr device, const void *host, size_t bytes, CUstream handle) {
+    pthread_mutex_lock(&lock);
+    struct fake_stream *s = NULL;
+    CUresult r = copy_args(device, host, bytes, handle, &s);
     if (r == CUDA_SUCCESS) {
         struct op op = {.kind = OP_HTOD, .device = device, .host = (void *)host, .bytes = bytes};
-        op.host_hash = hash_bytes(host, bytes);
         stats.async_copies++;
-        if (!registered(host, bytes)) {
+        if (registered(host, bytes)) {
+            op.host_hash = hash_bytes(host, bytes);
+        } else {
+            /* The driver stages pageable memory before it returns. */
             stats.unpinned_async_copies++;
+            op.staged = malloc(bytes > 0 ? bytes : 1);
+            if (op.staged != NULL) {
+                memcpy(op.staged, host, bytes);
+            }
         }
-        r = enqueue(s, op);
+        if ((!registered(host, bytes) && op.staged == NULL) || enqueue(s, op) == 0) {
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        }
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -698,78 +819,42 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr device, const void *host, size_t bytes
 
 CUresult cuMemcpyDtoHAsync_v2(void *host, CUdeviceptr device, size_t bytes, CUstream handle) {
     pthread_mutex_lock(&lock);
-    CUresult r = usable_with_context();
     struct fake_stream *s = NULL;
-    if (r == CUDA_SUCCESS) {
-        r = resolve(handle, &s);
-    }
-    if (r == CUDA_SUCCESS && (host == NULL || allocation_of(device, bytes) == NULL)) {
-        r = CUDA_ERROR_INVALID_VALUE;
-    }
+    CUresult r = copy_args(device, host, bytes, handle, &s);
     if (r == CUDA_SUCCESS) {
         struct op op = {.kind = OP_DTOH, .device = device, .host = host, .bytes = bytes};
         stats.async_copies++;
-        if (!registered(host, bytes)) {
+        uint64_t seq = enqueue(s, op);
+        if (seq == 0) {
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        } else if (!registered(host, bytes)) {
+            /* Into pageable memory the driver returns once the copy has run. */
             stats.unpinned_async_copies++;
+            wait_for_op(s, seq);
         }
-        r = enqueue(s, op);
     }
     pthread_mutex_unlock(&lock);
     return r;
 }
 
-/* Waits until `s` has run everything queued on it; with `lock` held. */
-static void drain(struct fake_stream *s) {
-    while (s->head != NULL) {
-        pthread_cond_wait(&progress, &lock);
-    }
-}
-
-/* Synchronous copies are ordered after the legacy stream's work, like the driver's. */
+/* Synchronous copies run after the legacy stream's work, like the driver's. */
 CUresult cuMemcpyDtoH_v2(void *host, CUdeviceptr device, size_t bytes) {
     pthread_mutex_lock(&lock);
-    CUresult r = usable_with_context();
     struct fake_stream *legacy = NULL;
-    if (r == CUDA_SUCCESS) {
-        r = resolve((CUstream)STREAM_LEGACY, &legacy);
-    }
-    if (r == CUDA_SUCCESS && (host == NULL || allocation_of(device, bytes) == NULL)) {
-        r = CUDA_ERROR_INVALID_VALUE;
-    }
+    CUresult r = copy_args(device, host, bytes, (CUstream)STREAM_LEGACY, &legacy);
     if (r == CUDA_SUCCESS) {
         drain(legacy);
+        struct allocation *a = allocation_of(device, bytes);
+        if (a == NULL) {
+            violation("device memory freed while a synchronous copy from it waited for the legacy stream", NULL);
+        }
         struct range range = {device, bytes, 0, OP_HTOD};
         const struct op *op = queued_op(NULL, touches_device, &range);
         if (op != NULL) {
             violation("a synchronous copy read device memory that an earlier copy on a stream has not written yet",
                       op);
         }
-        struct allocation *a = allocation_of(device, bytes);
         memcpy(host, a->memory + (device - a->device), bytes);
-    }
-    pthread_mutex_unlock(&lock);
-    return r;
-}
-
-CUresult cuMemcpyHtoD_v2(CUdeviceptr device, const void *host, size_t bytes) {
-    pthread_mutex_lock(&lock);
-    CUresult r = usable_with_context();
-    struct fake_stream *legacy = NULL;
-    if (r == CUDA_SUCCESS) {
-        r = resolve((CUstream)STREAM_LEGACY, &legacy);
-    }
-    if (r == CUDA_SUCCESS && (host == NULL || allocation_of(device, bytes) == NULL)) {
-        r = CUDA_ERROR_INVALID_VALUE;
-    }
-    if (r == CUDA_SUCCESS) {
-        drain(legacy);
-        struct range range = {device, bytes, 0, (enum op_kind)-1};
-        const struct op *op = queued_op(NULL, touches_device, &range);
-        if (op != NULL) {
-            violation("a synchronous copy wrote device memory that a copy queued on a stream still uses", op);
-        }
-        struct allocation *a = allocation_of(device, bytes);
-        memcpy(a->memory + (device - a->device), host, bytes);
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -800,33 +885,14 @@ CUresult cuStreamDestroy_v2(CUstream handle) {
     pthread_mutex_lock(&lock);
     CUresult r = usable_with_context();
     struct fake_stream *s = NULL;
-    if (r == CUDA_SUCCESS && ((uintptr_t)handle <= STREAM_PER_THREAD || resolve(handle, &s) != CUDA_SUCCESS)) {
+    if (r == CUDA_SUCCESS && ((uintptr_t)handle <= STREAM_PER_THREAD || resolve(handle, 0, &s) != CUDA_SUCCESS)) {
         r = CUDA_ERROR_INVALID_HANDLE;
     }
     if (r == CUDA_SUCCESS) {
-        /* As the driver does: queued work still runs, then the stream goes (its thread frees it). */
+        /* As the driver does: queued work still runs, then the stream goes. */
         s->live = 0;
-        s->destroyed = 1;
         stats.streams--;
         pthread_cond_broadcast(&progress);
-    }
-    pthread_mutex_unlock(&lock);
-    return r;
-}
-
-static int queued_before(const struct op *op, const void *arg) {
-    return op->seq < *(const uint64_t *)arg;
-}
-
-/* Waits for the work queued so far on every stream (work queued meanwhile is not waited for). */
-CUresult cuCtxSynchronize(void) {
-    pthread_mutex_lock(&lock);
-    CUresult r = usable_with_context();
-    if (r == CUDA_SUCCESS) {
-        uint64_t before = next_seq;
-        while (queued_op(NULL, queued_before, &before) != NULL) {
-            pthread_cond_wait(&progress, &lock);
-        }
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -837,7 +903,7 @@ CUresult cuStreamSynchronize(CUstream handle) {
     CUresult r = usable_with_context();
     struct fake_stream *s = NULL;
     if (r == CUDA_SUCCESS) {
-        r = resolve(handle, &s);
+        r = resolve(handle, 0, &s);
     }
     if (r == CUDA_SUCCESS) {
         drain(s);
@@ -858,7 +924,10 @@ CUresult cuEventCreate(CUevent *out, unsigned flags) {
         if (e == NULL) {
             r = CUDA_ERROR_OUT_OF_MEMORY;
         } else {
+            e->ctx = current;
             e->refs = 1;
+            e->next_live = events;
+            events = e;
             stats.events++;
             *out = e;
         }
@@ -874,7 +943,11 @@ CUresult cuEventDestroy_v2(CUevent event) {
         r = CUDA_ERROR_INVALID_HANDLE;
     }
     if (r == CUDA_SUCCESS) {
-        event->destroyed = 1;
+        struct fake_event **link = &events;
+        while (*link != event) {
+            link = &(*link)->next_live;
+        }
+        *link = event->next_live;
         stats.events--;
         release_event(event); /* queued records and waits keep it until they have run */
     }
@@ -890,11 +963,29 @@ CUresult cuEventRecord(CUevent event, CUstream handle) {
         r = CUDA_ERROR_INVALID_HANDLE;
     }
     if (r == CUDA_SUCCESS) {
-        r = resolve(handle, &s);
+        r = resolve(handle, 1, &s);
+    }
+    if (r == CUDA_SUCCESS && event->ctx != s->ctx) {
+        r = CUDA_ERROR_INVALID_HANDLE; /* an event records on streams of its own context */
+    }
+    if (r == CUDA_SUCCESS && event->recorded == event->capacity) {
+        size_t capacity = event->capacity == 0 ? 4 : 2 * event->capacity;
+        unsigned char *done = realloc(event->done, capacity);
+        if (done == NULL) {
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        } else {
+            memset(done + event->capacity, 0, capacity - event->capacity);
+            event->done = done;
+            event->capacity = capacity;
+        }
     }
     if (r == CUDA_SUCCESS) {
-        struct op op = {.kind = OP_RECORD, .event = event, .generation = ++event->recorded};
-        r = enqueue(s, op);
+        struct op op = {.kind = OP_RECORD, .event = event, .generation = event->recorded + 1};
+        if (enqueue(s, op) == 0) {
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        } else {
+            event->recorded++;
+        }
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -904,15 +995,20 @@ CUresult cuStreamWaitEvent(CUstream handle, CUevent event, unsigned flags) {
     pthread_mutex_lock(&lock);
     CUresult r = usable_with_context();
     struct fake_stream *s = NULL;
-    if (r == CUDA_SUCCESS && (!event_live(event) || flags != 0)) {
-        r = !event_live(event) ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS && !event_live(event)) {
+        r = CUDA_ERROR_INVALID_HANDLE;
+    }
+    if (r == CUDA_SUCCESS && flags != 0) {
+        r = CUDA_ERROR_INVALID_VALUE;
     }
     if (r == CUDA_SUCCESS) {
-        r = resolve(handle, &s);
+        r = resolve(handle, 1, &s); /* the event may be of another context */
     }
-    if (r == CUDA_SUCCESS && event->done < event->recorded) {
+    if (r == CUDA_SUCCESS && !generation_done(event, event->recorded)) {
         struct op op = {.kind = OP_WAIT, .event = event, .generation = event->recorded};
-        r = enqueue(s, op);
+        if (enqueue(s, op) == 0) {
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        }
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -924,7 +1020,7 @@ CUresult cuEventQuery(CUevent event) {
     if (r == CUDA_SUCCESS && !event_live(event)) {
         r = CUDA_ERROR_INVALID_HANDLE;
     }
-    if (r == CUDA_SUCCESS && event->done < event->recorded) {
+    if (r == CUDA_SUCCESS && !generation_done(event, event->recorded)) {
         r = CUDA_ERROR_NOT_READY;
     }
     pthread_mutex_unlock(&lock);
@@ -939,9 +1035,11 @@ CUresult cuEventSynchronize(CUevent event) {
     }
     if (r == CUDA_SUCCESS) {
         uint64_t wanted = event->recorded;
-        while (event->done < wanted) {
+        event->refs++; /* destroyed by another thread meanwhile, it stays readable here */
+        while (!generation_done(event, wanted)) {
             pthread_cond_wait(&progress, &lock);
         }
+        release_event(event);
     }
     pthread_mutex_unlock(&lock);
     return r;
