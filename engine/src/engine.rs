@@ -124,6 +124,9 @@ impl Granary {
     }
 
     fn open_inner(root: PathBuf, create: bool) -> Result<Self> {
+        // Before the lock and the clean-up of tmp/: a forked child that cannot open the catalog
+        // must not touch the store at all.
+        Catalog::check_process()?;
         let store = Store::open(root, create)?;
         let catalog = Catalog::open_sled(&store.paths().catalog_dir())?;
         let granary = Self { store, catalog };

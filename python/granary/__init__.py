@@ -3,7 +3,7 @@
 Shards on local disk are content-addressed (BLAKE3) and checksummed (CRC32C); every byte a
 batch holds passed its checksum before the batch was handed over. Batches come as PyTorch
 tensors (NumPy arrays where torch is absent) through DLPack, without a copy: on the GPU, ready
-on the consumer's stream, or in page-locked host memory.
+on the consumer's stream, or in host memory.
 
     import granary
     store = granary.Store("/data/store", create=True)
@@ -60,8 +60,9 @@ def world_from_env() -> Tuple[int, int]:
 
 class Store:
     """A granary store on local disk (opened per call: the object holds no threads or locks).
-    Making one checks the store's files only, so it works in any process; writes (`ingest*`)
-    open the catalog, which a child forked after its parent wrote cannot (a `ForkError`)."""
+    Opening an existing one checks the store's files only (`create=True` makes a missing one),
+    so it works in any process; writes (`ingest*`) open the catalog, which a child forked after
+    its parent wrote cannot (a `ForkError`)."""
 
     def __init__(self, path: PathLike, *, create: bool = False) -> None:
         self._native = _native.Store(os.fspath(path), create=create)

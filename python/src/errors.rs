@@ -27,7 +27,8 @@ pyo3::create_exception!(
     _native,
     ForkError,
     Error,
-    "An object whose engine threads live in another process (it was copied by fork) was used."
+    "Something set up in another process was used in a child forked from it: a loader whose \
+     engine threads live there, or the store's catalog, whose I/O threads do."
 );
 
 /// The Python exception for an engine error.

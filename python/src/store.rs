@@ -25,16 +25,19 @@ pub(crate) struct Store {
 
 #[pymethods]
 impl Store {
-    /// Opens the store at `path`; `create=True` makes it if it does not exist. Opening checks
-    /// the store's files only: no lock is taken and the catalog is not opened (each write opens
-    /// them), so a reader opens a store another process is writing to, and so does a child
-    /// forked after its parent wrote (where the catalog cannot be opened).
+    /// Opens the store at `path`; `create=True` makes it if it does not exist. Opening an
+    /// existing store checks its files only: no lock is taken and the catalog is not opened
+    /// (each write opens them), so a reader opens a store another process is writing to, and
+    /// so does a child forked after its parent wrote (where the catalog cannot be opened).
     #[new]
     #[pyo3(signature = (path, *, create = false))]
     fn new(py: Python<'_>, path: PathBuf, create: bool) -> PyResult<Self> {
         let root = path.clone();
-        py.detach(|| if create { Granary::create(&root).map(drop) } else { StorePaths::new(&root).check() })
-            .map_err(to_py)?;
+        py.detach(|| match StorePaths::new(&root).check() {
+            Err(granary::Error::NotAStore { .. }) if create => Granary::create(&root).map(drop),
+            checked => checked,
+        })
+        .map_err(to_py)?;
         Ok(Self { root: path })
     }
 

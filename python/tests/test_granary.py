@@ -404,6 +404,7 @@ def test_a_started_loader_refuses_a_forked_child_and_an_unstarted_one_works_ther
 def _store_in_forked_child(root, queue):
     results = []
     store = granary.Store(root)  # files only: works in the child
+    granary.Store(root, create=True)  # an existing store: the same
     results.append(sum(len(b) for b in store.loader("tokens", batch_size=100, output="numpy", device="cpu")))
     results.append([d["name"] for d in store.datasets()])
     try:

@@ -68,14 +68,21 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// a database there waits on them forever.
 static SLED_PROCESS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
 
+/// `Error::CatalogForked` in a child forked after its parent opened a sled database (this
+/// process becomes the one that opens them otherwise).
+pub(crate) fn check_process() -> Result<()> {
+    let parent = *SLED_PROCESS.get_or_init(std::process::id);
+    if parent != std::process::id() {
+        return Err(Error::CatalogForked { parent, child: std::process::id() });
+    }
+    Ok(())
+}
+
 impl SledKv {
     /// Opens or creates the database in `dir`, waiting up to `LOCK_WAIT` (2 s) for its lock;
     /// `Error::CatalogForked` in a child forked after this process's parent opened one.
     pub fn open(dir: &std::path::Path) -> Result<Self> {
-        let parent = *SLED_PROCESS.get_or_init(std::process::id);
-        if parent != std::process::id() {
-            return Err(Error::CatalogForked { parent, child: std::process::id() });
-        }
+        check_process()?;
         let started = std::time::Instant::now();
         let db = loop {
             match sled::Config::new().path(dir).open() {

@@ -62,6 +62,12 @@ pub struct Catalog {
 }
 
 impl Catalog {
+    /// Whether this process can open a sled catalog: `Error::CatalogForked` in a child forked
+    /// after its parent opened one (checked before taking locks or touching files).
+    pub fn check_process() -> Result<()> {
+        kv::check_process()
+    }
+
     /// Opens (or creates) the sled catalog in `dir`.
     pub fn open_sled(dir: &std::path::Path) -> Result<Self> {
         Ok(Self { kv: Box::new(SledKv::open(dir)?) })

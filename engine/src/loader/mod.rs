@@ -851,9 +851,10 @@ impl DeviceStage {
                 Err(_) => return Err(Error::invalid_input("stopped")),
             }
         };
-        // The trainer's kernels that read the buffer's last batch run before the copy into it.
-        let buffer = free.after_fences_on(&self.stream)?;
         let lease = batch.take_lease().ok_or_else(|| Error::invalid_input("a batch without a staging buffer"))?;
+        // The trainer's kernels that read the buffer's last batch run before the copy into it
+        // (and should the upload fail, it waits for them before the buffer goes).
+        let buffer = free.after_fences_on(&self.stream)?;
         self.stream.upload(lease, buffer)
     }
 }

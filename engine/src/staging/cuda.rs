@@ -306,8 +306,23 @@ impl Stream {
     }
 
     /// Copies `lease`'s bytes to the start of `buffer` on this stream, and records an event after
-    /// the copy. The upload owns both until it is done.
+    /// the copy. The upload owns both until it is done. On failure, work queued on the stream
+    /// before (waits for a consumer's fences, which keep the buffer from being written while
+    /// the consumer reads it) may still be pending: the stream is synchronised before the lease
+    /// and the buffer go, or, if even that fails, both are leaked rather than freed under it.
     pub fn upload(&self, lease: Lease, buffer: DeviceBuffer) -> Result<Upload> {
+        match self.enqueue_upload(&lease, &buffer) {
+            Ok(event) => Ok(Upload { parts: Some((lease, buffer)), event }),
+            Err(e) => {
+                if self.synchronize().is_err() {
+                    std::mem::forget((lease, buffer));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn enqueue_upload(&self, lease: &Lease, buffer: &DeviceBuffer) -> Result<Event> {
         if lease.len() > buffer.len {
             return Err(Error::invalid_input(format!(
                 "a batch of {} bytes does not fit a device buffer of {} bytes",
@@ -322,19 +337,32 @@ impl Stream {
                 .map_err(|e| cuda_error("cuEventCreate", e))?;
             let event = Event { cuda: self.cuda, raw: event };
             // SAFETY: the source is the lease's `len` bytes and the destination the start of a
-            // device buffer at least that long; the returned `Upload` owns both and does not
-            // release either before the event after the copy has completed.
+            // device buffer at least that long; the caller's `Upload` owns both and does not
+            // release either before the event after the copy has completed (on failure the
+            // caller synchronises the stream first).
             unsafe { result::memcpy_htod_async(buffer.ptr, lease.as_slice(), self.raw) }
                 .map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))?;
             // SAFETY: both handles are live and belong to the current context.
             unsafe { result::event::record(event.raw, self.raw) }.map_err(|e| cuda_error("cuEventRecord", e))?;
-            Ok(Upload { parts: Some((lease, buffer)), event })
+            Ok(event)
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (self.cuda, lease, buffer);
+            let _ = self.cuda;
             Err(Error::invalid_input("this build has no CUDA support"))
         }
+    }
+
+    /// Blocks until the work queued on this stream so far has run.
+    pub fn synchronize(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let _bound = self.cuda.bind()?;
+            // SAFETY: the stream is live (owned by `self`).
+            unsafe { result::stream::synchronize(self.raw) }.map_err(|e| cuda_error("cuStreamSynchronize", e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Ok(())
     }
 }
 
