@@ -80,6 +80,16 @@ fn make_current(ordinal: i32) -> sys::CUcontext {
     ctx
 }
 
+/// A store of `n` records of 50 u16 tokens, in shards of about 16 KiB, and its dataset.
+fn tokens(n: u64) -> (tempfile::TempDir, Arc<granary::Dataset>, Vec<Vec<u8>>) {
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(i, 100)).collect();
+    ingest(&mut granary, "tokens", tokens_layout(50), small_shards(16 << 10), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
+    (dir, dataset, records)
+}
+
 fn gpu_config(batch_size: u64) -> LoaderConfig {
     LoaderConfig {
         batch_size,
@@ -137,11 +147,7 @@ fn batches_copied_to_the_gpu_come_back_identical() {
 fn device_batches_released_before_the_trainers_work_has_run_stay_intact() {
     let _serial = serial();
     let cuda = cuda();
-    let dir = tempdir();
-    let mut granary = Granary::create(dir.path().join("store")).unwrap();
-    let records: Vec<Vec<u8>> = (0..3000).map(|i| bytes(i, 100)).collect();
-    ingest(&mut granary, "tokens", tokens_layout(50), small_shards(16 << 10), &records);
-    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
+    let (_dir, dataset, records) = tokens(3000);
     let before = fake_cuda_stats();
     make_current(cuda.ordinal() as i32);
     let trainer = cuda.stream().unwrap();
@@ -209,11 +215,7 @@ fn device_batches_released_before_the_trainers_work_has_run_stay_intact() {
 fn the_loader_leaves_the_trainers_current_context_alone() {
     let _serial = serial();
     let cuda = cuda();
-    let dir = tempdir();
-    let mut granary = Granary::create(dir.path().join("store")).unwrap();
-    let records: Vec<Vec<u8>> = (0..200).map(|i| bytes(i, 100)).collect();
-    ingest(&mut granary, "tokens", tokens_layout(50), small_shards(16 << 10), &records);
-    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
+    let (_dir, dataset, _) = tokens(200);
     let count = result::device::get_count().unwrap();
     let other = (0..count).find(|&d| d != cuda.ordinal() as i32);
     // None current, the loader's device's context, another device's (where there is one).
