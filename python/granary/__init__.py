@@ -62,7 +62,7 @@ class Store:
     """A granary store on local disk (opened per call: the object holds no threads or locks).
     Opening an existing one checks the store's files only (`create=True` makes a missing one),
     so it works in any process; writes (`ingest*`) open the catalog, which a child forked after
-    its parent wrote cannot (a `ForkError`)."""
+    its parent opened it (a write, or creating the store) cannot (a `ForkError`)."""
 
     def __init__(self, path: PathLike, *, create: bool = False) -> None:
         self._native = _native.Store(os.fspath(path), create=create)

@@ -4,7 +4,10 @@ are in `test_torch.py`)."""
 import gc
 import multiprocessing
 import os
+import subprocess
+import sys
 import tarfile
+import textwrap
 import threading
 import time
 
@@ -433,6 +436,30 @@ def test_a_forked_child_reads_the_store_and_gets_an_error_not_a_hang_for_writes(
     assert write.startswith("ForkError") and "forked" in write and "spawn" in write, write
     # The parent goes on writing.
     store.ingest("more", [np.zeros(RECORD, dtype=np.uint16)], dtype="uint16", shape=[RECORD])
+
+
+def test_a_parent_whose_open_failed_leaves_its_children_free_to_write(tmp_path):
+    # Only a catalog actually opened ties writing to the process: a failed open (here, a
+    # directory with a foreign marker) must not. In a fresh process, which has opened none.
+    script = textwrap.dedent(f"""
+        import multiprocessing, numpy as np, granary
+        (bogus := __import__("pathlib").Path({str(tmp_path / "bogus")!r})).mkdir()
+        (bogus / "granary-store").write_text("something else")
+        try:
+            granary.Store(bogus, create=True)
+            raise SystemExit("a foreign store opened")
+        except granary.NotFoundError:
+            pass
+        def child(root):
+            store = granary.Store(root, create=True)
+            store.ingest("t", [np.zeros(4, dtype=np.uint16)], dtype="uint16", shape=[4])
+        process = multiprocessing.get_context("fork").Process(target=child, args=({str(tmp_path / "s")!r},))
+        process.start()
+        process.join(60)
+        raise SystemExit(process.exitcode)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
 
 
 def test_waits_release_the_gil(store, tmp_path):

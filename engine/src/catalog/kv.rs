@@ -68,14 +68,15 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// a database there waits on them forever.
 static SLED_PROCESS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
 
-/// `Error::CatalogForked` in a child forked after its parent opened a sled database (this
-/// process becomes the one that opens them otherwise).
+/// `Error::CatalogForked` in a child forked after its parent opened a sled database. Records
+/// nothing: only opening one makes this process the one that opens them.
 pub(crate) fn check_process() -> Result<()> {
-    let parent = *SLED_PROCESS.get_or_init(std::process::id);
-    if parent != std::process::id() {
-        return Err(Error::CatalogForked { parent, child: std::process::id() });
+    match SLED_PROCESS.get() {
+        Some(&parent) if parent != std::process::id() => {
+            Err(Error::CatalogForked { parent, child: std::process::id() })
+        }
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 impl SledKv {
@@ -83,6 +84,7 @@ impl SledKv {
     /// `Error::CatalogForked` in a child forked after this process's parent opened one.
     pub fn open(dir: &std::path::Path) -> Result<Self> {
         check_process()?;
+        SLED_PROCESS.get_or_init(std::process::id);
         let started = std::time::Instant::now();
         let db = loop {
             match sled::Config::new().path(dir).open() {
