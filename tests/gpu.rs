@@ -253,6 +253,94 @@ fn the_loader_leaves_the_trainers_current_context_alone() {
     }
 }
 
+/// An upload that fails (the fake fails the 40th host-to-device copy) while the trainer's work
+/// on the buffer it was to overwrite is still queued: the loader reports the error, frees no
+/// device memory under that work (the fake would abort), and stops without hanging.
+#[test]
+#[ignore = "needs the fake driver (make gpu-fake)"]
+fn a_failed_upload_frees_nothing_under_the_trainers_work() {
+    let _serial = serial();
+    cuda();
+    if fake_cuda_stats().is_none() {
+        eprintln!("a real driver is loaded: no failure to inject");
+        return;
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "fake_cuda_failed_upload", "--nocapture", "--test-threads", "1"])
+        .env("GRANARY_FAKE_CASE", "failed-upload")
+        .env("FAKE_CUDA_FAIL", "cuMemcpyHtoDAsync_v2:40")
+        .env("FAKE_CUDA_DELAY_US", "5000")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("the loader hung after a failed upload");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("failed as injected: CUDA cuMemcpyHtoDAsync"), "{stdout}");
+}
+
+/// The child of the test above.
+#[test]
+#[ignore = "a child process of a_failed_upload_frees_nothing_under_the_trainers_work"]
+fn fake_cuda_failed_upload() {
+    if std::env::var("GRANARY_FAKE_CASE").as_deref() != Ok("failed-upload") {
+        return;
+    }
+    let _serial = serial();
+    let cuda = cuda();
+    let (_dir, dataset, records) = tokens(3000);
+    make_current(cuda.ordinal() as i32);
+    let trainer = cuda.stream().unwrap();
+    let stream = trainer.raw() as u64;
+    let config = LoaderConfig { hold_max: 1, prefetch: 2, ..gpu_config(16) };
+    let mut loader = Loader::new(dataset, config, Position::default()).unwrap();
+    let mut back = AlignedBuf::new(records.len() * 100).unwrap();
+    // SAFETY: `back` is a live mapping of its length, unregistered below before it is freed.
+    unsafe { sys::cuMemHostRegister_v2(back.base_ptr().cast(), back.len(), 0) }.result().unwrap();
+    let (mut copies, mut offset, mut failure) = (Vec::new(), 0, None);
+    while let Some(batch) = loader.next() {
+        let mut batch = match batch {
+            Ok(batch) => batch,
+            Err(e) => {
+                failure = Some(e.to_string());
+                continue;
+            }
+        };
+        let device = batch.device().unwrap();
+        device.order_before(stream).unwrap();
+        let len = device.len();
+        // SAFETY: as in `device_batches_released_before_the_trainers_work_has_run_stay_intact`.
+        unsafe {
+            result::memcpy_dtoh_async(&mut back.as_mut_slice()[offset..offset + len], device.ptr(), trainer.raw())
+        }
+        .unwrap();
+        batch.release_after(stream).unwrap();
+        copies.push((batch.indices().to_vec(), offset..offset + len));
+        offset += len;
+    }
+    drop(loader);
+    // SAFETY: the trainer's stream is live; then the registration made above, with no copy left.
+    unsafe {
+        result::stream::synchronize(trainer.raw()).unwrap();
+        sys::cuMemHostUnregister(back.base_ptr().cast()).result().unwrap();
+    }
+    assert!(copies.len() >= 30, "batches before the failure: {}", copies.len());
+    for (indices, range) in copies {
+        let wanted: Vec<u8> = indices.iter().flat_map(|&i| records[i as usize].clone()).collect();
+        assert_eq!(&back.as_slice()[range], &wanted[..]);
+    }
+    println!("failed as injected: {}", failure.expect("the injected failure was reported"));
+}
+
 /// The misuses the fake driver claims to catch, each provoked in a child process (this test
 /// binary, running `fake_cuda_case`), with the message it must abort with; the first is the
 /// same work correctly ordered, which must pass.

@@ -17,9 +17,11 @@ import pytest
 
 import granary
 
-# `make gpu-fake` sets GRANARY_FAKE_CUDA=1: there, a missing device is a failure, not a skip.
+# `make gpu-fake` sets GRANARY_FAKE_CUDA=1: there, a missing device or another driver than the
+# fake is a failure, not a skip.
 if os.environ.get("GRANARY_FAKE_CUDA") == "1":
     assert granary.cuda_available()[0], f"GRANARY_FAKE_CUDA=1 but no CUDA: {granary.cuda_available()[1]}"
+    assert hasattr(ctypes.CDLL("libcuda.so.1"), "granary_fake_cuda_stats"), "not the fake driver"
 pytestmark = pytest.mark.skipif(not granary.cuda_available()[0], reason="no CUDA device")
 
 RECORD = 64  # u16 tokens per record
@@ -71,12 +73,24 @@ class Driver:
         self.check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
+def fake_stats():
+    """The fake driver's counters (see tests/fake-cuda), or None with a real driver."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    if not hasattr(lib, "granary_fake_cuda_stats"):
+        return None
+    out = (ctypes.c_uint64 * 8)()
+    lib.granary_fake_cuda_stats(out)
+    names = ("allocations", "allocated_bytes", "registrations", "streams", "events", "queued_ops")
+    return dict(zip(names + ("async_copies", "unpinned_async_copies"), out))
+
+
 def test_device_batches_reach_a_consumer_stream_intact(tmp_path):
     store = granary.Store(tmp_path / "store", create=True)
     rng = np.random.default_rng(5)
     data = [rng.integers(0, 65535, RECORD, dtype=np.uint16) for _ in range(2000)]
     store.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=16 << 10)
     driver = Driver()
+    before = fake_stats()
     consumer = driver.stream()
     on = {consumer: consumer, 1: 1, None: 1, -1: consumer}  # where the consumer's copies go
     # The consumer's own stream, the legacy default stream (1), None (legacy too, in DLPack), and
@@ -107,6 +121,12 @@ def test_device_batches_reach_a_consumer_stream_intact(tmp_path):
             assert np.array_equal(out, np.stack([data[i] for i in indices])), f"stream {stream}"
         native.close()
     driver.lib.cuStreamDestroy_v2(consumer)
+    after = fake_stats()
+    if before is not None:
+        # Every copy, the loader's and the consumer's, was between the device and page-locked
+        # memory (from pageable memory a lease reused too early would go unnoticed).
+        assert after["unpinned_async_copies"] == before["unpinned_async_copies"]
+        assert after["async_copies"] - before["async_copies"] >= 2 * 4 * (2000 // 16)
 
 
 def test_device_exports_refuse_what_they_cannot_order(tmp_path):

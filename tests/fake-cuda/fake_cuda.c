@@ -13,9 +13,12 @@
  *   on a real GPU. New allocations are filled with 0xA5, freed ones are unmapped.
  * - Contexts: one primary context per device (FAKE_CUDA_DEVICES, default 1), current per thread.
  *   Calls that need one fail with CUDA_ERROR_INVALID_CONTEXT when none is current; streams,
- *   events and allocations belong to the context current when they were made, and work on a
- *   stream of another context than the current one is CUDA_ERROR_INVALID_HANDLE. Calls in a
- *   process forked after cuInit fail with CUDA_ERROR_NOT_INITIALIZED.
+ *   events and allocations belong to the context current when they were made; as with the
+ *   driver, copies may go on any context's stream and a stream may wait on any context's event,
+ *   but an event records only on a stream of its own context (else CUDA_ERROR_INVALID_HANDLE).
+ *   Calls in a process forked after cuInit fail with CUDA_ERROR_NOT_INITIALIZED.
+ * - FAKE_CUDA_FAIL=NAME:N makes the Nth call of driver function NAME fail (with
+ *   CUDA_ERROR_INVALID_VALUE), to test error paths.
  * - Copies between the host and pageable (unregistered) memory behave as the driver's do: a
  *   host-to-device copy takes the bytes when it is called; a device-to-host copy returns once it
  *   has run. Only page-locked memory gives truly asynchronous copies.
@@ -185,6 +188,17 @@ static uint64_t hash_bytes(const void *data, size_t bytes) {
 static unsigned env_unsigned(const char *name, unsigned fallback) {
     const char *value = getenv(name);
     return value != NULL && *value != '\0' ? (unsigned)strtoul(value, NULL, 10) : fallback;
+}
+
+/* Whether this call of `name` is the one FAKE_CUDA_FAIL says to fail; with `lock` held. */
+static int injected_failure(const char *name) {
+    static uint64_t calls;
+    const char *spec = getenv("FAKE_CUDA_FAIL");
+    const char *colon = spec == NULL ? NULL : strchr(spec, ':');
+    if (colon == NULL || strlen(name) != (size_t)(colon - spec) || strncmp(spec, name, (size_t)(colon - spec)) != 0) {
+        return 0;
+    }
+    return ++calls == strtoull(colon + 1, NULL, 10);
 }
 
 /* 0 when the process may call the driver; the error otherwise. Call with `lock` held. */
@@ -402,9 +416,8 @@ static struct fake_stream *new_stream(void) {
 }
 
 /* The stream a handle names (0 and 1: the current context's legacy stream; 2: this thread's
- * default stream in it); with `lock` held and a context current. With `same_context`, a stream
- * of another context is CUDA_ERROR_INVALID_HANDLE, as for work enqueued on it. */
-static CUresult resolve(CUstream handle, int same_context, struct fake_stream **out) {
+ * default stream in it); with `lock` held and a context current. */
+static CUresult resolve(CUstream handle, struct fake_stream **out) {
     uintptr_t raw = (uintptr_t)handle;
     if (raw == 0 || raw == STREAM_LEGACY || raw == STREAM_PER_THREAD) {
         struct fake_stream **slot =
@@ -417,9 +430,6 @@ static CUresult resolve(CUstream handle, int same_context, struct fake_stream **
     }
     for (struct fake_stream *s = streams; s != NULL; s = s->next) {
         if (s == handle && s->live) {
-            if (same_context && s->ctx != current) {
-                return CUDA_ERROR_INVALID_HANDLE;
-            }
             *out = s;
             return CUDA_SUCCESS;
         }
@@ -712,7 +722,7 @@ CUresult cuMemFree_v2(CUdeviceptr device) {
 CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr device) {
     pthread_mutex_lock(&lock);
     CUresult r = usable();
-    struct allocation *a = r == CUDA_SUCCESS ? allocation_of(device, 0) : NULL;
+    struct allocation *a = r == CUDA_SUCCESS ? allocation_of(device, 1) : NULL;
     if (r == CUDA_SUCCESS && (a == NULL || data == NULL)) {
         r = CUDA_ERROR_INVALID_VALUE;
     }
@@ -784,7 +794,7 @@ CUresult cuMemHostUnregister(void *host) {
 static CUresult copy_args(CUdeviceptr device, const void *host, size_t bytes, CUstream handle, struct fake_stream **s) {
     CUresult r = usable_with_context();
     if (r == CUDA_SUCCESS) {
-        r = resolve(handle, 1, s);
+        r = resolve(handle, s);
     }
     if (r == CUDA_SUCCESS && (host == NULL || allocation_of(device, bytes) == NULL)) {
         r = CUDA_ERROR_INVALID_VALUE;
@@ -796,6 +806,9 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr device, const void *host, size_t bytes
     pthread_mutex_lock(&lock);
     struct fake_stream *s = NULL;
     CUresult r = copy_args(device, host, bytes, handle, &s);
+    if (r == CUDA_SUCCESS && injected_failure("cuMemcpyHtoDAsync_v2")) {
+        r = CUDA_ERROR_INVALID_VALUE;
+    }
     if (r == CUDA_SUCCESS) {
         struct op op = {.kind = OP_HTOD, .device = device, .host = (void *)host, .bytes = bytes};
         stats.async_copies++;
@@ -885,7 +898,7 @@ CUresult cuStreamDestroy_v2(CUstream handle) {
     pthread_mutex_lock(&lock);
     CUresult r = usable_with_context();
     struct fake_stream *s = NULL;
-    if (r == CUDA_SUCCESS && ((uintptr_t)handle <= STREAM_PER_THREAD || resolve(handle, 0, &s) != CUDA_SUCCESS)) {
+    if (r == CUDA_SUCCESS && ((uintptr_t)handle <= STREAM_PER_THREAD || resolve(handle, &s) != CUDA_SUCCESS)) {
         r = CUDA_ERROR_INVALID_HANDLE;
     }
     if (r == CUDA_SUCCESS) {
@@ -903,7 +916,7 @@ CUresult cuStreamSynchronize(CUstream handle) {
     CUresult r = usable_with_context();
     struct fake_stream *s = NULL;
     if (r == CUDA_SUCCESS) {
-        r = resolve(handle, 0, &s);
+        r = resolve(handle, &s);
     }
     if (r == CUDA_SUCCESS) {
         drain(s);
@@ -963,7 +976,7 @@ CUresult cuEventRecord(CUevent event, CUstream handle) {
         r = CUDA_ERROR_INVALID_HANDLE;
     }
     if (r == CUDA_SUCCESS) {
-        r = resolve(handle, 1, &s);
+        r = resolve(handle, &s);
     }
     if (r == CUDA_SUCCESS && event->ctx != s->ctx) {
         r = CUDA_ERROR_INVALID_HANDLE; /* an event records on streams of its own context */
@@ -1002,7 +1015,7 @@ CUresult cuStreamWaitEvent(CUstream handle, CUevent event, unsigned flags) {
         r = CUDA_ERROR_INVALID_VALUE;
     }
     if (r == CUDA_SUCCESS) {
-        r = resolve(handle, 1, &s); /* the event may be of another context */
+        r = resolve(handle, &s); /* the event may be of another context */
     }
     if (r == CUDA_SUCCESS && !generation_done(event, event->recorded)) {
         struct op op = {.kind = OP_WAIT, .event = event, .generation = event->recorded};
