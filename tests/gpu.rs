@@ -137,6 +137,58 @@ fn batches_copied_to_the_gpu_come_back_identical() {
     }
 }
 
+/// Reads `loader` to its end as a trainer does: each batch ordered before `stream` (unnamed:
+/// waited for), copied back on that stream into page-locked memory (into pageable memory the
+/// driver would return only once the copy has run), released after that copy (unnamed: after
+/// all the device's work), and dropped before the copy has run. Once the stream has finished,
+/// checks every batch's bytes against `records`; returns the batches read and the loader's
+/// first error.
+fn read_back(loader: &mut Loader, stream: u64, named: bool, records: &[Vec<u8>]) -> (usize, Option<String>) {
+    let mut back = AlignedBuf::new(records.iter().map(Vec::len).sum()).unwrap();
+    // SAFETY: `back` is a live mapping of its length, unregistered below before it is freed.
+    unsafe { sys::cuMemHostRegister_v2(back.base_ptr().cast(), back.len(), 0) }.result().unwrap();
+    let (mut copies, mut offset, mut failure) = (Vec::new(), 0, None);
+    while let Some(batch) = loader.next() {
+        let mut batch = match batch {
+            Ok(batch) => batch,
+            Err(e) => {
+                failure.get_or_insert(e.to_string());
+                continue;
+            }
+        };
+        let device = batch.device().expect("copied to the GPU");
+        if named {
+            device.order_before(stream).unwrap();
+        } else {
+            device.wait().unwrap();
+        }
+        let len = device.len();
+        let into = &mut back.as_mut_slice()[offset..offset + len];
+        // SAFETY: `into` stays allocated and untouched until the stream is synchronised below;
+        // the source is the batch's device bytes, which the release below keeps from reuse
+        // until this copy has run.
+        unsafe { result::memcpy_dtoh_async(into, device.ptr(), stream as sys::CUstream) }.unwrap();
+        if named {
+            batch.release_after(stream).unwrap();
+        } else {
+            batch.release_after_all_device_work();
+        }
+        copies.push((batch.indices().to_vec(), offset..offset + len));
+        offset += len;
+    }
+    // SAFETY: a live stream of the current context, or the legacy default stream; then the
+    // registration made above, with no copy left to use it.
+    unsafe {
+        result::stream::synchronize(stream as sys::CUstream).unwrap();
+        sys::cuMemHostUnregister(back.base_ptr().cast()).result().unwrap();
+    }
+    for (indices, range) in &copies {
+        let wanted: Vec<u8> = indices.iter().flat_map(|&i| records[i as usize].clone()).collect();
+        assert_eq!(&back.as_slice()[range.clone()], &wanted[..], "stream {stream}, named: {named}");
+    }
+    (copies.len(), failure)
+}
+
 /// A trainer that reads each device batch with work queued on its own stream (here an
 /// asynchronous copy back to the host) and drops the batch before that work has run, as a
 /// training step does: every byte arrives, and no device buffer is reused before the work on it
@@ -157,47 +209,10 @@ fn device_batches_released_before_the_trainers_work_has_run_stay_intact() {
     for (stream, named) in [(trainer.raw() as u64, true), (1, true), (trainer.raw() as u64, false)] {
         let config = LoaderConfig { hold_max: 1, prefetch: 2, ..gpu_config(16) };
         let mut loader = Loader::new(Arc::clone(&dataset), config, Position::default()).unwrap();
-        // Page-locked, so that the copies back are asynchronous on a GPU too (into pageable
-        // memory the driver returns only once a copy has run).
-        let mut back = AlignedBuf::new(records.len() * 100).unwrap();
-        // SAFETY: `back` is a live mapping of its length, unregistered below before it is freed.
-        unsafe { sys::cuMemHostRegister_v2(back.base_ptr().cast(), back.len(), 0) }.result().unwrap();
-        let (mut copies, mut offset) = (Vec::new(), 0);
-        while let Some(batch) = loader.next() {
-            let mut batch = batch.unwrap();
-            let device = batch.device().expect("copied to the GPU");
-            if named {
-                device.order_before(stream).unwrap();
-            } else {
-                device.wait().unwrap();
-            }
-            let len = device.len();
-            let into = &mut back.as_mut_slice()[offset..offset + len];
-            // SAFETY: `into` stays allocated and untouched until the stream is synchronised
-            // below; the source is the batch's device bytes, which the release below keeps from
-            // reuse until this copy has run.
-            unsafe { result::memcpy_dtoh_async(into, device.ptr(), stream as sys::CUstream) }.unwrap();
-            trainer_copies += 1;
-            if named {
-                batch.release_after(stream).unwrap();
-            } else {
-                batch.release_after_all_device_work();
-            }
-            copies.push((batch.indices().to_vec(), offset..offset + len));
-            offset += len;
-            drop(batch);
-        }
-        // SAFETY: a live stream of the current context, or the legacy default stream; then the
-        // registration made above, with no copy left to use it.
-        unsafe {
-            result::stream::synchronize(stream as sys::CUstream).unwrap();
-            sys::cuMemHostUnregister(back.base_ptr().cast()).result().unwrap();
-        }
-        assert_eq!(copies.len(), records.len() / 16 + 1, "one epoch in batches of 16");
-        for (indices, range) in copies {
-            let wanted: Vec<u8> = indices.iter().flat_map(|&i| records[i as usize].clone()).collect();
-            assert_eq!(&back.as_slice()[range], &wanted[..], "stream {stream}, named: {named}");
-        }
+        let (copies, failure) = read_back(&mut loader, stream, named, &records);
+        assert!(failure.is_none(), "{failure:?}");
+        assert_eq!(copies, records.len() / 16 + 1, "one epoch in batches of 16");
+        trainer_copies += copies as u64;
     }
     drop(trainer);
     if let (Some(before), Some(after)) = (before, fake_cuda_stats()) {
@@ -253,23 +268,22 @@ fn the_loader_leaves_the_trainers_current_context_alone() {
     }
 }
 
-/// An upload that fails (the fake fails the 40th host-to-device copy) while the trainer's work
-/// on the buffer it was to overwrite is still queued: the loader reports the error, frees no
-/// device memory under that work (the fake would abort), and stops without hanging.
-#[test]
-#[ignore = "needs the fake driver (make gpu-fake)"]
-fn a_failed_upload_frees_nothing_under_the_trainers_work() {
-    let _serial = serial();
+/// Whether the fake driver is the one loaded (tests of the fake itself return early otherwise).
+fn fake_loaded() -> bool {
     cuda();
-    if fake_cuda_stats().is_none() {
-        eprintln!("a real driver is loaded: no failure to inject");
-        return;
+    let loaded = fake_cuda_stats().is_some();
+    if !loaded {
+        eprintln!("a real driver is loaded: nothing of the fake's to check");
     }
+    loaded
+}
+
+/// Runs test `name` of this binary in a child process with `env`; a child still running after
+/// a minute (a hang) is killed and fails the test.
+fn child(name: &str, env: &[(&str, &str)]) -> std::process::Output {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "fake_cuda_failed_upload", "--nocapture", "--test-threads", "1"])
-        .env("GRANARY_FAKE_CASE", "failed-upload")
-        .env("FAKE_CUDA_FAIL", "cuMemcpyHtoDAsync_v2:40")
-        .env("FAKE_CUDA_DELAY_US", "5000")
+        .args(["--ignored", "--exact", name, "--nocapture", "--test-threads", "1"])
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -278,11 +292,31 @@ fn a_failed_upload_frees_nothing_under_the_trainers_work() {
     while child.try_wait().unwrap().is_none() {
         if std::time::Instant::now() > deadline {
             child.kill().unwrap();
-            panic!("the loader hung after a failed upload");
+            panic!("{name} {env:?}: still running after a minute");
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let out = child.wait_with_output().unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// An upload that fails (the fake fails the 40th host-to-device copy) while the trainer's work
+/// on the buffer it was to overwrite is still queued: the loader reports the error, frees no
+/// device memory under that work (the fake would abort), and stops without hanging.
+#[test]
+#[ignore = "needs the fake driver (make gpu-fake)"]
+fn a_failed_upload_frees_nothing_under_the_trainers_work() {
+    let _serial = serial();
+    if !fake_loaded() {
+        return;
+    }
+    let out = child(
+        "fake_cuda_failed_upload",
+        &[
+            ("GRANARY_FAKE_CASE", "failed-upload"),
+            ("FAKE_CUDA_FAIL", "cuMemcpyHtoDAsync_v2:40"),
+            ("FAKE_CUDA_DELAY_US", "5000"),
+        ],
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("failed as injected: CUDA cuMemcpyHtoDAsync"), "{stdout}");
@@ -300,44 +334,10 @@ fn fake_cuda_failed_upload() {
     let (_dir, dataset, records) = tokens(3000);
     make_current(cuda.ordinal() as i32);
     let trainer = cuda.stream().unwrap();
-    let stream = trainer.raw() as u64;
     let config = LoaderConfig { hold_max: 1, prefetch: 2, ..gpu_config(16) };
     let mut loader = Loader::new(dataset, config, Position::default()).unwrap();
-    let mut back = AlignedBuf::new(records.len() * 100).unwrap();
-    // SAFETY: `back` is a live mapping of its length, unregistered below before it is freed.
-    unsafe { sys::cuMemHostRegister_v2(back.base_ptr().cast(), back.len(), 0) }.result().unwrap();
-    let (mut copies, mut offset, mut failure) = (Vec::new(), 0, None);
-    while let Some(batch) = loader.next() {
-        let mut batch = match batch {
-            Ok(batch) => batch,
-            Err(e) => {
-                failure = Some(e.to_string());
-                continue;
-            }
-        };
-        let device = batch.device().unwrap();
-        device.order_before(stream).unwrap();
-        let len = device.len();
-        // SAFETY: as in `device_batches_released_before_the_trainers_work_has_run_stay_intact`.
-        unsafe {
-            result::memcpy_dtoh_async(&mut back.as_mut_slice()[offset..offset + len], device.ptr(), trainer.raw())
-        }
-        .unwrap();
-        batch.release_after(stream).unwrap();
-        copies.push((batch.indices().to_vec(), offset..offset + len));
-        offset += len;
-    }
-    drop(loader);
-    // SAFETY: the trainer's stream is live; then the registration made above, with no copy left.
-    unsafe {
-        result::stream::synchronize(trainer.raw()).unwrap();
-        sys::cuMemHostUnregister(back.base_ptr().cast()).result().unwrap();
-    }
-    assert!(copies.len() >= 30, "batches before the failure: {}", copies.len());
-    for (indices, range) in copies {
-        let wanted: Vec<u8> = indices.iter().flat_map(|&i| records[i as usize].clone()).collect();
-        assert_eq!(&back.as_slice()[range], &wanted[..]);
-    }
+    let (copies, failure) = read_back(&mut loader, trainer.raw() as u64, true, &records);
+    assert!(copies >= 30, "batches before the failure: {copies}");
     println!("failed as injected: {}", failure.expect("the injected failure was reported"));
 }
 
@@ -357,18 +357,11 @@ const FAKE_CASES: [(&str, Option<&str>); 6] = [
 #[ignore = "needs the fake driver (make gpu-fake)"]
 fn the_fake_driver_catches_what_a_gpu_would_get_silently_wrong() {
     let _serial = serial();
-    cuda();
-    if fake_cuda_stats().is_none() {
-        eprintln!("a real driver is loaded: nothing to check");
+    if !fake_loaded() {
         return;
     }
     for (case, message) in FAKE_CASES {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", "fake_cuda_case", "--nocapture", "--test-threads", "1"])
-            .env("GRANARY_FAKE_CASE", case)
-            .env("FAKE_CUDA_DELAY_US", "100000")
-            .output()
-            .unwrap();
+        let out = child("fake_cuda_case", &[("GRANARY_FAKE_CASE", case), ("FAKE_CUDA_DELAY_US", "100000")]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         match message {
             None => assert!(out.status.success(), "{case}: {stderr}"),
