@@ -16,6 +16,7 @@
 mod aligned;
 pub mod bare;
 mod fault;
+mod mapped;
 mod pread;
 #[cfg(target_os = "linux")]
 mod uring;
@@ -24,6 +25,7 @@ use std::path::{Path, PathBuf};
 
 pub use aligned::AlignedBuf;
 pub use fault::{Fault, FaultIo};
+pub use mapped::{MappedFile, WritableMap, flock};
 pub use pread::PreadIo;
 #[cfg(target_os = "linux")]
 pub use uring::UringIo;
