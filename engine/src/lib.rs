@@ -4,7 +4,8 @@
 //! `store` (files on disk, crash-safe publishing) -> `catalog` (sled cache of what the files say)
 //! -> `ingest` (sources into shards) -> `plan` (which record each rank reads, in which order) ->
 //! `io` (io_uring and pread backends) -> `staging` (the bounded pool of page-aligned buffers,
-//! page-locked through CUDA when present) -> `read` (batch planning, verification, assembly) ->
+//! page-locked through CUDA when present) -> `tier` (verified extents in memory, shared by the
+//! node's processes, filled and emptied by the plan) -> `read` (batch planning, verification, assembly) ->
 //! `policy` (partitioning, eviction and replication as WebAssembly plugins) -> `loader` (one
 //! rank's batches, prefetched, verified, copied to the GPU). `engine` wires the write side
 //! together (store, catalog, ingest); `replication` (a side path) keeps copies of shards on the
@@ -38,6 +39,7 @@ pub mod ingest;
 pub mod plan;
 pub mod io;
 pub mod staging;
+pub mod tier;
 pub mod read;
 #[cfg(feature = "policy")]
 pub mod policy;
@@ -50,9 +52,10 @@ pub use error::{Error, FormatError, PluginError, Result};
 pub use id::{ManifestId, ObjectId, ShardId};
 pub use ingest::{Ingest, IngestMode, IngestOptions};
 pub use io::{Backend, Io, IoConfig};
-pub use loader::{LoadedBatch, Loader, LoaderConfig, LoaderStats, PlanSource, Target};
+pub use loader::{LoadedBatch, Loader, LoaderConfig, LoaderStats, PlanSource, Target, TierSetting};
 pub use plan::{EpochPlan, Order, Position, RankCursor, World};
 pub use read::{Batch, Dataset, Reader, ShardRepair};
 pub use shard::{Dtype, FixedLayout, Layout};
 pub use staging::{Lease, StagingConfig, StagingPool};
 pub use store::{DatasetName, StorePaths, VersionSpec};
+pub use tier::{MemoryTier, TierConfig, TierStats};

@@ -1,0 +1,385 @@
+//! Filling the tier from the plan: which extents to load, in which order, and which to evict.
+//!
+//! Owns: `TierSchedule` (every extent a loader will read, with the steps at which it reads it:
+//! the plan, known in advance), `Coordinator` (the state the loader's reader and its filler
+//! threads share: the reader's current step, the extents admitted, the queue, requests the
+//! reader is waiting on) and `run_filler` (one filler thread's loop).
+//!
+//! The policy is Belady's on this loader's plan: the extents needed soonest are admitted while
+//! they fit the budget (after memory pressure), loaded in order of next use (an extent the
+//! reader is waiting for first: when the whole schedule fits, the reader waits for any extent
+//! rather than read its records from disk; otherwise only for one being filled), and room is made by evicting the extent whose next use is
+//! farthest ahead (one no plan here uses first), never one needed sooner than the extent it
+//! makes room for. Reads of extents not admitted go to disk at record granularity and load
+//! nothing, so a dataset larger than the budget does not flush the tier.
+//! Never: reads records (the `read` module does), or waits without a deadline.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{ExtentKey, Filled, MemoryTier};
+use crate::error::Result;
+use crate::shard::ShardMeta;
+
+/// Steps the reader may advance before the admitted set is computed again.
+const REPLAN_STEPS: u64 = 16;
+
+/// How often an idle filler looks at memory pressure.
+const IDLE_CHECK: Duration = Duration::from_millis(100);
+
+/// A step that never comes: the extent is not used again.
+const NEVER: u64 = u64::MAX;
+
+/// Where an extent's bytes are on disk, and how to check them.
+#[derive(Clone, Debug)]
+pub struct ExtentInfo {
+    /// The extent.
+    pub key: ExtentKey,
+    /// Its shard's file.
+    pub path: PathBuf,
+    /// Its shard's verified metadata (the block checksums).
+    pub meta: Arc<ShardMeta>,
+    /// Its first data block.
+    pub first_block: u64,
+    /// Its data blocks.
+    pub n_blocks: u64,
+}
+
+/// Every extent a loader will read and the steps at which it reads each, ascending.
+#[derive(Debug, Default)]
+pub struct TierSchedule {
+    extents: Vec<ExtentInfo>,
+    uses: Vec<Vec<u64>>,
+    index: HashMap<ExtentKey, usize>,
+}
+
+impl TierSchedule {
+    /// A schedule over `extents` (indexed in this order), none of them used yet.
+    pub fn with_extents(extents: Vec<ExtentInfo>) -> Self {
+        let index = extents.iter().enumerate().map(|(i, info)| (info.key, i)).collect();
+        let uses = vec![Vec::new(); extents.len()];
+        Self { extents, uses, index }
+    }
+
+    /// The index of `key`, adding it with `info` when new.
+    pub fn extent(&mut self, key: ExtentKey, info: impl FnOnce() -> ExtentInfo) -> usize {
+        *self.index.entry(key).or_insert_with(|| {
+            self.extents.push(info());
+            self.uses.push(Vec::new());
+            self.extents.len() - 1
+        })
+    }
+
+    /// Records that extent `extent` is read at `step` (steps are added in ascending order).
+    pub fn add_use(&mut self, extent: usize, step: u64) {
+        let uses = &mut self.uses[extent];
+        if uses.last() != Some(&step) {
+            debug_assert!(uses.last().is_none_or(|&last| last < step), "uses are added in step order");
+            uses.push(step);
+        }
+    }
+
+    /// Extents in the schedule.
+    pub fn len(&self) -> usize {
+        self.extents.len()
+    }
+
+    /// Whether the schedule is empty.
+    pub fn is_empty(&self) -> bool {
+        self.extents.is_empty()
+    }
+
+    /// The first step at or after `step` at which extent `extent` is read.
+    fn next_use(&self, extent: usize, step: u64) -> u64 {
+        let uses = &self.uses[extent];
+        uses.get(uses.partition_point(|&s| s < step)).copied().unwrap_or(NEVER)
+    }
+
+    fn bytes(&self, extent: usize) -> u64 {
+        self.extents[extent].n_blocks * crate::shard::BLOCK_BYTES_U64
+    }
+}
+
+/// The state a loader's reader and its fillers share. See the module documentation.
+pub struct Coordinator {
+    tier: Arc<MemoryTier>,
+    state: Mutex<State>,
+    changed: Condvar,
+    /// Fills finished (loaded, failed or found elsewhere) so far.
+    published: AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    schedule: TierSchedule,
+    by_name: HashMap<String, usize>,
+    /// The step the reader is planning.
+    step: u64,
+    /// The step the admitted set was computed at; `None`: compute it.
+    planned_at: Option<u64>,
+    admitted: Vec<bool>,
+    loaded: Vec<bool>,
+    busy: Vec<bool>,
+    failed: Vec<bool>,
+    queue: VecDeque<usize>,
+    urgent: VecDeque<usize>,
+    /// A schedule is being computed: the reader waits for it before deciding disk or tier.
+    pending: bool,
+    /// Every extent the schedule reads fits the budget: the reader waits for any of them
+    /// rather than read from disk (when only some fit, it waits only for a fill under way).
+    fits: bool,
+    stop: bool,
+}
+
+impl Coordinator {
+    /// A coordinator over `tier`, with an empty schedule.
+    pub fn new(tier: Arc<MemoryTier>) -> Arc<Self> {
+        Arc::new(Self {
+            tier,
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            published: AtomicU64::new(0),
+        })
+    }
+
+    /// The tier.
+    pub fn tier(&self) -> &Arc<MemoryTier> {
+        &self.tier
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A schedule is on its way: until it comes, `wait_for` waits for it.
+    pub fn expect_schedule(&self) {
+        self.lock().pending = true;
+    }
+
+    /// Replaces the schedule (at an epoch's start: this epoch's reads and the next one's).
+    pub fn set_schedule(&self, schedule: TierSchedule) {
+        let mut state = self.lock();
+        state.pending = false;
+        let n = schedule.len();
+        state.by_name = schedule.extents.iter().enumerate().map(|(i, info)| (info.key.name(), i)).collect();
+        state.schedule = schedule;
+        state.admitted = vec![false; n];
+        state.loaded = vec![false; n];
+        state.busy = vec![false; n];
+        state.failed = vec![false; n];
+        state.queue.clear();
+        state.urgent.clear();
+        state.planned_at = None;
+        drop(state);
+        self.changed.notify_all();
+    }
+
+    /// The reader is planning step `step`.
+    pub fn advance(&self, step: u64) {
+        let mut state = self.lock();
+        state.step = step;
+        if state.planned_at.is_none_or(|at| step >= at + REPLAN_STEPS) {
+            state.planned_at = None;
+            drop(state);
+            self.changed.notify_all();
+        }
+    }
+
+    /// Ends the fillers.
+    pub fn stop(&self) {
+        self.lock().stop = true;
+        self.changed.notify_all();
+    }
+
+    /// Fills finished so far.
+    pub fn published(&self) -> u64 {
+        self.published.load(Ordering::Acquire)
+    }
+
+    /// Waits until a fill finishes after `seen` fills had, or `timeout` passes.
+    pub fn wait_for_publish(&self, seen: u64, timeout: Duration) {
+        let state = self.lock();
+        if self.published() == seen {
+            let _ = self.changed.wait_timeout(state, timeout);
+        }
+    }
+
+    /// Waits for extent `key` when this loader's fillers have admitted it: it goes to the front
+    /// of their queue. True once a fill of it finished (the caller looks it up again); false
+    /// when it is not admitted, its fill failed, or `deadline` passed.
+    pub fn wait_for(&self, key: &ExtentKey, deadline: Instant) -> bool {
+        let mut state = self.lock();
+        while state.pending && !state.stop && Instant::now() < deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            state = self.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        if state.planned_at.is_none() {
+            self.replan(&mut state);
+        }
+        let Some(&extent) = state.schedule.index.get(key) else { return false };
+        if !state.admitted[extent] || state.failed[extent] || !(state.fits || state.busy[extent]) {
+            return false;
+        }
+        // Loaded earlier but not there now: evicted by another process. Load it again.
+        state.loaded[extent] = false;
+        if !state.busy[extent] {
+            state.urgent.push_front(extent);
+        }
+        self.changed.notify_all();
+        loop {
+            if state.loaded[extent] {
+                return true;
+            }
+            let now = Instant::now();
+            if state.failed[extent] || !state.admitted[extent] || state.stop || now >= deadline {
+                return false;
+            }
+            state = self.changed.wait_timeout(state, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// The next extent to fill, marked busy; `None` when stopped.
+    fn next_job(&self) -> Option<(usize, ExtentInfo, u64)> {
+        let mut state = self.lock();
+        loop {
+            if state.stop {
+                return None;
+            }
+            if state.planned_at.is_none() {
+                self.replan(&mut state);
+            }
+            let ready = |s: &State, e: usize| s.admitted[e] && !s.loaded[e] && !s.busy[e] && !s.failed[e];
+            let mut job = None;
+            while let Some(e) = state.urgent.pop_front() {
+                if ready(&state, e) {
+                    job = Some(e);
+                    break;
+                }
+            }
+            if job.is_none() {
+                while let Some(e) = state.queue.pop_front() {
+                    if ready(&state, e) {
+                        job = Some(e);
+                        break;
+                    }
+                }
+            }
+            if let Some(e) = job {
+                state.busy[e] = true;
+                let next_use = state.schedule.next_use(e, state.step);
+                return Some((e, state.schedule.extents[e].clone(), next_use));
+            }
+            let (woken, timeout) = self.changed.wait_timeout(state, IDLE_CHECK).unwrap_or_else(|e| e.into_inner());
+            state = woken;
+            if timeout.timed_out() && !state.stop {
+                // Nothing to load: give memory back if the node needs it.
+                drop(state);
+                let _ = self.make_room(None, 0);
+                state = self.lock();
+            }
+        }
+    }
+
+    /// Admits the extents needed soonest while they fit the budget, and queues those not loaded.
+    fn replan(&self, state: &mut State) {
+        let step = state.step;
+        let mut order: Vec<(u64, usize)> = (0..state.schedule.len())
+            .map(|e| (state.schedule.next_use(e, step), e))
+            .filter(|&(next, _)| next != NEVER)
+            .collect();
+        order.sort_unstable();
+        let held = self.tier.resident().map(|(_, bytes)| bytes).unwrap_or(0);
+        let budget = self.tier.effective_budget(held);
+        state.admitted.iter_mut().for_each(|a| *a = false);
+        state.queue.clear();
+        state.fits = true;
+        let mut admitted_bytes = 0;
+        for (_, e) in order {
+            let bytes = state.schedule.bytes(e);
+            if admitted_bytes + bytes > budget {
+                state.fits = false;
+                break;
+            }
+            admitted_bytes += bytes;
+            state.admitted[e] = true;
+            if !state.loaded[e] {
+                state.queue.push_back(e);
+            }
+        }
+        state.planned_at = Some(step);
+    }
+
+    /// Evicts extents (farthest next use first; unknown ones, never used here, before all) until
+    /// `bytes` more fit the budget; never one used sooner than `for_next_use`. False when no room
+    /// can be made that way.
+    fn make_room(&self, for_next_use: Option<u64>, bytes: u64) -> Result<bool> {
+        let (resident, mut held) = self.tier.resident()?;
+        let budget = self.tier.effective_budget(held);
+        if held + bytes <= budget {
+            return Ok(true);
+        }
+        let mut victims: Vec<(u64, String, u64)> = {
+            let state = self.lock();
+            resident
+                .into_iter()
+                .map(|(name, size)| {
+                    let next = state.by_name.get(&name).map_or(NEVER, |&e| state.schedule.next_use(e, state.step));
+                    (next, name, size)
+                })
+                .collect()
+        };
+        victims.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        for (next, name, size) in victims {
+            if held + bytes <= budget {
+                break;
+            }
+            if for_next_use.is_some_and(|mine| next <= mine) {
+                return Ok(false);
+            }
+            self.tier.evict(&name)?;
+            held = held.saturating_sub(size);
+            let mut state = self.lock();
+            if let Some(&e) = state.by_name.get(&name) {
+                state.loaded[e] = false;
+            }
+        }
+        Ok(held + bytes <= budget)
+    }
+
+    fn finish(&self, extent: usize, outcome: &Result<Option<Filled>>) {
+        let mut state = self.lock();
+        state.busy[extent] = false;
+        match outcome {
+            Ok(Some(_)) => state.loaded[extent] = true,
+            // No room without evicting something needed sooner: not admitted until replanned.
+            Ok(None) => state.admitted[extent] = false,
+            Err(_) => state.failed[extent] = true,
+        }
+        self.published.fetch_add(1, Ordering::AcqRel);
+        drop(state);
+        self.changed.notify_all();
+    }
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator").field("tier", &self.tier).finish()
+    }
+}
+
+/// One filler thread: loads extents as `coordinator` hands them out until it is stopped. A
+/// failed fill is recorded (the reader then reads those records from disk, where a damaged
+/// block is reported as any other).
+pub fn run_filler(coordinator: &Coordinator) -> Result<()> {
+    while let Some((extent, info, next_use)) = coordinator.next_job() {
+        let bytes = info.n_blocks * crate::shard::BLOCK_BYTES_U64;
+        let outcome = coordinator
+            .make_room(Some(next_use), bytes)
+            .and_then(|room| if room { coordinator.tier.fill(&info).map(Some) } else { Ok(None) });
+        coordinator.finish(extent, &outcome);
+    }
+    Ok(())
+}

@@ -1,0 +1,822 @@
+//! The memory tier: verified shard extents held in memory that every process of the node shares.
+//!
+//! Owns: a directory in a memory file system (`/dev/shm/granary-tier-UID` by default) holding
+//! one file per extent (a run of a shard's data blocks, `extent_bytes` long, the last of a shard
+//! shorter), named by the shard's content id and the extent's index, so versions that share a
+//! shard share its extents and eight ranks of a node hold one copy. Readers map extent files
+//! read-only (`TierReader`); fillers (`fill.rs`, driven by the loader's plan) read an extent from
+//! disk in one large O_DIRECT read straight into a claimed fill file's mapping, check every
+//! block's CRC32C, and publish the file by rename. The budget bounds the bytes held, node-wide; under memory pressure
+//! (MemAvailable or the cgroup's headroom below a reserve) the tier shrinks.
+//!
+//! Invariants: an extent file under its final name is complete and every block of it passed its
+//! checksum on the way in (a reader never sees a half-filled extent); a fill in progress is a
+//! `.fill-` file flock'ed by its filler, so a filler that dies leaves a stale claim any process
+//! can tell from a live one (the lock went with the process) and remove; a published extent is
+//! never written again, only unlinked (mappings of it stay valid). The directory is emptied when
+//! its last user closes it (each user holds a shared flock on `.users`), so a job's memory goes
+//! back when it ends, also after a crash (the next first user empties it).
+//! Never: trusts a directory it does not own (another user's, or a symlink), or touches disk
+//! shards except to read them.
+
+mod fill;
+
+use std::collections::HashMap;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use fill::{Coordinator, ExtentInfo, TierSchedule, run_filler};
+
+use crate::error::{Error, Result};
+use crate::id::ShardId;
+use crate::io::{MappedFile, WritableMap, flock};
+use crate::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
+
+/// Default extent size: large enough that a fill reads at the disk's sequential rate, small
+/// enough that a budget of a few GiB holds hundreds of them.
+pub const EXTENT_BYTES_DEFAULT: u64 = 4 << 20;
+
+/// Memory kept free for the trainer when the tier shrinks under pressure: a sixteenth of the
+/// node's (or the cgroup's) memory, and at least this much (or a quarter, in a small cgroup).
+const RESERVE_BYTES_MIN: u64 = 256 << 20;
+
+/// How long a directory listing is trusted before it is read again (other processes fill and
+/// evict too).
+const SCAN_TTL: Duration = Duration::from_millis(100);
+
+/// How the memory tier is set up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierConfig {
+    /// Bytes the tier may hold node-wide; `None`: half of MemAvailable (and of the cgroup's
+    /// limit) when the tier opens. 0 turns the tier off.
+    pub budget_bytes: Option<u64>,
+    /// The directory (in a memory file system); `None`: `/dev/shm/granary-tier-UID`.
+    pub dir: Option<PathBuf>,
+    /// Bytes per extent, a multiple of 4 KiB.
+    pub extent_bytes: u64,
+    /// Threads reading extents from disk into the tier (4 by default: on a 2-core machine the
+    /// fill is bound by the kernel's page allocation for the tier's memory, not by the disk, and
+    /// more threads than cores keep the disk busy while others allocate).
+    pub fill_threads: usize,
+    /// Leave the extents in place when the last user closes the tier (a later run starts warm;
+    /// the memory stays taken until someone clears it).
+    pub keep: bool,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        Self { budget_bytes: None, dir: None, extent_bytes: EXTENT_BYTES_DEFAULT, fill_threads: 4, keep: false }
+    }
+}
+
+impl TierConfig {
+    /// The default, with `GRANARY_TIER_BYTES` (0 turns it off; size suffixes as `4GiB`),
+    /// `GRANARY_TIER_DIR` and `GRANARY_TIER_KEEP=1` applied.
+    pub fn from_env() -> Result<Self> {
+        let mut config = Self::default();
+        if let Ok(bytes) = std::env::var("GRANARY_TIER_BYTES") {
+            config.budget_bytes = Some(parse_bytes(&bytes).ok_or_else(|| {
+                Error::invalid_input(format!("GRANARY_TIER_BYTES={bytes:?} is not a size (as 0, 512MiB or 8GiB)"))
+            })?);
+        }
+        if let Some(dir) = std::env::var_os("GRANARY_TIER_DIR") {
+            config.dir = Some(PathBuf::from(dir));
+        }
+        config.keep = std::env::var("GRANARY_TIER_KEEP").is_ok_and(|v| v == "1");
+        Ok(config)
+    }
+
+    /// A tier that is off.
+    pub fn off() -> Self {
+        Self { budget_bytes: Some(0), ..Self::default() }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.extent_bytes == 0 || !self.extent_bytes.is_multiple_of(BLOCK_BYTES_U64) || self.extent_bytes > 1 << 30 {
+            return Err(Error::invalid_input(format!(
+                "tier extent size {} is not a multiple of 4096 in 4 KiB..=1 GiB",
+                self.extent_bytes
+            )));
+        }
+        if self.fill_threads == 0 || self.fill_threads > 64 {
+            return Err(Error::invalid_input(format!("tier fill threads {} is not in 1..=64", self.fill_threads)));
+        }
+        Ok(())
+    }
+}
+
+/// Parses `4096`, `512MiB`, `8GiB`, `1.5GiB`, `2G` (binary units).
+pub fn parse_bytes(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.parse().ok()?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return None,
+    };
+    let bytes = number * scale as f64;
+    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+}
+
+/// One extent: a shard and the index of the extent within its data region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ExtentKey {
+    /// The shard's content id.
+    pub shard: ShardId,
+    /// Which extent of the shard's data region.
+    pub extent: u32,
+}
+
+impl ExtentKey {
+    /// The file name of the extent in the tier's directory.
+    pub fn name(&self) -> String {
+        format!("{}.{:06}", self.shard, self.extent)
+    }
+}
+
+/// Counters of a tier, for this process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Bytes the tier holds node-wide (at the last directory listing).
+    pub bytes_held: u64,
+    /// The budget in force (after memory pressure).
+    pub budget_bytes: u64,
+    /// Extents this process read from disk into the tier.
+    pub extents_loaded: u64,
+    /// Bytes of those extents.
+    pub bytes_loaded: u64,
+    /// Extents this process removed from the tier (for room, or under pressure).
+    pub extents_evicted: u64,
+    /// Fills that failed (a read error or a block that did not check out: the record reads go
+    /// to disk and report it there).
+    pub fill_failures: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    extents_loaded: AtomicU64,
+    bytes_loaded: AtomicU64,
+    extents_evicted: AtomicU64,
+    fill_failures: AtomicU64,
+}
+
+/// What a look-up found.
+pub enum Lookup {
+    /// Verified bytes, mapped.
+    Resident(Arc<MappedFile>),
+    /// A live filler (of this process or another) is reading it now.
+    Filling,
+    /// Not in the tier.
+    Absent,
+}
+
+/// How a fill ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Filled {
+    /// Read, checked and published by this call.
+    Loaded,
+    /// Someone else published it, or is filling it now.
+    Elsewhere,
+}
+
+/// A node-wide memory tier, opened by one process. See the module documentation.
+pub struct MemoryTier {
+    dir: PathBuf,
+    budget_bytes: u64,
+    extent_bytes: u64,
+    fill_threads: usize,
+    keep: bool,
+    /// Holds a shared flock while this tier is open.
+    users: std::fs::File,
+    counters: Counters,
+    listing: Mutex<Listing>,
+    /// Extents this process has mapped, by name: every loader of the process shares them, so an
+    /// extent is mapped (and its pages entered in the page table) once per process.
+    maps: Mutex<HashMap<String, Arc<MappedFile>>>,
+}
+
+/// The last directory listing: extent names and their bytes.
+struct Listing {
+    at: Option<Instant>,
+    extents: HashMap<String, u64>,
+    bytes: u64,
+}
+
+impl MemoryTier {
+    /// Opens (creating it if needed) the tier `config` describes; `None` when the budget is 0.
+    pub fn open(config: &TierConfig) -> Result<Option<Arc<Self>>> {
+        config.validate()?;
+        if config.budget_bytes == Some(0) {
+            return Ok(None);
+        }
+        let dir = match &config.dir {
+            Some(dir) => dir.clone(),
+            None => {
+                let shm = Path::new("/dev/shm");
+                if !shm.is_dir() {
+                    return Err(Error::invalid_input(
+                        "the memory tier needs /dev/shm (or a tier directory in a memory file system); \
+                         set the tier budget to 0 to read without it",
+                    ));
+                }
+                shm.join(format!("granary-tier-{}", current_uid()))
+            }
+        };
+        prepare_dir(&dir)?;
+        let budget_bytes = match config.budget_bytes {
+            Some(bytes) => bytes,
+            None => {
+                let memory = Memory::read();
+                memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX)) / 2
+            }
+        };
+        let users_path = dir.join(".users");
+        let users = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&users_path)
+            .map_err(|e| Error::io("open", &users_path, e))?;
+        let tier = Self {
+            dir,
+            budget_bytes,
+            extent_bytes: config.extent_bytes,
+            fill_threads: config.fill_threads,
+            keep: config.keep,
+            users,
+            counters: Counters::default(),
+            listing: Mutex::new(Listing { at: None, extents: HashMap::new(), bytes: 0 }),
+            maps: Mutex::new(HashMap::new()),
+        };
+        // The first user empties what a crashed job left behind, then shares the directory.
+        if flock(&tier.users, libc::LOCK_EX | libc::LOCK_NB).is_ok() && !tier.keep {
+            tier.clear()?;
+        }
+        flock(&tier.users, libc::LOCK_SH).map_err(|e| Error::io("flock", &users_path, e))?;
+        Ok(Some(Arc::new(tier)))
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Bytes per extent.
+    pub fn extent_bytes(&self) -> u64 {
+        self.extent_bytes
+    }
+
+    /// The configured budget.
+    pub fn budget_bytes(&self) -> u64 {
+        self.budget_bytes
+    }
+
+    /// Threads that fill this tier for a loader.
+    pub fn fill_threads(&self) -> usize {
+        self.fill_threads
+    }
+
+    /// Blocks per extent.
+    pub fn extent_blocks(&self) -> u64 {
+        self.extent_bytes / BLOCK_BYTES_U64
+    }
+
+    /// The extents of a shard whose data region is `n_data_blocks` long.
+    pub fn n_extents(&self, n_data_blocks: u64) -> u64 {
+        n_data_blocks.div_ceil(self.extent_blocks())
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> TierStats {
+        let bytes_held = self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).bytes;
+        TierStats {
+            bytes_held,
+            budget_bytes: self.effective_budget(bytes_held),
+            extents_loaded: self.counters.extents_loaded.load(Ordering::Relaxed),
+            bytes_loaded: self.counters.bytes_loaded.load(Ordering::Relaxed),
+            extents_evicted: self.counters.extents_evicted.load(Ordering::Relaxed),
+            fill_failures: self.counters.fill_failures.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The budget after memory pressure: never more than the configured one, and small enough
+    /// that the node (and this process's cgroup) keeps a reserve free, counting the `held`
+    /// bytes of the tier as its own to give back.
+    pub fn effective_budget(&self, held: u64) -> u64 {
+        let memory = Memory::read();
+        let headroom = memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX));
+        let limit = memory.cgroup_limit.unwrap_or(memory.total);
+        let reserve = RESERVE_BYTES_MIN.min(limit / 4).max(limit / 16);
+        let allowed = (held + headroom).saturating_sub(reserve);
+        self.budget_bytes.min(allowed)
+    }
+
+    /// Looks `key` up: mapped if resident, `Filling` if a live filler holds its claim.
+    pub fn lookup(&self, key: &ExtentKey) -> Result<Lookup> {
+        let name = key.name();
+        let mut maps = self.maps.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(mapped) = maps.get(&name) {
+            if !mapped.is_unlinked() {
+                return Ok(Lookup::Resident(Arc::clone(mapped)));
+            }
+            maps.remove(&name);
+        }
+        let path = self.dir.join(&name);
+        match std::fs::File::open(&path) {
+            Ok(file) => {
+                let mapped = Arc::new(MappedFile::new(file, &path)?);
+                maps.insert(name, Arc::clone(&mapped));
+                return Ok(Lookup::Resident(mapped));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("open", &path, e)),
+        }
+        drop(maps);
+        Ok(if self.claim_is_live(&name) { Lookup::Filling } else { Lookup::Absent })
+    }
+
+    /// Whether a live filler holds the claim on extent `name` (a claim whose lock is free was
+    /// left by a filler that died: it is removed).
+    fn claim_is_live(&self, name: &str) -> bool {
+        let claim = self.dir.join(format!(".fill-{name}"));
+        let Ok(file) = std::fs::File::open(&claim) else { return false };
+        if flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+            // Nobody holds it: the filler died. Its claim goes (a live filler publishes by
+            // renaming the claim, so it never comes back under this name by itself).
+            let _ = std::fs::remove_file(&claim);
+            return false;
+        }
+        true
+    }
+
+    /// Reads extent `info` from its shard into the tier: one O_DIRECT read into a claimed fill
+    /// file's mapping, every block checked against `meta`, then published by rename.
+    pub fn fill(&self, info: &ExtentInfo) -> Result<Filled> {
+        let name = info.key.name();
+        let final_path = self.dir.join(&name);
+        if final_path.exists() {
+            return Ok(Filled::Elsewhere);
+        }
+        let Some(claim) = self.claim(&name)? else { return Ok(Filled::Elsewhere) };
+        // Another filler may have published it between the check above and the claim.
+        if final_path.exists() {
+            let _ = std::fs::remove_file(&claim.path);
+            return Ok(Filled::Elsewhere);
+        }
+        let outcome = self.fill_claimed(info, &claim, &final_path);
+        if outcome.is_err() {
+            let _ = std::fs::remove_file(&claim.path);
+            self.counters.fill_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        outcome
+    }
+
+    fn fill_claimed(&self, info: &ExtentInfo, claim: &Claim, final_path: &Path) -> Result<Filled> {
+        let len = usize::try_from(info.n_blocks * BLOCK_BYTES_U64).expect("an extent fits in memory");
+        // The disk's DMA lands in the claim file's own pages: no copy into the tier.
+        let mut map = WritableMap::new(&claim.file, len, &claim.path)?;
+        let bytes = map.as_mut_slice();
+        read_exact_direct(&info.path, DATA_OFFSET + info.first_block * BLOCK_BYTES_U64, bytes)?;
+        info.meta.check_blocks(info.first_block, bytes).map_err(|(block, expected, actual)| {
+            Error::ChecksumMismatch { shard: info.key.shard, block, expected, actual }
+        })?;
+        drop(map);
+        claim
+            .file
+            .set_permissions(std::fs::Permissions::from_mode(0o400))
+            .map_err(|e| Error::io("chmod", &claim.path, e))?;
+        std::fs::rename(&claim.path, final_path).map_err(|e| Error::io("rename", final_path, e))?;
+        self.counters.extents_loaded.fetch_add(1, Ordering::Relaxed);
+        self.counters.bytes_loaded.fetch_add(len as u64, Ordering::Relaxed);
+        let mut listing = self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if listing.extents.insert(info.key.name(), len as u64).is_none() {
+            listing.bytes += len as u64;
+        }
+        Ok(Filled::Loaded)
+    }
+
+    /// Takes the claim on extent `name`: a fresh file, locked, then linked to `.fill-NAME` (the
+    /// link fails if another claim exists, so the lock is held before the name is visible).
+    /// `None` when a live filler holds it.
+    fn claim(&self, name: &str) -> Result<Option<Claim>> {
+        let claim_path = self.dir.join(format!(".fill-{name}"));
+        let fresh = self.dir.join(format!(".new-{}-{}-{name}", std::process::id(), nonce()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&fresh)
+            .map_err(|e| Error::io("create", &fresh, e))?;
+        let claimed =
+            flock(&file, libc::LOCK_EX | libc::LOCK_NB).map_err(|e| Error::io("flock", &fresh, e)).and_then(|()| {
+                for _ in 0..2 {
+                    match std::fs::hard_link(&fresh, &claim_path) {
+                        Ok(()) => return Ok(true),
+                        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                            if self.claim_is_live(name) {
+                                return Ok(false);
+                            }
+                        }
+                        Err(e) => return Err(Error::io("link", &claim_path, e)),
+                    }
+                }
+                Ok(false)
+            });
+        let _ = std::fs::remove_file(&fresh);
+        Ok(claimed?.then_some(Claim { file, path: claim_path }))
+    }
+
+    /// Removes extent `key` from the tier (mappings of it stay valid until dropped).
+    pub fn evict(&self, name: &str) -> Result<()> {
+        let path = self.dir.join(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {
+                self.counters.extents_evicted.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("remove", &path, e)),
+        }
+        self.maps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(name);
+        let mut listing = self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(bytes) = listing.extents.remove(name) {
+            listing.bytes -= bytes;
+        }
+        Ok(())
+    }
+
+    /// The extents held node-wide (name and bytes), listed again when the last listing is older
+    /// than a moment.
+    pub fn resident(&self) -> Result<(HashMap<String, u64>, u64)> {
+        let mut listing = self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if listing.at.is_none_or(|at| at.elapsed() > SCAN_TTL) {
+            let mut extents = HashMap::new();
+            let mut bytes = 0;
+            let entries = std::fs::read_dir(&self.dir).map_err(|e| Error::io("list", &self.dir, e))?;
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with('.') {
+                    continue;
+                }
+                if let Ok(meta) = entry.metadata()
+                    && meta.is_file()
+                {
+                    bytes += meta.len();
+                    extents.insert(name, meta.len());
+                }
+            }
+            *listing = Listing { at: Some(Instant::now()), extents, bytes };
+            // Mappings of extents another process evicted go, so their memory can.
+            self.maps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).retain(|_, m| !m.is_unlinked());
+        }
+        Ok((listing.extents.clone(), listing.bytes))
+    }
+
+    /// Removes every extent and every stale claim.
+    pub fn clear(&self) -> Result<()> {
+        let entries = std::fs::read_dir(&self.dir).map_err(|e| Error::io("list", &self.dir, e))?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == ".users" {
+                continue;
+            }
+            if let Some(extent) = name.strip_prefix(".fill-")
+                && self.claim_is_live(extent)
+            {
+                continue;
+            }
+            let _ = std::fs::remove_file(entry.path());
+        }
+        *self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Listing { at: None, extents: HashMap::new(), bytes: 0 };
+        self.maps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+        Ok(())
+    }
+}
+
+impl Drop for MemoryTier {
+    fn drop(&mut self) {
+        // The last user empties the directory, so the job's memory goes back when it ends.
+        if !self.keep && flock(&self.users, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+            let _ = self.clear();
+        }
+    }
+}
+
+impl std::fmt::Debug for MemoryTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryTier")
+            .field("dir", &self.dir)
+            .field("budget_bytes", &self.budget_bytes)
+            .field("extent_bytes", &self.extent_bytes)
+            .finish()
+    }
+}
+
+/// A claimed fill file, locked by this process until it is published or removed.
+struct Claim {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+fn nonce() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+fn current_uid() -> u32 {
+    std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0)
+}
+
+/// Creates the tier directory (mode 0700) or checks that an existing one is a real directory
+/// owned by this user: extents are trusted as verified, so nobody else may write them.
+fn prepare_dir(dir: &Path) -> Result<()> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| Error::io("chmod", dir, e))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(Error::io("create", dir, e)),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| Error::io("stat", dir, e))?;
+    if !meta.is_dir() || meta.uid() != current_uid() || meta.mode() & 0o022 != 0 {
+        return Err(Error::invalid_input(format!(
+            "the memory tier's directory {} is not a directory of this user's that only it can write; \
+             remove it or choose another (GRANARY_TIER_DIR)",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Reads `bytes.len()` bytes at `offset` of `path`, with O_DIRECT where the file system takes it
+/// (the tier is the cache: the page cache would hold a second copy).
+fn read_exact_direct(path: &Path, offset: u64, bytes: &mut [u8]) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .or_else(|_| std::fs::File::open(path))
+        .map_err(|e| Error::io("open", path, e))?;
+    file.read_exact_at(bytes, offset).map_err(|e| {
+        let mut named = PathBuf::from(path);
+        named.as_mut_os_string().push(format!(" at offset {offset} (+{} bytes)", bytes.len()));
+        Error::io("read", named, e)
+    })
+}
+
+/// What the node's memory looks like now.
+struct Memory {
+    total: u64,
+    available: u64,
+    cgroup_limit: Option<u64>,
+    cgroup_headroom: Option<u64>,
+}
+
+impl Memory {
+    fn read() -> Self {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let field = |name: &str| {
+            meminfo
+                .lines()
+                .find_map(|line| line.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+                .map(|kib| kib << 10)
+        };
+        let total = field("MemTotal:").unwrap_or(u64::MAX);
+        let available = field("MemAvailable:").unwrap_or(total);
+        let (cgroup_limit, cgroup_headroom) = cgroup_memory().unzip();
+        Self { total, available, cgroup_limit, cgroup_headroom }
+    }
+}
+
+/// This process's cgroup memory limit and the room left under it (v2 or v1), if it has one.
+fn cgroup_memory() -> Option<(u64, u64)> {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let read = |path: PathBuf| std::fs::read_to_string(path).ok()?.trim().parse::<u64>().ok();
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = path.trim_start_matches('/');
+        let (limit, usage) = if controllers.is_empty() {
+            let base = Path::new("/sys/fs/cgroup").join(path);
+            (read(base.join("memory.max")), read(base.join("memory.current")))
+        } else if controllers.split(',').any(|c| c == "memory") {
+            let base = Path::new("/sys/fs/cgroup/memory").join(path);
+            (read(base.join("memory.limit_in_bytes")), read(base.join("memory.usage_in_bytes")))
+        } else {
+            continue;
+        };
+        // "max" (v2) does not parse; v1 says "no limit" with a number near 2^63.
+        if let (Some(limit), Some(usage)) = (limit, usage)
+            && limit < 1 << 60
+        {
+            return Some((limit, limit.saturating_sub(usage)));
+        }
+    }
+    None
+}
+
+/// One reader's view of the tier: the extents it has mapped, found by shard index and extent
+/// index without a system call once mapped. Not shared between threads.
+pub struct TierReader {
+    tier: Arc<MemoryTier>,
+    coordinator: Option<Arc<Coordinator>>,
+    mapped: HashMap<u64, Arc<MappedFile>, SlotHash>,
+    /// Extents found absent, with the coordinator's publish count and the time then: looked up
+    /// again only when this process published something or a moment has passed.
+    absent: HashMap<u64, (u64, Instant), SlotHash>,
+    revalidated: Instant,
+}
+
+/// Hashes a reader's slot (shard index, extent index, packed in a u64) with one multiply: the
+/// look-up runs once per record, and SipHash showed in its profile.
+#[derive(Clone, Copy, Default)]
+struct SlotHash;
+
+impl std::hash::BuildHasher for SlotHash {
+    type Hasher = SlotHasher;
+
+    fn build_hasher(&self) -> SlotHasher {
+        SlotHasher(0)
+    }
+}
+
+struct SlotHasher(u64);
+
+impl std::hash::Hasher for SlotHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (value ^ self.0).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// How long a reader waits for an extent a filler has promised before reading from disk.
+const FILL_WAIT_MAX: Duration = Duration::from_secs(10);
+
+impl TierReader {
+    /// A reader of `tier`; with a `coordinator` (the loader's fillers), extents they are about
+    /// to load are waited for instead of read from disk.
+    pub fn new(tier: Arc<MemoryTier>, coordinator: Option<Arc<Coordinator>>) -> Self {
+        Self {
+            tier,
+            coordinator,
+            mapped: HashMap::with_hasher(SlotHash),
+            absent: HashMap::with_hasher(SlotHash),
+            revalidated: Instant::now(),
+        }
+    }
+
+    /// The tier.
+    pub fn tier(&self) -> &Arc<MemoryTier> {
+        &self.tier
+    }
+
+    /// Bytes per extent.
+    pub fn extent_bytes(&self) -> u64 {
+        self.tier.extent_bytes
+    }
+
+    /// The verified bytes of extent `extent` of shard `shard_idx` (id `shard`), if the tier has
+    /// it or a filler is about to; `None` sends the read to disk.
+    pub fn extent(&mut self, shard_idx: u32, shard: ShardId, extent: u32) -> Option<&[u8]> {
+        let slot = u64::from(shard_idx) << 32 | u64::from(extent);
+        if !self.mapped.contains_key(&slot) {
+            let key = ExtentKey { shard, extent };
+            let published = self.coordinator.as_ref().map_or(0, |c| c.published());
+            if let Some(&(seen, at)) = self.absent.get(&slot)
+                && seen == published
+                && at.elapsed() < SCAN_TTL
+            {
+                return None;
+            }
+            let deadline = Instant::now() + FILL_WAIT_MAX;
+            let mapped = loop {
+                match self.tier.lookup(&key) {
+                    Ok(Lookup::Resident(mapped)) => break Some(mapped),
+                    Ok(Lookup::Filling) if Instant::now() < deadline => {
+                        match &self.coordinator {
+                            Some(coordinator) => coordinator.wait_for_publish(published, Duration::from_millis(2)),
+                            None => std::thread::sleep(Duration::from_micros(500)),
+                        }
+                        continue;
+                    }
+                    Ok(Lookup::Absent) if Instant::now() < deadline => {
+                        // Promised by this process's fillers: ask for it first and wait.
+                        if self.coordinator.as_ref().is_some_and(|c| c.wait_for(&key, deadline)) {
+                            continue;
+                        }
+                        break None;
+                    }
+                    _ => break None,
+                }
+            };
+            match mapped {
+                Some(mapped) => {
+                    self.absent.remove(&slot);
+                    self.mapped.insert(slot, mapped);
+                }
+                None => {
+                    self.absent.insert(slot, (published, Instant::now()));
+                    return None;
+                }
+            }
+        }
+        self.mapped.get(&slot).map(|m| m.as_slice())
+    }
+
+    /// The bytes of an extent `extent` has already found (no look-up, no wait).
+    pub fn mapped(&self, shard_idx: u32, extent: u32) -> Option<&[u8]> {
+        self.mapped.get(&(u64::from(shard_idx) << 32 | u64::from(extent))).map(|m| m.as_slice())
+    }
+
+    /// Drops the mappings of extents that were evicted (by any process), so their memory goes
+    /// back; cheap to call often, it does the work about once a second.
+    pub fn revalidate(&mut self) {
+        if self.revalidated.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.revalidated = Instant::now();
+        self.mapped.retain(|_, mapped| !mapped.is_unlinked());
+    }
+}
+
+impl std::fmt::Debug for TierReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierReader").field("tier", &self.tier).field("mapped", &self.mapped.len()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("0"), Some(0));
+        assert_eq!(parse_bytes("4096"), Some(4096));
+        assert_eq!(parse_bytes("512MiB"), Some(512 << 20));
+        assert_eq!(parse_bytes("1.5GiB"), Some(3 << 29));
+        assert_eq!(parse_bytes("2G"), Some(2 << 30));
+        assert_eq!(parse_bytes("lots"), None);
+        assert_eq!(parse_bytes("-1"), None);
+    }
+
+    #[test]
+    fn a_dead_fillers_claim_is_stale_and_a_live_one_is_not() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config =
+            TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
+        let tier = MemoryTier::open(&config).expect("open").expect("on");
+        let claim = tier.claim("x.000000").expect("claim").expect("free");
+        assert!(tier.claim_is_live("x.000000"), "held by this process's open claim");
+        assert!(tier.claim("x.000000").expect("claim").is_none(), "one claim at a time");
+        drop(claim);
+        assert!(!tier.claim_is_live("x.000000"), "its lock went with it");
+        assert!(!dir.path().join("t/.fill-x.000000").exists(), "the stale claim was removed");
+    }
+
+    #[test]
+    fn the_last_user_empties_the_directory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config =
+            TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
+        let first = MemoryTier::open(&config).expect("open").expect("on");
+        let second = MemoryTier::open(&config).expect("open").expect("on");
+        std::fs::write(dir.path().join("t/abc.000000"), b"x").expect("write");
+        drop(first);
+        assert!(dir.path().join("t/abc.000000").exists(), "a user remains");
+        drop(second);
+        assert!(!dir.path().join("t/abc.000000").exists(), "the last user emptied it");
+    }
+
+    #[test]
+    fn a_directory_of_someone_elses_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).expect("mkdir");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let config = TierConfig { budget_bytes: Some(1 << 30), dir: Some(open), ..TierConfig::default() };
+        assert!(MemoryTier::open(&config).is_err(), "a world-writable directory could hold forged extents");
+    }
+}
