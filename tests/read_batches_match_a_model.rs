@@ -1,6 +1,7 @@
 //! Model-based test of the read path: any records, any shard size, any batches (repeats,
 //! shared blocks, empty records, records spanning ops), any op size, queue depth and pipeline
-//! depth return exactly what a plain `Vec<Vec<u8>>` holds.
+//! depth return exactly what a plain `Vec<Vec<u8>>` holds, with or without the memory tier
+//! holding some of the extents.
 
 mod common;
 
@@ -31,6 +32,8 @@ proptest! {
         queue_depth in 1u32..9,
         depth in 1usize..4,
         uring: bool,
+        tier_extent_blocks in prop::option::of(1u64..4),
+        tier_mask: u64,
     ) {
         let dir = tempdir();
         let root = dir.path().join("store");
@@ -39,7 +42,22 @@ proptest! {
         let dataset = granary.open_dataset(&VersionSpec::parse("m").unwrap()).unwrap();
         let backend = if uring { Backend::Uring } else { Backend::Pread };
         let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
-        let mut reader = Reader::new(dataset, io);
+        let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
+        // With the memory tier: some extents in memory (records may span one that is and one
+        // that is not), the rest read from disk.
+        let _tier_dir = tier_extent_blocks.map(|blocks| {
+            let tier_dir = tempdir();
+            let config = granary::TierConfig {
+                budget_bytes: Some(1 << 30),
+                dir: Some(tier_dir.path().join("tier")),
+                extent_bytes: blocks * 4096,
+                ..granary::TierConfig::default()
+            };
+            let tier = granary::MemoryTier::open(&config).unwrap().unwrap();
+            fill_some(&tier, &dataset, tier_mask);
+            reader.set_tier(granary::tier::TierReader::new(tier, None));
+            tier_dir
+        });
         let batches: Vec<Vec<u64>> =
             batches.iter().map(|b| b.iter().map(|i| i.index(records.len()) as u64).collect()).collect();
 
@@ -60,6 +78,27 @@ proptest! {
             reader.read_batch(wanted, &mut batch).unwrap();
             let expected: Vec<u8> = wanted.iter().flat_map(|&i| records[i as usize].clone()).collect();
             prop_assert_eq!(batch.data(), &expected[..]);
+        }
+    }
+}
+
+/// Puts the extents whose bit of `mask` is set (bit `(7 shard + extent) % 64`) in `tier`.
+fn fill_some(tier: &granary::MemoryTier, dataset: &granary::Dataset, mask: u64) {
+    for shard in 0..dataset.n_shards() {
+        let meta = dataset.shard_meta(shard).unwrap();
+        for extent in 0..tier.n_extents(meta.n_data_blocks()) {
+            if mask >> ((7 * shard as u64 + extent) % 64) & 1 == 0 {
+                continue;
+            }
+            let first_block = extent * tier.extent_blocks();
+            let info = granary::tier::ExtentInfo {
+                key: granary::tier::ExtentKey { shard: dataset.shard_id(shard), extent: extent as u32 },
+                path: dataset.shard_path(shard),
+                meta: std::sync::Arc::clone(meta),
+                first_block,
+                n_blocks: tier.extent_blocks().min(meta.n_data_blocks() - first_block),
+            };
+            tier.fill(&info).unwrap();
         }
     }
 }

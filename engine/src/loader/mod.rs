@@ -33,6 +33,7 @@ use crate::plan::{EpochPlan, Order, Position, RankCursor, World};
 use crate::read::{Batch, Dataset, ReadStats, Reader};
 use crate::staging::cuda::{Cuda, DeviceBuffer, Fence, Stream, Upload};
 use crate::staging::{Pinning, PoolStats, StagingConfig, StagingPool};
+use crate::tier::{Coordinator, ExtentInfo, ExtentKey, MemoryTier, TierConfig, TierReader, TierSchedule, TierStats};
 
 /// Where batches go.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -74,6 +75,38 @@ impl Default for PlanSource {
     }
 }
 
+/// Whether and how a loader uses the node's memory tier.
+#[derive(Clone, Debug, Default)]
+pub enum TierSetting {
+    /// The default tier (`TierConfig::from_env`: half of MemAvailable unless
+    /// `GRANARY_TIER_BYTES` says otherwise); reads go to disk alone if it cannot be opened.
+    #[default]
+    Auto,
+    /// No memory tier: every record is read from disk.
+    Off,
+    /// This tier, or an error.
+    Config(TierConfig),
+    /// A tier already open (kept by the caller across loaders, so it is not emptied between
+    /// them).
+    Shared(Arc<MemoryTier>),
+}
+
+impl TierSetting {
+    /// The tier to use, if any.
+    pub fn open(&self) -> Result<Option<Arc<MemoryTier>>> {
+        match self {
+            TierSetting::Auto => Ok(TierConfig::from_env().and_then(|c| MemoryTier::open(&c)).ok().flatten()),
+            TierSetting::Off => Ok(None),
+            TierSetting::Config(config) => MemoryTier::open(config),
+            TierSetting::Shared(tier) => Ok(Some(Arc::clone(tier))),
+        }
+    }
+}
+
+/// Record reads a tier schedule holds at most (8 bytes each): beyond that, later reads of the
+/// epoch are unknown to the fillers until the next epoch's schedule.
+const SCHEDULE_USES_MAX: usize = 16 << 20;
+
 /// How a loader runs.
 #[derive(Clone, Debug)]
 pub struct LoaderConfig {
@@ -100,11 +133,15 @@ pub struct LoaderConfig {
     /// Bytes per staging buffer (the largest batch); `None`: exact for fixed-size records,
     /// 64 MiB otherwise.
     pub batch_bytes_max: Option<usize>,
-    /// Faults injected into the reads (tests and drills).
+    /// Faults injected into the reads (tests and drills). A loader with faults reads every
+    /// record from disk (no memory tier), where the faults act.
     pub faults: Vec<Fault>,
     /// Where a damaged or missing shard gets replaced from (a replication node): the read is
     /// then retried and the batches come in the same order. `None`: such a read fails.
     pub repair: Option<Arc<dyn crate::read::ShardRepair>>,
+    /// The node's memory tier: records are served from verified extents in memory, filled
+    /// ahead of the reader in plan order.
+    pub tier: TierSetting,
 }
 
 impl Default for LoaderConfig {
@@ -123,6 +160,7 @@ impl Default for LoaderConfig {
             batch_bytes_max: None,
             faults: Vec::new(),
             repair: None,
+            tier: TierSetting::default(),
         }
     }
 }
@@ -356,6 +394,8 @@ pub struct LoaderStats {
     pub read: ReadStats,
     /// The staging pool's counters.
     pub pool: PoolStats,
+    /// The memory tier's counters, when the loader uses one.
+    pub tier: Option<TierStats>,
 }
 
 impl LoaderStats {
@@ -388,6 +428,7 @@ pub struct Loader {
     first_next: Option<Instant>,
     finished: bool,
     device: Option<String>,
+    coordinator: Option<Arc<Coordinator>>,
 }
 
 impl Loader {
@@ -422,7 +463,19 @@ impl Loader {
         let read_stats = Arc::new(Mutex::new(ReadStats::default()));
         let (to_next, from_reader) = std::sync::mpsc::sync_channel(config.prefetch);
         let mut threads = Vec::new();
+        // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
+        let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
+        if let Some(coordinator) = &coordinator {
+            for i in 0..coordinator.tier().fill_threads() {
+                let coordinator = Arc::clone(coordinator);
+                // A filler that cannot start leaves its work to the others, or to the disk reads.
+                threads.push(spawn(&format!("granary-fill-{i}"), move || {
+                    let _ = crate::tier::run_filler(&coordinator);
+                })?);
+            }
+        }
         let reader = ReaderStage {
+            coordinator: coordinator.clone(),
             dataset,
             io,
             pool: pool.clone(),
@@ -470,6 +523,7 @@ impl Loader {
             first_next: None,
             finished: false,
             device: cuda.map(|cuda| cuda.name().to_owned()),
+            coordinator,
         })
     }
 
@@ -545,7 +599,13 @@ impl Loader {
         let mut stats = self.stats;
         stats.read = *self.read_stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         stats.pool = self.pool.stats();
+        stats.tier = self.coordinator.as_ref().map(|c| c.tier().stats());
         stats
+    }
+
+    /// The memory tier this loader reads through, if any.
+    pub fn tier(&self) -> Option<&Arc<MemoryTier>> {
+        self.coordinator.as_ref().map(|c| c.tier())
     }
 
     /// The GPU batches are copied to, if any.
@@ -557,6 +617,9 @@ impl Loader {
 impl Drop for Loader {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        if let Some(coordinator) = &self.coordinator {
+            coordinator.stop();
+        }
         // Dropping the queue frees the batches in it, so a stage waiting for a buffer or for
         // room in the queue wakes up, sees the stop or a closed queue, and ends.
         self.receiver = None;
@@ -614,6 +677,7 @@ fn build_io(config: &LoaderConfig, pinning: Pinning) -> Result<Box<dyn Io>> {
 }
 
 struct ReaderStage {
+    coordinator: Option<Arc<Coordinator>>,
     dataset: Arc<Dataset>,
     io: Box<dyn Io>,
     pool: StagingPool,
@@ -626,14 +690,20 @@ struct ReaderStage {
 
 impl ReaderStage {
     fn run(self) {
-        let ReaderStage { dataset, io, pool, config, start, out, stop, stats } = self;
+        let ReaderStage { coordinator, dataset, io, pool, config, start, out, stop, stats } = self;
         let mut reader = Reader::new(Arc::clone(&dataset), io);
         reader.set_staging(pool);
+        if let Some(coordinator) = &coordinator {
+            reader.set_tier(TierReader::new(Arc::clone(coordinator.tier()), Some(Arc::clone(coordinator))));
+        }
         reader.publish_stats(Arc::clone(&stats));
         if let Some(hook) = &config.repair {
             reader.set_repair(Arc::clone(hook));
         }
-        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop);
+        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, coordinator.as_ref());
+        if let Some(coordinator) = &coordinator {
+            coordinator.stop();
+        }
         let _ = match outcome {
             Ok(()) => out.send(Message::End),
             Err(Some(error)) => out.send(Message::Failed(error)),
@@ -645,24 +715,75 @@ impl ReaderStage {
 /// Reads epochs from `start`; `Err(None)` when stopped, `Err(Some(e))` on a failure.
 fn run_epochs(
     reader: &mut Reader,
-    dataset: &Dataset,
+    dataset: &Arc<Dataset>,
     config: &LoaderConfig,
     start: Position,
     out: &SyncSender<Message>,
     stop: &AtomicBool,
+    coordinator: Option<&Arc<Coordinator>>,
 ) -> std::result::Result<(), Option<Error>> {
     let n_records = dataset.n_records();
     let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
     let mut position = if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
     let end_epoch = config.epochs.map(|epochs| start.epoch.saturating_add(epochs));
+    // Steps count this loader's batches across epochs: the tier's schedule is in them.
+    let mut step = 0u64;
+    let mut next_epoch: Option<Arc<EpochBatches>> = None;
+    // The tier's schedule is computed on a thread of its own, off the path to the first batch.
+    let (mut to_scheduler, scheduler) = match coordinator {
+        Some(coordinator) => {
+            let (send, receive) = std::sync::mpsc::channel::<ScheduleRequest>();
+            let (dataset, coordinator) = (Arc::clone(dataset), Arc::clone(coordinator));
+            let thread = spawn("granary-tier-plan", move || {
+                while let Ok((step, batches, next)) = receive.recv() {
+                    match tier_schedule(
+                        &dataset,
+                        coordinator.tier(),
+                        step,
+                        &batches,
+                        next.as_ref().map(|n| n.as_slice()),
+                    ) {
+                        Ok(schedule) => coordinator.set_schedule(schedule),
+                        // The reads go on from disk; a failing shard is reported by them.
+                        Err(_) => coordinator.set_schedule(TierSchedule::default()),
+                    }
+                }
+            })
+            .map_err(Some)?;
+            (Some(send), Some(thread))
+        }
+        None => (None, None),
+    };
+    let _scheduler = Scheduler { send: to_scheduler.clone(), thread: scheduler };
+    drop(to_scheduler.take());
+    let to_scheduler = &_scheduler.send;
     while end_epoch.is_none_or(|end| position.epoch < end) {
         if n_records == 0 {
             return Ok(());
         }
-        let batches = planner.epoch(position).map_err(Some)?;
+        let batches = match next_epoch.take() {
+            Some(batches) => batches,
+            None => Arc::new(planner.epoch(position).map_err(Some)?),
+        };
+        if let (Some(coordinator), Some(to_scheduler)) = (coordinator, &to_scheduler) {
+            // The fillers see this epoch's reads and the next one's, so the tier keeps (and
+            // loads ahead) what the epoch after this needs first.
+            let following = Position { epoch: position.epoch + 1, cursor: 0 };
+            if end_epoch.is_none_or(|end| following.epoch < end) {
+                next_epoch = Some(Arc::new(planner.epoch(following).map_err(Some)?));
+            }
+            coordinator.expect_schedule();
+            let _ = to_scheduler.send((step, Arc::clone(&batches), next_epoch.clone()));
+        }
         let positions = std::cell::RefCell::new(std::collections::VecDeque::new());
         let mut stopped = false;
-        let planned = batches.into_iter().inspect(|(_, after)| positions.borrow_mut().push_back(*after));
+        let planned = batches.iter().inspect(|(_, after)| {
+            positions.borrow_mut().push_back(*after);
+            if let Some(coordinator) = coordinator {
+                coordinator.advance(step);
+            }
+            step += 1;
+        });
         let outcome = reader.read_batches(planned.map(|(records, _)| records), config.read_depth, &mut |batch| {
             let after = positions.borrow_mut().pop_front().expect("one position per planned batch");
             if stop.load(Ordering::Acquire) {
@@ -683,6 +804,84 @@ fn run_epochs(
         position = Position { epoch: position.epoch + 1, cursor: 0 };
     }
     Ok(())
+}
+
+/// One epoch's batches of this rank, each with the position after it.
+type EpochBatches = Vec<(Vec<u64>, Position)>;
+
+/// What the tier's schedule is computed from: the step of the epoch's first batch, its batches,
+/// and the next epoch's.
+type ScheduleRequest = (u64, Arc<EpochBatches>, Option<Arc<EpochBatches>>);
+
+/// The tier's schedule thread and the channel to it: dropped, it closes the channel and then
+/// joins the thread.
+struct Scheduler {
+    send: Option<Sender<ScheduleRequest>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.send = None;
+        if let Some(thread) = self.thread.take() {
+            // A panic there left the schedule as it was; the reader reports its own outcome.
+            let _ = thread.join();
+        }
+    }
+}
+
+/// When each extent is read: the batches of this epoch from `step` on, then the next epoch's,
+/// up to `SCHEDULE_USES_MAX` record reads. Extents are numbered shard by shard, so a record's
+/// extent is found by arithmetic (this runs for every record of two epochs).
+fn tier_schedule(
+    dataset: &Dataset,
+    tier: &MemoryTier,
+    step: u64,
+    batches: &[(Vec<u64>, Position)],
+    next_epoch: Option<&[(Vec<u64>, Position)]>,
+) -> Result<TierSchedule> {
+    let extent_bytes = tier.extent_bytes();
+    let extent_blocks = tier.extent_blocks();
+    let mut extents = Vec::new();
+    let mut first_extent = Vec::with_capacity(dataset.n_shards());
+    for shard in 0..dataset.n_shards() {
+        first_extent.push(extents.len());
+        let meta = dataset.shard_meta(shard)?;
+        for extent in 0..tier.n_extents(meta.n_data_blocks()) {
+            let first_block = extent * extent_blocks;
+            extents.push(ExtentInfo {
+                key: ExtentKey {
+                    shard: dataset.shard_id(shard),
+                    extent: u32::try_from(extent).map_err(|_| Error::invalid_input("a shard of 2^32 extents"))?,
+                },
+                path: dataset.shard_path(shard),
+                meta: Arc::clone(meta),
+                first_block,
+                n_blocks: extent_blocks.min(meta.n_data_blocks() - first_block),
+            });
+        }
+    }
+    let mut schedule = TierSchedule::with_extents(extents);
+    let mut uses = 0usize;
+    let all = batches.iter().chain(next_epoch.unwrap_or_default());
+    for (offset, (records, _)) in all.enumerate() {
+        let at = step + offset as u64;
+        for &index in records {
+            uses += 1;
+            if uses > SCHEDULE_USES_MAX {
+                return Ok(schedule);
+            }
+            let (shard, local) = dataset.locate(index)?;
+            let range = dataset.shard_meta(shard)?.record_range(local);
+            if range.is_empty() {
+                continue;
+            }
+            for extent in range.start / extent_bytes..=(range.end - 1) / extent_bytes {
+                schedule.add_use(first_extent[shard] + extent as usize, at);
+            }
+        }
+    }
+    Ok(schedule)
 }
 
 /// Cuts epochs into this rank's batches, each with the position after it.

@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::io::{AlignedBuf, FileId, ReadOp};
 use crate::shard::{BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET};
 use crate::staging::{Lease, StagingPool};
+use crate::tier::TierReader;
 
 /// Records read together: their bytes back to back in request order, and where each ends.
 ///
@@ -205,6 +206,11 @@ pub(super) struct Planner {
     piece_starts: Vec<u32>,
     next_piece: Vec<u32>,
     shards: Vec<usize>,
+    /// Whether request `r` was copied from the memory tier while planning (nothing to read).
+    from_tier: Vec<bool>,
+    /// Records and bytes of the plan served by the memory tier.
+    pub(super) tier_records: u64,
+    pub(super) tier_bytes: u64,
 }
 
 impl Planner {
@@ -216,6 +222,7 @@ impl Planner {
         op_blocks_max: usize,
         batch: &mut Batch,
         staging: Option<&StagingPool>,
+        tier: Option<&mut TierReader>,
     ) -> Result<()> {
         debug_assert!(op_blocks_max > 0, "checked by the reader");
         // The bytes are kept: every byte of the new batch is overwritten before it is returned,
@@ -237,10 +244,32 @@ impl Planner {
         batch.data.set_len(total, staging)?;
         debug_assert_eq!(batch.ends.len(), batch.indices.len());
 
+        // Records whose extents are in the memory tier are copied now (their blocks were checked
+        // on the way into the tier); the rest are read from disk.
+        self.from_tier.clear();
+        self.from_tier.resize(self.requests.len(), false);
+        (self.tier_records, self.tier_bytes) = (0, 0);
+        if let Some(tier) = tier {
+            tier.revalidate();
+            for (r, request) in self.requests.iter().enumerate() {
+                if request.end > request.start && tier_holds(tier, dataset, request) {
+                    self.from_tier[r] = true;
+                    self.tier_records += 1;
+                    self.tier_bytes += request.end - request.start;
+                }
+            }
+            if self.tier_records > 0 {
+                copy_from_tier(tier, &self.requests, &self.from_tier, batch.data.as_mut_slice(), 0);
+            }
+        }
+
         self.order.clear();
         let requests = &self.requests;
-        self.order
-            .extend((0..requests.len() as u32).filter(|&r| requests[r as usize].end > requests[r as usize].start));
+        let from_tier = &self.from_tier;
+        self.order.extend(
+            (0..requests.len() as u32)
+                .filter(|&r| requests[r as usize].end > requests[r as usize].start && !from_tier[r as usize]),
+        );
         self.order.sort_unstable_by_key(|&r| (requests[r as usize].shard, requests[r as usize].start));
 
         self.plan_extents(op_blocks_max);
@@ -367,6 +396,50 @@ impl Planner {
             data[to_usize(piece.dst)..to_usize(piece.dst) + piece.len as usize].copy_from_slice(src);
         }
         Ok(())
+    }
+}
+
+/// Whether the memory tier holds every extent `request` spans, whole (mapping them as needed).
+fn tier_holds(tier: &mut TierReader, dataset: &Dataset, request: &Request) -> bool {
+    let extent_bytes = tier.extent_bytes();
+    let shard = dataset.shard_id(request.shard as usize);
+    let (first, last) = (request.start / extent_bytes, (request.end - 1) / extent_bytes);
+    (first..=last).all(|extent| {
+        let Ok(index) = u32::try_from(extent) else { return false };
+        let needed = request.end.min((extent + 1) * extent_bytes) - extent * extent_bytes;
+        // An extent file shorter than it should be is not used (a fill writes whole extents,
+        // but the directory is only as safe as its owner).
+        tier.extent(request.shard, shard, index).is_some_and(|bytes| bytes.len() as u64 >= needed)
+    })
+}
+
+/// Batches at least this large have their copies from the tier split across the cores.
+const PARALLEL_COPY_BYTES: usize = 256 << 10;
+
+/// Copies the requests marked in `hits` from the tier into `data`, which holds the batch's bytes
+/// from offset `base` on. `tier_holds` checked every extent first. Large batches are split in two
+/// at a request boundary (requests lie back to back in `data`, in order) and the halves copied on
+/// two threads: a memory copy is what bounds a warm epoch.
+fn copy_from_tier(tier: &TierReader, requests: &[Request], hits: &[bool], data: &mut [u8], base: u64) {
+    if requests.len() > 1 && data.len() >= PARALLEL_COPY_BYTES {
+        let mid = requests.len() / 2;
+        let (left, right) = data.split_at_mut(to_usize(requests[mid].dst - base));
+        rayon::join(
+            || copy_from_tier(tier, &requests[..mid], &hits[..mid], left, base),
+            || copy_from_tier(tier, &requests[mid..], &hits[mid..], right, requests[mid].dst),
+        );
+        return;
+    }
+    let extent_bytes = tier.extent_bytes();
+    for (request, _) in requests.iter().zip(hits).filter(|(_, hit)| **hit) {
+        for extent in request.start / extent_bytes..=(request.end - 1) / extent_bytes {
+            let bytes = tier.mapped(request.shard, extent as u32).expect("checked by tier_holds");
+            let at = extent * extent_bytes;
+            let (start, end) = (request.start.max(at), request.end.min(at + extent_bytes));
+            let src = &bytes[to_usize(start - at)..to_usize(end - at)];
+            let dst = to_usize(request.dst + (start - request.start) - base);
+            data[dst..dst + src.len()].copy_from_slice(src);
+        }
     }
 }
 

@@ -5,8 +5,10 @@
 //! reusable planning scratch). A batch read maps indices to shard byte ranges, reads each block
 //! that any record touches exactly once, coalescing adjacent blocks into ops of up to the
 //! backend's op size, checks every block's CRC32C as its op completes, and copies the records into
-//! the batch in request order. Invariant: no byte reaches a `Batch` from a block whose checksum has
-//! not matched; a failed read leaves the batch empty. Never: writes, or touches the catalog (refs
+//! the batch in request order. Records whose extents the memory tier holds (`Reader::set_tier`)
+//! are copied from it while the batch is planned and read from disk not at all. Invariant: no
+//! byte reaches a `Batch` from a block whose checksum has not matched (on its way into the tier,
+//! or as its op completed); a failed read leaves the batch empty. Never: writes, or touches the catalog (refs
 //! and manifests are files, so many reader processes share a store with one writer).
 
 mod batch;
@@ -23,6 +25,7 @@ use crate::manifest::Manifest;
 use crate::shard::{Layout, ShardMeta};
 use crate::staging::StagingPool;
 use crate::store::{DatasetName, StorePaths, VersionSpec};
+use crate::tier::TierReader;
 
 /// An opened, immutable dataset version. Shared between readers.
 pub struct Dataset {
@@ -209,6 +212,10 @@ pub struct ReadStats {
     /// Reads that found damaged bytes (a block's CRC32C, a shard's BLAKE3 or its metadata did
     /// not check out): each was repaired (see `shards_repaired`) or ended the read with an error.
     pub verify_failures: u64,
+    /// Records copied from the memory tier (the rest of `records` came from disk).
+    pub tier_records: u64,
+    /// Record bytes copied from the memory tier.
+    pub tier_bytes: u64,
 }
 
 /// Reads records of one dataset version through one backend. Not shared between threads: each
@@ -223,6 +230,7 @@ pub struct Reader {
     published: Option<Arc<std::sync::Mutex<ReadStats>>>,
     staging: Option<StagingPool>,
     repair: Option<Arc<dyn ShardRepair>>,
+    tier: Option<TierReader>,
 }
 
 /// A batch being read: its plan, its bytes, and how far its ops have got.
@@ -257,7 +265,14 @@ impl Reader {
             published: None,
             staging: None,
             repair: None,
+            tier: None,
         }
+    }
+
+    /// Serves records from the memory tier where their extents are in it (or about to be, when
+    /// the tier's fillers promised them); the rest are read from disk as before.
+    pub fn set_tier(&mut self, tier: TierReader) {
+        self.tier = Some(tier);
     }
 
     /// Repairs shards through `hook` when a read finds one damaged or missing, then reads again
@@ -393,6 +408,7 @@ impl Reader {
                 touched: Vec::new(),
                 hook: self.repair.as_deref(),
                 unplanned: None,
+                tier: self.tier.as_mut(),
             };
             let outcome = self.io.read_stream(&mut pipeline).and_then(|()| pipeline.deliver_ready());
             let error = match outcome {
@@ -471,6 +487,7 @@ struct Pipeline<'r, I> {
     hook: Option<&'r dyn ShardRepair>,
     /// A batch taken from the source whose planning failed.
     unplanned: Option<Vec<u64>>,
+    tier: Option<&'r mut TierReader>,
 }
 
 /// Copies `stats` to the counters another thread reads, if there are any.
@@ -526,6 +543,8 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
             self.stats.ops += slot.planner.n_extents() as u64;
             self.stats.bytes_read += read_bytes;
             self.stats.blocks_verified += read_bytes / crate::shard::BLOCK_BYTES_U64;
+            self.stats.tier_records += slot.planner.tier_records;
+            self.stats.tier_bytes += slot.planner.tier_bytes;
             publish(self.published, self.stats);
             if let Some(hook) = self.hook {
                 self.touched.clear();
@@ -561,8 +580,14 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                 return Ok(Next::Done);
             };
             let slot = &mut self.slots[free];
-            let mut planned =
-                slot.planner.plan(self.dataset, indices.as_ref(), self.op_blocks_max, &mut slot.batch, self.staging);
+            let mut planned = slot.planner.plan(
+                self.dataset,
+                indices.as_ref(),
+                self.op_blocks_max,
+                &mut slot.batch,
+                self.staging,
+                self.tier.as_deref_mut(),
+            );
             if planned.is_ok() {
                 for shard in slot.planner.shards_touched() {
                     if self.files[shard].is_none() {
