@@ -13,11 +13,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use granary::io::MappedFile;
 use granary::io::bare::{BareOp, BareReader};
-use granary::loader::{Loader, LoaderConfig, PlanSource, Target};
+use granary::loader::{Loader, LoaderConfig, PlanSource, Target, TierSetting};
 use granary::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
 use granary::staging::cuda::Cuda;
 use granary::staging::{Pinning, StagingConfig, StagingPool};
+use granary::tier::{MemoryTier, TierConfig};
 use granary::{
     Backend, Dataset, DatasetName, EpochPlan, FixedLayout, Granary, IngestOptions, IoConfig, Layout, Order, Position,
     StorePaths, VersionSpec,
@@ -67,9 +69,17 @@ pub(crate) struct LoaderArgs {
     /// machine, or in tests, dropping the whole machine's cache is not this process's call).
     #[arg(long)]
     keep_cache: bool,
-    /// The workloads to measure (all by default): random, sequential, warm, step.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "random,sequential,warm,step")]
+    /// The workloads to measure (all by default): random, sequential, warm, step, tier,
+    /// tier-partial.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "random,sequential,warm,step,tier,tier-partial")]
     rows: Vec<Workload>,
+    /// The memory tier's directory for the tier rows (default: the tier's own default in
+    /// /dev/shm). The tier rows empty it before each cold measurement.
+    #[arg(long)]
+    tier_dir: Option<PathBuf>,
+    /// Shuffled epochs of the tier-partial row (a dataset twice the tier's budget).
+    #[arg(long, default_value_t = 3)]
+    partial_epochs: u64,
 }
 
 /// A group of rows of the table.
@@ -83,6 +93,11 @@ enum Workload {
     Warm,
     /// Random with a simulated training step: the stall.
     Step,
+    /// The memory tier: warm random against a gather from a memory map of the same files, a
+    /// cold epoch against the same and against one sequential read of the dataset.
+    Tier,
+    /// The memory tier at half the dataset: hit ratio over shuffled epochs against Belady's.
+    TierPartial,
 }
 
 /// One measurement: bytes delivered, time, CPU seconds.
@@ -128,6 +143,9 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     let sequential: Vec<u64> = (0..wanted).collect();
     let op_bytes = usize::try_from(args.op_bytes).context("--op-bytes")?;
     let random_ops = bare_ops(&dataset, &random, op_bytes, false)?;
+    // One whole shuffled epoch (the tier rows), and one sequential read of every record.
+    let epoch_random: Vec<u64> = (0..n - n % args.batch).map(|p| random_plan.record_at(p)).collect();
+    let all_seq_ops = bare_ops(&dataset, &(0..n).collect::<Vec<u64>>(), op_bytes, true)?;
     let seq_ops = bare_ops(&dataset, &sequential, op_bytes, true)?;
     let mut random_bare = BareReader::new(args.qd, 64 << 10)?;
     random_bare.open_all(&shard_refs)?;
@@ -139,7 +157,9 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     let seq_io = IoConfig { backend: Backend::Uring, queue_depth: args.seq_qd, op_bytes_max: op_bytes, direct: true };
     // Enough batches in flight to keep the sequential queue full.
     let seq_depth = (u64::from(args.seq_qd) * args.op_bytes).div_ceil(batch_bytes).clamp(2, 64) as usize;
-    let base = LoaderConfig { batch_size: args.batch, epochs: Some(1), ..LoaderConfig::default() };
+    // The disk rows measure the disk: no memory tier.
+    let base =
+        LoaderConfig { batch_size: args.batch, epochs: Some(1), tier: TierSetting::Off, ..LoaderConfig::default() };
     let random_config = |target| LoaderConfig {
         plan: PlanSource::Native(Order::Shuffled),
         seed: 1,
@@ -158,6 +178,11 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     };
 
     let mut rows: Vec<(String, Vec<Sample>)> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    let tier_config =
+        |budget: u64| TierConfig { budget_bytes: Some(budget), dir: args.tier_dir.clone(), ..TierConfig::default() };
+    let data_bytes: u64 =
+        (0..dataset.n_shards()).map(|s| dataset.shard_meta(s).map(|m| m.data_bytes())).sum::<granary::Result<u64>>()?;
     let mut record = |label: &str, sample: Sample| match rows.iter_mut().find(|(l, _)| l == label) {
         Some((_, samples)) => samples.push(sample),
         None => rows.push((label.to_owned(), vec![sample])),
@@ -191,6 +216,40 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
             warm.io.direct = false;
             measure_loader(&dataset, warm.clone(), args.batches, 0, cold)?;
             record("warm: engine -> target", measure_loader(&dataset, warm, args.batches, 0, cold)?);
+        }
+        if wants(Workload::Tier) {
+            // Budget: the whole dataset and a little (the tier's reserve for the trainer aside).
+            let tier = MemoryTier::open(&tier_config(data_bytes + (64 << 20)))?.context("a tier of >0 bytes")?;
+            let epoch_batches = n / args.batch;
+            let tiered = |epochs| LoaderConfig {
+                plan: PlanSource::Native(Order::Shuffled),
+                seed: 1,
+                io: random_io,
+                read_depth: 4,
+                target: Target::Host,
+                epochs: Some(epochs),
+                tier: TierSetting::Shared(Arc::clone(&tier)),
+                ..base.clone()
+            };
+            // Cold: page cache dropped, tier empty, one whole epoch each.
+            tier.clear()?;
+            record("cold epoch: sequential read (limit)", measure_bare(&mut seq_bare, &all_seq_ops, data_bytes, cold)?);
+            record("cold epoch: tier memory only (floor)", measure_tier_memory(&tier, data_bytes)?);
+            tier.clear()?;
+            record("cold epoch random: engine -> host", measure_loader(&dataset, tiered(1), epoch_batches, 0, cold)?);
+            // Mapped without MAP_POPULATE: `np.memmap` maps lazily (populating would read the
+            // whole dataset before the first record).
+            let maps: Vec<MappedFile> = (0..dataset.n_shards())
+                .map(|s| MappedFile::open_lazy(&dataset.shard_path(s)))
+                .collect::<granary::Result<_>>()?;
+            record("cold epoch random: mmap gather", measure_gather(&dataset, &maps, &epoch_random, args.batch, cold)?);
+            // Warm: the tier filled (and the map's pages cached) by the cold epochs above.
+            record("warm random: engine -> host", measure_warm_loader(&dataset, tiered(2), args.batches)?);
+            record("warm random: mmap gather", measure_gather(&dataset, &maps, &random, args.batch, false)?);
+            tier.clear()?;
+        }
+        if wants(Workload::TierPartial) && run == 0 {
+            notes.push(measure_partial(&dataset, &base, random_io, &tier_config, data_bytes, args)?);
         }
         if wants(Workload::Step) {
             let mut step = random_config(warm_target);
@@ -267,6 +326,36 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         ratio("sequential: engine -> GPU", "sequential: bare io_uring"),
         ">= 0.95",
     );
+    show(
+        "warm random: engine -> host / mmap gather",
+        ratio("warm random: engine -> host", "warm random: mmap gather"),
+        ">= 1.0",
+    );
+    show(
+        "cold epoch random: engine -> host / mmap gather",
+        ratio("cold epoch random: engine -> host", "cold epoch random: mmap gather"),
+        ">= 1.0",
+    );
+    // The cold epoch's time against one sequential read of the dataset's bytes.
+    let against_limit = (|| {
+        let (engine, limit) = (
+            rows.iter().find(|(l, _)| l == "cold epoch random: engine -> host")?,
+            rows.iter().find(|(l, _)| l == "cold epoch: sequential read (limit)")?,
+        );
+        Some(median(engine.1.iter().zip(&limit.1).map(|(e, l)| l.seconds / e.seconds).collect()))
+    })();
+    show("cold epoch random: sequential read time / engine time", against_limit, ">= 0.5");
+    let against_floor = (|| {
+        let (engine, floor) = (
+            rows.iter().find(|(l, _)| l == "cold epoch random: engine -> host")?,
+            rows.iter().find(|(l, _)| l == "cold epoch: tier memory only (floor)")?,
+        );
+        Some(median(engine.1.iter().zip(&floor.1).map(|(e, f)| f.seconds / e.seconds).collect()))
+    })();
+    show("cold epoch random: tier memory time / engine time", against_floor, "(how close to this machine's floor)");
+    for note in &notes {
+        println!("{note}");
+    }
     show(
         "warm, engine -> GPU / pinned copy",
         ratio("warm: engine -> target", "pinned copy to GPU").filter(|_| cuda.is_some()),
@@ -374,6 +463,194 @@ fn measure_loader(
     drop(loader);
     let steady = (stats.stall - first_stall).as_secs_f64() / seconds;
     Ok(Sample { bytes: delivered, seconds, cpu: if step_us > 0 { stats.stall_fraction() } else { cpu }, steady })
+}
+
+/// A warm epoch as a trainer sees it: the loader already running (its start, and its first
+/// batch, not timed), then `batches` batches.
+fn measure_warm_loader(dataset: &Arc<Dataset>, config: LoaderConfig, batches: u64) -> Result<Sample> {
+    let mut loader = Loader::new(Arc::clone(dataset), config, Position::default())?;
+    drop(loader.next().context("an empty epoch")??);
+    let cpu = cpu_seconds();
+    let start = Instant::now();
+    let mut delivered = 0u64;
+    for _ in 0..batches {
+        let batch = loader.next().context("the epoch ended early")??;
+        delivered += batch.data().len() as u64;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(Sample { bytes: delivered, seconds, cpu: cpu_seconds() - cpu, steady: 0.0 })
+}
+
+/// What the tier's memory alone costs: `bytes` of extent-sized files in the tier's directory,
+/// allocated and mapped as a fill does (no disk, no checks), on two threads, then removed. On a
+/// machine where page allocation is slower than the disk this is the cold epoch's real floor.
+fn measure_tier_memory(tier: &MemoryTier, bytes: u64) -> Result<Sample> {
+    let extent = tier.extent_bytes();
+    let n = bytes.div_ceil(extent);
+    let cpu = cpu_seconds();
+    let start = Instant::now();
+    let next = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|scope| -> Result<()> {
+        let workers: Vec<_> = (0..2)
+            .map(|_| {
+                scope.spawn(|| -> Result<()> {
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= n {
+                            return Ok(());
+                        }
+                        let path = tier.dir().join(format!(".bench-floor-{i}"));
+                        let file = std::fs::OpenOptions::new()
+                            .read(true)
+                            .write(true)
+                            .create(true)
+                            .truncate(true)
+                            .open(&path)?;
+                        let len = usize::try_from(extent.min(bytes - i * extent))?;
+                        drop(granary::io::WritableMap::new(&file, len, &path)?);
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().map_err(|_| anyhow::anyhow!("a floor worker panicked"))??;
+        }
+        Ok(())
+    })?;
+    let seconds = start.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu;
+    for i in 0..n {
+        let _ = std::fs::remove_file(tier.dir().join(format!(".bench-floor-{i}")));
+    }
+    Ok(Sample { bytes, seconds, cpu, steady: 0.0 })
+}
+
+/// What `np.memmap` does: the records of `order`, batch by batch, gathered into one buffer from
+/// read-only maps of the shard files (page cache dropped first when `cold`). No checks. The maps
+/// are the caller's, kept across measurements as a trainer keeps its `np.memmap`, as the tier's
+/// mappings are kept by the process.
+fn measure_gather(dataset: &Dataset, maps: &[MappedFile], order: &[u64], batch: u64, cold: bool) -> Result<Sample> {
+    if cold {
+        drop_page_cache();
+    }
+    let cpu = cpu_seconds();
+    let start = Instant::now();
+    let mut ranges = Vec::with_capacity(order.len());
+    for &index in order {
+        let (shard, local) = dataset.locate(index)?;
+        let range = dataset.shard_meta(shard)?.record_range(local);
+        let offset = usize::try_from(DATA_OFFSET + range.start)?;
+        ranges.push((shard, offset, usize::try_from(range.end - range.start)?));
+    }
+    let batch = usize::try_from(batch)?;
+    let mut out = vec![0u8; ranges.iter().take(batch).map(|r| r.2).sum::<usize>().max(1)];
+    let mut delivered = 0u64;
+    for chunk in ranges.chunks(batch) {
+        let mut at = 0;
+        for &(shard, offset, len) in chunk {
+            if at + len > out.len() {
+                out.resize(at + len, 0);
+            }
+            out[at..at + len].copy_from_slice(&maps[shard].as_slice()[offset..offset + len]);
+            at += len;
+        }
+        std::hint::black_box(&out);
+        delivered += at as u64;
+    }
+    Ok(Sample { bytes: delivered, seconds: start.elapsed().as_secs_f64(), cpu: cpu_seconds() - cpu, steady: 0.0 })
+}
+
+/// The tier at half the dataset's bytes over `--partial-epochs` shuffled epochs: its hit ratio
+/// (records served from memory) against Belady's on the same extent reads at the same capacity.
+fn measure_partial(
+    dataset: &Arc<Dataset>,
+    base: &LoaderConfig,
+    io: IoConfig,
+    tier_config: &dyn Fn(u64) -> TierConfig,
+    data_bytes: u64,
+    args: &LoaderArgs,
+) -> Result<String> {
+    let config = tier_config(data_bytes / 2);
+    let extent_bytes = config.extent_bytes;
+    let tier = MemoryTier::open(&config)?.context("a tier of >0 bytes")?;
+    tier.clear()?;
+    let epochs = args.partial_epochs.max(1);
+    let loader_config = LoaderConfig {
+        plan: PlanSource::Native(Order::Shuffled),
+        seed: 1,
+        io,
+        read_depth: 4,
+        target: Target::Host,
+        epochs: Some(epochs),
+        tier: TierSetting::Shared(Arc::clone(&tier)),
+        ..base.clone()
+    };
+    let start = Instant::now();
+    let mut loader = Loader::new(Arc::clone(dataset), loader_config, Position::default())?;
+    let mut trace = Vec::new();
+    while let Some(batch) = loader.next() {
+        let batch = batch?;
+        for &index in batch.indices() {
+            let (shard, local) = dataset.locate(index)?;
+            let range = dataset.shard_meta(shard)?.record_range(local);
+            trace.push(((shard as u64) << 32) | (range.start / extent_bytes));
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let stats = loader.stats();
+    drop(loader);
+    let tier_stats = tier.stats();
+    tier.clear()?;
+    let capacity = usize::try_from(data_bytes / 2 / extent_bytes)?;
+    let belady = belady_hits(&trace, capacity) as f64 / trace.len() as f64;
+    let hits = stats.read.tier_records as f64 / stats.read.records as f64;
+    Ok(format!(
+        "tier at half the dataset, {epochs} shuffled epochs: hit ratio {hits:.3}, Belady {belady:.3}          ({capacity} extents of {}): {:<8.3} target >= 0.98; {} extents loaded, {} evicted, {:.1} s",
+        bytes(extent_bytes),
+        hits / belady,
+        tier_stats.extents_loaded,
+        tier_stats.extents_evicted,
+        seconds
+    ))
+}
+
+/// Hits of Belady's MIN (evict the item used farthest ahead; an item used later than every
+/// resident one is not admitted) on `trace` with room for `capacity` items.
+fn belady_hits(trace: &[u64], capacity: usize) -> u64 {
+    let mut next = vec![usize::MAX; trace.len()];
+    let mut last: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    for (i, item) in trace.iter().enumerate().rev() {
+        if let Some(&j) = last.get(item) {
+            next[i] = j;
+        }
+        last.insert(*item, i);
+    }
+    let mut resident: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    let mut by_next: std::collections::BTreeSet<(usize, u64)> = std::collections::BTreeSet::new();
+    let mut hits = 0;
+    for (i, &item) in trace.iter().enumerate() {
+        if let Some(at) = resident.get_mut(&item) {
+            hits += 1;
+            by_next.remove(&(*at, item));
+            *at = next[i];
+            by_next.insert((next[i], item));
+            continue;
+        }
+        if capacity == 0 {
+            continue;
+        }
+        if resident.len() == capacity {
+            let &(farthest, victim) = by_next.last().expect("full");
+            if farthest <= next[i] {
+                continue;
+            }
+            by_next.remove(&(farthest, victim));
+            resident.remove(&victim);
+        }
+        resident.insert(item, next[i]);
+        by_next.insert((next[i], item));
+    }
+    hits
 }
 
 /// A page-locked buffer of `batch_bytes` copied to the GPU `batches` times.

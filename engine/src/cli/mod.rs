@@ -6,6 +6,7 @@ mod bench_replication;
 mod cluster;
 mod plugin;
 mod show;
+mod tier;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -86,6 +87,9 @@ enum Command {
     Status(cluster::StatusArgs),
     /// Make a new cluster secret file (give the same one to every node of the job).
     ClusterKey(cluster::ClusterKeyArgs),
+    /// The node's memory tier (verified extents in shared memory that loaders fill and read).
+    #[command(subcommand)]
+    Tier(tier::TierCommand),
 }
 
 #[derive(Subcommand)]
@@ -185,6 +189,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
     if let Command::ClusterKey(args) = &cli.command {
         return cluster::cluster_key(args).map(|()| ExitCode::SUCCESS);
     }
+    if let Command::Tier(command) = cli.command {
+        return tier::run(command).map(|()| ExitCode::SUCCESS);
+    }
     let root = cli.root.context("no store given: pass --root DIR or set GRANARY_ROOT")?;
     let paths = StorePaths::new(&root);
     match cli.command {
@@ -215,7 +222,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Serve(args) => cluster::serve(&root, &args).map(|()| ExitCode::SUCCESS),
         Command::Replicate(args) => cluster::replicate(&root, &args).map(|()| ExitCode::SUCCESS),
         Command::Status(args) => cluster::status(&root, &args).map(|()| ExitCode::SUCCESS),
-        Command::Plugin(_) | Command::ClusterKey(_) => unreachable!("handled above, before a store is needed"),
+        Command::Plugin(_) | Command::ClusterKey(_) | Command::Tier(_) => {
+            unreachable!("handled above, before a store is needed")
+        }
     }
 }
 
