@@ -166,7 +166,10 @@ class Loader:
     so that every rank reads the same number of batches (DDP needs that; without it the last
     step gives some ranks one batch fewer when it holds fewer records than there are ranks).
     `output`: `"torch"` or `"numpy"` (default: torch when importable). `with_indices=True`
-    yields `(indices, batch)`.
+    yields `(indices, batch)`. `tier_bytes`: the node's memory tier (verified extents in shared
+    memory that every process of the node reading the store uses, filled ahead of the reader
+    in plan order): its budget in bytes, `0` to read every record from disk, `None` for the
+    default (`GRANARY_TIER_BYTES`, else half of the memory available when it opens).
 
     Each batch is a tensor of shape `(records, *record_shape)` for fixed-size records, a pair
     `(data, offsets)` for byte records (record `i` is `data[offsets[i]:offsets[i+1]]`), or for
@@ -201,6 +204,7 @@ class Loader:
         drop_last: bool = False,
         output: Optional[str] = None,
         with_indices: bool = False,
+        tier_bytes: Optional[int] = None,
     ) -> None:
         env_rank, env_world = world_from_env()
         rank = env_rank if rank is None else rank
@@ -237,6 +241,7 @@ class Loader:
             else [(str(k), str(v)) for k, v in partitioner_options.items()],
             io=io,
             drop_last=drop_last,
+            tier_bytes=tier_bytes,
         )
         source = store._native if isinstance(store, Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)
@@ -335,7 +340,10 @@ class Loader:
         """Counters since the loader was made: `batches`, `records`, `bytes`, `stall_seconds`
         (time the trainer waited for data), `stall_max_seconds`, `stall_fraction`,
         `cache_hit_ratio` (batches already prefetched when asked for), `bytes_read`,
-        `blocks_verified`, `verify_failures`, `shards_repaired`, `pinned`."""
+        `blocks_verified`, `verify_failures`, `shards_repaired`, `pinned`; the memory tier's
+        `tier_records`, `tier_bytes` and `tier_hit_ratio` (records served from memory) and, when
+        the tier is on, `tier_bytes_held` (node-wide), `tier_budget_bytes`, `tier_extents_loaded`
+        and `tier_extents_evicted`."""
         return self._native.metrics()
 
     def close(self) -> None:

@@ -19,7 +19,8 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use granary::shard::Sample;
 use granary::staging::cuda::Cuda;
 use granary::{
-    Dataset, Layout, LoaderConfig, LoaderStats, Order, PlanSource, Position, StorePaths, Target, VersionSpec, World,
+    Dataset, Layout, LoaderConfig, LoaderStats, Order, PlanSource, Position, StorePaths, Target, TierConfig,
+    TierSetting, VersionSpec, World,
 };
 
 use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DlDataType, Exported, HeldBatch, Owner};
@@ -174,7 +175,7 @@ impl Loader {
     #[pyo3(signature = (
         store, dataset, batch_size, *, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
         prefetch = 4, read_depth = 2, hold = 4, order = "shuffled", partitioner = None,
-        partitioner_options = None, io = None, drop_last = false,
+        partitioner_options = None, io = None, drop_last = false, tier_bytes = None,
     ))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
@@ -194,6 +195,7 @@ impl Loader {
         partitioner_options: Option<Vec<(String, String)>>,
         io: Option<&str>,
         drop_last: bool,
+        tier_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let root = match store.cast::<Store>() {
             Ok(store) => store.get().root().to_path_buf(),
@@ -237,6 +239,11 @@ impl Loader {
             prefetch,
             hold_max: hold,
             target,
+            tier: match tier_bytes {
+                None => TierSetting::Auto,
+                Some(0) => TierSetting::Off,
+                Some(bytes) => TierSetting::Config(TierConfig { budget_bytes: Some(bytes), ..TierConfig::default() }),
+            },
             ..LoaderConfig::default()
         };
         config.io.backend = match io {
@@ -395,6 +402,19 @@ impl Loader {
         out.set_item("verify_failures", stats.read.verify_failures)?;
         out.set_item("shards_repaired", stats.read.shards_repaired)?;
         out.set_item("pinned", stats.pool.pinned)?;
+        out.set_item("tier_records", stats.read.tier_records)?;
+        out.set_item("tier_bytes", stats.read.tier_bytes)?;
+        let tier_hit =
+            if stats.read.records == 0 { 0.0 } else { stats.read.tier_records as f64 / stats.read.records as f64 };
+        out.set_item("tier_hit_ratio", tier_hit)?;
+        let tier = state.config.tier.clone();
+        if let TierSetting::Shared(tier) = tier {
+            let held = tier.stats();
+            out.set_item("tier_bytes_held", held.bytes_held)?;
+            out.set_item("tier_budget_bytes", held.budget_bytes)?;
+            out.set_item("tier_extents_loaded", held.extents_loaded)?;
+            out.set_item("tier_extents_evicted", held.extents_evicted)?;
+        }
         Ok(out)
     }
 
@@ -493,6 +513,15 @@ impl Loader {
             py.detach(|| Cuda::select(ordinal)).map_err(to_py)?;
         }
         let dataset = state.dataset().map_err(to_py)?;
+        // The tier is opened once, by the first start, and kept across restarts (a `close`, a
+        // seek), so they find it full: only the last user's close empties it.
+        if !matches!(state.config.tier, TierSetting::Shared(_) | TierSetting::Off) {
+            let setting = state.config.tier.clone();
+            state.config.tier = match py.detach(|| setting.open()).map_err(to_py)? {
+                Some(tier) => TierSetting::Shared(tier),
+                None => TierSetting::Off,
+            };
+        }
         let config = state.config.clone();
         let position = state.position;
         let loader = py.detach(|| granary::Loader::new(dataset, config, position)).map_err(to_py)?;
@@ -531,6 +560,8 @@ fn add(to: &mut LoaderStats, more: &LoaderStats) {
     to.read.blocks_verified += more.read.blocks_verified;
     to.read.shards_repaired += more.read.shards_repaired;
     to.read.verify_failures += more.read.verify_failures;
+    to.read.tier_records += more.read.tier_records;
+    to.read.tier_bytes += more.read.tier_bytes;
     to.pool = more.pool;
 }
 

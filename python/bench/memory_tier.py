@@ -1,0 +1,187 @@
+"""granary's Python loader with the memory tier against np.memmap, cold and warm, one rank or four.
+
+The workload users compare against: token records gathered in random batches from an
+`np.memmap` of the raw file over the page cache (Megatron-LM's indexed datasets, nanoGPT). Both
+sides read the same records in the same order (granary's shuffled plan, its indices taken from
+the loader), NumPy output, whole epochs. Cold: the page cache dropped and the tier emptied
+before the first epoch (needs root to drop the cache; says so otherwise).
+
+    python python/bench/memory_tier.py --dir /tmp/tierbench --gib 1 --epochs 3
+    python python/bench/memory_tier.py --dir /tmp/tierbench --gib 1 --epochs 3 --ranks 4
+
+With --ranks N, N rank processes (rank 0..N-1 of N) each read their slice for every epoch, at
+once, on each side; records/s are summed over the ranks, and the node's memory growth (used plus
+page cache plus shared memory, from /proc/meminfo) is reported as a multiple of the dataset's
+bytes. One JSON line per measurement, then a summary table with the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import numpy as np
+
+import granary
+
+
+def meminfo() -> dict:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def node_bytes_in_use() -> int:
+    m = meminfo()
+    # Everything not free: process memory, page cache, tmpfs (the tier).
+    return m["MemTotal"] - m["MemFree"]
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def make(store: granary.Store, raw: str, total: int, record: int) -> None:
+    n = total // record
+    rng = np.random.default_rng(0)
+    with open(raw, "wb") as f:
+        left = n * record
+        while left:
+            chunk = min(left, 64 << 20)
+            f.write(rng.integers(0, 256, chunk, dtype=np.uint8).tobytes())
+            left -= chunk
+    store.ingest_files("tier", raw, dtype="uint8", shape=[record], replace=True)
+
+
+def granary_rank(args: tuple) -> list:
+    """One rank's epochs through granary: (seconds, records) per epoch."""
+    store, rank, ranks, epochs, batch, tier_bytes, start, end = args
+    loader = granary.Loader(
+        store, "tier", batch, seed=1, rank=rank, world_size=ranks, device="cpu", output="numpy",
+        tier_bytes=tier_bytes, hold=2,
+    )
+    out = []
+    start.wait()
+    for _ in range(epochs):
+        t = time.perf_counter()
+        n = 0
+        for b in loader:
+            n += b.shape[0]
+        out.append((time.perf_counter() - t, n))
+    in_use = measured(end)
+    loader.close()
+    return out, in_use
+
+
+def measured(end) -> int:
+    """The node's memory in use once every rank has finished reading, before any lets go."""
+    end.wait()
+    in_use = node_bytes_in_use()
+    end.wait()
+    return in_use
+
+
+def memmap_rank(args: tuple) -> list:
+    """One rank's epochs gathered from np.memmap, in granary's order: (seconds, records) per epoch."""
+    store, raw, record, rank, ranks, epochs, batch, start, end = args
+    data = np.memmap(raw, dtype=np.uint8, mode="r").reshape(-1, record)
+    # The same order as granary's, taken from a loader's indices (not timed).
+    orders = []
+    loader = granary.Loader(
+        store, "tier", batch, seed=1, rank=rank, world_size=ranks, device="cpu", output="numpy",
+        tier_bytes=0, with_indices=True, hold=2,
+    )
+    for _ in range(epochs):
+        orders.append([np.asarray(i) for i, _ in loader])
+    loader.close()
+    out = []
+    start.wait()
+    for order in orders:
+        t = time.perf_counter()
+        n = 0
+        for idx in order:
+            b = data[idx]  # fancy-index gather: one copy, as the memmap loaders do
+            n += b.shape[0]
+        out.append((time.perf_counter() - t, n))
+    return out, measured(end)
+
+
+def run(kind: str, a: argparse.Namespace, store: str, raw: str) -> dict:
+    if drop_caches() is False:
+        print("note: could not drop the page cache (needs root): the cold epoch is not cold", flush=True)
+    before = node_bytes_in_use()
+    ctx = mp.get_context("spawn")
+    manager = ctx.Manager()
+    start, end = manager.Barrier(a.ranks), manager.Barrier(a.ranks)
+    if kind == "granary":
+        jobs = [(store, r, a.ranks, a.epochs, a.batch, a.tier_bytes, start, end) for r in range(a.ranks)]
+        fn = granary_rank
+    else:
+        jobs = [(store, raw, a.record_bytes, r, a.ranks, a.epochs, a.batch, start, end) for r in range(a.ranks)]
+        fn = memmap_rank
+    with ctx.Pool(a.ranks) as pool:
+        outcomes = pool.map(fn, jobs)
+    results = [o[0] for o in outcomes]
+    grown = max(o[1] for o in outcomes) - before
+    epochs = []
+    for e in range(a.epochs):
+        seconds = max(r[e][0] for r in results)
+        records = sum(r[e][1] for r in results)
+        epochs.append(records / seconds)
+    return {"loader": kind, "ranks": a.ranks, "records_per_s": epochs, "memory_growth_bytes": grown}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--record-bytes", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--runs", type=int, default=3, help="medians over this many runs of each side")
+    p.add_argument("--tier-bytes", type=int, default=None, help="the tier's budget (default: the tier's own)")
+    a = p.parse_args()
+    os.makedirs(a.dir, exist_ok=True)
+    store_dir = os.path.join(a.dir, "store")
+    raw = os.path.join(a.dir, "tier.bin")
+    store = granary.Store(store_dir, create=True)
+    if not any(d["name"] == "tier" for d in store.datasets()):
+        make(store, raw, int(a.gib * (1 << 30)), a.record_bytes)
+    dataset_bytes = os.path.getsize(raw)
+    runs = {"granary": [], "memmap": []}
+    for _ in range(a.runs):
+        for kind in ("granary", "memmap"):
+            result = run(kind, a, store_dir, raw)
+            result["memory_growth_x_dataset"] = result["memory_growth_bytes"] / dataset_bytes
+            print(json.dumps(result), flush=True)
+            runs[kind].append(result)
+    print()
+    print(f"{a.ranks} rank(s), {dataset_bytes / (1 << 30):.2f} GiB of {a.record_bytes}-byte records, "
+          f"batch {a.batch}, medians of {a.runs}")
+    print(f"{'epoch':<8} {'granary rec/s':>14} {'memmap rec/s':>14} {'ratio':>8}   target >= 1.0")
+    for e in range(a.epochs):
+        g = statistics.median(r["records_per_s"][e] for r in runs["granary"])
+        m = statistics.median(r["records_per_s"][e] for r in runs["memmap"])
+        label = "cold" if e == 0 else f"warm {e}"
+        print(f"{label:<8} {g:>14.0f} {m:>14.0f} {g / m:>8.2f}")
+    for kind in ("granary", "memmap"):
+        x = statistics.median(r["memory_growth_x_dataset"] for r in runs[kind])
+        print(f"memory growth, {kind}: {x:.2f} x the dataset" + ("   target <= 1.2" if kind == "granary" else ""))
+
+
+if __name__ == "__main__":
+    main()
