@@ -602,21 +602,25 @@ fn measure_partial(
     let tier_stats = tier.stats();
     tier.clear()?;
     let capacity = usize::try_from(data_bytes / 2 / extent_bytes)?;
-    let belady = belady_hits(&trace, capacity) as f64 / trace.len() as f64;
+    let (belady_hits, belady_loads) = belady(&trace, capacity);
+    let belady = belady_hits as f64 / trace.len() as f64;
     let hits = stats.read.tier_records as f64 / stats.read.records as f64;
     Ok(format!(
-        "tier at half the dataset, {epochs} shuffled epochs: hit ratio {hits:.3}, Belady {belady:.3}          ({capacity} extents of {}): {:<8.3} target >= 0.98; {} extents loaded, {} evicted, {:.1} s",
+        "tier at half the dataset, {epochs} shuffled epochs ({capacity} extents of {} fit): hit ratio {hits:.3} \
+         with {} extents loaded ({}, {} evicted, {seconds:.1} s); Belady's {belady:.3} loads {belady_loads} ({}): \
+         ratio {:.3}, target >= 0.98",
         bytes(extent_bytes),
-        hits / belady,
         tier_stats.extents_loaded,
+        bytes(tier_stats.bytes_loaded),
         tier_stats.extents_evicted,
-        seconds
+        bytes(belady_loads * extent_bytes),
+        hits / belady,
     ))
 }
 
-/// Hits of Belady's MIN (evict the item used farthest ahead; an item used later than every
-/// resident one is not admitted) on `trace` with room for `capacity` items.
-fn belady_hits(trace: &[u64], capacity: usize) -> u64 {
+/// Hits and loads of Belady's MIN (evict the item used farthest ahead; an item used later than
+/// every resident one is not admitted) on `trace` with room for `capacity` items.
+fn belady(trace: &[u64], capacity: usize) -> (u64, u64) {
     let mut next = vec![usize::MAX; trace.len()];
     let mut last: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
     for (i, item) in trace.iter().enumerate().rev() {
@@ -627,7 +631,7 @@ fn belady_hits(trace: &[u64], capacity: usize) -> u64 {
     }
     let mut resident: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
     let mut by_next: std::collections::BTreeSet<(usize, u64)> = std::collections::BTreeSet::new();
-    let mut hits = 0;
+    let (mut hits, mut loads) = (0, 0);
     for (i, &item) in trace.iter().enumerate() {
         if let Some(at) = resident.get_mut(&item) {
             hits += 1;
@@ -649,8 +653,9 @@ fn belady_hits(trace: &[u64], capacity: usize) -> u64 {
         }
         resident.insert(item, next[i]);
         by_next.insert((next[i], item));
+        loads += 1;
     }
-    hits
+    (hits, loads)
 }
 
 /// A page-locked buffer of `batch_bytes` copied to the GPU `batches` times.

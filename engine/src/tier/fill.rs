@@ -5,13 +5,15 @@
 //! threads share: the reader's current step, the extents admitted, the queue, requests the
 //! reader is waiting on) and `run_filler` (one filler thread's loop).
 //!
-//! The policy is Belady's on this loader's plan: the extents needed soonest are admitted while
-//! they fit the budget (after memory pressure), loaded in order of next use (an extent the
-//! reader is waiting for first: when the whole schedule fits, the reader waits for any extent
-//! rather than read its records from disk; otherwise only for one being filled), and room is made by evicting the extent whose next use is
-//! farthest ahead (one no plan here uses first), never one needed sooner than the extent it
-//! makes room for. Reads of extents not admitted go to disk at record granularity and load
-//! nothing, so a dataset larger than the budget does not flush the tier.
+//! The policy is Belady's on this loader's plan when the extents still to be read fit the
+//! budget (after memory pressure): all are admitted and loaded in order of next use, an extent
+//! the reader is waiting for first (it waits for any of them rather than read its records from
+//! disk), and room is made by evicting what no plan here reads, then what is read farthest
+//! ahead, never one needed sooner than the extent it makes room for. When they do not fit, the
+//! extents read most often ahead are kept, a loaded one counting double (a swap costs a whole
+//! extent's read for the difference in hits; under a uniform shuffle all are read about as
+//! often, so the tier settles instead of churning); the reader then waits only for a fill under
+//! way, and reads of extents not admitted go to disk at record granularity and load nothing.
 //! Never: reads records (the `read` module does), or waits without a deadline.
 
 use std::collections::{HashMap, VecDeque};
@@ -96,6 +98,12 @@ impl TierSchedule {
     fn next_use(&self, extent: usize, step: u64) -> u64 {
         let uses = &self.uses[extent];
         uses.get(uses.partition_point(|&s| s < step)).copied().unwrap_or(NEVER)
+    }
+
+    /// How many steps at or after `step` read extent `extent`.
+    fn uses_from(&self, extent: usize, step: u64) -> u64 {
+        let uses = &self.uses[extent];
+        (uses.len() - uses.partition_point(|&s| s < step)) as u64
     }
 
     fn bytes(&self, extent: usize) -> u64 {
@@ -283,60 +291,77 @@ impl Coordinator {
         }
     }
 
-    /// Admits the extents needed soonest while they fit the budget, and queues those not loaded.
+    /// Decides what the tier should hold from here on, and queues what it lacks, soonest needed
+    /// first. When every extent still to be read fits the budget, all are admitted (Belady
+    /// without evictions). Otherwise the extents read most often ahead are admitted, a loaded
+    /// extent counting double: a swap costs a whole extent's read for the difference in hits,
+    /// and under a uniform shuffle every extent is read about as often, so the tier settles on
+    /// a set and reads the rest from disk instead of churning.
     fn replan(&self, state: &mut State) {
         let step = state.step;
-        let mut order: Vec<(u64, usize)> = (0..state.schedule.len())
-            .map(|e| (state.schedule.next_use(e, step), e))
-            .filter(|&(next, _)| next != NEVER)
+        let schedule = &state.schedule;
+        let mut ahead: Vec<(u64, u64, usize)> = (0..schedule.len())
+            .filter_map(|e| {
+                let next = schedule.next_use(e, step);
+                (next != NEVER).then(|| (next, schedule.uses_from(e, step), e))
+            })
             .collect();
-        order.sort_unstable();
         let held = self.tier.resident().map(|(_, bytes)| bytes).unwrap_or(0);
         let budget = self.tier.effective_budget(held);
+        let needed: u64 = ahead.iter().map(|&(_, _, e)| schedule.bytes(e)).sum();
+        state.fits = needed <= budget;
+        if !state.fits {
+            let loaded = &state.loaded;
+            ahead.sort_unstable_by_key(|&(next, uses, e)| {
+                (std::cmp::Reverse(uses * if loaded[e] { 2 } else { 1 }), next, e)
+            });
+        }
         state.admitted.iter_mut().for_each(|a| *a = false);
-        state.queue.clear();
-        state.fits = true;
         let mut admitted_bytes = 0;
-        for (_, e) in order {
+        let mut admitted = Vec::new();
+        for (next, _, e) in ahead {
             let bytes = state.schedule.bytes(e);
             if admitted_bytes + bytes > budget {
-                state.fits = false;
-                break;
+                continue;
             }
             admitted_bytes += bytes;
             state.admitted[e] = true;
             if !state.loaded[e] {
-                state.queue.push_back(e);
+                admitted.push((next, e));
             }
         }
+        admitted.sort_unstable();
+        state.queue = admitted.into_iter().map(|(_, e)| e).collect();
         state.planned_at = Some(step);
     }
 
-    /// Evicts extents (farthest next use first; unknown ones, never used here, before all) until
-    /// `bytes` more fit the budget; never one used sooner than `for_next_use`. False when no room
-    /// can be made that way.
+    /// Evicts extents until `bytes` more fit the budget: first those not admitted (extents of
+    /// other datasets, never used here, first; then the farthest next use), then admitted ones by
+    /// farthest next use, but for a fill (`for_next_use`) never one used no later than the extent
+    /// it makes room for. Under memory pressure (`None`) anything goes. False when no room can be
+    /// made that way.
     fn make_room(&self, for_next_use: Option<u64>, bytes: u64) -> Result<bool> {
         let (resident, mut held) = self.tier.resident()?;
         let budget = self.tier.effective_budget(held);
         if held + bytes <= budget {
             return Ok(true);
         }
-        let mut victims: Vec<(u64, String, u64)> = {
+        let mut victims: Vec<(bool, u64, String, u64)> = {
             let state = self.lock();
             resident
                 .into_iter()
-                .map(|(name, size)| {
-                    let next = state.by_name.get(&name).map_or(NEVER, |&e| state.schedule.next_use(e, state.step));
-                    (next, name, size)
+                .map(|(name, size)| match state.by_name.get(&name) {
+                    Some(&e) => (state.admitted[e], state.schedule.next_use(e, state.step), name, size),
+                    None => (false, NEVER, name, size),
                 })
                 .collect()
         };
-        victims.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        for (next, name, size) in victims {
+        victims.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)).then_with(|| a.2.cmp(&b.2)));
+        for (admitted, next, name, size) in victims {
             if held + bytes <= budget {
                 break;
             }
-            if for_next_use.is_some_and(|mine| next <= mine) {
+            if admitted && for_next_use.is_some_and(|mine| next <= mine) {
                 return Ok(false);
             }
             self.tier.evict(&name)?;
