@@ -398,7 +398,14 @@ impl Loader {
         let hit = if stats.batches == 0 { 0.0 } else { stats.ready as f64 / stats.batches as f64 };
         out.set_item("cache_hit_ratio", hit)?;
         out.set_item("bytes_read", stats.read.bytes_read)?;
-        out.set_item("blocks_verified", stats.read.blocks_verified)?;
+        // Blocks checked by the reads from disk and by the fills of this loader's memory tier.
+        let tier = state.config.tier.clone();
+        let tier_stats = match &tier {
+            TierSetting::Shared(tier) => Some(tier.stats()),
+            _ => None,
+        };
+        let filled = tier_stats.map_or(0, |t| t.bytes_loaded / 4096);
+        out.set_item("blocks_verified", stats.read.blocks_verified + filled)?;
         out.set_item("verify_failures", stats.read.verify_failures)?;
         out.set_item("shards_repaired", stats.read.shards_repaired)?;
         out.set_item("pinned", stats.pool.pinned)?;
@@ -407,9 +414,7 @@ impl Loader {
         let tier_hit =
             if stats.read.records == 0 { 0.0 } else { stats.read.tier_records as f64 / stats.read.records as f64 };
         out.set_item("tier_hit_ratio", tier_hit)?;
-        let tier = state.config.tier.clone();
-        if let TierSetting::Shared(tier) = tier {
-            let held = tier.stats();
+        if let Some(held) = tier_stats {
             out.set_item("tier_bytes_held", held.bytes_held)?;
             out.set_item("tier_budget_bytes", held.budget_bytes)?;
             out.set_item("tier_extents_loaded", held.extents_loaded)?;

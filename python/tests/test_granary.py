@@ -541,3 +541,24 @@ print(n, asked[0])
     assert out.returncode == 0, out.stderr
     n, asked = map(int, out.stdout.split())
     assert n == 5000 and asked > 0
+
+
+def test_the_memory_tier_serves_every_epoch_and_can_be_turned_off(tokens, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRANARY_TIER_DIR", str(tmp_path / "tier"))
+    store, data = tokens
+    loader = store.loader("tokens", batch_size=100, output="numpy", with_indices=True, tier_bytes=64 << 20)
+    for _ in range(2):
+        for index, row in read_epoch(loader):
+            assert (row == data[index]).all()
+    m = loader.metrics()
+    # The reader runs ahead of the trainer (prefetch): it read at least what was handed out.
+    assert m["tier_records"] >= 2000 and m["tier_hit_ratio"] == 1.0, m
+    assert m["bytes_read"] == 0 and m["tier_extents_loaded"] > 0 and m["blocks_verified"] > 0, m
+    assert 0 < m["tier_bytes_held"] <= 64 << 20, m
+    loader.close()
+
+    off = store.loader("tokens", batch_size=100, output="numpy", with_indices=True, tier_bytes=0)
+    for index, row in read_epoch(off):
+        assert (row == data[index]).all()
+    m = off.metrics()
+    assert m["tier_records"] == 0 and m["bytes_read"] > 0 and "tier_bytes_held" not in m, m

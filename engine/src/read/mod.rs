@@ -205,7 +205,8 @@ pub struct ReadStats {
     pub bytes_read: u64,
     /// Ops issued.
     pub ops: u64,
-    /// Blocks whose checksum was checked.
+    /// Blocks whose checksum was checked on reads from disk (the memory tier's fills check
+    /// theirs too, counted in `TierStats::bytes_loaded`).
     pub blocks_verified: u64,
     /// Shards replaced through the repair hook.
     pub shards_repaired: u64,
