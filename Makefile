@@ -3,13 +3,23 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 15
 
-.PHONY: test fmt-check clippy unit doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: toolchain test fmt-check clippy unit doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
+
+# Where cargo builds: CARGO_TARGET_DIR when set (the scripts follow it too), target/ otherwise.
+TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),target))
+export CARGO_TARGET_DIR := $(TARGET_DIR)
 
 PYTHON ?= $(shell test -x target/lcs-venv/bin/python && echo target/lcs-venv/bin/python || echo python3)
 
 ## Everything CI checks: formatting, lints, tests, docs, the plugins, the Python bindings, the
 ## GPU path against the fake driver, the libCacheSim comparison, a short fuzz run.
-test: fmt-check clippy unit doc plugins python gpu-fake libcachesim fuzz-smoke
+test: toolchain fmt-check clippy unit doc plugins python gpu-fake libcachesim fuzz-smoke
+
+## What rustup does not add by itself on every machine (RUSTUP_AUTO_INSTALL=0, or a rustup
+## older than the toolchain file's components): quick when they are there already.
+toolchain:
+	rustup component add rustfmt clippy
+	rustup target add wasm32-wasip2
 
 fmt-check:
 	$(CARGO) fmt --all --check
@@ -26,21 +36,21 @@ doc:
 
 ## The plugins workspace: lints for wasm32-wasip2, and the policies' own tests, run natively.
 plugins:
-	cd plugins && $(CARGO) clippy --workspace --release --locked --target-dir ../target/plugins -- -D warnings
-	cd plugins && $(CARGO) test --workspace --locked --target $$(rustc -vV | sed -n 's/^host: //p') --target-dir ../target/plugins-native
+	cd plugins && $(CARGO) clippy --workspace --release --locked --target-dir $(TARGET_DIR)/plugins -- -D warnings
+	cd plugins && $(CARGO) test --workspace --locked --target $$(rustc -vV | sed -n 's/^host: //p') --target-dir $(TARGET_DIR)/plugins-native
 
 ## The Python bindings' pytest suite (NumPy only; the torch tests skip without torch), run on
 ## the package assembled in target/py-test around the extension as cargo builds it beside the
 ## tests: `--lib --tests` unifies features as `cargo test` does, so after `unit` only the
 ## extension itself is compiled (maturin builds the one package alone, with other features,
 ## and would rebuild the engine). `pip install ./python` is the packaged build.
-PYVENV := $(CURDIR)/target/py-venv
+PYVENV := $(TARGET_DIR)/py-venv
 python: python-env
 	$(CARGO) build --workspace --lib --tests --locked
-	rm -rf target/py-test && mkdir -p target/py-test/granary
-	cp python/granary/*.py target/py-test/granary/
-	cp target/debug/lib_native.so target/py-test/granary/_native.abi3.so
-	cd target/py-test && PYTHONPATH=$(CURDIR)/target/py-test $(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests
+	rm -rf $(TARGET_DIR)/py-test && mkdir -p $(TARGET_DIR)/py-test/granary
+	cp python/granary/*.py $(TARGET_DIR)/py-test/granary/
+	cp $(TARGET_DIR)/debug/lib_native.so $(TARGET_DIR)/py-test/granary/_native.abi3.so
+	cd $(TARGET_DIR)/py-test && PYTHONPATH=$(TARGET_DIR)/py-test $(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests
 
 python-env:
 	@test -x $(PYVENV)/bin/pytest || { python3 -m venv $(PYVENV) && \
@@ -51,7 +61,7 @@ python-env:
 ## work late and out of order with the others and aborts on misuse a GPU would turn into wrong
 ## bytes. On a GPU machine the same tests run against the real driver:
 ## `cargo test --test gpu -- --ignored` and `pytest python/tests`.
-FAKE_CUDA := $(CURDIR)/target/fake-cuda
+FAKE_CUDA := $(TARGET_DIR)/fake-cuda
 fake-cuda:
 	mkdir -p $(FAKE_CUDA)
 	$(CC) -shared -fPIC -pthread -O1 -std=c11 -Wall -Wextra -Werror -Wl,-soname,libcuda.so.1 \
@@ -60,8 +70,8 @@ fake-cuda:
 
 gpu-fake: fake-cuda python
 	LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 FAKE_CUDA_DEVICES=2 $(CARGO) test --locked --test gpu --test loader -- --include-ignored
-	cd target/py-test && LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_DELAY_US=5000 \
-		PYTHONPATH=$(CURDIR)/target/py-test \
+	cd $(TARGET_DIR)/py-test && LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_DELAY_US=5000 \
+		PYTHONPATH=$(TARGET_DIR)/py-test \
 		$(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_cuda.py
 
 ## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces
@@ -69,7 +79,7 @@ gpu-fake: fake-cuda python
 libcachesim:
 	@# --tests: the feature set `cargo test` built with, so nothing is rebuilt.
 	$(CARGO) build -p granary --tests --locked
-	$(PYTHON) scripts/compare-libcachesim.py --granary target/debug/granary
+	$(PYTHON) scripts/compare-libcachesim.py --granary $(TARGET_DIR)/debug/granary
 
 ## Seeds the fuzz corpora with real shards, manifests, refs and samples (so mutations start from
 ## valid files), then fuzzes each target for FUZZ_SECONDS. Needs nightly and cargo-fuzz, which
@@ -85,7 +95,7 @@ fuzz-seeds:
 	scripts/fuzz-seeds.sh
 
 ## The main job end to end on data it makes itself.
-demo:
+demo: toolchain
 	scripts/demo.sh
 
 ## criterion benches, then the read benchmark table on the demo dataset.

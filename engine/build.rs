@@ -1,7 +1,8 @@
 //! Builds the policy plugins (the `plugins/` workspace, for wasm32-wasip2) so the engine can
 //! embed the default ones and the tests can load the rest. In the style of wasmtime's
-//! test-programs crate: a nested `cargo build` with its own target directory, run only when the
-//! `policy` feature is on and rerun only when the plugins or the WIT change.
+//! test-programs crate: a nested `cargo build` with its own target directory (`granary-plugins`
+//! inside the outer build's), run only when the `policy` feature is on and rerun only when the
+//! plugins or the WIT change.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -32,8 +33,12 @@ fn main() {
     for dir in [&plugins, &wit] {
         rerun_if_changed_tree(dir);
     }
-    // A target directory of their own: the outer build holds the lock on the workspace's.
-    let target_dir = root.join("target").join("plugins");
+    // A target directory of their own (the outer build holds the lock on its own), inside the
+    // outer build's target directory, wherever CARGO_TARGET_DIR puts it: OUT_DIR is
+    // TARGET/[TRIPLE/]PROFILE/build/granary-HASH/out, and debug and release share the plugins.
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("set by cargo"));
+    let profile_dir = out_dir.ancestors().nth(3).expect("OUT_DIR is PROFILE/build/PKG/out");
+    let target_dir = profile_dir.parent().unwrap_or(profile_dir).join("granary-plugins");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut build = Command::new(cargo);
     build

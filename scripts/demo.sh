@@ -13,8 +13,11 @@ store="$dir/store"
 step() { printf '\n== %s\n' "$*"; }
 
 # The binary and the example trainer in one build (one feature set, so nothing builds twice).
-cargo build --release -q -p granary --locked --bins --examples
-granary() { target/release/granary --root "$store" "$@"; }
+# A first build takes a few minutes on two cores (wasmtime, and the policy plugins).
+echo "building granary (release; a first build takes 3-10 minutes)"
+cargo build --release -p granary --locked --bins --examples
+bin_dir="${CARGO_TARGET_DIR:-target}/release"
+granary() { "$bin_dir/granary" --root "$store" "$@"; }
 
 if [[ "${1:-}" != "--bench-only" ]]; then
   rm -rf "$dir"; mkdir -p "$dir"
@@ -67,7 +70,7 @@ if [[ "${1:-}" != "--bench-only" ]]; then
   granary plugin sim replicate --plugin rendezvous --nodes 10 --replicas 3 --domains 5
 
   step "train: the example trainer on tokens (GPU if present, else host memory), stopped and resumed halfway"
-  target/release/examples/trainer "$store" tokens --epochs 2 --batch 64 --step-us 200
+  "$bin_dir/examples/trainer" "$store" tokens --epochs 2 --batch 64 --step-us 200
 
   step "replication: three nodes on loopback, the tree dataset at 2 copies, a damaged shard repaired on read"
   scripts/demo-replication.sh "$dir" "$store"
