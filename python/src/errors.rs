@@ -1,30 +1,33 @@
 //! The engine's errors as Python exceptions. Each carries `kind` (a stable snake_case name of
-//! what went wrong) besides its message, so callers can branch without parsing text.
+//! what went wrong) besides its message, so callers can branch without parsing text. Their
+//! module is `granary` (the package re-exports them), so tracebacks name `granary.<Error>` and
+//! pickle finds the class: an error raised in a DataLoader worker or a multiprocessing pool
+//! arrives in the parent as itself, message and `kind` included.
 
 use pyo3::exceptions::{PyException, PyOSError, PyValueError};
 use pyo3::prelude::*;
 
 pyo3::create_exception!(
-    _native,
+    granary,
     Error,
     PyException,
     "An error of the granary engine; `kind` names it (see `granary.Error`)."
 );
 pyo3::create_exception!(
-    _native,
+    granary,
     CorruptionError,
     Error,
     "Stored bytes failed verification (a block's CRC32C, a file's BLAKE3, or its format); none were returned."
 );
-pyo3::create_exception!(_native, NotFoundError, Error, "A dataset, version, record or shard that does not exist.");
+pyo3::create_exception!(granary, NotFoundError, Error, "A dataset, version, record or shard that does not exist.");
 pyo3::create_exception!(
-    _native,
+    granary,
     PluginError,
     Error,
     "A policy plugin failed to load, trapped, or returned an invalid answer."
 );
 pyo3::create_exception!(
-    _native,
+    granary,
     ForkError,
     Error,
     "Something set up in another process was used in a child forked from it: a loader whose \

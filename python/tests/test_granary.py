@@ -562,3 +562,26 @@ def test_the_memory_tier_serves_every_epoch_and_can_be_turned_off(tokens, tmp_pa
         assert (row == data[index]).all()
     m = off.metrics()
     assert m["tier_records"] == 0 and m["bytes_read"] > 0 and "tier_bytes_held" not in m, m
+
+
+def _read_missing(path):
+    """In a pool worker: read a dataset that does not exist (raises granary.NotFoundError)."""
+    granary.Store(path).loader("no-such-dataset", batch_size=1)
+
+
+def test_errors_pickle_and_reach_the_parent_as_themselves(tokens):
+    import multiprocessing
+    import pickle
+
+    store, _ = tokens
+    with pytest.raises(granary.NotFoundError) as caught:
+        store.loader("no-such-dataset", batch_size=1)
+    error = caught.value
+    assert type(error).__module__ == "granary" and error.kind == "not_found"
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is granary.NotFoundError and str(again) == str(error) and again.kind == "not_found"
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        with pytest.raises(granary.NotFoundError) as from_worker:
+            pool.apply(_read_missing, (store.path,))
+    assert "no-such-dataset" in str(from_worker.value) and from_worker.value.kind == "not_found"
