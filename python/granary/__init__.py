@@ -155,7 +155,8 @@ class Loader:
 
     `dataset`: a name (its version current when the loader is made: a missing one is
     `NotFoundError` here), `name@version`, or a manifest id. `rank` and `world_size` default to
-    torchrun's `RANK` and `WORLD_SIZE`. `device`: `"cuda"` (torch's current device once torch
+    torchrun's `RANK` and `WORLD_SIZE`; one without the other is refused unless the launcher set
+    both. Every count is checked here, naming the argument (`ValueError`). `device`: `"cuda"` (torch's current device once torch
     has initialised CUDA, else `LOCAL_RANK` when that device exists, else 0), `"cuda:N"`,
     `"cpu"` (host memory), or `None` (`"cuda"` when torch sees a GPU, `"cpu"` otherwise).
     `prefetch`: batches read ahead; `hold`: batches the trainer may keep at once (a batch is
@@ -207,8 +208,31 @@ class Loader:
         tier_bytes: Optional[int] = None,
     ) -> None:
         env_rank, env_world = world_from_env()
+        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        if (rank is None) != (world_size is None) and not launched:
+            given, missing = ("rank", "world_size") if world_size is None else ("world_size", "rank")
+            raise ValueError(
+                f"{given} given without {missing}, and no launcher set RANK and WORLD_SIZE: pass both "
+                "(reading as rank 0 of the wrong world would duplicate or drop records)"
+            )
         rank = env_rank if rank is None else rank
         world_size = env_world if world_size is None else world_size
+        for name, value, least in (
+            ("batch_size", batch_size, 1),
+            ("prefetch", prefetch, 1),
+            ("read_depth", read_depth, 1),
+            ("hold", hold, 1),
+            ("seed", seed, 0),
+            ("epoch", epoch, 0),
+            ("rank", rank, 0),
+            ("world_size", world_size, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")
+        if tier_bytes is not None and (not isinstance(tier_bytes, int) or tier_bytes < 0):
+            raise ValueError(f"tier_bytes must be a number of bytes (0 turns the tier off), not {tier_bytes!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if output is None:
             output = "torch" if _torch() is not None else "numpy"
         if output not in ("torch", "numpy"):

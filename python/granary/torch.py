@@ -75,6 +75,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
         rank = options.pop("rank", None)
         world_size = options.pop("world_size", None)
         env_rank, env_world = world_from_env()
+        if (rank is None) != (world_size is None) and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+            raise ValueError("pass both rank and world_size, or neither (then the launcher's RANK and WORLD_SIZE)")
         rank = env_rank if rank is None else rank
         world_size = env_world if world_size is None else world_size
         worker = torch.utils.data.get_worker_info()

@@ -585,3 +585,25 @@ def test_errors_pickle_and_reach_the_parent_as_themselves(tokens):
         with pytest.raises(granary.NotFoundError) as from_worker:
             pool.apply(_read_missing, (store.path,))
     assert "no-such-dataset" in str(from_worker.value) and from_worker.value.kind == "not_found"
+
+
+def test_loader_arguments_are_checked_where_the_loader_is_made(tokens, monkeypatch):
+    store, _ = tokens
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="world_size given without rank"):
+        store.loader("tokens", batch_size=10, world_size=4)
+    with pytest.raises(ValueError, match="rank given without world_size"):
+        store.loader("tokens", batch_size=10, rank=1)
+    for bad in (dict(prefetch=0), dict(hold=0), dict(read_depth=-1), dict(seed=-3), dict(batch_size=0),
+                dict(tier_bytes=-1), dict(rank=4, world_size=4)):
+        options = dict(batch_size=10, **{k: v for k, v in bad.items() if k != "batch_size"})
+        if "batch_size" in bad:
+            options["batch_size"] = bad["batch_size"]
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=name if name != "world_size" else "rank"):
+            store.loader("tokens", **options)
+    # Under a launcher, the environment supplies the other.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert store.loader("tokens", batch_size=10, world_size=2).rank == 1
