@@ -292,6 +292,13 @@ class Loader:
         return self._convert(batch)
 
     def __len__(self) -> int:
+        """Batches this iteration yields (the next one's, between two): a whole epoch, or after
+        `load_state_dict` mid-epoch what is left of it, as torchdata's StatefulDataLoader counts.
+        `batches_per_epoch()` is the whole epoch's."""
+        return self._native.batches_in_iteration()
+
+    def batches_per_epoch(self) -> int:
+        """Batches this rank reads in a whole epoch."""
         return self._native.batches_per_epoch()
 
     def _convert(self, batch: Any) -> Any:

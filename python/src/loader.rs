@@ -60,6 +60,8 @@ struct State {
     position: Position,
     /// The epoch the current iteration covers.
     iterating: u64,
+    /// Where the current (or next) iteration starts: `len()` counts the batches from here.
+    len_from: Position,
     running: Option<Running>,
     /// Counters of engine loaders already stopped (a restart starts new ones).
     before: LoaderStats,
@@ -161,8 +163,14 @@ impl Cut {
 
     /// Batches this rank reads per epoch.
     fn batches_per_epoch(self) -> u64 {
+        self.batches_from(0)
+    }
+
+    /// Batches this rank reads from `cursor` (a step boundary) to the end of the epoch.
+    fn batches_from(self, cursor: u64) -> u64 {
         let step = self.size * self.batch;
-        let (full, left) = (self.n / step, self.n % step);
+        let left_records = self.n.saturating_sub(cursor);
+        let (full, left) = (left_records / step, left_records % step);
         let last = !self.drop_last && left > 0 && (left >= self.size || self.rank < left);
         full + u64::from(last)
     }
@@ -263,6 +271,7 @@ impl Loader {
                 dataset: None,
                 position: Position { epoch, cursor: 0 },
                 iterating: epoch,
+                len_from: Position { epoch, cursor: 0 },
                 running: None,
                 before: LoaderStats::default(),
             }),
@@ -275,6 +284,7 @@ impl Loader {
         let mut state = self.lock(py)?;
         let position = state.position;
         state.iterating = position.epoch;
+        state.len_from = position;
         Ok(position.epoch)
     }
 
@@ -283,6 +293,7 @@ impl Loader {
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<NativeBatch>> {
         let mut state = self.lock(py)?;
         if state.position.epoch > state.iterating {
+            state.len_from = state.position;
             return Ok(None);
         }
         let cut = state.cut().map_err(to_py)?;
@@ -333,6 +344,7 @@ impl Loader {
             self.move_to(&mut state, Position { epoch, cursor: 0 });
         }
         state.iterating = epoch;
+        state.len_from = state.position;
         Ok(())
     }
 
@@ -342,6 +354,7 @@ impl Loader {
         let position = state.normalized(Position { epoch, cursor }).map_err(to_py)?;
         self.move_to(&mut state, position);
         state.iterating = position.epoch;
+        state.len_from = position;
         Ok(())
     }
 
@@ -373,6 +386,15 @@ impl Loader {
     fn layout(&self, py: Python<'_>) -> PyResult<&'static str> {
         let mut state = self.lock(py)?;
         Ok(layout_name(state.dataset().map_err(to_py)?.layout()))
+    }
+
+    /// Batches the current iteration yields from its start (the next iteration's, between
+    /// two): a whole epoch, or after a resume mid-epoch what is left of it.
+    fn batches_in_iteration(&self, py: Python<'_>) -> PyResult<u64> {
+        let mut state = self.lock(py)?;
+        let cut = state.cut().map_err(to_py)?;
+        let from = cut.normalized(state.len_from);
+        Ok(cut.batches_from(from.cursor))
     }
 
     /// Batches this rank reads per epoch.

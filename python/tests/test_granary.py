@@ -132,9 +132,15 @@ def test_resume_on_another_world_size_reads_exactly_the_rest(tokens):
     for rank in range(3):
         loader = store.loader("tokens", batch_size=32, seed=3, world_size=3, rank=rank, output="numpy", with_indices=True)
         loader.load_state_dict(state)
+        expected = len(loader)
+        assert expected < loader.batches_per_epoch(), "len() counts what is left of the epoch"
+        yielded = 0
         for indices, batch in loader:
+            yielded += 1
             rest.extend(indices.tolist())
             assert all(np.array_equal(row, data[i]) for i, row in zip(indices.tolist(), batch))
+        assert yielded == expected, (rank, yielded, expected)
+        assert len(loader) == loader.batches_per_epoch(), "the next iteration is a whole epoch"
     assert len(seen) + len(rest) == 1000
     assert sorted(seen + rest) == list(range(1000)), "a sample lost or read twice across the resume"
     # A state from another seed or dataset version is refused, not silently misapplied.
