@@ -310,9 +310,16 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         let (a, b) = (rows.iter().find(|(l, _)| l == a)?, rows.iter().find(|(l, _)| l == b)?);
         Some(median(a.1.iter().zip(&b.1).map(|(x, y)| x.gbps() / y.gbps()).collect()))
     };
-    let show = |label: &str, value: Option<f64>, target: &str| match value {
-        Some(value) => println!("{label:<48} {value:>8.3}   target {target}"),
-        None => println!("{label:<48} {:>8}   target {target}", "n/a"),
+    let show = |label: &str, value: Option<f64>, target: &str| {
+        let limit = target.strip_prefix(">= ").and_then(|t| t.parse::<f64>().ok());
+        match (value, limit) {
+            (Some(value), Some(limit)) => {
+                let verdict = if value >= limit { "met" } else { "missed" };
+                println!("{label:<48} {value:>8.3}   target {target}: {verdict}")
+            }
+            (Some(value), None) => println!("{label:<48} {value:>8.3}   {target}"),
+            (None, _) => println!("{label:<48} {:>8}   target {target}: not measured here", "n/a"),
+        }
     };
     show("random, engine -> host / bare", ratio("random: engine -> host", "random: bare io_uring"), ">= 0.90");
     show("random, engine -> GPU / bare", ratio("random: engine -> GPU", "random: bare io_uring"), ">= 0.90");
