@@ -72,3 +72,24 @@ fn a_missing_root_is_explained() {
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert!(stderr.contains("--root DIR or set GRANARY_ROOT"), "{stderr}");
 }
+
+#[test]
+fn sizes_take_suffixes_dtypes_take_numpy_names_and_a_new_store_is_announced() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let input = dir.path().join("r.bin");
+    let records: Vec<Vec<u8>> = (0..8).map(|i| bytes(i, 4096)).collect();
+    write_records(&input, &records);
+    let args = ["ingest", "records", "--name", "t", "--record-bytes", "4KiB", "--dtype", "uint16"];
+    let first = granary(&root, &[&args[..], &[input.to_str().unwrap()]].concat());
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let said = String::from_utf8_lossy(&first.stderr);
+    assert!(said.contains(&format!("created a new store at {}", root.display())), "{said}");
+    let second = granary(&root, &[&args[..], &["--replace", input.to_str().unwrap()]].concat());
+    assert!(second.status.success());
+    assert!(!String::from_utf8_lossy(&second.stderr).contains("created a new store"), "only when it is new");
+    // get -o FILE writes the record there.
+    let out = dir.path().join("record.bin");
+    granary_ok(&root, &["get", "t", "3", "-o", out.to_str().unwrap()]);
+    assert_eq!(std::fs::read(&out).unwrap(), records[3]);
+}

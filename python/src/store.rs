@@ -231,33 +231,12 @@ fn layout_of(dtype: Option<&str>, shape: Option<Vec<u64>>) -> PyResult<Layout> {
         (None, None) => Ok(Layout::Bytes),
         (Some(dtype), shape) => {
             let parsed = Dtype::from_name(dtype)
-                .or_else(|| numpy_dtype(dtype))
                 .ok_or_else(|| invalid(format!("unknown dtype {dtype:?} (u8, i8, u16, ..., f16, bf16, f32, f64)")))?;
             let shape = shape.ok_or_else(|| invalid("dtype needs shape (the dimensions of one record)"))?;
             FixedLayout::new(parsed, &shape).map(Layout::Fixed).map_err(|e| invalid(e.to_string()))
         }
         (None, Some(_)) => Err(invalid("shape needs dtype")),
     }
-}
-
-/// NumPy's and PyTorch's names for the engine's dtypes.
-fn numpy_dtype(name: &str) -> Option<Dtype> {
-    let name = name.strip_prefix("torch.").unwrap_or(name);
-    Some(match name {
-        "uint8" => Dtype::U8,
-        "int8" => Dtype::I8,
-        "uint16" => Dtype::U16,
-        "int16" => Dtype::I16,
-        "uint32" => Dtype::U32,
-        "int32" => Dtype::I32,
-        "uint64" => Dtype::U64,
-        "int64" => Dtype::I64,
-        "float16" | "half" => Dtype::F16,
-        "bfloat16" => Dtype::Bf16,
-        "float32" | "float" => Dtype::F32,
-        "float64" | "double" => Dtype::F64,
-        _ => return None,
-    })
 }
 
 fn options_of(replace: bool, shard_bytes: Option<u64>) -> IngestOptions {

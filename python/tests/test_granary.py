@@ -613,3 +613,11 @@ def test_loader_arguments_are_checked_where_the_loader_is_made(tokens, monkeypat
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert store.loader("tokens", batch_size=10, world_size=2).rank == 1
+
+
+def test_dtypes_take_the_cli_names_too(store):
+    data = records(4)
+    store.ingest("short-names", data, dtype="u16", shape=[RECORD])
+    loader = store.loader("short-names", batch_size=4, output="numpy", order="sequential")
+    (batch,) = list(loader)
+    assert batch.dtype == np.uint16 and (batch == np.stack(data)).all()

@@ -55,6 +55,9 @@ enum Command {
         dataset: String,
         /// The record's index in the dataset version.
         index: u64,
+        /// Write the record to this file instead of stdout (stdout must not be a terminal).
+        #[arg(short, long, value_name = "FILE")]
+        output: Option<PathBuf>,
         #[command(flatten)]
         key: cluster::KeyArgs,
     },
@@ -98,10 +101,11 @@ enum IngestCommand {
     Records {
         #[command(flatten)]
         common: IngestArgs,
-        /// Bytes per record.
-        #[arg(long)]
+        /// Bytes per record (suffixes K, M, G, KiB, MiB, GiB).
+        #[arg(long, value_parser = parse_size)]
         record_bytes: u64,
-        /// Element type: u8 i8 u16 i16 u32 i32 u64 i64 f16 bf16 f32 f64 (default u8).
+        /// Element type: u8 i8 u16 i16 u32 i32 u64 i64 f16 bf16 f32 f64, or NumPy's and
+        /// PyTorch's names (uint16, float32, ...) (default u8).
         #[arg(long)]
         dtype: Option<String>,
         /// Record shape, comma-separated (default: record bytes / dtype size).
@@ -198,7 +202,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Ingest(command) => ingest(root, command).map(|()| ExitCode::SUCCESS),
         Command::Ls => show::ls(&paths).map(|()| ExitCode::SUCCESS),
         Command::Inspect { target, records } => show::inspect(&paths, &target, records).map(|()| ExitCode::SUCCESS),
-        Command::Get { dataset, index, key } => get(&paths, &dataset, index, &key).map(|()| ExitCode::SUCCESS),
+        Command::Get { dataset, index, output, key } => {
+            get(&paths, &dataset, index, output.as_deref(), &key).map(|()| ExitCode::SUCCESS)
+        }
         Command::Verify { dataset } => show::verify(&paths, dataset.as_deref()),
         Command::Repair => show::repair(root).map(|()| ExitCode::SUCCESS),
         Command::Rm { dataset } => remove(root, &dataset).map(|()| ExitCode::SUCCESS),
@@ -249,6 +255,8 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         mode: if common.replace { IngestMode::Replace } else { IngestMode::Append },
         ..IngestOptions::default()
     };
+    // A typo in --root would otherwise make a new empty store without a word.
+    let created = StorePaths::new(&root).check().is_err();
     let mut granary = Granary::open_waiting(&root, true, LOCK_WAIT)?;
     let mut session = granary.ingest(name, layout, options)?;
     let bar = Bar::new();
@@ -264,6 +272,9 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         }
     }
     let committed = session.commit()?;
+    if created {
+        eprintln!("created a new store at {}", root.display());
+    }
     drop(granary);
     bar.finish();
     let stats = &committed.stats;
@@ -320,7 +331,18 @@ fn fixed_layout(record_bytes: u64, dtype: Option<&str>, shape: Option<&[u64]>) -
     Ok(layout)
 }
 
-fn get(paths: &StorePaths, spec: &str, index: u64, key: &cluster::KeyArgs) -> Result<()> {
+fn get(
+    paths: &StorePaths,
+    spec: &str,
+    index: u64,
+    output: Option<&std::path::Path>,
+    key: &cluster::KeyArgs,
+) -> Result<()> {
+    use std::io::IsTerminal;
+    // A record is raw bytes: written to a terminal they garble it (curl refuses too).
+    if output.is_none() && std::io::stdout().is_terminal() {
+        bail!("a record is binary: redirect stdout (get NAME INDEX > record.bin) or pass -o FILE");
+    }
     let dataset = granary::Dataset::open(paths, &VersionSpec::parse(spec)?)?;
     let mut reader = Reader::new(dataset, IoConfig::default().build()?);
     if let Some(key) = key.key_if_given()? {
@@ -330,8 +352,13 @@ fn get(paths: &StorePaths, spec: &str, index: u64, key: &cluster::KeyArgs) -> Re
         }
     }
     let record = reader.get(index)?;
-    let mut out = std::io::stdout().lock();
-    out.write_all(&record).and_then(|()| out.flush()).context("write to stdout")?;
+    match output {
+        Some(path) => std::fs::write(path, &record).with_context(|| format!("write {}", path.display()))?,
+        None => {
+            let mut out = std::io::stdout().lock();
+            out.write_all(&record).and_then(|()| out.flush()).context("write to stdout")?;
+        }
+    }
     Ok(())
 }
 

@@ -93,7 +93,25 @@ impl Dtype {
 
     /// Parses a name as printed by [`Dtype::name`].
     pub fn from_name(name: &str) -> Option<Dtype> {
-        Self::ALL.into_iter().find(|dtype| dtype.name() == name)
+        if let Some(dtype) = Self::ALL.into_iter().find(|dtype| dtype.name() == name) {
+            return Some(dtype);
+        }
+        // NumPy's and PyTorch's names, so the CLI and Python take the same spellings.
+        Some(match name.strip_prefix("torch.").unwrap_or(name) {
+            "uint8" => Dtype::U8,
+            "int8" => Dtype::I8,
+            "uint16" => Dtype::U16,
+            "int16" => Dtype::I16,
+            "uint32" => Dtype::U32,
+            "int32" => Dtype::I32,
+            "uint64" => Dtype::U64,
+            "int64" => Dtype::I64,
+            "float16" | "half" => Dtype::F16,
+            "bfloat16" => Dtype::Bf16,
+            "float32" | "float" => Dtype::F32,
+            "float64" | "double" => Dtype::F64,
+            _ => return None,
+        })
     }
 
     const fn code(self) -> u8 {
