@@ -426,3 +426,27 @@ fn a_cgroup_limit_shrinks_the_tier_instead_of_killing_the_trainer() {
     assert!(numbers[0] >= 64 << 20, "the tier filled first: {line}");
     assert!(numbers[1] < numbers[0] / 2, "then gave memory back: {line}");
 }
+
+#[test]
+fn versions_that_share_shards_share_their_extents() {
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    let first: Vec<Vec<u8>> = (0..1000).map(|i| bytes(i, TOKENS as usize * 2)).collect();
+    ingest(&mut granary, "tokens", tokens_layout(TOKENS), small_shards(256 << 10), &first);
+    let more: Vec<Vec<u8>> = (1000..1200).map(|i| bytes(i, TOKENS as usize * 2)).collect();
+    ingest(&mut granary, "tokens", tokens_layout(TOKENS), small_shards(256 << 10), &more);
+    let all: Vec<Vec<u8>> = first.iter().chain(&more).cloned().collect();
+    let v1 = granary.open_dataset(&VersionSpec::parse("tokens@1").unwrap()).unwrap();
+    let v2 = granary.open_dataset(&VersionSpec::parse("tokens@2").unwrap()).unwrap();
+    let tier = MemoryTier::open(&tier_config(dir.path(), 64 << 20)).unwrap().unwrap();
+    let shared = || TierSetting::Shared(Arc::clone(&tier));
+    let mut loader = Loader::new(Arc::clone(&v1), config(World::single(), 1, shared()), Position::default()).unwrap();
+    drain(&mut loader, &first);
+    let after_v1 = tier.stats().extents_loaded;
+    assert_eq!(after_v1, n_extents(&v1));
+    let mut loader = Loader::new(Arc::clone(&v2), config(World::single(), 1, shared()), Position::default()).unwrap();
+    drain(&mut loader, &all);
+    assert_eq!(loader.stats().read.tier_records, 1200, "version 2 read from the tier too");
+    // Version 2 appends: it shares version 1's shards, so only its own extents were loaded.
+    assert_eq!(tier.stats().extents_loaded - after_v1, n_extents(&v2) - n_extents(&v1));
+}
