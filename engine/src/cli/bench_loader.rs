@@ -343,23 +343,23 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         ratio("cold epoch random: engine -> host", "cold epoch random: mmap gather"),
         ">= 1.0",
     );
-    // The cold epoch's time against one sequential read of the dataset's bytes.
-    let against_limit = (|| {
-        let (engine, limit) = (
-            rows.iter().find(|(l, _)| l == "cold epoch random: engine -> host")?,
-            rows.iter().find(|(l, _)| l == "cold epoch: sequential read (limit)")?,
-        );
+    // The cold epoch's time against one sequential read of the dataset's bytes, and against the
+    // tier's memory alone.
+    let time_ratio = |engine: &str, limit: &str| -> Option<f64> {
+        let (engine, limit) = (rows.iter().find(|(l, _)| l == engine)?, rows.iter().find(|(l, _)| l == limit)?);
         Some(median(engine.1.iter().zip(&limit.1).map(|(e, l)| l.seconds / e.seconds).collect()))
-    })();
-    show("cold epoch random: sequential read time / engine time", against_limit, ">= 0.5");
-    let against_floor = (|| {
-        let (engine, floor) = (
-            rows.iter().find(|(l, _)| l == "cold epoch random: engine -> host")?,
-            rows.iter().find(|(l, _)| l == "cold epoch: tier memory only (floor)")?,
-        );
-        Some(median(engine.1.iter().zip(&floor.1).map(|(e, f)| f.seconds / e.seconds).collect()))
-    })();
-    show("cold epoch random: tier memory time / engine time", against_floor, "(how close to this machine's floor)");
+    };
+    let cold = "cold epoch random: engine -> host";
+    show(
+        "cold epoch random: sequential read time / engine time",
+        time_ratio(cold, "cold epoch: sequential read (limit)"),
+        ">= 0.5",
+    );
+    show(
+        "cold epoch random: tier memory time / engine time",
+        time_ratio(cold, "cold epoch: tier memory only (floor)"),
+        "(how close to this machine's floor)",
+    );
     for note in &notes {
         println!("{note}");
     }
