@@ -715,8 +715,12 @@ impl TierReader {
                 match self.tier.lookup(&key) {
                     Ok(Lookup::Resident(mapped)) => break Some(mapped),
                     Ok(Lookup::Filling) if Instant::now() < deadline => {
+                        // A filler is at it (this process's, or another's, whose publish this
+                        // process does not hear of): wait a little, then look again.
                         match &self.coordinator {
-                            Some(coordinator) => coordinator.wait_for_publish(published, Duration::from_millis(2)),
+                            Some(coordinator) => {
+                                coordinator.wait_for_publish(coordinator.published(), Duration::from_millis(1))
+                            }
                             None => std::thread::sleep(Duration::from_micros(500)),
                         }
                         continue;
