@@ -171,11 +171,27 @@ pub(crate) fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(error) => {
-            let message = format!("{error:#}").replace('\n', " ");
+            let message = one_line(&error);
             let _ = writeln!(std::io::stderr(), "granary: error: {message}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, each cause once: the engine's errors already print
+/// their source (the OS text of an I/O error) in their own message.
+fn one_line(error: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            if !message.is_empty() {
+                message.push_str(": ");
+            }
+            message.push_str(&text);
+        }
+    }
+    message.replace('\n', " ")
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
