@@ -62,15 +62,21 @@ enum Command {
         /// Only this version (NAME, NAME@N or manifest id); default: the whole store.
         dataset: Option<String>,
     },
-    /// Rebuild the catalog from the files, quarantining any that fail verification.
+    /// Rebuild the catalog from the files, quarantining files that fail verification and
+    /// rebuilding damaged or lost refs from their histories.
     Repair,
     /// Remove a dataset (NAME) or one version (NAME@N); files stay until `gc`.
     Rm {
         /// NAME or NAME@N.
         dataset: String,
     },
-    /// Delete shard and manifest files that no live version references.
-    Gc,
+    /// Delete shard and manifest files that no live version references, keeping for a grace
+    /// period (14 days) what refs pointed at recently and objects written recently.
+    Gc {
+        /// No grace period: delete everything no live version references now.
+        #[arg(long)]
+        prune_now: bool,
+    },
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -211,16 +217,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Verify { dataset } => show::verify(&paths, dataset.as_deref()),
         Command::Repair => show::repair(root).map(|()| ExitCode::SUCCESS),
         Command::Rm { dataset } => remove(root, &dataset).map(|()| ExitCode::SUCCESS),
-        Command::Gc => {
-            let report = Granary::open_waiting(root, false, LOCK_WAIT)?.gc()?;
-            println!(
-                "removed {} shards and {} manifests ({})",
-                report.shards,
-                report.manifests,
-                show::bytes(report.bytes)
-            );
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Gc { prune_now } => show::gc(root, prune_now).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Read(args)) => bench::read(&paths, &args).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Replication(args)) => {
             bench_replication::replication(&root, &args).map(|()| ExitCode::SUCCESS)
