@@ -101,3 +101,44 @@ fn gc_keeps_what_a_removed_version_used_for_the_grace_period() {
     assert!(shard_files(&root).is_empty() && manifest_files(&root).is_empty());
     assert!(!root.join("history").join("A").exists(), "a removed dataset's history goes with it");
 }
+
+#[test]
+fn whole_store_verify_fails_while_a_live_version_is_unreadable() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    store_with(&root, &dir.path().join("r.bin"), "A");
+    let other = dir.path().join("other.bin");
+    std::fs::write(&other, bytes(7, 64 * 1024)).unwrap();
+    granary_ok(&root, &["ingest", "records", "--name", "B", "--record-bytes", "4096", other.to_str().unwrap()]);
+
+    // A shard of A is deleted: every remaining file is sound, A@1 is not.
+    let shard_of_a = shard_files(&root).into_iter().find(|path| is_shard_of(&root, "A", path)).unwrap();
+    std::fs::remove_file(&shard_of_a).unwrap();
+    let out = granary(&root, &["verify"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stem = shard_of_a.file_stem().unwrap().to_str().unwrap();
+    assert!(stderr.contains(&format!("UNREADABLE A@1: shard {stem} is missing")), "{stderr}");
+    assert!(!stderr.contains("B@"), "B is whole: {stderr}");
+
+    // A damaged shard that repair quarantined: the same.
+    let dir2 = tempdir();
+    let root = dir2.path().join("store");
+    store_with(&root, &dir2.path().join("r.bin"), "A");
+    let victim = shard_files(&root).remove(1);
+    let mut bytes_on_disk = std::fs::read(&victim).unwrap();
+    bytes_on_disk[8192] ^= 0x40;
+    std::fs::write(&victim, &bytes_on_disk).unwrap();
+    assert!(!granary(&root, &["repair"]).status.success(), "repair reports the shard it leaves missing");
+    assert!(!victim.exists());
+    let out = granary(&root, &["verify"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("UNREADABLE A@1: shard") && stderr.contains("is missing"), "{stderr}");
+}
+
+fn is_shard_of(root: &Path, name: &str, shard: &Path) -> bool {
+    let paths = granary::StorePaths::new(root);
+    let (manifest, _) = paths.resolve(&granary::VersionSpec::parse(name).unwrap()).unwrap();
+    paths.read_manifest(manifest).unwrap().entries().iter().any(|e| paths.shard(e.shard) == shard)
+}

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 pub use collect::{GC_GRACE_DEFAULT, GcOptions, GcReport};
 pub use repair::RepairReport;
-pub use verify::{Failure, VerifyReport, verify, verify_shard};
+pub use verify::{Failure, Hurt, Unreadable, VerifyReport, verify, verify_shard};
 
 use crate::catalog::{Catalog, ObjectEntry};
 use crate::error::{Error, Result};
@@ -187,7 +187,8 @@ impl Granary {
     }
 
     /// Full scrub: BLAKE3 and every CRC of each shard, the id of each manifest, each ref. With a
-    /// spec, only that version's manifest and shards; otherwise every file in the store.
+    /// spec, only that version's manifest and shards; otherwise every file in the store and the
+    /// readability of every live version.
     pub fn verify(&self, spec: Option<&VersionSpec>) -> Result<VerifyReport> {
         verify(self.store.paths(), spec)
     }

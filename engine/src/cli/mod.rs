@@ -57,7 +57,8 @@ enum Command {
         #[command(flatten)]
         key: cluster::KeyArgs,
     },
-    /// Full scrub: BLAKE3 of every file, CRC32C of every block; exits 1 on any failure.
+    /// Full scrub: BLAKE3 of every file, CRC32C of every block and, for the whole store, that
+    /// every record of every live version can be read; exits 1 on any failure.
     Verify {
         /// Only this version (NAME, NAME@N or manifest id); default: the whole store.
         dataset: Option<String>,

@@ -133,15 +133,30 @@ pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode>
     for failure in &report.failures {
         eprintln!("granary: FAILED {}: {}", failure.path.display(), failure.error);
     }
+    for unreadable in &report.unreadable {
+        eprintln!("granary: UNREADABLE {unreadable}");
+    }
+    let versions = if spec.is_none() {
+        format!(", {} live versions readable, {} unreadable", report.versions_ok, versions_hurt(&report))
+    } else {
+        String::new()
+    };
     println!(
-        "verified {} shards, {} manifests, {} refs ({}): {} failures",
+        "verified {} shards, {} manifests, {} refs ({}){versions}: {} failures",
         report.shards_ok,
         report.manifests_ok,
         report.refs_ok,
         bytes(report.bytes),
-        report.failures.len()
+        report.failures.len() + report.unreadable.len()
     );
-    Ok(if report.failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// How many versions (or datasets with unknown versions) the report names as unreadable.
+fn versions_hurt(report: &engine::VerifyReport) -> usize {
+    let mut hurt: Vec<(&str, Option<u64>)> = report.unreadable.iter().map(|u| (u.name.as_str(), u.number)).collect();
+    hurt.dedup();
+    hurt.len()
 }
 
 pub(super) fn repair(root: PathBuf) -> Result<()> {
