@@ -4,7 +4,8 @@
 //! ingests, lists and removes here; it verifies (`verify.rs`), repairs (`repair.rs`) and
 //! collects garbage (`collect.rs`) in the files beside this one. Reading needs no `Granary`:
 //! `Dataset::open` works from the files alone, so every rank of a trainer can read while one
-//! process writes.
+//! process writes. A catalog sled cannot read stops every writer but `repair` with
+//! `Error::NeedsRepair`: the catalog is a cache, and only repair rebuilds it.
 
 mod collect;
 mod repair;
@@ -82,9 +83,10 @@ impl Granary {
         // must not touch the store at all.
         Catalog::check_process()?;
         let store = Store::open(root, create)?;
-        let catalog = Catalog::open_sled(&store.paths().catalog_dir())?;
+        let dir = store.paths().catalog_dir();
+        let catalog = Catalog::open_sled(&dir).map_err(|e| catalog_unreadable(&dir, e))?;
         let granary = Self { store, catalog };
-        granary.reconcile_datasets()?;
+        granary.reconcile_datasets().map_err(|e| catalog_unreadable(&dir, e))?;
         Ok(granary)
     }
 
@@ -320,6 +322,17 @@ pub fn datasets_from_files(paths: &StorePaths) -> Result<Vec<DatasetSummary>> {
         out.push(DatasetSummary { name, versions });
     }
     Ok(out)
+}
+
+/// `Error::NeedsRepair` for an error that says the catalog cannot be read; other errors as
+/// they are.
+fn catalog_unreadable(dir: &Path, error: Error) -> Error {
+    match error {
+        Error::Catalog { detail } => {
+            Error::NeedsRepair { what: format!("the catalog {} cannot be read", dir.display()), detail }
+        }
+        other => other,
+    }
 }
 
 fn file_len(path: &Path) -> Result<u64> {

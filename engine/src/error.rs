@@ -389,7 +389,7 @@ pub enum Error {
         detail: String,
     },
     /// The catalog database failed.
-    #[error("catalog: {detail}")]
+    #[error("catalog: {detail} (`granary repair` rebuilds the catalog from the files)")]
     Catalog {
         /// The database's message.
         detail: String,

@@ -63,8 +63,8 @@ enum Command {
         /// Only this version (NAME, NAME@N or manifest id); default: the whole store.
         dataset: Option<String>,
     },
-    /// Rebuild the catalog from the files, quarantining files that fail verification and
-    /// rebuilding damaged or lost refs from their histories.
+    /// Rebuild the catalog from the files whatever its state, quarantining files that fail
+    /// verification and rebuilding damaged or lost refs from their histories.
     Repair,
     /// Remove a dataset (NAME) or one version (NAME@N); files stay until `gc`.
     Rm {

@@ -25,6 +25,11 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
     let datasets: Vec<DatasetSummary> = match Granary::open(paths.root()) {
         Ok(granary) => granary.datasets()?,
         Err(Error::StoreLocked { .. }) => engine::datasets_from_files(paths)?,
+        // The catalog is only a cache: list from the files, and say what is wrong once.
+        Err(e @ Error::NeedsRepair { .. }) => {
+            eprintln!("granary: warning: {e}; listing from the files");
+            engine::datasets_from_files(paths)?
+        }
         Err(e) => return Err(e.into()),
     };
     if datasets.is_empty() {
@@ -160,8 +165,10 @@ fn versions_hurt(report: &engine::VerifyReport) -> usize {
 }
 
 pub(super) fn repair(root: PathBuf) -> Result<()> {
-    let mut granary = Granary::open_waiting(root, false, super::LOCK_WAIT)?;
-    let report = granary.repair()?;
+    let (_granary, report) = Granary::open_and_repair(root, super::LOCK_WAIT)?;
+    if let Some((path, why)) = &report.catalog_quarantined {
+        eprintln!("granary: the catalog could not be read ({why}); moved to {} and rebuilt", path.display());
+    }
     for (path, why) in &report.quarantined {
         eprintln!("granary: quarantined {}: {why}", path.display());
     }

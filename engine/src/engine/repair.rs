@@ -1,8 +1,9 @@
-//! Repair: the catalog rebuilt from the files, damaged files quarantined, refs rebuilt from
-//! their histories.
+//! Repair: the catalog rebuilt from the files whatever state it is in, damaged files
+//! quarantined, refs rebuilt from their histories.
 //!
-//! Owns `RepairReport` and `Granary::repair` (what `granary repair` runs). The catalog is
-//! cleared and filled again; every shard and manifest is verified and cataloged, or quarantined; a damaged or lost ref is rebuilt from
+//! Owns `RepairReport` and `Granary::open_and_repair` (what `granary repair` runs). A catalog
+//! sled cannot open or clear is moved to `quarantine/` and a new one is built; every shard and
+//! manifest is verified and cataloged, or quarantined; a damaged or lost ref is rebuilt from
 //! its history, and a history is brought in line with an intact ref (or, damaged, quarantined
 //! and begun again from it). Invariant: nothing is deleted: a file that fails its check is
 //! moved to `quarantine/`, where `gc` still honours what a ref or history there names for the
@@ -11,12 +12,13 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
-use crate::catalog::ObjectEntry;
+use crate::catalog::{Catalog, ObjectEntry};
 use crate::error::{Error, Result};
 use crate::id::{ManifestId, ShardId};
 use crate::ingest::manifest_entry;
-use crate::store::{DatasetName, ObjectKind, RefHistory, RefLog};
+use crate::store::{DatasetName, ObjectKind, RefHistory, RefLog, Store};
 
 use super::{Granary, verify_shard};
 
@@ -31,6 +33,8 @@ pub struct RepairReport {
     pub datasets: u64,
     /// Temp files of dead writers removed (when the store was opened, or by the repair).
     pub tmp_removed: usize,
+    /// The catalog, when sled could not read it: where it was moved, and why.
+    pub catalog_quarantined: Option<(PathBuf, String)>,
     /// Files that failed verification, moved to `quarantine/`, with why.
     pub quarantined: Vec<(PathBuf, String)>,
     /// Refs written again from their history: damaged, or gone while the history still named
@@ -51,6 +55,40 @@ impl RepairReport {
 }
 
 impl Granary {
+    /// Opens the store at `root` for writing (waiting up to `wait` for another writer) whatever
+    /// state its catalog is in, and repairs it: see the module doc.
+    pub fn open_and_repair(root: impl Into<PathBuf>, wait: Duration) -> Result<(Self, RepairReport)> {
+        Catalog::check_process()?;
+        let root = root.into();
+        let started = Instant::now();
+        let store = loop {
+            match Store::open(root.clone(), false) {
+                Err(e) if e.is_busy() && started.elapsed() < wait => std::thread::sleep(Duration::from_millis(20)),
+                other => break other?,
+            }
+        };
+        let mut report = RepairReport::default();
+        let dir = store.paths().catalog_dir();
+        // The old catalog is kept only if sled can open and empty it; anything else about it
+        // is damage, and it goes to quarantine whole.
+        let catalog = match Catalog::open_sled(&dir).and_then(|catalog| catalog.clear().map(|()| catalog)) {
+            Ok(catalog) => catalog,
+            Err(e) if e.is_busy() || matches!(e, Error::CatalogForked { .. }) => return Err(e),
+            Err(e) => {
+                let moved = store.quarantine(&dir)?;
+                let why = match e {
+                    Error::Catalog { detail } => detail,
+                    other => other.to_string(),
+                };
+                report.catalog_quarantined = Some((moved, why));
+                Catalog::open_sled(&dir)?
+            }
+        };
+        let mut granary = Self { store, catalog };
+        granary.rebuild(&mut report)?;
+        Ok((granary, report))
+    }
+
     /// Rebuilds the catalog from a scan of the files, verifying each one; files that fail are
     /// quarantined, never deleted; refs are rebuilt from their histories.
     pub fn repair(&mut self) -> Result<RepairReport> {
