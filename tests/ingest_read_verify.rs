@@ -211,7 +211,7 @@ fn an_ingest_dropped_without_commit_removes_only_what_it_wrote() {
     assert!(!tmp.exists() || std::fs::read_dir(&tmp).unwrap().next().is_none(), "the partial shard is gone");
     assert_eq!(granary.catalog().shards().unwrap().len(), before.len(), "and their catalog entries");
     assert_eq!(read_all(&open(&root, "kept"), IoConfig::default()), kept);
-    assert_eq!(granary.gc().unwrap().shards, 0, "nothing was left for gc");
+    assert_eq!(granary.gc(granary::engine::GcOptions::prune_now()).unwrap().shards, 0, "nothing was left for gc");
 }
 
 #[test]
@@ -258,7 +258,7 @@ fn appends_make_versions_old_versions_stay_readable_and_gc_keeps_what_is_live() 
     let shards_before = shard_files(&root).len();
     granary.remove(&name, Some(2)).unwrap();
     granary.remove(&name, Some(3)).unwrap();
-    let report = granary.gc().unwrap();
+    let report = granary.gc(granary::engine::GcOptions::prune_now()).unwrap();
     assert_eq!(report.manifests, 2);
     assert!(report.shards > 0 && (report.shards as usize) < shards_before);
     assert_eq!(
@@ -268,7 +268,7 @@ fn appends_make_versions_old_versions_stay_readable_and_gc_keeps_what_is_live() 
     assert!(matches!(granary.open_dataset(&VersionSpec::parse("d@2").unwrap()), Err(granary::Error::NotFound { .. })));
     granary.remove(&name, None).unwrap();
     granary.remove(&granary::DatasetName::new("copy").unwrap(), None).unwrap();
-    granary.gc().unwrap();
+    granary.gc(granary::engine::GcOptions::prune_now()).unwrap();
     assert!(shard_files(&root).is_empty());
     assert!(granary.datasets().unwrap().is_empty());
 }

@@ -75,7 +75,7 @@ fn repair_quarantines_a_corrupt_shard_and_reports_what_it_leaves_missing() {
 }
 
 #[test]
-fn a_damaged_ref_is_quarantined_by_repair_and_does_not_lock_the_store() {
+fn a_damaged_ref_is_quarantined_and_rebuilt_by_repair_and_does_not_lock_the_store() {
     let dir = tempdir();
     let root = dir.path().join("store");
     let mut granary = Granary::create(&root).unwrap();
@@ -84,7 +84,8 @@ fn a_damaged_ref_is_quarantined_by_repair_and_does_not_lock_the_store() {
     ingest(&mut granary, "bad", Layout::Bytes, small_shards(4096), &records[..2]);
     drop(granary);
     let ref_path = root.join("refs").join("bad");
-    let mut text = std::fs::read(&ref_path).unwrap();
+    let good_text = std::fs::read(&ref_path).unwrap();
+    let mut text = good_text.clone();
     text[16] ^= 0x02;
     std::fs::write(&ref_path, &text).unwrap();
 
@@ -94,8 +95,9 @@ fn a_damaged_ref_is_quarantined_by_repair_and_does_not_lock_the_store() {
     let out = common::granary(&root, &["repair"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("quarantined") && stderr.contains("refs/bad"), "{stderr}");
-    assert!(!ref_path.exists());
+    assert!(stderr.contains("rebuilt the ref of bad from its history"), "{stderr}");
+    assert_eq!(std::fs::read(&ref_path).unwrap(), good_text, "the ref's history holds what it said");
     let granary = Granary::open(&root).unwrap();
     let names: Vec<String> = granary.datasets().unwrap().into_iter().map(|d| d.name.to_string()).collect();
-    assert_eq!(names, ["good"]);
+    assert_eq!(names, ["bad", "good"]);
 }

@@ -1,22 +1,29 @@
 //! The engine: the one place that wires store, catalog, ingest and the read path together.
 //!
 //! `Granary` is a store opened for writing (it holds the store lock and the sled catalog). It
-//! ingests, lists, verifies, repairs and collects garbage. Reading needs no `Granary`:
+//! ingests, lists and removes here; it verifies (`verify.rs`), repairs (`repair.rs`) and
+//! collects garbage (`collect.rs`) in the files beside this one. Reading needs no `Granary`:
 //! `Dataset::open` works from the files alone, so every rank of a trainer can read while one
-//! process writes.
+//! process writes. A catalog sled cannot read stops every writer but `repair` with
+//! `Error::NeedsRepair`: the catalog is a cache, and only repair rebuilds it.
 
-use std::collections::BTreeSet;
-use std::fs::File;
-use std::io::Read;
+mod collect;
+mod repair;
+mod verify;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+pub use collect::{GC_GRACE_DEFAULT, GcOptions, GcReport};
+pub use repair::RepairReport;
+pub use verify::{Failure, Hurt, Unreadable, VerifyReport, verify, verify_shard};
 
 use crate::catalog::{Catalog, ObjectEntry};
 use crate::error::{Error, Result};
 use crate::id::{ManifestId, ObjectId, ShardId};
 use crate::ingest::{Ingest, IngestOptions, manifest_entry};
 use crate::read::Dataset;
-use crate::shard::{BLOCK_BYTES, DATA_OFFSET, ShardMeta};
+use crate::shard::ShardMeta;
 use crate::store::{DatasetName, ObjectKind, RefLog, Store, StorePaths, VersionSpec};
 
 /// One dataset version as listed.
@@ -37,58 +44,6 @@ pub struct DatasetSummary {
     pub name: DatasetName,
     /// Live versions, oldest first.
     pub versions: Vec<VersionSummary>,
-}
-
-/// A file that failed a check.
-#[derive(Debug)]
-pub struct Failure {
-    /// The file.
-    pub path: PathBuf,
-    /// What is wrong.
-    pub error: Error,
-}
-
-/// What a scrub found.
-#[derive(Debug, Default)]
-pub struct VerifyReport {
-    /// Shard files whose BLAKE3 id and every CRC matched.
-    pub shards_ok: u64,
-    /// Manifest files whose id matched.
-    pub manifests_ok: u64,
-    /// Ref files that decoded and point at existing manifests.
-    pub refs_ok: u64,
-    /// Bytes read.
-    pub bytes: u64,
-    /// Everything that failed.
-    pub failures: Vec<Failure>,
-}
-
-/// What a catalog rebuild did.
-#[derive(Debug, Default)]
-pub struct RepairReport {
-    /// Shards cataloged.
-    pub shards: u64,
-    /// Manifests cataloged.
-    pub manifests: u64,
-    /// Datasets cataloged.
-    pub datasets: u64,
-    /// Temp files of dead writers removed (when the store was opened, or by the repair).
-    pub tmp_removed: usize,
-    /// Files that failed verification, moved to `quarantine/`, with why.
-    pub quarantined: Vec<(PathBuf, String)>,
-    /// Objects referenced but missing (a version that cannot be read until they return).
-    pub missing: Vec<String>,
-}
-
-/// What garbage collection removed.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct GcReport {
-    /// Shard files removed.
-    pub shards: u64,
-    /// Manifest files removed.
-    pub manifests: u64,
-    /// Bytes freed.
-    pub bytes: u64,
 }
 
 /// A store opened for writing.
@@ -128,14 +83,17 @@ impl Granary {
         // must not touch the store at all.
         Catalog::check_process()?;
         let store = Store::open(root, create)?;
-        let catalog = Catalog::open_sled(&store.paths().catalog_dir())?;
+        let dir = store.paths().catalog_dir();
+        let catalog = Catalog::open_sled(&dir).map_err(|e| catalog_unreadable(&dir, e))?;
         let granary = Self { store, catalog };
-        granary.reconcile_datasets()?;
+        granary.reconcile_datasets().map_err(|e| catalog_unreadable(&dir, e))?;
         Ok(granary)
     }
 
     /// After a crash between a ref's rename and its catalog entry, the ref file (the commit
     /// point) is ahead of the catalog: bring the catalog's datasets in line with the ref files.
+    /// After a crash between a history append and a ref's rename, or in a store written before
+    /// histories, the history differs from its ref: bring it in line too.
     fn reconcile_datasets(&self) -> Result<()> {
         let names = self.store.paths().list_refs()?;
         let mut changed = false;
@@ -147,6 +105,7 @@ impl Granary {
                 Err(e) if e.is_corruption() => continue,
                 Err(e) => return Err(e),
             };
+            self.store.sync_history(name, &log)?;
             if self.catalog.dataset(name)?.as_ref() != Some(&log) {
                 self.catalog.put_dataset(name, &log)?;
                 changed = true;
@@ -229,46 +188,9 @@ impl Granary {
         self.catalog.flush()
     }
 
-    /// Removes every manifest and shard that no live version references.
-    pub fn gc(&mut self) -> Result<GcReport> {
-        let (live_manifests, live_shards) = self.live_objects()?;
-        let mut report = GcReport::default();
-        for (id, path) in self.store.paths().list_objects(ObjectKind::Manifest)? {
-            if !live_manifests.contains(&id) {
-                report.bytes += file_len(&path)?;
-                self.store.remove_object(ObjectKind::Manifest, id)?;
-                self.catalog.remove_manifest(ManifestId(id))?;
-                report.manifests += 1;
-            }
-        }
-        for (id, path) in self.store.paths().list_objects(ObjectKind::Shard)? {
-            if !live_shards.contains(&id) {
-                report.bytes += file_len(&path)?;
-                self.store.remove_object(ObjectKind::Shard, id)?;
-                self.catalog.remove_shard(ShardId(id))?;
-                report.shards += 1;
-            }
-        }
-        self.catalog.flush()?;
-        Ok(report)
-    }
-
-    /// The manifests and shards reachable from the refs.
-    fn live_objects(&self) -> Result<(BTreeSet<ObjectId>, BTreeSet<ObjectId>)> {
-        let (mut manifests, mut shards) = (BTreeSet::new(), BTreeSet::new());
-        for name in self.store.paths().list_refs()? {
-            for version in self.store.paths().read_ref(&name)?.versions() {
-                if manifests.insert(version.manifest.0) {
-                    let manifest = self.store.paths().read_manifest(version.manifest)?;
-                    shards.extend(manifest.entries().iter().map(|entry| entry.shard.0));
-                }
-            }
-        }
-        Ok((manifests, shards))
-    }
-
     /// Full scrub: BLAKE3 and every CRC of each shard, the id of each manifest, each ref. With a
-    /// spec, only that version's manifest and shards; otherwise every file in the store.
+    /// spec, only that version's manifest and shards; otherwise every file in the store and the
+    /// readability of every live version.
     pub fn verify(&self, spec: Option<&VersionSpec>) -> Result<VerifyReport> {
         verify(self.store.paths(), spec)
     }
@@ -383,79 +305,6 @@ impl Granary {
         self.catalog.flush()?;
         Ok(true)
     }
-
-    /// Rebuilds the catalog from a scan of the files, verifying each one; files that fail are
-    /// quarantined, never deleted.
-    pub fn repair(&mut self) -> Result<RepairReport> {
-        let paths = self.store.paths().clone();
-        let tmp_removed = self.store.stale_tmp_removed() + self.store.clean_tmp()?;
-        let mut report = RepairReport { tmp_removed, ..RepairReport::default() };
-        self.catalog.clear()?;
-        let mut shards = BTreeSet::new();
-        for (id, path) in paths.list_objects(ObjectKind::Shard)? {
-            match verify_shard(&path, ShardId(id)) {
-                Ok(meta) => {
-                    let entry = ObjectEntry {
-                        n_records: meta.n_records(),
-                        n_shards: 1,
-                        file_bytes: meta.file_bytes(),
-                        layout: meta.layout().clone(),
-                    };
-                    self.catalog.put_shard(ShardId(id), &entry)?;
-                    shards.insert(id);
-                    report.shards += 1;
-                }
-                Err(e) if e.is_corruption() => {
-                    self.store.quarantine(&path)?;
-                    report.quarantined.push((path, e.to_string()));
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        let mut manifests = BTreeSet::new();
-        for (id, path) in paths.list_objects(ObjectKind::Manifest)? {
-            match paths.read_manifest(ManifestId(id)) {
-                Ok(manifest) => {
-                    for entry in manifest.entries() {
-                        if !shards.contains(&entry.shard.0) {
-                            report.missing.push(format!("shard {} (listed by manifest {id})", entry.shard));
-                        }
-                    }
-                    self.catalog.put_manifest(ManifestId(id), &manifest_entry(&manifest))?;
-                    manifests.insert(id);
-                    report.manifests += 1;
-                }
-                Err(e) if e.is_corruption() => {
-                    self.store.quarantine(&path)?;
-                    report.quarantined.push((path, e.to_string()));
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        for name in paths.list_refs()? {
-            match paths.read_ref(&name) {
-                Ok(log) => {
-                    for version in log.versions() {
-                        if !manifests.contains(&version.manifest.0) {
-                            report
-                                .missing
-                                .push(format!("manifest {} (version {} of {name})", version.manifest, version.number));
-                        }
-                    }
-                    self.catalog.put_dataset(&name, &log)?;
-                    report.datasets += 1;
-                }
-                Err(e) if e.is_corruption() => {
-                    let path = paths.ref_file(&name);
-                    self.store.quarantine(&path)?;
-                    report.quarantined.push((path, e.to_string()));
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        self.catalog.flush()?;
-        Ok(report)
-    }
 }
 
 /// Every dataset and its versions, read from the ref and manifest files (no lock, no catalog):
@@ -475,112 +324,15 @@ pub fn datasets_from_files(paths: &StorePaths) -> Result<Vec<DatasetSummary>> {
     Ok(out)
 }
 
-/// The scrub behind [`Granary::verify`]; needs no lock, so readers can run it too.
-pub fn verify(paths: &StorePaths, spec: Option<&VersionSpec>) -> Result<VerifyReport> {
-    paths.check()?;
-    let mut report = VerifyReport::default();
-    type Objects = Vec<(ObjectId, PathBuf)>;
-    let (manifests, shards): (Objects, Objects) = match spec {
-        Some(spec) => {
-            let (id, _) = paths.resolve(spec)?;
-            let manifest = paths.read_manifest(id)?;
-            let shards = manifest.entries().iter().map(|e| (e.shard.0, paths.shard(e.shard))).collect();
-            (vec![(id.0, paths.manifest(id))], shards)
+/// `Error::NeedsRepair` for an error that says the catalog cannot be read; other errors as
+/// they are.
+fn catalog_unreadable(dir: &Path, error: Error) -> Error {
+    match error {
+        Error::Catalog { detail } => {
+            Error::NeedsRepair { what: format!("the catalog {} cannot be read", dir.display()), detail }
         }
-        None => {
-            for name in paths.list_refs()? {
-                let checked = paths.read_ref(&name).and_then(|log| {
-                    log.versions().iter().try_for_each(|v| {
-                        if paths.manifest(v.manifest).exists() {
-                            Ok(())
-                        } else {
-                            Err(Error::NotFound { what: format!("manifest {} of {name}@{}", v.manifest, v.number) })
-                        }
-                    })
-                });
-                match checked {
-                    Ok(()) => report.refs_ok += 1,
-                    Err(error) => report.failures.push(Failure { path: paths.ref_file(&name), error }),
-                }
-            }
-            (paths.list_objects(ObjectKind::Manifest)?, paths.list_objects(ObjectKind::Shard)?)
-        }
-    };
-    for (id, path) in manifests {
-        match paths.read_manifest(ManifestId(id)) {
-            Ok(_) => {
-                report.manifests_ok += 1;
-                report.bytes += file_len(&path)?;
-            }
-            Err(error) => report.failures.push(Failure { path, error }),
-        }
+        other => other,
     }
-    for (id, path) in shards {
-        match verify_shard(&path, ShardId(id)) {
-            Ok(meta) => {
-                report.shards_ok += 1;
-                report.bytes += meta.file_bytes();
-            }
-            Err(error) => report.failures.push(Failure { path, error }),
-        }
-    }
-    Ok(report)
-}
-
-/// Checks one shard file completely: its metadata, every data block's CRC, and the BLAKE3 hash
-/// of the whole file against `id`. Streams the file once after reading its metadata.
-pub fn verify_shard(path: &Path, id: ShardId) -> Result<ShardMeta> {
-    let meta = ShardMeta::read(path)?;
-    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    let mut hasher = blake3::Hasher::new();
-    let mut buf = vec![0u8; 8 << 20];
-    let data = DATA_OFFSET..meta.footer().index_offset;
-    let mut offset = 0u64;
-    loop {
-        let n = read_full(&mut file, &mut buf).map_err(|e| Error::io("read", path, e))?;
-        if n == 0 {
-            break;
-        }
-        let chunk = &buf[..n];
-        hasher.update(chunk);
-        // Chunks are block-aligned (the buffer is a whole number of blocks and only the file's
-        // end is short), so every data block falls in one chunk.
-        let start = offset.max(data.start);
-        let end = (offset + n as u64).min(data.end);
-        if start < end {
-            let first_block = (start - DATA_OFFSET) / BLOCK_BYTES as u64;
-            let bytes = &chunk[(start - offset) as usize..(end - offset) as usize];
-            meta.check_blocks(first_block, bytes).map_err(|(block, expected, actual)| Error::ChecksumMismatch {
-                shard: id,
-                block,
-                expected,
-                actual,
-            })?;
-        }
-        offset += n as u64;
-    }
-    if offset != meta.file_bytes() {
-        return Err(Error::io("read", path, std::io::Error::other("the file changed length while being verified")));
-    }
-    let actual = ObjectId::from_hash(hasher.finalize());
-    if actual != id.0 {
-        return Err(Error::HashMismatch { path: path.to_owned(), expected: id.0, actual });
-    }
-    Ok(meta)
-}
-
-/// Reads until `buf` is full or the file ends; returns the bytes read.
-fn read_full(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read(&mut buf[done..]) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
 }
 
 fn file_len(path: &Path) -> Result<u64> {

@@ -389,9 +389,18 @@ pub enum Error {
         detail: String,
     },
     /// The catalog database failed.
-    #[error("catalog: {detail}")]
+    #[error("catalog: {detail} (`granary repair` rebuilds the catalog from the files)")]
     Catalog {
         /// The database's message.
+        detail: String,
+    },
+    /// The store needs `granary repair` before this can go on: its catalog cannot be read, or a
+    /// ref, a ref history or a live version's manifest is damaged, and going on could cost data.
+    #[error("{what} ({detail}): run `granary repair`")]
+    NeedsRepair {
+        /// What is damaged, and what was not done.
+        what: String,
+        /// The error that found it.
         detail: String,
     },
     /// The catalog was opened in the process this one was forked from: the database's I/O

@@ -54,7 +54,10 @@ pub struct SledKv {
 }
 
 fn catalog_error(e: sled::Error) -> Error {
-    Error::Catalog { detail: e.to_string() }
+    let text = e.to_string();
+    // sled appends a debug dump of a backtrace (empty in release builds) to corruption errors.
+    let detail = text.split(" backtrace ").next().unwrap_or(&text).to_owned();
+    Error::Catalog { detail }
 }
 
 /// How long opening waits for the database's lock file. sled 0.34 lets go of it from a

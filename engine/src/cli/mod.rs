@@ -61,20 +61,27 @@ enum Command {
         #[command(flatten)]
         key: cluster::KeyArgs,
     },
-    /// Full scrub: BLAKE3 of every file, CRC32C of every block; exits 1 on any failure.
+    /// Full scrub: BLAKE3 of every file, CRC32C of every block and, for the whole store, that
+    /// every record of every live version can be read; exits 1 on any failure.
     Verify {
         /// Only this version (NAME, NAME@N or manifest id); default: the whole store.
         dataset: Option<String>,
     },
-    /// Rebuild the catalog from the files, quarantining any that fail verification.
+    /// Rebuild the catalog from the files whatever its state, quarantining files that fail
+    /// verification and rebuilding damaged or lost refs from their histories.
     Repair,
     /// Remove a dataset (NAME) or one version (NAME@N); files stay until `gc`.
     Rm {
         /// NAME or NAME@N.
         dataset: String,
     },
-    /// Delete shard and manifest files that no live version references.
-    Gc,
+    /// Delete shard and manifest files that no live version references, keeping for a grace
+    /// period (14 days) what refs pointed at recently and objects written recently.
+    Gc {
+        /// No grace period: delete everything no live version references now.
+        #[arg(long)]
+        prune_now: bool,
+    },
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -179,11 +186,27 @@ pub(crate) fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(error) => {
-            let message = format!("{error:#}").replace('\n', " ");
+            let message = one_line(&error);
             let _ = writeln!(std::io::stderr(), "granary: error: {message}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, each cause once: the engine's errors already print
+/// their source (the OS text of an I/O error) in their own message.
+fn one_line(error: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            if !message.is_empty() {
+                message.push_str(": ");
+            }
+            message.push_str(&text);
+        }
+    }
+    message.replace('\n', " ")
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
@@ -208,16 +231,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Verify { dataset } => show::verify(&paths, dataset.as_deref()),
         Command::Repair => show::repair(root).map(|()| ExitCode::SUCCESS),
         Command::Rm { dataset } => remove(root, &dataset).map(|()| ExitCode::SUCCESS),
-        Command::Gc => {
-            let report = Granary::open_waiting(root, false, LOCK_WAIT)?.gc()?;
-            println!(
-                "removed {} shards and {} manifests ({})",
-                report.shards,
-                report.manifests,
-                show::bytes(report.bytes)
-            );
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Gc { prune_now } => show::gc(root, prune_now).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Read(args)) => bench::read(&paths, &args).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Replication(args)) => {
             bench_replication::replication(&root, &args).map(|()| ExitCode::SUCCESS)

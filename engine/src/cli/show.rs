@@ -1,10 +1,10 @@
-//! The commands that print: ls, inspect, verify, repair.
+//! The commands that print: ls, inspect, verify, repair, gc.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Result, bail};
-use granary::engine::{self, DatasetSummary};
+use granary::engine::{self, DatasetSummary, GcOptions};
 use granary::shard::{BLOCK_BYTES_U64, FORMAT_VERSION, ShardMeta};
 use granary::{Dataset, Error, Granary, ObjectId, ShardId, StorePaths, VersionSpec};
 
@@ -25,6 +25,11 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
     let datasets: Vec<DatasetSummary> = match Granary::open(paths.root()) {
         Ok(granary) => granary.datasets()?,
         Err(Error::StoreLocked { .. }) => engine::datasets_from_files(paths)?,
+        // The catalog is only a cache: list from the files, and say what is wrong once.
+        Err(e @ Error::NeedsRepair { .. }) => {
+            eprintln!("granary: warning: {e}; listing from the files");
+            engine::datasets_from_files(paths)?
+        }
         Err(e) => return Err(e.into()),
     };
     if datasets.is_empty() {
@@ -133,37 +138,86 @@ pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode>
     for failure in &report.failures {
         eprintln!("granary: FAILED {}: {}", failure.path.display(), failure.error);
     }
+    for unreadable in &report.unreadable {
+        eprintln!("granary: UNREADABLE {unreadable}");
+    }
+    let versions = if spec.is_none() {
+        format!(", {} live versions readable, {} unreadable", report.versions_ok, versions_hurt(&report))
+    } else {
+        String::new()
+    };
     println!(
-        "verified {} shards, {} manifests, {} refs ({}): {} failures",
+        "verified {} shards, {} manifests, {} refs ({}){versions}: {} failures",
         report.shards_ok,
         report.manifests_ok,
         report.refs_ok,
         bytes(report.bytes),
-        report.failures.len()
+        report.failures.len() + report.unreadable.len()
     );
-    Ok(if report.failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// How many versions (or datasets with unknown versions) the report names as unreadable.
+fn versions_hurt(report: &engine::VerifyReport) -> usize {
+    let mut hurt: Vec<(&str, Option<u64>)> = report.unreadable.iter().map(|u| (u.name.as_str(), u.number)).collect();
+    hurt.dedup();
+    hurt.len()
 }
 
 pub(super) fn repair(root: PathBuf) -> Result<()> {
-    let mut granary = Granary::open_waiting(root, false, super::LOCK_WAIT)?;
-    let report = granary.repair()?;
+    let (_granary, report) = Granary::open_and_repair(root, super::LOCK_WAIT)?;
+    if let Some((path, why)) = &report.catalog_quarantined {
+        eprintln!("granary: the catalog could not be read ({why}); moved to {} and rebuilt", path.display());
+    }
     for (path, why) in &report.quarantined {
         eprintln!("granary: quarantined {}: {why}", path.display());
+    }
+    for (name, log) in &report.refs_rebuilt {
+        let numbers: Vec<String> = log.versions().iter().map(|v| v.number.to_string()).collect();
+        eprintln!("granary: rebuilt the ref of {name} from its history (versions {})", numbers.join(", "));
+    }
+    for name in &report.refs_lost {
+        eprintln!(
+            "granary: the ref of {name} was damaged and has no history: its versions are unknown; `gc` keeps \
+             its files for {} days",
+            engine::GC_GRACE_DEFAULT.as_secs() / 86_400
+        );
     }
     for missing in &report.missing {
         eprintln!("granary: missing {missing}");
     }
     println!(
-        "catalog rebuilt: {} shards, {} manifests, {} datasets; {} quarantined, {} missing, {} temp files removed",
+        "catalog rebuilt: {} shards, {} manifests, {} datasets; {} quarantined, {} missing, {} temp files removed, \
+         {} refs rebuilt from their history",
         report.shards,
         report.manifests,
         report.datasets,
         report.quarantined.len(),
         report.missing.len(),
-        report.tmp_removed
+        report.tmp_removed,
+        report.refs_rebuilt.len()
     );
+    if !report.refs_lost.is_empty() {
+        bail!("{} datasets lost their ref", report.refs_lost.len());
+    }
     if !report.missing.is_empty() {
         bail!("{} referenced objects are missing", report.missing.len());
     }
+    Ok(())
+}
+
+pub(super) fn gc(root: PathBuf, prune_now: bool) -> Result<()> {
+    let options = if prune_now { GcOptions::prune_now() } else { GcOptions::default() };
+    let report = Granary::open_waiting(root, false, super::LOCK_WAIT)?.gc(options)?;
+    let kept = if report.kept_in_grace > 0 {
+        format!(
+            "; kept {} unreferenced objects for the {}-day grace period (`--prune-now` removes them)",
+            report.kept_in_grace,
+            options.grace.as_secs() / 86_400
+        )
+    } else {
+        String::new()
+    };
+    println!("removed {} shards and {} manifests ({}){kept}", report.shards, report.manifests, bytes(report.bytes));
     Ok(())
 }

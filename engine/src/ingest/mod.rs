@@ -4,13 +4,13 @@
 //! target size, each finished shard is synced, published and cataloged at once, so memory stays
 //! bounded whatever the dataset size) and the sources in `sources` (fixed-size record files,
 //! directory trees, WebDataset tars). Commit order, the crash-safety contract: shard files durable
-//! -> shard entries -> manifest file durable -> manifest entry -> catalog flush -> ref file
-//! durable -> dataset entry -> catalog flush. A crash at any point leaves the previous version
-//! current and no partial file visible; published but unreferenced files are garbage that
-//! `granary gc` removes. A session dropped without `commit` (a source that failed, a caller
-//! that gave up) removes what only it wrote: its partial shard and the shard files it newly
-//! published (not those it found already stored). Never: reads records back (the read path
-//! does) or decides placement.
+//! -> shard entries -> manifest file durable -> manifest entry -> catalog flush -> ref history
+//! line durable -> ref file durable -> dataset entry -> catalog flush. A crash at any point leaves
+//! the previous version current and no partial file visible; published but unreferenced files
+//! are garbage that `granary gc` removes after its grace period. A session dropped without
+//! `commit` (a source that failed, a caller that gave up) removes what only it wrote: its partial
+//! shard and the shard files it newly published (not those it found already stored). Never:
+//! reads records back (the read path does) or decides placement.
 
 mod sources;
 

@@ -2,12 +2,16 @@
 //!
 //! Layout under the root: `granary-store` (marker), `shards/ab/<id>.shard`,
 //! `manifests/ab/<id>.manifest` (fan-out by the first two hex digits of the id), `refs/<name>`,
-//! `tmp/` (files being written), `quarantine/` (files that failed verification), `catalog/` (sled),
-//! and `LOCK`. Publishing is: write to `tmp/`, fsync, rename into place, fsync the directory. Only
-//! then does a caller record the object in the catalog. Invariants: a file under `shards/` or
-//! `manifests/` is complete and is named by the BLAKE3 hash of its bytes; a ref names only
-//! published manifests. Never: decides what to publish (ingest does) or caches anything.
+//! `history/<name>` (each ref's append-only history, its second record), `tmp/` (files being
+//! written), `quarantine/` (files that failed verification), `catalog/` (sled), and `LOCK`.
+//! Publishing is: write to `tmp/`, fsync, rename into place, fsync the directory. Only then does
+//! a caller record the object in the catalog. Invariants: a file under `shards/` or `manifests/`
+//! is complete and is named by the BLAKE3 hash of its bytes; a ref names only published
+//! manifests; every version a ref names is live in its history (an addition is appended before
+//! the ref names it, a removal after it stops). Never: decides what to publish (ingest does) or
+//! caches anything.
 
+mod history;
 mod refs;
 
 use std::fs::{self, File, OpenOptions};
@@ -15,11 +19,17 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use history::{Change, HistoryEntry, RefHistory};
 pub use refs::{DatasetName, RefLog, Version, VersionSpec};
 
 use crate::error::{Error, Result};
 use crate::id::{ManifestId, ObjectId, ShardId};
 use crate::manifest::Manifest;
+
+/// What a quarantined ref's file name starts with (then the dataset's name).
+pub const QUARANTINED_REF_PREFIX: &str = "ref-";
+/// What a quarantined ref history's file name starts with (then the dataset's name).
+pub const QUARANTINED_HISTORY_PREFIX: &str = "history-";
 
 const MARKER_FILE: &str = "granary-store";
 const MARKER_TEXT: &str = "granary store 1\n";
@@ -112,6 +122,16 @@ impl StorePaths {
         self.root.join("refs")
     }
 
+    /// The directory of ref histories.
+    pub fn history_dir(&self) -> PathBuf {
+        self.root.join("history")
+    }
+
+    /// Where the history of dataset `name`'s ref lives.
+    pub fn history_file(&self, name: &DatasetName) -> PathBuf {
+        self.history_dir().join(name.as_str())
+    }
+
     /// The directory of files being written.
     pub fn tmp_dir(&self) -> PathBuf {
         self.root.join("tmp")
@@ -135,6 +155,18 @@ impl StorePaths {
             _ => Error::io("read", &path, e),
         })?;
         RefLog::decode(&bytes).map_err(|source| Error::Format { path, source })
+    }
+
+    /// Reads the history of dataset `name`'s ref; `None` when it has none (a store written
+    /// before histories, or a name never used).
+    pub fn read_history(&self, name: &DatasetName) -> Result<Option<RefHistory>> {
+        let path = self.history_file(name);
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io("read", &path, e)),
+        };
+        RefHistory::decode(&bytes).map(Some).map_err(|source| Error::Format { path, source })
     }
 
     /// Reads manifest `id`, checking its bytes against the id.
@@ -172,16 +204,20 @@ impl StorePaths {
 
     /// The names of every dataset with a ref file, sorted.
     pub fn list_refs(&self) -> Result<Vec<DatasetName>> {
-        let dir = self.refs_dir();
-        let mut names = Vec::new();
-        for entry in read_dir_if_exists(&dir)? {
-            let name = entry.file_name();
-            // A file that is not a valid name cannot have been written by the store.
-            if let Some(name) = name.to_str().and_then(|name| DatasetName::new(name).ok()) {
-                names.push(name);
-            }
-        }
+        list_names(&self.refs_dir())
+    }
+
+    /// The names of every dataset with a ref history (live or not), sorted.
+    pub fn list_histories(&self) -> Result<Vec<DatasetName>> {
+        list_names(&self.history_dir())
+    }
+
+    /// The names with a ref file or a history, sorted: every dataset the store has a record of.
+    pub fn list_names(&self) -> Result<Vec<DatasetName>> {
+        let mut names = self.list_refs()?;
+        names.extend(self.list_histories()?);
         names.sort();
+        names.dedup();
         Ok(names)
     }
 
@@ -306,22 +342,81 @@ impl Store {
         Ok(id)
     }
 
-    /// Replaces the ref of `name` atomically (temp file, fsync, rename, fsync the directory).
+    /// Replaces the ref of `name` atomically (temp file, fsync, rename, fsync the directory),
+    /// recording the change in its history: the versions it adds before the rename, the ones it
+    /// drops after, so the history always holds every version the ref names.
     pub fn write_ref(&self, name: &DatasetName, log: &RefLog) -> Result<()> {
+        let history = self.history_for_writing(name)?;
+        self.append_history(name, &history.additions_for(log, now_unix_secs()))?;
         let dir = self.paths.refs_dir();
         fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
         let (_, tmp) = self.create_tmp()?;
         write_synced(&tmp, log.encode().as_bytes())?;
         let target = self.paths.ref_file(name);
         fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &target, e))?;
-        sync_dir(&dir)
+        sync_dir(&dir)?;
+        self.append_history(name, &history.removals_for(Some(log), now_unix_secs()))
     }
 
-    /// Removes the ref of `name`.
+    /// Removes the ref of `name`, then records the removal of its versions in its history.
     pub fn remove_ref(&self, name: &DatasetName) -> Result<()> {
+        let history = self.history_for_writing(name)?;
         let path = self.paths.ref_file(name);
         fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
-        sync_dir(&self.paths.refs_dir())
+        sync_dir(&self.paths.refs_dir())?;
+        self.append_history(name, &history.removals_for(None, now_unix_secs()))
+    }
+
+    /// Brings the history of `name` in line with `log`, the ref as it stands (an intact ref is
+    /// the commit point): after a crash between a history append and a ref rename, or for a
+    /// store written before histories. Returns the lines appended.
+    pub fn sync_history(&self, name: &DatasetName, log: &RefLog) -> Result<usize> {
+        let history = self.history_for_writing(name)?;
+        let now = now_unix_secs();
+        let mut lines = history.additions_for(log, now);
+        lines.extend(history.removals_for(Some(log), now));
+        self.append_history(name, &lines)?;
+        Ok(lines.len())
+    }
+
+    /// The history of `name` as it stands, to append to. A history whose header is damaged is
+    /// moved to `quarantine/` (where `gc` still honours what it names) and a new one begins.
+    fn history_for_writing(&self, name: &DatasetName) -> Result<RefHistory> {
+        match self.paths.read_history(name) {
+            Ok(history) => Ok(history.unwrap_or_default()),
+            Err(e) if e.is_corruption() => {
+                self.quarantine_history(name)?;
+                Ok(RefHistory::default())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Appends `entries` to the history of `name` (creating it with its header) and fsyncs.
+    fn append_history(&self, name: &DatasetName, entries: &[HistoryEntry]) -> Result<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let dir = self.paths.history_dir();
+        fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
+        let path = self.paths.history_file(name);
+        let mut file =
+            OpenOptions::new().create(true).append(true).open(&path).map_err(|e| Error::io("open", &path, e))?;
+        let len = file.metadata().map_err(|e| Error::io("stat", &path, e))?.len();
+        let mut text = String::new();
+        if len == 0 {
+            text.push_str(&RefHistory::header());
+        } else if !ends_with_newline(&path, len)? {
+            // A torn last append: end its line, so the damage stays in that line.
+            text.push('\n');
+        }
+        entries.iter().for_each(|entry| text.push_str(&entry.encode()));
+        file.write_all(text.as_bytes()).map_err(|e| Error::io("write", &path, e))?;
+        file.sync_all().map_err(|e| Error::io("fsync", &path, e))?;
+        if len == 0 {
+            sync_dir(&dir)?;
+        }
+        Ok(())
     }
 
     /// Removes an object file (garbage collection).
@@ -331,16 +426,42 @@ impl Store {
         sync_dir(path.parent().expect("objects live in a fan-out directory"))
     }
 
-    /// Moves a file that failed verification to `quarantine/`, where nothing reads it but a
-    /// person can still look at it. Returns its new path.
+    /// Removes the history of `name` (gc, once a removed dataset's grace period is over).
+    pub fn remove_history(&self, name: &DatasetName) -> Result<()> {
+        let path = self.paths.history_file(name);
+        fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
+        sync_dir(&self.paths.history_dir())
+    }
+
+    /// Moves the damaged ref of `name` to `quarantine/` as `ref-NAME.*`. Returns its new path.
+    pub fn quarantine_ref(&self, name: &DatasetName) -> Result<PathBuf> {
+        self.quarantine_named(&self.paths.ref_file(name), &format!("{QUARANTINED_REF_PREFIX}{name}"))
+    }
+
+    /// Moves the damaged history of `name` to `quarantine/` as `history-NAME.*`. Returns its new
+    /// path.
+    pub fn quarantine_history(&self, name: &DatasetName) -> Result<PathBuf> {
+        self.quarantine_named(&self.paths.history_file(name), &format!("{QUARANTINED_HISTORY_PREFIX}{name}"))
+    }
+
+    /// Moves a file (or a directory: a damaged catalog) that failed verification to
+    /// `quarantine/`, where nothing reads it but a person can still look at it. Returns its new
+    /// path.
     pub fn quarantine(&self, path: &Path) -> Result<PathBuf> {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        self.quarantine_named(path, &name)
+    }
+
+    fn quarantine_named(&self, path: &Path, name: &str) -> Result<PathBuf> {
         let dir = self.paths.quarantine_dir();
         fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let target = dir.join(format!("{name}.{}-{n}", std::process::id()));
         fs::rename(path, &target).map_err(|e| Error::io("rename", path, e))?;
         sync_dir(&dir)?;
+        if let Some(parent) = path.parent() {
+            sync_dir(parent)?;
+        }
         Ok(target)
     }
 
@@ -375,6 +496,17 @@ pub fn hash_file(path: &Path) -> Result<ObjectId> {
     }
 }
 
+/// Whether the file at `path`, `len` bytes long (> 0), ends with a newline.
+fn ends_with_newline(path: &Path, len: u64) -> Result<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let mut last = [0u8; 1];
+    file.seek(SeekFrom::Start(len - 1))
+        .and_then(|_| file.read_exact(&mut last))
+        .map_err(|e| Error::io("read", path, e))?;
+    Ok(last[0] == b'\n')
+}
+
 /// Creates `path`, writes `bytes`, fsyncs.
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut file = File::create(path).map_err(|e| Error::io("create", path, e))?;
@@ -385,6 +517,25 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Makes a directory's entries (a rename into it, a new file) durable.
 pub fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io("fsync directory", dir, e))
+}
+
+/// The valid dataset names among the files of `dir`, sorted.
+fn list_names(dir: &Path) -> Result<Vec<DatasetName>> {
+    let mut names = Vec::new();
+    for entry in read_dir_if_exists(dir)? {
+        let name = entry.file_name();
+        // A file that is not a valid name cannot have been written by the store.
+        if let Some(name) = name.to_str().and_then(|name| DatasetName::new(name).ok()) {
+            names.push(name);
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Seconds since the Unix epoch, now (0 on a clock set before 1970).
+pub fn now_unix_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 fn read_dir_if_exists(dir: &Path) -> Result<Vec<fs::DirEntry>> {

@@ -110,6 +110,12 @@ impl RefLog {
         Self { versions: vec![Version { number: 1, manifest }] }
     }
 
+    /// A ref of `versions`, which must be non-empty with strictly increasing numbers from 1.
+    pub(crate) fn from_versions(versions: Vec<Version>) -> Option<Self> {
+        let ordered = versions.windows(2).all(|pair| pair[0].number < pair[1].number);
+        (ordered && versions.first().is_some_and(|v| v.number >= 1)).then_some(Self { versions })
+    }
+
     /// The live versions, oldest first.
     pub fn versions(&self) -> &[Version] {
         &self.versions

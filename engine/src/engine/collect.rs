@@ -1,0 +1,231 @@
+//! Garbage collection: which object files no dataset needs, and removing them.
+//!
+//! Owns `GcOptions` and the rule behind `granary gc`. An object is kept when a live version
+//! reaches it (from a ref, or from a ref history where the ref is gone), when a version a ref
+//! history added or removed within the grace period reaches it, when a damaged ref or history
+//! quarantined within the grace period names it, or when its file is younger than the grace
+//! period (git keeps unreachable objects two weeks for the same reasons: a ref damaged or
+//! changed by mistake can be put back while its data is still there). `--prune-now` sets the
+//! grace to zero: then only live versions keep objects. Invariant: gc never runs over damage it
+//! cannot see through: a damaged ref or an unreadable manifest of a live version stops it before
+//! anything is removed. Never: removes a ref, a quarantined file or anything outside `shards/`,
+//! `manifests/` and the histories of removed datasets.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use crate::error::{Error, Result};
+use crate::id::{ManifestId, ObjectId, ShardId};
+use crate::store::{ObjectKind, QUARANTINED_HISTORY_PREFIX, QUARANTINED_REF_PREFIX, StorePaths};
+
+use super::{Granary, file_len};
+
+/// How long unreachable objects, and what refs pointed at, are kept by default: 14 days.
+pub const GC_GRACE_DEFAULT: Duration = Duration::from_secs(14 * 24 * 60 * 60);
+
+/// How garbage collection runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GcOptions {
+    /// Keep what refs pointed at, what damaged refs named and objects written within this long
+    /// ago.
+    pub grace: Duration,
+}
+
+impl Default for GcOptions {
+    fn default() -> Self {
+        Self { grace: GC_GRACE_DEFAULT }
+    }
+}
+
+impl GcOptions {
+    /// No grace period: remove every object no live version reaches (`gc --prune-now`).
+    pub fn prune_now() -> Self {
+        Self { grace: Duration::ZERO }
+    }
+}
+
+/// What garbage collection removed and kept.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Shard files removed.
+    pub shards: u64,
+    /// Manifest files removed.
+    pub manifests: u64,
+    /// Bytes freed.
+    pub bytes: u64,
+    /// Objects no live version reaches, kept for the grace period.
+    pub kept_in_grace: u64,
+    /// Histories of removed datasets forgotten (their last change older than the grace period).
+    pub histories: u64,
+}
+
+/// Objects to keep.
+#[derive(Default)]
+struct Keep {
+    manifests: BTreeSet<ObjectId>,
+    shards: BTreeSet<ObjectId>,
+}
+
+impl Keep {
+    fn contains(&self, kind: ObjectKind, id: ObjectId) -> bool {
+        match kind {
+            ObjectKind::Manifest => self.manifests.contains(&id),
+            ObjectKind::Shard => self.shards.contains(&id),
+        }
+    }
+}
+
+impl Granary {
+    /// Removes every manifest and shard that no live version reaches and that the grace period
+    /// does not protect (see the module doc), and the histories of datasets removed before it.
+    pub fn gc(&mut self, options: GcOptions) -> Result<GcReport> {
+        let now = SystemTime::now();
+        let cutoff = now.checked_sub(options.grace).unwrap_or(SystemTime::UNIX_EPOCH);
+        let cutoff_unix_secs = cutoff.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let paths = self.store.paths().clone();
+        let (live, recent) = objects_to_keep(&paths, cutoff_unix_secs, options.grace > Duration::ZERO)?;
+        let mut report = GcReport::default();
+        for kind in [ObjectKind::Manifest, ObjectKind::Shard] {
+            for (id, path) in paths.list_objects(kind)? {
+                if live.contains(kind, id) {
+                    continue;
+                }
+                if recent.contains(kind, id) || (options.grace > Duration::ZERO && modified(&path)? >= cutoff) {
+                    report.kept_in_grace += 1;
+                    continue;
+                }
+                report.bytes += file_len(&path)?;
+                self.store.remove_object(kind, id)?;
+                match kind {
+                    ObjectKind::Manifest => {
+                        self.catalog.remove_manifest(ManifestId(id))?;
+                        report.manifests += 1;
+                    }
+                    ObjectKind::Shard => {
+                        self.catalog.remove_shard(ShardId(id))?;
+                        report.shards += 1;
+                    }
+                }
+            }
+        }
+        self.catalog.flush()?;
+        for name in paths.list_histories()? {
+            if paths.ref_file(&name).exists() {
+                continue;
+            }
+            let Some(history) = paths.read_history(&name)? else { continue };
+            let last = history.entries().iter().map(|e| e.unix_secs).max().unwrap_or(0);
+            if history.replay().is_none() && (last < cutoff_unix_secs || options.grace.is_zero()) {
+                self.store.remove_history(&name)?;
+                report.histories += 1;
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// What gc keeps: what live versions reach, and what only the grace period (or a lost ref's
+/// history) keeps; see the module doc. Fails, before anything is removed, on a damaged ref or
+/// history, or an unreadable manifest of a live version.
+fn objects_to_keep(paths: &StorePaths, cutoff_unix_secs: u64, grace: bool) -> Result<(Keep, Keep)> {
+    let needs_repair = |what: String, error: Error| Error::NeedsRepair { what, detail: error.to_string() };
+    // Manifests that must be read (live versions), and those kept only if they are there.
+    let mut live = BTreeSet::new();
+    let mut recent = BTreeSet::new();
+    for name in paths.list_names()? {
+        match paths.read_ref(&name) {
+            Ok(log) => live.extend(log.versions().iter().map(|v| (v.manifest, format!("{name}@{}", v.number)))),
+            Err(Error::NotFound { .. }) => {}
+            Err(e) if e.is_corruption() => {
+                return Err(needs_repair(format!("the ref of dataset {name} is damaged"), e));
+            }
+            Err(e) => return Err(e),
+        }
+        match paths.read_history(&name) {
+            Ok(Some(history)) => {
+                // Live in the history but not in a ref: a lost ref that `repair` restores.
+                let since = if grace { cutoff_unix_secs } else { u64::MAX };
+                recent.extend(history.manifests_since(since));
+                if history.damaged_lines() > 0 {
+                    recent.extend(manifest_ids_in(&paths.history_file(&name))?);
+                }
+            }
+            Ok(None) => {}
+            Err(e) if e.is_corruption() => {
+                return Err(needs_repair(format!("the ref history of dataset {name} is damaged"), e));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if grace {
+        recent.extend(quarantined_manifest_ids(paths, cutoff_unix_secs)?);
+    }
+    let mut keep_live = Keep::default();
+    for (id, version) in &live {
+        let manifest = paths
+            .read_manifest(*id)
+            .map_err(|e| needs_repair(format!("manifest {id} of {version} cannot be read; nothing was removed"), e))?;
+        keep_live.manifests.insert(id.0);
+        keep_live.shards.extend(manifest.entries().iter().map(|e| e.shard.0));
+    }
+    let mut keep_recent = Keep::default();
+    for id in recent {
+        if keep_live.manifests.contains(&id.0) || !keep_recent.manifests.insert(id.0) {
+            continue;
+        }
+        // A version no ref names any more: keep what of it is still there.
+        match paths.read_manifest(id) {
+            Ok(manifest) => keep_recent.shards.extend(manifest.entries().iter().map(|e| e.shard.0)),
+            Err(e) if matches!(e, Error::NotFound { .. }) || e.is_corruption() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((keep_live, keep_recent))
+}
+
+/// Manifest ids named in the refs and histories moved to `quarantine/` since the cutoff (a
+/// move changes a file's ctime, not its mtime).
+fn quarantined_manifest_ids(paths: &StorePaths, cutoff_unix_secs: u64) -> Result<Vec<ManifestId>> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = paths.quarantine_dir();
+    let entries = match fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io("read directory", &dir, e)),
+    };
+    let mut ids = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("read directory", &dir, e))?;
+        let path = entry.path();
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let is_ref_text = name.starts_with(QUARANTINED_REF_PREFIX) || name.starts_with(QUARANTINED_HISTORY_PREFIX);
+        let meta = fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
+        if !is_ref_text || !meta.is_file() || u64::try_from(meta.ctime()).unwrap_or(0) < cutoff_unix_secs {
+            continue;
+        }
+        ids.extend(manifest_ids_in(&path)?);
+    }
+    Ok(ids)
+}
+
+/// Every 64-hex-digit word in a text file, read as a manifest id: what a damaged ref or history
+/// may still name.
+fn manifest_ids_in(path: &Path) -> Result<Vec<ManifestId>> {
+    const REF_TEXT_BYTES_MAX: u64 = 64 << 20;
+    if file_len(path)? > REF_TEXT_BYTES_MAX {
+        return Ok(Vec::new());
+    }
+    let bytes = fs::read(path).map_err(|e| Error::io("read", path, e))?;
+    Ok(bytes
+        .split(|b| !b.is_ascii_hexdigit())
+        .filter_map(|word| std::str::from_utf8(word).ok().and_then(ObjectId::parse_hex))
+        .map(ManifestId)
+        .collect())
+}
+
+fn modified(path: &Path) -> Result<SystemTime> {
+    fs::metadata(path).and_then(|m| m.modified()).map_err(|e| Error::io("stat", path, e))
+}
