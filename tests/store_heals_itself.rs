@@ -181,3 +181,34 @@ fn a_damaged_catalog_is_rebuilt_by_repair() {
     assert_reads(&root, "A", &data, 1000);
     assert_reads(&root, "B", &data, 3);
 }
+
+#[test]
+fn an_ingest_rewrites_what_is_missing() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let input = dir.path().join("r.bin");
+    let data = store_with(&root, &input, "A");
+    // The manifest and a shard are lost; the catalog still lists both.
+    for path in [manifest_files(&root).remove(0), shard_files(&root).remove(2)] {
+        std::fs::remove_file(path).unwrap();
+    }
+    let input = input.to_str().unwrap();
+    let out = granary_ok(
+        &root,
+        &["ingest", "records", "--name", "A", "--replace", "--record-bytes", "4096", "--shard-bytes", "1M", input],
+    );
+    assert!(out.contains("A@1: 1024 records in 4 shards") && out.contains("1 new shards"), "{out}");
+    let verify = granary_ok(&root, &["verify"]);
+    assert!(verify.contains(": 0 failures"), "{verify}");
+    for index in [0, 600, 1023] {
+        assert_reads(&root, "A", &data, index);
+    }
+
+    // An append reuses the current version's shards: one that is gone is refused up front,
+    // never committed into an unreadable version.
+    std::fs::remove_file(shard_files(&root).remove(0)).unwrap();
+    let err = granary_err(&root, &["ingest", "records", "--name", "A", "--record-bytes", "4096", input]);
+    assert!(err.contains("not found: shard"), "{err}");
+    let ls = granary_ok(&root, &["ls"]);
+    assert!(!ls.contains("A@2") && ls.contains("1 versions"), "{ls}");
+}

@@ -7,7 +7,9 @@
 //! -> shard entries -> manifest file durable -> manifest entry -> catalog flush -> ref history
 //! line durable -> ref file durable -> dataset entry -> catalog flush. A crash at any point leaves
 //! the previous version current and no partial file visible; published but unreferenced files
-//! are garbage that `granary gc` removes after its grace period. A session dropped without
+//! are garbage that `granary gc` removes after its grace period. Deduplication trusts files, not
+//! the catalog: a shard or manifest already stored is kept only if it hashes to its id, and the
+//! shards an append reuses must be on disk at their recorded length. A session dropped without
 //! `commit` (a source that failed, a caller that gave up) removes what only it wrote: its partial
 //! shard and the shard files it newly published (not those it found already stored). Never:
 //! reads records back (the read path does) or decides placement.
@@ -140,6 +142,11 @@ impl<'g> Ingest<'g> {
                     current.layout()
                 )));
             }
+            // The new version reuses these shards: each must be on disk, whole, or the version
+            // would be committed unreadable.
+            for entry in current.entries() {
+                check_present(store, entry, log.latest().manifest)?;
+            }
             entries.extend_from_slice(current.entries());
         }
         Ok(Self {
@@ -203,15 +210,16 @@ impl<'g> Ingest<'g> {
             n_shards: manifest.entries().len(),
             stats: stats.clone(),
         };
-        if let Some(latest) = self.log.as_ref().map(RefLog::latest).filter(|latest| latest.manifest == id) {
-            // Shards this ingest found already stored may have been cataloged again.
-            self.catalog.flush()?;
-            return Ok(committed(latest.number));
-        }
+        // Published even when the version is the current one: an identical manifest already
+        // stored is kept only if its bytes hash to its id, so a lost or damaged one is written
+        // again here rather than trusted because the ref or the catalog names it.
         let published = self.store.publish_manifest(&manifest)?;
         assert_eq!(published, id);
         self.catalog.put_manifest(id, &manifest_entry(&manifest))?;
         self.catalog.flush()?;
+        if let Some(latest) = self.log.as_ref().map(RefLog::latest).filter(|latest| latest.manifest == id) {
+            return Ok(committed(latest.number));
+        }
         let log = match &self.log {
             Some(log) => log
                 .with_next(id)
@@ -288,6 +296,25 @@ impl Drop for Ingest<'_> {
                 let _ = self.store.remove_object(ObjectKind::Shard, id.0);
             }
         }
+    }
+}
+
+/// Checks that the shard of `entry` (listed by `manifest`) is on disk with the length the
+/// manifest records: a version that reuses it is then readable as far as a cheap check can tell
+/// (its metadata digest is checked when it is opened, every block when it is read).
+fn check_present(store: &Store, entry: &ManifestEntry, manifest: ManifestId) -> Result<()> {
+    let path = store.paths().shard(entry.shard);
+    match std::fs::metadata(&path) {
+        Ok(meta) if meta.len() == entry.file_bytes => Ok(()),
+        Ok(meta) => Err(Error::Format {
+            path,
+            source: crate::error::FormatError::Truncated {
+                region: "shard",
+                detail: format!("{} bytes where its manifest records {}", meta.len(), entry.file_bytes),
+            },
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::MissingShard { shard: entry.shard, manifest }),
+        Err(e) => Err(Error::io("stat", &path, e)),
     }
 }
 
