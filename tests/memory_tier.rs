@@ -86,7 +86,7 @@ fn tier_dir_bytes(tier: &MemoryTier) -> u64 {
     std::fs::read_dir(tier.dir())
         .unwrap()
         .flatten()
-        .filter(|e| e.file_name() != ".users")
+        .filter(|e| e.file_name() != ".users" && e.file_name() != ".granary-tier")
         .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
         .sum()
 }
@@ -217,7 +217,7 @@ fn a_damaged_block_never_enters_the_tier_and_its_read_fails() {
     let error = error.expect("the damaged block's records fail");
     assert!(error.is_corruption(), "{error}");
     assert!(loader.stats().tier.unwrap().fill_failures >= 1);
-    let name = format!("{}.000000", f.dataset.shard_id(1));
+    let name = format!("{}.64k.000000", f.dataset.shard_id(1));
     assert!(!tier.dir().join(name).exists(), "the damaged extent was not published");
 }
 
@@ -226,8 +226,10 @@ fn stray_files_in_the_tier_directory_are_not_trusted() {
     let f = fixture(300);
     let tier = MemoryTier::open(&tier_config(f.dir.path(), 64 << 20)).unwrap().unwrap();
     // A short file under an extent's name (not what a fill writes), and a claim nobody holds.
-    std::fs::write(tier.dir().join(format!("{}.000000", f.dataset.shard_id(0))), b"short").unwrap();
-    std::fs::write(tier.dir().join(format!(".fill-{}.000001", f.dataset.shard_id(0))), b"junk").unwrap();
+    let short = tier.dir().join(format!("{}.64k.000000", f.dataset.shard_id(0)));
+    let claim = tier.dir().join(format!(".fill-{}.64k.000001", f.dataset.shard_id(0)));
+    std::fs::write(&short, b"short").unwrap();
+    std::fs::write(&claim, b"junk").unwrap();
     let mut reader = granary::Reader::new(Arc::clone(&f.dataset), IoConfig::default().build().unwrap());
     reader.set_tier(TierReader::new(Arc::clone(&tier), None));
     let indices: Vec<u64> = (0..300).collect();
@@ -236,7 +238,59 @@ fn stray_files_in_the_tier_directory_are_not_trusted() {
     for (i, record) in batch.records().enumerate() {
         assert_eq!(record, &f.records[i][..], "record {i}");
     }
-    assert!(!tier.dir().join(format!(".fill-{}.000001", f.dataset.shard_id(0))).exists(), "the stale claim went");
+    assert!(!claim.exists(), "the stale claim went");
+    assert!(!short.exists(), "the extent of the wrong length went, so it can be filled again");
+}
+
+#[test]
+fn a_directory_holding_other_files_is_refused_and_clear_leaves_them_alone() {
+    let dir = tempdir();
+    let mine = dir.path().join("mine");
+    std::fs::create_dir(&mine).unwrap();
+    std::fs::write(mine.join("notes.txt"), b"keep me").unwrap();
+    let config = TierConfig { dir: Some(mine.clone()), ..tier_config(dir.path(), 64 << 20) };
+    let refused = MemoryTier::open(&config).unwrap_err().to_string();
+    assert!(refused.contains("notes.txt") && refused.contains("not a memory tier file"), "{refused}");
+    assert_eq!(std::fs::read(mine.join("notes.txt")).unwrap(), b"keep me");
+    // A tier's own directory where a file was put later: the tier empties only its own files.
+    let tier = MemoryTier::open(&tier_config(dir.path(), 64 << 20)).unwrap().unwrap();
+    std::fs::write(tier.dir().join("later.txt"), b"mine too").unwrap();
+    std::fs::write(tier.dir().join(format!("{}.64k.000000", "ab".repeat(32))), vec![0; 4096]).unwrap();
+    assert_eq!(tier.resident().unwrap().0.len(), 1, "only the extent counts");
+    tier.clear().unwrap();
+    assert_eq!(std::fs::read(tier.dir().join("later.txt")).unwrap(), b"mine too");
+    assert!(tier.resident().unwrap().0.is_empty());
+    let dir_path = tier.dir().to_owned();
+    drop(tier);
+    assert!(dir_path.join("later.txt").exists(), "the last user's clear left it too");
+}
+
+#[test]
+fn tiers_cut_into_other_extent_sizes_never_read_each_others_files() {
+    let f = fixture(300);
+    let small = MemoryTier::open(&tier_config(f.dir.path(), 64 << 20)).unwrap().unwrap();
+    let mut loader = Loader::new(
+        Arc::clone(&f.dataset),
+        config(World::single(), 1, TierSetting::Shared(Arc::clone(&small))),
+        Position::default(),
+    )
+    .unwrap();
+    drain(&mut loader, &f.records);
+    drop(loader);
+    assert_eq!(small.stats().extents_loaded, n_extents(&f.dataset));
+    let large = MemoryTier::open(&TierConfig { extent_bytes: 2 * EXTENT, ..tier_config(f.dir.path(), 64 << 20) })
+        .unwrap()
+        .unwrap();
+    let mut reader = granary::Reader::new(Arc::clone(&f.dataset), IoConfig::default().build().unwrap());
+    reader.set_tier(TierReader::new(Arc::clone(&large), None));
+    let indices: Vec<u64> = (0..300).collect();
+    let mut batch = granary::Batch::default();
+    reader.read_batch(&indices, &mut batch).unwrap();
+    for (i, record) in batch.records().enumerate() {
+        assert_eq!(record, &f.records[i][..], "record {i}");
+    }
+    assert_eq!(reader.stats().tier_records, 0, "extents of 64 KiB are not extents of 128 KiB");
+    assert_eq!(large.resident().unwrap().0.len() as u64, n_extents(&f.dataset), "both count what the node holds");
 }
 
 #[test]
@@ -343,7 +397,11 @@ fn the_loader_bench_prints_the_tier_rows_at_a_small_scale() {
     let partial = out.lines().find(|l| l.starts_with("tier at half the dataset")).expect("the partial row");
     assert!(partial.contains("hit ratio") && partial.contains("Belady"), "{partial}");
     // The bench leaves the tier empty.
-    let left: Vec<_> = std::fs::read_dir(&tier).unwrap().flatten().filter(|e| e.file_name() != ".users").collect();
+    let left: Vec<_> = std::fs::read_dir(&tier)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name() != ".users" && e.file_name() != ".granary-tier")
+        .collect();
     assert!(left.is_empty(), "{left:?}");
 }
 

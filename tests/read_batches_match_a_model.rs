@@ -48,7 +48,8 @@ proptest! {
         let _tier_dir = tier_extent_blocks.map(|blocks| {
             let tier_dir = tempdir();
             let config = granary::TierConfig {
-                budget_bytes: Some(1 << 30),
+                // As many extents as a tier may hold, at the smallest extent size.
+                budget_bytes: Some(granary::tier::EXTENTS_MAX * blocks * 4096),
                 dir: Some(tier_dir.path().join("tier")),
                 extent_bytes: blocks * 4096,
                 ..granary::TierConfig::default()

@@ -1,11 +1,13 @@
 //! Read-only shared mappings of whole files: how the memory tier's extents (files in a tmpfs
-//! that every process of the node maps) are read without a system call per record.
+//! that every process of the node maps) are read without a system call per record; and the
+//! other file system calls the tier makes that std lacks (`flock`, `fs_space`).
 //!
 //! Invariant: a `MappedFile` maps its file read-only and shared, whole, once; the file is never
 //! truncated or written while mapped (the memory tier publishes an extent file complete, by
-//! rename, and removes it only by unlink, which keeps the pages of existing mappings valid).
-//! Never: maps for writing, or maps a file it was handed the length of (the length is the
-//! file's own, read with fstat on the descriptor that is mapped).
+//! link, and removes it only by unlink, which keeps the pages of existing mappings valid).
+//! Never: maps for writing, maps a file it was handed the length of (the length is the file's
+//! own, read with fstat on the descriptor that is mapped), or keeps the descriptor open (the
+//! mapping holds the file; a tier of thousands of extents would otherwise run out of them).
 #![allow(unsafe_code, reason = "mmap and munmap of the file's own mapping, and a slice over it")]
 
 use std::os::fd::AsRawFd;
@@ -18,8 +20,8 @@ use crate::error::{Error, Result};
 pub struct MappedFile {
     ptr: NonNull<u8>,
     len: usize,
-    /// Kept open so that `is_unlinked` can ask the kernel about this very file.
-    file: std::fs::File,
+    /// The file's inode number: tells this file from a later one under the same name.
+    ino: u64,
 }
 
 // SAFETY: the mapping is read-only and owned by this value alone; moving it to another thread
@@ -44,7 +46,9 @@ impl MappedFile {
     }
 
     fn map(file: std::fs::File, path: &Path, populate: libc::c_int) -> Result<Self> {
-        let len = file.metadata().map_err(|e| Error::io("stat", path, e))?.len();
+        use std::os::unix::fs::MetadataExt;
+        let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+        let (len, ino) = (meta.len(), meta.ino());
         let len = usize::try_from(len).map_err(|_| Error::invalid_input("a file larger than memory"))?;
         if len == 0 {
             return Err(Error::invalid_input(format!("{} is empty: nothing to map", path.display())));
@@ -60,7 +64,9 @@ impl MappedFile {
             return Err(Error::io("mmap", path, std::io::Error::last_os_error()));
         }
         let ptr = NonNull::new(base.cast::<u8>()).ok_or_else(|| Error::invalid_input("mmap returned null"))?;
-        Ok(Self { ptr, len, file })
+        // The descriptor closes here; the mapping keeps the file (and its pages) alive.
+        drop(file);
+        Ok(Self { ptr, len, ino })
     }
 
     /// Opens and maps the file at `path`.
@@ -86,11 +92,10 @@ impl MappedFile {
         self.len == 0
     }
 
-    /// Whether the file has been removed from its directory since it was mapped (its pages stay
-    /// valid for this mapping, but no other process will find it any more).
-    pub fn is_unlinked(&self) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        self.file.metadata().map(|m| m.nlink() == 0).unwrap_or(true)
+    /// The mapped file's inode number (a file under the same name with another one is another
+    /// file).
+    pub fn ino(&self) -> u64 {
+        self.ino
     }
 }
 
@@ -119,16 +124,13 @@ impl WritableMap {
         // SAFETY: fallocate takes a descriptor that `file` keeps open and plain integers.
         let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len_off) };
         if rc != 0 {
-            let error = std::io::Error::last_os_error();
-            // A file system without fallocate gets a sparse file instead.
-            if error.raw_os_error() != Some(libc::EOPNOTSUPP) {
-                return Err(Error::io("fallocate", path, error));
-            }
-            file.set_len(len as u64).map_err(|e| Error::io("truncate", path, e))?;
+            // No sparse fallback: a write through the mapping to a page the file system then
+            // cannot allocate would raise SIGBUS in the trainer instead of returning an error.
+            return Err(Error::io("fallocate", path, std::io::Error::last_os_error()));
         }
         // SAFETY: a fresh shared mapping of an open descriptor with no address hint touches no
-        // existing memory; the result is checked against MAP_FAILED before use. The file was
-        // just sized to `len`, so every mapped page is backed.
+        // existing memory; the result is checked against MAP_FAILED before use. fallocate just
+        // allocated all `len` bytes of the file, so every mapped page is backed.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -182,6 +184,28 @@ pub fn flock(file: &std::fs::File, operation: libc::c_int) -> std::io::Result<()
     }
 }
 
+/// The size of the file system holding `path` and the bytes still free on it for this user
+/// (`statvfs(3)`): a tmpfs is bounded by its own size as well as by memory.
+pub fn fs_space(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "a path with a NUL byte"))?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: statvfs reads the NUL-terminated path `c_path` keeps alive for the call and
+    // writes one `statvfs` into `stat`, which is large enough for it.
+    let rc = unsafe { libc::statvfs(c_path.as_ptr(), stat.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it filled `stat` in.
+    let stat = unsafe { stat.assume_init() };
+    #[allow(clippy::useless_conversion, reason = "the fields are narrower than u64 on 32-bit targets")]
+    let unit = u64::from(stat.f_frsize);
+    #[allow(clippy::useless_conversion, reason = "the fields are narrower than u64 on 32-bit targets")]
+    let (blocks, free) = (u64::from(stat.f_blocks), u64::from(stat.f_bavail));
+    Ok((blocks.saturating_mul(unit), free.saturating_mul(unit)))
+}
+
 impl Drop for MappedFile {
     fn drop(&mut self) {
         // SAFETY: the mapping was made in `new` with this address and length and is unmapped
@@ -203,17 +227,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn maps_the_file_and_sees_an_unlink() {
+    fn maps_the_file_without_holding_a_descriptor_and_outlives_an_unlink() {
+        use std::os::unix::fs::MetadataExt;
         let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("x");
-        std::fs::write(&path, b"hello tier").expect("write");
-        let mapped = MappedFile::open(&path).expect("map");
-        assert_eq!(mapped.as_slice(), b"hello tier");
-        assert!(!mapped.is_unlinked());
-        std::fs::remove_file(&path).expect("unlink");
-        assert!(mapped.is_unlinked());
-        // The pages stay readable after the unlink.
-        assert_eq!(mapped.as_slice(), b"hello tier");
+        let open_fds = || std::fs::read_dir("/proc/self/fd").expect("fds").count();
+        let before = open_fds();
+        let maps: Vec<(std::path::PathBuf, MappedFile)> = (0..64)
+            .map(|i| {
+                let path = dir.path().join(format!("x{i}"));
+                std::fs::write(&path, format!("hello tier {i}")).expect("write");
+                let mapped = MappedFile::open(&path).expect("map");
+                (path, mapped)
+            })
+            .collect();
+        // Other tests open files concurrently: a held descriptor per mapping would still show
+        // as 64 more.
+        assert!(open_fds() < before + 32, "no descriptor is held per mapping");
+        for (i, (path, mapped)) in maps.iter().enumerate() {
+            assert_eq!(mapped.as_slice(), format!("hello tier {i}").as_bytes());
+            assert_eq!(mapped.ino(), std::fs::metadata(path).expect("stat").ino());
+            std::fs::remove_file(path).expect("unlink");
+            // The pages stay readable after the unlink.
+            assert_eq!(mapped.as_slice(), format!("hello tier {i}").as_bytes());
+        }
+    }
+
+    #[test]
+    fn the_space_of_a_file_system_is_read() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (size, free) = fs_space(dir.path()).expect("statvfs");
+        assert!(size > 0 && free <= size, "{free} of {size}");
+        assert!(fs_space(&dir.path().join("nosuch")).is_err());
     }
 
     #[test]

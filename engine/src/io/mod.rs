@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 pub use aligned::AlignedBuf;
 pub use fault::{Fault, FaultIo};
-pub use mapped::{MappedFile, WritableMap, flock};
+pub use mapped::{MappedFile, WritableMap, flock, fs_space};
 pub use pread::PreadIo;
 #[cfg(target_os = "linux")]
 pub use uring::UringIo;

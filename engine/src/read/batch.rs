@@ -399,17 +399,20 @@ impl Planner {
     }
 }
 
-/// Whether the memory tier holds every extent `request` spans, whole (mapping them as needed).
+/// Whether the memory tier holds every extent `request` spans (mapping them as needed; the tier
+/// maps only files exactly as long as their extent).
 fn tier_holds(tier: &mut TierReader, dataset: &Dataset, request: &Request) -> bool {
     let extent_bytes = tier.extent_bytes();
     let shard = dataset.shard_id(request.shard as usize);
+    let Ok(meta) = dataset.shard_meta(request.shard as usize) else { return false };
+    let n_data_blocks = meta.n_data_blocks();
     let (first, last) = (request.start / extent_bytes, (request.end - 1) / extent_bytes);
     (first..=last).all(|extent| {
         let Ok(index) = u32::try_from(extent) else { return false };
+        // The copy slices up to here: a record past its shard's data region is read from disk,
+        // which reports it.
         let needed = request.end.min((extent + 1) * extent_bytes) - extent * extent_bytes;
-        // An extent file shorter than it should be is not used (a fill writes whole extents,
-        // but the directory is only as safe as its owner).
-        tier.extent(request.shard, shard, index).is_some_and(|bytes| bytes.len() as u64 >= needed)
+        tier.extent(request.shard, shard, index, n_data_blocks).is_some_and(|bytes| bytes.len() as u64 >= needed)
     })
 }
 

@@ -169,13 +169,18 @@ impl Coordinator {
 
     /// Replaces the schedule (at an epoch's start: this epoch's reads and the next one's).
     pub fn set_schedule(&self, schedule: TierSchedule) {
+        // What the tier holds already counts as loaded: the policy keeps a loaded extent over an
+        // equal one, so the tier does not churn at each epoch's start.
+        let names: Vec<String> = schedule.extents.iter().map(|info| self.tier.extent_name(&info.key)).collect();
+        let resident = self.tier.resident().map(|(resident, _)| resident).unwrap_or_default();
+        let loaded = names.iter().map(|name| resident.contains_key(name)).collect();
         let mut state = self.lock();
         state.pending = false;
         let n = schedule.len();
-        state.by_name = schedule.extents.iter().enumerate().map(|(i, info)| (info.key.name(), i)).collect();
+        state.by_name = names.into_iter().enumerate().map(|(i, name)| (name, i)).collect();
         state.schedule = schedule;
         state.admitted = vec![false; n];
-        state.loaded = vec![false; n];
+        state.loaded = loaded;
         state.busy = vec![false; n];
         state.failed = vec![false; n];
         state.queue.clear();
@@ -200,6 +205,11 @@ impl Coordinator {
     pub fn stop(&self) {
         self.lock().stop = true;
         self.changed.notify_all();
+    }
+
+    /// Whether the fillers were ended (nothing this loader promised will come any more).
+    pub fn is_stopped(&self) -> bool {
+        self.lock().stop
     }
 
     /// Fills finished so far.
@@ -400,6 +410,12 @@ impl std::fmt::Debug for Coordinator {
 /// block is reported as any other).
 pub fn run_filler(coordinator: &Coordinator) -> Result<()> {
     while let Some((extent, info, next_use)) = coordinator.next_job() {
+        // Held already (another process loaded it, or the schedule came after its fill): no
+        // room is made for it.
+        if coordinator.tier.is_resident(&info.key) {
+            coordinator.finish(extent, &Ok(Some(Filled::Elsewhere)));
+            continue;
+        }
         let bytes = info.n_blocks * crate::shard::BLOCK_BYTES_U64;
         let outcome = coordinator
             .make_room(Some(next_use), bytes)

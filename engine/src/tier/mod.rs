@@ -1,22 +1,28 @@
 //! The memory tier: verified shard extents held in memory that every process of the node shares.
 //!
-//! Owns: a directory in a memory file system (`/dev/shm/granary-tier-UID` by default) holding
-//! one file per extent (a run of a shard's data blocks, `extent_bytes` long, the last of a shard
-//! shorter), named by the shard's content id and the extent's index, so versions that share a
-//! shard share its extents and eight ranks of a node hold one copy. Readers map extent files
-//! read-only (`TierReader`); fillers (`fill.rs`, driven by the loader's plan) read an extent from
-//! disk in one large O_DIRECT read straight into a claimed fill file's mapping, check every
-//! block's CRC32C, and publish the file by rename. The budget bounds the bytes held, node-wide; under memory pressure
-//! (MemAvailable or the cgroup's headroom below a reserve) the tier shrinks.
+//! Owns: a directory in a memory file system (`/dev/shm/granary-tier-UID` by default, marked as
+//! the tier's by a `.granary-tier` file) holding one file per extent (a run of a shard's data
+//! blocks, `extent_bytes` long, the last of a shard shorter), named by the shard's content id,
+//! the extent size and the extent's index, so versions that share a shard share its extents and
+//! eight ranks of a node hold one copy. Readers map extent files read-only (`TierReader`) and
+//! keep no descriptor open; fillers (`fill.rs`, driven by the loader's plan) claim an extent
+//! with a flock'ed `.fill-` file, read it from disk in one large O_DIRECT read straight into a
+//! private file's mapping, check every block's CRC32C, and publish the private file by linking
+//! it under the extent's name (which fails if the name exists). The budget bounds the bytes
+//! held, node-wide; under memory pressure (MemAvailable, the cgroup's headroom, or the memory
+//! file system's own free space below a reserve) the tier shrinks.
 //!
-//! Invariants: an extent file under its final name is complete and every block of it passed its
-//! checksum on the way in (a reader never sees a half-filled extent); a fill in progress is a
-//! `.fill-` file flock'ed by its filler, so a filler that dies leaves a stale claim any process
-//! can tell from a live one (the lock went with the process) and remove; a published extent is
-//! never written again, only unlinked (mappings of it stay valid). The directory is emptied when
-//! its last user closes it (each user holds a shared flock on `.users`), so a job's memory goes
-//! back when it ends, also after a crash (the next first user empties it).
-//! Never: trusts a directory it does not own (another user's, or a symlink), or touches disk
+//! Invariants: an extent file under its final name is complete, exactly as long as its extent,
+//! and every block of it passed its checksum on the way in, because only the filler that wrote
+//! and checked a private file ever names it (a reader never sees a half-filled extent, and no
+//! other process's clean-up can swap one in); a claim's lock goes with its filler, so a dead
+//! filler's claim is told apart from a live one and removed; a published extent is never written
+//! again, only unlinked (mappings of it stay valid). Only names of the tier's own patterns are
+//! listed, counted or removed. The directory is emptied when its last user closes it (each user
+//! holds a shared flock on `.users`), so a job's memory goes back when it ends, also after a
+//! crash (the next first user empties it).
+//! Never: trusts a directory it does not own (another user's, a symlink, or one that holds
+//! other files and no marker), touches a file whose name is not the tier's, or touches disk
 //! shards except to read them.
 
 mod fill;
@@ -32,12 +38,31 @@ pub use fill::{Coordinator, ExtentInfo, TierSchedule, run_filler};
 
 use crate::error::{Error, Result};
 use crate::id::ShardId;
-use crate::io::{MappedFile, WritableMap, flock};
+use crate::io::{MappedFile, WritableMap, flock, fs_space};
 use crate::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
 
-/// Default extent size: large enough that a fill reads at the disk's sequential rate, small
-/// enough that a budget of a few GiB holds hundreds of them.
+/// The smallest default extent size: large enough that a fill reads at the disk's sequential
+/// rate, small enough that a budget of a few GiB holds hundreds of them.
 pub const EXTENT_BYTES_DEFAULT: u64 = 4 << 20;
+
+/// Extents a tier holds at most. Every extent is one mapping in each process that reads it, and
+/// a process has 65530 (`vm.max_map_count`) for everything it maps: the default extent size
+/// grows with the node's memory so that a tier as large as the memory stays under this.
+pub const EXTENTS_MAX: u64 = 16 << 10;
+
+/// The default extent size on this node: 4 MiB, or the power of two that keeps a tier of all
+/// of the node's memory within `EXTENTS_MAX` extents. Every process of the node computes the
+/// same, so they share extents.
+pub fn default_extent_bytes() -> u64 {
+    let total = Memory::read().total;
+    if total == u64::MAX {
+        return EXTENT_BYTES_DEFAULT;
+    }
+    total.div_ceil(EXTENTS_MAX).next_power_of_two().clamp(EXTENT_BYTES_DEFAULT, 1 << 30)
+}
+
+/// The file that marks a directory as a memory tier's.
+const MARKER: &str = ".granary-tier";
 
 /// Memory kept free for the trainer when the tier shrinks under pressure: a sixteenth of the
 /// node's (or the cgroup's) memory, and at least this much (or a quarter, in a small cgroup).
@@ -55,7 +80,8 @@ pub struct TierConfig {
     pub budget_bytes: Option<u64>,
     /// The directory (in a memory file system); `None`: `/dev/shm/granary-tier-UID`.
     pub dir: Option<PathBuf>,
-    /// Bytes per extent, a multiple of 4 KiB.
+    /// Bytes per extent, a multiple of 4 KiB (`default_extent_bytes`: 4 MiB, more on a node
+    /// of more than 64 GiB). Processes share only extents of the same size.
     pub extent_bytes: u64,
     /// Threads reading extents from disk into the tier (4 by default: on a 2-core machine the
     /// fill is bound by the kernel's page allocation for the tier's memory, not by the disk, and
@@ -68,7 +94,7 @@ pub struct TierConfig {
 
 impl Default for TierConfig {
     fn default() -> Self {
-        Self { budget_bytes: None, dir: None, extent_bytes: EXTENT_BYTES_DEFAULT, fill_threads: 4, keep: false }
+        Self { budget_bytes: None, dir: None, extent_bytes: default_extent_bytes(), fill_threads: 4, keep: false }
     }
 }
 
@@ -135,11 +161,27 @@ pub struct ExtentKey {
     pub extent: u32,
 }
 
-impl ExtentKey {
-    /// The file name of the extent in the tier's directory.
-    pub fn name(&self) -> String {
-        format!("{}.{:06}", self.shard, self.extent)
-    }
+/// Whether `name` is an extent file's (`<shard id, 64 hex>.<extent KiB>k.<index, 6+ digits>`).
+fn is_extent_name(name: &str) -> bool {
+    let mut parts = name.split('.');
+    let (Some(shard), Some(size), Some(index), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    shard.len() == 64
+        && shard.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        && size.strip_suffix('k').is_some_and(digits)
+        && index.len() >= 6
+        && digits(index)
+}
+
+/// The extent name a claim (`.fill-NAME`) or a private fill file (`.new-PID-N-NAME`) is for.
+fn claimed_extent(name: &str) -> Option<&str> {
+    let extent = match name.strip_prefix(".fill-") {
+        Some(extent) => extent,
+        None => name.strip_prefix(".new-")?.splitn(3, '-').nth(2)?,
+    };
+    is_extent_name(extent).then_some(extent)
 }
 
 /// Counters of a tier, for this process.
@@ -168,10 +210,34 @@ struct Counters {
     fill_failures: AtomicU64,
 }
 
+/// A resident extent as this process maps it.
+pub struct Mapped {
+    map: MappedFile,
+    /// Set once a listing no longer shows this file under its name (evicted, by any process):
+    /// readers drop their mapping, so the memory can go back.
+    gone: std::sync::atomic::AtomicBool,
+}
+
+impl Mapped {
+    /// The extent's verified bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.map.as_slice()
+    }
+
+    /// Whether the extent has left the tier (its bytes stay valid for this mapping).
+    pub fn is_gone(&self) -> bool {
+        self.gone.load(Ordering::Relaxed)
+    }
+
+    fn mark_gone(&self) {
+        self.gone.store(true, Ordering::Relaxed);
+    }
+}
+
 /// What a look-up found.
 pub enum Lookup {
     /// Verified bytes, mapped.
-    Resident(Arc<MappedFile>),
+    Resident(Arc<Mapped>),
     /// A live filler (of this process or another) is reading it now.
     Filling,
     /// Not in the tier.
@@ -194,20 +260,28 @@ pub struct MemoryTier {
     extent_bytes: u64,
     fill_threads: usize,
     keep: bool,
+    /// The process that opened the tier: a child forked from it shares the lock on `users` (it
+    /// belongs to the open file, not the process) and must never empty the tier under its
+    /// parent.
+    pid: u32,
     /// Holds a shared flock while this tier is open.
     users: std::fs::File,
     counters: Counters,
     listing: Mutex<Listing>,
     /// Extents this process has mapped, by name: every loader of the process shares them, so an
     /// extent is mapped (and its pages entered in the page table) once per process.
-    maps: Mutex<HashMap<String, Arc<MappedFile>>>,
+    maps: Mutex<HashMap<String, Arc<Mapped>>>,
 }
 
-/// The last directory listing: extent names and their bytes.
+/// The last directory listing: extent names with their bytes and inode numbers.
 struct Listing {
     at: Option<Instant>,
-    extents: HashMap<String, u64>,
+    extents: HashMap<String, (u64, u64)>,
     bytes: u64,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl MemoryTier {
@@ -231,11 +305,19 @@ impl MemoryTier {
             }
         };
         prepare_dir(&dir)?;
+        let most = EXTENTS_MAX * config.extent_bytes;
         let budget_bytes = match config.budget_bytes {
+            Some(bytes) if bytes > most => {
+                return Err(Error::invalid_input(format!(
+                    "a memory tier of {bytes} bytes in extents of {} bytes would be more than {EXTENTS_MAX} \
+                     extents (each one a memory mapping in every reader): choose larger extents or a smaller tier",
+                    config.extent_bytes
+                )));
+            }
             Some(bytes) => bytes,
             None => {
                 let memory = Memory::read();
-                memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX)) / 2
+                (memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX)) / 2).min(most)
             }
         };
         let users_path = dir.join(".users");
@@ -253,6 +335,7 @@ impl MemoryTier {
             extent_bytes: config.extent_bytes,
             fill_threads: config.fill_threads,
             keep: config.keep,
+            pid: std::process::id(),
             users,
             counters: Counters::default(),
             listing: Mutex::new(Listing { at: None, extents: HashMap::new(), bytes: 0 }),
@@ -296,9 +379,22 @@ impl MemoryTier {
         n_data_blocks.div_ceil(self.extent_blocks())
     }
 
+    /// The bytes of extent `extent` of a shard whose data region is `n_data_blocks` long (0 past
+    /// its end): exactly what its file holds.
+    pub fn extent_len(&self, extent: u32, n_data_blocks: u64) -> u64 {
+        let first = u64::from(extent) * self.extent_blocks();
+        n_data_blocks.saturating_sub(first).min(self.extent_blocks()) * BLOCK_BYTES_U64
+    }
+
+    /// The file name of extent `key`: its shard, this tier's extent size (processes that cut
+    /// shards into other extents never take each other's files) and its index.
+    pub fn extent_name(&self, key: &ExtentKey) -> String {
+        format!("{}.{}k.{:06}", key.shard, self.extent_bytes >> 10, key.extent)
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> TierStats {
-        let bytes_held = self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).bytes;
+        let bytes_held = lock(&self.listing).bytes;
         TierStats {
             bytes_held,
             budget_bytes: self.effective_budget(bytes_held),
@@ -309,24 +405,28 @@ impl MemoryTier {
         }
     }
 
-    /// The budget after memory pressure: never more than the configured one, and small enough
-    /// that the node (and this process's cgroup) keeps a reserve free, counting the `held`
-    /// bytes of the tier as its own to give back.
+    /// The budget after memory pressure: never more than the configured one, small enough that
+    /// the node (and this process's cgroup) keeps a reserve free, counting the `held` bytes of
+    /// the tier as its own to give back, and no more than the memory file system has room for
+    /// (a tmpfs has a size of its own: half the memory unless mounted otherwise).
     pub fn effective_budget(&self, held: u64) -> u64 {
         let memory = Memory::read();
         let headroom = memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX));
         let limit = memory.cgroup_limit.unwrap_or(memory.total);
         let reserve = RESERVE_BYTES_MIN.min(limit / 4).max(limit / 16);
-        let allowed = (held + headroom).saturating_sub(reserve);
-        self.budget_bytes.min(allowed)
+        let allowed = held.saturating_add(headroom).saturating_sub(reserve);
+        let room = fs_space(&self.dir).map_or(u64::MAX, |(_, free)| held.saturating_add(free));
+        self.budget_bytes.min(allowed).min(room)
     }
 
-    /// Looks `key` up: mapped if resident, `Filling` if a live filler holds its claim.
-    pub fn lookup(&self, key: &ExtentKey) -> Result<Lookup> {
-        let name = key.name();
-        let mut maps = self.maps.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    /// Looks `key` up, an extent of `len` bytes: mapped if resident, `Filling` if a live filler
+    /// holds its claim. A file under its name of another length is not the extent (damaged, or
+    /// written by hand): it is removed, so the extent can be filled again.
+    pub fn lookup(&self, key: &ExtentKey, len: u64) -> Result<Lookup> {
+        let name = self.extent_name(key);
+        let mut maps = lock(&self.maps);
         if let Some(mapped) = maps.get(&name) {
-            if !mapped.is_unlinked() {
+            if !mapped.is_gone() {
                 return Ok(Lookup::Resident(Arc::clone(mapped)));
             }
             maps.remove(&name);
@@ -334,7 +434,13 @@ impl MemoryTier {
         let path = self.dir.join(&name);
         match std::fs::File::open(&path) {
             Ok(file) => {
-                let mapped = Arc::new(MappedFile::new(file, &path)?);
+                let found = file.metadata().map_err(|e| Error::io("stat", &path, e))?.len();
+                if found != len || len == 0 {
+                    drop((file, maps));
+                    self.evict(&name)?;
+                    return Ok(Lookup::Absent);
+                }
+                let mapped = Arc::new(Mapped { map: MappedFile::new(file, &path)?, gone: false.into() });
                 maps.insert(name, Arc::clone(&mapped));
                 return Ok(Lookup::Resident(mapped));
             }
@@ -345,64 +451,92 @@ impl MemoryTier {
         Ok(if self.claim_is_live(&name) { Lookup::Filling } else { Lookup::Absent })
     }
 
-    /// Whether a live filler holds the claim on extent `name` (a claim whose lock is free was
-    /// left by a filler that died: it is removed).
+    /// Whether extent `name` is in the tier now.
+    pub fn is_resident(&self, key: &ExtentKey) -> bool {
+        self.dir.join(self.extent_name(key)).exists()
+    }
+
+    /// Whether a live filler holds the claim on extent `name`. A claim whose lock is free was
+    /// left by a filler that died: it is removed.
     fn claim_is_live(&self, name: &str) -> bool {
         let claim = self.dir.join(format!(".fill-{name}"));
         let Ok(file) = std::fs::File::open(&claim) else { return false };
-        if flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
-            // Nobody holds it: the filler died. Its claim goes (a live filler publishes by
-            // renaming the claim, so it never comes back under this name by itself).
-            let _ = std::fs::remove_file(&claim);
-            return false;
+        if flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+            return true;
         }
-        true
+        remove_if_same(&claim, &file);
+        false
     }
 
-    /// Reads extent `info` from its shard into the tier: one O_DIRECT read into a claimed fill
-    /// file's mapping, every block checked against `meta`, then published by rename.
+    /// Reads extent `info` from its shard into the tier: a claim, one O_DIRECT read into a
+    /// private file's mapping, every block checked against `meta`, then the private file linked
+    /// under the extent's name.
     pub fn fill(&self, info: &ExtentInfo) -> Result<Filled> {
-        let name = info.key.name();
+        let name = self.extent_name(&info.key);
         let final_path = self.dir.join(&name);
         if final_path.exists() {
             return Ok(Filled::Elsewhere);
         }
         let Some(claim) = self.claim(&name)? else { return Ok(Filled::Elsewhere) };
         // Another filler may have published it between the check above and the claim.
-        if final_path.exists() {
-            let _ = std::fs::remove_file(&claim.path);
-            return Ok(Filled::Elsewhere);
-        }
-        let outcome = self.fill_claimed(info, &claim, &final_path);
+        let outcome = if final_path.exists() { Ok(Filled::Elsewhere) } else { self.fill_claimed(info, &name) };
         if outcome.is_err() {
-            let _ = std::fs::remove_file(&claim.path);
             self.counters.fill_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        remove_if_same(&claim.path, &claim.file);
+        outcome
+    }
+
+    fn fill_claimed(&self, info: &ExtentInfo, name: &str) -> Result<Filled> {
+        let len = usize::try_from(info.n_blocks * BLOCK_BYTES_U64)
+            .map_err(|_| Error::invalid_input("an extent larger than memory"))?;
+        let (file, private) = self.private_file(name)?;
+        let final_path = self.dir.join(name);
+        let outcome = (|| {
+            // The disk's DMA lands in the private file's own pages: no copy into the tier.
+            let mut map = WritableMap::new(&file, len, &private)?;
+            let bytes = map.as_mut_slice();
+            read_exact_direct(&info.path, DATA_OFFSET + info.first_block * BLOCK_BYTES_U64, bytes)?;
+            info.meta.check_blocks(info.first_block, bytes).map_err(|(block, expected, actual)| {
+                Error::ChecksumMismatch { shard: info.key.shard, block, expected, actual }
+            })?;
+            drop(map);
+            file.set_permissions(std::fs::Permissions::from_mode(0o400))
+                .map_err(|e| Error::io("chmod", &private, e))?;
+            // Only this call knows the private name, so what is linked is what was checked; the
+            // link fails rather than replace an extent someone else published.
+            match std::fs::hard_link(&private, &final_path) {
+                Ok(()) => Ok(Filled::Loaded),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(Filled::Elsewhere),
+                Err(e) => Err(Error::io("link", &final_path, e)),
+            }
+        })();
+        let _ = std::fs::remove_file(&private);
+        if let Ok(Filled::Loaded) = outcome {
+            self.counters.extents_loaded.fetch_add(1, Ordering::Relaxed);
+            self.counters.bytes_loaded.fetch_add(len as u64, Ordering::Relaxed);
+            let ino = file.metadata().map(|m| m.ino()).unwrap_or(0);
+            let mut listing = lock(&self.listing);
+            if listing.extents.insert(name.to_owned(), (len as u64, ino)).is_none() {
+                listing.bytes += len as u64;
+            }
         }
         outcome
     }
 
-    fn fill_claimed(&self, info: &ExtentInfo, claim: &Claim, final_path: &Path) -> Result<Filled> {
-        let len = usize::try_from(info.n_blocks * BLOCK_BYTES_U64).expect("an extent fits in memory");
-        // The disk's DMA lands in the claim file's own pages: no copy into the tier.
-        let mut map = WritableMap::new(&claim.file, len, &claim.path)?;
-        let bytes = map.as_mut_slice();
-        read_exact_direct(&info.path, DATA_OFFSET + info.first_block * BLOCK_BYTES_U64, bytes)?;
-        info.meta.check_blocks(info.first_block, bytes).map_err(|(block, expected, actual)| {
-            Error::ChecksumMismatch { shard: info.key.shard, block, expected, actual }
-        })?;
-        drop(map);
-        claim
-            .file
-            .set_permissions(std::fs::Permissions::from_mode(0o400))
-            .map_err(|e| Error::io("chmod", &claim.path, e))?;
-        std::fs::rename(&claim.path, final_path).map_err(|e| Error::io("rename", final_path, e))?;
-        self.counters.extents_loaded.fetch_add(1, Ordering::Relaxed);
-        self.counters.bytes_loaded.fetch_add(len as u64, Ordering::Relaxed);
-        let mut listing = self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if listing.extents.insert(info.key.name(), len as u64).is_none() {
-            listing.bytes += len as u64;
+    /// A new file only this process names (`.new-PID-N-NAME`), for extent `name`.
+    fn private_file(&self, name: &str) -> Result<(std::fs::File, PathBuf)> {
+        let mut tries = 0;
+        loop {
+            // The pid alone is not unique across PID namespaces sharing the directory: a taken
+            // name is skipped.
+            let path = self.dir.join(format!(".new-{}-{}-{name}", std::process::id(), nonce()));
+            match std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path) {
+                Ok(file) => return Ok((file, path)),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 64 => tries += 1,
+                Err(e) => return Err(Error::io("create", &path, e)),
+            }
         }
-        Ok(Filled::Loaded)
     }
 
     /// Takes the claim on extent `name`: a fresh file, locked, then linked to `.fill-NAME` (the
@@ -410,14 +544,7 @@ impl MemoryTier {
     /// `None` when a live filler holds it.
     fn claim(&self, name: &str) -> Result<Option<Claim>> {
         let claim_path = self.dir.join(format!(".fill-{name}"));
-        let fresh = self.dir.join(format!(".new-{}-{}-{name}", std::process::id(), nonce()));
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&fresh)
-            .map_err(|e| Error::io("create", &fresh, e))?;
+        let (file, fresh) = self.private_file(name)?;
         let claimed =
             flock(&file, libc::LOCK_EX | libc::LOCK_NB).map_err(|e| Error::io("flock", &fresh, e)).and_then(|()| {
                 for _ in 0..2 {
@@ -428,6 +555,8 @@ impl MemoryTier {
                                 return Ok(false);
                             }
                         }
+                        // A clear emptied the directory meanwhile: leave the extent for now.
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
                         Err(e) => return Err(Error::io("link", &claim_path, e)),
                     }
                 }
@@ -437,8 +566,11 @@ impl MemoryTier {
         Ok(claimed?.then_some(Claim { file, path: claim_path }))
     }
 
-    /// Removes extent `key` from the tier (mappings of it stay valid until dropped).
+    /// Removes extent `name` from the tier (mappings of it stay valid until dropped).
     pub fn evict(&self, name: &str) -> Result<()> {
+        if !is_extent_name(name) {
+            return Err(Error::invalid_input(format!("{name:?} is not the name of a memory tier extent")));
+        }
         let path = self.dir.join(name);
         match std::fs::remove_file(&path) {
             Ok(()) => {
@@ -447,67 +579,83 @@ impl MemoryTier {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(Error::io("remove", &path, e)),
         }
-        self.maps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(name);
-        let mut listing = self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(bytes) = listing.extents.remove(name) {
+        if let Some(mapped) = lock(&self.maps).remove(name) {
+            mapped.mark_gone();
+        }
+        let mut listing = lock(&self.listing);
+        if let Some((bytes, _)) = listing.extents.remove(name) {
             listing.bytes -= bytes;
         }
         Ok(())
     }
 
     /// The extents held node-wide (name and bytes), listed again when the last listing is older
-    /// than a moment.
+    /// than a moment. Only files named as extents count.
     pub fn resident(&self) -> Result<(HashMap<String, u64>, u64)> {
-        let mut listing = self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        use std::os::unix::fs::DirEntryExt;
+        let mut listing = lock(&self.listing);
         if listing.at.is_none_or(|at| at.elapsed() > SCAN_TTL) {
             let mut extents = HashMap::new();
             let mut bytes = 0;
             let entries = std::fs::read_dir(&self.dir).map_err(|e| Error::io("list", &self.dir, e))?;
             for entry in entries.flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                if name.starts_with('.') {
+                if !is_extent_name(&name) {
                     continue;
                 }
+                // The entry's own metadata: a symlink is not an extent.
                 if let Ok(meta) = entry.metadata()
                     && meta.is_file()
                 {
                     bytes += meta.len();
-                    extents.insert(name, meta.len());
+                    extents.insert(name, (meta.len(), entry.ino()));
                 }
             }
+            // Mappings of extents another process evicted (or replaced) go, so their memory can.
+            lock(&self.maps).retain(|name, mapped| {
+                let listed = extents.get(name).is_some_and(|&(_, ino)| ino == mapped.map.ino());
+                if !listed {
+                    mapped.mark_gone();
+                }
+                listed
+            });
             *listing = Listing { at: Some(Instant::now()), extents, bytes };
-            // Mappings of extents another process evicted go, so their memory can.
-            self.maps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).retain(|_, m| !m.is_unlinked());
         }
-        Ok((listing.extents.clone(), listing.bytes))
+        Ok((listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect(), listing.bytes))
     }
 
-    /// Removes every extent and every stale claim.
+    /// Removes every extent, every stale claim and every private file of a filler that died;
+    /// files of other names are left alone.
     pub fn clear(&self) -> Result<()> {
         let entries = std::fs::read_dir(&self.dir).map_err(|e| Error::io("list", &self.dir, e))?;
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name == ".users" {
-                continue;
+            let remove = if is_extent_name(&name) || is_old_extent_name(&name) {
+                true
+            } else if let Some(extent) = claimed_extent(&name) {
+                // A live filler's claim and private file stay; a dead one's go (the claim
+                // itself is removed by the check).
+                !self.claim_is_live(extent) && !name.starts_with(".fill-")
+            } else {
+                false
+            };
+            if remove {
+                let _ = std::fs::remove_file(entry.path());
             }
-            if let Some(extent) = name.strip_prefix(".fill-")
-                && self.claim_is_live(extent)
-            {
-                continue;
-            }
-            let _ = std::fs::remove_file(entry.path());
         }
-        *self.listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
-            Listing { at: None, extents: HashMap::new(), bytes: 0 };
-        self.maps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+        *lock(&self.listing) = Listing { at: None, extents: HashMap::new(), bytes: 0 };
+        for (_, mapped) in lock(&self.maps).drain() {
+            mapped.mark_gone();
+        }
         Ok(())
     }
 }
 
 impl Drop for MemoryTier {
     fn drop(&mut self) {
-        // The last user empties the directory, so the job's memory goes back when it ends.
-        if !self.keep && flock(&self.users, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+        // The last user empties the directory, so the job's memory goes back when it ends. A
+        // forked child holds its parent's lock, not one of its own: it leaves the tier alone.
+        if !self.keep && std::process::id() == self.pid && flock(&self.users, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
             let _ = self.clear();
         }
     }
@@ -523,10 +671,34 @@ impl std::fmt::Debug for MemoryTier {
     }
 }
 
-/// A claimed fill file, locked by this process until it is published or removed.
+/// A claim on an extent, locked by this process until it is removed.
 struct Claim {
     file: std::fs::File,
     path: PathBuf,
+}
+
+/// Removes `path` if it still names `file`. Another process's clean-up may have replaced a
+/// name since it was opened; what is left between the check and the removal is harmless: a
+/// live claim removed so lets a second filler load the same extent, and the second link fails.
+fn remove_if_same(path: &Path, file: &std::fs::File) {
+    let same = match (std::fs::symlink_metadata(path), file.metadata()) {
+        (Ok(named), Ok(held)) => named.dev() == held.dev() && named.ino() == held.ino(),
+        _ => false,
+    };
+    if same {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// An extent name of the layout before extent sizes were in the name (`<shard>.<index>`): a
+/// tier directory left by an older engine is emptied, not refused.
+fn is_old_extent_name(name: &str) -> bool {
+    name.split_once('.').is_some_and(|(shard, index)| {
+        shard.len() == 64
+            && shard.bytes().all(|b| b.is_ascii_hexdigit())
+            && index.len() == 6
+            && index.bytes().all(|b| b.is_ascii_digit())
+    })
 }
 
 fn nonce() -> u64 {
@@ -538,8 +710,10 @@ fn current_uid() -> u32 {
     std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0)
 }
 
-/// Creates the tier directory (mode 0700) or checks that an existing one is a real directory
-/// owned by this user: extents are trusted as verified, so nobody else may write them.
+/// Creates the tier directory (mode 0700, marked as the tier's) or checks that an existing one
+/// is a real directory owned by this user (extents are trusted as verified, so nobody else may
+/// write them) and the tier's: marked, or holding nothing but tier files. A directory of the
+/// user's own files is refused, since the tier empties its directory.
 fn prepare_dir(dir: &Path) -> Result<()> {
     match std::fs::create_dir(dir) {
         Ok(()) => {
@@ -557,7 +731,25 @@ fn prepare_dir(dir: &Path) -> Result<()> {
             dir.display()
         )));
     }
-    Ok(())
+    let marker = dir.join(MARKER);
+    if std::fs::symlink_metadata(&marker).is_ok_and(|m| m.is_file()) {
+        return Ok(());
+    }
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))?;
+    for entry in entries {
+        let name = entry.map_err(|e| Error::io("list", dir, e))?.file_name();
+        let name = name.to_string_lossy();
+        if !(name == ".users" || is_extent_name(&name) || is_old_extent_name(&name) || claimed_extent(&name).is_some())
+        {
+            return Err(Error::invalid_input(format!(
+                "{} holds {name:?}, which is not a memory tier file: the tier empties its directory, so it \
+                 needs one of its own (an empty or new directory for GRANARY_TIER_DIR)",
+                dir.display()
+            )));
+        }
+    }
+    std::fs::write(&marker, b"granary memory tier: files here are removed when the last reader closes\n")
+        .map_err(|e| Error::io("create", &marker, e))
 }
 
 /// Reads `bytes.len()` bytes at `offset` of `path`, with O_DIRECT where the file system takes it
@@ -601,31 +793,60 @@ impl Memory {
     }
 }
 
-/// This process's cgroup memory limit and the room left under it (v2 or v1), if it has one.
+/// This process's cgroup memory limit and the room left under it (v2 or v1), if it has one:
+/// the tightest of its cgroup and every ancestor's, with the page cache the kernel can drop
+/// (`inactive_file`) counted as room. The tier's own pages are shared memory, which the kernel
+/// cannot drop: they count as used.
 fn cgroup_memory() -> Option<(u64, u64)> {
     let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let read = |path: PathBuf| std::fs::read_to_string(path).ok()?.trim().parse::<u64>().ok();
-    for line in cgroups.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        let path = path.trim_start_matches('/');
-        let (limit, usage) = if controllers.is_empty() {
-            let base = Path::new("/sys/fs/cgroup").join(path);
-            (read(base.join("memory.max")), read(base.join("memory.current")))
-        } else if controllers.split(',').any(|c| c == "memory") {
-            let base = Path::new("/sys/fs/cgroup/memory").join(path);
-            (read(base.join("memory.limit_in_bytes")), read(base.join("memory.usage_in_bytes")))
-        } else {
-            continue;
-        };
+    let read = |path: &Path| std::fs::read_to_string(path).ok()?.trim().parse::<u64>().ok();
+    let stat = |path: &Path, key: &str| {
+        std::fs::read_to_string(path).ok()?.lines().find_map(|line| {
+            let (name, value) = line.split_once(' ')?;
+            (name == key).then(|| value.trim().parse::<u64>().ok()).flatten()
+        })
+    };
+    let mut tightest: Option<(u64, u64)> = None;
+    let mut consider = |limit: Option<u64>, usage: Option<u64>, reclaimable: Option<u64>| {
         // "max" (v2) does not parse; v1 says "no limit" with a number near 2^63.
         if let (Some(limit), Some(usage)) = (limit, usage)
             && limit < 1 << 60
         {
-            return Some((limit, limit.saturating_sub(usage)));
+            let room = limit.saturating_sub(usage.saturating_sub(reclaimable.unwrap_or(0)));
+            tightest = Some(tightest.map_or((limit, room), |(l, r)| (l.min(limit), r.min(room))));
+        }
+    };
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = Path::new(path.trim_start_matches('/'));
+        if controllers.is_empty() {
+            // v2: this cgroup and each ancestor up to the root of this namespace's view.
+            for level in path.ancestors() {
+                let base = Path::new("/sys/fs/cgroup").join(level);
+                consider(
+                    read(&base.join("memory.max")),
+                    read(&base.join("memory.current")),
+                    stat(&base.join("memory.stat"), "inactive_file"),
+                );
+            }
+        } else if controllers.split(',').any(|c| c == "memory") {
+            // v1: memory.stat's hierarchical limit is already the tightest of the ancestors'.
+            let base = Path::new("/sys/fs/cgroup/memory").join(path);
+            let own = read(&base.join("memory.limit_in_bytes"));
+            let hierarchical = stat(&base.join("memory.stat"), "hierarchical_memory_limit");
+            let limit = match (own, hierarchical) {
+                (Some(own), Some(up)) => Some(own.min(up)),
+                (own, up) => own.or(up),
+            };
+            consider(
+                limit,
+                read(&base.join("memory.usage_in_bytes")),
+                stat(&base.join("memory.stat"), "total_inactive_file"),
+            );
         }
     }
-    None
+    tightest
 }
 
 /// One reader's view of the tier: the extents it has mapped, found by shard index and extent
@@ -633,7 +854,7 @@ fn cgroup_memory() -> Option<(u64, u64)> {
 pub struct TierReader {
     tier: Arc<MemoryTier>,
     coordinator: Option<Arc<Coordinator>>,
-    mapped: HashMap<u64, Arc<MappedFile>, SlotHash>,
+    mapped: HashMap<u64, Arc<Mapped>, SlotHash>,
     /// Extents found absent, with the coordinator's publish count and the time then: looked up
     /// again only when this process published something or a moment has passed.
     absent: HashMap<u64, (u64, Instant), SlotHash>,
@@ -697,24 +918,26 @@ impl TierReader {
         self.tier.extent_bytes
     }
 
-    /// The verified bytes of extent `extent` of shard `shard_idx` (id `shard`), if the tier has
-    /// it or a filler is about to; `None` sends the read to disk.
-    pub fn extent(&mut self, shard_idx: u32, shard: ShardId, extent: u32) -> Option<&[u8]> {
+    /// The verified bytes of extent `extent` of shard `shard_idx` (id `shard`, `n_data_blocks`
+    /// data blocks long), if the tier has it or a filler is about to; `None` sends the read to
+    /// disk.
+    pub fn extent(&mut self, shard_idx: u32, shard: ShardId, extent: u32, n_data_blocks: u64) -> Option<&[u8]> {
         let slot = u64::from(shard_idx) << 32 | u64::from(extent);
         if !self.mapped.contains_key(&slot) {
             let key = ExtentKey { shard, extent };
+            let len = self.tier.extent_len(extent, n_data_blocks);
             let published = self.coordinator.as_ref().map_or(0, |c| c.published());
-            if let Some(&(seen, at)) = self.absent.get(&slot)
-                && seen == published
-                && at.elapsed() < SCAN_TTL
+            if len == 0
+                || self.absent.get(&slot).is_some_and(|&(seen, at)| seen == published && at.elapsed() < SCAN_TTL)
             {
                 return None;
             }
             let deadline = Instant::now() + FILL_WAIT_MAX;
+            let stopped = |c: &Option<Arc<Coordinator>>| c.as_ref().is_some_and(|c| c.is_stopped());
             let mapped = loop {
-                match self.tier.lookup(&key) {
+                match self.tier.lookup(&key, len) {
                     Ok(Lookup::Resident(mapped)) => break Some(mapped),
-                    Ok(Lookup::Filling) if Instant::now() < deadline => {
+                    Ok(Lookup::Filling) if Instant::now() < deadline && !stopped(&self.coordinator) => {
                         // A filler is at it (this process's, or another's, whose publish this
                         // process does not hear of): wait a little, then look again.
                         match &self.coordinator {
@@ -761,7 +984,7 @@ impl TierReader {
             return;
         }
         self.revalidated = Instant::now();
-        self.mapped.retain(|_, mapped| !mapped.is_unlinked());
+        self.mapped.retain(|_, mapped| !mapped.is_gone());
     }
 }
 
@@ -792,12 +1015,55 @@ mod tests {
         let config =
             TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
         let tier = MemoryTier::open(&config).expect("open").expect("on");
-        let claim = tier.claim("x.000000").expect("claim").expect("free");
-        assert!(tier.claim_is_live("x.000000"), "held by this process's open claim");
-        assert!(tier.claim("x.000000").expect("claim").is_none(), "one claim at a time");
+        let name = format!("{}.4096k.000000", "ab".repeat(32));
+        let claim = tier.claim(&name).expect("claim").expect("free");
+        assert!(tier.claim_is_live(&name), "held by this process's open claim");
+        assert!(tier.claim(&name).expect("claim").is_none(), "one claim at a time");
         drop(claim);
-        assert!(!tier.claim_is_live("x.000000"), "its lock went with it");
-        assert!(!dir.path().join("t/.fill-x.000000").exists(), "the stale claim was removed");
+        assert!(!tier.claim_is_live(&name), "its lock went with it");
+        assert!(!dir.path().join(format!("t/.fill-{name}")).exists(), "the stale claim was removed");
+    }
+
+    #[test]
+    fn a_claim_removes_only_its_own_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config =
+            TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
+        let tier = MemoryTier::open(&config).expect("open").expect("on");
+        let name = format!("{}.4096k.000000", "cd".repeat(32));
+        let claim = tier.claim(&name).expect("claim").expect("free");
+        // Someone else's clean-up replaced the name meanwhile (another filler's claim now).
+        std::fs::remove_file(&claim.path).expect("unlink");
+        std::fs::write(&claim.path, b"theirs").expect("write");
+        remove_if_same(&claim.path, &claim.file);
+        assert_eq!(std::fs::read(&claim.path).expect("read"), b"theirs", "another's claim stays");
+    }
+
+    #[test]
+    fn names_are_the_tiers_own() {
+        let shard = "ef".repeat(32);
+        assert!(is_extent_name(&format!("{shard}.4096k.000012")));
+        assert!(!is_extent_name(&format!("{shard}.000012")), "the size is part of the name");
+        assert!(!is_extent_name(&format!("{}.4096k.000012", shard.to_uppercase())));
+        assert!(!is_extent_name("notes.txt"));
+        assert!(!is_extent_name(&format!("{shard}.4096k.000012.bak")));
+        assert_eq!(claimed_extent(&format!(".new-12-3-{shard}.64k.000001")), Some(&*format!("{shard}.64k.000001")));
+        assert_eq!(claimed_extent(&format!(".fill-{shard}.64k.000001")), Some(&*format!("{shard}.64k.000001")));
+        assert_eq!(claimed_extent(".fill-notes.txt"), None);
+    }
+
+    #[test]
+    fn the_default_extent_keeps_a_tier_of_all_memory_within_the_mapping_limit() {
+        let extent = default_extent_bytes();
+        assert!(extent >= EXTENT_BYTES_DEFAULT && extent.is_power_of_two());
+        assert!(Memory::read().total.div_ceil(extent) <= EXTENTS_MAX);
+        let config = TierConfig {
+            budget_bytes: Some(EXTENTS_MAX * (64 << 10) + 1),
+            dir: Some(tempfile::tempdir().expect("tempdir").path().join("t")),
+            extent_bytes: 64 << 10,
+            ..TierConfig::default()
+        };
+        assert!(MemoryTier::open(&config).is_err(), "more extents than mappings allow");
     }
 
     #[test]
@@ -807,11 +1073,12 @@ mod tests {
             TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
         let first = MemoryTier::open(&config).expect("open").expect("on");
         let second = MemoryTier::open(&config).expect("open").expect("on");
-        std::fs::write(dir.path().join("t/abc.000000"), b"x").expect("write");
+        let extent = dir.path().join(format!("t/{}.4096k.000000", "ab".repeat(32)));
+        std::fs::write(&extent, b"x").expect("write");
         drop(first);
-        assert!(dir.path().join("t/abc.000000").exists(), "a user remains");
+        assert!(extent.exists(), "a user remains");
         drop(second);
-        assert!(!dir.path().join("t/abc.000000").exists(), "the last user emptied it");
+        assert!(!extent.exists(), "the last user emptied it");
     }
 
     #[test]
