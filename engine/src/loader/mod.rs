@@ -21,6 +21,9 @@
 //! Never: panics on bad input, or hands out a batch after an error (the error comes instead,
 //! once, then the end).
 
+mod schedule;
+
+use schedule::Scheduler;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -33,7 +36,7 @@ use crate::plan::{EpochPlan, Order, Position, RankCursor, World};
 use crate::read::{Batch, Dataset, ReadStats, Reader};
 use crate::staging::cuda::{Cuda, DeviceBuffer, Fence, Stream, Upload};
 use crate::staging::{Pinning, PoolStats, StagingConfig, StagingPool};
-use crate::tier::{Coordinator, ExtentInfo, ExtentKey, MemoryTier, TierConfig, TierReader, TierSchedule, TierStats};
+use crate::tier::{Coordinator, MemoryTier, TierConfig, TierReader, TierStats};
 
 /// Where batches go.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -79,7 +82,9 @@ impl Default for PlanSource {
 #[derive(Clone, Debug, Default)]
 pub enum TierSetting {
     /// The default tier (`TierConfig::from_env`: half of MemAvailable unless
-    /// `GRANARY_TIER_BYTES` says otherwise); reads go to disk alone if it cannot be opened.
+    /// `GRANARY_TIER_BYTES` says otherwise); reads go to disk alone if the default directory
+    /// cannot be opened. A bad `GRANARY_TIER_BYTES`, or a `GRANARY_TIER_DIR` that cannot be the
+    /// tier's, is an error.
     #[default]
     Auto,
     /// No memory tier: every record is read from disk.
@@ -95,17 +100,21 @@ impl TierSetting {
     /// The tier to use, if any.
     pub fn open(&self) -> Result<Option<Arc<MemoryTier>>> {
         match self {
-            TierSetting::Auto => Ok(TierConfig::from_env().and_then(|c| MemoryTier::open(&c)).ok().flatten()),
+            TierSetting::Auto => {
+                // A setting the user made (a bad GRANARY_TIER_BYTES, a GRANARY_TIER_DIR that
+                // cannot be the tier's) is reported; a node without /dev/shm reads from disk.
+                let config = TierConfig::from_env()?;
+                match MemoryTier::open(&config) {
+                    Err(e) if config.dir.is_some() => Err(e),
+                    opened => Ok(opened.ok().flatten()),
+                }
+            }
             TierSetting::Off => Ok(None),
             TierSetting::Config(config) => MemoryTier::open(config),
             TierSetting::Shared(tier) => Ok(Some(Arc::clone(tier))),
         }
     }
 }
-
-/// Record reads a tier schedule holds at most (8 bytes each): beyond that, later reads of the
-/// epoch are unknown to the fillers until the next epoch's schedule.
-const SCHEDULE_USES_MAX: usize = 16 << 20;
 
 /// How a loader runs.
 #[derive(Clone, Debug)]
@@ -462,9 +471,10 @@ impl Loader {
         let stop = Arc::new(AtomicBool::new(false));
         let read_stats = Arc::new(Mutex::new(ReadStats::default()));
         let (to_next, from_reader) = std::sync::mpsc::sync_channel(config.prefetch);
-        let mut threads = Vec::new();
         // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
         let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
+        // Should a step below fail, the threads started so far end with it.
+        let mut threads = Started { threads: Vec::new(), stop: Arc::clone(&stop), coordinator: coordinator.clone() };
         if let Some(coordinator) = &coordinator {
             for i in 0..coordinator.tier().fill_threads() {
                 let coordinator = Arc::clone(coordinator);
@@ -511,7 +521,7 @@ impl Loader {
         };
         Ok(Self {
             receiver: Some(receiver),
-            threads,
+            threads: std::mem::take(&mut threads.threads),
             stop,
             returns,
             held: Arc::new(AtomicUsize::new(0)),
@@ -629,6 +639,32 @@ impl Drop for Loader {
     }
 }
 
+/// The threads `Loader::new` has started: if it fails before the loader owns them, they are
+/// told to stop (the stages end on the stop flag or their closed queues, the fillers on the
+/// coordinator's stop).
+struct Started {
+    threads: Vec<JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+    coordinator: Option<Arc<Coordinator>>,
+}
+
+impl Started {
+    fn push(&mut self, thread: JoinHandle<()>) {
+        self.threads.push(thread);
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.stop.store(true, Ordering::Release);
+            if let Some(coordinator) = &self.coordinator {
+                coordinator.stop();
+            }
+        }
+    }
+}
+
 /// What the trainer gets when a stage's queue closes without `End` or an error: a stage thread
 /// ended unexpectedly (a panic), and the data stops short of the plan.
 fn died() -> Message {
@@ -730,33 +766,7 @@ fn run_epochs(
     let mut step = 0u64;
     let mut next_epoch: Option<Arc<EpochBatches>> = None;
     // The tier's schedule is computed on a thread of its own, off the path to the first batch.
-    let (mut to_scheduler, scheduler) = match coordinator {
-        Some(coordinator) => {
-            let (send, receive) = std::sync::mpsc::channel::<ScheduleRequest>();
-            let (dataset, coordinator) = (Arc::clone(dataset), Arc::clone(coordinator));
-            let thread = spawn("granary-tier-plan", move || {
-                while let Ok((step, batches, next)) = receive.recv() {
-                    match tier_schedule(
-                        &dataset,
-                        coordinator.tier(),
-                        step,
-                        &batches,
-                        next.as_ref().map(|n| n.as_slice()),
-                    ) {
-                        Ok(schedule) => coordinator.set_schedule(schedule),
-                        // The reads go on from disk; a failing shard is reported by them.
-                        Err(_) => coordinator.set_schedule(TierSchedule::default()),
-                    }
-                }
-            })
-            .map_err(Some)?;
-            (Some(send), Some(thread))
-        }
-        None => (None, None),
-    };
-    let _scheduler = Scheduler { send: to_scheduler.clone(), thread: scheduler };
-    drop(to_scheduler.take());
-    let to_scheduler = &_scheduler.send;
+    let scheduler = coordinator.map(|c| Scheduler::start(dataset, c)).transpose().map_err(Some)?;
     while end_epoch.is_none_or(|end| position.epoch < end) {
         if n_records == 0 {
             return Ok(());
@@ -765,15 +775,14 @@ fn run_epochs(
             Some(batches) => batches,
             None => Arc::new(planner.epoch(position).map_err(Some)?),
         };
-        if let (Some(coordinator), Some(to_scheduler)) = (coordinator, &to_scheduler) {
+        if let Some(scheduler) = &scheduler {
             // The fillers see this epoch's reads and the next one's, so the tier keeps (and
             // loads ahead) what the epoch after this needs first.
             let following = Position { epoch: position.epoch + 1, cursor: 0 };
             if end_epoch.is_none_or(|end| following.epoch < end) {
                 next_epoch = Some(Arc::new(planner.epoch(following).map_err(Some)?));
             }
-            coordinator.expect_schedule();
-            let _ = to_scheduler.send((step, Arc::clone(&batches), next_epoch.clone()));
+            scheduler.request((step, Arc::clone(&batches), next_epoch.clone()));
         }
         let positions = std::cell::RefCell::new(std::collections::VecDeque::new());
         let mut stopped = false;
@@ -808,81 +817,6 @@ fn run_epochs(
 
 /// One epoch's batches of this rank, each with the position after it.
 type EpochBatches = Vec<(Vec<u64>, Position)>;
-
-/// What the tier's schedule is computed from: the step of the epoch's first batch, its batches,
-/// and the next epoch's.
-type ScheduleRequest = (u64, Arc<EpochBatches>, Option<Arc<EpochBatches>>);
-
-/// The tier's schedule thread and the channel to it: dropped, it closes the channel and then
-/// joins the thread.
-struct Scheduler {
-    send: Option<Sender<ScheduleRequest>>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Drop for Scheduler {
-    fn drop(&mut self) {
-        self.send = None;
-        if let Some(thread) = self.thread.take() {
-            // A panic there left the schedule as it was; the reader reports its own outcome.
-            let _ = thread.join();
-        }
-    }
-}
-
-/// When each extent is read: the batches of this epoch from `step` on, then the next epoch's,
-/// up to `SCHEDULE_USES_MAX` record reads. Extents are numbered shard by shard, so a record's
-/// extent is found by arithmetic (this runs for every record of two epochs).
-fn tier_schedule(
-    dataset: &Dataset,
-    tier: &MemoryTier,
-    step: u64,
-    batches: &[(Vec<u64>, Position)],
-    next_epoch: Option<&[(Vec<u64>, Position)]>,
-) -> Result<TierSchedule> {
-    let extent_bytes = tier.extent_bytes();
-    let extent_blocks = tier.extent_blocks();
-    let mut extents = Vec::new();
-    let mut first_extent = Vec::with_capacity(dataset.n_shards());
-    for shard in 0..dataset.n_shards() {
-        first_extent.push(extents.len());
-        let meta = dataset.shard_meta(shard)?;
-        for extent in 0..tier.n_extents(meta.n_data_blocks()) {
-            let first_block = extent * extent_blocks;
-            extents.push(ExtentInfo {
-                key: ExtentKey {
-                    shard: dataset.shard_id(shard),
-                    extent: u32::try_from(extent).map_err(|_| Error::invalid_input("a shard of 2^32 extents"))?,
-                },
-                path: dataset.shard_path(shard),
-                meta: Arc::clone(meta),
-                first_block,
-                n_blocks: extent_blocks.min(meta.n_data_blocks() - first_block),
-            });
-        }
-    }
-    let mut schedule = TierSchedule::with_extents(extents);
-    let mut uses = 0usize;
-    let all = batches.iter().chain(next_epoch.unwrap_or_default());
-    for (offset, (records, _)) in all.enumerate() {
-        let at = step + offset as u64;
-        for &index in records {
-            uses += 1;
-            if uses > SCHEDULE_USES_MAX {
-                return Ok(schedule);
-            }
-            let (shard, local) = dataset.locate(index)?;
-            let range = dataset.shard_meta(shard)?.record_range(local);
-            if range.is_empty() {
-                continue;
-            }
-            for extent in range.start / extent_bytes..=(range.end - 1) / extent_bytes {
-                schedule.add_use(first_extent[shard] + extent as usize, at);
-            }
-        }
-    }
-    Ok(schedule)
-}
 
 /// Cuts epochs into this rank's batches, each with the position after it.
 struct EpochPlanner {
