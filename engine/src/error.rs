@@ -380,6 +380,22 @@ pub enum Error {
     /// A policy plugin failed and no fallback policy could take over.
     #[error(transparent)]
     Plugin(#[from] PluginError),
+    /// The trainer asked for a batch while it holds as many as the loader allows (waiting would
+    /// never end: the loader has no buffer free until one comes back).
+    #[error(
+        "the trainer holds {held} batches, the most this loader allows (`LoaderConfig::hold_max`); drop one first"
+    )]
+    HoldLimit {
+        /// Batches held.
+        held: usize,
+    },
+    /// Batches were asked for on a GPU this process cannot use: no CUDA driver, no such
+    /// device, or another device already in use.
+    #[error("no usable GPU: {detail}")]
+    NoGpu {
+        /// Why (the driver's reason, or which device).
+        detail: String,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA {call}: {detail}")]
     Cuda {

@@ -26,7 +26,7 @@ import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import _native
-from ._native import CorruptionError, Error, ForkError, NotFoundError, PluginError
+from ._native import CorruptionError, DeviceError, Error, ForkError, NotFoundError, PluginError
 
 __all__ = [
     "Store",
@@ -36,6 +36,7 @@ __all__ = [
     "NotFoundError",
     "PluginError",
     "ForkError",
+    "DeviceError",
     "cuda_available",
     "world_from_env",
 ]
@@ -167,11 +168,16 @@ class Loader:
     so that every rank reads the same number of batches (DDP needs that; without it the last
     step gives some ranks one batch fewer when it holds fewer records than there are ranks).
     `output`: `"torch"` or `"numpy"` (default: torch when importable). `with_indices=True`
-    yields `(indices, batch)`. `tier_bytes`: the node's memory tier (verified extents in shared
+    yields `(indices, batch)`. `dtype`: `"int64"` or `"int32"` widens fixed-size integer
+    records (u16 token ids, say, for `nn.Embedding`) in the same pass that hands the batch over,
+    into memory of the batch's own (host batches; on a GPU, widen there with `batch.long()`);
+    a dtype that cannot hold every value of the records' is refused here. `tier_bytes`: the node's memory tier (verified extents in shared
     memory that every process of the node reading the store uses, filled ahead of the reader
     in plan order): its budget in bytes, `0` to read every record from disk, `None` for the
     default (`GRANARY_TIER_BYTES`, else half of the memory available when it opens).
 
+    Batches are the loader's own memory, read-only (NumPy's `writeable` is False; torch warns
+    that the tensor is not writable): copy one (`batch.copy()`, `batch.clone()`) to change it.
     Each batch is a tensor of shape `(records, *record_shape)` for fixed-size records, a pair
     `(data, offsets)` for byte records (record `i` is `data[offsets[i]:offsets[i+1]]`), or for
     WebDataset samples (`ingest_tars`) a list of dicts, one per sample, like WebDataset's:
@@ -206,6 +212,7 @@ class Loader:
         output: Optional[str] = None,
         with_indices: bool = False,
         tier_bytes: Optional[int] = None,
+        dtype: Optional[Any] = None,
     ) -> None:
         env_rank, env_world = world_from_env()
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -242,6 +249,12 @@ class Loader:
             torch = _torch() if output == "torch" else None
             device = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
         device = _device_name(str(device))
+        widen = None if dtype is None else _canonical_dtype(_dtype_name(dtype) or "")
+        if widen is not None and widen not in ("int64", "int32"):
+            raise ValueError(f"dtype={dtype!r}: expected 'int64' or 'int32' (or None, the records' own)")
+        if widen is not None and device != "cpu":
+            raise ValueError(f"dtype={dtype!r} widens host batches: with device={device!r}, widen on the GPU (batch.long())")
+        self._widen = widen
         self._output = output
         self._with_indices = with_indices
         self._seed = seed
@@ -277,6 +290,10 @@ class Loader:
             # Samples are decoded on the host; the GPU chosen by default does not apply. The
             # same version (by manifest id), whatever was committed to the name meanwhile.
             self._native = _native.Loader(source, self._native.manifest, batch_size, device="cpu", **options)
+        if widen is not None:
+            self._native.check_dtype(widen)
+        # A GPU this process cannot use is a DeviceError now, not at the first batch.
+        self._native.check_device()
         self.rank = rank
         self.world_size = world_size
         self.batch_size = batch_size
@@ -307,7 +324,7 @@ class Loader:
         if layout == "samples":
             out = batch.samples()
         elif layout == "fixed":
-            out = to(batch.data())
+            out = to(batch.data() if self._widen is None else batch.data_as(self._widen))
         else:
             out = (to(batch.data()), to(batch.offsets()))
         if self._with_indices:

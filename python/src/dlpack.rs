@@ -52,6 +52,7 @@ pub(crate) struct DlDataType {
 impl DlDataType {
     pub(crate) const U8: DlDataType = DlDataType { code: CODE_UINT, bits: 8, lanes: 1 };
     pub(crate) const I64: DlDataType = DlDataType { code: CODE_INT, bits: 64, lanes: 1 };
+    pub(crate) const I32: DlDataType = DlDataType { code: CODE_INT, bits: 32, lanes: 1 };
 
     /// The DLPack type of an engine dtype (`None` for one added after these bindings).
     pub(crate) fn of(dtype: granary::Dtype) -> Option<DlDataType> {
@@ -99,8 +100,10 @@ struct DlManagedTensor {
 pub(crate) enum Owner {
     /// A loaded batch (its staging lease, and its device buffer when it has one).
     Batch(Arc<HeldBatch>),
-    /// Host memory of the bindings' own (offsets, indices).
+    /// Host memory of the bindings' own (offsets, indices, widened batches).
     Host(#[allow(dead_code, reason = "held for its lifetime: the exported values live in it")] Arc<Vec<i64>>),
+    /// Host memory of the bindings' own, 32-bit (batches widened to int32).
+    Host32(#[allow(dead_code, reason = "held for its lifetime: the exported values live in it")] Arc<Vec<i32>>),
 }
 
 /// A batch that exports hold; dropped when the last export and the Python batch are gone.
@@ -178,10 +181,22 @@ impl Exported {
 
     /// Host memory of the bindings' own.
     pub(crate) fn host(values: Vec<i64>) -> Self {
+        let shape = vec![values.len() as i64];
+        Self::host_shaped(values, shape)
+    }
+
+    /// Host memory of the bindings' own, of `shape` (whose product is `values.len()`).
+    pub(crate) fn host_shaped(values: Vec<i64>, shape: Vec<i64>) -> Self {
         let values = Arc::new(values);
         let data = values.as_ptr() as u64;
-        let shape = vec![values.len() as i64];
         Self::new(Owner::Host(values), data, (DEVICE_CPU, 0), DlDataType::I64, shape)
+    }
+
+    /// 32-bit host memory of the bindings' own, of `shape` (whose product is `values.len()`).
+    pub(crate) fn host_shaped_i32(values: Vec<i32>, shape: Vec<i64>) -> Self {
+        let values = Arc::new(values);
+        let data = values.as_ptr() as u64;
+        Self::new(Owner::Host32(values), data, (DEVICE_CPU, 0), DlDataType::I32, shape)
     }
 }
 

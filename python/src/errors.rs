@@ -28,6 +28,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     granary,
+    DeviceError,
+    Error,
+    "A GPU this process cannot use: no CUDA driver, no such device, another device already in use, or a failing driver call."
+);
+pyo3::create_exception!(
+    granary,
     ForkError,
     Error,
     "Something set up in another process was used in a child forked from it: a loader whose \
@@ -51,6 +57,8 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         E::NotAStore { .. } => "not_a_store",
         E::Plugin(_) => "plugin",
         E::Cuda { .. } => "cuda",
+        E::NoGpu { .. } => "no_gpu",
+        E::HoldLimit { .. } => "hold_limit",
         E::Catalog { .. } => "catalog",
         E::CatalogForked { .. } => "forked",
         E::Transport { .. } => "transport",
@@ -58,7 +66,15 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         E::Unavailable { .. } => "unavailable",
         _ => "other",
     };
-    let message = error.to_string();
+    let message = match &error {
+        // In Python terms: the engine's message names the Rust setting.
+        E::HoldLimit { held } => format!(
+            "the trainer holds {held} batches, the most this loader allows (hold={held}): a batch is held \
+             while any array or tensor made from it lives; drop one, or make the loader with a larger \
+             hold= (list(loader) keeps every batch: iterate instead)"
+        ),
+        _ => error.to_string(),
+    };
     let err = match &error {
         _ if error.is_corruption() => CorruptionError::new_err(message),
         E::NotFound { .. } | E::MissingShard { .. } | E::RecordOutOfRange { .. } | E::NotAStore { .. } => {
@@ -66,6 +82,7 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         }
         E::Plugin(_) => PluginError::new_err(message),
         E::CatalogForked { .. } => ForkError::new_err(message),
+        E::NoGpu { .. } | E::Cuda { .. } => DeviceError::new_err(message),
         _ => Error::new_err(message),
     };
     Python::attach(|py| {

@@ -28,6 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NotFoundError", py.get_type::<errors::NotFoundError>())?;
     m.add("PluginError", py.get_type::<errors::PluginError>())?;
     m.add("ForkError", py.get_type::<errors::ForkError>())?;
+    m.add("DeviceError", py.get_type::<errors::DeviceError>())?;
     m.add_function(wrap_pyfunction!(loader::cuda_available, m)?)?;
     Ok(())
 }

@@ -19,7 +19,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use granary::shard::Sample;
 use granary::staging::cuda::Cuda;
 use granary::{
-    Dataset, Layout, LoaderConfig, LoaderStats, Order, PlanSource, Position, StorePaths, Target, TierConfig,
+    Dataset, Dtype, Layout, LoaderConfig, LoaderStats, Order, PlanSource, Position, StorePaths, Target, TierConfig,
     TierSetting, VersionSpec, World,
 };
 
@@ -388,6 +388,27 @@ impl Loader {
         Ok(layout_name(state.dataset().map_err(to_py)?.layout()))
     }
 
+    /// Refuses, now rather than at the first batch, a GPU this process cannot use.
+    fn check_device(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(ordinal) = self.lock(py)?.device else { return Ok(()) };
+        let count = py.detach(Cuda::device_count).map_err(|reason| to_py(granary::Error::NoGpu { detail: reason }))?;
+        if ordinal >= count {
+            return Err(to_py(granary::Error::NoGpu {
+                detail: format!(
+                    "device cuda:{ordinal} does not exist: the CUDA driver sees {count} device{}",
+                    if count == 1 { "" } else { "s" }
+                ),
+            }));
+        }
+        Ok(())
+    }
+
+    /// Refuses a `dtype=` the dataset's records cannot be widened to without loss.
+    fn check_dtype(&self, py: Python<'_>, dtype: &str) -> PyResult<()> {
+        let mut state = self.lock(py)?;
+        widening(state.dataset().map_err(to_py)?.layout(), dtype).map(|_| ())
+    }
+
     /// Batches the current iteration yields from its start (the next iteration's, between
     /// two): a whole epoch, or after a resume mid-epoch what is left of it.
     fn batches_in_iteration(&self, py: Python<'_>) -> PyResult<u64> {
@@ -592,6 +613,76 @@ fn add(to: &mut LoaderStats, more: &LoaderStats) {
     to.pool = more.pool;
 }
 
+/// What `dtype=` widens fixed-size integer records of `layout` to: `(from, to)`; an error for
+/// records that are not integers, or that the target cannot hold all values of.
+fn widening(layout: &Layout, dtype: &str) -> PyResult<(Dtype, Dtype)> {
+    use granary::Dtype as D;
+    let Layout::Fixed(fixed) = layout else {
+        return Err(invalid("dtype= widens fixed-size records; this dataset's records are byte strings or samples"));
+    };
+    let from = fixed.dtype();
+    let to = match Dtype::from_name(dtype) {
+        Some(to @ (D::I64 | D::I32)) => to,
+        _ => return Err(invalid(format!("dtype={dtype:?}: expected \"int64\" or \"int32\" (or None)"))),
+    };
+    let fits = match to {
+        D::I64 => matches!(from, D::U8 | D::I8 | D::U16 | D::I16 | D::U32 | D::I32 | D::I64),
+        _ => matches!(from, D::U8 | D::I8 | D::U16 | D::I16 | D::I32),
+    };
+    if !fits {
+        return Err(invalid(format!(
+            "dtype={dtype:?}: the records are {}, which {} cannot hold every value of",
+            numpy_name(from),
+            numpy_name(to)
+        )));
+    }
+    Ok((from, to))
+}
+
+/// NumPy's name of `dtype`.
+fn numpy_name(dtype: Dtype) -> &'static str {
+    use granary::Dtype as D;
+    match dtype {
+        D::U8 => "uint8",
+        D::I8 => "int8",
+        D::U16 => "uint16",
+        D::I16 => "int16",
+        D::U32 => "uint32",
+        D::I32 => "int32",
+        D::U64 => "uint64",
+        D::I64 => "int64",
+        D::F16 => "float16",
+        D::Bf16 => "bfloat16",
+        D::F32 => "float32",
+        D::F64 => "float64",
+        _ => "an unknown dtype",
+    }
+}
+
+/// The little-endian integers of `from` in `bytes`, each as `cast` makes it: one pass.
+fn widen<T>(bytes: &[u8], from: Dtype, cast: impl Fn(i64) -> T) -> Vec<T> {
+    use granary::Dtype as D;
+    let mut out = Vec::with_capacity(bytes.len() / from.size_bytes() as usize);
+    match from {
+        D::U8 => out.extend(bytes.iter().map(|&b| cast(i64::from(b)))),
+        D::I8 => out.extend(bytes.iter().map(|&b| cast(i64::from(b.cast_signed())))),
+        D::U16 => out.extend(bytes.chunks_exact(2).map(|c| cast(i64::from(u16::from_le_bytes([c[0], c[1]]))))),
+        D::I16 => out.extend(bytes.chunks_exact(2).map(|c| cast(i64::from(i16::from_le_bytes([c[0], c[1]]))))),
+        D::U32 => out.extend(
+            bytes.chunks_exact(4).map(|c| cast(i64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))),
+        ),
+        D::I32 => out.extend(
+            bytes.chunks_exact(4).map(|c| cast(i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))),
+        ),
+        D::I64 => out.extend(bytes.chunks_exact(8).map(|c| {
+            cast(i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+        })),
+        // `widening` admits no other.
+        _ => {}
+    }
+    out
+}
+
 fn layout_name(layout: &Layout) -> &'static str {
     match layout {
         Layout::Fixed(_) => "fixed",
@@ -606,6 +697,8 @@ pub(crate) struct NativeBatch {
     held: Arc<HeldBatch>,
     /// Dimensions of one record, and its dtype, for fixed-size records.
     fixed: Option<(Vec<i64>, DlDataType)>,
+    /// The dataset's layout (what `data_as` widens from).
+    layout: Layout,
     /// The dataset, when its records are WebDataset samples (to name a record that fails to
     /// decode).
     samples: Option<Arc<Dataset>>,
@@ -641,6 +734,7 @@ impl NativeBatch {
             pinned: batch.pinned(),
             held: Arc::new(HeldBatch::new(batch)),
             fixed,
+            layout: dataset.layout().clone(),
             samples: matches!(dataset.layout(), Layout::Samples).then(|| Arc::clone(dataset)),
             device,
         })
@@ -670,6 +764,27 @@ impl NativeBatch {
             None => (vec![bytes as i64], DlDataType::U8),
         };
         Exported::new(Owner::Batch(Arc::clone(&self.held)), address, self.device, dtype, shape)
+    }
+
+    /// The batch's fixed-size integer records widened to `dtype` (`"int64"` or `"int32"`), in
+    /// one pass over the batch into memory of the bindings' own (host batches only; the GIL is
+    /// released meanwhile).
+    fn data_as(&self, py: Python<'_>, dtype: &str) -> PyResult<Exported> {
+        let (from, to) = widening(&self.layout, dtype)?;
+        if self.device.0 == DEVICE_CUDA {
+            return Err(invalid("dtype= widens host batches: on a GPU, widen the tensor there (batch.long())"));
+        }
+        let Some((dims, _)) = &self.fixed else { return Err(invalid("not fixed-size records")) };
+        let mut shape = vec![self.len as i64];
+        shape.extend_from_slice(dims);
+        let held = Arc::clone(&self.held);
+        Ok(if to == Dtype::I64 {
+            Exported::host_shaped(py.detach(|| held.with(|batch| widen(batch.data(), from, |v| v))), shape)
+        } else {
+            // `widening` admits only dtypes whose every value fits.
+            let values = py.detach(|| held.with(|batch| widen(batch.data(), from, |v| v as i32)));
+            Exported::host_shaped_i32(values, shape)
+        })
     }
 
     /// The records decoded as WebDataset samples, in batch order: one dict per record, its

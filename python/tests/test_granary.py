@@ -74,8 +74,10 @@ def test_holding_too_many_batches_is_refused_and_releasing_one_goes_on(tokens):
     # Two batches held: the third is refused rather than deadlocking or overwriting one.
     with pytest.raises(granary.Error) as refused:
         next(it)
-    assert refused.value.kind == "invalid_input"
-    assert "holds 2 batches" in str(refused.value)
+    assert refused.value.kind == "hold_limit"
+    # In Python's terms: the argument is `hold`, and list(loader) is the usual way to hit it.
+    assert "holds 2 batches" in str(refused.value) and "hold=2" in str(refused.value)
+    assert "hold_max" not in str(refused.value) and "list(loader)" in str(refused.value)
     # The first batch still holds its bytes while it lives.
     assert np.array_equal(b0, expected)
     # Letting one go lets the loader go on where it was, in order, with nothing lost.
@@ -621,3 +623,37 @@ def test_dtypes_take_the_cli_names_too(store):
     loader = store.loader("short-names", batch_size=4, output="numpy", order="sequential")
     (batch,) = list(loader)
     assert batch.dtype == np.uint16 and (batch == np.stack(data)).all()
+
+
+def test_dtype_widens_integer_records_in_the_gather(tokens, store):
+    _, data = tokens
+    for dtype, expected in (("int64", np.int64), ("int32", np.int32), (np.int64, np.int64)):
+        loader = store.loader("tokens", batch_size=100, order="sequential", output="numpy", dtype=dtype, with_indices=True)
+        for indices, batch in loader:
+            assert batch.dtype == expected and batch.shape == (100, RECORD)
+            assert np.array_equal(batch, np.stack([data[i] for i in indices.tolist()]).astype(expected))
+    # Refused where the loader is made: a dtype that is not a widening, records that are not
+    # integers, a target too narrow for every value, byte records.
+    with pytest.raises(ValueError, match="expected 'int64' or 'int32'"):
+        store.loader("tokens", batch_size=10, output="numpy", dtype="float32")
+    store.ingest("floats", [np.zeros(4, dtype=np.float32)], dtype="float32", shape=[4])
+    with pytest.raises(ValueError, match="float32, which int64 cannot hold"):
+        store.loader("floats", batch_size=1, output="numpy", dtype="int64")
+    store.ingest("wide", [np.zeros(4, dtype=np.uint32)], dtype="uint32", shape=[4])
+    with pytest.raises(ValueError, match="uint32, which int32 cannot hold"):
+        store.loader("wide", batch_size=1, output="numpy", dtype="int32")
+    store.ingest("bytes", [b"abc"])
+    with pytest.raises(ValueError, match="fixed-size records"):
+        store.loader("bytes", batch_size=1, output="numpy", dtype="int64")
+
+
+@pytest.mark.skipif(granary.cuda_available()[0], reason="a CUDA device is here")
+def test_a_gpu_that_is_not_there_is_a_device_error_where_the_loader_is_made(tokens):
+    import pickle
+
+    store, _ = tokens
+    with pytest.raises(granary.DeviceError) as caught:
+        store.loader("tokens", batch_size=10, device="cuda:0", output="numpy")
+    assert caught.value.kind == "no_gpu" and "no usable GPU" in str(caught.value)
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert type(again) is granary.DeviceError and again.kind == "no_gpu"

@@ -447,11 +447,11 @@ impl Loader {
         let cuda = match config.target {
             Target::Host => None,
             Target::Auto => Cuda::get(),
-            Target::Gpu => Some(Cuda::get().ok_or_else(|| {
-                Error::invalid_input(format!(
+            Target::Gpu => Some(Cuda::get().ok_or_else(|| Error::NoGpu {
+                detail: format!(
                     "loading to the GPU needs CUDA: {}",
                     Cuda::unavailable_reason().unwrap_or_else(|| "not available".to_owned())
-                ))
+                ),
             })?),
         };
         let batch_bytes = match (config.batch_bytes_max, dataset.layout().record_bytes()) {
@@ -546,9 +546,7 @@ impl Loader {
         }
         let held = self.held.load(Ordering::Acquire);
         if held >= self.hold_max {
-            return Some(Err(Error::invalid_input(format!(
-                "the trainer holds {held} batches, the most this loader allows (hold_max); drop one first"
-            ))));
+            return Some(Err(Error::HoldLimit { held }));
         }
         let receiver = self.receiver.as_ref()?;
         let now = Instant::now();

@@ -119,11 +119,13 @@ impl Cuda {
         match CUDA.get_or_init(|| Cuda::init(ordinal)) {
             Ok(cuda) if cuda.pid != std::process::id() => Err(Error::invalid_input(forked(cuda.pid))),
             Ok(cuda) if cuda.ordinal == ordinal => Ok(cuda),
-            Ok(cuda) => Err(Error::invalid_input(format!(
-                "this process already uses CUDA device {} ({}); one process loads to one device",
-                cuda.ordinal, cuda.name
-            ))),
-            Err(reason) => Err(Error::invalid_input(format!("CUDA device {ordinal} cannot be used: {reason}"))),
+            Ok(cuda) => Err(Error::NoGpu {
+                detail: format!(
+                    "this process already uses CUDA device {} ({}); one process loads to one device",
+                    cuda.ordinal, cuda.name
+                ),
+            }),
+            Err(reason) => Err(Error::NoGpu { detail: format!("CUDA device {ordinal} cannot be used: {reason}") }),
         }
     }
 
