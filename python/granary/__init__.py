@@ -143,6 +143,23 @@ class Store:
         """WebDataset tar files: the entries sharing a key are one sample, one record."""
         return self._native.ingest_tars(name, _paths(tars), replace=replace, shard_bytes=shard_bytes, progress=progress)
 
+    def ingest_megatron(
+        self,
+        name: str,
+        prefix: PathLike,
+        *,
+        replace: bool = False,
+        shard_bytes: Optional[int] = None,
+        progress: Union[bool, Callable[[int, int], None], None] = None,
+    ) -> Dict[str, Any]:
+        """A Megatron-LM indexed dataset (`prefix.bin` + `prefix.idx`): one record per sequence,
+        in order, an array of the index's dtype, as Megatron's `IndexedDataset[i]` returns it.
+        Batches come as `(data, offsets)`: `data` the sequences' elements back to back,
+        sequence `i` of the batch `data[offsets[i]:offsets[i+1]]`."""
+        return self._native.ingest_megatron(
+            name, os.fspath(prefix), replace=replace, shard_bytes=shard_bytes, progress=progress
+        )
+
     def loader(self, dataset: str, batch_size: int, **options: Any) -> "Loader":
         """A `Loader` of `dataset` (see `Loader` for the options)."""
         return Loader(self, dataset, batch_size, **options)
@@ -179,7 +196,8 @@ class Loader:
     Batches are the loader's own memory, read-only (NumPy's `writeable` is False; torch warns
     that the tensor is not writable): copy one (`batch.copy()`, `batch.clone()`) to change it.
     Each batch is a tensor of shape `(records, *record_shape)` for fixed-size records, a pair
-    `(data, offsets)` for byte records (record `i` is `data[offsets[i]:offsets[i+1]]`), or for
+    `(data, offsets)` for byte records (record `i` is `data[offsets[i]:offsets[i+1]]`) and for
+    arrays (`ingest_megatron`: `data` of the arrays' dtype, offsets in elements), or for
     WebDataset samples (`ingest_tars`) a list of dicts, one per sample, like WebDataset's:
     `"__key__"` and one `bytes` value per part, named as in the tar (`"jpg"`, `"seg.png"`; not
     lowercased, no `"__url__"`); samples load to host memory.
@@ -325,6 +343,8 @@ class Loader:
             out = batch.samples()
         elif layout == "fixed":
             out = to(batch.data() if self._widen is None else batch.data_as(self._widen))
+        elif layout == "arrays":
+            out = (to(batch.data() if self._widen is None else batch.data_as(self._widen)), to(batch.offsets()))
         else:
             out = (to(batch.data()), to(batch.offsets()))
         if self._with_indices:

@@ -381,7 +381,8 @@ impl Loader {
     }
 
     /// How the dataset's records are laid out: `"fixed"` (arrays of one dtype and shape),
-    /// `"bytes"` (byte strings) or `"samples"` (WebDataset samples).
+    /// `"bytes"` (byte strings), `"arrays"` (arrays of one dtype, of any length) or `"samples"`
+    /// (WebDataset samples).
     #[getter]
     fn layout(&self, py: Python<'_>) -> PyResult<&'static str> {
         let mut state = self.lock(py)?;
@@ -617,10 +618,15 @@ fn add(to: &mut LoaderStats, more: &LoaderStats) {
 /// records that are not integers, or that the target cannot hold all values of.
 fn widening(layout: &Layout, dtype: &str) -> PyResult<(Dtype, Dtype)> {
     use granary::Dtype as D;
-    let Layout::Fixed(fixed) = layout else {
-        return Err(invalid("dtype= widens fixed-size records; this dataset's records are byte strings or samples"));
+    let from = match layout {
+        Layout::Fixed(fixed) => fixed.dtype(),
+        Layout::Arrays(dtype) => *dtype,
+        _ => {
+            return Err(invalid(
+                "dtype= widens fixed-size records and arrays; this dataset's records are byte strings or samples",
+            ));
+        }
     };
-    let from = fixed.dtype();
     let to = match Dtype::from_name(dtype) {
         Some(to @ (D::I64 | D::I32)) => to,
         _ => return Err(invalid(format!("dtype={dtype:?}: expected \"int64\" or \"int32\" (or None)"))),
@@ -668,15 +674,13 @@ fn widen<T>(bytes: &[u8], from: Dtype, cast: impl Fn(i64) -> T) -> Vec<T> {
         D::I8 => out.extend(bytes.iter().map(|&b| cast(i64::from(b.cast_signed())))),
         D::U16 => out.extend(bytes.chunks_exact(2).map(|c| cast(i64::from(u16::from_le_bytes([c[0], c[1]]))))),
         D::I16 => out.extend(bytes.chunks_exact(2).map(|c| cast(i64::from(i16::from_le_bytes([c[0], c[1]]))))),
-        D::U32 => out.extend(
-            bytes.chunks_exact(4).map(|c| cast(i64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))),
-        ),
-        D::I32 => out.extend(
-            bytes.chunks_exact(4).map(|c| cast(i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))),
-        ),
-        D::I64 => out.extend(bytes.chunks_exact(8).map(|c| {
-            cast(i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-        })),
+        D::U32 => {
+            out.extend(bytes.chunks_exact(4).map(|c| cast(i64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))))
+        }
+        D::I32 => {
+            out.extend(bytes.chunks_exact(4).map(|c| cast(i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))))
+        }
+        D::I64 => out.extend(bytes.chunks_exact(8).map(|c| cast(i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))))),
         // `widening` admits no other.
         _ => {}
     }
@@ -687,6 +691,7 @@ fn layout_name(layout: &Layout) -> &'static str {
     match layout {
         Layout::Fixed(_) => "fixed",
         Layout::Samples => "samples",
+        Layout::Arrays(_) => "arrays",
         _ => "bytes",
     }
 }
@@ -749,8 +754,9 @@ impl NativeBatch {
     }
 
     /// The batch's bytes: `(records, *record_shape)` of the dataset's dtype for fixed-size
-    /// records, otherwise every record's bytes back to back (uint8; see `offsets`).
-    fn data(&self) -> Exported {
+    /// records, every record's elements back to back for arrays (of their dtype), otherwise every
+    /// record's bytes back to back (uint8); see `offsets`.
+    fn data(&self) -> PyResult<Exported> {
         let (address, bytes) = self.held.with(|batch| match batch.device() {
             Some(device) => (device.ptr(), batch.data().len()),
             None => (batch.data().as_ptr() as u64, batch.data().len()),
@@ -761,9 +767,17 @@ impl NativeBatch {
                 shape.extend_from_slice(dims);
                 (shape, *dtype)
             }
-            None => (vec![bytes as i64], DlDataType::U8),
+            None => match &self.layout {
+                Layout::Arrays(element) => {
+                    let dtype = DlDataType::of(*element).ok_or_else(|| {
+                        invalid(format!("dtype {} has no DLPack type in these bindings", element.name()))
+                    })?;
+                    (vec![(bytes as u64 / element.size_bytes()) as i64], dtype)
+                }
+                _ => (vec![bytes as i64], DlDataType::U8),
+            },
         };
-        Exported::new(Owner::Batch(Arc::clone(&self.held)), address, self.device, dtype, shape)
+        Ok(Exported::new(Owner::Batch(Arc::clone(&self.held)), address, self.device, dtype, shape))
     }
 
     /// The batch's fixed-size integer records widened to `dtype` (`"int64"` or `"int32"`), in
@@ -774,10 +788,16 @@ impl NativeBatch {
         if self.device.0 == DEVICE_CUDA {
             return Err(invalid("dtype= widens host batches: on a GPU, widen the tensor there (batch.long())"));
         }
-        let Some((dims, _)) = &self.fixed else { return Err(invalid("not fixed-size records")) };
-        let mut shape = vec![self.len as i64];
-        shape.extend_from_slice(dims);
         let held = Arc::clone(&self.held);
+        let shape = match &self.fixed {
+            Some((dims, _)) => {
+                let mut shape = vec![self.len as i64];
+                shape.extend_from_slice(dims);
+                shape
+            }
+            // Arrays: the batch's elements back to back (see `offsets`).
+            None => vec![(held.with(|batch| batch.data().len()) as u64 / from.size_bytes()) as i64],
+        };
         Ok(if to == Dtype::I64 {
             Exported::host_shaped(py.detach(|| held.with(|batch| widen(batch.data(), from, |v| v))), shape)
         } else {
@@ -841,12 +861,13 @@ impl NativeBatch {
         Ok(out)
     }
 
-    /// Where each record starts and ends in `data`: `len + 1` int64 offsets, from 0 (host
-    /// memory, whatever the device).
+    /// Where each record starts and ends in `data`, in its elements (bytes, but for arrays):
+    /// `len + 1` int64 offsets, from 0 (host memory, whatever the device).
     fn offsets(&self) -> Exported {
+        let element = if let Layout::Arrays(dtype) = &self.layout { dtype.size_bytes() } else { 1 };
         let mut offsets = Vec::with_capacity(self.len + 1);
         offsets.push(0);
-        self.held.with(|batch| offsets.extend(batch.ends().iter().map(|&end| end as i64)));
+        self.held.with(|batch| offsets.extend(batch.ends().iter().map(|&end| (end / element) as i64)));
         Exported::host(offsets)
     }
 
@@ -873,14 +894,10 @@ impl NativeBatch {
         self.pinned
     }
 
-    /// `"fixed"`, `"bytes"` or `"samples"` (see `Loader.layout`).
+    /// `"fixed"`, `"bytes"`, `"arrays"` or `"samples"` (see `Loader.layout`).
     #[getter]
     fn layout(&self) -> &'static str {
-        match (&self.fixed, &self.samples) {
-            (Some(_), _) => "fixed",
-            (None, Some(_)) => "samples",
-            (None, None) => "bytes",
-        }
+        layout_name(&self.layout)
     }
 
     /// Whether the records are fixed-size arrays (`data` is then one dense array).

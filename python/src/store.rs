@@ -168,6 +168,27 @@ impl Store {
         })
     }
 
+    /// Ingests a Megatron-LM indexed dataset (`prefix.bin` + `prefix.idx`; `prefix` may name
+    /// either file) as a new version of dataset `name`: one record per sequence, in order, each
+    /// an array of the index's dtype (what Megatron's `IndexedDataset[i]` returns). The index is
+    /// checked whole first. The GIL is released while it runs. Returns what was committed (see
+    /// `ingest_files`).
+    #[pyo3(signature = (name, prefix, *, replace = false, shard_bytes = None, progress = None))]
+    fn ingest_megatron<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        prefix: PathBuf,
+        replace: bool,
+        shard_bytes: Option<u64>,
+        progress: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let index = py.detach(|| sources::MegatronIndex::open(&prefix)).map_err(to_py)?;
+        self.ingest_detached(py, name, index.layout(), options_of(replace, shard_bytes), progress, |ingest, report| {
+            sources::records_from_megatron(ingest, &index, report)
+        })
+    }
+
     /// Ingests WebDataset tar files (a path or a list) as a new version of dataset `name`: the
     /// entries that share a key form one sample, stored as one record. The GIL is released while
     /// it runs. Returns what was committed (see `ingest_files`).

@@ -194,18 +194,32 @@ pub enum Layout {
     Samples,
     /// Fixed-size typed records: a batch is one dense array.
     Fixed(FixedLayout),
+    /// Variable-length one-dimensional arrays of one dtype (token documents, as Megatron-LM's
+    /// indexed datasets hold them): a record is a whole number of elements.
+    Arrays(Dtype),
 }
 
 const KIND_BYTES: u8 = 1;
 const KIND_SAMPLES: u8 = 2;
 const KIND_FIXED: u8 = 3;
+const KIND_ARRAYS: u8 = 4;
 
 impl Layout {
     /// Bytes of every record, for the fixed layout.
     pub fn record_bytes(&self) -> Option<u64> {
         match self {
             Layout::Fixed(fixed) => Some(fixed.record_bytes()),
-            Layout::Bytes | Layout::Samples => None,
+            Layout::Bytes | Layout::Samples | Layout::Arrays(_) => None,
+        }
+    }
+
+    /// What a variable-length record's length must be a multiple of: the element size of
+    /// arrays, 1 otherwise.
+    pub fn element_bytes(&self) -> u64 {
+        match self {
+            Layout::Arrays(dtype) => dtype.size_bytes(),
+            Layout::Fixed(fixed) => fixed.dtype.size_bytes(),
+            Layout::Bytes | Layout::Samples => 1,
         }
     }
 
@@ -215,12 +229,17 @@ impl Layout {
     }
 
     /// Encodes the layout into its 80 bytes:
-    /// kind u8, dtype u8, ndim u8, 5 zero bytes, record_bytes u64, 8 dims u64.
+    /// kind u8, dtype u8, ndim u8, 5 zero bytes, record_bytes u64, 8 dims u64 (arrays: kind and
+    /// dtype, the rest zero).
     pub fn encode(&self) -> [u8; LAYOUT_BYTES] {
         let mut out = [0u8; LAYOUT_BYTES];
         match self {
             Layout::Bytes => out[0] = KIND_BYTES,
             Layout::Samples => out[0] = KIND_SAMPLES,
+            Layout::Arrays(dtype) => {
+                out[0] = KIND_ARRAYS;
+                out[1] = dtype.code();
+            }
             Layout::Fixed(fixed) => {
                 out[0] = KIND_FIXED;
                 out[1] = fixed.dtype.code();
@@ -249,6 +268,14 @@ impl Layout {
                 }
                 Ok(if bytes[0] == KIND_BYTES { Layout::Bytes } else { Layout::Samples })
             }
+            KIND_ARRAYS => {
+                if bytes[2] != 0 || record_bytes != 0 || dims.iter().any(|&d| d != 0) {
+                    return Err(inconsistent("an arrays layout with a shape".to_owned()));
+                }
+                let dtype = Dtype::from_code(bytes[1])
+                    .ok_or_else(|| inconsistent(format!("unknown dtype code {}", bytes[1])))?;
+                Ok(Layout::Arrays(dtype))
+            }
             KIND_FIXED => {
                 let dtype = Dtype::from_code(bytes[1])
                     .ok_or_else(|| inconsistent(format!("unknown dtype code {}", bytes[1])))?;
@@ -275,6 +302,7 @@ impl fmt::Display for Layout {
         match self {
             Layout::Bytes => f.write_str("bytes"),
             Layout::Samples => f.write_str("samples"),
+            Layout::Arrays(dtype) => write!(f, "arrays {}", dtype.name()),
             Layout::Fixed(fixed) => {
                 write!(f, "fixed {}[", fixed.dtype.name())?;
                 for (i, dim) in fixed.dims.iter().enumerate() {
@@ -313,6 +341,7 @@ mod tests {
         for dtype in Dtype::ALL {
             layouts.push(Layout::Fixed(FixedLayout::new(dtype, &[3, 1024]).unwrap()));
             layouts.push(Layout::Fixed(FixedLayout::new(dtype, &[]).unwrap()));
+            layouts.push(Layout::Arrays(dtype));
             assert_eq!(Dtype::from_name(dtype.name()), Some(dtype));
         }
         for layout in layouts {
@@ -330,6 +359,12 @@ mod tests {
             let mut bad = good;
             bad[at] ^= value;
             assert!(Layout::decode(&bad).is_err(), "byte {at}");
+        }
+        let arrays = Layout::Arrays(Dtype::U16).encode();
+        for (at, value) in [(1, 99u8), (2, 1), (8, 2), (16, 1)] {
+            let mut bad = arrays;
+            bad[at] ^= value;
+            assert!(Layout::decode(&bad).is_err(), "arrays byte {at}");
         }
     }
 }

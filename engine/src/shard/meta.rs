@@ -94,7 +94,7 @@ impl ShardMeta {
             let n_records = usize::try_from(footer.n_records).expect("bounded by the tail length");
             let ends = index_region.chunks_exact(INDEX_ENTRY_BYTES as usize).take(n_records).map(|c| read_u64(c, 0));
             let ends: Vec<u64> = ends.collect();
-            check_record_ends(&ends, footer.data_bytes)?;
+            check_record_ends(&ends, footer.data_bytes, layout.element_bytes())?;
             ends
         } else {
             Vec::new()
@@ -270,13 +270,20 @@ fn check_region_crc(region: &'static str, bytes: &[u8], expected: u32) -> Result
     Ok(())
 }
 
-fn check_record_ends(record_ends: &[u64], data_bytes: u64) -> Result<(), FormatError> {
+fn check_record_ends(record_ends: &[u64], data_bytes: u64, element_bytes: u64) -> Result<(), FormatError> {
     let mut previous = 0;
     for (i, &end) in record_ends.iter().enumerate() {
         if end < previous {
             return Err(FormatError::Inconsistent {
                 field: "record index",
                 detail: format!("record {i} ends at {end}, before record {} ends at {previous}", i.saturating_sub(1)),
+            });
+        }
+        // A record of arrays is whole elements: a reader never gets part of one.
+        if !(end - previous).is_multiple_of(element_bytes) {
+            return Err(FormatError::Inconsistent {
+                field: "record index",
+                detail: format!("record {i} is {} bytes, not whole {element_bytes}-byte elements", end - previous),
             });
         }
         previous = end;

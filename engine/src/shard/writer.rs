@@ -166,6 +166,10 @@ impl<W: Write> ShardWriter<W> {
             Some(record_bytes) if record_bytes != len => {
                 Err(Error::invalid_input(format!("a record of {len} bytes in a layout of {record_bytes}-byte records")))
             }
+            None if !len.is_multiple_of(self.layout.element_bytes()) => Err(Error::invalid_input(format!(
+                "a record of {len} bytes in a layout of {}: not whole elements",
+                self.layout
+            ))),
             _ => Ok(()),
         }
     }
