@@ -382,9 +382,7 @@ pub enum Error {
     Plugin(#[from] PluginError),
     /// The trainer asked for a batch while it holds as many as the loader allows (waiting would
     /// never end: the loader has no buffer free until one comes back).
-    #[error(
-        "the trainer holds {held} batches, the most this loader allows (`LoaderConfig::hold_max`); drop one first"
-    )]
+    #[error("the trainer holds {held} batches, the most this loader allows (`LoaderConfig::hold_max`); drop one first")]
     HoldLimit {
         /// Batches held.
         held: usize,
