@@ -380,6 +380,23 @@ pub enum Error {
     /// A policy plugin failed and no fallback policy could take over.
     #[error(transparent)]
     Plugin(#[from] PluginError),
+    /// An ingest into a dataset that exists, of records other than its current version's,
+    /// without saying whether they are added to it or replace it.
+    #[error(
+        "dataset {name} exists ({name}@{version}{}) and this input differs ({incoming} records): append to add \
+         its records to the current version's, or replace to make them the new version",
+        records.map(|n| format!(": {n} records")).unwrap_or_default()
+    )]
+    IngestIntent {
+        /// The dataset.
+        name: String,
+        /// Its current version.
+        version: u64,
+        /// Records in the current version, if the catalog knows.
+        records: Option<u64>,
+        /// Records this ingest would have made the version.
+        incoming: u64,
+    },
     /// The trainer asked for a batch while it holds as many as the loader allows (waiting would
     /// never end: the loader has no buffer free until one comes back).
     #[error("the trainer holds {held} batches, the most this loader allows (`LoaderConfig::hold_max`); drop one first")]

@@ -26,7 +26,7 @@ import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import _native
-from ._native import CorruptionError, DeviceError, Error, ForkError, NotFoundError, PluginError
+from ._native import CorruptionError, DeviceError, Error, ForkError, IngestIntentError, NotFoundError, PluginError
 
 __all__ = [
     "Store",
@@ -37,6 +37,7 @@ __all__ = [
     "PluginError",
     "ForkError",
     "DeviceError",
+    "IngestIntentError",
     "cuda_available",
     "world_from_env",
 ]
@@ -84,6 +85,7 @@ class Store:
         *,
         dtype: Optional[str] = None,
         shape: Optional[Sequence[int]] = None,
+        mode: Optional[str] = None,
         replace: bool = False,
         shard_bytes: Optional[int] = None,
         progress: Union[bool, Callable[[int, int], None], None] = None,
@@ -93,14 +95,20 @@ class Store:
         fixed-size array (`"uint16"`, `"float32"`, ... or a torch dtype; an array or tensor of
         another dtype is refused) and batches are dense tensors; without them records are byte
         strings of any length. `progress=True` prints to stderr; a
-        callable gets `(records, bytes)` every half second. Returns what was committed."""
+        callable gets `(records, bytes)` every half second. Returns what was committed.
+
+        Every `ingest*` takes `mode`: `"new"` (the default) makes a new dataset, and into one that
+        exists accepts only exactly the records its current version holds (no version is added,
+        `unchanged` is True: running the same ingest twice changes nothing), refusing anything
+        else with `granary.IngestIntentError`; `"append"` adds the records to the current
+        version's; `"replace"` (or `replace=True`) makes them the new version."""
         dtype = _dtype_name(dtype)
         return self._native.ingest(
             name,
             _record_sources(records, dtype),
             dtype=dtype,
             shape=None if shape is None else [int(d) for d in shape],
-            replace=replace,
+            mode=_mode(mode, replace),
             shard_bytes=shard_bytes,
             progress=progress,
         )
@@ -113,6 +121,7 @@ class Store:
         dtype: Optional[str] = None,
         shape: Optional[Sequence[int]] = None,
         drop_remainder: bool = False,
+        mode: Optional[str] = None,
         replace: bool = False,
         shard_bytes: Optional[int] = None,
         progress: Union[bool, Callable[[int, int], None], None] = None,
@@ -126,7 +135,7 @@ class Store:
             dtype=_dtype_name(dtype),
             shape=None if shape is None else [int(d) for d in shape],
             drop_remainder=drop_remainder,
-            replace=replace,
+            mode=_mode(mode, replace),
             shard_bytes=shard_bytes,
             progress=progress,
         )
@@ -136,18 +145,22 @@ class Store:
         name: str,
         tars: Union[PathLike, Sequence[PathLike]],
         *,
+        mode: Optional[str] = None,
         replace: bool = False,
         shard_bytes: Optional[int] = None,
         progress: Union[bool, Callable[[int, int], None], None] = None,
     ) -> Dict[str, Any]:
         """WebDataset tar files: the entries sharing a key are one sample, one record."""
-        return self._native.ingest_tars(name, _paths(tars), replace=replace, shard_bytes=shard_bytes, progress=progress)
+        return self._native.ingest_tars(
+            name, _paths(tars), mode=_mode(mode, replace), shard_bytes=shard_bytes, progress=progress
+        )
 
     def ingest_megatron(
         self,
         name: str,
         prefix: PathLike,
         *,
+        mode: Optional[str] = None,
         replace: bool = False,
         shard_bytes: Optional[int] = None,
         progress: Union[bool, Callable[[int, int], None], None] = None,
@@ -157,7 +170,7 @@ class Store:
         Batches come as `(data, offsets)`: `data` the sequences' elements back to back,
         sequence `i` of the batch `data[offsets[i]:offsets[i+1]]`."""
         return self._native.ingest_megatron(
-            name, os.fspath(prefix), replace=replace, shard_bytes=shard_bytes, progress=progress
+            name, os.fspath(prefix), mode=_mode(mode, replace), shard_bytes=shard_bytes, progress=progress
         )
 
     def loader(self, dataset: str, batch_size: int, **options: Any) -> "Loader":
@@ -423,6 +436,12 @@ class Loader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _mode(mode: Optional[str], replace: bool) -> str:
+    if replace and mode not in (None, "replace"):
+        raise ValueError(f"replace=True and mode={mode!r} disagree: pass one of them")
+    return "replace" if replace else (mode or "new")
 
 
 def _torch() -> Any:

@@ -34,6 +34,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     granary,
+    IngestIntentError,
+    Error,
+    "An ingest into a dataset that exists, of other records than its current version's, without mode='append' or mode='replace'."
+);
+pyo3::create_exception!(
+    granary,
     ForkError,
     Error,
     "Something set up in another process was used in a child forked from it: a loader whose \
@@ -59,6 +65,7 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         E::Cuda { .. } => "cuda",
         E::NoGpu { .. } => "no_gpu",
         E::HoldLimit { .. } => "hold_limit",
+        E::IngestIntent { .. } => "ingest_intent",
         E::Catalog { .. } => "catalog",
         E::CatalogForked { .. } => "forked",
         E::Transport { .. } => "transport",
@@ -73,6 +80,12 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
              while any array or tensor made from it lives; drop one, or make the loader with a larger \
              hold= (list(loader) keeps every batch: iterate instead)"
         ),
+        E::IngestIntent { name, version, records, incoming } => format!(
+            "dataset {name} exists ({name}@{version}{}) and this input differs ({incoming} records): pass \
+             mode='append' to add them to the current version's records, or mode='replace' to make them \
+             the new version",
+            records.map(|n| format!(": {n} records")).unwrap_or_default()
+        ),
         _ => error.to_string(),
     };
     let err = match &error {
@@ -83,6 +96,7 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         E::Plugin(_) => PluginError::new_err(message),
         E::CatalogForked { .. } => ForkError::new_err(message),
         E::NoGpu { .. } | E::Cuda { .. } => DeviceError::new_err(message),
+        E::IngestIntent { .. } => IngestIntentError::new_err(message),
         _ => Error::new_err(message),
     };
     Python::attach(|py| {

@@ -29,6 +29,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PluginError", py.get_type::<errors::PluginError>())?;
     m.add("ForkError", py.get_type::<errors::ForkError>())?;
     m.add("DeviceError", py.get_type::<errors::DeviceError>())?;
+    m.add("IngestIntentError", py.get_type::<errors::IngestIntentError>())?;
     m.add_function(wrap_pyfunction!(loader::cuda_available, m)?)?;
     Ok(())
 }

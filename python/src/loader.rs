@@ -250,7 +250,11 @@ impl Loader {
             tier: match tier_bytes {
                 None => TierSetting::Auto,
                 Some(0) => TierSetting::Off,
-                Some(bytes) => TierSetting::Config(TierConfig { budget_bytes: Some(bytes), ..TierConfig::default() }),
+                // The budget given; the directory and keep from the environment, as by default.
+                Some(bytes) => TierSetting::Config(TierConfig {
+                    budget_bytes: Some(bytes),
+                    ..TierConfig::from_env().map_err(to_py)?
+                }),
             },
             ..LoaderConfig::default()
         };

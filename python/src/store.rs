@@ -78,7 +78,7 @@ impl Store {
     /// makes the version hold only these records (otherwise it appends to the current one).
     /// `progress`: `True` prints to stderr, a callable gets `(records, bytes)` every half
     /// second. Returns what was committed (see `ingest_files`).
-    #[pyo3(signature = (name, records, *, dtype = None, shape = None, replace = false, shard_bytes = None, progress = None))]
+    #[pyo3(signature = (name, records, *, dtype = None, shape = None, mode = "new", shard_bytes = None, progress = None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn ingest<'py>(
         &self,
@@ -87,12 +87,12 @@ impl Store {
         records: &Bound<'py, PyAny>,
         dtype: Option<&str>,
         shape: Option<Vec<u64>>,
-        replace: bool,
+        mode: &str,
         shard_bytes: Option<u64>,
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let layout = layout_of(dtype, shape)?;
-        let options = options_of(replace, shard_bytes);
+        let options = options_of(mode, shard_bytes)?;
         let name = DatasetName::new(name).map_err(to_py)?;
         let report = Report::new(name.as_str(), progress)?;
         let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
@@ -139,7 +139,7 @@ impl Store {
     /// is a path or a list of paths (record files) or one directory. The GIL is released while
     /// it runs. Returns a dict: `name`, `version`, `manifest`, `records`, `shards`,
     /// `records_added`, `bytes_added`, `shards_published`, `shards_deduplicated`.
-    #[pyo3(signature = (name, source, *, dtype = None, shape = None, drop_remainder = false, replace = false, shard_bytes = None, progress = None))]
+    #[pyo3(signature = (name, source, *, dtype = None, shape = None, drop_remainder = false, mode = "new", shard_bytes = None, progress = None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn ingest_files<'py>(
         &self,
@@ -149,7 +149,7 @@ impl Store {
         dtype: Option<&str>,
         shape: Option<Vec<u64>>,
         drop_remainder: bool,
-        replace: bool,
+        mode: &str,
         shard_bytes: Option<u64>,
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
@@ -159,7 +159,7 @@ impl Store {
         if !fixed && paths.len() != 1 {
             return Err(invalid("without dtype and shape, source is one directory (each file under it a record)"));
         }
-        self.ingest_detached(py, name, layout, options_of(replace, shard_bytes), progress, |ingest, report| {
+        self.ingest_detached(py, name, layout, options_of(mode, shard_bytes)?, progress, |ingest, report| {
             if fixed {
                 sources::records_from_files(ingest, &paths, drop_remainder, report)
             } else {
@@ -173,18 +173,18 @@ impl Store {
     /// an array of the index's dtype (what Megatron's `IndexedDataset[i]` returns). The index is
     /// checked whole first. The GIL is released while it runs. Returns what was committed (see
     /// `ingest_files`).
-    #[pyo3(signature = (name, prefix, *, replace = false, shard_bytes = None, progress = None))]
+    #[pyo3(signature = (name, prefix, *, mode = "new", shard_bytes = None, progress = None))]
     fn ingest_megatron<'py>(
         &self,
         py: Python<'py>,
         name: &str,
         prefix: PathBuf,
-        replace: bool,
+        mode: &str,
         shard_bytes: Option<u64>,
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let index = py.detach(|| sources::MegatronIndex::open(&prefix)).map_err(to_py)?;
-        self.ingest_detached(py, name, index.layout(), options_of(replace, shard_bytes), progress, |ingest, report| {
+        self.ingest_detached(py, name, index.layout(), options_of(mode, shard_bytes)?, progress, |ingest, report| {
             sources::records_from_megatron(ingest, &index, report)
         })
     }
@@ -192,18 +192,18 @@ impl Store {
     /// Ingests WebDataset tar files (a path or a list) as a new version of dataset `name`: the
     /// entries that share a key form one sample, stored as one record. The GIL is released while
     /// it runs. Returns what was committed (see `ingest_files`).
-    #[pyo3(signature = (name, tars, *, replace = false, shard_bytes = None, progress = None))]
+    #[pyo3(signature = (name, tars, *, mode = "new", shard_bytes = None, progress = None))]
     fn ingest_tars<'py>(
         &self,
         py: Python<'py>,
         name: &str,
         tars: &Bound<'py, PyAny>,
-        replace: bool,
+        mode: &str,
         shard_bytes: Option<u64>,
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let paths = paths_of(tars)?;
-        self.ingest_detached(py, name, Layout::Samples, options_of(replace, shard_bytes), progress, |ingest, report| {
+        self.ingest_detached(py, name, Layout::Samples, options_of(mode, shard_bytes)?, progress, |ingest, report| {
             sources::samples_from_tars(ingest, &paths, report).map(drop)
         })
     }
@@ -260,15 +260,19 @@ fn layout_of(dtype: Option<&str>, shape: Option<Vec<u64>>) -> PyResult<Layout> {
     }
 }
 
-fn options_of(replace: bool, shard_bytes: Option<u64>) -> IngestOptions {
+/// Ingest options from Python's `mode` (`"new"`, `"append"` or `"replace"`) and `shard_bytes`.
+fn options_of(mode: &str, shard_bytes: Option<u64>) -> PyResult<IngestOptions> {
     let mut options = IngestOptions::default();
-    if replace {
-        options.mode = IngestMode::Replace;
-    }
+    options.mode = match mode {
+        "new" => IngestMode::New,
+        "append" => IngestMode::Append,
+        "replace" => IngestMode::Replace,
+        other => return Err(invalid(format!("mode='{other}': expected 'new', 'append' or 'replace'"))),
+    };
     if let Some(bytes) = shard_bytes {
         options.shard_bytes_target = bytes;
     }
-    options
+    Ok(options)
 }
 
 /// One path or a list of paths (`str` or `os.PathLike`).
@@ -294,6 +298,7 @@ fn committed_dict<'py>(py: Python<'py>, committed: &granary::ingest::Committed) 
     out.set_item("bytes_added", committed.stats.bytes)?;
     out.set_item("shards_published", committed.stats.shards_published)?;
     out.set_item("shards_deduplicated", committed.stats.shards_deduplicated)?;
+    out.set_item("unchanged", committed.unchanged)?;
     Ok(out)
 }
 

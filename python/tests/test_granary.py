@@ -149,7 +149,7 @@ def test_resume_on_another_world_size_reads_exactly_the_rest(tokens):
     wrong = store.loader("tokens", batch_size=32, seed=4, output="numpy")
     with pytest.raises(ValueError, match="seed"):
         wrong.load_state_dict(state)
-    store.ingest("tokens", records(10, seed=9), dtype="uint16", shape=[RECORD])
+    store.ingest("tokens", records(10, seed=9), dtype="uint16", shape=[RECORD], mode="append")
     newer = store.loader("tokens", batch_size=32, seed=3, output="numpy")
     with pytest.raises(ValueError, match="version"):
         newer.load_state_dict(state)
@@ -747,3 +747,20 @@ def test_a_damaged_or_unsupported_megatron_index_is_refused_before_anything_is_w
     with pytest.raises(granary.Error, match="no sequences"):
         store.ingest_megatron("c", prefix)
     assert all(d["name"] != "c" for d in store.datasets())
+
+
+def test_the_same_ingest_twice_changes_nothing_and_a_different_one_asks_for_intent(store):
+    data = records(100)
+    first = store.ingest("t", data, dtype="uint16", shape=[RECORD])
+    assert first["version"] == 1 and not first["unchanged"]
+    again = store.ingest("t", data, dtype="uint16", shape=[RECORD])
+    assert again["version"] == 1 and again["unchanged"] and again["records"] == 100
+    more = records(10, seed=3)
+    with pytest.raises(granary.IngestIntentError, match="mode='append'.*mode='replace'") as caught:
+        store.ingest("t", more, dtype="uint16", shape=[RECORD])
+    assert caught.value.kind == "ingest_intent" and "t@1: 100 records" in str(caught.value)
+    assert [(d["name"], d["version"], d["records"]) for d in store.datasets()] == [("t", 1, 100)]
+    assert store.ingest("t", more, dtype="uint16", shape=[RECORD], mode="append")["records"] == 110
+    assert store.ingest("t", more, dtype="uint16", shape=[RECORD], replace=True)["records"] == 10
+    with pytest.raises(ValueError, match="mode='banana'"):
+        store.ingest("t", more, dtype="uint16", shape=[RECORD], mode="banana")

@@ -36,7 +36,8 @@ pub const SHARD_BYTES_TARGET_DEFAULT: u64 = 64 << 20;
 /// Default cap on records per shard: bounds the writer's record index at 8 MiB.
 pub const SHARD_RECORDS_MAX_DEFAULT: u64 = 1 << 20;
 
-/// Whether a new version extends the current one or replaces its records.
+/// Whether a new version extends the current one, replaces its records, or must not exist
+/// yet.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum IngestMode {
     /// The new version is the current version's shards followed by the new ones.
@@ -44,6 +45,11 @@ pub enum IngestMode {
     Append,
     /// The new version holds only the new records.
     Replace,
+    /// A new dataset; for one that exists, exactly the records its current version holds (no
+    /// version is added: the same ingest run twice changes nothing), anything else refused
+    /// with `Error::IngestIntent` before a version is written. What the CLI and Python do
+    /// unless told to append or replace.
+    New,
 }
 
 /// How to ingest.
@@ -95,6 +101,8 @@ pub struct Committed {
     pub n_shards: usize,
     /// What this ingest did.
     pub stats: IngestStats,
+    /// The version already held exactly these records: none was added.
+    pub unchanged: bool,
 }
 
 struct OpenShard {
@@ -195,22 +203,38 @@ impl<'g> Ingest<'g> {
     }
 
     /// Seals the last shard and publishes the new version. When the version would equal the
-    /// current one (nothing pushed in append mode), no version is added.
+    /// current one (nothing pushed in append mode, the same records again in new or replace
+    /// mode), no version is added (`unchanged`). In new mode, records other than the current
+    /// version's are `Error::IngestIntent`, and nothing is added.
     pub fn commit(mut self) -> Result<Committed> {
         self.seal_shard()?;
+        let manifest = Manifest::new(self.layout.clone(), std::mem::take(&mut self.entries));
+        let (id, _) = manifest.encode();
+        let latest = self.log.as_ref().map(RefLog::latest);
+        if self.options.mode == IngestMode::New
+            && let Some(latest) = latest.filter(|latest| latest.manifest != id)
+        {
+            // Dropped on return: the shards only this session wrote go with it.
+            let held = self.catalog.manifest(latest.manifest).ok().flatten().map(|entry| entry.n_records);
+            return Err(Error::IngestIntent {
+                name: self.name.to_string(),
+                version: latest.number,
+                records: held,
+                incoming: manifest.n_records(),
+            });
+        }
         // From here on the shards are referenced (by the current version when nothing changed,
         // or by the manifest about to be published): a failure leaves them to `granary gc`.
         self.new_shards.clear();
-        let manifest = Manifest::new(self.layout.clone(), std::mem::take(&mut self.entries));
-        let (id, _) = manifest.encode();
         let stats = std::mem::take(&mut self.stats);
-        let committed = |version| Committed {
+        let committed = |version, unchanged| Committed {
             name: self.name.clone(),
             version,
             manifest: id,
             n_records: manifest.n_records(),
             n_shards: manifest.entries().len(),
             stats: stats.clone(),
+            unchanged,
         };
         // Published even when the version is the current one: an identical manifest already
         // stored is kept only if its bytes hash to its id, so a lost or damaged one is written
@@ -219,8 +243,8 @@ impl<'g> Ingest<'g> {
         assert_eq!(published, id);
         self.catalog.put_manifest(id, &manifest_entry(&manifest))?;
         self.catalog.flush()?;
-        if let Some(latest) = self.log.as_ref().map(RefLog::latest).filter(|latest| latest.manifest == id) {
-            return Ok(committed(latest.number));
+        if let Some(latest) = latest.filter(|latest| latest.manifest == id) {
+            return Ok(committed(latest.number, true));
         }
         let log = match &self.log {
             Some(log) => log
@@ -231,7 +255,7 @@ impl<'g> Ingest<'g> {
         self.store.write_ref(&self.name, &log)?;
         self.catalog.put_dataset(&self.name, &log)?;
         self.catalog.flush()?;
-        Ok(committed(log.latest().number))
+        Ok(committed(log.latest().number, false))
     }
 
     fn open_shard(&mut self) -> Result<&mut OpenShard> {
