@@ -369,6 +369,15 @@ pub enum Error {
         /// The store root.
         root: PathBuf,
     },
+    /// A store this process can read but not write: on a read-only file system, or another
+    /// user's. Readers (listing, inspecting, verifying, loading) work without the write lock.
+    #[error("store {} is read-only here ({detail}): reading works (ls, inspect, get, verify, loaders); writing needs a writable store", root.display())]
+    ReadOnlyStore {
+        /// The store root.
+        root: PathBuf,
+        /// Why: the file system, or the permissions.
+        detail: String,
+    },
     /// A directory that is not a granary store.
     #[error("{} is not a granary store ({detail})", root.display())]
     NotAStore {

@@ -45,6 +45,9 @@ pub struct RepairReport {
     pub refs_lost: Vec<DatasetName>,
     /// Objects referenced but missing (a version that cannot be read until they return).
     pub missing: Vec<String>,
+    /// Entries of `tmp/`, `refs/` and `history/` the store did not write, left alone (see
+    /// `StorePaths::strays`).
+    pub strays: Vec<PathBuf>,
 }
 
 impl RepairReport {
@@ -102,6 +105,7 @@ impl Granary {
     fn rebuild(&mut self, report: &mut RepairReport) -> Result<()> {
         let paths = self.store.paths().clone();
         report.tmp_removed = self.store.stale_tmp_removed() + self.store.clean_tmp()?;
+        report.strays = self.store.paths().strays()?;
         let mut shards = BTreeSet::new();
         for (id, path) in paths.list_objects(ObjectKind::Shard)? {
             match verify_shard(&path, ShardId(id)) {

@@ -212,6 +212,27 @@ impl StorePaths {
         list_names(&self.history_dir())
     }
 
+    /// Entries of `tmp/`, `refs/` and `history/` the store did not write (directories,
+    /// symlinks, files of other names): ignored by every command, listed by repair.
+    pub fn strays(&self) -> Result<Vec<PathBuf>> {
+        let mut strays = Vec::new();
+        for entry in read_dir_if_exists(&self.tmp_dir())? {
+            if !is_own_tmp(&entry) {
+                strays.push(entry.path());
+            }
+        }
+        for dir in [self.refs_dir(), self.history_dir()] {
+            for entry in read_dir_if_exists(&dir)? {
+                let named = entry.file_name().to_str().is_some_and(|name| DatasetName::new(name).is_ok());
+                if !(named && entry.file_type().is_ok_and(|t| t.is_file())) {
+                    strays.push(entry.path());
+                }
+            }
+        }
+        strays.sort();
+        Ok(strays)
+    }
+
     /// The names with a ref file or a history, sorted: every dataset the store has a record of.
     pub fn list_names(&self) -> Result<Vec<DatasetName>> {
         let mut names = self.list_refs()?;
@@ -260,12 +281,14 @@ impl Store {
         }
         paths.check()?;
         let lock_path = paths.root.join("LOCK");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| Error::io("open", &lock_path, e))?;
+        let lock = OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).map_err(|e| {
+            let detail = match e.raw_os_error() {
+                Some(libc::EROFS) => "a read-only file system",
+                Some(libc::EACCES | libc::EPERM) => "this user may not write it",
+                _ => return Error::io("open", &lock_path, e),
+            };
+            Error::ReadOnlyStore { root: paths.root.clone(), detail: detail.to_owned() }
+        })?;
         lock.try_lock().map_err(|e| match e {
             fs::TryLockError::WouldBlock => Error::StoreLocked { root: paths.root.clone() },
             fs::TryLockError::Error(e) => Error::io("lock", &lock_path, e),
@@ -474,9 +497,17 @@ impl Store {
     pub fn clean_tmp(&self) -> Result<usize> {
         let mut n = 0;
         for entry in read_dir_if_exists(&self.paths.tmp_dir())? {
+            // Only the store's own temp files: a directory or a file someone else put here is
+            // left alone (repair reports it), not a reason to stop every writer.
+            if !is_own_tmp(&entry) {
+                continue;
+            }
             let path = entry.path();
-            fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
-            n += 1;
+            match fs::remove_file(&path) {
+                Ok(()) => n += 1,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("remove", &path, e)),
+            }
         }
         Ok(n)
     }
@@ -523,14 +554,29 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 fn list_names(dir: &Path) -> Result<Vec<DatasetName>> {
     let mut names = Vec::new();
     for entry in read_dir_if_exists(dir)? {
-        let name = entry.file_name();
-        // A file that is not a valid name cannot have been written by the store.
-        if let Some(name) = name.to_str().and_then(|name| DatasetName::new(name).ok()) {
+        // The store writes regular files with valid names; anything else (a directory, a
+        // symlink, another name) is not its own: ignored here, reported by `strays`.
+        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        if let Some(name) = entry.file_name().to_str().and_then(|name| DatasetName::new(name).ok()) {
             names.push(name);
         }
     }
     names.sort();
     Ok(names)
+}
+
+/// Whether `entry` of `tmp/` is a temp file the store wrote (`PID-N.tmp`, or the marker being
+/// created), a regular file.
+fn is_own_tmp(entry: &fs::DirEntry) -> bool {
+    let name = entry.file_name();
+    let Some(name) = name.to_str() else { return false };
+    let own = name == MARKER_FILE
+        || name.strip_suffix(".tmp").and_then(|stem| stem.split_once('-')).is_some_and(|(pid, n)| {
+            !pid.is_empty() && !n.is_empty() && (pid.bytes().chain(n.bytes())).all(|b| b.is_ascii_digit())
+        });
+    own && entry.file_type().is_ok_and(|t| t.is_file())
 }
 
 /// Seconds since the Unix epoch, now (0 on a clock set before 1970).
