@@ -304,6 +304,9 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         stats.shards_published,
         stats.shards_deduplicated
     );
+    if bar.n_skipped() > 0 {
+        println!("{} input members skipped (listed on stderr)", bar.n_skipped());
+    }
     if let Some((replicas, client)) = replicate_with {
         let spec = format!("{}@{}", committed.name, committed.version);
         let report = client.replicate(&spec, replicas, |_, _| {}).with_context(|| {
@@ -408,8 +411,9 @@ pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     value.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} is too large"))
 }
 
-/// A progress bar on stderr; draws nothing when stderr is not a terminal.
-struct Bar(indicatif::ProgressBar);
+/// A progress bar on stderr; draws nothing when stderr is not a terminal. What an ingest skips
+/// is listed on stderr and counted.
+struct Bar(indicatif::ProgressBar, std::sync::atomic::AtomicU64);
 
 impl Bar {
     fn new() -> Self {
@@ -419,7 +423,11 @@ impl Bar {
         )
         .expect("the template is valid");
         bar.set_style(style);
-        Self(bar)
+        Self(bar, std::sync::atomic::AtomicU64::new(0))
+    }
+
+    fn n_skipped(&self) -> u64 {
+        self.1.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn finish(&self) {
@@ -434,5 +442,12 @@ impl Progress for Bar {
 
     fn advance(&self, bytes: u64) {
         self.0.inc(bytes);
+    }
+
+    fn skipped(&self, source: &std::path::Path, member: &str, reason: &str) {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.suspend(|| {
+            let _ = writeln!(std::io::stderr(), "granary: skipped {}: {member}: {reason}", source.display());
+        });
     }
 }

@@ -11,12 +11,17 @@ use super::Ingest;
 use crate::error::{Error, Result};
 use crate::shard::encode_sample;
 
-/// Receives progress of a long ingest, in input bytes.
+/// Receives progress of a long ingest, in input bytes, and what it skipped.
 pub trait Progress {
     /// The total, once known.
     fn start(&self, total_bytes: u64);
     /// `bytes` more are done.
     fn advance(&self, bytes: u64);
+    /// A member of input `source` (a link, a device, ... in a tar) was not ingested, for
+    /// `reason`. The default ignores it; a caller that shows progress should show this too.
+    fn skipped(&self, source: &Path, member: &str, reason: &str) {
+        let _ = (source, member, reason);
+    }
 }
 
 impl Progress for () {
@@ -111,6 +116,11 @@ fn walk(root: &Path, relative: &Path, out: &mut Vec<(PathBuf, u64)>) -> Result<(
 /// dot of the file name) form one sample, stored as one record in the sample encoding with one
 /// part per entry, named by the rest of the file name ("jpg", "seg.png", "cls"). Returns the
 /// number of samples.
+///
+/// Reading goes on past an end-of-archive marker when more headers follow (GNU tar's
+/// `--ignore-zeros`), so concatenated tars (`cat a.tar b.tar`) are read whole. Directories and
+/// pax global headers hold no data and are passed over; every other member that is not a
+/// regular file (a link, a device, a FIFO) is reported to `progress.skipped` with the reason.
 pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &dyn Progress) -> Result<u64> {
     if tars.is_empty() {
         return Err(Error::invalid_input("no input tar files"));
@@ -126,15 +136,21 @@ pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &d
             |e: std::io::Error| Error::invalid_input(format!("{}: not a readable tar file: {e}", path.display()));
         let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
         let mut archive = tar::Archive::new(BufReader::with_capacity(1 << 20, file));
+        archive.set_ignore_zeros(true);
         let mut sample = SampleBuilder::default();
         for entry in archive.entries().map_err(bad_tar)? {
             let mut entry = entry.map_err(bad_tar)?;
             let size = entry.size();
             progress.advance(size.saturating_add(512));
-            if !entry.header().entry_type().is_file() {
-                continue;
-            }
             let name = entry.path().map_err(bad_tar)?.to_string_lossy().into_owned();
+            match not_a_part(&entry) {
+                None => {}
+                Some(Skip::Quietly) => continue,
+                Some(Skip::Report(reason)) => {
+                    progress.skipped(path, &name, &reason);
+                    continue;
+                }
+            }
             let (key, part) = split_key(&name);
             if sample.key.as_deref() != Some(key) {
                 if sample.flush(ingest)? {
@@ -163,6 +179,35 @@ pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &d
         }
     }
     Ok(n_samples)
+}
+
+/// Why a tar member is not a sample part.
+enum Skip {
+    /// It holds no data of its own (a directory, a pax global header).
+    Quietly,
+    /// It is something the user may have meant as data; the reason says what.
+    Report(String),
+}
+
+/// `None` for a member whose bytes are a sample part (a regular file, contiguous or sparse).
+fn not_a_part<R: Read>(entry: &tar::Entry<'_, R>) -> Option<Skip> {
+    use tar::EntryType;
+    let kind = entry.header().entry_type();
+    let target = || match entry.link_name() {
+        Ok(Some(target)) => format!(" to {}", target.to_string_lossy()),
+        _ => String::new(),
+    };
+    let reason = match kind {
+        EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => return None,
+        EntryType::Directory | EntryType::XGlobalHeader => return Some(Skip::Quietly),
+        EntryType::Symlink => format!("a symbolic link{}; links are not followed", target()),
+        EntryType::Link => format!("a hard link{}; links are not followed", target()),
+        EntryType::Char => "a character device".to_owned(),
+        EntryType::Block => "a block device".to_owned(),
+        EntryType::Fifo => "a FIFO".to_owned(),
+        other => format!("a member of type {:?}, not a regular file", other.as_byte() as char),
+    };
+    Some(Skip::Report(reason))
 }
 
 /// Splits a tar path into its WebDataset key and part name: `dir/000017.seg.png` is key
