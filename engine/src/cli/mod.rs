@@ -269,6 +269,13 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         mode: if common.replace { IngestMode::Replace } else { IngestMode::Append },
         ..IngestOptions::default()
     };
+    // An input that is not a regular file (a FIFO would block with the store locked) is
+    // refused before the lock is taken.
+    match &command {
+        IngestCommand::Records { files, .. } => _ = ingest::check_regular_files(files)?,
+        IngestCommand::Tar { tars, .. } => _ = ingest::check_regular_files(tars)?,
+        IngestCommand::Files { .. } => {}
+    }
     // A typo in --root would otherwise make a new empty store without a word.
     let created = StorePaths::new(&root).check().is_err();
     let mut granary = Granary::open_waiting(&root, true, LOCK_WAIT)?;

@@ -20,7 +20,7 @@ use std::fs::File;
 use std::io::Read;
 use std::path::PathBuf;
 
-pub use sources::{Progress, files_from_dir, records_from_files, samples_from_tars};
+pub use sources::{Progress, check_regular_files, files_from_dir, records_from_files, samples_from_tars};
 
 use crate::catalog::{Catalog, ObjectEntry};
 use crate::error::{Error, Result};

@@ -47,10 +47,7 @@ pub fn records_from_files(
     }
     let mut plan = Vec::with_capacity(files.len());
     for path in files {
-        let meta = fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
-        if !meta.is_file() {
-            return Err(Error::invalid_input(format!("{} is not a regular file", path.display())));
-        }
+        let meta = regular_file(path)?;
         let remainder = meta.len() % record_bytes;
         if remainder != 0 && !drop_remainder {
             return Err(Error::invalid_input(format!(
@@ -61,6 +58,12 @@ pub fn records_from_files(
             )));
         }
         plan.push((path, meta.len() / record_bytes));
+    }
+    if plan.iter().all(|(_, n)| *n == 0) {
+        return Err(Error::invalid_input(format!(
+            "{}: no record of {record_bytes} bytes in the input: nothing to ingest",
+            names(files)
+        )));
     }
     progress.start(plan.iter().map(|(_, n)| n * record_bytes).sum());
     for (path, n_records) in plan {
@@ -84,6 +87,9 @@ pub fn files_from_dir(ingest: &mut Ingest<'_>, dir: &Path, progress: &dyn Progre
     }
     let mut files = Vec::new();
     walk(dir, Path::new(""), &mut files)?;
+    if files.is_empty() {
+        return Err(Error::invalid_input(format!("{}: no regular file under it: nothing to ingest", dir.display())));
+    }
     files.sort_by(|a, b| a.0.as_os_str().as_encoded_bytes().cmp(b.0.as_os_str().as_encoded_bytes()));
     progress.start(files.iter().map(|(_, len)| len).sum());
     for (relative, len) in &files {
@@ -125,11 +131,7 @@ pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &d
     if tars.is_empty() {
         return Err(Error::invalid_input("no input tar files"));
     }
-    let mut total = 0;
-    for path in tars {
-        total += fs::metadata(path).map_err(|e| Error::io("open", path, e))?.len();
-    }
-    progress.start(total);
+    progress.start(check_regular_files(tars)?);
     let mut n_samples = 0;
     for path in tars {
         let bad_tar =
@@ -178,7 +180,55 @@ pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &d
             n_samples += 1;
         }
     }
+    if n_samples == 0 {
+        return Err(Error::invalid_input(format!(
+            "{}: no sample in the input (no member is a regular file): nothing to ingest",
+            names(tars)
+        )));
+    }
     Ok(n_samples)
+}
+
+/// Checks that every path is a regular file and returns their total size: a FIFO, a device or a
+/// socket would block or never end, so it is refused before anything is opened (the command
+/// line calls this before it takes the store's lock).
+pub fn check_regular_files(paths: &[PathBuf]) -> Result<u64> {
+    let mut total: u64 = 0;
+    for path in paths {
+        total = total.saturating_add(regular_file(path)?.len());
+    }
+    Ok(total)
+}
+
+fn regular_file(path: &Path) -> Result<fs::Metadata> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
+    let kind = meta.file_type();
+    let what = if kind.is_file() {
+        return Ok(meta);
+    } else if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    };
+    Err(Error::invalid_input(format!("{} is {what}; only regular files are ingested", path.display())))
+}
+
+/// The input paths for a message: the one, or the first and how many more.
+fn names(paths: &[PathBuf]) -> String {
+    match paths {
+        [one] => one.display().to_string(),
+        [first, rest @ ..] => format!("{} and {} more", first.display(), rest.len()),
+        [] => "no input".to_owned(),
+    }
 }
 
 /// Why a tar member is not a sample part.
