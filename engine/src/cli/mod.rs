@@ -1,4 +1,9 @@
-//! Argument parsing and the commands. Every failure is one line on stderr and a non-zero exit.
+//! Argument parsing and the commands. Every failure is one line on stderr and a non-zero exit;
+//! output goes through `output`'s macros, never `println!`, so a full or closed stdout is an
+//! error or a quiet end, never a panic.
+
+#[macro_use]
+mod output;
 
 mod bench;
 mod bench_loader;
@@ -185,6 +190,8 @@ pub(crate) fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
+        // The reader of our output has all it wanted (`| head`): not a failure.
+        Err(error) if output::is_closed_pipe(&error) => ExitCode::SUCCESS,
         Err(error) => {
             let message = one_line(&error);
             let _ = writeln!(std::io::stderr(), "granary: error: {message}");
@@ -294,12 +301,12 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     }
     let committed = session.commit()?;
     if created {
-        eprintln!("created a new store at {}", root.display());
+        errln!("created a new store at {}", root.display());
     }
     drop(granary);
     bar.finish();
     let stats = &committed.stats;
-    println!(
+    outln!(
         "{}@{}: {} records in {} shards (manifest {}); this ingest: {} records, {}, {} new shards, {} already stored",
         committed.name,
         committed.version,
@@ -310,9 +317,9 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         show::bytes(stats.bytes),
         stats.shards_published,
         stats.shards_deduplicated
-    );
+    )?;
     if bar.n_skipped() > 0 {
-        println!("{} input members skipped (listed on stderr)", bar.n_skipped());
+        outln!("{} input members skipped (listed on stderr)", bar.n_skipped())?;
     }
     if let Some((replicas, client)) = replicate_with {
         let spec = format!("{}@{}", committed.name, committed.version);
@@ -321,7 +328,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
                 "{spec} is committed here, but not replicated: `granary replicate {spec} --replicas {replicas}` retries"
             )
         })?;
-        println!("{report}");
+        outln!("{report}")?;
     }
     Ok(())
 }
@@ -378,10 +385,7 @@ fn get(
     let record = reader.get(index)?;
     match output {
         Some(path) => std::fs::write(path, &record).with_context(|| format!("write {}", path.display()))?,
-        None => {
-            let mut out = std::io::stdout().lock();
-            out.write_all(&record).and_then(|()| out.flush()).context("write to stdout")?;
-        }
+        None => output::write_bytes(&record)?,
     }
     Ok(())
 }
@@ -391,11 +395,11 @@ fn remove(root: PathBuf, spec: &str) -> Result<()> {
     match VersionSpec::parse(spec)? {
         VersionSpec::Latest(name) => {
             granary.remove(&name, None)?;
-            println!("removed dataset {name}; `granary gc` deletes files no version uses");
+            outln!("removed dataset {name}; `granary gc` deletes files no version uses")?;
         }
         VersionSpec::Numbered(name, number) => {
             granary.remove(&name, Some(number))?;
-            println!("removed {name}@{number}; `granary gc` deletes files no version uses");
+            outln!("removed {name}@{number}; `granary gc` deletes files no version uses")?;
         }
         VersionSpec::Manifest(_) => bail!("remove takes NAME or NAME@N, not a manifest id"),
     }
