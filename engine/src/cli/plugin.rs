@@ -156,13 +156,13 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
         }
         PluginCommand::Check { plugin, cases, seed } => check(&plugin, cases, seed),
         PluginCommand::Trace(TraceCommand::Zipf { objects, requests, alpha, seed, out }) => {
-            let requests = trace::zipf(objects, requests, alpha, seed);
+            let requests = trace::zipf(objects, requests, alpha, seed)?;
             trace::write(&out, &requests)?;
             outln!("wrote {} requests to {} objects (Zipf {alpha}) to {}", requests.len(), objects, out.display())?;
             Ok(true)
         }
         PluginCommand::Trace(TraceCommand::Shuffled { objects, epochs, seed, out }) => {
-            let requests = trace::epoch_shuffled(objects, epochs, seed);
+            let requests = trace::epoch_shuffled(objects, epochs, seed)?;
             trace::write(&out, &requests)?;
             outln!(
                 "wrote {} requests ({epochs} shuffled epochs over {objects} objects) to {}",
@@ -206,7 +206,7 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
         PluginCommand::Sim(SimCommand::Partition { plugin, shards, ranks, records_per_shard, batch, weights }) => {
             let host = host()?;
             let loaded = host.load(&plugin.plugin)?;
-            let dataset = sim::synthetic_shards(shards, records_per_shard);
+            let dataset = sim::synthetic_shards(shards, records_per_shard)?;
             let (results, movements) = sim::partition(&loaded, &plugin.options, &dataset, &ranks, &weights, batch)?;
             outln!("plugin {} on {shards} shards x {records_per_shard} records, batch {batch}", loaded.name())?;
             for result in &results {
