@@ -867,6 +867,12 @@ impl Shared {
         nodes
     }
 
+    /// Peers of the membership that have not said hello yet (not started, or unreachable since
+    /// this node started): nodes of the job all the same.
+    fn peers_not_heard_from(&self) -> usize {
+        self.peers.lock().expect("the peer lock is never poisoned").iter().filter(|p| p.hello.is_none()).count()
+    }
+
     /// Nodes (this one included) that are up and hold the object.
     fn holders(&self, kind: WireKind, id: ObjectId) -> Vec<u32> {
         let mut out = Vec::new();
@@ -1083,7 +1089,7 @@ impl Shared {
         // A node holds at most one copy of a shard: a factor above the nodes of the job cannot
         // be met, and is refused before a goal is saved or a ref pushed. (One above the nodes
         // up now can, once they are back: a goal, kept by the reconciler.)
-        check_replicas_possible(&self.node_infos(), replicas)?;
+        check_replicas_possible(&self.node_infos(), self.peers_not_heard_from(), replicas)?;
         {
             let shared = Arc::clone(self);
             let name = name.clone();
@@ -1532,18 +1538,20 @@ async fn probe(
     Ok(())
 }
 
-/// Refuses a replication factor above the nodes of the job that take copies (those with a
-/// weight, up or not): each holds at most one copy of a shard, so such a goal is never met.
-fn check_replicas_possible(nodes: &[NodeInfo], replicas: u32) -> Result<()> {
+/// Refuses a replication factor above the nodes of the job that may take copies (`nodes` with
+/// a weight, up or not, and the peers not heard from yet): each holds at most one copy of a
+/// shard, so such a goal is never met.
+fn check_replicas_possible(nodes: &[NodeInfo], n_unheard: usize, replicas: u32) -> Result<()> {
     let holding: Vec<&NodeInfo> = nodes.iter().filter(|n| n.weight > 0).collect();
-    if replicas as usize <= holding.len() {
+    let n_job = holding.len() + n_unheard;
+    if replicas as usize <= n_job {
         return Ok(());
     }
     let n_up = holding.iter().filter(|n| n.up).count();
     let domains: BTreeSet<u32> = holding.iter().map(|n| n.failure_domain).collect();
+    let unheard = if n_unheard > 0 { format!(", {n_unheard} not heard from") } else { String::new() };
     Err(Error::invalid_input(format!(
-        "{replicas} copies of each shard asked, but the job has {} nodes ({n_up} up) in {} failure domains, and a node holds at most one copy",
-        holding.len(),
+        "{replicas} copies of each shard asked, but the job has {n_job} nodes ({n_up} up{unheard}) in {} failure domains, and a node holds at most one copy",
         domains.len()
     )))
 }
