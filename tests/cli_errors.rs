@@ -121,7 +121,17 @@ fn the_plugin_kits_numbers_are_checked_before_anything_is_allocated() {
         (vec!["partition", "--plugin", "elastic", "--shards", "0", "--ranks", "8"], "number of shards"),
         (vec!["partition", "--plugin", "elastic", "--shards", "18446744073709551615", "--ranks", "8"], "shards"),
         (
-            vec!["partition", "--plugin", "elastic", "--shards", "4", "--ranks", "8", "--records-per-shard", "18446744073709551615"],
+            vec![
+                "partition",
+                "--plugin",
+                "elastic",
+                "--shards",
+                "4",
+                "--ranks",
+                "8",
+                "--records-per-shard",
+                "18446744073709551615",
+            ],
             "records per shard",
         ),
         (vec!["partition", "--plugin", "elastic", "--shards", "4", "--ranks", "8", "--batch", "0"], "batch size"),
@@ -129,7 +139,10 @@ fn the_plugin_kits_numbers_are_checked_before_anything_is_allocated() {
         (vec!["replicate", "--plugin", "rendezvous", "--nodes", "4294967295", "--replicas", "3"], "number of nodes"),
         (vec!["replicate", "--plugin", "rendezvous", "--nodes", "0", "--replicas", "3"], "number of nodes"),
         (vec!["replicate", "--plugin", "rendezvous", "--nodes", "4", "--replicas", "0"], "number of replicas"),
-        (vec!["replicate", "--plugin", "rendezvous", "--nodes", "4", "--replicas", "2", "--domains", "0"], "failure domains"),
+        (
+            vec!["replicate", "--plugin", "rendezvous", "--nodes", "4", "--replicas", "2", "--domains", "0"],
+            "failure domains",
+        ),
     ] {
         let args = [&["plugin", "sim"], &args[..]].concat();
         let err = granary_err(&root, &args);

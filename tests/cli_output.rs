@@ -99,7 +99,10 @@ fn every_command_fails_in_one_line_on_a_full_stdout_and_ends_quietly_on_a_closed
     write_records(&input, &(0..64).map(|i| bytes(i, 4096)).collect::<Vec<_>>());
     let input = input.to_str().unwrap();
     for name in ["A", "R-full", "R-pipe"] {
-        granary_ok(&root, &["ingest", "records", "--name", name, "--record-bytes", "4096", "--shard-bytes", "64K", input]);
+        granary_ok(
+            &root,
+            &["ingest", "records", "--name", name, "--record-bytes", "4096", "--shard-bytes", "64K", input],
+        );
     }
     let shard: PathBuf = shard_files(&root).into_iter().next().unwrap();
     let shard_id = shard.file_stem().unwrap().to_str().unwrap().to_owned();
@@ -120,7 +123,10 @@ fn every_command_fails_in_one_line_on_a_full_stdout_and_ends_quietly_on_a_closed
     check(&root, &["get", "A", "3"]);
     check(&root, &["tier", "status", "--dir", tier.to_str().unwrap()]);
     check(&root, &["plugin", "list"]);
-    check(&root, &["plugin", "trace", "zipf", "--objects", "10", "--requests", "100", "--out", trace.to_str().unwrap()]);
+    check(
+        &root,
+        &["plugin", "trace", "zipf", "--objects", "10", "--requests", "100", "--out", trace.to_str().unwrap()],
+    );
     // Writers: the work is done, then its report meets the full disk or the closed pipe.
     check(&root, &["ingest", "records", "--name", "A", "--record-bytes", "4096", "--shard-bytes", "64K", input]);
     check(&root, &["rm", "R-{}"]);

@@ -172,10 +172,7 @@ fn a_fifo_or_device_input_is_refused_before_the_store_is_touched() {
         let out = child.wait_with_output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?}");
-        assert!(
-            stderr.contains("is a FIFO") || stderr.contains("is a character device"),
-            "{args:?}: {stderr}"
-        );
+        assert!(stderr.contains("is a FIFO") || stderr.contains("is a character device"), "{args:?}: {stderr}");
         assert_eq!(stderr.lines().count(), 1, "{stderr}");
         // Refused before the store was opened: no store was made, so no lock was taken.
         assert!(!root.exists(), "{args:?} made a store before refusing its input");

@@ -328,9 +328,16 @@ fn more_replicas_than_nodes_is_refused_and_never_reported_as_confirmed() {
     // no goal is left behind for the reconciler to chase.
     let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "5"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "replicate --replicas 5 on 3 nodes succeeded: {}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        !out.status.success(),
+        "replicate --replicas 5 on 3 nodes succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     assert!(!String::from_utf8_lossy(&out.stdout).contains("confirmed"), "{}", String::from_utf8_lossy(&out.stdout));
-    assert!(stderr.contains("5 copies") && stderr.contains("3 nodes") && stderr.contains("3 failure domains"), "{stderr}");
+    assert!(
+        stderr.contains("5 copies") && stderr.contains("3 nodes") && stderr.contains("3 failure domains"),
+        "{stderr}"
+    );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(!cluster.status(0).contains("goal tokens"), "{}", cluster.status(0));
     // The same through ingest --replicas: refused before the copies, after the commit.

@@ -154,7 +154,12 @@ pub(crate) fn read(paths: &StorePaths, args: &ReadArgs) -> Result<()> {
     outln!()?;
     outln!(
         "{:<36} {:>22} {:>22} {:>12} {:>8} {:>8}",
-        "workload", "bare io_uring", "engine (verified)", "engine/bare", "target", "verdict"
+        "workload",
+        "bare io_uring",
+        "engine (verified)",
+        "engine/bare",
+        "target",
+        "verdict"
     )?;
     let verdict = |ratio: f64, target: f64| if ratio >= target { "met" } else { "missed" };
     let random_label = format!("random records, QD {}, {} reads", args.qd, args.random_reads);

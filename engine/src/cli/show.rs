@@ -38,7 +38,12 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
     }
     outln!(
         "{:<24} {:>7}  {:<12} {:>12} {:>7} {:>11}  LAYOUT",
-        "DATASET", "VERSION", "MANIFEST", "RECORDS", "SHARDS", "SIZE"
+        "DATASET",
+        "VERSION",
+        "MANIFEST",
+        "RECORDS",
+        "SHARDS",
+        "SIZE"
     )?;
     let (mut n_versions, mut total) = (0, 0);
     for dataset in &datasets {
