@@ -22,7 +22,7 @@ const BATCH: usize = 1024;
 /// iteration: through the host (one component call, outcome validated against the host's
 /// resident set), and the same LRU source compiled natively with the SDK's batch driver.
 fn policy_evict_batch1024(c: &mut Criterion) {
-    let requests = trace::zipf(10_000, 1 << 20, 1.0, 7);
+    let requests = trace::zipf(10_000, 1 << 20, 1.0, 7).expect("counts within the bounds");
     let keys: Vec<u64> = requests.iter().map(|r| r.key).collect();
     let sizes = vec![1u32; BATCH];
     let next_uses = vec![u64::MAX; BATCH];
@@ -61,7 +61,7 @@ fn policy_plan_100k_shards_64_ranks(c: &mut Criterion) {
     let options = vec![("chunk-records".to_owned(), "1000".to_owned())];
     let mut partitioner =
         Partitioner::new(host.load("elastic").expect("built in"), &options, None).expect("a partitioner");
-    let shards = sim::synthetic_shards(100_000, 1000);
+    let shards = sim::synthetic_shards(100_000, 1000).expect("counts within the bounds");
     let ranks: Vec<RankInfo> = (0..64).map(|id| RankInfo { id, node: id / 8, weight: 1, up: true }).collect();
     let nodes: Vec<NodeInfo> = (0..8).map(|id| NodeInfo { id, weight: 1, failure_domain: id, up: true }).collect();
     let mut group = c.benchmark_group("policy_plan_100k_shards_64_ranks");
@@ -130,7 +130,7 @@ fn policy_load(c: &mut Criterion) {
 fn policy_evict_ratio() {
     const ROUNDS: usize = 101;
     const BATCHES: usize = 32;
-    let requests = trace::zipf(10_000, 1 << 20, 1.0, 7);
+    let requests = trace::zipf(10_000, 1 << 20, 1.0, 7).expect("counts within the bounds");
     let keys: Vec<u64> = requests.iter().map(|r| r.key).collect();
     let sizes = vec![1u32; BATCH];
     let next_uses = vec![u64::MAX; BATCH];

@@ -93,3 +93,62 @@ fn sizes_take_suffixes_dtypes_take_numpy_names_and_a_new_store_is_announced() {
     granary_ok(&root, &["get", "t", "3", "-o", out.to_str().unwrap()]);
     assert_eq!(std::fs::read(&out).unwrap(), records[3]);
 }
+
+#[test]
+fn the_plugin_kits_numbers_are_checked_before_anything_is_allocated() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let out = dir.path().join("trace.bin");
+    let out = out.to_str().unwrap();
+    for (args, why) in [
+        (vec!["trace", "zipf", "--objects", "18446744073709551615", "--requests", "10"], "number of objects"),
+        (vec!["trace", "zipf", "--objects", "0", "--requests", "1000"], "number of objects must be in 1..="),
+        (vec!["trace", "zipf", "--objects", "10", "--requests", "0"], "number of requests"),
+        (vec!["trace", "zipf", "--objects", "10", "--requests", "18446744073709551615"], "number of requests"),
+        (vec!["trace", "zipf", "--objects", "10", "--requests", "10", "--alpha", "NaN"], "skew"),
+        (vec!["trace", "shuffled", "--objects", "0", "--epochs", "3"], "number of objects"),
+        (vec!["trace", "shuffled", "--objects", "10", "--epochs", "0"], "number of epochs"),
+        (vec!["trace", "shuffled", "--objects", "65536", "--epochs", "65536"], "is more than"),
+    ] {
+        let args = [&["plugin"], &args[..], &["--out", out]].concat();
+        let err = granary_err(&root, &args);
+        assert!(err.contains(why), "{args:?}: {err}");
+        assert!(!std::path::Path::new(out).exists(), "{args:?} wrote a trace");
+    }
+    for (args, why) in [
+        (vec!["partition", "--plugin", "elastic", "--shards", "4", "--ranks", "4294967295"], "world size"),
+        (vec!["partition", "--plugin", "elastic", "--shards", "4", "--ranks", "8,0"], "world size"),
+        (vec!["partition", "--plugin", "elastic", "--shards", "0", "--ranks", "8"], "number of shards"),
+        (vec!["partition", "--plugin", "elastic", "--shards", "18446744073709551615", "--ranks", "8"], "shards"),
+        (
+            vec![
+                "partition",
+                "--plugin",
+                "elastic",
+                "--shards",
+                "4",
+                "--ranks",
+                "8",
+                "--records-per-shard",
+                "18446744073709551615",
+            ],
+            "records per shard",
+        ),
+        (vec!["partition", "--plugin", "elastic", "--shards", "4", "--ranks", "8", "--batch", "0"], "batch size"),
+        (vec!["partition", "--plugin", "elastic", "--shards", "4", "--ranks", "8", "--weights", "0,0"], "weight"),
+        (vec!["replicate", "--plugin", "rendezvous", "--nodes", "4294967295", "--replicas", "3"], "number of nodes"),
+        (vec!["replicate", "--plugin", "rendezvous", "--nodes", "0", "--replicas", "3"], "number of nodes"),
+        (vec!["replicate", "--plugin", "rendezvous", "--nodes", "4", "--replicas", "0"], "number of replicas"),
+        (
+            vec!["replicate", "--plugin", "rendezvous", "--nodes", "4", "--replicas", "2", "--domains", "0"],
+            "failure domains",
+        ),
+    ] {
+        let args = [&["plugin", "sim"], &args[..]].concat();
+        let err = granary_err(&root, &args);
+        assert!(err.contains(why), "{args:?}: {err}");
+    }
+    // In bounds, the same commands work.
+    let done = granary_ok(&root, &["plugin", "trace", "zipf", "--objects", "10", "--requests", "100", "--out", out]);
+    assert!(done.contains("wrote 100 requests to 10 objects"), "{done}");
+}

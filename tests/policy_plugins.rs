@@ -248,7 +248,7 @@ fn affinity_partitioning_moves_only_the_changed_ranks_records_and_follows_weight
     let plugin = host.load("elastic").unwrap();
     let options = vec![("mode".to_owned(), "affinity".to_owned()), ("chunk-records".to_owned(), "10".to_owned())];
     // 20000 chunks: rendezvous shares deviate by about 2% (one standard deviation) per rank.
-    let dataset = sim::synthetic_shards(2000, 100);
+    let dataset = sim::synthetic_shards(2000, 100).unwrap();
     let (results, movements) = sim::partition(&plugin, &options, &dataset, &[8, 9, 8], &[], 64).unwrap();
     for (movement, n) in movements.iter().zip([9.0, 9.0]) {
         assert!(movement.moved <= 1.1 / n, "moved {}", movement.moved);

@@ -316,6 +316,50 @@ fn a_dataset_ingested_on_one_node_reaches_its_replication_factor_verified() {
 }
 
 #[test]
+fn more_replicas_than_nodes_is_refused_and_never_reported_as_confirmed() {
+    let mut cluster = Cluster::new(3);
+    ingest_tokens(cluster.root(0), "tokens", 3, 256, 512 << 10);
+    for i in 0..3 {
+        cluster.nodes[i].args = vec!["--replicator-options".into(), "mode=sync".into()];
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(20), |c| (0..3).all(|i| c.peers_up(i) == 2));
+    // Five copies on three nodes can never exist: refused up front, naming what there is, and
+    // no goal is left behind for the reconciler to chase.
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "5"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "replicate --replicas 5 on 3 nodes succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("confirmed"), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        stderr.contains("5 copies") && stderr.contains("3 nodes") && stderr.contains("3 failure domains"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(!cluster.status(0).contains("goal tokens"), "{}", cluster.status(0));
+    // The same through ingest --replicas: refused before the copies, after the commit.
+    let input = cluster.dir.path().join("more.bin");
+    write_records(&input, &(0..16).map(|i| bytes(31_000 + i, 4096)).collect::<Vec<_>>());
+    let out = cluster.cli(0, &[INGEST_TOKENS, &["--replicas", "4", input.to_str().unwrap()]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("4 copies") && stderr.contains("3 nodes"), "{stderr}");
+    // Three copies while one of the three nodes is down: a goal the job can meet later, but a
+    // synchronous replicate cannot confirm it now. It says how many copies exist and fails.
+    cluster.kill(2);
+    cluster.wait("node 2 seen down", Duration::from_secs(20), |c| c.peers_up(0) == 1);
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "3"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "replicate --replicas 3 with 2 nodes up succeeded: {stdout}");
+    assert!(!stdout.contains("confirmed"), "{stdout}");
+    assert!(stderr.contains("fewer than 3 copies (as few as 2) with 2 nodes up"), "{stderr}");
+    report("more replicas than nodes", cluster.lost("tokens", &[0, 1]), None);
+}
+
+#[test]
 fn a_node_killed_mid_transfer_leaves_no_partial_shard_and_another_peer_finishes() {
     let mut cluster = Cluster::new(3);
     // Nodes 0 and 2 hold the same dataset (content-addressed: the same shards); node 1 none.

@@ -91,3 +91,27 @@ fn no_debugging_leftovers_or_stubs() {
         }
     }
 }
+
+#[test]
+fn the_command_line_prints_only_through_its_output_macros() {
+    // `println!` and friends panic when stdout or stderr is full or closed; the command line
+    // writes through `cli/output.rs` (`outln!`, `errln!`, ...), which return or drop the error.
+    let mut n_cli = 0;
+    for (path, text) in sources() {
+        if !path.starts_with("cli") || path == Path::new("cli/output.rs") {
+            continue;
+        }
+        n_cli += 1;
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            for banned in ["println!(", "print!(", "eprintln!(", "eprint!("] {
+                let found = code.match_indices(banned).any(|(at, _)| {
+                    // `print!(` also matches inside `eprint!(` and `println!(`'s cousins.
+                    !code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_')
+                });
+                assert!(!found, "{}:{}: {banned} (use outln!/out!/errln!/err!)", path.display(), i + 1);
+            }
+        }
+    }
+    assert!(n_cli >= 5, "found the command line's sources");
+}

@@ -140,27 +140,32 @@ pub(crate) fn read(paths: &StorePaths, args: &ReadArgs) -> Result<()> {
         Some((name, number)) => format!("{name}@{number}"),
         None => dataset.manifest_id().to_string(),
     };
-    println!(
+    outln!(
         "granary bench read {name}: {n} records in {} shards ({}), layout {}",
         dataset.n_shards(),
         bytes(dataset.manifest().file_bytes()),
         dataset.layout()
-    );
-    println!(
+    )?;
+    outln!(
         "io_uring, O_DIRECT, registered buffers; {} runs, medians; page cache {}",
         args.runs,
         if dropped { "dropped before each measurement" } else { "not dropped (needs root; O_DIRECT bypasses it)" }
-    );
-    println!();
-    println!(
+    )?;
+    outln!()?;
+    outln!(
         "{:<36} {:>22} {:>22} {:>12} {:>8} {:>8}",
-        "workload", "bare io_uring", "engine (verified)", "engine/bare", "target", "verdict"
-    );
+        "workload",
+        "bare io_uring",
+        "engine (verified)",
+        "engine/bare",
+        "target",
+        "verdict"
+    )?;
     let verdict = |ratio: f64, target: f64| if ratio >= target { "met" } else { "missed" };
     let random_label = format!("random records, QD {}, {} reads", args.qd, args.random_reads);
     let per_s = |count: u64, d: Duration| count as f64 / d.as_secs_f64();
     let random_ratio = median_f64(random_runs.ratios());
-    println!(
+    outln!(
         "{:<36} {:>22} {:>22} {:>12.3} {:>8} {:>8}",
         random_label,
         format!("{:.1} k reads/s", per_s(random_ops.len() as u64, median(&random_runs.bare)) / 1e3),
@@ -168,11 +173,11 @@ pub(crate) fn read(paths: &StorePaths, args: &ReadArgs) -> Result<()> {
         random_ratio,
         ">= 0.90",
         verdict(random_ratio, 0.90)
-    );
+    )?;
     let seq_label = format!("sequential, QD {}, {} ops", args.seq_qd, bytes(args.op_bytes));
     let seq_block_bytes: u64 = seq_ops.iter().map(|op| u64::from(op.len)).sum();
     let seq_ratio = median_f64(seq_runs.ratios());
-    println!(
+    outln!(
         "{:<36} {:>22} {:>22} {:>12.3} {:>8} {:>8}",
         seq_label,
         format!("{:.2} GB/s", per_s(seq_block_bytes, median(&seq_runs.bare)) / 1e9),
@@ -180,20 +185,20 @@ pub(crate) fn read(paths: &StorePaths, args: &ReadArgs) -> Result<()> {
         seq_ratio,
         ">= 0.95",
         verdict(seq_ratio, 0.95)
-    );
-    println!(
+    )?;
+    outln!(
         "(the ratios are the engine against a bare reader on the same blocks in the same run: 1.0 is the \
          disk's own speed; a noisy shared disk moves single runs by +-0.2)"
-    );
-    println!();
-    println!(
+    )?;
+    outln!()?;
+    outln!(
         "random: {} delivered per run ({} of blocks); sequential: {} per run",
         bytes(random_bytes),
         bytes(random_ops.iter().map(|op| u64::from(op.len)).sum()),
         bytes(seq_record_bytes)
-    );
-    println!("per-run ratios: random {}; sequential {}", list(&random_runs.ratios()), list(&seq_runs.ratios()));
-    println!("verification, one core: CRC32C {crc_gbps:.1} GB/s, BLAKE3 {blake3_gbps:.1} GB/s");
+    )?;
+    outln!("per-run ratios: random {}; sequential {}", list(&random_runs.ratios()), list(&seq_runs.ratios()))?;
+    outln!("verification, one core: CRC32C {crc_gbps:.1} GB/s, BLAKE3 {blake3_gbps:.1} GB/s")?;
     Ok(())
 }
 

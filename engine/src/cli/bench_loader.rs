@@ -188,7 +188,7 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         None => rows.push((label.to_owned(), vec![sample])),
     };
     for run in 0..args.runs {
-        eprintln!("run {} of {}", run + 1, args.runs);
+        errln!("run {} of {}", run + 1, args.runs);
         let wants = |workload| args.rows.contains(&workload);
         type Config<'a> = &'a dyn Fn(Target) -> LoaderConfig;
         let cold_workloads = [
@@ -261,7 +261,7 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         }
     }
 
-    println!(
+    outln!(
         "granary bench loader {}: {n} records of {} in {} shards; batch {} records ({}); {} batches per row; {} runs, medians",
         args.dataset,
         bytes(record_bytes),
@@ -270,8 +270,8 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         bytes(batch_bytes),
         args.batches,
         args.runs
-    );
-    println!(
+    )?;
+    outln!(
         "GPU: {}; page cache {}",
         cuda.map_or_else(|| format!("none ({gpu_note}): GPU rows skipped"), |c| c.name().to_owned()),
         match (cold, dropped) {
@@ -279,9 +279,9 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
             (true, true) => "dropped before each cold row",
             (true, false) => "not dropped (needs root; O_DIRECT bypasses it)",
         }
-    );
-    println!();
-    println!("{:<34} {:>12} {:>14} {:>12} {:>16}", "row", "GB/s", "records/s", "cores", "cores per GB/s");
+    )?;
+    outln!()?;
+    outln!("{:<34} {:>12} {:>14} {:>12} {:>16}", "row", "GB/s", "records/s", "cores", "cores per GB/s")?;
     let median_of = |samples: &[Sample], f: &dyn Fn(&Sample) -> f64| median(samples.iter().map(f).collect());
     for (label, samples) in &rows {
         let gbps = median_of(samples, &|s| s.gbps());
@@ -289,23 +289,23 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         if label.ends_with("stall") {
             let stall = median_of(samples, &|s| s.cpu);
             let steady = median_of(samples, &|s| s.steady);
-            println!(
+            outln!(
                 "{label:<34} {:>12} {:>14} {:>12} {:>16}   ({:.2}% after the first batch; target < 1%)",
                 "",
                 "",
                 "",
                 format!("{:.2}%", stall * 100.0),
                 steady * 100.0
-            );
+            )?;
             continue;
         }
-        println!(
+        outln!(
             "{label:<34} {gbps:>12.3} {:>14.0} {cores:>12.2} {:>16.3}",
             gbps * 1e9 / record_bytes as f64,
             cores / gbps
-        );
+        )?;
     }
-    println!();
+    outln!()?;
     let ratio = |a: &str, b: &str| -> Option<f64> {
         let (a, b) = (rows.iter().find(|(l, _)| l == a)?, rows.iter().find(|(l, _)| l == b)?);
         Some(median(a.1.iter().zip(&b.1).map(|(x, y)| x.gbps() / y.gbps()).collect()))
@@ -315,34 +315,34 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         match (value, limit) {
             (Some(value), Some(limit)) => {
                 let verdict = if value >= limit { "met" } else { "missed" };
-                println!("{label:<48} {value:>8.3}   target {target}: {verdict}")
+                outln!("{label:<48} {value:>8.3}   target {target}: {verdict}")
             }
-            (Some(value), None) => println!("{label:<48} {value:>8.3}   {target}"),
-            (None, _) => println!("{label:<48} {:>8}   target {target}: not measured here", "n/a"),
+            (Some(value), None) => outln!("{label:<48} {value:>8.3}   {target}"),
+            (None, _) => outln!("{label:<48} {:>8}   target {target}: not measured here", "n/a"),
         }
     };
-    show("random, engine -> host / bare", ratio("random: engine -> host", "random: bare io_uring"), ">= 0.90");
-    show("random, engine -> GPU / bare", ratio("random: engine -> GPU", "random: bare io_uring"), ">= 0.90");
+    show("random, engine -> host / bare", ratio("random: engine -> host", "random: bare io_uring"), ">= 0.90")?;
+    show("random, engine -> GPU / bare", ratio("random: engine -> GPU", "random: bare io_uring"), ">= 0.90")?;
     show(
         "sequential, engine -> host / bare",
         ratio("sequential: engine -> host", "sequential: bare io_uring"),
         ">= 0.95",
-    );
+    )?;
     show(
         "sequential, engine -> GPU / bare",
         ratio("sequential: engine -> GPU", "sequential: bare io_uring"),
         ">= 0.95",
-    );
+    )?;
     show(
         "warm random: engine -> host / mmap gather",
         ratio("warm random: engine -> host", "warm random: mmap gather"),
         ">= 1.0",
-    );
+    )?;
     show(
         "cold epoch random: engine -> host / mmap gather",
         ratio("cold epoch random: engine -> host", "cold epoch random: mmap gather"),
         ">= 1.0",
-    );
+    )?;
     // The cold epoch's time against one sequential read of the dataset's bytes, and against the
     // tier's memory alone.
     let time_ratio = |engine: &str, limit: &str| -> Option<f64> {
@@ -354,28 +354,28 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         "cold epoch random: sequential read time / engine time",
         time_ratio(cold, "cold epoch: sequential read (limit)"),
         ">= 0.5",
-    );
+    )?;
     show(
         "cold epoch random: tier memory time / engine time",
         time_ratio(cold, "cold epoch: tier memory only (floor)"),
         "(how close to this machine's floor)",
-    );
+    )?;
     for note in &notes {
-        println!("{note}");
+        outln!("{note}")?;
     }
     show(
         "warm, engine -> GPU / pinned copy",
         ratio("warm: engine -> target", "pinned copy to GPU").filter(|_| cuda.is_some()),
         ">= 0.80",
-    );
-    println!();
-    println!(
+    )?;
+    outln!()?;
+    outln!(
         "PyTorch baseline on the same files: python3 ../shared/bench/dataloader_baseline.py --dir {} \
          --record-bytes {record_bytes} --batch {} --batches {} --order random --workers 15",
         raw_dir.display(),
         args.batch,
         args.batches
-    );
+    )?;
     Ok(())
 }
 
@@ -416,7 +416,7 @@ fn generate(root: &Path, raw_dir: &Path, name: &str, total: u64, record_bytes: u
         file.flush()?;
     }
     ingest.commit()?;
-    eprintln!("generated {records} records of {} in {} and the store", bytes(record_bytes), raw_dir.display());
+    errln!("generated {records} records of {} in {} and the store", bytes(record_bytes), raw_dir.display());
     Ok(())
 }
 

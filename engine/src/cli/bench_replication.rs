@@ -174,29 +174,29 @@ pub(crate) fn replication(root: &Path, args: &ReplicationArgs) -> Result<()> {
     drop(node_a);
     let gbps = |d: &Duration| file_bytes as f64 / d.as_secs_f64() / 1e9;
     let ratios: Vec<f64> = plain.iter().zip(&engine).map(|(p, e)| p.as_secs_f64() / e.as_secs_f64()).collect();
-    println!(
+    outln!(
         "granary bench replication: one shard of {} between two nodes on loopback, {} runs, medians",
         bytes(file_bytes),
         args.runs
-    );
-    println!();
-    println!("{:<58} {:>10}", "transfer", "GB/s");
-    println!(
+    )?;
+    outln!()?;
+    outln!("{:<58} {:>10}", "transfer", "GB/s")?;
+    outln!(
         "{:<58} {:>10.2}",
         "plain TCP copy (read, send, receive, write, fsync)",
         median_f64(plain.iter().map(gbps).collect())
-    );
-    println!(
+    )?;
+    outln!(
         "{:<58} {:>10.2}",
         "node to node (Noise AES-GCM, CRC out, BLAKE3 in, publish)",
         median_f64(engine.iter().map(gbps).collect())
-    );
-    println!(
+    )?;
+    outln!(
         "{:<58} {:>10.3}   (target >= 0.7)",
         "ratio node / plain (median of per-run ratios)",
         median_f64(ratios.clone())
-    );
-    println!("per-run ratios: {}", ratios.iter().map(|r| format!("{r:.3}")).collect::<Vec<_>>().join(" "));
+    )?;
+    outln!("per-run ratios: {}", ratios.iter().map(|r| format!("{r:.3}")).collect::<Vec<_>>().join(" "))?;
 
     if args.restore_bytes > 0 {
         restore(&host, &work, args)?;
@@ -269,22 +269,22 @@ fn restore(host: &PolicyHost, work: &Path, args: &ReplicationArgs) -> Result<()>
         (0..dataset.n_shards()).map(|s| dataset.manifest().entries()[s].file_bytes).sum::<u64>()
             / dataset.n_shards() as u64
     };
-    println!();
-    println!(
+    outln!()?;
+    outln!(
         "restore: {} in {} shards, 2 copies on 3 nodes ({}; {:.2} s); one node lost",
         bytes(args.restore_bytes),
         report.shards,
         if report.mode == granary::policy::ReplicationMode::Synchronous { "synchronous" } else { "asynchronous" },
         replicate_time.as_secs_f64()
-    );
-    println!(
+    )?;
+    outln!(
         "  detected after {:.2} s (heartbeat 0.1 s, down after 1 s); factor restored after {:.2} s: {} shards ({}) copied, {:.2} GB/s after detection",
         detected.as_secs_f64(),
         restored.as_secs_f64(),
         copied,
         bytes(copied as u64 * shard_file_bytes),
         (copied as u64 * shard_file_bytes) as f64 / (restored - detected).as_secs_f64().max(1e-9) / 1e9
-    );
+    )?;
     drop(nodes);
     Ok(())
 }

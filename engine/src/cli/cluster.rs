@@ -126,8 +126,9 @@ pub(crate) fn serve(root: &Path, args: &ServeArgs) -> Result<()> {
     let cache_dir = args.plugin_cache.clone().unwrap_or_else(|| root.join("replication").join("plugin-cache"));
     let host = PolicyHost::new(Limits::default(), Some(cache_dir))?;
     let node = Node::start(config, &host)?;
-    println!("granary node {} serving {} on {}", node.id(), root.display(), node.listen_addr());
-    std::io::stdout().flush().ok();
+    // A node serves whatever became of its stdout (a closed pipe, a full disk): the line is a
+    // courtesy, the listen file under replication/ is what tools read.
+    let _ = outln!("granary node {} serving {} on {}", node.id(), root.display(), node.listen_addr());
     node.run_until_signal();
     Ok(())
 }
@@ -158,13 +159,13 @@ pub(crate) fn replicate(root: &Path, args: &ReplicateArgs) -> Result<()> {
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let report = client.replicate(&args.dataset, args.replicas, move |done, total| {
         if tty {
-            eprint!("\rreplicating: {done}/{total} shards confirmed");
+            err!("\rreplicating: {done}/{total} shards confirmed");
             if done == total {
-                eprintln!();
+                errln!();
             }
         }
     })?;
-    println!("{report}");
+    outln!("{report}")?;
     Ok(())
 }
 
@@ -179,7 +180,7 @@ pub(crate) struct StatusArgs {
 
 pub(crate) fn status(root: &Path, args: &StatusArgs) -> Result<()> {
     let client = client(root, args.node.as_deref(), args.key.key()?)?;
-    print!("{}", client.status()?);
+    out!("{}", client.status()?)?;
     Ok(())
 }
 
@@ -203,6 +204,6 @@ pub(crate) fn cluster_key(args: &ClusterKeyArgs) -> Result<()> {
     writeln!(file, "{secret}")
         .and_then(|()| file.sync_all())
         .with_context(|| format!("write {}", args.out.display()))?;
-    println!("wrote a new cluster secret to {}: give every node of the job the same file", args.out.display());
+    outln!("wrote a new cluster secret to {}: give every node of the job the same file", args.out.display())?;
     Ok(())
 }

@@ -1,4 +1,9 @@
-//! Argument parsing and the commands. Every failure is one line on stderr and a non-zero exit.
+//! Argument parsing and the commands. Every failure is one line on stderr and a non-zero exit;
+//! output goes through `output`'s macros, never `println!`, so a full or closed stdout is an
+//! error or a quiet end, never a panic.
+
+#[macro_use]
+mod output;
 
 mod bench;
 mod bench_loader;
@@ -185,6 +190,8 @@ pub(crate) fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
+        // The reader of our output has all it wanted (`| head`): not a failure.
+        Err(error) if output::is_closed_pipe(&error) => ExitCode::SUCCESS,
         Err(error) => {
             let message = one_line(&error);
             let _ = writeln!(std::io::stderr(), "granary: error: {message}");
@@ -269,6 +276,13 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         mode: if common.replace { IngestMode::Replace } else { IngestMode::Append },
         ..IngestOptions::default()
     };
+    // An input that is not a regular file (a FIFO would block with the store locked) is
+    // refused before the lock is taken.
+    match &command {
+        IngestCommand::Records { files, .. } => _ = ingest::check_regular_files(files)?,
+        IngestCommand::Tar { tars, .. } => _ = ingest::check_regular_files(tars)?,
+        IngestCommand::Files { .. } => {}
+    }
     // A typo in --root would otherwise make a new empty store without a word.
     let created = StorePaths::new(&root).check().is_err();
     let mut granary = Granary::open_waiting(&root, true, LOCK_WAIT)?;
@@ -287,12 +301,12 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     }
     let committed = session.commit()?;
     if created {
-        eprintln!("created a new store at {}", root.display());
+        errln!("created a new store at {}", root.display());
     }
     drop(granary);
     bar.finish();
     let stats = &committed.stats;
-    println!(
+    outln!(
         "{}@{}: {} records in {} shards (manifest {}); this ingest: {} records, {}, {} new shards, {} already stored",
         committed.name,
         committed.version,
@@ -303,7 +317,10 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         show::bytes(stats.bytes),
         stats.shards_published,
         stats.shards_deduplicated
-    );
+    )?;
+    if bar.n_skipped() > 0 {
+        outln!("{} input members skipped (listed on stderr)", bar.n_skipped())?;
+    }
     if let Some((replicas, client)) = replicate_with {
         let spec = format!("{}@{}", committed.name, committed.version);
         let report = client.replicate(&spec, replicas, |_, _| {}).with_context(|| {
@@ -311,7 +328,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
                 "{spec} is committed here, but not replicated: `granary replicate {spec} --replicas {replicas}` retries"
             )
         })?;
-        println!("{report}");
+        outln!("{report}")?;
     }
     Ok(())
 }
@@ -368,10 +385,7 @@ fn get(
     let record = reader.get(index)?;
     match output {
         Some(path) => std::fs::write(path, &record).with_context(|| format!("write {}", path.display()))?,
-        None => {
-            let mut out = std::io::stdout().lock();
-            out.write_all(&record).and_then(|()| out.flush()).context("write to stdout")?;
-        }
+        None => output::write_bytes(&record)?,
     }
     Ok(())
 }
@@ -381,11 +395,11 @@ fn remove(root: PathBuf, spec: &str) -> Result<()> {
     match VersionSpec::parse(spec)? {
         VersionSpec::Latest(name) => {
             granary.remove(&name, None)?;
-            println!("removed dataset {name}; `granary gc` deletes files no version uses");
+            outln!("removed dataset {name}; `granary gc` deletes files no version uses")?;
         }
         VersionSpec::Numbered(name, number) => {
             granary.remove(&name, Some(number))?;
-            println!("removed {name}@{number}; `granary gc` deletes files no version uses");
+            outln!("removed {name}@{number}; `granary gc` deletes files no version uses")?;
         }
         VersionSpec::Manifest(_) => bail!("remove takes NAME or NAME@N, not a manifest id"),
     }
@@ -408,8 +422,9 @@ pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     value.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} is too large"))
 }
 
-/// A progress bar on stderr; draws nothing when stderr is not a terminal.
-struct Bar(indicatif::ProgressBar);
+/// A progress bar on stderr; draws nothing when stderr is not a terminal. What an ingest skips
+/// is listed on stderr and counted.
+struct Bar(indicatif::ProgressBar, std::sync::atomic::AtomicU64);
 
 impl Bar {
     fn new() -> Self {
@@ -419,7 +434,11 @@ impl Bar {
         )
         .expect("the template is valid");
         bar.set_style(style);
-        Self(bar)
+        Self(bar, std::sync::atomic::AtomicU64::new(0))
+    }
+
+    fn n_skipped(&self) -> u64 {
+        self.1.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn finish(&self) {
@@ -434,5 +453,12 @@ impl Progress for Bar {
 
     fn advance(&self, bytes: u64) {
         self.0.inc(bytes);
+    }
+
+    fn skipped(&self, source: &std::path::Path, member: &str, reason: &str) {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.suspend(|| {
+            let _ = writeln!(std::io::stderr(), "granary: skipped {}: {member}: {reason}", source.display());
+        });
     }
 }

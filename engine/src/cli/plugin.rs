@@ -150,25 +150,25 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
     match command {
         PluginCommand::List => {
             for name in policy::builtin::NAMES {
-                println!("{name}");
+                outln!("{name}")?;
             }
             Ok(true)
         }
         PluginCommand::Check { plugin, cases, seed } => check(&plugin, cases, seed),
         PluginCommand::Trace(TraceCommand::Zipf { objects, requests, alpha, seed, out }) => {
-            let requests = trace::zipf(objects, requests, alpha, seed);
+            let requests = trace::zipf(objects, requests, alpha, seed)?;
             trace::write(&out, &requests)?;
-            println!("wrote {} requests to {} objects (Zipf {alpha}) to {}", requests.len(), objects, out.display());
+            outln!("wrote {} requests to {} objects (Zipf {alpha}) to {}", requests.len(), objects, out.display())?;
             Ok(true)
         }
         PluginCommand::Trace(TraceCommand::Shuffled { objects, epochs, seed, out }) => {
-            let requests = trace::epoch_shuffled(objects, epochs, seed);
+            let requests = trace::epoch_shuffled(objects, epochs, seed)?;
             trace::write(&out, &requests)?;
-            println!(
+            outln!(
                 "wrote {} requests ({epochs} shuffled epochs over {objects} objects) to {}",
                 requests.len(),
                 out.display()
-            );
+            )?;
             Ok(true)
         }
         PluginCommand::Sim(SimCommand::Evict { plugin, trace: path, cache_objects, cache_bytes }) => {
@@ -181,50 +181,50 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
                 (None, None) => bail!("give --cache-objects or --cache-bytes"),
             };
             let result = sim::evict(&loaded, &plugin.options, &requests, capacity, ignore_sizes)?;
-            println!(
+            outln!(
                 "plugin {} on {} ({} requests), cache of {capacity} {}",
                 loaded.name(),
                 path.display(),
                 result.requests,
                 if ignore_sizes { "objects" } else { "bytes" }
-            );
-            println!("misses {} of {}: miss ratio {:.6}", result.misses, result.requests, result.miss_ratio());
+            )?;
+            outln!("misses {} of {}: miss ratio {:.6}", result.misses, result.requests, result.miss_ratio())?;
             if ignore_sizes {
                 let optimum = trace::belady_misses(&requests, capacity);
-                println!(
+                outln!(
                     "optimum (Belady) {optimum} misses: miss ratio {:.6}",
                     optimum as f64 / result.requests.max(1) as f64
-                );
+                )?;
             }
-            println!(
+            outln!(
                 "{:.1} ns per access in batches of {} (through the component boundary, validated)",
                 result.elapsed.as_nanos() as f64 / result.requests.max(1) as f64,
                 sim::EVICT_BATCH
-            );
+            )?;
             Ok(result.fallback_calls == 0)
         }
         PluginCommand::Sim(SimCommand::Partition { plugin, shards, ranks, records_per_shard, batch, weights }) => {
             let host = host()?;
             let loaded = host.load(&plugin.plugin)?;
-            let dataset = sim::synthetic_shards(shards, records_per_shard);
+            let dataset = sim::synthetic_shards(shards, records_per_shard)?;
             let (results, movements) = sim::partition(&loaded, &plugin.options, &dataset, &ranks, &weights, batch)?;
-            println!("plugin {} on {shards} shards x {records_per_shard} records, batch {batch}", loaded.name());
+            outln!("plugin {} on {shards} shards x {records_per_shard} records, batch {batch}", loaded.name())?;
             for result in &results {
                 let (min, max) = (
                     result.records.iter().min().copied().unwrap_or(0),
                     result.records.iter().max().copied().unwrap_or(0),
                 );
-                println!(
+                outln!(
                     "{:>5} ranks: plan in {:.1} ms, {} ranges, records per rank {min}..{max}, largest deviation from the weighted share {:.2}%",
                     result.ranks,
                     result.elapsed.as_secs_f64() * 1e3,
                     result.ranges,
                     result.balance_error * 100.0
-                );
+                )?;
             }
             for (movement, pair) in movements.iter().zip(ranks.windows(2)) {
                 let bound = 1.1 / f64::from(pair[0].max(pair[1]));
-                println!(
+                outln!(
                     "{} -> {} ranks: {:.2}% of the records change rank (1.1/N = {:.2}%), {}",
                     pair[0],
                     pair[1],
@@ -235,7 +235,7 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
                     } else {
                         "some between unchanged ranks"
                     }
-                );
+                )?;
             }
             Ok(true)
         }
@@ -243,23 +243,23 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
             let host = host()?;
             let loaded = host.load(&plugin.plugin)?;
             let (results, movements) = sim::replicate(&loaded, &plugin.options, nodes, replicas, &weights, domains)?;
-            println!("plugin {} with {replicas} replicas, {domains} failure domains", loaded.name());
+            outln!("plugin {} with {replicas} replicas, {domains} failure domains", loaded.name())?;
             for result in &results {
-                println!(
+                outln!(
                     "{:>5} nodes: placed in {:.1} ms, largest deviation from the weighted share {:.2}%",
                     result.nodes,
                     result.elapsed.as_secs_f64() * 1e3,
                     result.balance_error * 100.0
-                );
+                )?;
             }
             for (movement, what) in movements.iter().zip(["adding a node", "removing a node"]) {
                 let n = if what == "adding a node" { nodes + 1 } else { nodes };
-                println!(
+                outln!(
                     "{what}: {:.2}% of the copies move (1.1/N = {:.2}%), {}",
                     movement.moved * 100.0,
                     110.0 / f64::from(n),
                     if movement.only_changed_members { "all to or from that node" } else { "some between other nodes" }
-                );
+                )?;
             }
             Ok(true)
         }
@@ -269,7 +269,7 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
 fn check(plugin: &str, cases: u32, seed: u64) -> Result<bool> {
     let host = host()?;
     let loaded = host.load(plugin).with_context(|| format!("loading {plugin}"))?;
-    println!(
+    outln!(
         "{} {}: a {} (id {}), loaded in {:.2} ms ({:?})",
         if loaded.compiled_from() == policy::CompiledFrom::Compiler { "compiled" } else { "found" },
         loaded.name(),
@@ -277,14 +277,14 @@ fn check(plugin: &str, cases: u32, seed: u64) -> Result<bool> {
         loaded.id().short(12),
         loaded.load_time().as_secs_f64() * 1e3,
         loaded.compiled_from()
-    );
+    )?;
     let report = conformance::check(&loaded, cases, seed);
     for check in &report.checks {
         match &check.failure {
-            None => println!("  ok    {} ({cases} cases)", check.name),
-            Some(failure) => println!("  FAIL  {}: {failure}", check.name),
+            None => outln!("  ok    {} ({cases} cases)", check.name)?,
+            Some(failure) => outln!("  FAIL  {}: {failure}", check.name)?,
         }
     }
-    println!("{}", if report.passed() { "conformance: passed" } else { "conformance: FAILED" });
+    outln!("{}", if report.passed() { "conformance: passed" } else { "conformance: FAILED" })?;
     Ok(report.passed())
 }

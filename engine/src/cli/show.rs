@@ -27,19 +27,24 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
         Err(Error::StoreLocked { .. }) => engine::datasets_from_files(paths)?,
         // The catalog is only a cache: list from the files, and say what is wrong once.
         Err(e @ Error::NeedsRepair { .. }) => {
-            eprintln!("granary: warning: {e}; listing from the files");
+            errln!("granary: warning: {e}; listing from the files");
             engine::datasets_from_files(paths)?
         }
         Err(e) => return Err(e.into()),
     };
     if datasets.is_empty() {
-        println!("no datasets in {}", paths.root().display());
+        outln!("no datasets in {}", paths.root().display())?;
         return Ok(());
     }
-    println!(
+    outln!(
         "{:<24} {:>7}  {:<12} {:>12} {:>7} {:>11}  LAYOUT",
-        "DATASET", "VERSION", "MANIFEST", "RECORDS", "SHARDS", "SIZE"
-    );
+        "DATASET",
+        "VERSION",
+        "MANIFEST",
+        "RECORDS",
+        "SHARDS",
+        "SIZE"
+    )?;
     let (mut n_versions, mut total) = (0, 0);
     for dataset in &datasets {
         for (i, version) in dataset.versions.iter().enumerate() {
@@ -48,7 +53,7 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
             match &version.entry {
                 Some(entry) => {
                     total += entry.file_bytes;
-                    println!(
+                    outln!(
                         "{name:<24} {:>7}  {:<12} {:>12} {:>7} {:>11}  {}",
                         version.number,
                         version.manifest.0.short(12),
@@ -56,21 +61,21 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
                         entry.n_shards,
                         bytes(entry.file_bytes),
                         entry.layout
-                    );
+                    )?;
                 }
-                None => println!(
+                None => outln!(
                     "{name:<24} {:>7}  {:<12} (manifest missing: run `granary repair`)",
                     version.number,
                     version.manifest.0.short(12)
-                ),
+                )?,
             }
         }
     }
-    println!(
+    outln!(
         "{} datasets, {n_versions} versions, {} of shards referenced (shared shards counted per version)",
         datasets.len(),
         bytes(total)
-    );
+    )?;
     Ok(())
 }
 
@@ -88,18 +93,18 @@ pub(super) fn inspect(paths: &StorePaths, target: &str, n_records: u64) -> Resul
         Some((name, number)) => {
             let log = paths.read_ref(name)?;
             let numbers: Vec<String> = log.versions().iter().map(|v| v.number.to_string()).collect();
-            println!("dataset {name}, version {number} (live versions: {})", numbers.join(", "));
+            outln!("dataset {name}, version {number} (live versions: {})", numbers.join(", "))?;
         }
-        None => println!("dataset version {}", dataset.manifest_id()),
+        None => outln!("dataset version {}", dataset.manifest_id())?,
     }
     let manifest = dataset.manifest();
-    println!("manifest: {}", dataset.manifest_id());
-    println!("layout:   {}", manifest.layout());
-    println!("records:  {}", manifest.n_records());
-    println!("shards:   {} ({})", manifest.entries().len(), bytes(manifest.file_bytes()));
+    outln!("manifest: {}", dataset.manifest_id())?;
+    outln!("layout:   {}", manifest.layout())?;
+    outln!("records:  {}", manifest.n_records())?;
+    outln!("shards:   {} ({})", manifest.entries().len(), bytes(manifest.file_bytes()))?;
     let mut first = 0;
     for entry in manifest.entries() {
-        println!("  {}  records {first}..{}  {}", entry.shard, first + entry.n_records, bytes(entry.file_bytes));
+        outln!("  {}  records {first}..{}  {}", entry.shard, first + entry.n_records, bytes(entry.file_bytes))?;
         first += entry.n_records;
     }
     Ok(())
@@ -108,12 +113,12 @@ pub(super) fn inspect(paths: &StorePaths, target: &str, n_records: u64) -> Resul
 fn inspect_shard(path: PathBuf, n_records: u64) -> Result<()> {
     let meta = ShardMeta::read(&path)?;
     let footer = meta.footer();
-    println!("shard:    {}", path.file_stem().map(|s| s.to_string_lossy()).unwrap_or_default());
-    println!("path:     {}", path.display());
-    println!("format:   version {FORMAT_VERSION}, {BLOCK_BYTES_U64}-byte blocks, {} bytes", meta.file_bytes());
-    println!("layout:   {}", meta.layout());
-    println!("records:  {}, {} data bytes in {} blocks", meta.n_records(), meta.data_bytes(), meta.n_data_blocks());
-    println!(
+    outln!("shard:    {}", path.file_stem().map(|s| s.to_string_lossy()).unwrap_or_default())?;
+    outln!("path:     {}", path.display())?;
+    outln!("format:   version {FORMAT_VERSION}, {BLOCK_BYTES_U64}-byte blocks, {} bytes", meta.file_bytes())?;
+    outln!("layout:   {}", meta.layout())?;
+    outln!("records:  {}, {} data bytes in {} blocks", meta.n_records(), meta.data_bytes(), meta.n_data_blocks())?;
+    outln!(
         "regions:  header 0  data {}  index {} (+{})  checksums {} (+{})  footer {}",
         BLOCK_BYTES_U64,
         footer.index_offset,
@@ -121,13 +126,13 @@ fn inspect_shard(path: PathBuf, n_records: u64) -> Result<()> {
         footer.crc_table_offset,
         footer.crc_table_bytes,
         footer.footer_offset()
-    );
+    )?;
     for local in 0..meta.n_records().min(n_records) {
         let range = meta.record_range(local);
-        println!("  record {local}: offset {} length {}", range.start, range.end - range.start);
+        outln!("  record {local}: offset {} length {}", range.start, range.end - range.start)?;
     }
     if meta.n_records() > n_records {
-        println!("  ... {} more", meta.n_records() - n_records);
+        outln!("  ... {} more", meta.n_records() - n_records)?;
     }
     Ok(())
 }
@@ -136,24 +141,24 @@ pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode>
     let spec = spec.map(VersionSpec::parse).transpose()?;
     let report = engine::verify(paths, spec.as_ref())?;
     for failure in &report.failures {
-        eprintln!("granary: FAILED {}: {}", failure.path.display(), failure.error);
+        errln!("granary: FAILED {}: {}", failure.path.display(), failure.error);
     }
     for unreadable in &report.unreadable {
-        eprintln!("granary: UNREADABLE {unreadable}");
+        errln!("granary: UNREADABLE {unreadable}");
     }
     let versions = if spec.is_none() {
         format!(", {} live versions readable, {} unreadable", report.versions_ok, versions_hurt(&report))
     } else {
         String::new()
     };
-    println!(
+    outln!(
         "verified {} shards, {} manifests, {} refs ({}){versions}: {} failures",
         report.shards_ok,
         report.manifests_ok,
         report.refs_ok,
         bytes(report.bytes),
         report.failures.len() + report.unreadable.len()
-    );
+    )?;
     Ok(if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
@@ -167,26 +172,26 @@ fn versions_hurt(report: &engine::VerifyReport) -> usize {
 pub(super) fn repair(root: PathBuf) -> Result<()> {
     let (_granary, report) = Granary::open_and_repair(root, super::LOCK_WAIT)?;
     if let Some((path, why)) = &report.catalog_quarantined {
-        eprintln!("granary: the catalog could not be read ({why}); moved to {} and rebuilt", path.display());
+        errln!("granary: the catalog could not be read ({why}); moved to {} and rebuilt", path.display());
     }
     for (path, why) in &report.quarantined {
-        eprintln!("granary: quarantined {}: {why}", path.display());
+        errln!("granary: quarantined {}: {why}", path.display());
     }
     for (name, log) in &report.refs_rebuilt {
         let numbers: Vec<String> = log.versions().iter().map(|v| v.number.to_string()).collect();
-        eprintln!("granary: rebuilt the ref of {name} from its history (versions {})", numbers.join(", "));
+        errln!("granary: rebuilt the ref of {name} from its history (versions {})", numbers.join(", "));
     }
     for name in &report.refs_lost {
-        eprintln!(
+        errln!(
             "granary: the ref of {name} was damaged and has no history: its versions are unknown; `gc` keeps \
              its files for {} days",
             engine::GC_GRACE_DEFAULT.as_secs() / 86_400
         );
     }
     for missing in &report.missing {
-        eprintln!("granary: missing {missing}");
+        errln!("granary: missing {missing}");
     }
-    println!(
+    outln!(
         "catalog rebuilt: {} shards, {} manifests, {} datasets; {} quarantined, {} missing, {} temp files removed, \
          {} refs rebuilt from their history",
         report.shards,
@@ -196,7 +201,7 @@ pub(super) fn repair(root: PathBuf) -> Result<()> {
         report.missing.len(),
         report.tmp_removed,
         report.refs_rebuilt.len()
-    );
+    )?;
     if !report.refs_lost.is_empty() {
         bail!("{} datasets lost their ref", report.refs_lost.len());
     }
@@ -218,6 +223,6 @@ pub(super) fn gc(root: PathBuf, prune_now: bool) -> Result<()> {
     } else {
         String::new()
     };
-    println!("removed {} shards and {} manifests ({}){kept}", report.shards, report.manifests, bytes(report.bytes));
+    outln!("removed {} shards and {} manifests ({}){kept}", report.shards, report.manifests, bytes(report.bytes))?;
     Ok(())
 }

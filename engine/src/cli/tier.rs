@@ -40,20 +40,20 @@ pub(crate) fn run(command: TierCommand) -> Result<()> {
     match command {
         TierCommand::Status { .. } => {
             let (extents, held) = tier.resident()?;
-            println!("directory  {}", tier.dir().display());
-            println!("holds      {} in {} extents of up to {}", bytes(held), extents.len(), bytes(tier.extent_bytes()));
+            outln!("directory  {}", tier.dir().display())?;
+            outln!("holds      {} in {} extents of up to {}", bytes(held), extents.len(), bytes(tier.extent_bytes()))?;
             match budget {
-                Some(budget) => println!("budget     {} (GRANARY_TIER_BYTES)", bytes(budget)),
-                None => println!(
+                Some(budget) => outln!("budget     {} (GRANARY_TIER_BYTES)", bytes(budget))?,
+                None => outln!(
                     "budget     set by each loader (default: half of MemAvailable, now {} after memory pressure)",
                     bytes(tier.effective_budget(held))
-                ),
+                )?,
             }
         }
         TierCommand::Clear { .. } => {
             let (extents, held) = tier.resident()?;
             tier.clear()?;
-            println!("removed {} extents ({}) from {}", extents.len(), bytes(held), tier.dir().display());
+            outln!("removed {} extents ({}) from {}", extents.len(), bytes(held), tier.dir().display())?;
         }
     }
     Ok(())

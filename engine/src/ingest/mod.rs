@@ -22,7 +22,7 @@ use std::io::Read;
 use std::path::PathBuf;
 
 pub use megatron::{MegatronIndex, records_from_megatron};
-pub use sources::{Progress, files_from_dir, records_from_files, samples_from_tars};
+pub use sources::{Progress, check_regular_files, files_from_dir, records_from_files, samples_from_tars};
 
 use crate::catalog::{Catalog, ObjectEntry};
 use crate::error::{Error, Result};

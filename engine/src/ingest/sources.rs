@@ -11,12 +11,17 @@ use super::Ingest;
 use crate::error::{Error, Result};
 use crate::shard::encode_sample;
 
-/// Receives progress of a long ingest, in input bytes.
+/// Receives progress of a long ingest, in input bytes, and what it skipped.
 pub trait Progress {
     /// The total, once known.
     fn start(&self, total_bytes: u64);
     /// `bytes` more are done.
     fn advance(&self, bytes: u64);
+    /// A member of input `source` (a link, a device, ... in a tar) was not ingested, for
+    /// `reason`. The default ignores it; a caller that shows progress should show this too.
+    fn skipped(&self, source: &Path, member: &str, reason: &str) {
+        let _ = (source, member, reason);
+    }
 }
 
 impl Progress for () {
@@ -42,10 +47,7 @@ pub fn records_from_files(
     }
     let mut plan = Vec::with_capacity(files.len());
     for path in files {
-        let meta = fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
-        if !meta.is_file() {
-            return Err(Error::invalid_input(format!("{} is not a regular file", path.display())));
-        }
+        let meta = regular_file(path)?;
         let remainder = meta.len() % record_bytes;
         if remainder != 0 && !drop_remainder {
             return Err(Error::invalid_input(format!(
@@ -56,6 +58,12 @@ pub fn records_from_files(
             )));
         }
         plan.push((path, meta.len() / record_bytes));
+    }
+    if plan.iter().all(|(_, n)| *n == 0) {
+        return Err(Error::invalid_input(format!(
+            "{}: no record of {record_bytes} bytes in the input: nothing to ingest",
+            names(files)
+        )));
     }
     progress.start(plan.iter().map(|(_, n)| n * record_bytes).sum());
     for (path, n_records) in plan {
@@ -79,6 +87,9 @@ pub fn files_from_dir(ingest: &mut Ingest<'_>, dir: &Path, progress: &dyn Progre
     }
     let mut files = Vec::new();
     walk(dir, Path::new(""), &mut files)?;
+    if files.is_empty() {
+        return Err(Error::invalid_input(format!("{}: no regular file under it: nothing to ingest", dir.display())));
+    }
     files.sort_by(|a, b| a.0.as_os_str().as_encoded_bytes().cmp(b.0.as_os_str().as_encoded_bytes()));
     progress.start(files.iter().map(|(_, len)| len).sum());
     for (relative, len) in &files {
@@ -111,30 +122,37 @@ fn walk(root: &Path, relative: &Path, out: &mut Vec<(PathBuf, u64)>) -> Result<(
 /// dot of the file name) form one sample, stored as one record in the sample encoding with one
 /// part per entry, named by the rest of the file name ("jpg", "seg.png", "cls"). Returns the
 /// number of samples.
+///
+/// Reading goes on past an end-of-archive marker when more headers follow (GNU tar's
+/// `--ignore-zeros`), so concatenated tars (`cat a.tar b.tar`) are read whole. Directories and
+/// pax global headers hold no data and are passed over; every other member that is not a
+/// regular file (a link, a device, a FIFO) is reported to `progress.skipped` with the reason.
 pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &dyn Progress) -> Result<u64> {
     if tars.is_empty() {
         return Err(Error::invalid_input("no input tar files"));
     }
-    let mut total = 0;
-    for path in tars {
-        total += fs::metadata(path).map_err(|e| Error::io("open", path, e))?.len();
-    }
-    progress.start(total);
+    progress.start(check_regular_files(tars)?);
     let mut n_samples = 0;
     for path in tars {
         let bad_tar =
             |e: std::io::Error| Error::invalid_input(format!("{}: not a readable tar file: {e}", path.display()));
         let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
         let mut archive = tar::Archive::new(BufReader::with_capacity(1 << 20, file));
+        archive.set_ignore_zeros(true);
         let mut sample = SampleBuilder::default();
         for entry in archive.entries().map_err(bad_tar)? {
             let mut entry = entry.map_err(bad_tar)?;
             let size = entry.size();
             progress.advance(size.saturating_add(512));
-            if !entry.header().entry_type().is_file() {
-                continue;
-            }
             let name = entry.path().map_err(bad_tar)?.to_string_lossy().into_owned();
+            match not_a_part(&entry) {
+                None => {}
+                Some(Skip::Quietly) => continue,
+                Some(Skip::Report(reason)) => {
+                    progress.skipped(path, &name, &reason);
+                    continue;
+                }
+            }
             let (key, part) = split_key(&name);
             if sample.key.as_deref() != Some(key) {
                 if sample.flush(ingest)? {
@@ -162,7 +180,84 @@ pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &d
             n_samples += 1;
         }
     }
+    if n_samples == 0 {
+        return Err(Error::invalid_input(format!(
+            "{}: no sample in the input (no member is a regular file): nothing to ingest",
+            names(tars)
+        )));
+    }
     Ok(n_samples)
+}
+
+/// Checks that every path is a regular file and returns their total size: a FIFO, a device or a
+/// socket would block or never end, so it is refused before anything is opened (the command
+/// line calls this before it takes the store's lock).
+pub fn check_regular_files(paths: &[PathBuf]) -> Result<u64> {
+    let mut total: u64 = 0;
+    for path in paths {
+        total = total.saturating_add(regular_file(path)?.len());
+    }
+    Ok(total)
+}
+
+fn regular_file(path: &Path) -> Result<fs::Metadata> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
+    let kind = meta.file_type();
+    let what = if kind.is_file() {
+        return Ok(meta);
+    } else if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    };
+    Err(Error::invalid_input(format!("{} is {what}; only regular files are ingested", path.display())))
+}
+
+/// The input paths for a message: the one, or the first and how many more.
+fn names(paths: &[PathBuf]) -> String {
+    match paths {
+        [one] => one.display().to_string(),
+        [first, rest @ ..] => format!("{} and {} more", first.display(), rest.len()),
+        [] => "no input".to_owned(),
+    }
+}
+
+/// Why a tar member is not a sample part.
+enum Skip {
+    /// It holds no data of its own (a directory, a pax global header).
+    Quietly,
+    /// It is something the user may have meant as data; the reason says what.
+    Report(String),
+}
+
+/// `None` for a member whose bytes are a sample part (a regular file, contiguous or sparse).
+fn not_a_part<R: Read>(entry: &tar::Entry<'_, R>) -> Option<Skip> {
+    use tar::EntryType;
+    let kind = entry.header().entry_type();
+    let target = || match entry.link_name() {
+        Ok(Some(target)) => format!(" to {}", target.to_string_lossy()),
+        _ => String::new(),
+    };
+    let reason = match kind {
+        EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => return None,
+        EntryType::Directory | EntryType::XGlobalHeader => return Some(Skip::Quietly),
+        EntryType::Symlink => format!("a symbolic link{}; links are not followed", target()),
+        EntryType::Link => format!("a hard link{}; links are not followed", target()),
+        EntryType::Char => "a character device".to_owned(),
+        EntryType::Block => "a block device".to_owned(),
+        EntryType::Fifo => "a FIFO".to_owned(),
+        other => format!("a member of type {:?}, not a regular file", other.as_byte() as char),
+    };
+    Some(Skip::Report(reason))
 }
 
 /// Splits a tar path into its WebDataset key and part name: `dir/000017.seg.png` is key

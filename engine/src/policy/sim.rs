@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::trace::Request;
 use super::{EpochSpec, Evictor, NodeInfo, Partitioner, Plugin, RankInfo, RankPlan, Replicator, ShardInfo};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Accesses per evictor call.
 pub const EVICT_BATCH: usize = 1024;
@@ -86,9 +86,28 @@ pub struct Movement {
     pub only_changed_members: bool,
 }
 
-/// A synthetic dataset of `n_shards` shards of `records_per_shard` records.
-pub fn synthetic_shards(n_shards: u64, records_per_shard: u64) -> Vec<ShardInfo> {
-    (0..n_shards)
+/// Shards of a synthetic dataset.
+pub const SHARDS_MAX: u64 = 1 << 20;
+/// Records of one synthetic shard (each counted as 4 KiB).
+pub const RECORDS_PER_SHARD_MAX: u64 = 1 << 32;
+/// Ranks of a simulated world (the host checks a plan against every rank).
+pub const RANKS_MAX: u32 = 1 << 14;
+/// Nodes of a simulated cluster.
+pub const NODES_MAX: u32 = 1 << 12;
+
+fn check_count(what: &str, n: u64, min: u64, max: u64) -> Result<()> {
+    if n < min || n > max {
+        return Err(Error::invalid_input(format!("{what} must be in {min}..={max}, not {n}")));
+    }
+    Ok(())
+}
+
+/// A synthetic dataset of `n_shards` shards (1..=`SHARDS_MAX`) of `records_per_shard` records
+/// (1..=`RECORDS_PER_SHARD_MAX`).
+pub fn synthetic_shards(n_shards: u64, records_per_shard: u64) -> Result<Vec<ShardInfo>> {
+    check_count("the number of shards", n_shards, 1, SHARDS_MAX)?;
+    check_count("the records per shard", records_per_shard, 1, RECORDS_PER_SHARD_MAX)?;
+    Ok((0..n_shards)
         .map(|i| {
             let id = *blake3::hash(&i.to_le_bytes()).as_bytes();
             ShardInfo {
@@ -98,7 +117,15 @@ pub fn synthetic_shards(n_shards: u64, records_per_shard: u64) -> Vec<ShardInfo>
                 replicas: vec![(i % 8) as u32],
             }
         })
-        .collect()
+        .collect())
+}
+
+/// Weights cycle over the ids: some must be above zero, or no share is defined.
+fn check_weights(weights: &[u32]) -> Result<()> {
+    if !weights.is_empty() && weights.iter().all(|&w| w == 0) {
+        return Err(Error::invalid_input("every weight is 0: at least one must be above 0"));
+    }
+    Ok(())
 }
 
 fn world(n_ranks: u32, weights: &[u32]) -> (Vec<RankInfo>, Vec<NodeInfo>) {
@@ -108,8 +135,8 @@ fn world(n_ranks: u32, weights: &[u32]) -> (Vec<RankInfo>, Vec<NodeInfo>) {
     (ranks, nodes)
 }
 
-/// Plans one epoch for each world size in `worlds` and measures balance and the movement of
-/// record ownership between consecutive worlds.
+/// Plans one epoch for each world size in `worlds` (each 1..=`RANKS_MAX`) and measures balance
+/// and the movement of record ownership between consecutive worlds.
 pub fn partition(
     plugin: &Plugin,
     options: &[(String, String)],
@@ -118,6 +145,14 @@ pub fn partition(
     weights: &[u32],
     batch_size: u64,
 ) -> Result<(Vec<PartitionResult>, Vec<Movement>)> {
+    if worlds.is_empty() {
+        return Err(Error::invalid_input("no world size to simulate"));
+    }
+    for &n in worlds {
+        check_count("a world size (ranks)", u64::from(n), 1, u64::from(RANKS_MAX))?;
+    }
+    check_count("the batch size", batch_size, 1, u64::MAX)?;
+    check_weights(weights)?;
     let mut partitioner = Partitioner::new(plugin.clone(), options, None)?;
     let total: u64 = shards.iter().map(|s| s.records).sum();
     let mut results = Vec::new();
@@ -194,8 +229,9 @@ pub struct ReplicationResult {
     pub elapsed: Duration,
 }
 
-/// Places for `n` nodes, then for `n + 1` (one added) and `n - 1` (the last removed); returns the
-/// three placements and the movements from the first to each of the others.
+/// Places for `n` nodes (2..=`NODES_MAX`), then for `n + 1` (one added) and `n - 1` (the last
+/// removed); returns the three placements and the movements from the first to each of the
+/// others.
 pub fn replicate(
     plugin: &Plugin,
     options: &[(String, String)],
@@ -204,6 +240,11 @@ pub fn replicate(
     weights: &[u32],
     domains: u32,
 ) -> Result<(Vec<ReplicationResult>, Vec<Movement>)> {
+    // One node is added and one removed, so there is a node left.
+    check_count("the number of nodes", u64::from(n), 2, u64::from(NODES_MAX))?;
+    check_count("the number of replicas", u64::from(replicas), 1, u64::from(NODES_MAX))?;
+    check_count("the number of failure domains", u64::from(domains), 1, u64::from(NODES_MAX))?;
+    check_weights(weights)?;
     let mut replicator = Replicator::new(plugin.clone(), options, None)?;
     let node = |id: u32| NodeInfo {
         id,

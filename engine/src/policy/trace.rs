@@ -15,6 +15,20 @@ use crate::plan::{EpochPlan, Order};
 /// Bytes of one record.
 pub const RECORD_BYTES: usize = 24;
 
+/// Requests in a trace held in memory (about 2 GiB of them, and as much again to annotate):
+/// a generator or a reader asked for more refuses rather than allocate without bound.
+pub const REQUESTS_MAX: u64 = 1 << 26;
+
+/// Distinct objects of a generated trace (the Zipf table holds one `f64` each).
+pub const OBJECTS_MAX: u64 = 1 << 26;
+
+fn check_count(what: &str, n: u64, max: u64) -> Result<()> {
+    if n == 0 || n > max {
+        return Err(Error::invalid_input(format!("{what} must be in 1..={max}, not {n}")));
+    }
+    Ok(())
+}
+
 /// One request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {
@@ -36,6 +50,13 @@ pub fn read(path: &Path) -> Result<Vec<Request>> {
         return Err(Error::invalid_input(format!(
             "{}: {len} bytes is not a whole number of {RECORD_BYTES}-byte oracleGeneral records",
             path.display()
+        )));
+    }
+    if len / RECORD_BYTES as u64 > REQUESTS_MAX {
+        return Err(Error::invalid_input(format!(
+            "{}: {} requests; a trace of at most {REQUESTS_MAX} is simulated in memory",
+            path.display(),
+            len / RECORD_BYTES as u64
         )));
     }
     let mut reader = BufReader::with_capacity(1 << 20, file);
@@ -77,9 +98,15 @@ pub fn annotate_next_use(requests: &mut [Request]) {
     }
 }
 
-/// `n_requests` requests to `n_objects` objects of size 1 with Zipf(`alpha`) popularity.
-pub fn zipf(n_objects: u64, n_requests: u64, alpha: f64, seed: u64) -> Vec<Request> {
-    let n_objects = n_objects.max(1);
+/// `n_requests` requests to `n_objects` objects of size 1 with Zipf(`alpha`) popularity. Both
+/// counts are at least 1 and at most `OBJECTS_MAX` and `REQUESTS_MAX`; `alpha` is finite and
+/// not negative.
+pub fn zipf(n_objects: u64, n_requests: u64, alpha: f64, seed: u64) -> Result<Vec<Request>> {
+    check_count("the number of objects", n_objects, OBJECTS_MAX)?;
+    check_count("the number of requests", n_requests, REQUESTS_MAX)?;
+    if !(alpha.is_finite() && alpha >= 0.0) {
+        return Err(Error::invalid_input(format!("the Zipf skew must be finite and not negative, not {alpha}")));
+    }
     let mut cumulative = Vec::with_capacity(usize::try_from(n_objects).unwrap_or(0));
     let mut total = 0.0;
     for rank in 1..=n_objects {
@@ -98,12 +125,20 @@ pub fn zipf(n_objects: u64, n_requests: u64, alpha: f64, seed: u64) -> Vec<Reque
         })
         .collect();
     annotate_next_use(&mut requests);
-    requests
+    Ok(requests)
 }
 
 /// `epochs` passes over `n_objects` objects, each pass in a fresh seeded order: what a training
-/// loop that shuffles every epoch asks of a cache.
-pub fn epoch_shuffled(n_objects: u64, epochs: u64, seed: u64) -> Vec<Request> {
+/// loop that shuffles every epoch asks of a cache. Both are at least 1, and the requests
+/// (`n_objects * epochs`) at most `REQUESTS_MAX`.
+pub fn epoch_shuffled(n_objects: u64, epochs: u64, seed: u64) -> Result<Vec<Request>> {
+    check_count("the number of objects", n_objects, REQUESTS_MAX)?;
+    check_count("the number of epochs", epochs, REQUESTS_MAX)?;
+    if n_objects.saturating_mul(epochs) > REQUESTS_MAX {
+        return Err(Error::invalid_input(format!(
+            "{epochs} epochs over {n_objects} objects is more than {REQUESTS_MAX} requests"
+        )));
+    }
     let mut requests = Vec::with_capacity(usize::try_from(n_objects * epochs).unwrap_or(0));
     for epoch in 0..epochs {
         let plan = EpochPlan::new(n_objects, seed, epoch, Order::Shuffled);
@@ -118,7 +153,7 @@ pub fn epoch_shuffled(n_objects: u64, epochs: u64, seed: u64) -> Vec<Request> {
         }
     }
     annotate_next_use(&mut requests);
-    requests
+    Ok(requests)
 }
 
 fn mix(mut z: u64) -> u64 {
@@ -164,7 +199,7 @@ mod tests {
     fn traces_round_trip_and_next_uses_point_forward() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.bin");
-        let trace = zipf(100, 5000, 1.0, 3);
+        let trace = zipf(100, 5000, 1.0, 3).unwrap();
         write(&path, &trace).unwrap();
         assert_eq!(read(&path).unwrap(), trace);
         for (i, request) in trace.iter().enumerate() {
@@ -173,7 +208,7 @@ mod tests {
                 assert_eq!(trace[request.next_use as usize].key, request.key);
             }
         }
-        let shuffled = epoch_shuffled(50, 3, 1);
+        let shuffled = epoch_shuffled(50, 3, 1).unwrap();
         assert_eq!(shuffled.len(), 150);
         let mut first: Vec<u64> = shuffled[..50].iter().map(|r| r.key).collect();
         first.sort_unstable();

@@ -867,6 +867,12 @@ impl Shared {
         nodes
     }
 
+    /// Peers of the membership that have not said hello yet (not started, or unreachable since
+    /// this node started): nodes of the job all the same.
+    fn peers_not_heard_from(&self) -> usize {
+        self.peers.lock().expect("the peer lock is never poisoned").iter().filter(|p| p.hello.is_none()).count()
+    }
+
     /// Nodes (this one included) that are up and hold the object.
     fn holders(&self, kind: WireKind, id: ObjectId) -> Vec<u32> {
         let mut out = Vec::new();
@@ -1080,6 +1086,10 @@ impl Shared {
         let paths = self.local.paths().clone();
         let (manifest_id, _) = paths.resolve(&spec)?;
         let manifest = paths.read_manifest(manifest_id)?;
+        // A node holds at most one copy of a shard: a factor above the nodes of the job cannot
+        // be met, and is refused before a goal is saved or a ref pushed. (One above the nodes
+        // up now can, once they are back: a goal, kept by the reconciler.)
+        check_replicas_possible(&self.node_infos(), self.peers_not_heard_from(), replicas)?;
         {
             let shared = Arc::clone(self);
             let name = name.clone();
@@ -1148,7 +1158,9 @@ impl Shared {
                         Err(e) => errors.push(format!("shard {} to node {target}: {e}", shard.0.short(12))),
                     }
                 }
-                (made, errors)
+                // A node that is down is no target: the copies are counted, not assumed from
+                // the plan.
+                (made, errors, holders.len() as u64 + made)
             });
         }
         // A shard counts as done once every copy it needed is confirmed (at once, when it needed
@@ -1157,16 +1169,27 @@ impl Shared {
         if let Some(progress) = &progress {
             let _ = progress.send((done, total)).await;
         }
+        let (mut n_short, mut copies_min) = (0u64, u64::from(replicas));
         while let Some(joined) = tasks.join_next().await {
-            let (made, errors) = joined.map_err(|e| Error::invalid_input(format!("a replication task failed: {e}")))?;
+            let (made, errors, copies) =
+                joined.map_err(|e| Error::invalid_input(format!("a replication task failed: {e}")))?;
             report.copies_made += made;
-            if errors.is_empty() {
+            if copies < u64::from(replicas) {
+                n_short += 1;
+                copies_min = copies_min.min(copies);
+            } else if errors.is_empty() {
                 done += 1;
             }
             failures.extend(errors);
             if let Some(progress) = &progress {
                 let _ = progress.send((done, total)).await;
             }
+        }
+        if n_short > 0 {
+            failures.push(format!(
+                "{n_short} of {total} shards have fewer than {replicas} copies (as few as {copies_min}) with {} nodes up",
+                up.len() + 1
+            ));
         }
         report.shards_done = done;
         report.failures = failures;
@@ -1513,6 +1536,24 @@ async fn probe(
     drop(peers);
     shared.wake.notify_one();
     Ok(())
+}
+
+/// Refuses a replication factor above the nodes of the job that may take copies (`nodes` with
+/// a weight, up or not, and the peers not heard from yet): each holds at most one copy of a
+/// shard, so such a goal is never met.
+fn check_replicas_possible(nodes: &[NodeInfo], n_unheard: usize, replicas: u32) -> Result<()> {
+    let holding: Vec<&NodeInfo> = nodes.iter().filter(|n| n.weight > 0).collect();
+    let n_job = holding.len() + n_unheard;
+    if replicas as usize <= n_job {
+        return Ok(());
+    }
+    let n_up = holding.iter().filter(|n| n.up).count();
+    let domains: BTreeSet<u32> = holding.iter().map(|n| n.failure_domain).collect();
+    let unheard = if n_unheard > 0 { format!(", {n_unheard} not heard from") } else { String::new() };
+    Err(Error::invalid_input(format!(
+        "{replicas} copies of each shard asked, but the job has {n_job} nodes ({n_up} up{unheard}) in {} failure domains, and a node holds at most one copy",
+        domains.len()
+    )))
 }
 
 /// What `replicate` did.
