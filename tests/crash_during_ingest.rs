@@ -44,7 +44,17 @@ fn crash_during_ingest_leaves_no_partial_shard_and_a_consistent_catalog() {
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_granary"))
             .arg("--root")
             .arg(&root)
-            .args(["ingest", "records", "--name", "crashy", "--record-bytes", "1024", "--shard-bytes", "64K"])
+            .args([
+                "ingest",
+                "records",
+                "--name",
+                "crashy",
+                "--append",
+                "--record-bytes",
+                "1024",
+                "--shard-bytes",
+                "64K",
+            ])
             .arg(&input)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())

@@ -228,8 +228,19 @@ impl Drop for Cluster {
 
 /// `granary ingest` of 4 KiB u16 records into dataset `tokens`, in 512 KiB shards (the input
 /// file follows).
-const INGEST_TOKENS: &[&str] =
-    &["ingest", "records", "--name", "tokens", "--record-bytes", "4096", "--dtype", "u16", "--shard-bytes", "512K"];
+const INGEST_TOKENS: &[&str] = &[
+    "ingest",
+    "records",
+    "--name",
+    "tokens",
+    "--append",
+    "--record-bytes",
+    "4096",
+    "--dtype",
+    "u16",
+    "--shard-bytes",
+    "512K",
+];
 
 fn shards_of(root: &Path, name: &str) -> Vec<ShardId> {
     let dataset = Dataset::open(&StorePaths::new(root), &VersionSpec::parse(name).unwrap()).unwrap();

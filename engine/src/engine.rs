@@ -66,11 +66,27 @@ impl Granary {
     /// Opens (or, with `create`, creates) the store for writing, waiting up to `wait` while
     /// another writer holds it: an ingest, or a replication node publishing what arrived.
     pub fn open_waiting(root: impl Into<PathBuf>, create: bool, wait: std::time::Duration) -> Result<Self> {
+        Self::open_waiting_telling(root, create, wait, &mut |_| {})
+    }
+
+    /// `open_waiting`, calling `waiting` once, with the error that made it wait (it names the
+    /// lock's holder), before it starts to wait: a command line says at once that it waits.
+    pub fn open_waiting_telling(
+        root: impl Into<PathBuf>,
+        create: bool,
+        wait: std::time::Duration,
+        waiting: &mut dyn FnMut(&Error),
+    ) -> Result<Self> {
         let root = root.into();
         let started = std::time::Instant::now();
+        let mut told = false;
         loop {
             match Self::open_inner(root.clone(), create) {
                 Err(e) if e.is_busy() && started.elapsed() < wait => {
+                    if !told {
+                        waiting(&e);
+                        told = true;
+                    }
                     std::thread::sleep(std::time::Duration::from_millis(20));
                 }
                 other => return other,

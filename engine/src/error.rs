@@ -364,10 +364,13 @@ pub enum Error {
         n_records: u64,
     },
     /// Another process holds the store's write lock.
-    #[error("store {} is locked by another process", root.display())]
+    #[error("store {} is locked by {}", root.display(), holder.as_deref().unwrap_or("another process"))]
     StoreLocked {
         /// The store root.
         root: PathBuf,
+        /// Who holds it, as the holder wrote in the lock file (`process PID (COMMAND)`), when
+        /// known.
+        holder: Option<String>,
     },
     /// A store this process can read but not write: on a read-only file system, or another
     /// user's. Readers (listing, inspecting, verifying, loading) work without the write lock.

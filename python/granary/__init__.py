@@ -150,10 +150,22 @@ class Store:
         shard_bytes: Optional[int] = None,
         progress: Union[bool, Callable[[int, int], None], None] = None,
     ) -> Dict[str, Any]:
-        """WebDataset tar files: the entries sharing a key are one sample, one record."""
-        return self._native.ingest_tars(
+        """WebDataset tar files: the entries sharing a key are one sample, one record. Members
+        that are not files (links, devices) are not ingested: each is listed under `skipped` in
+        what is returned (`source`, `member`, `reason`), and a warning says how many."""
+        committed = self._native.ingest_tars(
             name, _paths(tars), mode=_mode(mode, replace), shard_bytes=shard_bytes, progress=progress
         )
+        if committed["skipped"]:
+            import warnings
+
+            first = committed["skipped"][0]
+            warnings.warn(
+                f"{len(committed['skipped'])} tar members not ingested, as {first['member']!r} of "
+                f"{first['source']}: {first['reason']} (see 'skipped' in what ingest_tars returned)",
+                stacklevel=2,
+            )
+        return committed
 
     def ingest_megatron(
         self,

@@ -129,7 +129,18 @@ impl Store {
         report.finish();
         report.check()?;
         let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
-        committed_dict(py, &committed)
+        let out = committed_dict(py, &committed)?;
+        let skipped = PyList::empty(py);
+        for (source, member, reason) in report.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter()
+        {
+            let entry = PyDict::new(py);
+            entry.set_item("source", source)?;
+            entry.set_item("member", member)?;
+            entry.set_item("reason", reason)?;
+            skipped.append(entry)?;
+        }
+        out.set_item("skipped", skipped)?;
+        Ok(out)
     }
 
     /// Ingests files as a new version of dataset `name`. With `dtype` and `shape`: files of
@@ -242,7 +253,18 @@ impl Store {
         report.finish();
         report.check()?;
         let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
-        committed_dict(py, &committed)
+        let out = committed_dict(py, &committed)?;
+        let skipped = PyList::empty(py);
+        for (source, member, reason) in report.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter()
+        {
+            let entry = PyDict::new(py);
+            entry.set_item("source", source)?;
+            entry.set_item("member", member)?;
+            entry.set_item("reason", reason)?;
+            skipped.append(entry)?;
+        }
+        out.set_item("skipped", skipped)?;
+        Ok(out)
     }
 }
 
@@ -312,6 +334,8 @@ struct Report {
     last: Mutex<Option<Instant>>,
     /// The first exception the callable raised; the ingest fails with it.
     failed: Mutex<Option<PyErr>>,
+    /// Input members not ingested (links, devices in a tar): source, member, why.
+    skipped: Mutex<Vec<(String, String, String)>>,
 }
 
 enum Sink {
@@ -342,6 +366,7 @@ impl Report {
             records: AtomicU64::new(0),
             last: Mutex::new(None),
             failed: Mutex::new(None),
+            skipped: Mutex::new(Vec::new()),
         })
     }
 
@@ -388,6 +413,14 @@ impl Report {
 }
 
 impl Progress for Report {
+    fn skipped(&self, source: &std::path::Path, member: &str, reason: &str) {
+        self.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((
+            source.display().to_string(),
+            member.to_owned(),
+            reason.to_owned(),
+        ));
+    }
+
     fn start(&self, total_bytes: u64) {
         self.total.store(total_bytes, Ordering::Relaxed);
     }

@@ -764,3 +764,19 @@ def test_the_same_ingest_twice_changes_nothing_and_a_different_one_asks_for_inte
     assert store.ingest("t", more, dtype="uint16", shape=[RECORD], replace=True)["records"] == 10
     with pytest.raises(ValueError, match="mode='banana'"):
         store.ingest("t", more, dtype="uint16", shape=[RECORD], mode="banana")
+
+
+def test_tar_members_that_are_not_files_are_listed_and_warned_about(store, tmp_path):
+    tar_path = tmp_path / "links.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        member = tmp_path / "s0.txt"
+        member.write_bytes(b"s0")
+        tar.add(member, arcname="s0.txt")
+        link = tarfile.TarInfo("s1.txt")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "s0.txt"
+        tar.addfile(link)
+    with pytest.warns(UserWarning, match="1 tar members not ingested, as 's1.txt'"):
+        out = store.ingest_tars("wds", tar_path)
+    assert out["records"] == 1
+    assert [(s["member"], "link" in s["reason"]) for s in out["skipped"]] == [("s1.txt", True)]

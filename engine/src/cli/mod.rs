@@ -32,6 +32,12 @@ struct Cli {
     /// The store's root directory (or set GRANARY_ROOT).
     #[arg(long, global = true, env = "GRANARY_ROOT", value_name = "DIR")]
     root: Option<PathBuf>,
+    /// How long a command that writes waits for another process's write lock on the store.
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 60)]
+    wait: u64,
+    /// A command that writes fails at once when another process holds the store's write lock.
+    #[arg(long, global = true, conflicts_with = "wait")]
+    no_wait: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -145,6 +151,14 @@ enum IngestCommand {
         #[arg(required = true)]
         tars: Vec<PathBuf>,
     },
+    /// A Megatron-LM indexed dataset (PREFIX.bin + PREFIX.idx): each sequence is one record,
+    /// an array of the index's dtype, in order (record i is Megatron's IndexedDataset[i]).
+    Megatron {
+        #[command(flatten)]
+        common: IngestArgs,
+        /// The dataset's path without .bin/.idx (or either file).
+        prefix: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -152,7 +166,12 @@ struct IngestArgs {
     /// The dataset's name.
     #[arg(long)]
     name: String,
-    /// Make the new version hold only these records instead of appending them.
+    /// Into a dataset that exists: add these records to its current version's.
+    #[arg(long, conflicts_with = "replace")]
+    append: bool,
+    /// Into a dataset that exists: make these records the new version. Without --append or
+    /// --replace, a dataset that exists takes only exactly the records it holds (nothing
+    /// changes: the same ingest twice is harmless) and anything else is refused.
     #[arg(long)]
     replace: bool,
     /// Close a shard once it holds this much record data (suffixes K, M, G, KiB, MiB, GiB).
@@ -182,8 +201,30 @@ enum BenchCommand {
 }
 
 /// How long a command that writes waits for another writer (an ingest, or `granary serve`
-/// publishing what arrived from a peer) to release the store.
-pub(crate) const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+/// publishing what arrived from a peer) to release the store: `--wait`, `--no-wait`.
+static LOCK_WAIT: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+
+fn lock_wait() -> std::time::Duration {
+    *LOCK_WAIT.get().unwrap_or(&std::time::Duration::from_secs(60))
+}
+
+/// Says once, at once, that a command waits for another process's write lock, and on whom.
+fn tell_waiting(error: &granary::Error) {
+    errln!(
+        "granary: {error}; waiting up to {} s for it (--wait SECONDS to wait longer, --no-wait not at all)",
+        lock_wait().as_secs()
+    );
+}
+
+/// Opens the store for writing, waiting for another writer as `--wait` says and saying so.
+pub(crate) fn open_writer(root: &std::path::Path, create: bool) -> granary::Result<Granary> {
+    Granary::open_waiting_telling(root, create, lock_wait(), &mut tell_waiting)
+}
+
+/// Opens the store for writing and repairs it, waiting for another writer as `open_writer`.
+pub(crate) fn open_and_repair(root: &std::path::Path) -> granary::Result<(Granary, granary::engine::RepairReport)> {
+    Granary::open_and_repair_telling(root, lock_wait(), &mut tell_waiting)
+}
 
 /// Runs the command line; prints errors as one line.
 pub(crate) fn main() -> ExitCode {
@@ -217,6 +258,8 @@ fn one_line(error: &anyhow::Error) -> String {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
+    let _ =
+        LOCK_WAIT.set(if cli.no_wait { std::time::Duration::ZERO } else { std::time::Duration::from_secs(cli.wait) });
     if let Command::Plugin(command) = cli.command {
         return plugin::run(command).map(|ok| if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
     }
@@ -262,6 +305,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         }
         IngestCommand::Files { common, .. } => (common, Layout::Bytes),
         IngestCommand::Tar { common, .. } => (common, Layout::Samples),
+        IngestCommand::Megatron { common, .. } => (common, Layout::Bytes),
     };
     let name = DatasetName::new(&common.name)?;
     // What replicating afterwards needs is checked before anything is ingested: a failure
@@ -273,7 +317,11 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     };
     let options = IngestOptions {
         shard_bytes_target: common.shard_bytes,
-        mode: if common.replace { IngestMode::Replace } else { IngestMode::Append },
+        mode: match (common.append, common.replace) {
+            (true, _) => IngestMode::Append,
+            (_, true) => IngestMode::Replace,
+            _ => IngestMode::New,
+        },
         ..IngestOptions::default()
     };
     // An input that is not a regular file (a FIFO would block with the store locked) is
@@ -281,11 +329,20 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     match &command {
         IngestCommand::Records { files, .. } => _ = ingest::check_regular_files(files)?,
         IngestCommand::Tar { tars, .. } => _ = ingest::check_regular_files(tars)?,
-        IngestCommand::Files { .. } => {}
+        IngestCommand::Files { .. } | IngestCommand::Megatron { .. } => {}
     }
+    // A Megatron index is read and checked whole before the store is touched; it decides the
+    // layout (its dtype).
+    let (layout, megatron) = match &command {
+        IngestCommand::Megatron { prefix, .. } => {
+            let index = ingest::MegatronIndex::open(prefix)?;
+            (index.layout(), Some(index))
+        }
+        _ => (layout, None),
+    };
     // A typo in --root would otherwise make a new empty store without a word.
     let created = StorePaths::new(&root).check().is_err();
-    let mut granary = Granary::open_waiting(&root, true, LOCK_WAIT)?;
+    let mut granary = open_writer(&root, true)?;
     let mut session = granary.ingest(name, layout, options)?;
     let bar = Bar::new();
     match &command {
@@ -298,26 +355,54 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         IngestCommand::Tar { tars, .. } => {
             ingest::samples_from_tars(&mut session, tars, &bar)?;
         }
+        IngestCommand::Megatron { .. } => {
+            let index = megatron.as_ref().context("the index was read above")?;
+            ingest::records_from_megatron(&mut session, index, &bar)?;
+        }
     }
-    let committed = session.commit()?;
+    let committed = session.commit().map_err(|e| match e {
+        // In the command line's terms.
+        granary::Error::IngestIntent { name, version, records, incoming } => anyhow::anyhow!(
+            "dataset {name} exists ({name}@{version}{}) and this input differs ({incoming} records): --append adds \
+             them to the current version's records, --replace makes them the new version",
+            records.map(|n| format!(": {n} records")).unwrap_or_default()
+        ),
+        other => other.into(),
+    })?;
     if created {
         errln!("created a new store at {}", root.display());
     }
     drop(granary);
     bar.finish();
     let stats = &committed.stats;
-    outln!(
-        "{}@{}: {} records in {} shards (manifest {}); this ingest: {} records, {}, {} new shards, {} already stored",
-        committed.name,
-        committed.version,
-        committed.n_records,
-        committed.n_shards,
-        committed.manifest.0.short(12),
-        stats.records,
-        show::bytes(stats.bytes),
-        stats.shards_published,
-        stats.shards_deduplicated
-    )?;
+    if committed.unchanged {
+        // What was missing of it on disk was written again all the same.
+        let rewritten = if stats.shards_published > 0 {
+            format!("; {} missing shards written again", stats.shards_published)
+        } else {
+            String::new()
+        };
+        outln!(
+            "unchanged: {}@{} already holds exactly these {} records (manifest {}){rewritten}",
+            committed.name,
+            committed.version,
+            committed.n_records,
+            committed.manifest.0.short(12)
+        )?;
+    } else {
+        outln!(
+            "{}@{}: {} records in {} shards (manifest {}); this ingest: {} records, {}, {} new shards, {} already stored",
+            committed.name,
+            committed.version,
+            committed.n_records,
+            committed.n_shards,
+            committed.manifest.0.short(12),
+            stats.records,
+            show::bytes(stats.bytes),
+            stats.shards_published,
+            stats.shards_deduplicated
+        )?;
+    }
     if bar.n_skipped() > 0 {
         outln!("{} input members skipped (listed on stderr)", bar.n_skipped())?;
     }
@@ -391,7 +476,7 @@ fn get(
 }
 
 fn remove(root: PathBuf, spec: &str) -> Result<()> {
-    let mut granary = Granary::open_waiting(root, false, LOCK_WAIT)?;
+    let mut granary = open_writer(&root, false)?;
     match VersionSpec::parse(spec)? {
         VersionSpec::Latest(name) => {
             granary.remove(&name, None)?;

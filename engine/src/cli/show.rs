@@ -24,7 +24,9 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
     // The catalog is the fast path; while another process holds the store, read the files.
     let datasets: Vec<DatasetSummary> = match Granary::open(paths.root()) {
         Ok(granary) => granary.datasets()?,
-        Err(Error::StoreLocked { .. }) => engine::datasets_from_files(paths)?,
+        // Another writer holds it, or this process cannot write it (a read-only mount, another
+        // user's store): the files say the same, without the lock.
+        Err(Error::StoreLocked { .. } | Error::ReadOnlyStore { .. }) => engine::datasets_from_files(paths)?,
         // The catalog is only a cache: list from the files, and say what is wrong once.
         Err(e @ Error::NeedsRepair { .. }) => {
             errln!("granary: warning: {e}; listing from the files");
@@ -170,7 +172,7 @@ fn versions_hurt(report: &engine::VerifyReport) -> usize {
 }
 
 pub(super) fn repair(root: PathBuf) -> Result<()> {
-    let (_granary, report) = Granary::open_and_repair(root, super::LOCK_WAIT)?;
+    let (_granary, report) = super::open_and_repair(&root)?;
     if let Some((path, why)) = &report.catalog_quarantined {
         errln!("granary: the catalog could not be read ({why}); moved to {} and rebuilt", path.display());
     }
@@ -187,6 +189,9 @@ pub(super) fn repair(root: PathBuf) -> Result<()> {
              its files for {} days",
             engine::GC_GRACE_DEFAULT.as_secs() / 86_400
         );
+    }
+    for stray in &report.strays {
+        errln!("granary: left alone {} (not a file the store wrote; remove it if it is not yours)", stray.display());
     }
     for missing in &report.missing {
         errln!("granary: missing {missing}");
@@ -213,7 +218,7 @@ pub(super) fn repair(root: PathBuf) -> Result<()> {
 
 pub(super) fn gc(root: PathBuf, prune_now: bool) -> Result<()> {
     let options = if prune_now { GcOptions::prune_now() } else { GcOptions::default() };
-    let report = Granary::open_waiting(root, false, super::LOCK_WAIT)?.gc(options)?;
+    let report = super::open_writer(&root, false)?.gc(options)?;
     let kept = if report.kept_in_grace > 0 {
         format!(
             "; kept {} unreferenced objects for the {}-day grace period (`--prune-now` removes them)",

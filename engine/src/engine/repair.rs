@@ -61,12 +61,29 @@ impl Granary {
     /// Opens the store at `root` for writing (waiting up to `wait` for another writer) whatever
     /// state its catalog is in, and repairs it: see the module doc.
     pub fn open_and_repair(root: impl Into<PathBuf>, wait: Duration) -> Result<(Self, RepairReport)> {
+        Self::open_and_repair_telling(root, wait, &mut |_| {})
+    }
+
+    /// `open_and_repair`, calling `waiting` once, with the error that made it wait, before it
+    /// starts to wait for the lock.
+    pub fn open_and_repair_telling(
+        root: impl Into<PathBuf>,
+        wait: Duration,
+        waiting: &mut dyn FnMut(&Error),
+    ) -> Result<(Self, RepairReport)> {
         Catalog::check_process()?;
         let root = root.into();
         let started = Instant::now();
+        let mut told = false;
         let store = loop {
             match Store::open(root.clone(), false) {
-                Err(e) if e.is_busy() && started.elapsed() < wait => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) if e.is_busy() && started.elapsed() < wait => {
+                    if !told {
+                        waiting(&e);
+                        told = true;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
                 other => break other?,
             }
         };

@@ -212,6 +212,14 @@ impl StorePaths {
         list_names(&self.history_dir())
     }
 
+    /// Who holds the store's write lock, as the holder wrote it (`process PID (COMMAND)`), if
+    /// anyone wrote it and that process is alive.
+    pub fn lock_holder(&self) -> Option<String> {
+        let text = fs::read_to_string(self.root.join("LOCK")).ok()?;
+        let pid = text.strip_prefix("process ")?.split_whitespace().next()?.parse::<u32>().ok()?;
+        Path::new(&format!("/proc/{pid}")).exists().then(|| text.trim().to_owned())
+    }
+
     /// Entries of `tmp/`, `refs/` and `history/` the store did not write (directories,
     /// symlinks, files of other names): ignored by every command, listed by repair.
     pub fn strays(&self) -> Result<Vec<PathBuf>> {
@@ -290,9 +298,14 @@ impl Store {
             Error::ReadOnlyStore { root: paths.root.clone(), detail: detail.to_owned() }
         })?;
         lock.try_lock().map_err(|e| match e {
-            fs::TryLockError::WouldBlock => Error::StoreLocked { root: paths.root.clone() },
+            fs::TryLockError::WouldBlock => {
+                Error::StoreLocked { root: paths.root.clone(), holder: paths.lock_holder() }
+            }
             fs::TryLockError::Error(e) => Error::io("lock", &lock_path, e),
         })?;
+        // Who holds it, for a writer that finds it locked: best effort (the lock is the flock,
+        // not this text).
+        let _ = write_holder(&lock);
         let mut store = Self { paths, _lock: lock, stale_tmp_removed: 0 };
         store.stale_tmp_removed = store.clean_tmp()?;
         Ok(store)
@@ -565,6 +578,25 @@ fn list_names(dir: &Path) -> Result<Vec<DatasetName>> {
     }
     names.sort();
     Ok(names)
+}
+
+/// Writes `process PID (COMMAND LINE)` into the held lock file.
+fn write_holder(mut lock: &File) -> std::io::Result<()> {
+    let command = std::fs::read("/proc/self/cmdline")
+        .map(|raw| {
+            let words: Vec<String> = raw
+                .split(|&b| b == 0)
+                .filter(|w| !w.is_empty())
+                .map(|w| String::from_utf8_lossy(w).into_owned())
+                .collect();
+            words.join(" ")
+        })
+        .unwrap_or_default();
+    // Bounded: a command line can be long; the start names it.
+    let command: String = command.chars().take(200).collect();
+    lock.set_len(0)?;
+    std::io::Seek::seek(&mut lock, std::io::SeekFrom::Start(0))?;
+    write!(lock, "process {} ({command})", std::process::id())
 }
 
 /// Whether `entry` of `tmp/` is a temp file the store wrote (`PID-N.tmp`, or the marker being
