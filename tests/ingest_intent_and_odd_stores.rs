@@ -184,3 +184,45 @@ fn a_writer_that_finds_the_store_locked_says_on_whom_at_once() {
     drop(held);
     granary_ok(&root, &["--no-wait", "rm", "t"]);
 }
+
+#[test]
+fn ids_are_taken_by_a_unique_prefix_and_ls_columns_fit_their_content() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let input = dir.path().join("a.bin");
+    std::fs::write(&input, bytes(7, 64 * 64)).unwrap();
+    let long_name = "a-dataset-name-longer-than-twenty-four-characters";
+    granary_ok(&root, &["ingest", "records", "--name", long_name, "--record-bytes", "64", input.to_str().unwrap()]);
+    granary_ok(&root, &["ingest", "records", "--name", "b", "--record-bytes", "64", input.to_str().unwrap()]);
+    let ls = granary_ok(&root, &["ls"]);
+    let lines: Vec<&str> = ls.lines().collect();
+    // The header and both rows put VERSION's column in the same place, whatever the name's length.
+    let at = |line: &str, what: &str| line.find(what).unwrap_or_else(|| panic!("{what} in {line:?}"));
+    let manifest_col = at(lines[0], "MANIFEST");
+    let row = lines.iter().find(|l| l.starts_with(long_name)).expect("the long name's row");
+    let manifest = row[manifest_col..].split_whitespace().next().unwrap().to_owned();
+    assert_eq!(manifest.len(), 12, "{ls}");
+    let other = lines.iter().find(|l| l.starts_with("b ")).expect("b's row");
+    assert_eq!(&other[manifest_col..manifest_col + 12], manifest, "columns line up: {ls}");
+
+    // The 12 digits ls shows name the version; so do 8; fewer are a name.
+    let out = granary_ok(&root, &["inspect", &manifest]);
+    assert!(out.contains("records:  64"), "{out}");
+    let out = granary_ok(&root, &["inspect", &manifest[..8]]);
+    assert!(out.contains(&format!("manifest: {manifest}")), "{out}");
+    let got = granary(&root, &["get", &manifest[..10], "3"]);
+    assert!(got.status.success() && got.stdout.len() == 64);
+    let err = granary_err(&root, &["inspect", &manifest[..7]]);
+    assert!(err.contains("not found"), "{err}");
+    // A shard by prefix too.
+    let shard = shard_files(&root)[0].file_stem().unwrap().to_str().unwrap().to_owned();
+    let out = granary_ok(&root, &["inspect", &shard[..9]]);
+    assert!(out.contains(&format!("shard:    {shard}")), "{out}");
+    // Two objects sharing a prefix: named, not guessed. Make a second manifest whose id
+    // begins as the first's by planting a file under such a name (inspect only lists names).
+    let fan = root.join("manifests").join(&manifest[..2]);
+    let twin = format!("{}{}", &manifest[..8], "0".repeat(56));
+    std::fs::write(fan.join(format!("{twin}.manifest")), b"x").unwrap();
+    let err = granary_err(&root, &["inspect", &manifest[..8]]);
+    assert!(err.contains("ambiguous") && err.contains("give more digits"), "{err}");
+}

@@ -209,7 +209,7 @@ impl Loader {
             Ok(store) => store.get().root().to_path_buf(),
             Err(_) => store.extract::<PathBuf>().map_err(|_| invalid("store is a granary.Store or a path"))?,
         };
-        let spec = VersionSpec::parse(dataset).map_err(to_py)?;
+        let spec = StorePaths::new(&root).parse_spec(dataset).map_err(to_py)?;
         if batch_size == 0 {
             return Err(invalid("batch_size must be at least 1"));
         }

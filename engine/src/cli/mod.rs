@@ -459,7 +459,7 @@ fn get(
     if output.is_none() && std::io::stdout().is_terminal() {
         bail!("a record is binary: redirect stdout (get NAME INDEX > record.bin) or pass -o FILE");
     }
-    let dataset = granary::Dataset::open(paths, &VersionSpec::parse(spec)?)?;
+    let dataset = granary::Dataset::open(paths, &paths.parse_spec(spec)?)?;
     let mut reader = Reader::new(dataset, IoConfig::default().build()?);
     if let Some(key) = key.key_if_given()? {
         // A node serving this store repairs what the read finds damaged (none serving: no hook).

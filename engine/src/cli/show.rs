@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use anyhow::{Result, bail};
 use granary::engine::{self, DatasetSummary, GcOptions};
 use granary::shard::{BLOCK_BYTES_U64, FORMAT_VERSION, ShardMeta};
+use granary::store::ObjectKind;
 use granary::{Dataset, Error, Granary, ObjectId, ShardId, StorePaths, VersionSpec};
 
 /// Human-readable binary size.
@@ -38,40 +39,56 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
         outln!("no datasets in {}", paths.root().display())?;
         return Ok(());
     }
-    outln!(
-        "{:<24} {:>7}  {:<12} {:>12} {:>7} {:>11}  LAYOUT",
-        "DATASET",
-        "VERSION",
-        "MANIFEST",
-        "RECORDS",
-        "SHARDS",
-        "SIZE"
-    )?;
+    // Columns as wide as their content: every cell is made first.
+    let mut rows: Vec<[String; 7]> = vec![[
+        "DATASET".to_owned(),
+        "VERSION".to_owned(),
+        "MANIFEST".to_owned(),
+        "RECORDS".to_owned(),
+        "SHARDS".to_owned(),
+        "SIZE".to_owned(),
+        "LAYOUT".to_owned(),
+    ]];
     let (mut n_versions, mut total) = (0, 0);
     for dataset in &datasets {
         for (i, version) in dataset.versions.iter().enumerate() {
             let name = if i == 0 { dataset.name.as_str() } else { "" };
             n_versions += 1;
-            match &version.entry {
+            let (records, shards, size, layout) = match &version.entry {
                 Some(entry) => {
                     total += entry.file_bytes;
-                    outln!(
-                        "{name:<24} {:>7}  {:<12} {:>12} {:>7} {:>11}  {}",
-                        version.number,
-                        version.manifest.0.short(12),
-                        entry.n_records,
-                        entry.n_shards,
+                    (
+                        entry.n_records.to_string(),
+                        entry.n_shards.to_string(),
                         bytes(entry.file_bytes),
-                        entry.layout
-                    )?;
+                        entry.layout.to_string(),
+                    )
                 }
-                None => outln!(
-                    "{name:<24} {:>7}  {:<12} (manifest missing: run `granary repair`)",
-                    version.number,
-                    version.manifest.0.short(12)
-                )?,
-            }
+                None => {
+                    (String::new(), String::new(), String::new(), "(manifest missing: run `granary repair`)".into())
+                }
+            };
+            rows.push([
+                name.to_owned(),
+                version.number.to_string(),
+                version.manifest.0.short(12),
+                records,
+                shards,
+                size,
+                layout,
+            ]);
         }
+    }
+    let mut widths = [0usize; 7];
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    for row in &rows {
+        let [name, version, manifest, records, shards, size, layout] = row;
+        let [w0, w1, w2, w3, w4, w5, _] = widths;
+        outln!("{name:<w0$}  {version:>w1$}  {manifest:<w2$}  {records:>w3$}  {shards:>w4$}  {size:>w5$}  {layout}")?;
     }
     outln!(
         "{} datasets, {n_versions} versions, {} of shards referenced (shared shards counted per version)",
@@ -89,7 +106,20 @@ pub(super) fn inspect(paths: &StorePaths, target: &str, n_records: u64) -> Resul
             return inspect_shard(shard_path, n_records);
         }
     }
-    let spec = VersionSpec::parse(target)?;
+    // A name of a dataset first; else an id prefix as `ls` and this command show them (a shard
+    // or a manifest, at least 8 hex digits).
+    let is_dataset = granary::DatasetName::new(target).is_ok_and(|name| paths.ref_file(&name).exists());
+    let spec = if !is_dataset
+        && target.len() >= granary::store::ID_PREFIX_MIN
+        && target.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        match paths.expand_prefix(&[ObjectKind::Shard, ObjectKind::Manifest], target)? {
+            (ObjectKind::Shard, id) => return inspect_shard(paths.shard(ShardId(id)), n_records),
+            (ObjectKind::Manifest, id) => VersionSpec::Manifest(granary::ManifestId(id)),
+        }
+    } else {
+        VersionSpec::parse(target)?
+    };
     let dataset = Dataset::open(paths, &spec)?;
     match dataset.version() {
         Some((name, number)) => {
@@ -140,7 +170,7 @@ fn inspect_shard(path: PathBuf, n_records: u64) -> Result<()> {
 }
 
 pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode> {
-    let spec = spec.map(VersionSpec::parse).transpose()?;
+    let spec = spec.map(|spec| paths.parse_spec(spec)).transpose()?;
     let report = engine::verify(paths, spec.as_ref())?;
     for failure in &report.failures {
         errln!("granary: FAILED {}: {}", failure.path.display(), failure.error);

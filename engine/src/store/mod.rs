@@ -59,6 +59,14 @@ impl ObjectKind {
             Self::Manifest => MANIFEST_SUFFIX,
         }
     }
+
+    /// "shard" or "manifest".
+    pub fn noun(self) -> &'static str {
+        match self {
+            Self::Shard => "shard",
+            Self::Manifest => "manifest",
+        }
+    }
 }
 
 /// Paths of a store and the read-only operations on them. Needs no lock: readers (every rank of
@@ -200,6 +208,56 @@ impl StorePaths {
                 Ok((version.manifest, Some((name.clone(), *number))))
             }
         }
+    }
+
+    /// The objects of `kinds` whose id starts with `prefix` (lowercase or uppercase hex, at
+    /// least `ID_PREFIX_MIN` digits), as an id names them in `ls` and `inspect`: one, or
+    /// `Error::NotFound`, or `Error::InvalidInput` naming the candidates when it is ambiguous.
+    pub fn expand_prefix(&self, kinds: &[ObjectKind], prefix: &str) -> Result<(ObjectKind, ObjectId)> {
+        let prefix = prefix.to_ascii_lowercase();
+        if !is_id_prefix(&prefix) {
+            return Err(Error::invalid_input(format!(
+                "{prefix:?} is not an id prefix ({ID_PREFIX_MIN} to 64 hex digits)"
+            )));
+        }
+        let mut found = Vec::new();
+        for &kind in kinds {
+            for entry in read_dir_if_exists(&self.root.join(kind.dir()).join(&prefix[..2]))? {
+                let name = entry.file_name();
+                let id = name.to_str().and_then(|n| n.strip_suffix(kind.suffix())).and_then(ObjectId::parse_hex);
+                if let Some(id) = id.filter(|id| id.to_string().starts_with(&prefix)) {
+                    found.push((kind, id));
+                }
+            }
+        }
+        match found.as_slice() {
+            [] => Err(Error::NotFound { what: format!("an object with id prefix {prefix}") }),
+            [one] => Ok(*one),
+            many => {
+                let names: Vec<String> =
+                    many.iter().take(4).map(|(kind, id)| format!("{} {}", kind.noun(), id.short(16))).collect();
+                Err(Error::invalid_input(format!(
+                    "id prefix {prefix} is ambiguous ({} objects: {}{}); give more digits",
+                    many.len(),
+                    names.join(", "),
+                    if many.len() > 4 { ", ..." } else { "" }
+                )))
+            }
+        }
+    }
+
+    /// `VersionSpec::parse`, and a name that is no dataset's but an id prefix of at least
+    /// `ID_PREFIX_MIN` hex digits names the manifest it is the prefix of (as `ls` shows ids).
+    pub fn parse_spec(&self, text: &str) -> Result<VersionSpec> {
+        let spec = VersionSpec::parse(text)?;
+        if let VersionSpec::Latest(name) = &spec
+            && is_id_prefix(text)
+            && !self.ref_file(name).exists()
+        {
+            let (_, id) = self.expand_prefix(&[ObjectKind::Manifest], text)?;
+            return Ok(VersionSpec::Manifest(ManifestId(id)));
+        }
+        Ok(spec)
     }
 
     /// The names of every dataset with a ref file, sorted.
@@ -578,6 +636,13 @@ fn list_names(dir: &Path) -> Result<Vec<DatasetName>> {
     }
     names.sort();
     Ok(names)
+}
+
+/// The fewest hex digits taken as an id prefix (`ls` shows 12).
+pub const ID_PREFIX_MIN: usize = 8;
+
+fn is_id_prefix(text: &str) -> bool {
+    (ID_PREFIX_MIN..=64).contains(&text.len()) && text.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Writes `process PID (COMMAND LINE)` into the held lock file.
