@@ -76,7 +76,9 @@ fn plugins_that_reach_for_files_or_sockets_are_refused_at_load() {
     let host = host();
     match host.load_file(&built_plugin_path("hostile_io")) {
         Err(Error::Plugin(PluginError::Load { detail, .. })) => {
-            assert!(detail.contains("wasi:filesystem") || detail.contains("wasi:sockets"), "{detail}")
+            assert!(detail.contains("wasi:filesystem") || detail.contains("wasi:sockets"), "{detail}");
+            assert!(detail.contains("which the sandbox refuses: policy plugins get no capabilities"), "{detail}");
+            assert!(!detail.contains("matching implementation"), "not the linker's text: {detail}");
         }
         other => panic!("expected a refusal at load, got {other:?}"),
     }
@@ -334,6 +336,27 @@ fn every_default_plugin_passes_conformance_and_hostile_ones_fail_it() {
             "{report:?}"
         );
     }
+    // The calls a run makes only now and then (snapshot every 64 batches, restore after a
+    // trap) are made by the check too, and a failing one is named.
+    let hostile = host.load_file(&built_plugin_path("hostile_evictor")).unwrap();
+    let snapshot_check = |behave: &str| {
+        let options = [("behave".to_owned(), behave.to_owned())];
+        let report = conformance::check_with(&hostile, &options, 12, 3);
+        report.checks.into_iter().find(|c| c.name.starts_with("snapshot lists")).expect("the snapshot check").failure
+    };
+    assert_eq!(snapshot_check("fifo"), None);
+    assert!(conformance::check_with(&hostile, &[("behave".to_owned(), "fifo".to_owned())], 12, 3).passed());
+    for (behave, call) in [("bad-snapshot", "snapshot lists 0 objects"), ("trap-restore", "restore")] {
+        let failure = snapshot_check(behave).unwrap_or_default();
+        assert!(failure.contains(call), "{behave}: {failure}");
+    }
+    let path = built_plugin_path("hostile_evictor");
+    let out = common::granary(
+        std::path::Path::new("/nonexistent"),
+        &["plugin", "check", path.to_str().unwrap(), "--cases", "8", "--options", "behave=bad-snapshot"],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && stdout.contains("FAIL") && stdout.contains("snapshot"), "{stdout}");
     let out = common::granary(std::path::Path::new("/nonexistent"), &["plugin", "check", "lru", "--cases", "8"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("conformance: passed"));

@@ -19,6 +19,9 @@ pub(crate) enum PluginCommand {
         /// Seed of the random cases.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Plugin options for every case, comma-separated `key=value` pairs.
+        #[arg(long, value_delimiter = ',', value_parser = parse_option)]
+        options: Vec<(String, String)>,
     },
     /// Simulate a plugin.
     #[command(subcommand)]
@@ -154,7 +157,7 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
             }
             Ok(true)
         }
-        PluginCommand::Check { plugin, cases, seed } => check(&plugin, cases, seed),
+        PluginCommand::Check { plugin, cases, seed, options } => check(&plugin, &options, cases, seed),
         PluginCommand::Trace(TraceCommand::Zipf { objects, requests, alpha, seed, out }) => {
             let requests = trace::zipf(objects, requests, alpha, seed)?;
             trace::write(&out, &requests)?;
@@ -266,7 +269,7 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
     }
 }
 
-fn check(plugin: &str, cases: u32, seed: u64) -> Result<bool> {
+fn check(plugin: &str, options: &[(String, String)], cases: u32, seed: u64) -> Result<bool> {
     let host = host()?;
     let loaded = host.load(plugin).with_context(|| format!("loading {plugin}"))?;
     outln!(
@@ -278,7 +281,7 @@ fn check(plugin: &str, cases: u32, seed: u64) -> Result<bool> {
         loaded.load_time().as_secs_f64() * 1e3,
         loaded.compiled_from()
     )?;
-    let report = conformance::check(&loaded, cases, seed);
+    let report = conformance::check_with(&loaded, options, cases, seed);
     for check in &report.checks {
         match &check.failure {
             None => outln!("  ok    {} ({cases} cases)", check.name)?,

@@ -42,10 +42,15 @@ impl Report {
 
 /// Runs the suite on `plugin` with `cases` random cases per property, from `seed`.
 pub fn check(plugin: &Plugin, cases: u32, seed: u64) -> Report {
+    check_with(plugin, &[], cases, seed)
+}
+
+/// `check`, with the plugin configured by `options` in every case.
+pub fn check_with(plugin: &Plugin, options: &[(String, String)], cases: u32, seed: u64) -> Report {
     let checks = match plugin.kind() {
-        PolicyKind::Evictor => evictor_checks(plugin, cases, seed),
-        PolicyKind::Partitioner => partitioner_checks(plugin, cases, seed),
-        PolicyKind::Replicator => replicator_checks(plugin, cases, seed),
+        PolicyKind::Evictor => evictor_checks(plugin, options, cases, seed),
+        PolicyKind::Partitioner => partitioner_checks(plugin, options, cases, seed),
+        PolicyKind::Replicator => replicator_checks(plugin, options, cases, seed),
     };
     Report { plugin: plugin.name().to_owned(), kind: plugin.kind(), cases, checks }
 }
@@ -83,9 +88,13 @@ fn traces() -> impl Strategy<Value = Trace> {
     (1u64..40, prop::collection::vec(prop::collection::vec(access, 0..64), 1..6))
 }
 
-fn replay(plugin: &Plugin, trace: &Trace) -> Result<Vec<super::AccessOutcome>, TestCaseError> {
+fn replay(
+    plugin: &Plugin,
+    options: &[(String, String)],
+    trace: &Trace,
+) -> Result<Vec<super::AccessOutcome>, TestCaseError> {
     let (capacity, batches) = trace;
-    let mut evictor = Evictor::new(plugin.clone(), &[], None, *capacity).map_err(fail)?;
+    let mut evictor = Evictor::new(plugin.clone(), options, None, *capacity).map_err(fail)?;
     let mut outcomes = Vec::new();
     for batch in batches {
         let keys: Vec<u64> = batch.iter().map(|a| a.0).collect();
@@ -97,13 +106,13 @@ fn replay(plugin: &Plugin, trace: &Trace) -> Result<Vec<super::AccessOutcome>, T
     Ok(outcomes)
 }
 
-fn evictor_checks(plugin: &Plugin, cases: u32, seed: u64) -> Vec<Check> {
+fn evictor_checks(plugin: &Plugin, options: &[(String, String)], cases: u32, seed: u64) -> Vec<Check> {
     vec![
         run("answers every batch with a valid outcome", cases, seed, traces(), |trace| {
-            replay(plugin, &trace).map(drop)
+            replay(plugin, options, &trace).map(drop)
         }),
         run("the same batches give the same outcomes", cases, seed ^ 1, traces(), |trace| {
-            prop_assert_eq!(replay(plugin, &trace)?, replay(plugin, &trace)?);
+            prop_assert_eq!(replay(plugin, options, &trace)?, replay(plugin, options, &trace)?);
             Ok(())
         }),
         run(
@@ -113,14 +122,14 @@ fn evictor_checks(plugin: &Plugin, cases: u32, seed: u64) -> Vec<Check> {
             traces(),
             |trace| {
                 let (capacity, batches) = &trace;
-                let mut evictor = Evictor::new(plugin.clone(), &[], None, *capacity).map_err(fail)?;
+                let mut evictor = Evictor::new(plugin.clone(), options, None, *capacity).map_err(fail)?;
                 for batch in batches {
                     let keys: Vec<u64> = batch.iter().map(|a| a.0).collect();
                     let sizes: Vec<u32> = batch.iter().map(|a| a.1).collect();
                     evictor.access(&keys, &sizes, &vec![u64::MAX; keys.len()]).map_err(fail)?;
                 }
                 let (before, used) = (evictor.len(), evictor.used());
-                evictor.swap(plugin.clone(), &[]).map_err(fail)?;
+                evictor.swap(plugin.clone(), options).map_err(fail)?;
                 prop_assert_eq!((evictor.len(), evictor.used()), (before, used));
                 let victims = evictor.evict(2).map_err(fail)?;
                 prop_assert!(used < 2 || used - evictor.used() >= 2, "evict(2) freed {} bytes", used - evictor.used());
@@ -129,6 +138,38 @@ fn evictor_checks(plugin: &Plugin, cases: u32, seed: u64) -> Vec<Check> {
                 evictor.remove(&keys).map_err(fail)?;
                 prop_assert!(evictor.is_empty() && evictor.used() == 0);
                 evictor.access(&[1, 2, 1], &[1, 1, 1], &[u64::MAX; 3]).map_err(fail)?;
+                Ok(())
+            },
+        ),
+        // The engine snapshots an evictor every 64 batches and restores a new instance from it
+        // after a trap: both calls are made here, on every case, so that a plugin whose
+        // `snapshot` or `restore` fails is caught now, not in the middle of a run.
+        run(
+            "snapshot lists what is resident, and an instance restored from it decides as the original",
+            cases,
+            seed ^ 3,
+            traces(),
+            |trace| {
+                let (capacity, batches) = &trace;
+                let split = batches.len().div_ceil(2);
+                let mut original = Evictor::new(plugin.clone(), options, None, *capacity).map_err(fail)?;
+                let mut restored = Evictor::new(plugin.clone(), options, None, *capacity).map_err(fail)?;
+                let access = |evictor: &mut Evictor, batch: &Vec<(u64, u32, u64)>| {
+                    let keys: Vec<u64> = batch.iter().map(|a| a.0).collect();
+                    let sizes: Vec<u32> = batch.iter().map(|a| a.1).collect();
+                    let next_uses: Vec<u64> = batch.iter().map(|a| a.2).collect();
+                    evictor.access(&keys, &sizes, &next_uses).map_err(fail)
+                };
+                for batch in &batches[..split] {
+                    access(&mut original, batch)?;
+                    access(&mut restored, batch)?;
+                }
+                restored.snapshot_now().map_err(fail)?;
+                // A new instance, restored from that snapshot at its next call.
+                restored.swap(plugin.clone(), options).map_err(fail)?;
+                for batch in &batches[split..] {
+                    prop_assert_eq!(access(&mut original, batch)?, access(&mut restored, batch)?);
+                }
                 Ok(())
             },
         ),
@@ -149,7 +190,7 @@ fn worlds() -> impl Strategy<Value = World> {
     )
 }
 
-fn plan(plugin: &Plugin, world: &World) -> Result<Vec<RankPlan>, TestCaseError> {
+fn plan(plugin: &Plugin, options: &[(String, String)], world: &World) -> Result<Vec<RankPlan>, TestCaseError> {
     let (shards, up, batch_size, seed, epoch, start) = world;
     let shards: Vec<ShardInfo> = shards
         .iter()
@@ -166,7 +207,7 @@ fn plan(plugin: &Plugin, world: &World) -> Result<Vec<RankPlan>, TestCaseError> 
     let nodes: Vec<NodeInfo> = (0..3).map(|id| NodeInfo { id, weight: 1, failure_domain: id, up: true }).collect();
     let total: u64 = shards.iter().map(|s| s.records).sum();
     let epoch = EpochSpec { seed: *seed, epoch: *epoch, batch_size: *batch_size, start: start % (total + 1) };
-    let mut partitioner = Partitioner::new(plugin.clone(), &[], None).map_err(fail)?;
+    let mut partitioner = Partitioner::new(plugin.clone(), options, None).map_err(fail)?;
     match partitioner.plan(&shards, &ranks, &nodes, epoch) {
         Ok(plans) => Ok(plans),
         // A partitioner may plan only whole epochs; it must say so rather than fail.
@@ -179,13 +220,13 @@ fn plan(plugin: &Plugin, world: &World) -> Result<Vec<RankPlan>, TestCaseError> 
     }
 }
 
-fn partitioner_checks(plugin: &Plugin, cases: u32, seed: u64) -> Vec<Check> {
+fn partitioner_checks(plugin: &Plugin, options: &[(String, String)], cases: u32, seed: u64) -> Vec<Check> {
     vec![
         run("plans every epoch as a permutation of the records left", cases, seed, worlds(), |world| {
-            plan(plugin, &world).map(drop)
+            plan(plugin, options, &world).map(drop)
         }),
         run("the same epoch gives the same plan", cases, seed ^ 1, worlds(), |world| {
-            prop_assert_eq!(plan(plugin, &world)?, plan(plugin, &world)?);
+            prop_assert_eq!(plan(plugin, options, &world)?, plan(plugin, options, &world)?);
             Ok(())
         }),
     ]
@@ -213,10 +254,10 @@ fn nodes_of(cluster: &Cluster) -> Vec<NodeInfo> {
     nodes
 }
 
-fn replicator_checks(plugin: &Plugin, cases: u32, seed: u64) -> Vec<Check> {
+fn replicator_checks(plugin: &Plugin, options: &[(String, String)], cases: u32, seed: u64) -> Vec<Check> {
     vec![
         run("places every bucket on distinct nodes that are up", cases, seed, clusters(), |cluster| {
-            let mut replicator = Replicator::new(plugin.clone(), &[], None).map_err(fail)?;
+            let mut replicator = Replicator::new(plugin.clone(), options, None).map_err(fail)?;
             replicator.place(&nodes_of(&cluster), cluster.1).map_err(fail)?;
             Ok(())
         }),
@@ -231,8 +272,8 @@ fn replicator_checks(plugin: &Plugin, cases: u32, seed: u64) -> Vec<Check> {
                     nodes: nodes.iter().zip(held).filter(|(_, h)| **h).map(|(n, _)| n.id).collect(),
                 })
                 .collect();
-            let mut first = Replicator::new(plugin.clone(), &[], None).map_err(fail)?;
-            let mut second = Replicator::new(plugin.clone(), &[], None).map_err(fail)?;
+            let mut first = Replicator::new(plugin.clone(), options, None).map_err(fail)?;
+            let mut second = Replicator::new(plugin.clone(), options, None).map_err(fail)?;
             prop_assert_eq!(
                 first.place(&nodes, cluster.1).map_err(fail)?,
                 second.place(&nodes, cluster.1).map_err(fail)?

@@ -268,27 +268,48 @@ impl Evictor {
 
     /// Takes a snapshot of the answering instance, if it is up; keeps the old one otherwise.
     fn take_snapshot(&mut self) {
+        let _ = self.snapshot_now();
+    }
+
+    /// Asks the answering instance for its snapshot now and keeps it for restores: an error
+    /// (naming the call) when the call traps or the snapshot disagrees with what the host knows
+    /// is resident. The evictor goes on either way (the old snapshot is kept); `plugin check`
+    /// calls this so that a plugin whose `snapshot` fails is caught before a run relies on it.
+    pub fn snapshot_now(&mut self) -> Result<(), Error> {
         let state = &mut self.state;
         state.batches_since_snapshot = 0;
-        let Some(live) = self.supervisor.active_instance() else { return };
-        let deadline = live.instance.plugin.host().limits().deadline_setup;
+        let Some(live) = self.supervisor.active_instance() else {
+            return Err(Error::invalid_input("no instance of the evictor is up to snapshot"));
+        };
+        let plugin = live.instance.plugin.clone();
+        let deadline = plugin.host().limits().deadline_setup;
         let policy = live.policy;
         let taken = live
             .instance
             .call("snapshot", deadline, |b, s| b.granary_policy_evictor().policy().call_snapshot(s, policy));
         state.stats.fuel = live.instance.fuel_used;
+        let snapshot = taken.map_err(Error::Plugin)?;
         // A snapshot that disagrees with the host's resident set is not used for order or state.
-        if let Ok(snapshot) = taken
-            && snapshot.resident.len() == state.resident.len()
-            && snapshot.resident.iter().all(|e| state.resident.size_of(e.key) == Some(e.size))
+        if snapshot.resident.len() != state.resident.len()
+            || !snapshot.resident.iter().all(|e| state.resident.size_of(e.key) == Some(e.size))
         {
-            state.snapshot = Snapshot {
-                policy: snapshot.policy,
-                order: snapshot.resident.into_iter().map(|e| (e.key, e.size)).collect(),
-                state: snapshot.state,
-            };
-            state.changed_since_snapshot = false;
+            return Err(Error::Plugin(super::invalid(
+                &plugin,
+                "snapshot",
+                format!(
+                    "its snapshot lists {} objects, not the {} resident ones with their sizes",
+                    snapshot.resident.len(),
+                    state.resident.len()
+                ),
+            )));
         }
+        state.snapshot = Snapshot {
+            policy: snapshot.policy,
+            order: snapshot.resident.into_iter().map(|e| (e.key, e.size)).collect(),
+            state: snapshot.state,
+        };
+        state.changed_since_snapshot = false;
+        Ok(())
     }
 }
 

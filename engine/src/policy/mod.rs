@@ -237,8 +237,25 @@ impl PolicyHost {
             [] => return Err(refuse(format!("exports no granary policy interface (exports: {})", exports.join(", ")))),
             _ => return Err(refuse("exports more than one policy interface".to_owned())),
         };
-        // Imports the sandbox does not offer (files, sockets, ...) fail here, before any call.
-        let pre = self.inner.linker.instantiate_pre(&component).map_err(|e| refuse(format!("{e:#}")))?;
+        // Imports the sandbox does not offer (files, sockets, ...) fail here, before any call,
+        // named, rather than as the linker's text.
+        let pre = self.inner.linker.instantiate_pre(&component).map_err(|e| {
+            let refused: Vec<String> = component
+                .component_type()
+                .imports(&self.inner.engine)
+                .map(|(name, _)| name.to_owned())
+                .filter(|name| !sandbox::offers(name))
+                .collect();
+            if refused.is_empty() {
+                return refuse(format!("{e:#}"));
+            }
+            refuse(format!(
+                "it imports {}, which the sandbox refuses: policy plugins get no capabilities (no files, no \
+                 sockets, no environment; clocks and randomness are fixed stand-ins so that runs reproduce). \
+                 Build it without them (in Rust: no std::fs, std::net or std::env)",
+                refused.join(", ")
+            ))
+        })?;
         let pre = match kind {
             PolicyKind::Partitioner => PluginPre::Partitioner(
                 bindings::partitioner::PartitionerPluginPre::new(pre).map_err(|e| refuse(format!("{e:#}")))?,

@@ -103,6 +103,14 @@ impl wasmtime_wasi::HostMonotonicClock for FrozenClock {
     }
 }
 
+/// Import namespaces `linker` offers; a plugin importing anything else is refused at load.
+const OFFERED: [&str; 5] = ["wasi:cli/", "wasi:clocks/", "wasi:random/", "wasi:io/", "granary:policy/"];
+
+/// Whether the sandbox offers import `name` (an interface such as `wasi:filesystem/types@0.2.3`).
+pub(crate) fn offers(name: &str) -> bool {
+    OFFERED.iter().any(|prefix| name.starts_with(prefix))
+}
+
 /// The linker every plugin is instantiated with: the deterministic WASI subset above, and the
 /// (type-only) shared interface of the policy package.
 pub(crate) fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Sandbox>> {

@@ -143,6 +143,73 @@ impl Evictor for S3Fifo {
         order.extend(self.main.keys_oldest_first());
         order
     }
+
+    /// Everything `order` leaves out, so that a restored S3-FIFO decides as this one would:
+    /// whether it has evicted (u8), how many of the resident objects are in the small queue
+    /// (u64), each resident object's hit counter in `order`'s order (u8), then the ghost queue
+    /// oldest first (u64 count, then key u64 and size u32 each).
+    fn state(&self) -> Vec<u8> {
+        let mut state = vec![u8::from(self.has_evicted)];
+        state.extend_from_slice(&(self.small.len() as u64).to_le_bytes());
+        for queue in [&self.small, &self.main] {
+            let mut at = queue.tail();
+            while let Some(cursor) = at {
+                state.push(queue.at(cursor).1.0);
+                at = queue.newer(cursor);
+            }
+        }
+        state.extend_from_slice(&(self.ghost.len() as u64).to_le_bytes());
+        let mut at = self.ghost.tail();
+        while let Some(cursor) = at {
+            let (key, size) = self.ghost.at(cursor);
+            state.extend_from_slice(&key.to_le_bytes());
+            state.extend_from_slice(&size.to_le_bytes());
+            at = self.ghost.newer(cursor);
+        }
+        state
+    }
+
+    fn restore(&mut self, resident: &[(u64, u32)], state: Option<&[u8]>) -> Result<(), Error> {
+        let Some(state) = state else {
+            for &(key, size) in resident {
+                self.insert(key, size, u64::MAX);
+            }
+            return Ok(());
+        };
+        let bad = || Error::InvalidInput(format!("a malformed S3-FIFO state of {} bytes", state.len()));
+        let u64_at = |at: usize| state.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])));
+        let n = resident.len();
+        let n_small = usize::try_from(u64_at(1).ok_or_else(bad)?).map_err(|_| bad())?;
+        let freqs = state.get(9..9 + n).ok_or_else(bad)?;
+        let n_ghost = usize::try_from(u64_at(9 + n).ok_or_else(bad)?).map_err(|_| bad())?;
+        let ghost_at = 17 + n;
+        if state[0] > 1
+            || n_small > n
+            || n_ghost.checked_mul(12).and_then(|b| b.checked_add(ghost_at)) != Some(state.len())
+        {
+            return Err(bad());
+        }
+        self.has_evicted = state[0] == 1;
+        for (i, (&(key, size), &freq)) in resident.iter().zip(freqs).enumerate() {
+            if i < n_small {
+                self.small.push_head(key, (freq, size));
+                self.small_bytes += u64::from(size);
+            } else {
+                self.main.push_head(key, (freq, size));
+                self.main_bytes += u64::from(size);
+            }
+        }
+        for g in 0..n_ghost {
+            let at = ghost_at + 12 * g;
+            let key = u64_at(at).ok_or_else(bad)?;
+            let size = u32::from_le_bytes(state[at + 8..at + 12].try_into().map_err(|_| bad())?);
+            if !self.small.contains(key) && !self.main.contains(key) && !self.ghost.contains(key) {
+                self.ghost.push_head(key, size);
+                self.ghost_bytes += u64::from(size);
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(target_arch = "wasm32")]

@@ -56,6 +56,44 @@ impl Evictor for Sieve {
     fn order(&self) -> Vec<u64> {
         self.queue.keys_oldest_first()
     }
+
+    /// The hand (a flag byte, then its key) and each resident object's visited mark, in
+    /// `order`'s order: with them a restored SIEVE decides as this one would.
+    fn state(&self) -> Vec<u8> {
+        let mut state = Vec::with_capacity(9 + self.queue.len());
+        state.push(u8::from(self.hand.is_some()));
+        state.extend_from_slice(&self.hand.unwrap_or(0).to_le_bytes());
+        let mut at = self.queue.tail();
+        while let Some(cursor) = at {
+            state.push(u8::from(self.queue.at(cursor).1));
+            at = self.queue.newer(cursor);
+        }
+        state
+    }
+
+    fn restore(&mut self, resident: &[(u64, u32)], state: Option<&[u8]>) -> Result<(), Error> {
+        let Some(state) = state else {
+            for &(key, _) in resident {
+                self.queue.push_head(key, false);
+            }
+            return Ok(());
+        };
+        if state.len() != 9 + resident.len() || state[0] > 1 {
+            return Err(Error::InvalidInput(format!(
+                "a SIEVE state of {} bytes for {} objects",
+                state.len(),
+                resident.len()
+            )));
+        }
+        for (&(key, _), &visited) in resident.iter().zip(&state[9..]) {
+            self.queue.push_head(key, visited != 0);
+        }
+        let mut hand = [0u8; 8];
+        hand.copy_from_slice(&state[1..9]);
+        let hand = u64::from_le_bytes(hand);
+        self.hand = (state[0] == 1 && self.queue.contains(hand)).then_some(hand);
+        Ok(())
+    }
 }
 
 #[cfg(target_arch = "wasm32")]

@@ -3,7 +3,8 @@
 //! (recurses until the stack runs out), `bad-hits` (a hit list of the wrong length),
 //! `bad-evict` (evicts a key that was never inserted), `overfill` (never evicts),
 //! `trap-on-key=K` (panics on batches holding key K, behaves otherwise), `fifo` (behaves as
-//! FIFO). Without the option it answers with too many hit flags, so it fails `plugin check`.
+//! FIFO), `bad-snapshot` (FIFO whose snapshot lists nothing), `trap-restore` (FIFO whose restore
+//! panics). Without the option it answers with too many hit flags, so it fails `plugin check`.
 //! Misbehaviour starts at the first `access` call.
 #![cfg(target_arch = "wasm32")]
 
@@ -16,7 +17,8 @@ use granary_policy_sdk::evictor_bindings::granary::policy::types::PolicyError;
 struct Hostile {
     behave: String,
     capacity: u64,
-    queue: RefCell<VecDeque<u64>>,
+    /// Resident keys with their sizes, oldest first.
+    queue: RefCell<VecDeque<(u64, u32)>>,
 }
 
 struct Plugin;
@@ -68,39 +70,55 @@ impl wit::GuestPolicy for Hostile {
             }
             _ => {}
         }
+        // FIFO by bytes; an object larger than the cache is not inserted.
         let mut queue = self.queue.borrow_mut();
         let mut hits = Vec::with_capacity(batch.keys.len());
         let mut evictions = Vec::new();
-        for (i, &key) in batch.keys.iter().enumerate() {
-            if queue.contains(&key) {
+        for (i, (&key, &size)) in batch.keys.iter().zip(&batch.sizes).enumerate() {
+            if queue.iter().any(|&(k, _)| k == key) {
                 hits.push(true);
                 continue;
             }
             hits.push(false);
-            while queue.len() as u64 >= self.capacity {
-                let Some(victim) = queue.pop_front() else { break };
+            if u64::from(size) > self.capacity {
+                continue;
+            }
+            while queue.iter().map(|&(_, s)| u64::from(s)).sum::<u64>() + u64::from(size) > self.capacity {
+                let Some((victim, _)) = queue.pop_front() else { break };
                 evictions.push(wit::Eviction { before: i as u32, key: victim });
             }
-            queue.push_back(key);
+            queue.push_back((key, size));
         }
         Ok(wit::Outcome { hits, evictions })
     }
 
-    fn evict(&self, _bytes: u64) -> Vec<u64> {
-        self.queue.borrow_mut().pop_front().into_iter().collect()
+    fn evict(&self, bytes: u64) -> Vec<u64> {
+        let mut queue = self.queue.borrow_mut();
+        let (mut freed, mut victims) = (0, Vec::new());
+        while freed < bytes {
+            let Some((victim, size)) = queue.pop_front() else { break };
+            freed += u64::from(size);
+            victims.push(victim);
+        }
+        victims
     }
 
     fn remove(&self, keys: Vec<u64>) {
-        self.queue.borrow_mut().retain(|k| !keys.contains(k));
+        self.queue.borrow_mut().retain(|(k, _)| !keys.contains(k));
     }
 
     fn snapshot(&self) -> wit::Snapshot {
-        let resident = self.queue.borrow().iter().map(|&key| wit::Entry { key, size: 1 }).collect();
+        let resident = if self.behave == "bad-snapshot" {
+            Vec::new()
+        } else {
+            self.queue.borrow().iter().map(|&(key, size)| wit::Entry { key, size }).collect()
+        };
         wit::Snapshot { policy: "hostile".into(), resident, state: vec![] }
     }
 
     fn restore(&self, snapshot: wit::Snapshot) -> Result<(), PolicyError> {
-        *self.queue.borrow_mut() = snapshot.resident.iter().map(|e| e.key).collect();
+        assert!(self.behave != "trap-restore", "hostile evictor traps in restore on purpose");
+        *self.queue.borrow_mut() = snapshot.resident.iter().map(|e| (e.key, e.size)).collect();
         Ok(())
     }
 }

@@ -44,6 +44,17 @@ impl Evictor for Mru {
         order.reverse();
         order
     }
+
+    /// A snapshot lists the next victim first, here the most recent object: rebuild from the
+    /// other end, or a restored instance would evict in the opposite order (`plugin check`
+    /// compares a restored instance's decisions with the original's). The SDK's default
+    /// re-inserts in the listed order, which is right for policies whose victim is the oldest.
+    fn restore(&mut self, resident: &[(u64, u32)], _state: Option<&[u8]>) -> Result<(), Error> {
+        for &(key, _) in resident.iter().rev() {
+            self.queue.push_head(key, ());
+        }
+        Ok(())
+    }
 }
 
 #[cfg(target_arch = "wasm32")]
