@@ -54,7 +54,7 @@ python: python-env
 
 python-env:
 	@test -x $(PYVENV)/bin/pytest || { python3 -m venv $(PYVENV) && \
-		$(PYVENV)/bin/pip install -q 'numpy>=1.23' 'pytest>=7'; }
+		$(PYVENV)/bin/pip install -q 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2'; }
 
 ## The GPU path on a machine without a GPU: the GPU tests (Rust and Python) against
 ## tests/fake-cuda, a strict stand-in for the CUDA driver (libcuda.so.1) that runs each stream's
@@ -90,6 +90,7 @@ fuzz-smoke: fuzz-seeds
 	cd fuzz && $(CARGO) +nightly fuzz run shard_decode corpus/shard_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 	cd fuzz && $(CARGO) +nightly fuzz run object_decode corpus/object_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 	cd fuzz && $(CARGO) +nightly fuzz run frame_decode corpus/frame_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
+	cd fuzz && $(CARGO) +nightly fuzz run tar_decode corpus/tar_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 
 fuzz-seeds:
 	scripts/fuzz-seeds.sh

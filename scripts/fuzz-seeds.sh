@@ -25,6 +25,13 @@ mkdir -p fuzz/corpus/shard_decode fuzz/corpus/object_decode
 find "$store/shards" -name '*.shard' -size -64k -exec cp {} fuzz/corpus/shard_decode/ \;
 find "$store/manifests" -name '*.manifest' -exec cp {} fuzz/corpus/object_decode/ \;
 for ref in "$store"/refs/*; do cp "$ref" "fuzz/corpus/object_decode/ref-$(basename "$ref")"; done
+# Tars: plain, gzip, concatenated, with a link and a metadata member.
+mkdir -p fuzz/corpus/tar_decode
+cp "$work/wds.tar" fuzz/corpus/tar_decode/plain.tar
+gzip -c "$work/wds.tar" > fuzz/corpus/tar_decode/plain.tar.gz
+cat "$work/wds.tar" "$work/wds.tar" > fuzz/corpus/tar_decode/concatenated.tar
+(cd "$work/wds" && ln -sf 0001.jpg 0003.jpg && printf '{}' > __meta__ && tar -cf "$work/odd.tar" 0001.cls 0003.jpg __meta__)
+cp "$work/odd.tar" fuzz/corpus/tar_decode/odd.tar
 # One replication frame of every kind, from the frame codec's own samples.
 GRANARY_FRAME_SEEDS="$PWD/fuzz/corpus/frame_decode" cargo test -q -p granary --lib --locked write_frame_fuzz_seeds -- --ignored >/dev/null
-echo "fuzz seeds: $(ls fuzz/corpus/shard_decode | wc -l) shards, $(ls fuzz/corpus/object_decode | wc -l) manifests and refs, $(ls fuzz/corpus/frame_decode | wc -l) frames"
+echo "fuzz seeds: $(ls fuzz/corpus/shard_decode | wc -l) shards, $(ls fuzz/corpus/object_decode | wc -l) manifests and refs, $(ls fuzz/corpus/frame_decode | wc -l) frames, $(ls fuzz/corpus/tar_decode | wc -l) tars"

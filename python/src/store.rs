@@ -213,7 +213,8 @@ impl Store {
         shard_bytes: Option<u64>,
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let paths = paths_of(tars)?;
+        let inputs: Vec<String> = paths_of(tars)?.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        let paths = sources::expand_tar_inputs(&inputs).map_err(to_py)?;
         self.ingest_detached(py, name, Layout::Samples, options_of(mode, shard_bytes)?, progress, |ingest, report| {
             sources::samples_from_tars(ingest, &paths, report).map(drop)
         })
@@ -284,13 +285,13 @@ fn layout_of(dtype: Option<&str>, shape: Option<Vec<u64>>) -> PyResult<Layout> {
 
 /// Ingest options from Python's `mode` (`"new"`, `"append"` or `"replace"`) and `shard_bytes`.
 fn options_of(mode: &str, shard_bytes: Option<u64>) -> PyResult<IngestOptions> {
-    let mut options = IngestOptions::default();
-    options.mode = match mode {
+    let mode = match mode {
         "new" => IngestMode::New,
         "append" => IngestMode::Append,
         "replace" => IngestMode::Replace,
         other => return Err(invalid(format!("mode='{other}': expected 'new', 'append' or 'replace'"))),
     };
+    let mut options = IngestOptions { mode, ..IngestOptions::default() };
     if let Some(bytes) = shard_bytes {
         options.shard_bytes_target = bytes;
     }

@@ -143,11 +143,13 @@ enum IngestCommand {
         /// The directory.
         dir: PathBuf,
     },
-    /// WebDataset tar files: each sample (entries sharing a key) is one record.
+    /// WebDataset tar files (plain or gzip): each sample (entries sharing a key) is one
+    /// record, grouped as webdataset groups them.
     Tar {
         #[command(flatten)]
         common: IngestArgs,
-        /// The tar files, in order.
+        /// The tar files, in order: paths, brace patterns (shard-{000..009}.tar), a::b,
+        /// file: URLs, or directories of tars.
         #[arg(required = true)]
         tars: Vec<PathBuf>,
     },
@@ -328,7 +330,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     // refused before the lock is taken.
     match &command {
         IngestCommand::Records { files, .. } => _ = ingest::check_regular_files(files)?,
-        IngestCommand::Tar { tars, .. } => _ = ingest::check_regular_files(tars)?,
+        IngestCommand::Tar { tars, .. } => _ = ingest::check_regular_files(&expand_tars(tars)?)?,
         IngestCommand::Files { .. } | IngestCommand::Megatron { .. } => {}
     }
     // A Megatron index is read and checked whole before the store is touched; it decides the
@@ -353,7 +355,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
             ingest::files_from_dir(&mut session, dir, &bar)?;
         }
         IngestCommand::Tar { tars, .. } => {
-            ingest::samples_from_tars(&mut session, tars, &bar)?;
+            ingest::samples_from_tars(&mut session, &expand_tars(tars)?, &bar)?;
         }
         IngestCommand::Megatron { .. } => {
             let index = megatron.as_ref().context("the index was read above")?;
@@ -489,6 +491,13 @@ fn remove(root: PathBuf, spec: &str) -> Result<()> {
         VersionSpec::Manifest(_) => bail!("remove takes NAME or NAME@N, not a manifest id"),
     }
     Ok(())
+}
+
+/// The tars that `ingest tar`'s arguments name: brace patterns, `a::b`, `file:` URLs and
+/// directories as webdataset's users write them (`ingest::expand_tar_inputs`).
+fn expand_tars(tars: &[PathBuf]) -> granary::Result<Vec<PathBuf>> {
+    let inputs: Vec<String> = tars.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+    ingest::expand_tar_inputs(&inputs)
 }
 
 /// Parses `4096`, `64K`, `64KiB`, `1M`, `2GiB` ...; K, M, G are binary (KiB, MiB, GiB).

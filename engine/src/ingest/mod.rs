@@ -22,7 +22,10 @@ use std::io::Read;
 use std::path::PathBuf;
 
 pub use megatron::{MegatronIndex, records_from_megatron};
-pub use sources::{Progress, check_regular_files, files_from_dir, records_from_files, samples_from_tars};
+pub use sources::{
+    Progress, SampleSink, check_regular_files, expand_tar_inputs, files_from_dir, records_from_files,
+    samples_from_tars, tar_samples,
+};
 
 use crate::catalog::{Catalog, ObjectEntry};
 use crate::error::{Error, Result};

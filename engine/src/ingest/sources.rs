@@ -4,7 +4,7 @@
 //! then streams: no source holds more than one record (for tars, one sample) in memory.
 
 use std::fs::{self, File};
-use std::io::{BufReader, Read};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use super::Ingest;
@@ -118,15 +118,10 @@ fn walk(root: &Path, relative: &Path, out: &mut Vec<(PathBuf, u64)>) -> Result<(
     Ok(())
 }
 
-/// Ingests WebDataset tar files: consecutive entries that share a key (the path up to the first
-/// dot of the file name) form one sample, stored as one record in the sample encoding with one
-/// part per entry, named by the rest of the file name ("jpg", "seg.png", "cls"). Returns the
-/// number of samples.
-///
-/// Reading goes on past an end-of-archive marker when more headers follow (GNU tar's
-/// `--ignore-zeros`), so concatenated tars (`cat a.tar b.tar`) are read whole. Directories and
-/// pax global headers hold no data and are passed over; every other member that is not a
-/// regular file (a link, a device, a FIFO) is reported to `progress.skipped` with the reason.
+/// Ingests WebDataset tar files (plain or gzip-compressed): the members that share a key are
+/// one sample, one record, grouped as `webdataset.WebDataset` (1.0) groups them (see
+/// `tar_samples`). Members that are not sample parts are passed to `progress.skipped`. Returns
+/// the samples ingested; a set of tars holding none is refused.
 pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &dyn Progress) -> Result<u64> {
     if tars.is_empty() {
         return Err(Error::invalid_input("no input tar files"));
@@ -134,59 +129,190 @@ pub fn samples_from_tars(ingest: &mut Ingest<'_>, tars: &[PathBuf], progress: &d
     progress.start(check_regular_files(tars)?);
     let mut n_samples = 0;
     for path in tars {
-        let bad_tar =
-            |e: std::io::Error| Error::invalid_input(format!("{}: not a readable tar file: {e}", path.display()));
         let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-        let mut archive = tar::Archive::new(BufReader::with_capacity(1 << 20, file));
-        archive.set_ignore_zeros(true);
-        let mut sample = SampleBuilder::default();
-        for entry in archive.entries().map_err(bad_tar)? {
-            let mut entry = entry.map_err(bad_tar)?;
-            let size = entry.size();
-            progress.advance(size.saturating_add(512));
-            let name = entry.path().map_err(bad_tar)?.to_string_lossy().into_owned();
-            match not_a_part(&entry) {
-                None => {}
-                Some(Skip::Quietly) => continue,
-                Some(Skip::Report(reason)) => {
-                    progress.skipped(path, &name, &reason);
-                    continue;
-                }
-            }
-            let (key, part) = split_key(&name);
-            if sample.key.as_deref() != Some(key) {
-                if sample.flush(ingest)? {
-                    n_samples += 1;
-                }
-                sample.key = Some(key.to_owned());
-            }
-            // As WebDataset: a part name twice in one sample, or one that would stand for the
-            // key, is refused rather than one of the two silently lost.
-            let clash = if part == "__key__" {
-                Some("the part name \"__key__\" stands for the sample's key")
-            } else if sample.parts.iter().any(|(other, _)| other == part) {
-                Some("the sample already has a part of that name")
-            } else {
-                None
-            };
-            if let Some(clash) = clash {
-                return Err(Error::invalid_input(format!("{}: {name}: {clash}", path.display())));
-            }
-            let mut data = Vec::with_capacity(usize::try_from(size).unwrap_or(0).min(1 << 26));
-            entry.read_to_end(&mut data).map_err(bad_tar)?;
-            sample.parts.push((part.to_owned(), data));
-        }
-        if sample.flush(ingest)? {
-            n_samples += 1;
-        }
+        n_samples += tar_samples(
+            BufReader::with_capacity(1 << 20, file),
+            &mut |key, parts| {
+                let parts: Vec<(&str, &[u8])> =
+                    parts.iter().map(|(name, data)| (name.as_str(), data.as_slice())).collect();
+                ingest.push(&encode_sample(key, &parts))
+            },
+            &mut |member, reason| progress.skipped(path, member, reason),
+            &mut |bytes| progress.advance(bytes),
+        )
+        .map_err(|e| name_source(e, path))?;
     }
     if n_samples == 0 {
         return Err(Error::invalid_input(format!(
-            "{}: no sample in the input (no member is a regular file): nothing to ingest",
+            "{}: no sample in the input (no member is a sample part): nothing to ingest",
             names(tars)
         )));
     }
     Ok(n_samples)
+}
+
+/// What `tar_samples` hands each sample to: its key and its parts (name, bytes), in tar order.
+pub type SampleSink<'a> = dyn FnMut(&str, &[(String, Vec<u8>)]) -> Result<()> + 'a;
+
+/// The largest tar member taken as a sample part.
+const PART_BYTES_MAX: u64 = 1 << 30;
+
+/// Reads the WebDataset samples of one tar stream, plain or gzip-compressed (told by its
+/// first bytes), past end-of-archive blocks (concatenated tars), as `webdataset.WebDataset`
+/// 1.0 groups them: a regular member `dir/KEY.EXT` is part `EXT` (lowercased) of sample
+/// `dir/KEY`, `KEY` being its file name up to the first dot; consecutive members of one key
+/// are one sample. Not parts, and passed to `skipped` with why: members that are not regular
+/// files, file names that start with a dot (`._x.jpg` AppleDouble files a Mac's tar writes,
+/// `.DS_Store`) or have no dot (`README`), and WebDataset's metadata (`__meta__`,
+/// `__index__/...`). A part name twice in one sample (`x.jpg` and `x.JPG`) is refused, as
+/// webdataset refuses it. Calls `sample` for each sample; `advance` with the bytes read.
+/// Returns the samples read.
+pub fn tar_samples(
+    input: impl Read,
+    sample: &mut SampleSink<'_>,
+    skipped: &mut dyn FnMut(&str, &str),
+    advance: &mut dyn FnMut(u64),
+) -> Result<u64> {
+    let bad_tar = |e: std::io::Error| Error::invalid_input(format!("not a readable tar file: {e}"));
+    let mut input = BufReader::new(input);
+    let gzip = input.fill_buf().map_err(bad_tar)?.starts_with(&[0x1f, 0x8b]);
+    let input: Box<dyn Read> = if gzip { Box::new(flate2::read::MultiGzDecoder::new(input)) } else { Box::new(input) };
+    let mut archive = tar::Archive::new(input);
+    archive.set_ignore_zeros(true);
+    let mut current = SampleBuilder::default();
+    let mut n_samples = 0;
+    for entry in archive.entries().map_err(bad_tar)? {
+        let mut entry = entry.map_err(bad_tar)?;
+        let size = entry.size();
+        advance(size.saturating_add(512));
+        let name = entry.path().map_err(bad_tar)?.to_string_lossy().into_owned();
+        match not_a_part(&entry) {
+            None => {}
+            Some(Skip::Quietly) => continue,
+            Some(Skip::Report(reason)) => {
+                skipped(&name, &reason);
+                continue;
+            }
+        }
+        let (key, part) = match split_key(&name) {
+            Ok(split) => split,
+            Err(reason) => {
+                skipped(&name, reason);
+                continue;
+            }
+        };
+        if current.key.as_deref() != Some(key) {
+            if current.flush(sample)? {
+                n_samples += 1;
+            }
+            current.key = Some(key.to_owned());
+        }
+        // As WebDataset: a part name twice in one sample, or one that would stand for the
+        // key, is refused rather than one of the two silently lost.
+        let clash = if part == "__key__" {
+            Some("the part name \"__key__\" stands for the sample's key")
+        } else if current.parts.iter().any(|(other, _)| *other == part) {
+            Some("the sample already has a part of that name (part names are lowercased, as webdataset does)")
+        } else {
+            None
+        };
+        if let Some(clash) = clash {
+            return Err(Error::invalid_input(format!("{name}: {clash}")));
+        }
+        // A sample is one record, held in memory while it is built: a member larger than a
+        // record may be is refused before its bytes are read (a hostile header, or a gzip
+        // bomb, cannot make the reader allocate what it says).
+        if size > PART_BYTES_MAX {
+            return Err(Error::invalid_input(format!(
+                "{name}: a member of {size} bytes, more than a sample part may hold ({PART_BYTES_MAX})"
+            )));
+        }
+        let mut data = Vec::with_capacity(usize::try_from(size).unwrap_or(0).min(1 << 26));
+        entry.read_to_end(&mut data).map_err(bad_tar)?;
+        current.parts.push((part, data));
+    }
+    if current.flush(sample)? {
+        n_samples += 1;
+    }
+    Ok(n_samples)
+}
+
+/// The tar files named by `inputs` as webdataset's users write them: `a.tar::b.tar` (several),
+/// brace patterns (`shard-{000..009}.tar`, `{train,val}.tar`), `file:` URLs, and directories
+/// (their `.tar`, `.tar.gz` and `.tgz` files, sorted). `pipe:` and other URLs are refused: the
+/// engine reads files.
+pub fn expand_tar_inputs(inputs: &[String]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for input in inputs {
+        for one in input.split("::").filter(|s| !s.is_empty()) {
+            if one.starts_with("pipe:") {
+                return Err(Error::invalid_input(format!(
+                    "{one}: pipe: URLs run a shell command, and granary reads files: run the command into a file \
+                     first, then ingest that"
+                )));
+            }
+            let one = one.strip_prefix("file://").or_else(|| one.strip_prefix("file:")).unwrap_or(one);
+            if let Some((scheme, _)) = one.split_once("://") {
+                return Err(Error::invalid_input(format!(
+                    "{one}: {scheme}:// URLs are not read: download the tars first"
+                )));
+            }
+            for path in expand_braces(one)? {
+                let path = PathBuf::from(path);
+                if path.is_dir() {
+                    let mut tars: Vec<PathBuf> = fs::read_dir(&path)
+                        .map_err(|e| Error::io("read directory", &path, e))?
+                        .filter_map(|e| e.ok().map(|e| e.path()))
+                        .filter(|p| {
+                            let name =
+                                p.file_name().map(|n| n.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
+                            p.is_file() && [".tar", ".tar.gz", ".tgz"].iter().any(|ext| name.ends_with(ext))
+                        })
+                        .collect();
+                    if tars.is_empty() {
+                        return Err(Error::invalid_input(format!(
+                            "{}: a directory without .tar, .tar.gz or .tgz files",
+                            path.display()
+                        )));
+                    }
+                    tars.sort();
+                    out.extend(tars);
+                } else {
+                    out.push(path);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Expands brace groups as the shell and Python's `braceexpand` do: `{a,b}` alternatives and
+/// `{0..9}` / `{000..099}` numeric ranges (zero-padded to the first bound's width), every
+/// group of a pattern in turn (not nested).
+fn expand_braces(pattern: &str) -> Result<Vec<String>> {
+    let Some(open) = pattern.find('{') else { return Ok(vec![pattern.to_owned()]) };
+    let Some(close) = pattern[open..].find('}').map(|c| open + c) else { return Ok(vec![pattern.to_owned()]) };
+    let (head, body, tail) = (&pattern[..open], &pattern[open + 1..close], &pattern[close + 1..]);
+    let choices: Vec<String> = match body.split_once("..") {
+        Some((first, last))
+            if !first.is_empty()
+                && !last.is_empty()
+                && first.bytes().chain(last.bytes()).all(|b| b.is_ascii_digit()) =>
+        {
+            let bad = || Error::invalid_input(format!("{pattern}: a range {{{body}}} of too large numbers"));
+            let (from, to): (u64, u64) = (first.parse().map_err(|_| bad())?, last.parse().map_err(|_| bad())?);
+            if to < from || to - from >= 1 << 20 {
+                return Err(Error::invalid_input(format!("{pattern}: the range {{{body}}} is empty or too long")));
+            }
+            let width = first.len();
+            (from..=to).map(|n| format!("{n:0width$}")).collect()
+        }
+        _ if body.contains(',') => body.split(',').map(str::to_owned).collect(),
+        // Not a group: literal braces.
+        _ => return Ok(expand_braces(tail)?.into_iter().map(|t| format!("{head}{{{body}}}{t}")).collect()),
+    };
+    let tails = expand_braces(tail)?;
+    Ok(choices.iter().flat_map(|c| tails.iter().map(move |t| format!("{head}{c}{t}"))).collect())
 }
 
 /// Checks that every path is a regular file and returns their total size: a FIFO, a device or a
@@ -260,14 +386,32 @@ fn not_a_part<R: Read>(entry: &tar::Entry<'_, R>) -> Option<Skip> {
     Some(Skip::Report(reason))
 }
 
-/// Splits a tar path into its WebDataset key and part name: `dir/000017.seg.png` is key
-/// `dir/000017`, part `seg.png`; a file name without a dot is a key with the part "".
-fn split_key(path: &str) -> (&str, &str) {
-    let name_start = path.rfind('/').map_or(0, |slash| slash + 1);
-    match path[name_start..].find('.') {
-        Some(dot) => (&path[..name_start + dot], &path[name_start + dot + 1..]),
-        None => (path, ""),
+/// Splits a tar path into its WebDataset key and part name as webdataset 1.0 does, by its
+/// pattern `^((?:.*/|)[^.]+)[.]([^/]*)$` (the part lowercased): `a/b.c/000017.seg.PNG` is key
+/// `a/b.c/000017`, part `seg.png`. No part: a path the pattern does not match (a file name
+/// without a dot; `._x.jpg` and `.DS_Store` at the top), and WebDataset's metadata
+/// (`__meta__`, `__index__/...`). (The pattern makes `dir/.x.jpg` key `dir/`, part `x.jpg`:
+/// kept, so that both give the same samples.)
+fn split_key(path: &str) -> std::result::Result<(&str, String), &'static str> {
+    let first = path.split('/').next().unwrap_or(path);
+    if first.len() > 4 && first.starts_with("__") && first.ends_with("__") {
+        return Err("WebDataset metadata, not a sample");
     }
+    // `(?:.*/|)`: the longest prefix ending in '/' first, then shorter ones, then none; then
+    // `[^.]+` runs to the next dot, which must leave no '/' after it.
+    let starts = path.match_indices('/').rev().map(|(at, _)| at + 1).chain(std::iter::once(0));
+    for start in starts {
+        let Some(dot) = path[start..].find('.').map(|d| start + d) else { continue };
+        if dot > start && !path[dot + 1..].contains('/') {
+            return Ok((&path[..dot], path[dot + 1..].to_lowercase()));
+        }
+    }
+    let name = &path[path.rfind('/').map_or(0, |slash| slash + 1)..];
+    Err(if name.starts_with('.') {
+        "a dotfile (as ._NAME AppleDouble files and .DS_Store that a Mac's tar adds), not a sample part"
+    } else {
+        "a file name without an extension, not a sample part"
+    })
 }
 
 #[derive(Default)]
@@ -277,12 +421,10 @@ struct SampleBuilder {
 }
 
 impl SampleBuilder {
-    /// Pushes the sample being built, if any; returns whether one was pushed.
-    fn flush(&mut self, ingest: &mut Ingest<'_>) -> Result<bool> {
+    /// Hands the sample being built, if any, to `sample`; returns whether there was one.
+    fn flush(&mut self, sample: &mut SampleSink<'_>) -> Result<bool> {
         let Some(key) = self.key.take() else { return Ok(false) };
-        let parts: Vec<(&str, &[u8])> =
-            self.parts.iter().map(|(name, data)| (name.as_str(), data.as_slice())).collect();
-        ingest.push(&encode_sample(&key, &parts))?;
+        sample(&key, &self.parts)?;
         self.parts.clear();
         Ok(true)
     }
@@ -299,12 +441,26 @@ fn name_source(error: Error, path: &Path) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::split_key;
+    use super::{expand_braces, split_key};
 
     #[test]
     fn webdataset_keys_split_at_the_first_dot_of_the_file_name() {
-        assert_eq!(split_key("a/b.c/000017.seg.png"), ("a/b.c/000017", "seg.png"));
-        assert_eq!(split_key("000017.jpg"), ("000017", "jpg"));
-        assert_eq!(split_key("dir/README"), ("dir/README", ""));
+        assert_eq!(split_key("a/b.c/000017.seg.png"), Ok(("a/b.c/000017", "seg.png".to_owned())));
+        assert_eq!(split_key("./000017.JPG"), Ok(("./000017", "jpg".to_owned())));
+        assert!(split_key("dir/README").is_err());
+        assert!(split_key("._000017.jpg").is_err());
+        assert_eq!(split_key("x/.DS_Store"), Ok(("x/", "ds_store".to_owned())), "as webdataset's pattern has it");
+        assert_eq!(split_key("x/y.z/w.jpg"), Ok(("x/y.z/w", "jpg".to_owned())));
+        assert!(split_key("__meta__").is_err());
+        assert!(split_key("__index__/000.json").is_err());
+        assert_eq!(split_key("a.").map(|(k, p)| (k.to_owned(), p)), Ok(("a".to_owned(), String::new())));
+    }
+
+    #[test]
+    fn brace_patterns_expand_as_braceexpand_does() {
+        assert_eq!(expand_braces("s-{000..002}.tar").unwrap(), ["s-000.tar", "s-001.tar", "s-002.tar"]);
+        assert_eq!(expand_braces("{a,b}-{1..2}").unwrap(), ["a-1", "a-2", "b-1", "b-2"]);
+        assert_eq!(expand_braces("plain{x}.tar").unwrap(), ["plain{x}.tar"]);
+        assert!(expand_braces("s-{5..1}.tar").is_err());
     }
 }
