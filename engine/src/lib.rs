@@ -46,6 +46,11 @@ pub mod policy;
 pub mod loader;
 pub mod engine;
 pub mod replication;
+#[cfg(feature = "cli")]
+pub mod cli;
+
+// The command line names the library's items as `granary::...`, as a user of the crate would.
+extern crate self as granary;
 
 pub use engine::Granary;
 pub use error::{Error, FormatError, PluginError, Result};

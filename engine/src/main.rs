@@ -1,9 +1,6 @@
 //! The `granary` command line: ingest, list, inspect, read, verify, repair and benchmark a store.
-
-#![deny(clippy::unwrap_used)]
-
-mod cli;
+//! The commands live in the library (`granary::cli`), so the Python package runs the same code.
 
 fn main() -> std::process::ExitCode {
-    cli::main()
+    granary::cli::main()
 }

@@ -15,6 +15,13 @@ mod store;
 
 use pyo3::prelude::*;
 
+/// Runs the `granary` command line on `args` (the program's name first), with the GIL
+/// released, and returns its exit status: the package's `granary` console script.
+#[pyfunction]
+fn cli(py: Python<'_>, args: Vec<std::ffi::OsString>) -> u8 {
+    py.detach(|| granary::cli::main_with(args))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -31,5 +38,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DeviceError", py.get_type::<errors::DeviceError>())?;
     m.add("IngestIntentError", py.get_type::<errors::IngestIntentError>())?;
     m.add_function(wrap_pyfunction!(loader::cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(cli, m)?)?;
     Ok(())
 }

@@ -780,3 +780,19 @@ def test_tar_members_that_are_not_files_are_listed_and_warned_about(store, tmp_p
         out = store.ingest_tars("wds", tar_path)
     assert out["records"] == 1
     assert [(s["member"], "link" in s["reason"]) for s in out["skipped"]] == [("s1.txt", True)]
+
+
+def test_the_command_line_runs_from_the_package(store, tmp_path):
+    """`pip install` puts `granary` on the PATH as `granary._cli:main`: the same commands, run
+    by the extension in a Python process."""
+    store.ingest("t", records(10), dtype="uint16", shape=[RECORD])
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "granary._cli", "--root", str(store.path), *args], capture_output=True, text=True
+    )
+    out = run("ls")
+    assert out.returncode == 0 and "uint16" not in out.stderr and " 10 " in out.stdout, out
+    out = run("get", "t", "99")
+    assert out.returncode == 1 and out.stderr.startswith("granary: error: record 99 is out of range"), out
+    out = run("no-such-command")
+    assert out.returncode == 2 and "no-such-command" in out.stderr, out
+    assert run("--version").returncode == 0

@@ -44,7 +44,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Ingest records into a dataset: a new version (appended to the current one by default).
+    /// Ingest records into a dataset: a new dataset, or with --append/--replace a new version.
     #[command(subcommand)]
     Ingest(IngestCommand),
     /// List datasets, versions, shards and sizes.
@@ -228,17 +228,32 @@ pub(crate) fn open_and_repair(root: &std::path::Path) -> granary::Result<(Granar
     Granary::open_and_repair_telling(root, lock_wait(), &mut tell_waiting)
 }
 
-/// Runs the command line; prints errors as one line.
-pub(crate) fn main() -> ExitCode {
-    let cli = Cli::parse();
+/// Runs the command line on this process's arguments; prints errors as one line.
+pub fn main() -> ExitCode {
+    ExitCode::from(main_with(std::env::args_os().collect()))
+}
+
+/// Runs the command line on `args` (the program's name first) and returns its exit status (0
+/// for success, 1 for a failure, 2 for a usage error): the `granary` console script of the
+/// Python package runs this, in the Python process.
+pub fn main_with(args: Vec<std::ffi::OsString>) -> u8 {
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(usage) => {
+            // --help and --version print to stdout and succeed; a usage error is status 2.
+            let _ = usage.print();
+            return u8::try_from(usage.exit_code()).unwrap_or(2);
+        }
+    };
     match run(cli) {
-        Ok(code) => code,
+        Ok(code) if code == ExitCode::SUCCESS => 0,
+        Ok(_) => 1,
         // The reader of our output has all it wanted (`| head`): not a failure.
-        Err(error) if output::is_closed_pipe(&error) => ExitCode::SUCCESS,
+        Err(error) if output::is_closed_pipe(&error) => 0,
         Err(error) => {
             let message = one_line(&error);
             let _ = writeln!(std::io::stderr(), "granary: error: {message}");
-            ExitCode::FAILURE
+            1
         }
     }
 }
