@@ -107,9 +107,9 @@ class Store:
             name,
             _record_sources(records, dtype),
             dtype=dtype,
-            shape=None if shape is None else [int(d) for d in shape],
+            shape=_shape(shape),
             mode=_mode(mode, replace),
-            shard_bytes=shard_bytes,
+            shard_bytes=_shard_bytes(shard_bytes),
             progress=progress,
         )
 
@@ -133,10 +133,10 @@ class Store:
             name,
             _paths(source),
             dtype=_dtype_name(dtype),
-            shape=None if shape is None else [int(d) for d in shape],
+            shape=_shape(shape),
             drop_remainder=drop_remainder,
             mode=_mode(mode, replace),
-            shard_bytes=shard_bytes,
+            shard_bytes=_shard_bytes(shard_bytes),
             progress=progress,
         )
 
@@ -154,7 +154,7 @@ class Store:
         that are not files (links, devices) are not ingested: each is listed under `skipped` in
         what is returned (`source`, `member`, `reason`), and a warning says how many."""
         committed = self._native.ingest_tars(
-            name, _paths(tars), mode=_mode(mode, replace), shard_bytes=shard_bytes, progress=progress
+            name, _paths(tars), mode=_mode(mode, replace), shard_bytes=_shard_bytes(shard_bytes), progress=progress
         )
         if committed["skipped"]:
             import warnings
@@ -182,7 +182,7 @@ class Store:
         Batches come as `(data, offsets)`: `data` the sequences' elements back to back,
         sequence `i` of the batch `data[offsets[i]:offsets[i+1]]`."""
         return self._native.ingest_megatron(
-            name, os.fspath(prefix), mode=_mode(mode, replace), shard_bytes=shard_bytes, progress=progress
+            name, os.fspath(prefix), mode=_mode(mode, replace), shard_bytes=_shard_bytes(shard_bytes), progress=progress
         )
 
     def loader(self, dataset: str, batch_size: int, **options: Any) -> "Loader":
@@ -448,6 +448,23 @@ class Loader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _shape(shape: Any) -> Optional[List[int]]:
+    """`shape` as the native ingest takes it: `2049` is `[2049]`; every dim a positive int."""
+    if shape is None:
+        return None
+    dims = [shape] if isinstance(shape, int) else list(shape)
+    for dim in dims:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"shape must be a positive int or a sequence of them, not {shape!r}")
+    return dims
+
+
+def _shard_bytes(shard_bytes: Optional[int]) -> Optional[int]:
+    if shard_bytes is not None and (isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1):
+        raise ValueError(f"shard_bytes must be a positive number of bytes, not {shard_bytes!r}")
+    return shard_bytes
 
 
 def _mode(mode: Optional[str], replace: bool) -> str:

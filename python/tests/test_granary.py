@@ -796,3 +796,17 @@ def test_the_command_line_runs_from_the_package(store, tmp_path):
     out = run("no-such-command")
     assert out.returncode == 2 and "no-such-command" in out.stderr, out
     assert run("--version").returncode == 0
+
+
+def test_ingest_arguments_speak_python(store, tmp_path):
+    data = records(4)
+    # A bare int is a one-dimensional shape.
+    assert store.ingest("a", data, dtype="uint16", shape=RECORD)["records"] == 4
+    for bad in (0, -3, [RECORD, 0], "64"):
+        with pytest.raises(ValueError, match="shape must be a positive int"):
+            store.ingest("b", data, dtype="uint16", shape=bad)
+    with pytest.raises(ValueError, match="shard_bytes must be a positive number of bytes"):
+        store.ingest("b", data, dtype="uint16", shape=RECORD, shard_bytes=-1)
+    (tmp_path / "odd.bin").write_bytes(b"x" * (RECORD * 2 + 3))
+    with pytest.raises(granary.Error, match="drop_remainder=True"):
+        store.ingest_files("c", tmp_path / "odd.bin", dtype="uint8", shape=[RECORD])

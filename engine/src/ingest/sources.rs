@@ -52,7 +52,7 @@ pub fn records_from_files(
         if remainder != 0 && !drop_remainder {
             return Err(Error::invalid_input(format!(
                 "{}: {} bytes is not a multiple of the record size {record_bytes} ({remainder} bytes left over; \
-                 --drop-remainder skips them)",
+                 dropping each file's remainder skips them: --drop-remainder, drop_remainder=True in Python)",
                 path.display(),
                 meta.len()
             )));
