@@ -254,7 +254,12 @@ impl StorePaths {
             && is_id_prefix(text)
             && !self.ref_file(name).exists()
         {
-            let (_, id) = self.expand_prefix(&[ObjectKind::Manifest], text)?;
+            let (_, id) = self.expand_prefix(&[ObjectKind::Manifest], text).map_err(|e| match e {
+                Error::NotFound { .. } => {
+                    Error::NotFound { what: format!("dataset {text} (nor a manifest whose id begins {text})") }
+                }
+                other => other,
+            })?;
             return Ok(VersionSpec::Manifest(ManifestId(id)));
         }
         Ok(spec)
