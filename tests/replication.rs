@@ -829,3 +829,71 @@ fn a_partitioned_node_heals_and_converges() {
     });
     report("a partitioned node heals", cluster.lost("tokens", &[0, 1, 2]), converge);
 }
+
+/// Runs `granary serve` on a fresh store with `args` added, expecting it to refuse to start:
+/// returns its one line of stderr, after checking that it exited non-zero without listening.
+/// `SELF` in an argument stands for its listen address's port.
+fn serve_refused(cluster: &Cluster, args: &[&str]) -> String {
+    let root = cluster.dir.path().join(format!("refused-{}", free_port()));
+    let port = free_port();
+    let listen = SocketAddr::from(([127, 0, 0, 1], port));
+    let args: Vec<String> = args.iter().map(|a| a.replace("SELF", &port.to_string())).collect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_granary"))
+        .arg("--root")
+        .arg(&root)
+        .args(["serve", "--listen", &listen.to_string(), "--cluster-key"])
+        .arg(&cluster.key_file)
+        .args(&args)
+        .env_remove("GRANARY_ROOT")
+        .env_remove("GRANARY_CLUSTER_KEY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(60) || std::net::TcpStream::connect(listen).is_ok() {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("serve {args:?} started: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(!out.status.success(), "serve {args:?} exited 0: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "serve {args:?}: not one line: {stderr:?}");
+    assert!(stderr.starts_with("granary: error: "), "{stderr:?}");
+    assert!(!root.join("replication").join("listen").exists(), "serve {args:?} recorded a listen address");
+    assert!(std::net::TcpStream::connect(listen).is_err(), "something listens at {listen}");
+    stderr.trim_end().to_owned()
+}
+
+#[test]
+fn a_node_checks_its_options_plugins_and_peers_before_it_listens() {
+    let cluster = Cluster::new(1);
+    // The plugins' own rules, found by running them once before the node listens.
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["--replicator-options", "mode=banana"], &["replicator", "mode=banana", "unknown mode \"banana\""]),
+        (&["--replicator-options", "frobnicate=1"], &["frobnicate", "known: buckets, mode"]),
+        (&["--replicator-options", "buckets=-5"], &["buckets=\"-5\" is not a valid value"]),
+        (&["--replicator-options", "buckets=0"], &["buckets must be in 1..=1048576"]),
+        (&["--evictor-options", "ways=4"], &["evictor", "unknown option \"ways\""]),
+        (&["--cache-bytes", "1M", "--evictor", "sieve", "--evictor-options", "ways=4"], &["unknown option \"ways\""]),
+        // Names that are no plugin, listing the built-ins of the kind asked for.
+        (&["--evictor", "nosuch"], &["no evictor plugin \"nosuch\"", "lru, fifo, sieve, s3-fifo, plan-aware"]),
+        (&["--replicator", "nosuch"], &["no replicator plugin \"nosuch\"", "(rendezvous)"]),
+        (&["--evictor", "rendezvous"], &["rendezvous", "replicator"]),
+    ];
+    for (args, needles) in cases {
+        let line = serve_refused(&cluster, args);
+        for needle in *needles {
+            assert!(line.contains(needle), "serve {args:?}: {line:?} lacks {needle:?}");
+        }
+    }
+    // Itself among its peers, by address or by a name for it.
+    for peers in ["127.0.0.2:9,127.0.0.1:SELF", "localhost:SELF"] {
+        let line = serve_refused(&cluster, &["--peers", peers]);
+        assert!(line.contains("names this node itself"), "{line}");
+    }
+}

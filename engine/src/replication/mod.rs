@@ -19,6 +19,8 @@ mod cache;
 #[cfg(feature = "replication")]
 mod client;
 #[cfg(feature = "replication")]
+mod config;
+#[cfg(feature = "replication")]
 mod flight;
 #[cfg(feature = "replication")]
 mod local;

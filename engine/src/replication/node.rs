@@ -21,12 +21,12 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
 
 use super::cache::ShardCache;
+pub use super::config::{Faults, NodeConfig};
 use super::flight::{Flight, InFlight};
 use super::frame::{Frame, InventoryEntry, ReplyCode, Role, WireKind};
 use super::local::LocalStore;
-use super::membership::Membership;
 use super::pull::{self, Pulled};
-use super::secure::{Channel, ClusterKey, Deadlines, Hello};
+use super::secure::{Channel, Hello};
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
 use crate::policy::{Holding, NodeInfo, Placement, PolicyHost, ReplicationMode, Replicator, shard_key};
@@ -53,96 +53,6 @@ const PEERS_MAX: usize = super::frame::MEMBERS_MAX;
 
 /// A write session idle for this long is closed, so that an ingest can take the store.
 const WRITE_SESSION_IDLE: Duration = Duration::from_millis(500);
-
-/// Faults to inject, for tests of what the other nodes do about them. Off by default.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults {
-    /// Sleep this long after each MiB sent (a slow peer, so a test can kill it mid-transfer).
-    pub send_delay_per_mib: Duration,
-    /// Flip a byte in every MiB sent (a peer that sends wrong bytes for an id).
-    pub corrupt_sends: bool,
-}
-
-impl Faults {
-    /// From `GRANARY_FAULT_SEND_DELAY_MS` (per MiB) and `GRANARY_FAULT_CORRUPT_SENDS=1`.
-    pub fn from_env() -> Self {
-        let delay = std::env::var("GRANARY_FAULT_SEND_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok());
-        Self {
-            send_delay_per_mib: Duration::from_millis(delay.unwrap_or(0)),
-            corrupt_sends: std::env::var("GRANARY_FAULT_CORRUPT_SENDS").is_ok_and(|v| v == "1"),
-        }
-    }
-}
-
-/// How to run a node.
-#[derive(Clone, Debug)]
-pub struct NodeConfig {
-    /// The store.
-    pub root: PathBuf,
-    /// Where to listen for peers and clients.
-    pub listen: SocketAddr,
-    /// Who the other nodes are.
-    pub membership: Membership,
-    /// The job's shared secret.
-    pub key: ClusterKey,
-    /// This node's id; by default the launcher's node rank, or one derived from `listen`.
-    pub node_id: Option<u32>,
-    /// This node's relative capacity for placement.
-    pub weight: u32,
-    /// This node's failure domain (by default its node id: every node its own domain).
-    pub failure_domain: Option<u32>,
-    /// Handshake and per-frame deadlines.
-    pub deadlines: Deadlines,
-    /// How long a connection may sit idle between requests.
-    pub idle: Duration,
-    /// How often each peer is probed.
-    pub heartbeat: Duration,
-    /// A peer that has not answered for this long is down.
-    pub down_after: Duration,
-    /// How often the reconciler runs when nothing wakes it.
-    pub reconcile_every: Duration,
-    /// A peer that sent bad bytes is not used as a source for this long.
-    pub demote_for: Duration,
-    /// How long a publication waits for another writer (an ingest) to release the store.
-    pub lock_wait: Duration,
-    /// Bytes of shards fetched for reads (not placed here) kept at most; 0: no limit.
-    pub cache_bytes_max: u64,
-    /// The evictor plugin of that cache (name or path; the built-in default when `None`).
-    pub evictor: Option<String>,
-    /// The replicator plugin (name or path; the built-in default when `None`) and its options.
-    pub replicator: Option<String>,
-    /// Options passed to the replicator (`mode=sync`, `buckets=N`).
-    pub replicator_options: Vec<(String, String)>,
-    /// Faults to inject (tests).
-    pub faults: Faults,
-}
-
-impl NodeConfig {
-    /// A configuration with the defaults for everything but the essentials.
-    pub fn new(root: impl Into<PathBuf>, listen: SocketAddr, membership: Membership, key: ClusterKey) -> Self {
-        Self {
-            root: root.into(),
-            listen,
-            membership,
-            key,
-            node_id: None,
-            weight: 1,
-            failure_domain: None,
-            deadlines: Deadlines::default(),
-            idle: Duration::from_secs(120),
-            heartbeat: Duration::from_millis(500),
-            down_after: Duration::from_secs(2),
-            reconcile_every: Duration::from_secs(1),
-            demote_for: Duration::from_secs(300),
-            lock_wait: Duration::from_secs(60),
-            cache_bytes_max: 0,
-            evictor: None,
-            replicator: None,
-            replicator_options: Vec::new(),
-            faults: Faults::default(),
-        }
-    }
-}
 
 /// The node id derived from a listen address (when neither the user nor a launcher gives one).
 fn node_id_of(listen: &SocketAddr) -> u32 {
@@ -291,9 +201,11 @@ impl Node {
             .enable_all()
             .build()
             .map_err(|e| Error::io("start the node's runtime", "tokio", e))?;
+        config.check(host)?;
         let local = LocalStore::open(&config.root, config.lock_wait)?;
         let replicator = host.replicator(config.replicator.as_deref(), &config.replicator_options)?;
-        let cache = ShardCache::new(host, config.evictor.as_deref(), config.cache_bytes_max)?;
+        let cache =
+            ShardCache::new(host, config.evictor.as_deref(), &config.evictor_options, config.cache_bytes_max)?;
         let listener = runtime
             .block_on(TcpListener::bind(config.listen))
             .map_err(|e| Error::io("listen", PathBuf::from(config.listen.to_string()), e))?;
