@@ -897,3 +897,66 @@ fn a_node_checks_its_options_plugins_and_peers_before_it_listens() {
         assert!(line.contains("names this node itself"), "{line}");
     }
 }
+
+/// Sends `signal` (`STOP`, `CONT`) to node `i`'s process.
+fn signal(cluster: &Cluster, i: usize, signal: &str) {
+    let pid = cluster.nodes[i].child.as_ref().expect("node running").id();
+    let ok = Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().unwrap().success();
+    assert!(ok, "kill -{signal} {pid}");
+}
+
+#[test]
+fn replicate_fails_naming_the_peer_as_soon_as_a_peer_stops_mid_transfer() {
+    let mut cluster = Cluster::new(2);
+    ingest_tokens(cluster.root(0), "tokens", 8, 1024, 4 << 20);
+    // Node 0 sends slowly (2 s per MiB), so node 1 is still pulling a 4 MiB shard when it stops.
+    cluster.nodes[0].env = vec![("GRANARY_FAULT_SEND_DELAY_MS".into(), "2000".into())];
+    for i in 0..2 {
+        cluster.nodes[i].args =
+            vec!["--replicator-options".into(), "mode=sync".into(), "--node-id".into(), i.to_string()];
+        cluster.start(i);
+    }
+    cluster.wait("peers up", Duration::from_secs(20), |c| c.peers_up(0) == 1 && c.peers_up(1) == 1);
+    let mut replicate = cluster
+        .command(0)
+        .arg("--root")
+        .arg(cluster.root(0))
+        .args(["replicate", "tokens", "--replicas", "2", "--cluster-key"])
+        .arg(&cluster.key_file)
+        .env_remove("GRANARY_CLUSTER_KEY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let incoming = cluster.root(1).join("incoming");
+    cluster.wait("a transfer to node 1 under way", Duration::from_secs(30), |_| {
+        std::fs::read_dir(&incoming).is_ok_and(|dir| {
+            dir.flatten().any(|e| {
+                e.file_name().to_string_lossy().ends_with(".shard.part") && e.metadata().is_ok_and(|m| m.len() > 0)
+            })
+        })
+    });
+    // Node 1 stops (SIGSTOP: its sockets stay open, nothing answers). Node 0's heartbeat finds
+    // it down within seconds; replicate must end then, not when its transfer's deadline passes
+    // (more than two minutes).
+    signal(&cluster, 1, "STOP");
+    let stopped = Instant::now();
+    while replicate.try_wait().unwrap().is_none() {
+        if stopped.elapsed() > Duration::from_secs(60) {
+            let _ = replicate.kill();
+            signal(&cluster, 1, "CONT");
+            panic!("replicate still silent {} s after node 1 stopped:\n{}", 60, cluster.logs());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = stopped.elapsed();
+    let out = replicate.wait_with_output().unwrap();
+    signal(&cluster, 1, "CONT");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "replicate succeeded with a stopped peer: {}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("node 1") && stderr.contains("is down"), "the peer is not named: {stderr}");
+    assert!(took < Duration::from_secs(30), "replicate ended {took:?} after node 1 stopped: {stderr}");
+    println!("replicate ended {:.1} s after its peer stopped: {}", took.as_secs_f64(), stderr.trim_end());
+    report("a peer stops mid-transfer", 0, took);
+}

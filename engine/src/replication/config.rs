@@ -108,7 +108,6 @@ impl NodeConfig {
     }
 }
 
-
 impl NodeConfig {
     /// Checks everything the node is given, before anything starts: the plugins exist and are
     /// of their kind, each takes its options (asked by running it once: the replicator places
@@ -118,13 +117,15 @@ impl NodeConfig {
         let replicator = self.replicator.as_deref();
         check_plugin_name(host, PolicyKind::Replicator, replicator)?;
         let refused = |kind: PolicyKind, options: &[(String, String)], e: Error| {
-            Error::invalid_input(format!("the {} does not take the options {}: {e}", kind.name(), show_options(options)))
+            Error::invalid_input(format!(
+                "the {} does not take the options {}: {e}",
+                kind.name(),
+                show_options(options)
+            ))
         };
         let mut placed = host.replicator(replicator, &self.replicator_options)?;
         let one_node = [NodeInfo { id: 0, weight: 1, failure_domain: 0, up: true }];
-        placed
-            .place(&one_node, 1)
-            .map_err(|e| refused(PolicyKind::Replicator, &self.replicator_options, e))?;
+        placed.place(&one_node, 1).map_err(|e| refused(PolicyKind::Replicator, &self.replicator_options, e))?;
         let evictor = self.evictor.as_deref();
         check_plugin_name(host, PolicyKind::Evictor, evictor)?;
         // Made whether or not the cache is bounded: a node given an evictor that cannot run is

@@ -204,8 +204,7 @@ impl Node {
         config.check(host)?;
         let local = LocalStore::open(&config.root, config.lock_wait)?;
         let replicator = host.replicator(config.replicator.as_deref(), &config.replicator_options)?;
-        let cache =
-            ShardCache::new(host, config.evictor.as_deref(), &config.evictor_options, config.cache_bytes_max)?;
+        let cache = ShardCache::new(host, config.evictor.as_deref(), &config.evictor_options, config.cache_bytes_max)?;
         let listener = runtime
             .block_on(TcpListener::bind(config.listen))
             .map_err(|e| Error::io("listen", PathBuf::from(config.listen.to_string()), e))?;
@@ -818,6 +817,19 @@ impl Shared {
         }
     }
 
+    /// Whether peer `id` is up, as its heartbeat last found it.
+    fn peer_up(&self, id: u32) -> bool {
+        let peers = self.peers.lock().expect("the peer lock is never poisoned");
+        peers.iter().any(|p| p.id() == Some(id) && p.up)
+    }
+
+    /// Returns once the heartbeat of peer `id` finds it down (polled: the wait it ends is long).
+    async fn until_down(&self, id: u32) {
+        while self.peer_up(id) {
+            tokio::time::sleep(self.config.heartbeat.min(Duration::from_millis(100))).await;
+        }
+    }
+
     fn up_peers(&self) -> Vec<(u32, SocketAddr)> {
         let peers = self.peers.lock().expect("the peer lock is never poisoned");
         peers.iter().filter(|p| p.up).filter_map(|p| p.id().map(|id| (id, p.addr))).collect()
@@ -855,6 +867,13 @@ impl Shared {
         others: &[u32],
     ) -> Result<()> {
         let addr = self.peer_addr(target).ok_or_else(|| Error::NotFound { what: format!("node {target}") })?;
+        let went_down = |when: &str| Error::Unavailable {
+            what: format!("node {target} ({addr})"),
+            detail: format!("it is down{when} (its heartbeat goes unanswered)"),
+        };
+        if !self.peer_up(target) {
+            return Err(went_down(""));
+        }
         let transport = |source: TransportError| Error::Transport { peer: format!("node {target} ({addr})"), source };
         let (mut channel, _) = self.connect(addr).await.map_err(transport)?;
         let request = self.next_request_id();
@@ -863,9 +882,14 @@ impl Shared {
         sources.truncate(super::frame::SOURCES_MAX);
         channel.send(&Frame::Fetch { request, kind, id, bytes, sources }).await.map_err(transport)?;
         // The target replies once it has pulled and verified the object: allow for the slowest
-        // transfer a pull accepts (1 MiB/s), and for a wait for one of its pull slots.
+        // transfer a pull accepts (1 MiB/s), and for a wait for one of its pull slots. A target
+        // that its heartbeat finds down meanwhile will not answer: the wait ends then, naming it.
         let wait = Duration::from_secs(120) + Duration::from_secs(bytes / (1 << 20));
-        match channel.recv_within(wait).await.map_err(transport)? {
+        let answer = tokio::select! {
+            answer = channel.recv_within(wait) => answer.map_err(transport)?,
+            () = self.until_down(target) => return Err(went_down(&format!(", since the transfer of {} began", id.short(12)))),
+        };
+        match answer {
             Frame::Reply { request: r, code: ReplyCode::Ok, .. } if r == request => {
                 self.note_peer_has(target, kind, id, bytes);
                 Ok(())
