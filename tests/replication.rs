@@ -960,3 +960,79 @@ fn replicate_fails_naming_the_peer_as_soon_as_a_peer_stops_mid_transfer() {
     println!("replicate ended {:.1} s after its peer stopped: {}", took.as_secs_f64(), stderr.trim_end());
     report("a peer stops mid-transfer", 0, took);
 }
+
+#[test]
+fn a_flood_of_keyless_connections_does_not_starve_the_clusters_own_clients() {
+    use std::net::Ipv4Addr;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let mut cluster = Cluster::new(2);
+    ingest_tokens(cluster.root(0), "tokens", 9, 256, 256 << 10);
+    for i in 0..2 {
+        cluster.nodes[i].args =
+            vec!["--replicator-options".into(), "mode=sync".into(), "--node-id".into(), i.to_string()];
+        cluster.start(i);
+    }
+    cluster.wait("peers up", Duration::from_secs(20), |c| c.peers_up(0) == 1 && c.peers_up(1) == 1);
+    // About 800 connections a second to node 0 from 200 other local addresses, each sending
+    // nothing and held open for 2 s (what a node without the key, or a port scanner, does).
+    let target = cluster.nodes[0].listen;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (opened, told_busy) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let flood = {
+        let (stop, opened, told_busy) = (Arc::clone(&stop), Arc::clone(&opened), Arc::clone(&told_busy));
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+            runtime.block_on(async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(10));
+                let mut n = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    for _ in 0..8 {
+                        n += 1;
+                        let source = Ipv4Addr::new(127, 0, 0, 2 + (n % 200) as u8);
+                        let (opened, told_busy) = (Arc::clone(&opened), Arc::clone(&told_busy));
+                        tokio::spawn(async move {
+                            use tokio::io::AsyncReadExt;
+                            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                            socket.bind(SocketAddr::new(source.into(), 0)).unwrap();
+                            let Ok(mut stream) = socket.connect(target).await else { return };
+                            opened.fetch_add(1, Ordering::Relaxed);
+                            let mut answer = Vec::new();
+                            let read = tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut answer));
+                            if read.await.is_ok_and(|r| r.is_ok()) && answer == [0, 0, 0, 0] {
+                                told_busy.fetch_add(1, Ordering::Relaxed);
+                            }
+                        });
+                    }
+                }
+            });
+        })
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    // Meanwhile the cluster's own clients get through, every time: status, and a replicate
+    // (which also opens connections between the nodes).
+    let started = Instant::now();
+    let mut n_status = 0;
+    while started.elapsed() < Duration::from_secs(6) {
+        let out = cluster.cli(0, &["status"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "status failed during the flood (after {n_status}): {stderr}");
+        n_status += 1;
+    }
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "2"]);
+    assert!(out.status.success(), "replicate failed during the flood: {}", String::from_utf8_lossy(&out.stderr));
+    let flooded_for = started.elapsed() + Duration::from_secs(2);
+    let status = cluster.status(0);
+    stop.store(true, Ordering::Relaxed);
+    flood.join().unwrap();
+    let opened = opened.load(Ordering::Relaxed);
+    let rate = opened as f64 / flooded_for.as_secs_f64();
+    println!("{opened} keyless connections ({rate:.0}/s); {n_status} status calls, all answered");
+    assert!(rate > 400.0, "the flood was only {rate:.0} connections/s");
+    // The flood was felt, and refused connections were told the node is busy (an empty record),
+    // not left to guess a wrong key.
+    assert!(cluster.stat(0, "security", "connections-busy").unwrap() > 100, "{status}");
+    assert!(told_busy.load(Ordering::Relaxed) > 100, "{} connections told busy", told_busy.load(Ordering::Relaxed));
+    assert_eq!(cluster.peers_up(0), 1, "{}", cluster.status(0));
+    report("a flood of keyless connections", cluster.lost("tokens", &[0, 1]), None);
+}

@@ -68,6 +68,8 @@ pub(crate) struct Stats {
     pub(crate) verify_failures: AtomicU64,
     pub(crate) demotions: AtomicU64,
     pub(crate) connections_refused: AtomicU64,
+    /// Connections told the node is busy (no handshake slot, or evicted for a newer one).
+    pub(crate) connections_busy: AtomicU64,
     pub(crate) frames_rejected: AtomicU64,
     pub(crate) copies_made: AtomicU64,
     pub(crate) copies_failed: AtomicU64,
@@ -125,21 +127,49 @@ struct Lag {
     max: Duration,
 }
 
-/// A handshake in progress from one address; released on drop.
+/// The handshakes in progress, oldest first (at most `HANDSHAKES_MAX`): where each comes from,
+/// whether its first message has authenticated, and how to tell it to make room.
+#[derive(Default)]
+pub(crate) struct Handshakes {
+    next_id: u64,
+    pending: Vec<PendingHandshake>,
+}
+
+struct PendingHandshake {
+    id: u64,
+    ip: std::net::IpAddr,
+    authenticated: bool,
+    evict: Arc<Notify>,
+}
+
+/// A handshake in progress; released on drop.
 pub(crate) struct HandshakeSlot {
     shared: Arc<Shared>,
-    ip: std::net::IpAddr,
+    id: u64,
+    evict: Arc<Notify>,
+}
+
+impl HandshakeSlot {
+    /// Completes when the node has taken this slot back for a newer connection.
+    pub(crate) fn evicted(&self) -> impl std::future::Future<Output = ()> + use<> {
+        let evict = Arc::clone(&self.evict);
+        async move { evict.notified().await }
+    }
+
+    /// The connection's first message authenticated: it holds the key (or replays a message of
+    /// one that does), and is no longer evicted for newer connections.
+    pub(crate) fn authenticated(&self) {
+        let mut table = self.shared.handshakes.lock().expect("the handshake table lock is never poisoned");
+        if let Some(pending) = table.pending.iter_mut().find(|p| p.id == self.id) {
+            pending.authenticated = true;
+        }
+    }
 }
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
-        let mut handshakes = self.shared.handshakes.lock().expect("the handshake table lock is never poisoned");
-        if let Some(n) = handshakes.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                handshakes.remove(&self.ip);
-            }
-        }
+        let mut table = self.shared.handshakes.lock().expect("the handshake table lock is never poisoned");
+        table.pending.retain(|p| p.id != self.id);
     }
 }
 
@@ -160,8 +190,8 @@ pub(crate) struct Shared {
     /// Refs being brought to peers, by (peer, dataset): one at a time each.
     pushing: Mutex<std::collections::HashSet<(u32, DatasetName)>>,
     pub(crate) connection_slots: Arc<Semaphore>,
-    /// Handshakes in progress, by source address.
-    handshakes: Mutex<HashMap<std::net::IpAddr, usize>>,
+    /// Handshakes in progress.
+    handshakes: Mutex<Handshakes>,
     pub(crate) wake: Notify,
     events: Mutex<VecDeque<String>>,
     replicator: Mutex<Replicator>,
@@ -233,7 +263,7 @@ impl Node {
             fetching: InFlight::new(),
             pushing: Mutex::new(std::collections::HashSet::new()),
             connection_slots: Arc::new(Semaphore::new(super::server::CONNECTIONS_MAX)),
-            handshakes: Mutex::new(HashMap::new()),
+            handshakes: Mutex::new(Handshakes::default()),
             wake: Notify::new(),
             events: Mutex::new(VecDeque::new()),
             replicator: Mutex::new(replicator),
@@ -413,17 +443,34 @@ impl Shared {
         events.push_back(text);
     }
 
-    /// A handshake slot for a connection from `ip`, unless too many are in progress (in all, or
-    /// from that address).
+    /// A handshake slot for a connection from `ip`. When the node already has
+    /// `HANDSHAKES_MAX` in progress, or that address `HANDSHAKES_PER_ADDRESS_MAX`, the oldest
+    /// one (of that address) still waiting for its first message is evicted to make room: a
+    /// flood of connections that send nothing then holds each slot only until the next few
+    /// arrive, while a real peer's first message comes within a round trip of its connection.
+    /// `None` (the connection is refused as busy) only when every slot has authenticated.
     pub(crate) fn begin_handshake(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<HandshakeSlot> {
-        let mut handshakes = self.handshakes.lock().expect("the handshake table lock is never poisoned");
-        let total: usize = handshakes.values().sum();
-        let from_ip = handshakes.get(&ip).copied().unwrap_or(0);
-        if total >= super::server::HANDSHAKES_MAX || from_ip >= super::server::HANDSHAKES_PER_ADDRESS_MAX {
-            return None;
+        use super::server::{HANDSHAKES_MAX, HANDSHAKES_PER_ADDRESS_MAX};
+        let mut table = self.handshakes.lock().expect("the handshake table lock is never poisoned");
+        assert!(table.pending.len() <= HANDSHAKES_MAX);
+        let from_ip = table.pending.iter().filter(|p| p.ip == ip).count();
+        let victim = if from_ip >= HANDSHAKES_PER_ADDRESS_MAX {
+            Some(table.pending.iter().position(|p| p.ip == ip && !p.authenticated)?)
+        } else if table.pending.len() >= HANDSHAKES_MAX {
+            Some(table.pending.iter().position(|p| !p.authenticated)?)
+        } else {
+            None
+        };
+        if let Some(victim) = victim {
+            let evicted = table.pending.remove(victim);
+            // A permit is stored if its task is not waiting yet: it finds it when it does.
+            evicted.evict.notify_one();
+            self.stats.connections_busy.fetch_add(1, Ordering::Relaxed);
         }
-        *handshakes.entry(ip).or_insert(0) += 1;
-        Some(HandshakeSlot { shared: Arc::clone(self), ip })
+        table.next_id += 1;
+        let (id, evict) = (table.next_id, Arc::new(Notify::new()));
+        table.pending.push(PendingHandshake { id, ip, authenticated: false, evict: Arc::clone(&evict) });
+        Some(HandshakeSlot { shared: Arc::clone(self), id, evict })
     }
 
     pub(crate) fn next_request_id(&self) -> u32 {
@@ -1299,6 +1346,7 @@ impl Shared {
             verify_failures: stat(&self.stats.verify_failures),
             demotions: stat(&self.stats.demotions),
             connections_refused: stat(&self.stats.connections_refused),
+            connections_busy: stat(&self.stats.connections_busy),
             frames_rejected: stat(&self.stats.frames_rejected),
             repairs: stat(&self.stats.repairs),
             cache_bytes,
@@ -1600,6 +1648,8 @@ pub struct NodeStatus {
     pub demotions: u64,
     /// Connections refused (wrong key, stale incarnation, too many).
     pub connections_refused: u64,
+    /// Of those, connections told the node was busy (too many handshakes at once).
+    pub connections_busy: u64,
     /// Connections dropped for a bad frame (oversized, corrupt, replayed, unexpected).
     pub frames_rejected: u64,
     /// Read-time repairs done.
@@ -1676,8 +1726,8 @@ impl fmt::Display for NodeStatus {
         )?;
         writeln!(
             f,
-            "security connections-refused {} frames-rejected {}",
-            self.connections_refused, self.frames_rejected
+            "security connections-refused {} connections-busy {} frames-rejected {}",
+            self.connections_refused, self.connections_busy, self.frames_rejected
         )?;
         writeln!(
             f,

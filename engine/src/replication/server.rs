@@ -30,7 +30,8 @@ use crate::store::{DatasetName, RefLog};
 /// holds about 200 KiB of buffers.
 pub(crate) const CONNECTIONS_MAX: usize = super::frame::MEMBERS_MAX + 64;
 /// Handshakes in progress at once, in all and from one address: a peer without the key can
-/// hold a handshake slot only until its first message is due. A node opens up to about 16
+/// hold a handshake slot only until its first message is due, or until newer connections need
+/// the room (the oldest waiting for a first message is told busy and closed). A node opens up to about 16
 /// connections at once to one peer (fetch requests, pulls, its heartbeat, a ref), and nodes
 /// may share an address (one host, loopback), hence the room per address.
 pub(crate) const HANDSHAKES_MAX: usize = 64;
@@ -48,7 +49,8 @@ pub(crate) async fn listen(shared: Arc<Shared>, listener: TcpListener, mut shutd
                 Ok((stream, addr)) => {
                     let Some(handshake) = shared.begin_handshake(addr.ip()) else {
                         shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
-                        drop(stream);
+                        shared.stats.connections_busy.fetch_add(1, Ordering::Relaxed);
+                        super::secure::refuse_busy(&stream);
                         continue;
                     };
                     let shared = Arc::clone(&shared);
@@ -103,13 +105,22 @@ async fn serve_connection(
     addr: std::net::SocketAddr,
     handshake: super::node::HandshakeSlot,
 ) {
-    let accepted = Channel::accept(stream, &shared.config.key, &shared.hello, shared.config.deadlines).await;
+    let evicted = handshake.evicted();
+    let accepted = Channel::accept(stream, &shared.config.key, &shared.hello, shared.config.deadlines, evicted, || {
+        handshake.authenticated();
+    })
+    .await;
     drop(handshake);
     let (mut channel, peer) = match accepted {
         Ok(accepted) => accepted,
         Err(e) => {
             shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
-            shared.event(format!("refused a connection from {addr}: {e}"));
+            // Connections that never sent a first message are counted, not logged one by one:
+            // under a flood of them the log would be the flood.
+            if !matches!(e, TransportError::Busy | TransportError::Timeout { what: "the first handshake message", .. })
+            {
+                shared.event(format!("refused a connection from {addr}: {e}"));
+            }
             return;
         }
     };
