@@ -148,21 +148,26 @@ impl Cluster {
             .unwrap()
     }
 
+    /// Node `i`'s status report as `granary status --json` prints it ("" when it fails).
     fn status(&self, i: usize) -> String {
-        let out = self.cli(i, &["status"]);
+        let out = self.cli(i, &["status", "--json"]);
         if out.status.success() { String::from_utf8(out.stdout).unwrap() } else { String::new() }
     }
 
-    /// The value after `key` on the status line that starts with `line`.
-    fn stat(&self, i: usize, line: &str, key: &str) -> Option<u64> {
-        let status = self.status(i);
-        let words: Vec<&str> = status.lines().find(|l| l.starts_with(line))?.split_whitespace().collect();
-        let at = words.iter().position(|w| *w == key)?;
-        words.get(at + 1)?.parse().ok()
+    fn status_json(&self, i: usize) -> serde_json::Value {
+        serde_json::from_str(&self.status(i)).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The counter `key` of node `i`'s status (`_line` names the group of the text report it is
+    /// in, for the reader; the JSON is flat).
+    fn stat(&self, i: usize, _line: &str, key: &str) -> Option<u64> {
+        self.status_json(i).get(key.replace('-', "_"))?.as_u64()
     }
 
     fn peers_up(&self, i: usize) -> usize {
-        self.status(i).lines().filter(|l| l.starts_with("peer ") && l.contains(" up ")).count()
+        let status = self.status_json(i);
+        let peers = status.get("peers").and_then(|p| p.as_array()).cloned().unwrap_or_default();
+        peers.iter().filter(|p| p["up"] == serde_json::Value::Bool(true)).count()
     }
 
     fn logs(&self) -> String {
@@ -320,7 +325,7 @@ fn a_dataset_ingested_on_one_node_reaches_its_replication_factor_verified() {
         let held: Vec<BTreeSet<ShardId>> = (0..5).map(|i| c.verified_shards(i)).collect();
         !held[4].is_empty()
             && v2.iter().all(|s| held.iter().filter(|h| h.contains(s)).count() >= 3)
-            && c.status(0).contains("under-replicated 0 ")
+            && c.stat(0, "replication", "under-replicated") == Some(0)
     });
     assert!(joined.elapsed() >= converge);
     report("a node joins", cluster.lost("tokens", &[0, 1, 2, 3, 4]), converge);
@@ -350,7 +355,7 @@ fn more_replicas_than_nodes_is_refused_and_never_reported_as_confirmed() {
         "{stderr}"
     );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(!cluster.status(0).contains("goal tokens"), "{}", cluster.status(0));
+    assert_eq!(cluster.status_json(0)["goals"], serde_json::json!([]), "{}", cluster.status(0));
     // The same through ingest --replicas: refused before the copies, after the commit.
     let input = cluster.dir.path().join("more.bin");
     write_records(&input, &(0..16).map(|i| bytes(31_000 + i, 4096)).collect::<Vec<_>>());
@@ -558,7 +563,7 @@ fn oversized_corrupt_and_replayed_frames_are_rejected() {
     }
     // The node is unharmed and counted each one.
     let status = cluster.status(0);
-    assert!(status.starts_with("node "), "{status}");
+    assert!(cluster.status_json(0)["id"].is_u64(), "{status}");
     assert!(cluster.stat(0, "security", "frames-rejected").unwrap() >= 4, "{status}");
     assert!(cluster.stat(0, "security", "connections-refused").unwrap() >= 1, "{status}");
     report("oversized, corrupt and replayed frames", 0, None);
@@ -582,7 +587,8 @@ fn a_peer_that_sends_wrong_bytes_for_an_id_is_demoted() {
     let status = cluster.status(1);
     assert!(cluster.stat(1, "transfers", "demotions").unwrap() >= 1, "{status}");
     assert!(cluster.stat(1, "transfers", "verify-failures").unwrap() >= 1, "{status}");
-    assert!(status.lines().any(|l| l.starts_with("peer 0 ") || l.contains("demoted yes")), "{status}");
+    let demoted = cluster.status_json(1)["peers"].as_array().unwrap().iter().any(|p| p["demoted"] == true);
+    assert!(demoted, "{status}");
     let shards = shards_of(cluster.root(0), "tokens");
     let held = cluster.verified_shards(1);
     assert!(shards.iter().all(|s| held.contains(s)), "node 1 lacks shards");
@@ -608,7 +614,7 @@ fn nodes_find_each_other_through_the_launchers_rendezvous() {
     let converge =
         cluster.wait("every node to see the others", Duration::from_secs(30), |c| (0..3).all(|i| c.peers_up(i) == 2));
     for i in 0..3 {
-        assert!(cluster.status(i).starts_with(&format!("node {i} ")), "node ids are the node ranks");
+        assert_eq!(cluster.status_json(i)["id"], serde_json::json!(i), "node ids are the node ranks");
     }
     report("launcher membership", 0, converge);
 }
@@ -1035,4 +1041,95 @@ fn a_flood_of_keyless_connections_does_not_starve_the_clusters_own_clients() {
     assert!(told_busy.load(Ordering::Relaxed) > 100, "{} connections told busy", told_busy.load(Ordering::Relaxed));
     assert_eq!(cluster.peers_up(0), 1, "{}", cluster.status(0));
     report("a flood of keyless connections", cluster.lost("tokens", &[0, 1]), None);
+}
+
+#[test]
+fn status_is_a_readable_report_by_default_and_json_with_stable_keys_for_scripts() {
+    let mut cluster = Cluster::new(3);
+    ingest_tokens(cluster.root(0), "tokens", 10, 256, 256 << 10);
+    for i in 0..3 {
+        cluster.nodes[i].args =
+            vec!["--replicator-options".into(), "mode=sync".into(), "--node-id".into(), i.to_string()];
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(20), |c| (0..3).all(|i| c.peers_up(i) == 2));
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    cluster.kill(2);
+    cluster.wait("node 2 seen down", Duration::from_secs(20), |c| c.peers_up(0) == 1);
+    // For people: sentences and aligned lines, no raw key-value dump.
+    let out = cluster.cli(0, &["status"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    println!("{text}");
+    let listen = |i: usize| cluster.nodes[i].listen.to_string();
+    assert!(text.starts_with(&format!("node 0 (incarnation ")), "{text}");
+    assert!(text.contains(&format!("on {}, serving {}", listen(0), cluster.root(0).display())), "{text}");
+    assert!(text.contains("peers: 1 of 2 up"), "{text}");
+    let line = |needle: &str| text.lines().find(|l| l.contains(needle)).unwrap_or_default().to_owned();
+    assert!(line(&listen(1)).contains("node 1") && line(&listen(1)).contains(" up for "), "{text}");
+    assert!(line(&listen(2)).contains("node 2") && line(&listen(2)).contains(" DOWN for "), "{text}");
+    assert!(line(&listen(2)).contains("last error: "), "{text}");
+    assert!(text.contains("tokens at 2 copies of each shard"), "{text}");
+    assert!(text.contains("transfers: ") && text.contains("security: "), "{text}");
+    for raw in ["for-ms", "uptime-ms", "lag-max-ms", "connections-refused", "demoted no"] {
+        assert!(!text.contains(raw), "the report still shows the raw key {raw:?}:\n{text}");
+    }
+    // For scripts: JSON, one object, with these keys and types (a script may rely on them).
+    let out = cluster.cli(0, &["status", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json is JSON");
+    let object = json.as_object().expect("an object");
+    for key in [
+        "id",
+        "incarnation",
+        "uptime_ms",
+        "objects",
+        "under_replicated",
+        "unavailable",
+        "lag_oldest_ms",
+        "lag_max_ms",
+        "pending_fetches",
+        "copies_made",
+        "copies_failed",
+        "objects_received",
+        "bytes_sent",
+        "verify_failures",
+        "demotions",
+        "connections_refused",
+        "connections_busy",
+        "frames_rejected",
+        "repairs",
+        "cache_bytes",
+        "cache_bytes_max",
+        "cache_objects",
+        "evicted",
+        "kept_last_copy",
+    ] {
+        assert!(object.get(key).is_some_and(serde_json::Value::is_u64), "{key} is not a number in {json:#}");
+    }
+    assert_eq!(json["id"], 0);
+    assert_eq!(json["listen"], listen(0));
+    assert_eq!(json["root"], cluster.root(0).to_str().unwrap());
+    assert_eq!(json["goals"], serde_json::json!([{"dataset": "tokens", "replicas": 2}]));
+    assert!(json["events"].as_array().is_some_and(|e| e.iter().all(serde_json::Value::is_string)), "{json:#}");
+    let peers = json["peers"].as_array().expect("peers");
+    assert_eq!(peers.len(), 2, "{json:#}");
+    for peer in peers {
+        for (key, is) in [
+            ("id", serde_json::Value::is_u64 as fn(&serde_json::Value) -> bool),
+            ("addr", serde_json::Value::is_string),
+            ("up", serde_json::Value::is_boolean),
+            ("for_ms", serde_json::Value::is_u64),
+            ("objects", serde_json::Value::is_u64),
+            ("demoted", serde_json::Value::is_boolean),
+            ("last_error", serde_json::Value::is_string),
+        ] {
+            assert!(peer.get(key).is_some_and(is), "peer key {key} in {peer:#}");
+        }
+    }
+    let by_id = |id: u64| peers.iter().find(|p| p["id"] == id).expect("the peer").clone();
+    assert_eq!((by_id(1)["up"].clone(), by_id(1)["addr"].clone()), (true.into(), listen(1).into()));
+    assert_eq!(by_id(2)["up"], false);
+    report("status for people and for scripts", 0, None);
 }

@@ -180,13 +180,21 @@ pub(crate) struct StatusArgs {
     /// The node to ask (default: the one serving --root).
     #[arg(long, value_name = "ADDR")]
     node: Option<String>,
+    /// Print the report as JSON, for scripts (its keys stay stable).
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     key: KeyArgs,
 }
 
 pub(crate) fn status(root: &Path, args: &StatusArgs) -> Result<()> {
     let client = client(root, args.node.as_deref(), args.key.key()?)?;
-    out!("{}", client.status()?)?;
+    let status = client.status()?;
+    if args.json {
+        outln!("{}", status.to_json_pretty())?;
+    } else {
+        out!("{status}")?;
+    }
     Ok(())
 }
 

@@ -33,6 +33,8 @@ mod pull;
 #[cfg(feature = "replication")]
 pub mod secure;
 #[cfg(feature = "replication")]
+mod report;
+#[cfg(feature = "replication")]
 mod server;
 
 #[cfg(feature = "replication")]
@@ -40,6 +42,6 @@ pub use client::NodeClient;
 #[cfg(feature = "replication")]
 pub use membership::Membership;
 #[cfg(feature = "replication")]
-pub use node::{Faults, Node, NodeConfig, NodeStatus, PeerStatus, ReplicateReport};
+pub use node::{Faults, GoalStatus, Node, NodeConfig, NodeStatus, PeerStatus, ReplicateReport};
 #[cfg(feature = "replication")]
 pub use secure::{ClusterKey, Deadlines};

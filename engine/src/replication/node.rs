@@ -26,6 +26,7 @@ use super::flight::{Flight, InFlight};
 use super::frame::{Frame, InventoryEntry, ReplyCode, Role, WireKind};
 use super::local::LocalStore;
 use super::pull::{self, Pulled};
+pub use super::report::{GoalStatus, NodeStatus, PeerStatus};
 use super::secure::{Channel, Hello};
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
@@ -1332,7 +1333,10 @@ impl Shared {
             uptime_ms: self.started.elapsed().as_millis() as u64,
             objects: self.local.entries().len(),
             peers,
-            goals: goals.into_iter().map(|(name, r)| (name.to_string(), r)).collect(),
+            goals: goals
+                .into_iter()
+                .map(|(name, replicas)| GoalStatus { dataset: name.to_string(), replicas })
+                .collect(),
             under_replicated,
             unavailable,
             lag_oldest_ms,
@@ -1355,6 +1359,8 @@ impl Shared {
             evicted: stat(&self.stats.evicted),
             kept_last_copy: stat(&self.stats.kept_last_copy),
             events: self.events.lock().expect("the event lock is never poisoned").iter().cloned().collect(),
+            events_omitted: 0,
+            peers_omitted: 0,
         }
     }
 }
@@ -1581,162 +1587,5 @@ impl fmt::Display for ReplicateReport {
                 self.name, self.shards, self.replicas
             ),
         }
-    }
-}
-
-/// One peer in a status report.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PeerStatus {
-    /// Its node id, once it said hello.
-    pub id: Option<u32>,
-    /// Its address.
-    pub addr: SocketAddr,
-    /// Whether it answers.
-    pub up: bool,
-    /// For how long it has been up (or down).
-    pub for_ms: u64,
-    /// Objects it lists.
-    pub objects: usize,
-    /// Whether it is demoted (it sent bad bytes).
-    pub demoted: bool,
-    /// Its last failure.
-    pub last_error: String,
-}
-
-/// What a node knows: peers, goals, lag, counters.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodeStatus {
-    /// This node's id.
-    pub id: u32,
-    /// This start's incarnation.
-    pub incarnation: u64,
-    /// Where it listens.
-    pub listen: String,
-    /// Its store.
-    pub root: PathBuf,
-    /// Since when it runs.
-    pub uptime_ms: u64,
-    /// Objects stored here.
-    pub objects: usize,
-    /// Its peers.
-    pub peers: Vec<PeerStatus>,
-    /// Replication goals: dataset and copies per shard.
-    pub goals: Vec<(String, u32)>,
-    /// Shards of goal datasets with fewer copies than wanted on nodes that are up.
-    pub under_replicated: usize,
-    /// Shards of goal datasets with no copy on a node that is up.
-    pub unavailable: usize,
-    /// How long the oldest under-replicated shard has been so.
-    pub lag_oldest_ms: u64,
-    /// How long the last shard that reached its goal was under it.
-    pub lag_last_ms: Option<u64>,
-    /// The longest such time seen.
-    pub lag_max_ms: u64,
-    /// Fetch requests outstanding with peers.
-    pub pending_fetches: usize,
-    /// Copies this node had peers make.
-    pub copies_made: u64,
-    /// Copies that failed.
-    pub copies_failed: u64,
-    /// Objects received and published here.
-    pub objects_received: u64,
-    /// Bytes sent to peers.
-    pub bytes_sent: u64,
-    /// Transfers or local copies that failed verification.
-    pub verify_failures: u64,
-    /// Peers demoted for sending bad bytes.
-    pub demotions: u64,
-    /// Connections refused (wrong key, stale incarnation, too many).
-    pub connections_refused: u64,
-    /// Of those, connections told the node was busy (too many handshakes at once).
-    pub connections_busy: u64,
-    /// Connections dropped for a bad frame (oversized, corrupt, replayed, unexpected).
-    pub frames_rejected: u64,
-    /// Read-time repairs done.
-    pub repairs: u64,
-    /// Bytes of cached shards.
-    pub cache_bytes: u64,
-    /// The cache's bound (0: none).
-    pub cache_bytes_max: u64,
-    /// Cached shards.
-    pub cache_objects: usize,
-    /// Shards evicted from the cache.
-    pub evicted: u64,
-    /// Victims kept because no other node holds them.
-    pub kept_last_copy: u64,
-    /// Recent events, oldest first.
-    pub events: Vec<String>,
-}
-
-impl NodeStatus {
-    /// Whether every goal is met on the nodes that are up.
-    pub fn converged(&self) -> bool {
-        self.under_replicated == 0 && self.pending_fetches == 0
-    }
-}
-
-impl fmt::Display for NodeStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "node {} incarnation {} listen {} store {} uptime-ms {} objects {}",
-            self.id,
-            self.incarnation,
-            self.listen,
-            self.root.display(),
-            self.uptime_ms,
-            self.objects
-        )?;
-        for p in &self.peers {
-            writeln!(
-                f,
-                "peer {} addr {} {} for-ms {} objects {} demoted {}{}",
-                p.id.map_or_else(|| "?".to_owned(), |id| id.to_string()),
-                p.addr,
-                if p.up { "up" } else { "down" },
-                p.for_ms,
-                p.objects,
-                if p.demoted { "yes" } else { "no" },
-                if p.last_error.is_empty() { String::new() } else { format!(" last-error {:?}", p.last_error) }
-            )?;
-        }
-        for (name, replicas) in &self.goals {
-            writeln!(f, "goal {name} replicas {replicas}")?;
-        }
-        writeln!(
-            f,
-            "replication under-replicated {} unavailable {} pending-fetches {} lag-oldest-ms {} lag-last-ms {} lag-max-ms {}",
-            self.under_replicated,
-            self.unavailable,
-            self.pending_fetches,
-            self.lag_oldest_ms,
-            self.lag_last_ms.map_or_else(|| "-".to_owned(), |ms| ms.to_string()),
-            self.lag_max_ms
-        )?;
-        writeln!(
-            f,
-            "transfers copies-made {} copies-failed {} received {} bytes-sent {} verify-failures {} demotions {} repairs {}",
-            self.copies_made,
-            self.copies_failed,
-            self.objects_received,
-            self.bytes_sent,
-            self.verify_failures,
-            self.demotions,
-            self.repairs
-        )?;
-        writeln!(
-            f,
-            "security connections-refused {} connections-busy {} frames-rejected {}",
-            self.connections_refused, self.connections_busy, self.frames_rejected
-        )?;
-        writeln!(
-            f,
-            "cache bytes {} max {} objects {} evicted {} kept-last-copy {}",
-            self.cache_bytes, self.cache_bytes_max, self.cache_objects, self.evicted, self.kept_last_copy
-        )?;
-        for event in &self.events {
-            writeln!(f, "event {event}")?;
-        }
-        Ok(())
     }
 }

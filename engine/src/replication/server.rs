@@ -207,7 +207,7 @@ async fn answer(shared: &Arc<Shared>, channel: &mut Channel, request: Request) -
             channel.send(&Frame::Progress { request, done, total, last: true, code, message: &message }).await
         }
         Request::Status { request } => {
-            let text = shared.status().to_string();
+            let text = shared.status().to_json();
             channel.send(&Frame::Status { request, text: &text }).await
         }
         Request::Repair { request, id } => {
