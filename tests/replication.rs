@@ -1063,7 +1063,7 @@ fn status_is_a_readable_report_by_default_and_json_with_stable_keys_for_scripts(
     let text = String::from_utf8(out.stdout).unwrap();
     println!("{text}");
     let listen = |i: usize| cluster.nodes[i].listen.to_string();
-    assert!(text.starts_with(&format!("node 0 (incarnation ")), "{text}");
+    assert!(text.starts_with("node 0 (incarnation "), "{text}");
     assert!(text.contains(&format!("on {}, serving {}", listen(0), cluster.root(0).display())), "{text}");
     assert!(text.contains("peers: 1 of 2 up"), "{text}");
     let line = |needle: &str| text.lines().find(|l| l.contains(needle)).unwrap_or_default().to_owned();
