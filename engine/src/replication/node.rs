@@ -972,8 +972,10 @@ impl Shared {
         let outcome = match self.fetching.run((id, target), work).await {
             Flight::Led(outcome) => outcome,
             Flight::Joined(outcome) => {
-                return outcome
-                    .map_err(|detail| Error::Unavailable { what: format!("a copy of {id} on node {target}"), detail });
+                return outcome.map_err(|detail| Error::Unavailable {
+                    what: format!("a copy of {} on node {target}", id.short(12)),
+                    detail,
+                });
             }
         };
         match &outcome {
@@ -1172,7 +1174,8 @@ impl Shared {
         if n_short > 0 {
             failures.push(format!(
                 "{n_short} of {total} shards have fewer than {replicas} copies (as few as {copies_min}) with {} nodes up",
-                up.len() + 1
+                // Now, not when the copies were planned: a peer may have gone down meanwhile.
+                self.up_peers().len() + 1
             ));
         }
         report.shards_done = done;
