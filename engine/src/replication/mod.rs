@@ -15,6 +15,8 @@
 
 pub mod frame;
 #[cfg(feature = "replication")]
+mod admission;
+#[cfg(feature = "replication")]
 mod cache;
 #[cfg(feature = "replication")]
 mod client;

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
 
+use super::admission::{HandshakeSlot, Handshakes};
 use super::cache::ShardCache;
 pub use super::config::{Faults, NodeConfig};
 use super::flight::{Flight, InFlight};
@@ -128,52 +129,6 @@ struct Lag {
     max: Duration,
 }
 
-/// The handshakes in progress, oldest first (at most `HANDSHAKES_MAX`): where each comes from,
-/// whether its first message has authenticated, and how to tell it to make room.
-#[derive(Default)]
-pub(crate) struct Handshakes {
-    next_id: u64,
-    pending: Vec<PendingHandshake>,
-}
-
-struct PendingHandshake {
-    id: u64,
-    ip: std::net::IpAddr,
-    authenticated: bool,
-    evict: Arc<Notify>,
-}
-
-/// A handshake in progress; released on drop.
-pub(crate) struct HandshakeSlot {
-    shared: Arc<Shared>,
-    id: u64,
-    evict: Arc<Notify>,
-}
-
-impl HandshakeSlot {
-    /// Completes when the node has taken this slot back for a newer connection.
-    pub(crate) fn evicted(&self) -> impl std::future::Future<Output = ()> + use<> {
-        let evict = Arc::clone(&self.evict);
-        async move { evict.notified().await }
-    }
-
-    /// The connection's first message authenticated: it holds the key (or replays a message of
-    /// one that does), and is no longer evicted for newer connections.
-    pub(crate) fn authenticated(&self) {
-        let mut table = self.shared.handshakes.lock().expect("the handshake table lock is never poisoned");
-        if let Some(pending) = table.pending.iter_mut().find(|p| p.id == self.id) {
-            pending.authenticated = true;
-        }
-    }
-}
-
-impl Drop for HandshakeSlot {
-    fn drop(&mut self) {
-        let mut table = self.shared.handshakes.lock().expect("the handshake table lock is never poisoned");
-        table.pending.retain(|p| p.id != self.id);
-    }
-}
-
 /// Everything the node's tasks share.
 pub(crate) struct Shared {
     pub(crate) config: NodeConfig,
@@ -192,7 +147,7 @@ pub(crate) struct Shared {
     pushing: Mutex<std::collections::HashSet<(u32, DatasetName)>>,
     pub(crate) connection_slots: Arc<Semaphore>,
     /// Handshakes in progress.
-    handshakes: Mutex<Handshakes>,
+    handshakes: Arc<Handshakes>,
     pub(crate) wake: Notify,
     events: Mutex<VecDeque<String>>,
     replicator: Mutex<Replicator>,
@@ -264,7 +219,7 @@ impl Node {
             fetching: InFlight::new(),
             pushing: Mutex::new(std::collections::HashSet::new()),
             connection_slots: Arc::new(Semaphore::new(super::server::CONNECTIONS_MAX)),
-            handshakes: Mutex::new(Handshakes::default()),
+            handshakes: Arc::new(Handshakes::default()),
             wake: Notify::new(),
             events: Mutex::new(VecDeque::new()),
             replicator: Mutex::new(replicator),
@@ -444,34 +399,14 @@ impl Shared {
         events.push_back(text);
     }
 
-    /// A handshake slot for a connection from `ip`. When the node already has
-    /// `HANDSHAKES_MAX` in progress, or that address `HANDSHAKES_PER_ADDRESS_MAX`, the oldest
-    /// one (of that address) still waiting for its first message is evicted to make room: a
-    /// flood of connections that send nothing then holds each slot only until the next few
-    /// arrive, while a real peer's first message comes within a round trip of its connection.
-    /// `None` (the connection is refused as busy) only when every slot has authenticated.
-    pub(crate) fn begin_handshake(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<HandshakeSlot> {
-        use super::server::{HANDSHAKES_MAX, HANDSHAKES_PER_ADDRESS_MAX};
-        let mut table = self.handshakes.lock().expect("the handshake table lock is never poisoned");
-        assert!(table.pending.len() <= HANDSHAKES_MAX);
-        let from_ip = table.pending.iter().filter(|p| p.ip == ip).count();
-        let victim = if from_ip >= HANDSHAKES_PER_ADDRESS_MAX {
-            Some(table.pending.iter().position(|p| p.ip == ip && !p.authenticated)?)
-        } else if table.pending.len() >= HANDSHAKES_MAX {
-            Some(table.pending.iter().position(|p| !p.authenticated)?)
-        } else {
-            None
-        };
-        if let Some(victim) = victim {
-            let evicted = table.pending.remove(victim);
-            // A permit is stored if its task is not waiting yet: it finds it when it does.
-            evicted.evict.notify_one();
+    /// A handshake slot for a connection from `ip` (see `Handshakes::begin`), counting the
+    /// connection it evicted, if any, as told busy.
+    pub(crate) fn begin_handshake(&self, ip: std::net::IpAddr) -> Option<HandshakeSlot> {
+        let (slot, evicted) = Handshakes::begin(&self.handshakes, ip)?;
+        if evicted {
             self.stats.connections_busy.fetch_add(1, Ordering::Relaxed);
         }
-        table.next_id += 1;
-        let (id, evict) = (table.next_id, Arc::new(Notify::new()));
-        table.pending.push(PendingHandshake { id, ip, authenticated: false, evict: Arc::clone(&evict) });
-        Some(HandshakeSlot { shared: Arc::clone(self), id, evict })
+        Some(slot)
     }
 
     pub(crate) fn next_request_id(&self) -> u32 {

@@ -29,13 +29,6 @@ use crate::store::{DatasetName, RefLog};
 /// 256 peers), and transfers, fetch requests and clients use the rest. An idle connection
 /// holds about 200 KiB of buffers.
 pub(crate) const CONNECTIONS_MAX: usize = super::frame::MEMBERS_MAX + 64;
-/// Handshakes in progress at once, in all and from one address: a peer without the key can
-/// hold a handshake slot only until its first message is due, or until newer connections need
-/// the room (the oldest waiting for a first message is told busy and closed). A node opens up to about 16
-/// connections at once to one peer (fetch requests, pulls, its heartbeat, a ref), and nodes
-/// may share an address (one host, loopback), hence the room per address.
-pub(crate) const HANDSHAKES_MAX: usize = 64;
-pub(crate) const HANDSHAKES_PER_ADDRESS_MAX: usize = 32;
 /// Bytes the reader thread reads and checks at a time.
 const PIECE_BYTES: usize = 1 << 20;
 /// Pieces the reader thread may be ahead of the network.
@@ -103,7 +96,7 @@ async fn serve_connection(
     shared: &Arc<Shared>,
     stream: TcpStream,
     addr: std::net::SocketAddr,
-    handshake: super::node::HandshakeSlot,
+    handshake: super::admission::HandshakeSlot,
 ) {
     let evicted = handshake.evicted();
     let accepted = Channel::accept(stream, &shared.config.key, &shared.hello, shared.config.deadlines, evicted, || {
