@@ -514,8 +514,14 @@ fn closed_or_io(e: std::io::Error) -> TransportError {
 /// an orderly one (closing over unread bytes resets the connection, which may discard the
 /// record before the other side reads it).
 pub fn refuse_busy(stream: &TcpStream) {
+    // A handshake message is one read's worth; a few more bound the work a sender that keeps
+    // writing can cause here.
     let mut sink = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
-    while matches!(stream.try_read(&mut sink), Ok(n) if n > 0) {}
+    for _ in 0..4 {
+        if !matches!(stream.try_read(&mut sink), Ok(n) if n > 0) {
+            break;
+        }
+    }
     let _ = stream.try_write(&0u32.to_le_bytes());
 }
 
