@@ -48,6 +48,8 @@ const EVENTS_MAX: usize = 32;
 const PEER_WAIT_FOR_SOURCE: Duration = Duration::from_secs(10);
 /// A probe of a peer (ping, and its inventory when that changed) takes at most this long.
 const PROBE_DEADLINE: Duration = Duration::from_secs(30);
+/// The shortest wait for a pong: a peer that is alive but busy answers within this.
+const PONG_WAIT_MIN: Duration = Duration::from_secs(2);
 /// Objects a peer's inventory may list (bounds the memory a peer can make this node use).
 const PEER_OBJECTS_MAX: usize = 1 << 20;
 /// Peers a node keeps (each has a heartbeat task and an inventory).
@@ -1415,7 +1417,11 @@ async fn probe(
     }
     let channel = channel.as_mut().expect("connected above");
     channel.send(&Frame::Ping(nonce)).await?;
-    let generation = match channel.recv().await? {
+    // A peer silent for `down_after` is down: its pong is waited for that long (at least
+    // `PONG_WAIT_MIN`, so that a short setting does not take a busy peer for a dead one), not for
+    // the channel's 10 s I/O deadline.
+    let pong_wait = shared.config.down_after.max(PONG_WAIT_MIN);
+    let generation = match channel.recv_within(pong_wait).await? {
         Frame::Pong { nonce: n, generation } if n == nonce => generation,
         Frame::Reply { code, message, .. } => {
             return Err(TransportError::Protocol { detail: format!("refused: {code}: {message}") });
