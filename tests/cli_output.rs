@@ -136,5 +136,6 @@ fn every_command_fails_in_one_line_on_a_full_stdout_and_ends_quietly_on_a_closed
     // A node, and the commands that talk to it.
     let _node = serve(&root, Path::new(key));
     check(&root, &["status", "--cluster-key", key]);
+    check(&root, &["status", "--json", "--cluster-key", key]);
     check(&root, &["replicate", "A", "--replicas", "1", "--cluster-key", key]);
 }

@@ -148,21 +148,26 @@ impl Cluster {
             .unwrap()
     }
 
+    /// Node `i`'s status report as `granary status --json` prints it ("" when it fails).
     fn status(&self, i: usize) -> String {
-        let out = self.cli(i, &["status"]);
+        let out = self.cli(i, &["status", "--json"]);
         if out.status.success() { String::from_utf8(out.stdout).unwrap() } else { String::new() }
     }
 
-    /// The value after `key` on the status line that starts with `line`.
-    fn stat(&self, i: usize, line: &str, key: &str) -> Option<u64> {
-        let status = self.status(i);
-        let words: Vec<&str> = status.lines().find(|l| l.starts_with(line))?.split_whitespace().collect();
-        let at = words.iter().position(|w| *w == key)?;
-        words.get(at + 1)?.parse().ok()
+    fn status_json(&self, i: usize) -> serde_json::Value {
+        serde_json::from_str(&self.status(i)).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The counter `key` of node `i`'s status (`_line` names the group of the text report it is
+    /// in, for the reader; the JSON is flat).
+    fn stat(&self, i: usize, _line: &str, key: &str) -> Option<u64> {
+        self.status_json(i).get(key.replace('-', "_"))?.as_u64()
     }
 
     fn peers_up(&self, i: usize) -> usize {
-        self.status(i).lines().filter(|l| l.starts_with("peer ") && l.contains(" up ")).count()
+        let status = self.status_json(i);
+        let peers = status.get("peers").and_then(|p| p.as_array()).cloned().unwrap_or_default();
+        peers.iter().filter(|p| p["up"] == serde_json::Value::Bool(true)).count()
     }
 
     fn logs(&self) -> String {
@@ -320,7 +325,7 @@ fn a_dataset_ingested_on_one_node_reaches_its_replication_factor_verified() {
         let held: Vec<BTreeSet<ShardId>> = (0..5).map(|i| c.verified_shards(i)).collect();
         !held[4].is_empty()
             && v2.iter().all(|s| held.iter().filter(|h| h.contains(s)).count() >= 3)
-            && c.status(0).contains("under-replicated 0 ")
+            && c.stat(0, "replication", "under-replicated") == Some(0)
     });
     assert!(joined.elapsed() >= converge);
     report("a node joins", cluster.lost("tokens", &[0, 1, 2, 3, 4]), converge);
@@ -350,7 +355,7 @@ fn more_replicas_than_nodes_is_refused_and_never_reported_as_confirmed() {
         "{stderr}"
     );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(!cluster.status(0).contains("goal tokens"), "{}", cluster.status(0));
+    assert_eq!(cluster.status_json(0)["goals"], serde_json::json!([]), "{}", cluster.status(0));
     // The same through ingest --replicas: refused before the copies, after the commit.
     let input = cluster.dir.path().join("more.bin");
     write_records(&input, &(0..16).map(|i| bytes(31_000 + i, 4096)).collect::<Vec<_>>());
@@ -558,7 +563,7 @@ fn oversized_corrupt_and_replayed_frames_are_rejected() {
     }
     // The node is unharmed and counted each one.
     let status = cluster.status(0);
-    assert!(status.starts_with("node "), "{status}");
+    assert!(cluster.status_json(0)["id"].is_u64(), "{status}");
     assert!(cluster.stat(0, "security", "frames-rejected").unwrap() >= 4, "{status}");
     assert!(cluster.stat(0, "security", "connections-refused").unwrap() >= 1, "{status}");
     report("oversized, corrupt and replayed frames", 0, None);
@@ -582,7 +587,8 @@ fn a_peer_that_sends_wrong_bytes_for_an_id_is_demoted() {
     let status = cluster.status(1);
     assert!(cluster.stat(1, "transfers", "demotions").unwrap() >= 1, "{status}");
     assert!(cluster.stat(1, "transfers", "verify-failures").unwrap() >= 1, "{status}");
-    assert!(status.lines().any(|l| l.starts_with("peer 0 ") || l.contains("demoted yes")), "{status}");
+    let demoted = cluster.status_json(1)["peers"].as_array().unwrap().iter().any(|p| p["demoted"] == true);
+    assert!(demoted, "{status}");
     let shards = shards_of(cluster.root(0), "tokens");
     let held = cluster.verified_shards(1);
     assert!(shards.iter().all(|s| held.contains(s)), "node 1 lacks shards");
@@ -608,7 +614,7 @@ fn nodes_find_each_other_through_the_launchers_rendezvous() {
     let converge =
         cluster.wait("every node to see the others", Duration::from_secs(30), |c| (0..3).all(|i| c.peers_up(i) == 2));
     for i in 0..3 {
-        assert!(cluster.status(i).starts_with(&format!("node {i} ")), "node ids are the node ranks");
+        assert_eq!(cluster.status_json(i)["id"], serde_json::json!(i), "node ids are the node ranks");
     }
     report("launcher membership", 0, converge);
 }
@@ -828,4 +834,302 @@ fn a_partitioned_node_heals_and_converges() {
         c.stat(0, "replication", "lag-last-ms").is_some() && c.stat(0, "replication", "under-replicated") == Some(0)
     });
     report("a partitioned node heals", cluster.lost("tokens", &[0, 1, 2]), converge);
+}
+
+/// Runs `granary serve` on a fresh store with `args` added, expecting it to refuse to start:
+/// returns its one line of stderr, after checking that it exited non-zero without listening.
+/// `SELF` in an argument stands for its listen address's port.
+fn serve_refused(cluster: &Cluster, args: &[&str]) -> String {
+    let root = cluster.dir.path().join(format!("refused-{}", free_port()));
+    let port = free_port();
+    let listen = SocketAddr::from(([127, 0, 0, 1], port));
+    let args: Vec<String> = args.iter().map(|a| a.replace("SELF", &port.to_string())).collect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_granary"))
+        .arg("--root")
+        .arg(&root)
+        .args(["serve", "--listen", &listen.to_string(), "--cluster-key"])
+        .arg(&cluster.key_file)
+        .args(&args)
+        .env_remove("GRANARY_ROOT")
+        .env_remove("GRANARY_CLUSTER_KEY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(60) || std::net::TcpStream::connect(listen).is_ok() {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("serve {args:?} started: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(!out.status.success(), "serve {args:?} exited 0: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "serve {args:?}: not one line: {stderr:?}");
+    assert!(stderr.starts_with("granary: error: "), "{stderr:?}");
+    assert!(!root.join("replication").join("listen").exists(), "serve {args:?} recorded a listen address");
+    assert!(std::net::TcpStream::connect(listen).is_err(), "something listens at {listen}");
+    stderr.trim_end().to_owned()
+}
+
+#[test]
+fn a_node_checks_its_options_plugins_and_peers_before_it_listens() {
+    let cluster = Cluster::new(1);
+    // The plugins' own rules, found by running them once before the node listens.
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["--replicator-options", "mode=banana"], &["replicator", "mode=banana", "unknown mode \"banana\""]),
+        (&["--replicator-options", "frobnicate=1"], &["frobnicate", "known: buckets, mode"]),
+        (&["--replicator-options", "buckets=-5"], &["buckets=\"-5\" is not a valid value"]),
+        (&["--replicator-options", "buckets=0"], &["buckets must be in 1..=1048576"]),
+        (&["--evictor-options", "ways=4"], &["evictor", "unknown option \"ways\""]),
+        (&["--cache-bytes", "1M", "--evictor", "sieve", "--evictor-options", "ways=4"], &["unknown option \"ways\""]),
+        // Names that are no plugin, listing the built-ins of the kind asked for.
+        (&["--evictor", "nosuch"], &["no evictor plugin \"nosuch\"", "lru, fifo, sieve, s3-fifo, plan-aware"]),
+        (&["--replicator", "nosuch"], &["no replicator plugin \"nosuch\"", "(rendezvous)"]),
+        (&["--evictor", "rendezvous"], &["rendezvous", "replicator"]),
+    ];
+    for (args, needles) in cases {
+        let line = serve_refused(&cluster, args);
+        for needle in *needles {
+            assert!(line.contains(needle), "serve {args:?}: {line:?} lacks {needle:?}");
+        }
+    }
+    // Itself among its peers, by address or by a name for it.
+    for peers in ["127.0.0.2:9,127.0.0.1:SELF", "localhost:SELF"] {
+        let line = serve_refused(&cluster, &["--peers", peers]);
+        assert!(line.contains("names this node itself"), "{line}");
+    }
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to node `i`'s process.
+fn signal(cluster: &Cluster, i: usize, signal: &str) {
+    let pid = cluster.nodes[i].child.as_ref().expect("node running").id();
+    let ok = Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().unwrap().success();
+    assert!(ok, "kill -{signal} {pid}");
+}
+
+#[test]
+fn replicate_fails_naming_the_peer_as_soon_as_a_peer_stops_mid_transfer() {
+    let mut cluster = Cluster::new(2);
+    ingest_tokens(cluster.root(0), "tokens", 8, 1024, 4 << 20);
+    // Node 0 sends slowly (2 s per MiB), so node 1 is still pulling a 4 MiB shard when it stops.
+    cluster.nodes[0].env = vec![("GRANARY_FAULT_SEND_DELAY_MS".into(), "2000".into())];
+    for i in 0..2 {
+        cluster.nodes[i].args =
+            vec!["--replicator-options".into(), "mode=sync".into(), "--node-id".into(), i.to_string()];
+        cluster.start(i);
+    }
+    cluster.wait("peers up", Duration::from_secs(20), |c| c.peers_up(0) == 1 && c.peers_up(1) == 1);
+    let mut replicate = cluster
+        .command(0)
+        .arg("--root")
+        .arg(cluster.root(0))
+        .args(["replicate", "tokens", "--replicas", "2", "--cluster-key"])
+        .arg(&cluster.key_file)
+        .env_remove("GRANARY_CLUSTER_KEY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let incoming = cluster.root(1).join("incoming");
+    cluster.wait("a transfer to node 1 under way", Duration::from_secs(30), |_| {
+        std::fs::read_dir(&incoming).is_ok_and(|dir| {
+            dir.flatten().any(|e| {
+                e.file_name().to_string_lossy().ends_with(".shard.part") && e.metadata().is_ok_and(|m| m.len() > 0)
+            })
+        })
+    });
+    // Node 1 stops (SIGSTOP: its sockets stay open, nothing answers). Node 0's heartbeat finds
+    // it down within seconds; replicate must end then, not when its transfer's deadline passes
+    // (more than two minutes).
+    signal(&cluster, 1, "STOP");
+    let stopped = Instant::now();
+    while replicate.try_wait().unwrap().is_none() {
+        if stopped.elapsed() > Duration::from_secs(60) {
+            let _ = replicate.kill();
+            signal(&cluster, 1, "CONT");
+            panic!("replicate still silent {} s after node 1 stopped:\n{}", 60, cluster.logs());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = stopped.elapsed();
+    let out = replicate.wait_with_output().unwrap();
+    signal(&cluster, 1, "CONT");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "replicate succeeded with a stopped peer: {}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("node 1") && stderr.contains("is down"), "the peer is not named: {stderr}");
+    assert!(took < Duration::from_secs(15), "replicate ended {took:?} after node 1 stopped: {stderr}");
+    println!("replicate ended {:.1} s after its peer stopped: {}", took.as_secs_f64(), stderr.trim_end());
+    report("a peer stops mid-transfer", 0, took);
+}
+
+#[test]
+fn a_flood_of_keyless_connections_does_not_starve_the_clusters_own_clients() {
+    use std::net::Ipv4Addr;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let mut cluster = Cluster::new(2);
+    ingest_tokens(cluster.root(0), "tokens", 9, 256, 256 << 10);
+    for i in 0..2 {
+        cluster.nodes[i].args =
+            vec!["--replicator-options".into(), "mode=sync".into(), "--node-id".into(), i.to_string()];
+        cluster.start(i);
+    }
+    cluster.wait("peers up", Duration::from_secs(20), |c| c.peers_up(0) == 1 && c.peers_up(1) == 1);
+    // About 800 connections a second to node 0 from 200 other local addresses, each sending
+    // nothing and held open for 2 s (what a node without the key, or a port scanner, does).
+    let target = cluster.nodes[0].listen;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (opened, told_busy) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let flood = {
+        let (stop, opened, told_busy) = (Arc::clone(&stop), Arc::clone(&opened), Arc::clone(&told_busy));
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+            runtime.block_on(async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(10));
+                let mut n = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    for _ in 0..8 {
+                        n += 1;
+                        let source = Ipv4Addr::new(127, 0, 0, 2 + (n % 200) as u8);
+                        let (opened, told_busy) = (Arc::clone(&opened), Arc::clone(&told_busy));
+                        tokio::spawn(async move {
+                            use tokio::io::AsyncReadExt;
+                            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                            socket.bind(SocketAddr::new(source.into(), 0)).unwrap();
+                            let Ok(mut stream) = socket.connect(target).await else { return };
+                            opened.fetch_add(1, Ordering::Relaxed);
+                            let mut answer = Vec::new();
+                            let read = tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut answer));
+                            if read.await.is_ok_and(|r| r.is_ok()) && answer == [0, 0, 0, 0] {
+                                told_busy.fetch_add(1, Ordering::Relaxed);
+                            }
+                        });
+                    }
+                }
+            });
+        })
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    // Meanwhile the cluster's own clients get through, every time: status, and a replicate
+    // (which also opens connections between the nodes).
+    let started = Instant::now();
+    let mut n_status = 0;
+    while started.elapsed() < Duration::from_secs(6) {
+        let out = cluster.cli(0, &["status"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "status failed during the flood (after {n_status}): {stderr}");
+        n_status += 1;
+    }
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "2"]);
+    assert!(out.status.success(), "replicate failed during the flood: {}", String::from_utf8_lossy(&out.stderr));
+    let flooded_for = started.elapsed() + Duration::from_secs(2);
+    let status = cluster.status(0);
+    stop.store(true, Ordering::Relaxed);
+    flood.join().unwrap();
+    let opened = opened.load(Ordering::Relaxed);
+    let rate = opened as f64 / flooded_for.as_secs_f64();
+    println!("{opened} keyless connections ({rate:.0}/s); {n_status} status calls, all answered");
+    assert!(rate > 400.0, "the flood was only {rate:.0} connections/s");
+    // The flood was felt, and refused connections were told the node is busy (an empty record),
+    // not left to guess a wrong key.
+    assert!(cluster.stat(0, "security", "connections-busy").unwrap() > 100, "{status}");
+    assert!(told_busy.load(Ordering::Relaxed) > 100, "{} connections told busy", told_busy.load(Ordering::Relaxed));
+    assert_eq!(cluster.peers_up(0), 1, "{}", cluster.status(0));
+    report("a flood of keyless connections", cluster.lost("tokens", &[0, 1]), None);
+}
+
+#[test]
+fn status_is_a_readable_report_by_default_and_json_with_stable_keys_for_scripts() {
+    let mut cluster = Cluster::new(3);
+    ingest_tokens(cluster.root(0), "tokens", 10, 256, 256 << 10);
+    for i in 0..3 {
+        cluster.nodes[i].args =
+            vec!["--replicator-options".into(), "mode=sync".into(), "--node-id".into(), i.to_string()];
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(20), |c| (0..3).all(|i| c.peers_up(i) == 2));
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    cluster.kill(2);
+    cluster.wait("node 2 seen down", Duration::from_secs(20), |c| c.peers_up(0) == 1);
+    // For people: sentences and aligned lines, no raw key-value dump.
+    let out = cluster.cli(0, &["status"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    println!("{text}");
+    let listen = |i: usize| cluster.nodes[i].listen.to_string();
+    assert!(text.starts_with("node 0 (incarnation "), "{text}");
+    assert!(text.contains(&format!("on {}, serving {}", listen(0), cluster.root(0).display())), "{text}");
+    assert!(text.contains("peers: 1 of 2 up"), "{text}");
+    let line = |needle: &str| text.lines().find(|l| l.contains(needle)).unwrap_or_default().to_owned();
+    assert!(line(&listen(1)).contains("node 1") && line(&listen(1)).contains(" up for "), "{text}");
+    assert!(line(&listen(2)).contains("node 2") && line(&listen(2)).contains(" DOWN for "), "{text}");
+    assert!(line(&listen(2)).contains("last error: "), "{text}");
+    assert!(text.contains("tokens at 2 copies of each shard"), "{text}");
+    assert!(text.contains("transfers: ") && text.contains("security: "), "{text}");
+    for raw in ["for-ms", "uptime-ms", "lag-max-ms", "connections-refused", "demoted no"] {
+        assert!(!text.contains(raw), "the report still shows the raw key {raw:?}:\n{text}");
+    }
+    // For scripts: JSON, one object, with these keys and types (a script may rely on them).
+    let out = cluster.cli(0, &["status", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json is JSON");
+    let object = json.as_object().expect("an object");
+    for key in [
+        "id",
+        "incarnation",
+        "uptime_ms",
+        "objects",
+        "under_replicated",
+        "unavailable",
+        "lag_oldest_ms",
+        "lag_max_ms",
+        "pending_fetches",
+        "copies_made",
+        "copies_failed",
+        "objects_received",
+        "bytes_sent",
+        "verify_failures",
+        "demotions",
+        "connections_refused",
+        "connections_busy",
+        "frames_rejected",
+        "repairs",
+        "cache_bytes",
+        "cache_bytes_max",
+        "cache_objects",
+        "evicted",
+        "kept_last_copy",
+    ] {
+        assert!(object.get(key).is_some_and(serde_json::Value::is_u64), "{key} is not a number in {json:#}");
+    }
+    assert_eq!(json["id"], 0);
+    assert_eq!(json["listen"], listen(0));
+    assert_eq!(json["root"], cluster.root(0).to_str().unwrap());
+    assert_eq!(json["goals"], serde_json::json!([{"dataset": "tokens", "replicas": 2}]));
+    assert!(json["events"].as_array().is_some_and(|e| e.iter().all(serde_json::Value::is_string)), "{json:#}");
+    let peers = json["peers"].as_array().expect("peers");
+    assert_eq!(peers.len(), 2, "{json:#}");
+    for peer in peers {
+        for (key, is) in [
+            ("id", serde_json::Value::is_u64 as fn(&serde_json::Value) -> bool),
+            ("addr", serde_json::Value::is_string),
+            ("up", serde_json::Value::is_boolean),
+            ("for_ms", serde_json::Value::is_u64),
+            ("objects", serde_json::Value::is_u64),
+            ("demoted", serde_json::Value::is_boolean),
+            ("last_error", serde_json::Value::is_string),
+        ] {
+            assert!(peer.get(key).is_some_and(is), "peer key {key} in {peer:#}");
+        }
+    }
+    let by_id = |id: u64| peers.iter().find(|p| p["id"] == id).expect("the peer").clone();
+    assert_eq!((by_id(1)["up"].clone(), by_id(1)["addr"].clone()), (true.into(), listen(1).into()));
+    assert_eq!(by_id(2)["up"], false);
+    report("status for people and for scripts", 0, None);
 }

@@ -236,6 +236,10 @@ pub enum TransportError {
         /// Why.
         detail: String,
     },
+    /// The node is too busy to take the connection now (too many handshakes in progress): it
+    /// said so with an empty record before closing. Trying again later may succeed.
+    #[error("the node is busy (too many connections being opened at once); try again")]
+    Busy,
     /// A record's length prefix is over the cap: refused before any of it is read.
     #[error("a record of {bytes} bytes is over the cap of {max}")]
     RecordTooLarge {

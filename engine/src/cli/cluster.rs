@@ -65,6 +65,9 @@ pub(crate) struct ServeArgs {
     /// The evictor plugin of that cache (a built-in name or a .wasm file).
     #[arg(long)]
     evictor: Option<String>,
+    /// The evictor's options, KEY=VALUE,... (the built-ins take none).
+    #[arg(long, value_delimiter = ',')]
+    evictor_options: Vec<String>,
     /// The replicator plugin (a built-in name or a .wasm file).
     #[arg(long)]
     replicator: Option<String>,
@@ -102,10 +105,6 @@ fn options(list: &[String]) -> Result<Vec<(String, String)>> {
 
 pub(crate) fn serve(root: &Path, args: &ServeArgs) -> Result<()> {
     let key = args.key.key()?;
-    // A node that joins a job may start with nothing: its store is made now.
-    if !root.join("granary-store").exists() {
-        drop(granary::Granary::create(root)?);
-    }
     let listen = socket_addr(&args.listen)?;
     let membership = if !args.peers.is_empty() {
         Membership::peers(&args.peers)?
@@ -118,6 +117,7 @@ pub(crate) fn serve(root: &Path, args: &ServeArgs) -> Result<()> {
     config.failure_domain = args.failure_domain;
     config.cache_bytes_max = args.cache_bytes;
     config.evictor = args.evictor.clone();
+    config.evictor_options = options(&args.evictor_options)?;
     config.replicator = args.replicator.clone();
     config.replicator_options = options(&args.replicator_options)?;
     config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(10));
@@ -125,6 +125,12 @@ pub(crate) fn serve(root: &Path, args: &ServeArgs) -> Result<()> {
     config.faults = Faults::from_env();
     let cache_dir = args.plugin_cache.clone().unwrap_or_else(|| root.join("replication").join("plugin-cache"));
     let host = PolicyHost::new(Limits::default(), Some(cache_dir))?;
+    // Everything the node is given is checked before the store is made or anything listens.
+    config.check(&host)?;
+    // A node that joins a job may start with nothing: its store is made now.
+    if !root.join("granary-store").exists() {
+        drop(granary::Granary::create(root)?);
+    }
     let node = Node::start(config, &host)?;
     // A node serves whatever became of its stdout (a closed pipe, a full disk): the line is a
     // courtesy, the listen file under replication/ is what tools read.
@@ -174,13 +180,21 @@ pub(crate) struct StatusArgs {
     /// The node to ask (default: the one serving --root).
     #[arg(long, value_name = "ADDR")]
     node: Option<String>,
+    /// Print the report as JSON, for scripts (its keys stay stable).
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     key: KeyArgs,
 }
 
 pub(crate) fn status(root: &Path, args: &StatusArgs) -> Result<()> {
     let client = client(root, args.node.as_deref(), args.key.key()?)?;
-    out!("{}", client.status()?)?;
+    let status = client.status()?;
+    if args.json {
+        outln!("{}", status.to_json_pretty())?;
+    } else {
+        out!("{status}")?;
+    }
     Ok(())
 }
 

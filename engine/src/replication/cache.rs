@@ -26,12 +26,17 @@ pub(crate) struct ShardCache {
 
 impl ShardCache {
     /// A cache of at most `capacity_bytes` (0: unbounded, no evictor) run by the evictor plugin
-    /// `evictor` (the built-in default when `None`).
-    pub(crate) fn new(host: &PolicyHost, evictor: Option<&str>, capacity_bytes: u64) -> Result<Self> {
+    /// `evictor` (the built-in default when `None`) with `options`.
+    pub(crate) fn new(
+        host: &PolicyHost,
+        evictor: Option<&str>,
+        options: &[(String, String)],
+        capacity_bytes: u64,
+    ) -> Result<Self> {
         let evictor = if capacity_bytes == 0 {
             None
         } else {
-            Some(host.evictor(evictor, &[], (capacity_bytes / BLOCK_BYTES_U64).max(1))?)
+            Some(host.evictor(evictor, options, (capacity_bytes / BLOCK_BYTES_U64).max(1))?)
         };
         Ok(Self { evictor, entries: HashMap::new(), used_bytes: 0 })
     }

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use super::frame::{Frame, ReplyCode, Role};
+use super::report::NodeStatus;
 use super::secure::{Channel, ClusterKey, Deadlines, Hello};
 use crate::error::{Error, Result, TransportError};
 use crate::id::ShardId;
@@ -82,15 +83,15 @@ impl NodeClient {
         })
     }
 
-    /// The node's status report, as text.
-    pub fn status(&self) -> Result<String> {
+    /// The node's status report.
+    pub fn status(&self) -> Result<NodeStatus> {
         let peer = self.addr;
         self.run(move |mut channel| {
             Box::pin(async move {
                 let transport = |source| Error::Transport { peer: format!("node at {peer}"), source };
                 channel.send(&Frame::StatusRequest { request: 1 }).await.map_err(transport)?;
                 match channel.recv().await.map_err(transport)? {
-                    Frame::Status { text, .. } => Ok(text.to_owned()),
+                    Frame::Status { text, .. } => NodeStatus::from_json(text),
                     other => Err(unexpected(peer, other.kind())),
                 }
             })

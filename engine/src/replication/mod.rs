@@ -15,9 +15,13 @@
 
 pub mod frame;
 #[cfg(feature = "replication")]
+mod admission;
+#[cfg(feature = "replication")]
 mod cache;
 #[cfg(feature = "replication")]
 mod client;
+#[cfg(feature = "replication")]
+mod config;
 #[cfg(feature = "replication")]
 mod flight;
 #[cfg(feature = "replication")]
@@ -31,6 +35,8 @@ mod pull;
 #[cfg(feature = "replication")]
 pub mod secure;
 #[cfg(feature = "replication")]
+mod report;
+#[cfg(feature = "replication")]
 mod server;
 
 #[cfg(feature = "replication")]
@@ -38,6 +44,6 @@ pub use client::NodeClient;
 #[cfg(feature = "replication")]
 pub use membership::Membership;
 #[cfg(feature = "replication")]
-pub use node::{Faults, Node, NodeConfig, NodeStatus, PeerStatus, ReplicateReport};
+pub use node::{Faults, GoalStatus, Node, NodeConfig, NodeStatus, PeerStatus, ReplicateReport};
 #[cfg(feature = "replication")]
 pub use secure::{ClusterKey, Deadlines};

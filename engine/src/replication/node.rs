@@ -20,13 +20,15 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
 
+use super::admission::{HandshakeSlot, Handshakes};
 use super::cache::ShardCache;
+pub use super::config::{Faults, NodeConfig};
 use super::flight::{Flight, InFlight};
 use super::frame::{Frame, InventoryEntry, ReplyCode, Role, WireKind};
 use super::local::LocalStore;
-use super::membership::Membership;
 use super::pull::{self, Pulled};
-use super::secure::{Channel, ClusterKey, Deadlines, Hello};
+pub use super::report::{GoalStatus, NodeStatus, PeerStatus};
+use super::secure::{Channel, Hello};
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
 use crate::policy::{Holding, NodeInfo, Placement, PolicyHost, ReplicationMode, Replicator, shard_key};
@@ -46,6 +48,8 @@ const EVENTS_MAX: usize = 32;
 const PEER_WAIT_FOR_SOURCE: Duration = Duration::from_secs(10);
 /// A probe of a peer (ping, and its inventory when that changed) takes at most this long.
 const PROBE_DEADLINE: Duration = Duration::from_secs(30);
+/// The shortest wait for a pong: a peer that is alive but busy answers within this.
+const PONG_WAIT_MIN: Duration = Duration::from_secs(2);
 /// Objects a peer's inventory may list (bounds the memory a peer can make this node use).
 const PEER_OBJECTS_MAX: usize = 1 << 20;
 /// Peers a node keeps (each has a heartbeat task and an inventory).
@@ -53,96 +57,6 @@ const PEERS_MAX: usize = super::frame::MEMBERS_MAX;
 
 /// A write session idle for this long is closed, so that an ingest can take the store.
 const WRITE_SESSION_IDLE: Duration = Duration::from_millis(500);
-
-/// Faults to inject, for tests of what the other nodes do about them. Off by default.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults {
-    /// Sleep this long after each MiB sent (a slow peer, so a test can kill it mid-transfer).
-    pub send_delay_per_mib: Duration,
-    /// Flip a byte in every MiB sent (a peer that sends wrong bytes for an id).
-    pub corrupt_sends: bool,
-}
-
-impl Faults {
-    /// From `GRANARY_FAULT_SEND_DELAY_MS` (per MiB) and `GRANARY_FAULT_CORRUPT_SENDS=1`.
-    pub fn from_env() -> Self {
-        let delay = std::env::var("GRANARY_FAULT_SEND_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok());
-        Self {
-            send_delay_per_mib: Duration::from_millis(delay.unwrap_or(0)),
-            corrupt_sends: std::env::var("GRANARY_FAULT_CORRUPT_SENDS").is_ok_and(|v| v == "1"),
-        }
-    }
-}
-
-/// How to run a node.
-#[derive(Clone, Debug)]
-pub struct NodeConfig {
-    /// The store.
-    pub root: PathBuf,
-    /// Where to listen for peers and clients.
-    pub listen: SocketAddr,
-    /// Who the other nodes are.
-    pub membership: Membership,
-    /// The job's shared secret.
-    pub key: ClusterKey,
-    /// This node's id; by default the launcher's node rank, or one derived from `listen`.
-    pub node_id: Option<u32>,
-    /// This node's relative capacity for placement.
-    pub weight: u32,
-    /// This node's failure domain (by default its node id: every node its own domain).
-    pub failure_domain: Option<u32>,
-    /// Handshake and per-frame deadlines.
-    pub deadlines: Deadlines,
-    /// How long a connection may sit idle between requests.
-    pub idle: Duration,
-    /// How often each peer is probed.
-    pub heartbeat: Duration,
-    /// A peer that has not answered for this long is down.
-    pub down_after: Duration,
-    /// How often the reconciler runs when nothing wakes it.
-    pub reconcile_every: Duration,
-    /// A peer that sent bad bytes is not used as a source for this long.
-    pub demote_for: Duration,
-    /// How long a publication waits for another writer (an ingest) to release the store.
-    pub lock_wait: Duration,
-    /// Bytes of shards fetched for reads (not placed here) kept at most; 0: no limit.
-    pub cache_bytes_max: u64,
-    /// The evictor plugin of that cache (name or path; the built-in default when `None`).
-    pub evictor: Option<String>,
-    /// The replicator plugin (name or path; the built-in default when `None`) and its options.
-    pub replicator: Option<String>,
-    /// Options passed to the replicator (`mode=sync`, `buckets=N`).
-    pub replicator_options: Vec<(String, String)>,
-    /// Faults to inject (tests).
-    pub faults: Faults,
-}
-
-impl NodeConfig {
-    /// A configuration with the defaults for everything but the essentials.
-    pub fn new(root: impl Into<PathBuf>, listen: SocketAddr, membership: Membership, key: ClusterKey) -> Self {
-        Self {
-            root: root.into(),
-            listen,
-            membership,
-            key,
-            node_id: None,
-            weight: 1,
-            failure_domain: None,
-            deadlines: Deadlines::default(),
-            idle: Duration::from_secs(120),
-            heartbeat: Duration::from_millis(500),
-            down_after: Duration::from_secs(2),
-            reconcile_every: Duration::from_secs(1),
-            demote_for: Duration::from_secs(300),
-            lock_wait: Duration::from_secs(60),
-            cache_bytes_max: 0,
-            evictor: None,
-            replicator: None,
-            replicator_options: Vec::new(),
-            faults: Faults::default(),
-        }
-    }
-}
 
 /// The node id derived from a listen address (when neither the user nor a launcher gives one).
 fn node_id_of(listen: &SocketAddr) -> u32 {
@@ -158,6 +72,8 @@ pub(crate) struct Stats {
     pub(crate) verify_failures: AtomicU64,
     pub(crate) demotions: AtomicU64,
     pub(crate) connections_refused: AtomicU64,
+    /// Connections told the node is busy (no handshake slot, or evicted for a newer one).
+    pub(crate) connections_busy: AtomicU64,
     pub(crate) frames_rejected: AtomicU64,
     pub(crate) copies_made: AtomicU64,
     pub(crate) copies_failed: AtomicU64,
@@ -215,24 +131,6 @@ struct Lag {
     max: Duration,
 }
 
-/// A handshake in progress from one address; released on drop.
-pub(crate) struct HandshakeSlot {
-    shared: Arc<Shared>,
-    ip: std::net::IpAddr,
-}
-
-impl Drop for HandshakeSlot {
-    fn drop(&mut self) {
-        let mut handshakes = self.shared.handshakes.lock().expect("the handshake table lock is never poisoned");
-        if let Some(n) = handshakes.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                handshakes.remove(&self.ip);
-            }
-        }
-    }
-}
-
 /// Everything the node's tasks share.
 pub(crate) struct Shared {
     pub(crate) config: NodeConfig,
@@ -250,8 +148,8 @@ pub(crate) struct Shared {
     /// Refs being brought to peers, by (peer, dataset): one at a time each.
     pushing: Mutex<std::collections::HashSet<(u32, DatasetName)>>,
     pub(crate) connection_slots: Arc<Semaphore>,
-    /// Handshakes in progress, by source address.
-    handshakes: Mutex<HashMap<std::net::IpAddr, usize>>,
+    /// Handshakes in progress.
+    handshakes: Arc<Handshakes>,
     pub(crate) wake: Notify,
     events: Mutex<VecDeque<String>>,
     replicator: Mutex<Replicator>,
@@ -291,9 +189,10 @@ impl Node {
             .enable_all()
             .build()
             .map_err(|e| Error::io("start the node's runtime", "tokio", e))?;
+        config.check(host)?;
         let local = LocalStore::open(&config.root, config.lock_wait)?;
         let replicator = host.replicator(config.replicator.as_deref(), &config.replicator_options)?;
-        let cache = ShardCache::new(host, config.evictor.as_deref(), config.cache_bytes_max)?;
+        let cache = ShardCache::new(host, config.evictor.as_deref(), &config.evictor_options, config.cache_bytes_max)?;
         let listener = runtime
             .block_on(TcpListener::bind(config.listen))
             .map_err(|e| Error::io("listen", PathBuf::from(config.listen.to_string()), e))?;
@@ -322,7 +221,7 @@ impl Node {
             fetching: InFlight::new(),
             pushing: Mutex::new(std::collections::HashSet::new()),
             connection_slots: Arc::new(Semaphore::new(super::server::CONNECTIONS_MAX)),
-            handshakes: Mutex::new(HashMap::new()),
+            handshakes: Arc::new(Handshakes::default()),
             wake: Notify::new(),
             events: Mutex::new(VecDeque::new()),
             replicator: Mutex::new(replicator),
@@ -502,17 +401,14 @@ impl Shared {
         events.push_back(text);
     }
 
-    /// A handshake slot for a connection from `ip`, unless too many are in progress (in all, or
-    /// from that address).
-    pub(crate) fn begin_handshake(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<HandshakeSlot> {
-        let mut handshakes = self.handshakes.lock().expect("the handshake table lock is never poisoned");
-        let total: usize = handshakes.values().sum();
-        let from_ip = handshakes.get(&ip).copied().unwrap_or(0);
-        if total >= super::server::HANDSHAKES_MAX || from_ip >= super::server::HANDSHAKES_PER_ADDRESS_MAX {
-            return None;
+    /// A handshake slot for a connection from `ip` (see `Handshakes::begin`), counting the
+    /// connection it evicted, if any, as told busy.
+    pub(crate) fn begin_handshake(&self, ip: std::net::IpAddr) -> Option<HandshakeSlot> {
+        let (slot, evicted) = Handshakes::begin(&self.handshakes, ip)?;
+        if evicted {
+            self.stats.connections_busy.fetch_add(1, Ordering::Relaxed);
         }
-        *handshakes.entry(ip).or_insert(0) += 1;
-        Some(HandshakeSlot { shared: Arc::clone(self), ip })
+        Some(slot)
     }
 
     pub(crate) fn next_request_id(&self) -> u32 {
@@ -906,6 +802,19 @@ impl Shared {
         }
     }
 
+    /// Whether peer `id` is up, as its heartbeat last found it.
+    fn peer_up(&self, id: u32) -> bool {
+        let peers = self.peers.lock().expect("the peer lock is never poisoned");
+        peers.iter().any(|p| p.id() == Some(id) && p.up)
+    }
+
+    /// Returns once the heartbeat of peer `id` finds it down (polled: the wait it ends is long).
+    async fn until_down(&self, id: u32) {
+        while self.peer_up(id) {
+            tokio::time::sleep(self.config.heartbeat.min(Duration::from_millis(100))).await;
+        }
+    }
+
     fn up_peers(&self) -> Vec<(u32, SocketAddr)> {
         let peers = self.peers.lock().expect("the peer lock is never poisoned");
         peers.iter().filter(|p| p.up).filter_map(|p| p.id().map(|id| (id, p.addr))).collect()
@@ -943,6 +852,13 @@ impl Shared {
         others: &[u32],
     ) -> Result<()> {
         let addr = self.peer_addr(target).ok_or_else(|| Error::NotFound { what: format!("node {target}") })?;
+        let went_down = |when: &str| Error::Unavailable {
+            what: format!("node {target} ({addr})"),
+            detail: format!("it is down{when} (its heartbeat goes unanswered)"),
+        };
+        if !self.peer_up(target) {
+            return Err(went_down(""));
+        }
         let transport = |source: TransportError| Error::Transport { peer: format!("node {target} ({addr})"), source };
         let (mut channel, _) = self.connect(addr).await.map_err(transport)?;
         let request = self.next_request_id();
@@ -951,9 +867,14 @@ impl Shared {
         sources.truncate(super::frame::SOURCES_MAX);
         channel.send(&Frame::Fetch { request, kind, id, bytes, sources }).await.map_err(transport)?;
         // The target replies once it has pulled and verified the object: allow for the slowest
-        // transfer a pull accepts (1 MiB/s), and for a wait for one of its pull slots.
+        // transfer a pull accepts (1 MiB/s), and for a wait for one of its pull slots. A target
+        // that its heartbeat finds down meanwhile will not answer: the wait ends then, naming it.
         let wait = Duration::from_secs(120) + Duration::from_secs(bytes / (1 << 20));
-        match channel.recv_within(wait).await.map_err(transport)? {
+        let answer = tokio::select! {
+            answer = channel.recv_within(wait) => answer.map_err(transport)?,
+            () = self.until_down(target) => return Err(went_down(&format!(", since the transfer of {} began", id.short(12)))),
+        };
+        match answer {
             Frame::Reply { request: r, code: ReplyCode::Ok, .. } if r == request => {
                 self.note_peer_has(target, kind, id, bytes);
                 Ok(())
@@ -988,8 +909,10 @@ impl Shared {
         let outcome = match self.fetching.run((id, target), work).await {
             Flight::Led(outcome) => outcome,
             Flight::Joined(outcome) => {
-                return outcome
-                    .map_err(|detail| Error::Unavailable { what: format!("a copy of {id} on node {target}"), detail });
+                return outcome.map_err(|detail| Error::Unavailable {
+                    what: format!("a copy of {} on node {target}", id.short(12)),
+                    detail,
+                });
             }
         };
         match &outcome {
@@ -1188,7 +1111,8 @@ impl Shared {
         if n_short > 0 {
             failures.push(format!(
                 "{n_short} of {total} shards have fewer than {replicas} copies (as few as {copies_min}) with {} nodes up",
-                up.len() + 1
+                // Now, not when the copies were planned: a peer may have gone down meanwhile.
+                self.up_peers().len() + 1
             ));
         }
         report.shards_done = done;
@@ -1349,7 +1273,10 @@ impl Shared {
             uptime_ms: self.started.elapsed().as_millis() as u64,
             objects: self.local.entries().len(),
             peers,
-            goals: goals.into_iter().map(|(name, r)| (name.to_string(), r)).collect(),
+            goals: goals
+                .into_iter()
+                .map(|(name, replicas)| GoalStatus { dataset: name.to_string(), replicas })
+                .collect(),
             under_replicated,
             unavailable,
             lag_oldest_ms,
@@ -1363,6 +1290,7 @@ impl Shared {
             verify_failures: stat(&self.stats.verify_failures),
             demotions: stat(&self.stats.demotions),
             connections_refused: stat(&self.stats.connections_refused),
+            connections_busy: stat(&self.stats.connections_busy),
             frames_rejected: stat(&self.stats.frames_rejected),
             repairs: stat(&self.stats.repairs),
             cache_bytes,
@@ -1371,6 +1299,8 @@ impl Shared {
             evicted: stat(&self.stats.evicted),
             kept_last_copy: stat(&self.stats.kept_last_copy),
             events: self.events.lock().expect("the event lock is never poisoned").iter().cloned().collect(),
+            events_omitted: 0,
+            peers_omitted: 0,
         }
     }
 }
@@ -1487,7 +1417,11 @@ async fn probe(
     }
     let channel = channel.as_mut().expect("connected above");
     channel.send(&Frame::Ping(nonce)).await?;
-    let generation = match channel.recv().await? {
+    // A peer silent for `down_after` is down: its pong is waited for that long (at least
+    // `PONG_WAIT_MIN`, so that a short setting does not take a busy peer for a dead one), not for
+    // the channel's 10 s I/O deadline.
+    let pong_wait = shared.config.down_after.max(PONG_WAIT_MIN);
+    let generation = match channel.recv_within(pong_wait).await? {
         Frame::Pong { nonce: n, generation } if n == nonce => generation,
         Frame::Reply { code, message, .. } => {
             return Err(TransportError::Protocol { detail: format!("refused: {code}: {message}") });
@@ -1597,160 +1531,5 @@ impl fmt::Display for ReplicateReport {
                 self.name, self.shards, self.replicas
             ),
         }
-    }
-}
-
-/// One peer in a status report.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PeerStatus {
-    /// Its node id, once it said hello.
-    pub id: Option<u32>,
-    /// Its address.
-    pub addr: SocketAddr,
-    /// Whether it answers.
-    pub up: bool,
-    /// For how long it has been up (or down).
-    pub for_ms: u64,
-    /// Objects it lists.
-    pub objects: usize,
-    /// Whether it is demoted (it sent bad bytes).
-    pub demoted: bool,
-    /// Its last failure.
-    pub last_error: String,
-}
-
-/// What a node knows: peers, goals, lag, counters.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodeStatus {
-    /// This node's id.
-    pub id: u32,
-    /// This start's incarnation.
-    pub incarnation: u64,
-    /// Where it listens.
-    pub listen: String,
-    /// Its store.
-    pub root: PathBuf,
-    /// Since when it runs.
-    pub uptime_ms: u64,
-    /// Objects stored here.
-    pub objects: usize,
-    /// Its peers.
-    pub peers: Vec<PeerStatus>,
-    /// Replication goals: dataset and copies per shard.
-    pub goals: Vec<(String, u32)>,
-    /// Shards of goal datasets with fewer copies than wanted on nodes that are up.
-    pub under_replicated: usize,
-    /// Shards of goal datasets with no copy on a node that is up.
-    pub unavailable: usize,
-    /// How long the oldest under-replicated shard has been so.
-    pub lag_oldest_ms: u64,
-    /// How long the last shard that reached its goal was under it.
-    pub lag_last_ms: Option<u64>,
-    /// The longest such time seen.
-    pub lag_max_ms: u64,
-    /// Fetch requests outstanding with peers.
-    pub pending_fetches: usize,
-    /// Copies this node had peers make.
-    pub copies_made: u64,
-    /// Copies that failed.
-    pub copies_failed: u64,
-    /// Objects received and published here.
-    pub objects_received: u64,
-    /// Bytes sent to peers.
-    pub bytes_sent: u64,
-    /// Transfers or local copies that failed verification.
-    pub verify_failures: u64,
-    /// Peers demoted for sending bad bytes.
-    pub demotions: u64,
-    /// Connections refused (wrong key, stale incarnation, too many).
-    pub connections_refused: u64,
-    /// Connections dropped for a bad frame (oversized, corrupt, replayed, unexpected).
-    pub frames_rejected: u64,
-    /// Read-time repairs done.
-    pub repairs: u64,
-    /// Bytes of cached shards.
-    pub cache_bytes: u64,
-    /// The cache's bound (0: none).
-    pub cache_bytes_max: u64,
-    /// Cached shards.
-    pub cache_objects: usize,
-    /// Shards evicted from the cache.
-    pub evicted: u64,
-    /// Victims kept because no other node holds them.
-    pub kept_last_copy: u64,
-    /// Recent events, oldest first.
-    pub events: Vec<String>,
-}
-
-impl NodeStatus {
-    /// Whether every goal is met on the nodes that are up.
-    pub fn converged(&self) -> bool {
-        self.under_replicated == 0 && self.pending_fetches == 0
-    }
-}
-
-impl fmt::Display for NodeStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "node {} incarnation {} listen {} store {} uptime-ms {} objects {}",
-            self.id,
-            self.incarnation,
-            self.listen,
-            self.root.display(),
-            self.uptime_ms,
-            self.objects
-        )?;
-        for p in &self.peers {
-            writeln!(
-                f,
-                "peer {} addr {} {} for-ms {} objects {} demoted {}{}",
-                p.id.map_or_else(|| "?".to_owned(), |id| id.to_string()),
-                p.addr,
-                if p.up { "up" } else { "down" },
-                p.for_ms,
-                p.objects,
-                if p.demoted { "yes" } else { "no" },
-                if p.last_error.is_empty() { String::new() } else { format!(" last-error {:?}", p.last_error) }
-            )?;
-        }
-        for (name, replicas) in &self.goals {
-            writeln!(f, "goal {name} replicas {replicas}")?;
-        }
-        writeln!(
-            f,
-            "replication under-replicated {} unavailable {} pending-fetches {} lag-oldest-ms {} lag-last-ms {} lag-max-ms {}",
-            self.under_replicated,
-            self.unavailable,
-            self.pending_fetches,
-            self.lag_oldest_ms,
-            self.lag_last_ms.map_or_else(|| "-".to_owned(), |ms| ms.to_string()),
-            self.lag_max_ms
-        )?;
-        writeln!(
-            f,
-            "transfers copies-made {} copies-failed {} received {} bytes-sent {} verify-failures {} demotions {} repairs {}",
-            self.copies_made,
-            self.copies_failed,
-            self.objects_received,
-            self.bytes_sent,
-            self.verify_failures,
-            self.demotions,
-            self.repairs
-        )?;
-        writeln!(
-            f,
-            "security connections-refused {} frames-rejected {}",
-            self.connections_refused, self.frames_rejected
-        )?;
-        writeln!(
-            f,
-            "cache bytes {} max {} objects {} evicted {} kept-last-copy {}",
-            self.cache_bytes, self.cache_bytes_max, self.cache_objects, self.evicted, self.kept_last_copy
-        )?;
-        for event in &self.events {
-            writeln!(f, "event {event}")?;
-        }
-        Ok(())
     }
 }

@@ -9,7 +9,9 @@
 //! `RECORD_BYTES_MAX` is read (its length is checked before a byte of it is); every read and
 //! write has a deadline; a frame whose epoch is not the peer's `Hello` epoch, or whose sequence
 //! number is not exactly the next, ends the connection (a replayed or reordered frame has no
-//! effect). Never: interprets a frame beyond its header (the node does).
+//! effect); a node with no room for a handshake says so with an empty record (busy, which the
+//! initiator retries within its deadline), never by a silent close that reads as a wrong key.
+//! Never: interprets a frame beyond its header (the node does).
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -169,8 +171,32 @@ fn noise_error(e: snow::Error) -> TransportError {
 }
 
 impl Channel {
-    /// Connects to `addr`, runs the handshake and exchanges `Hello`s.
+    /// Connects to `addr`, runs the handshake and exchanges `Hello`s. A node that answers busy
+    /// is tried again after a pause (doubling from 20 ms) until the handshake deadline.
     pub async fn connect(
+        addr: SocketAddr,
+        key: &ClusterKey,
+        hello: &Hello,
+        deadlines: Deadlines,
+    ) -> std::result::Result<(Channel, Hello), TransportError> {
+        let started = tokio::time::Instant::now();
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let left = deadlines.handshake.saturating_sub(started.elapsed());
+            match Self::connect_once(addr, key, hello, Deadlines { handshake: left, ..deadlines }).await {
+                Err(TransportError::Busy) if started.elapsed() + pause < deadlines.handshake => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                Err(TransportError::Timeout { what, .. }) => {
+                    return Err(TransportError::Timeout { what, after: deadlines.handshake });
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    async fn connect_once(
         addr: SocketAddr,
         key: &ClusterKey,
         hello: &Hello,
@@ -185,7 +211,8 @@ impl Channel {
             let n = noise.write_message(&[], &mut message).map_err(noise_error)?;
             write_record(&mut stream, &message[..n]).await?;
             // A node that cannot decrypt the first message closes the connection: that is how a
-            // wrong key looks from this side.
+            // wrong key looks from this side. One with no room for the handshake says so first,
+            // with an empty record.
             let n = read_handshake_record(&mut stream, &mut message).await.map_err(|e| match e {
                 TransportError::Closed => TransportError::Handshake {
                     detail: "the other side closed the connection: it does not hold this cluster key \
@@ -194,6 +221,9 @@ impl Channel {
                 },
                 other => other,
             })?;
+            if n == 0 {
+                return Err(TransportError::Busy);
+            }
             let mut payload = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
             noise.read_message(&message[..n], &mut payload).map_err(|e| match e {
                 snow::Error::Decrypt => TransportError::Handshake {
@@ -214,11 +244,16 @@ impl Channel {
 
     /// Runs the responder's side of the handshake on an accepted connection and exchanges
     /// `Hello`s. A peer without the cluster key is refused here, after its first message.
+    /// `evicted` completes when the node needs this connection's room for another one: if that
+    /// happens before the first message has authenticated, the connection is told it is busy
+    /// and closed (`TransportError::Busy`); `authenticated` is called once it has.
     pub async fn accept(
         stream: TcpStream,
         key: &ClusterKey,
         hello: &Hello,
         deadlines: Deadlines,
+        evicted: impl std::future::Future<Output = ()>,
+        authenticated: impl FnOnce(),
     ) -> std::result::Result<(Channel, Hello), TransportError> {
         let handshake = async {
             let peer_addr = stream.peer_addr().map_err(|e| TransportError::io("peer address", e))?;
@@ -227,9 +262,16 @@ impl Channel {
             let mut noise = noise_builder(key).and_then(|b| b.build_responder()).map_err(noise_error)?;
             let mut message = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
             let first = FIRST_MESSAGE_DEADLINE.min(deadlines.handshake);
-            let n = tokio::time::timeout(first, read_handshake_record(&mut stream, &mut message))
-                .await
-                .map_err(|_| TransportError::Timeout { what: "the first handshake message", after: first })??;
+            let read = tokio::select! {
+                read = tokio::time::timeout(first, read_handshake_record(&mut stream, &mut message)) => Some(read),
+                () = evicted => None,
+            };
+            let Some(read) = read else {
+                refuse_busy(&stream);
+                return Err(TransportError::Busy);
+            };
+            let n =
+                read.map_err(|_| TransportError::Timeout { what: "the first handshake message", after: first })??;
             let mut payload = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
             noise.read_message(&message[..n], &mut payload).map_err(|e| match e {
                 snow::Error::Decrypt => TransportError::Handshake {
@@ -237,6 +279,7 @@ impl Channel {
                 },
                 other => noise_error(other),
             })?;
+            authenticated();
             let n = noise.write_message(&[], &mut message).map_err(noise_error)?;
             write_record(&mut stream, &message[..n]).await?;
             let noise = noise.into_transport_mode().map_err(noise_error)?;
@@ -463,6 +506,23 @@ fn closed_or_io(e: std::io::Error) -> TransportError {
         }
         _ => TransportError::io("read", e),
     }
+}
+
+/// Tells a connection that has not finished its handshake that the node is busy (an empty
+/// record, which no handshake message is) and lets it close: never waits, since the node does
+/// this when it has no room. What the other side sent is read away first, so that the close is
+/// an orderly one (closing over unread bytes resets the connection, which may discard the
+/// record before the other side reads it).
+pub fn refuse_busy(stream: &TcpStream) {
+    // A handshake message is one read's worth; a few more bound the work a sender that keeps
+    // writing can cause here.
+    let mut sink = [0u8; HANDSHAKE_RECORD_BYTES_MAX];
+    for _ in 0..4 {
+        if !matches!(stream.try_read(&mut sink), Ok(n) if n > 0) {
+            break;
+        }
+    }
+    let _ = stream.try_write(&0u32.to_le_bytes());
 }
 
 async fn write_record(stream: &mut TcpStream, message: &[u8]) -> std::result::Result<(), TransportError> {

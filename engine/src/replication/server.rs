@@ -29,12 +29,6 @@ use crate::store::{DatasetName, RefLog};
 /// 256 peers), and transfers, fetch requests and clients use the rest. An idle connection
 /// holds about 200 KiB of buffers.
 pub(crate) const CONNECTIONS_MAX: usize = super::frame::MEMBERS_MAX + 64;
-/// Handshakes in progress at once, in all and from one address: a peer without the key can
-/// hold a handshake slot only until its first message is due. A node opens up to about 16
-/// connections at once to one peer (fetch requests, pulls, its heartbeat, a ref), and nodes
-/// may share an address (one host, loopback), hence the room per address.
-pub(crate) const HANDSHAKES_MAX: usize = 64;
-pub(crate) const HANDSHAKES_PER_ADDRESS_MAX: usize = 32;
 /// Bytes the reader thread reads and checks at a time.
 const PIECE_BYTES: usize = 1 << 20;
 /// Pieces the reader thread may be ahead of the network.
@@ -48,7 +42,8 @@ pub(crate) async fn listen(shared: Arc<Shared>, listener: TcpListener, mut shutd
                 Ok((stream, addr)) => {
                     let Some(handshake) = shared.begin_handshake(addr.ip()) else {
                         shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
-                        drop(stream);
+                        shared.stats.connections_busy.fetch_add(1, Ordering::Relaxed);
+                        super::secure::refuse_busy(&stream);
                         continue;
                     };
                     let shared = Arc::clone(&shared);
@@ -101,15 +96,24 @@ async fn serve_connection(
     shared: &Arc<Shared>,
     stream: TcpStream,
     addr: std::net::SocketAddr,
-    handshake: super::node::HandshakeSlot,
+    handshake: super::admission::HandshakeSlot,
 ) {
-    let accepted = Channel::accept(stream, &shared.config.key, &shared.hello, shared.config.deadlines).await;
+    let evicted = handshake.evicted();
+    let accepted = Channel::accept(stream, &shared.config.key, &shared.hello, shared.config.deadlines, evicted, || {
+        handshake.authenticated();
+    })
+    .await;
     drop(handshake);
     let (mut channel, peer) = match accepted {
         Ok(accepted) => accepted,
         Err(e) => {
             shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
-            shared.event(format!("refused a connection from {addr}: {e}"));
+            // Connections that never sent a first message are counted, not logged one by one:
+            // under a flood of them the log would be the flood.
+            if !matches!(e, TransportError::Busy | TransportError::Timeout { what: "the first handshake message", .. })
+            {
+                shared.event(format!("refused a connection from {addr}: {e}"));
+            }
             return;
         }
     };
@@ -196,7 +200,7 @@ async fn answer(shared: &Arc<Shared>, channel: &mut Channel, request: Request) -
             channel.send(&Frame::Progress { request, done, total, last: true, code, message: &message }).await
         }
         Request::Status { request } => {
-            let text = shared.status().to_string();
+            let text = shared.status().to_json();
             channel.send(&Frame::Status { request, text: &text }).await
         }
         Request::Repair { request, id } => {

@@ -1,0 +1,301 @@
+//! The status report of a node: what `granary status` shows, as data (`NodeStatus`), as JSON
+//! (the body of a `Status` frame, and `granary status --json`: its keys are the field names and
+//! stay stable) and as a report for people (`Display`).
+//!
+//! Invariant: the JSON a node sends fits a `Status` frame (oldest events, then peers beyond
+//! what fits, are left out and counted). Never: gathers anything itself (the node fills it in).
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::frame::STATUS_BYTES_MAX;
+use crate::error::{Error, Result};
+
+/// One replication goal.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GoalStatus {
+    /// The dataset.
+    pub dataset: String,
+    /// Copies wanted of each of its shards.
+    pub replicas: u32,
+}
+
+/// One peer in a status report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerStatus {
+    /// Its node id, once it said hello.
+    pub id: Option<u32>,
+    /// Its address.
+    pub addr: SocketAddr,
+    /// Whether it answers.
+    pub up: bool,
+    /// For how long it has been up (or down).
+    pub for_ms: u64,
+    /// Objects it lists.
+    pub objects: usize,
+    /// Whether it is demoted (it sent bad bytes).
+    pub demoted: bool,
+    /// Its last failure.
+    pub last_error: String,
+}
+
+/// What a node knows: peers, goals, lag, counters.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// This node's id.
+    pub id: u32,
+    /// This start's incarnation.
+    pub incarnation: u64,
+    /// Where it listens.
+    pub listen: String,
+    /// Its store.
+    pub root: PathBuf,
+    /// Since when it runs.
+    pub uptime_ms: u64,
+    /// Objects stored here.
+    pub objects: usize,
+    /// Its peers.
+    pub peers: Vec<PeerStatus>,
+    /// Replication goals.
+    pub goals: Vec<GoalStatus>,
+    /// Shards of goal datasets with fewer copies than wanted on nodes that are up.
+    pub under_replicated: usize,
+    /// Shards of goal datasets with no copy on a node that is up.
+    pub unavailable: usize,
+    /// How long the oldest under-replicated shard has been so.
+    pub lag_oldest_ms: u64,
+    /// How long the last shard that reached its goal was under it.
+    pub lag_last_ms: Option<u64>,
+    /// The longest such time seen.
+    pub lag_max_ms: u64,
+    /// Fetch requests outstanding with peers.
+    pub pending_fetches: usize,
+    /// Copies this node had peers make.
+    pub copies_made: u64,
+    /// Copies that failed.
+    pub copies_failed: u64,
+    /// Objects received and published here.
+    pub objects_received: u64,
+    /// Bytes sent to peers.
+    pub bytes_sent: u64,
+    /// Transfers or local copies that failed verification.
+    pub verify_failures: u64,
+    /// Peers demoted for sending bad bytes.
+    pub demotions: u64,
+    /// Connections refused (wrong key, stale incarnation, too many).
+    pub connections_refused: u64,
+    /// Of those, connections told the node was busy (too many handshakes at once).
+    pub connections_busy: u64,
+    /// Connections dropped for a bad frame (oversized, corrupt, replayed, unexpected).
+    pub frames_rejected: u64,
+    /// Read-time repairs done.
+    pub repairs: u64,
+    /// Bytes of cached shards.
+    pub cache_bytes: u64,
+    /// The cache's bound (0: none).
+    pub cache_bytes_max: u64,
+    /// Cached shards.
+    pub cache_objects: usize,
+    /// Shards evicted from the cache.
+    pub evicted: u64,
+    /// Victims kept because no other node holds them.
+    pub kept_last_copy: u64,
+    /// Recent events, oldest first.
+    pub events: Vec<String>,
+    /// Older events left out of the report (to fit a frame).
+    #[serde(default)]
+    pub events_omitted: usize,
+    /// Peers left out of the report (to fit a frame).
+    #[serde(default)]
+    pub peers_omitted: usize,
+}
+
+impl NodeStatus {
+    /// Whether every goal is met on the nodes that are up.
+    pub fn converged(&self) -> bool {
+        self.under_replicated == 0 && self.pending_fetches == 0
+    }
+}
+
+impl NodeStatus {
+    /// The report as JSON that fits a `Status` frame: events (oldest first), then peers, are
+    /// left out until it does, and counted in `events_omitted` and `peers_omitted`.
+    pub fn to_json(&self) -> String {
+        let mut status = self.clone();
+        loop {
+            let json = serde_json::to_string(&status).expect("a status report always serializes");
+            // Without events and peers the report is a few hundred bytes.
+            if json.len() <= STATUS_BYTES_MAX || (status.events.is_empty() && status.peers.is_empty()) {
+                return json;
+            }
+            if status.events.is_empty() {
+                status.peers.pop();
+                status.peers_omitted += 1;
+            } else {
+                status.events.remove(0);
+                status.events_omitted += 1;
+            }
+        }
+    }
+
+    /// The report a node sent.
+    pub fn from_json(json: &str) -> Result<Self> {
+        serde_json::from_str(json)
+            .map_err(|e| Error::invalid_input(format!("a status report that does not decode: {e}")))
+    }
+
+    /// The report as pretty-printed JSON, for scripts.
+    pub fn to_json_pretty(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a status report always serializes")
+    }
+}
+
+/// `1.2 s`, `3 min 4 s`, `2 h 5 min`.
+fn took(ms: u64) -> String {
+    let d = Duration::from_millis(ms);
+    let s = d.as_secs();
+    if s < 60 {
+        format!("{:.1} s", d.as_secs_f64())
+    } else if s < 3600 {
+        format!("{} min {} s", s / 60, s % 60)
+    } else if s < 86400 {
+        format!("{} h {} min", s / 3600, s % 3600 / 60)
+    } else {
+        format!("{} d {} h", s / 86400, s % 86400 / 3600)
+    }
+}
+
+/// `512 B`, `4.0 MiB`.
+fn size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes} B") } else { format!("{value:.1} {}", UNITS[unit]) }
+}
+
+/// `1 shard`, `2 shards`.
+fn count(n: u64, one: &str) -> String {
+    counted(n, one, &format!("{one}s"))
+}
+
+/// `1 copy`, `2 copies`.
+fn counted(n: u64, one: &str, many: &str) -> String {
+    if n == 1 { format!("1 {one}") } else { format!("{n} {many}") }
+}
+
+impl fmt::Display for NodeStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "node {} (incarnation {}) on {}, serving {}",
+            self.id,
+            self.incarnation,
+            self.listen,
+            self.root.display()
+        )?;
+        writeln!(f, "  up {}, {} stored", took(self.uptime_ms), count(self.objects as u64, "object"))?;
+        let n_up = self.peers.iter().filter(|p| p.up).count();
+        let omitted =
+            if self.peers_omitted > 0 { format!(" ({} more not shown)", self.peers_omitted) } else { String::new() };
+        writeln!(f, "peers: {n_up} of {} up{omitted}", self.peers.len())?;
+        for p in &self.peers {
+            let who = p.id.map_or_else(|| "node ?".to_owned(), |id| format!("node {id}"));
+            let state = if p.up { "up" } else { "DOWN" };
+            write!(
+                f,
+                "  {who:<12} {:<22} {state} for {}, {} listed",
+                p.addr,
+                took(p.for_ms),
+                count(p.objects as u64, "object")
+            )?;
+            if p.demoted {
+                write!(f, ", demoted (sent bad bytes)")?;
+            }
+            if !p.last_error.is_empty() {
+                write!(f, "; last error: {}", p.last_error)?;
+            }
+            writeln!(f)?;
+        }
+        if self.goals.is_empty() {
+            writeln!(f, "replication: no goals")?;
+        } else {
+            writeln!(f, "replication: {}", count(self.goals.len() as u64, "goal"))?;
+            for goal in &self.goals {
+                writeln!(
+                    f,
+                    "  {} at {} of each shard",
+                    goal.dataset,
+                    counted(u64::from(goal.replicas), "copy", "copies")
+                )?;
+            }
+            if self.under_replicated == 0 {
+                writeln!(f, "  every shard at its goal on the nodes that are up")?;
+            } else {
+                let under = match self.under_replicated {
+                    1 => "1 shard under its goal (for".to_owned(),
+                    n => format!("{n} shards under their goal (the oldest for"),
+                };
+                writeln!(
+                    f,
+                    "  {under} {}), {} with no copy on a node that is up",
+                    took(self.lag_oldest_ms),
+                    self.unavailable
+                )?;
+            }
+            let last = self.lag_last_ms.map_or_else(|| "none yet".to_owned(), took);
+            writeln!(
+                f,
+                "  lag: last {last}, worst {}; {} pending",
+                took(self.lag_max_ms),
+                count(self.pending_fetches as u64, "fetch request")
+            )?;
+        }
+        writeln!(
+            f,
+            "transfers: {} made, {} failed; {} received, {} sent; {}, {}, {}",
+            counted(self.copies_made, "copy", "copies"),
+            self.copies_failed,
+            count(self.objects_received, "object"),
+            size(self.bytes_sent),
+            count(self.verify_failures, "verification failure"),
+            counted(self.demotions, "peer demoted", "peers demoted"),
+            count(self.repairs, "read repair")
+        )?;
+        let bound = if self.cache_bytes_max == 0 { "no bound".to_owned() } else { size(self.cache_bytes_max) };
+        writeln!(
+            f,
+            "read cache: {} of {bound} in {}; {} evicted, {} kept as the last copy",
+            size(self.cache_bytes),
+            count(self.cache_objects as u64, "shard"),
+            self.evicted,
+            self.kept_last_copy
+        )?;
+        writeln!(
+            f,
+            "security: {} refused ({} told busy), {} dropped for a bad frame",
+            count(self.connections_refused, "connection"),
+            self.connections_busy,
+            self.frames_rejected
+        )?;
+        if !self.events.is_empty() {
+            let omitted = if self.events_omitted > 0 {
+                format!(" ({} older not shown)", self.events_omitted)
+            } else {
+                String::new()
+            };
+            writeln!(f, "recent events, oldest first{omitted}:")?;
+            for event in &self.events {
+                writeln!(f, "  {event}")?;
+            }
+        }
+        Ok(())
+    }
+}
