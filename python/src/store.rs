@@ -129,18 +129,7 @@ impl Store {
         report.finish();
         report.check()?;
         let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
-        let out = committed_dict(py, &committed)?;
-        let skipped = PyList::empty(py);
-        for (source, member, reason) in report.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter()
-        {
-            let entry = PyDict::new(py);
-            entry.set_item("source", source)?;
-            entry.set_item("member", member)?;
-            entry.set_item("reason", reason)?;
-            skipped.append(entry)?;
-        }
-        out.set_item("skipped", skipped)?;
-        Ok(out)
+        committed_dict(py, &committed, &report)
     }
 
     /// Ingests files as a new version of dataset `name`. With `dtype` and `shape`: files of
@@ -254,18 +243,7 @@ impl Store {
         report.finish();
         report.check()?;
         let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
-        let out = committed_dict(py, &committed)?;
-        let skipped = PyList::empty(py);
-        for (source, member, reason) in report.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter()
-        {
-            let entry = PyDict::new(py);
-            entry.set_item("source", source)?;
-            entry.set_item("member", member)?;
-            entry.set_item("reason", reason)?;
-            skipped.append(entry)?;
-        }
-        out.set_item("skipped", skipped)?;
-        Ok(out)
+        committed_dict(py, &committed, &report)
     }
 }
 
@@ -310,7 +288,13 @@ fn paths_of(source: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
     Ok(paths)
 }
 
-fn committed_dict<'py>(py: Python<'py>, committed: &granary::ingest::Committed) -> PyResult<Bound<'py, PyDict>> {
+/// What an ingest returns: what was committed, and the input members it skipped (`source`,
+/// `member`, `reason` each).
+fn committed_dict<'py>(
+    py: Python<'py>,
+    committed: &granary::ingest::Committed,
+    report: &Report,
+) -> PyResult<Bound<'py, PyDict>> {
     let out = PyDict::new(py);
     out.set_item("name", committed.name.as_str())?;
     out.set_item("version", committed.version)?;
@@ -322,6 +306,15 @@ fn committed_dict<'py>(py: Python<'py>, committed: &granary::ingest::Committed) 
     out.set_item("shards_published", committed.stats.shards_published)?;
     out.set_item("shards_deduplicated", committed.stats.shards_deduplicated)?;
     out.set_item("unchanged", committed.unchanged)?;
+    let skipped = PyList::empty(py);
+    for (source, member, reason) in report.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter() {
+        let entry = PyDict::new(py);
+        entry.set_item("source", source)?;
+        entry.set_item("member", member)?;
+        entry.set_item("reason", reason)?;
+        skipped.append(entry)?;
+    }
+    out.set_item("skipped", skipped)?;
     Ok(out)
 }
 
