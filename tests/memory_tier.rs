@@ -403,6 +403,23 @@ fn the_loader_bench_prints_the_tier_rows_at_a_small_scale() {
         .filter(|e| e.file_name() != ".users" && e.file_name() != ".granary-tier")
         .collect();
     assert!(left.is_empty(), "{left:?}");
+
+    // Without --tier-dir the bench uses a tier of its own: the node's shared tier (the default
+    // directory, held open here as a job would) is never emptied under a running job.
+    let shared =
+        MemoryTier::open(&TierConfig { keep: true, dir: None, ..tier_config(dir.path(), 64 << 20) }).unwrap().unwrap();
+    let planted = shared.dir().join(format!("{}.64k.000000", "cd".repeat(32)));
+    std::fs::write(&planted, vec![0u8; 4096]).unwrap();
+    let before: Vec<_> = std::fs::read_dir("/dev/shm").unwrap().flatten().map(|e| e.file_name()).collect();
+    granary_ok(
+        &root,
+        &["bench", "loader", "--batch", "16", "--batches", "4", "--runs", "1", "--keep-cache", "--rows", "tier"],
+    );
+    assert!(planted.exists(), "the bench left other tiers alone");
+    let after: Vec<_> = std::fs::read_dir("/dev/shm").unwrap().flatten().map(|e| e.file_name()).collect();
+    let made: Vec<_> = after.iter().filter(|n| !before.contains(n) && n.to_string_lossy().contains("bench")).collect();
+    assert!(made.is_empty(), "the bench removed its own tier: {made:?}");
+    std::fs::remove_file(&planted).unwrap();
 }
 
 /// The child of `a_cgroup_limit_shrinks_the_tier_instead_of_killing_the_trainer`, run inside a

@@ -73,8 +73,9 @@ pub(crate) struct LoaderArgs {
     /// tier-partial.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "random,sequential,warm,step,tier,tier-partial")]
     rows: Vec<Workload>,
-    /// The memory tier's directory for the tier rows (default: the tier's own default in
-    /// /dev/shm). The tier rows empty it before each cold measurement.
+    /// The memory tier's directory for the tier rows (default: a directory of the bench's own
+    /// in /dev/shm, removed at the end, so that a job's shared tier is never emptied under it).
+    /// The tier rows empty it before each cold measurement.
     #[arg(long)]
     tier_dir: Option<PathBuf>,
     /// Shuffled epochs of the tier-partial row (a dataset twice the tier's budget).
@@ -179,8 +180,14 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
 
     let mut rows: Vec<(String, Vec<Sample>)> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
+    // The tier rows empty their tier before each cold run: never the node's shared one.
+    let own_dir = BenchDir(match &args.tier_dir {
+        Some(_) => None,
+        None => Some(PathBuf::from(format!("/dev/shm/granary-bench-{}", std::process::id()))),
+    });
+    let tier_dir = args.tier_dir.clone().or_else(|| own_dir.0.clone());
     let tier_config =
-        |budget: u64| TierConfig { budget_bytes: Some(budget), dir: args.tier_dir.clone(), ..TierConfig::default() };
+        |budget: u64| TierConfig { budget_bytes: Some(budget), dir: tier_dir.clone(), ..TierConfig::default() };
     let data_bytes: u64 =
         (0..dataset.n_shards()).map(|s| dataset.shard_meta(s).map(|m| m.data_bytes())).sum::<granary::Result<u64>>()?;
     let mut record = |label: &str, sample: Sample| match rows.iter_mut().find(|(l, _)| l == label) {
@@ -737,4 +744,15 @@ fn drop_page_cache() -> bool {
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// A tier directory the bench made for itself: removed, whole, when the bench ends.
+struct BenchDir(Option<PathBuf>);
+
+impl Drop for BenchDir {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.0 {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
