@@ -316,13 +316,25 @@ fn run(cli: Cli) -> Result<ExitCode> {
 }
 
 fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
+    // A Megatron index is read and checked whole before the store is touched; it decides the
+    // layout (its dtype). Tar arguments (patterns, directories) are expanded once.
+    let mut megatron = None;
+    let mut tar_paths = Vec::new();
     let (common, layout) = match &command {
         IngestCommand::Records { common, record_bytes, dtype, shape, .. } => {
             (common, Layout::Fixed(fixed_layout(*record_bytes, dtype.as_deref(), shape.as_deref())?))
         }
         IngestCommand::Files { common, .. } => (common, Layout::Bytes),
-        IngestCommand::Tar { common, .. } => (common, Layout::Samples),
-        IngestCommand::Megatron { common, .. } => (common, Layout::Bytes),
+        IngestCommand::Tar { common, tars } => {
+            tar_paths = expand_tars(tars)?;
+            (common, Layout::Samples)
+        }
+        IngestCommand::Megatron { common, prefix } => {
+            let index = ingest::MegatronIndex::open(prefix)?;
+            let layout = index.layout();
+            megatron = Some(index);
+            (common, layout)
+        }
     };
     let name = DatasetName::new(&common.name)?;
     // What replicating afterwards needs is checked before anything is ingested: a failure
@@ -345,18 +357,9 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     // refused before the lock is taken.
     match &command {
         IngestCommand::Records { files, .. } => _ = ingest::check_regular_files(files)?,
-        IngestCommand::Tar { tars, .. } => _ = ingest::check_regular_files(&expand_tars(tars)?)?,
+        IngestCommand::Tar { .. } => _ = ingest::check_regular_files(&tar_paths)?,
         IngestCommand::Files { .. } | IngestCommand::Megatron { .. } => {}
     }
-    // A Megatron index is read and checked whole before the store is touched; it decides the
-    // layout (its dtype).
-    let (layout, megatron) = match &command {
-        IngestCommand::Megatron { prefix, .. } => {
-            let index = ingest::MegatronIndex::open(prefix)?;
-            (index.layout(), Some(index))
-        }
-        _ => (layout, None),
-    };
     // A typo in --root would otherwise make a new empty store without a word.
     let created = StorePaths::new(&root).check().is_err();
     let mut granary = open_writer(&root, true)?;
@@ -369,8 +372,8 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         IngestCommand::Files { dir, .. } => {
             ingest::files_from_dir(&mut session, dir, &bar)?;
         }
-        IngestCommand::Tar { tars, .. } => {
-            ingest::samples_from_tars(&mut session, &expand_tars(tars)?, &bar)?;
+        IngestCommand::Tar { .. } => {
+            ingest::samples_from_tars(&mut session, &tar_paths, &bar)?;
         }
         IngestCommand::Megatron { .. } => {
             let index = megatron.as_ref().context("the index was read above")?;
