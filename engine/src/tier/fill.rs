@@ -5,15 +5,16 @@
 //! threads share: the reader's current step, the extents admitted, the queue, requests the
 //! reader is waiting on) and `run_filler` (one filler thread's loop).
 //!
-//! The policy is Belady's on this loader's plan when the extents still to be read fit the
-//! budget (after memory pressure): all are admitted and loaded in order of next use, an extent
-//! the reader is waiting for first (it waits for any of them rather than read its records from
-//! disk), and room is made by evicting what no plan here reads, then what is read farthest
-//! ahead, never one needed sooner than the extent it makes room for. When they do not fit, the
-//! extents read most often ahead are kept, a loaded one counting double (a swap costs a whole
-//! extent's read for the difference in hits; under a uniform shuffle all are read about as
-//! often, so the tier settles instead of churning); the reader then waits only for a fill under
-//! way, and reads of extents not admitted go to disk at record granularity and load nothing.
+//! The policy is Belady's on the node's plan (the loader's schedule holds the reads of every rank
+//! of its node, `loader/schedule.rs`) when the extents still to be read fit the budget (after
+//! memory pressure): all are admitted and loaded in order of next use, an extent the reader is
+//! waiting for first (it waits for any of them rather than read its records from disk), and room is
+//! made by evicting what no plan here reads, then what is read farthest ahead, never one needed
+//! sooner than the extent it makes room for. When they do not fit, the extents read most often
+//! ahead are kept, a resident one (whoever loaded it) counting double (a swap costs a whole
+//! extent's read for the difference in hits; under a uniform shuffle all are read about as often,
+//! so the tier settles instead of churning); the reader then waits only for a fill under way, and
+//! reads of extents not admitted go to disk at record granularity and load nothing.
 //! Never: reads records (the `read` module does), or waits without a deadline.
 
 use std::collections::{HashMap, VecDeque};
@@ -22,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{ExtentKey, Filled, MemoryTier};
+use super::{ExtentKey, Filled, Holdings, MemoryTier};
 use crate::error::Result;
 use crate::shard::ShardMeta;
 
@@ -295,7 +296,7 @@ impl Coordinator {
             if timeout.timed_out() && !state.stop {
                 // Nothing to load: give memory back if the node needs it.
                 drop(state);
-                let _ = self.make_room(None, 0);
+                let _ = self.shrink_under_pressure();
                 state = self.lock();
             }
         }
@@ -316,7 +317,15 @@ impl Coordinator {
                 (next != NEVER).then(|| (next, schedule.uses_from(e, step), e))
             })
             .collect();
-        let held = self.tier.resident().map(|(_, bytes)| bytes).unwrap_or(0);
+        // What the tier holds now counts as loaded, whoever loaded it: the ranks of a node, each
+        // with the node's schedule, then weigh the same extents the same and keep one set.
+        let (resident, held) = self.tier.resident().unwrap_or_default();
+        state.loaded.iter_mut().for_each(|loaded| *loaded = false);
+        for name in resident.keys() {
+            if let Some(&e) = state.by_name.get(name) {
+                state.loaded[e] = true;
+            }
+        }
         let budget = self.tier.effective_budget(held);
         let needed: u64 = ahead.iter().map(|&(_, _, e)| schedule.bytes(e)).sum();
         state.fits = needed <= budget;
@@ -345,15 +354,16 @@ impl Coordinator {
         state.planned_at = Some(step);
     }
 
-    /// Evicts extents until `bytes` more fit the budget: first those not admitted (extents of
-    /// other datasets, never used here, first; then the farthest next use), then admitted ones by
-    /// farthest next use, but for a fill (`for_next_use`) never one used no later than the extent
-    /// it makes room for. Under memory pressure (`None`) anything goes. False when no room can be
-    /// made that way.
-    fn make_room(&self, for_next_use: Option<u64>, bytes: u64) -> Result<bool> {
-        let (resident, mut held) = self.tier.resident()?;
+    /// Evicts extents until `bytes` more fit the budget beside what `holdings` lists: first
+    /// those not admitted (extents of other datasets, never used here, first; then the farthest
+    /// next use), then admitted ones by farthest next use, but for a fill (`for_next_use`) never
+    /// one used no later than the extent it makes room for. Under memory pressure (`None`)
+    /// anything goes. False when no room can be made that way.
+    fn make_room(&self, holdings: Holdings, for_next_use: Option<u64>, bytes: u64) -> Result<bool> {
+        let Holdings { extents: resident, mut held, filling } = holdings;
         let budget = self.tier.effective_budget(held);
-        if held + bytes <= budget {
+        let fits = |held: u64| held.saturating_add(filling).saturating_add(bytes) <= budget;
+        if fits(held) {
             return Ok(true);
         }
         let mut victims: Vec<(bool, u64, String, u64)> = {
@@ -368,7 +378,7 @@ impl Coordinator {
         };
         victims.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)).then_with(|| a.2.cmp(&b.2)));
         for (admitted, next, name, size) in victims {
-            if held + bytes <= budget {
+            if fits(held) {
                 break;
             }
             if admitted && for_next_use.is_some_and(|mine| next <= mine) {
@@ -381,7 +391,13 @@ impl Coordinator {
                 state.loaded[e] = false;
             }
         }
-        Ok(held + bytes <= budget)
+        Ok(fits(held))
+    }
+
+    /// Gives memory back when the node needs it (the tier's holdings as last listed).
+    fn shrink_under_pressure(&self) -> Result<()> {
+        let (extents, held) = self.tier.resident()?;
+        self.make_room(Holdings { extents, held, filling: 0 }, None, 0).map(drop)
     }
 
     fn finish(&self, extent: usize, outcome: &Result<Option<Filled>>) {
@@ -418,8 +434,8 @@ pub fn run_filler(coordinator: &Coordinator) -> Result<()> {
         }
         let bytes = info.n_blocks * crate::shard::BLOCK_BYTES_U64;
         let outcome = coordinator
-            .make_room(Some(next_use), bytes)
-            .and_then(|room| if room { coordinator.tier.fill(&info).map(Some) } else { Ok(None) });
+            .tier
+            .fill_within_budget(&info, |holdings| coordinator.make_room(holdings, Some(next_use), bytes));
         coordinator.finish(extent, &outcome);
     }
     Ok(())

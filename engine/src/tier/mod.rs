@@ -1,16 +1,17 @@
 //! The memory tier: verified shard extents held in memory that every process of the node shares.
 //!
-//! Owns: a directory in a memory file system (`/dev/shm/granary-tier-UID` by default, marked as
-//! the tier's by a `.granary-tier` file) holding one file per extent (a run of a shard's data
-//! blocks, `extent_bytes` long, the last of a shard shorter), named by the shard's content id,
-//! the extent size and the extent's index, so versions that share a shard share its extents and
-//! eight ranks of a node hold one copy. Readers map extent files read-only (`TierReader`) and
-//! keep no descriptor open; fillers (`fill.rs`, driven by the loader's plan) claim an extent
-//! with a flock'ed `.fill-` file, read it from disk in one large O_DIRECT read straight into a
-//! private file's mapping, check every block's CRC32C, and publish the private file by linking
-//! it under the extent's name (which fails if the name exists). The budget bounds the bytes
-//! held, node-wide; under memory pressure (MemAvailable, the cgroup's headroom, or the memory
-//! file system's own free space below a reserve) the tier shrinks.
+//! Owns: a directory in a memory file system (`/dev/shm/granary-tier-UID` by default, marked as the
+//! tier's by a `.granary-tier` file) holding one file per extent (a run of a shard's data blocks,
+//! `extent_bytes` long, the last of a shard shorter), named by the shard's content id, the extent
+//! size and the extent's index, so versions that share a shard share its extents and eight ranks of
+//! a node hold one copy. Readers map extent files read-only (`TierReader`) and keep no descriptor
+//! open; fillers (`fill.rs`, driven by the loader's plan) claim an extent with a flock'ed `.fill-`
+//! file, read it from disk in one large O_DIRECT read straight into a private file's mapping, check
+//! every block's CRC32C, and publish the private file by linking it under the extent's name (which
+//! fails if the name exists). The budget bounds the bytes held and being filled, node-wide: a
+//! filler makes room and takes its claim under a flock on the directory, with the directory listed
+//! afresh; under memory pressure (MemAvailable, the cgroup's headroom, or the memory file system's
+//! own free space below a reserve) the tier shrinks.
 //!
 //! Invariants: an extent file under its final name is complete, exactly as long as its extent,
 //! and every block of it passed its checksum on the way in, because only the filler that wrote
@@ -280,6 +281,17 @@ struct Listing {
     bytes: u64,
 }
 
+/// What the tier holds and is filling node-wide, listed under the budget lock.
+#[derive(Debug, Default)]
+pub struct Holdings {
+    /// Extents held, by name, with their bytes.
+    pub extents: HashMap<String, u64>,
+    /// Bytes of those extents.
+    pub held: u64,
+    /// Bytes of the fills under way (a whole extent each).
+    pub filling: u64,
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -470,16 +482,50 @@ impl MemoryTier {
 
     /// Reads extent `info` from its shard into the tier: a claim, one O_DIRECT read into a
     /// private file's mapping, every block checked against `meta`, then the private file linked
-    /// under the extent's name.
+    /// under the extent's name. The budget is the caller's affair (`fill_within_budget` keeps it).
     pub fn fill(&self, info: &ExtentInfo) -> Result<Filled> {
         let name = self.extent_name(&info.key);
-        let final_path = self.dir.join(&name);
-        if final_path.exists() {
+        if self.dir.join(&name).exists() {
             return Ok(Filled::Elsewhere);
         }
         let Some(claim) = self.claim(&name)? else { return Ok(Filled::Elsewhere) };
-        // Another filler may have published it between the check above and the claim.
-        let outcome = if final_path.exists() { Ok(Filled::Elsewhere) } else { self.fill_claimed(info, &name) };
+        self.fill_under(claim, info, &name)
+    }
+
+    /// `fill`, within the node-wide budget. Under the budget lock (a flock on the directory that
+    /// every filler of the node, in any process, takes in turn), with what the tier holds listed
+    /// afresh and each fill under way counted as a whole extent, `room` evicts what it chooses
+    /// and says whether the extent fits now; the claim is taken before the lock goes, so two
+    /// fillers never spend the same room and the tier never holds more than the budget. `None`:
+    /// no room was made.
+    pub fn fill_within_budget(
+        &self,
+        info: &ExtentInfo,
+        room: impl FnOnce(Holdings) -> Result<bool>,
+    ) -> Result<Option<Filled>> {
+        let name = self.extent_name(&info.key);
+        if self.dir.join(&name).exists() {
+            return Ok(Some(Filled::Elsewhere));
+        }
+        let claim = {
+            let budget_lock = std::fs::File::open(&self.dir).map_err(|e| Error::io("open", &self.dir, e))?;
+            // A descriptor of its own: a flock is per open file, so this also orders the fillers
+            // of this process. It goes with the descriptor, at the end of this block.
+            flock(&budget_lock, libc::LOCK_EX).map_err(|e| Error::io("flock", &self.dir, e))?;
+            if !room(self.holdings_now()?)? {
+                return Ok(None);
+            }
+            match self.claim(&name)? {
+                Some(claim) => claim,
+                None => return Ok(Some(Filled::Elsewhere)),
+            }
+        };
+        self.fill_under(claim, info, &name).map(Some)
+    }
+
+    fn fill_under(&self, claim: Claim, info: &ExtentInfo, name: &str) -> Result<Filled> {
+        // Another filler may have published it between the check and the claim.
+        let outcome = if self.dir.join(name).exists() { Ok(Filled::Elsewhere) } else { self.fill_claimed(info, name) };
         if outcome.is_err() {
             self.counters.fill_failures.fetch_add(1, Ordering::Relaxed);
         }
@@ -592,36 +638,63 @@ impl MemoryTier {
     /// The extents held node-wide (name and bytes), listed again when the last listing is older
     /// than a moment. Only files named as extents count.
     pub fn resident(&self) -> Result<(HashMap<String, u64>, u64)> {
-        use std::os::unix::fs::DirEntryExt;
         let mut listing = lock(&self.listing);
         if listing.at.is_none_or(|at| at.elapsed() > SCAN_TTL) {
-            let mut extents = HashMap::new();
-            let mut bytes = 0;
-            let entries = std::fs::read_dir(&self.dir).map_err(|e| Error::io("list", &self.dir, e))?;
-            for entry in entries.flatten() {
-                let name = entry.file_name().to_string_lossy().into_owned();
-                if !is_extent_name(&name) {
-                    continue;
-                }
-                // The entry's own metadata: a symlink is not an extent.
-                if let Ok(meta) = entry.metadata()
-                    && meta.is_file()
-                {
-                    bytes += meta.len();
-                    extents.insert(name, (meta.len(), entry.ino()));
-                }
-            }
-            // Mappings of extents another process evicted (or replaced) go, so their memory can.
-            lock(&self.maps).retain(|name, mapped| {
-                let listed = extents.get(name).is_some_and(|&(_, ino)| ino == mapped.map.ino());
-                if !listed {
-                    mapped.mark_gone();
-                }
-                listed
-            });
-            *listing = Listing { at: Some(Instant::now()), extents, bytes };
+            self.list(&mut listing)?;
         }
         Ok((listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect(), listing.bytes))
+    }
+
+    /// What the tier holds and is filling node-wide, listed now: the extents, and a whole extent
+    /// for each fill under way (a live claim; a dead filler's is removed).
+    fn holdings_now(&self) -> Result<Holdings> {
+        let mut listing = lock(&self.listing);
+        let claims = self.list(&mut listing)?;
+        let extents = listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect();
+        let held = listing.bytes;
+        drop(listing);
+        let filling = claims.iter().filter(|extent| self.claim_is_live(extent)).count() as u64;
+        Ok(Holdings { extents, held, filling: filling * self.extent_bytes })
+    }
+
+    /// Lists the directory into `listing` (an extent whose name and inode were listed before
+    /// keeps its size: extents are never written again) and returns the extents claimed.
+    fn list(&self, listing: &mut Listing) -> Result<Vec<String>> {
+        use std::os::unix::fs::DirEntryExt;
+        let mut extents = HashMap::new();
+        let mut claims = Vec::new();
+        let mut bytes = 0;
+        let entries = std::fs::read_dir(&self.dir).map_err(|e| Error::io("list", &self.dir, e))?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(extent) = name.strip_prefix(".fill-") {
+                claims.push(extent.to_owned());
+                continue;
+            }
+            if !is_extent_name(&name) {
+                continue;
+            }
+            let ino = entry.ino();
+            let size = match listing.extents.get(&name) {
+                Some(&(size, listed)) if listed == ino => Some(size),
+                // The entry's own metadata: a symlink is not an extent.
+                _ => entry.metadata().ok().filter(std::fs::Metadata::is_file).map(|meta| meta.len()),
+            };
+            if let Some(size) = size {
+                bytes += size;
+                extents.insert(name, (size, ino));
+            }
+        }
+        // Mappings of extents another process evicted (or replaced) go, so their memory can.
+        lock(&self.maps).retain(|name, mapped| {
+            let listed = extents.get(name).is_some_and(|&(_, ino)| ino == mapped.map.ino());
+            if !listed {
+                mapped.mark_gone();
+            }
+            listed
+        });
+        *listing = Listing { at: Some(Instant::now()), extents, bytes };
+        Ok(claims)
     }
 
     /// Removes every extent, every stale claim and every private file of a filler that died;
