@@ -3,7 +3,8 @@
 //! records that span extents are assembled right, a bit flipped on disk after its extent entered
 //! the tier is caught by `verify` and by the next disk read, a damaged block never enters the
 //! tier, stray files in the tier's directory are not trusted, positions resume at another world
-//! size, and four ranks of a node hold one copy of the data.
+//! size, four ranks of a node hold one copy of the data, and with half of it in the tier they
+//! keep one set within the budget.
 
 mod common;
 
@@ -81,14 +82,20 @@ fn n_extents(dataset: &Dataset) -> u64 {
     (0..dataset.n_shards()).map(|s| dataset.shard_meta(s).unwrap().n_data_blocks().div_ceil(EXTENT / 4096)).sum()
 }
 
-/// Bytes of the extent files in the tier's directory (claims in progress included).
+/// Bytes of the files in the tier's directory (fills in progress included), each file once
+/// (an extent and the private file it was linked from are one).
 fn tier_dir_bytes(tier: &MemoryTier) -> u64 {
-    std::fs::read_dir(tier.dir())
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name() != ".users" && e.file_name() != ".granary-tier")
-        .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
-        .sum()
+    use std::os::unix::fs::MetadataExt;
+    let mut files = std::collections::HashMap::new();
+    for entry in std::fs::read_dir(tier.dir()).unwrap().flatten() {
+        if let Ok(meta) = entry.metadata()
+            && entry.file_name() != ".users"
+            && entry.file_name() != ".granary-tier"
+        {
+            files.insert(meta.ino(), meta.len());
+        }
+    }
+    files.values().sum()
 }
 
 #[test]
@@ -346,6 +353,70 @@ fn four_ranks_of_a_node_hold_one_copy() {
     for result in &results {
         assert!(result.2 <= data_bytes(&f.dataset), "one copy: {} bytes held", result.2);
     }
+}
+
+/// Four ranks of a node read three epochs of a dataset twice the tier's budget, each opening the
+/// tier as a process of its own would; returns the extents they loaded and evicted in all, and
+/// the share of records served from memory.
+fn four_ranks_over_half_a_budget(local_world_size: Option<u32>) -> (u64, u64, f64) {
+    let f = fixture(4000);
+    let budget = data_bytes(&f.dataset) / 2;
+    let tier_dir = f.dir.path().to_path_buf();
+    let ranks: Vec<_> = (0..4)
+        .map(|rank| {
+            let dataset = Arc::clone(&f.dataset);
+            let records = f.records.clone();
+            let tier_dir = tier_dir.clone();
+            std::thread::spawn(move || {
+                let tier = MemoryTier::open(&tier_config(&tier_dir, budget)).unwrap().unwrap();
+                let mut config = config(World::new(rank, 4).unwrap(), 3, TierSetting::Shared(Arc::clone(&tier)));
+                config.local_world_size = local_world_size;
+                let mut loader = Loader::new(dataset, config, Position::default()).unwrap();
+                let seen = drain(&mut loader, &records);
+                let stats = loader.stats();
+                let tier_stats = stats.tier.unwrap();
+                let held = tier_dir_bytes(&tier);
+                assert!(held <= budget, "rank {rank} found {held} bytes in the tier, over the budget of {budget}");
+                (seen.len() as u64, tier_stats.extents_loaded, tier_stats.extents_evicted, stats.read.tier_records)
+            })
+        })
+        .collect();
+    let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+    let records: u64 = results.iter().map(|r| r.0).sum();
+    assert_eq!(records, 3 * 4000, "every record of every epoch, once");
+    let loaded = results.iter().map(|r| r.1).sum();
+    let evicted = results.iter().map(|r| r.2).sum();
+    let hits: u64 = results.iter().map(|r| r.3).sum();
+    (loaded, evicted, hits as f64 / records as f64)
+}
+
+#[test]
+fn the_ranks_of_a_node_plan_the_tier_together_and_keep_one_set() {
+    let f = fixture(4000);
+    let fit = n_extents(&f.dataset) / 2;
+    drop(f);
+    let (loaded, evicted, hits) = four_ranks_over_half_a_budget(Some(4));
+    // Every rank computes the node's schedule: they admit the same extents, load them once
+    // between them and keep them, instead of each evicting what only the others read.
+    eprintln!("node plan: {loaded} extents loaded, {evicted} evicted, hit ratio {hits:.3} ({fit} fit)");
+    let (alone_loaded, alone_evicted, alone_hits) = four_ranks_over_half_a_budget(Some(1));
+    eprintln!("each rank alone: {alone_loaded} loaded, {alone_evicted} evicted, hit ratio {alone_hits:.3}");
+    // Ranks planning alone evict each other's extents as "never read here" and load them again.
+    assert!(
+        loaded * 3 <= alone_loaded * 2 && evicted * 2 <= alone_evicted,
+        "a node plan loaded {loaded} and evicted {evicted}; ranks alone {alone_loaded} and {alone_evicted}"
+    );
+    assert!(loaded >= fit && hits >= 0.4, "hit ratio {hits:.3} with half of the data in the tier");
+}
+
+#[test]
+fn a_bad_local_world_size_is_refused() {
+    let f = fixture(100);
+    let tier = MemoryTier::open(&tier_config(f.dir.path(), 1 << 20)).unwrap().unwrap();
+    let mut config = config(World::new(1, 4).unwrap(), 1, TierSetting::Shared(tier));
+    config.local_world_size = Some(0);
+    let error = Loader::new(Arc::clone(&f.dataset), config, Position::default()).err().expect("refused");
+    assert!(error.to_string().contains("local_world_size"), "{error}");
 }
 
 #[test]

@@ -217,6 +217,9 @@ class Loader:
     memory that every process of the node reading the store uses, filled ahead of the reader
     in plan order): its budget in bytes, `0` to read every record from disk, `None` for the
     default (`GRANARY_TIER_BYTES`, else half of the memory available when it opens).
+    `local_world_size`: ranks per node, numbered node by node as torchrun numbers them (default:
+    `LOCAL_WORLD_SIZE`, which torchrun sets); the tier then plans for all of the node's ranks,
+    so they fill it together and keep the same extents when it cannot hold the whole dataset.
 
     Batches are the loader's own memory, read-only (NumPy's `writeable` is False; torch warns
     that the tensor is not writable): copy one (`batch.copy()`, `batch.clone()`) to change it.
@@ -256,6 +259,7 @@ class Loader:
         with_indices: bool = False,
         tier_bytes: Optional[int] = None,
         dtype: Optional[Any] = None,
+        local_world_size: Optional[int] = None,
     ) -> None:
         env_rank, env_world = world_from_env()
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -281,6 +285,10 @@ class Loader:
                 raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")
         if tier_bytes is not None and (not isinstance(tier_bytes, int) or tier_bytes < 0):
             raise ValueError(f"tier_bytes must be a number of bytes (0 turns the tier off), not {tier_bytes!r}")
+        if local_world_size is not None and (
+            isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1
+        ):
+            raise ValueError(f"local_world_size must be an integer of at least 1, not {local_world_size!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if output is None:
@@ -322,6 +330,7 @@ class Loader:
             io=io,
             drop_last=drop_last,
             tier_bytes=tier_bytes,
+            local_world_size=local_world_size,
         )
         source = store._native if isinstance(store, Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)

@@ -184,6 +184,7 @@ impl Loader {
         store, dataset, batch_size, *, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
         prefetch = 4, read_depth = 2, hold = 4, order = "shuffled", partitioner = None,
         partitioner_options = None, io = None, drop_last = false, tier_bytes = None,
+        local_world_size = None,
     ))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
@@ -204,6 +205,7 @@ impl Loader {
         io: Option<&str>,
         drop_last: bool,
         tier_bytes: Option<u64>,
+        local_world_size: Option<u32>,
     ) -> PyResult<Self> {
         let root = match store.cast::<Store>() {
             Ok(store) => store.get().root().to_path_buf(),
@@ -256,6 +258,7 @@ impl Loader {
                     ..TierConfig::from_env().map_err(to_py)?
                 }),
             },
+            local_world_size,
             ..LoaderConfig::default()
         };
         config.io.backend = match io {

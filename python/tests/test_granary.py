@@ -572,6 +572,30 @@ def test_the_memory_tier_serves_every_epoch_and_can_be_turned_off(tokens, tmp_pa
     assert m["tier_records"] == 0 and m["bytes_read"] > 0 and "tier_bytes_held" not in m, m
 
 
+def test_the_ranks_of_a_node_share_the_tier_by_local_world_size(tokens, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRANARY_TIER_DIR", str(tmp_path / "tier"))
+    store, data = tokens
+    loaders = [
+        store.loader("tokens", batch_size=50, output="numpy", with_indices=True, tier_bytes=64 << 20,
+                     rank=rank, world_size=2, local_world_size=2)
+        for rank in range(2)
+    ]
+    seen = []
+    for loader in loaders:
+        for index, row in read_epoch(loader):
+            assert (row == data[index]).all()
+            seen.append(int(index))
+    assert sorted(seen) == list(range(len(data)))
+    # Each rank's fillers plan for both: between them they load the dataset once.
+    assert sum(loader.metrics()["tier_extents_loaded"] for loader in loaders) > 0
+    for loader in loaders:
+        loader.close()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    with pytest.raises(granary.Error, match="LOCAL_WORLD_SIZE") as caught:
+        next(iter(store.loader("tokens", batch_size=50, tier_bytes=64 << 20)))
+    assert caught.value.kind == "invalid_input"
+
+
 def _read_missing(path):
     """In a pool worker: read a dataset that does not exist (raises granary.NotFoundError)."""
     granary.Store(path).loader("no-such-dataset", batch_size=1)
@@ -604,7 +628,7 @@ def test_loader_arguments_are_checked_where_the_loader_is_made(tokens, monkeypat
     with pytest.raises(ValueError, match="rank given without world_size"):
         store.loader("tokens", batch_size=10, rank=1)
     for bad in (dict(prefetch=0), dict(hold=0), dict(read_depth=-1), dict(seed=-3), dict(batch_size=0),
-                dict(tier_bytes=-1), dict(rank=4, world_size=4)):
+                dict(tier_bytes=-1), dict(local_world_size=0), dict(rank=4, world_size=4)):
         options = dict(batch_size=10, **{k: v for k, v in bad.items() if k != "batch_size"})
         if "batch_size" in bad:
             options["batch_size"] = bad["batch_size"]

@@ -23,7 +23,7 @@
 
 mod schedule;
 
-use schedule::Scheduler;
+use schedule::{ScheduleRequest, Scheduler};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -151,6 +151,11 @@ pub struct LoaderConfig {
     /// The node's memory tier: records are served from verified extents in memory, filled
     /// ahead of the reader in plan order.
     pub tier: TierSetting,
+    /// Ranks per node, numbered node by node (node `n` holds ranks `n * L` to `n * L + L - 1`,
+    /// as torchrun numbers them): the memory tier plans for every rank of this node, so they
+    /// agree on what it holds and fill it together. `None`: `LOCAL_WORLD_SIZE` from the
+    /// environment when set (torchrun sets it), else this rank alone.
+    pub local_world_size: Option<u32>,
 }
 
 impl Default for LoaderConfig {
@@ -170,6 +175,7 @@ impl Default for LoaderConfig {
             faults: Vec::new(),
             repair: None,
             tier: TierSetting::default(),
+            local_world_size: None,
         }
     }
 }
@@ -473,6 +479,7 @@ impl Loader {
         let (to_next, from_reader) = std::sync::mpsc::sync_channel(config.prefetch);
         // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
         let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
+        let peers = if coordinator.is_some() { schedule::node_peers(&config)? } else { Vec::new() };
         // Should a step below fail, the threads started so far end with it.
         let mut threads = Started { threads: Vec::new(), stop: Arc::clone(&stop), coordinator: coordinator.clone() };
         if let Some(coordinator) = &coordinator {
@@ -490,6 +497,7 @@ impl Loader {
             io,
             pool: pool.clone(),
             config: config.clone(),
+            peers,
             start,
             out: to_next,
             stop: Arc::clone(&stop),
@@ -676,6 +684,9 @@ fn check(config: &LoaderConfig) -> Result<()> {
     if config.read_depth == 0 || config.prefetch == 0 || config.hold_max == 0 {
         return Err(Error::invalid_input("read depth, prefetch and hold_max must each be at least 1"));
     }
+    if config.local_world_size == Some(0) {
+        return Err(Error::invalid_input("local_world_size is 0; a node runs at least one rank"));
+    }
     config.io.validate()
 }
 
@@ -716,6 +727,8 @@ struct ReaderStage {
     io: Box<dyn Io>,
     pool: StagingPool,
     config: LoaderConfig,
+    /// The other ranks of this node, whose reads the tier's schedule includes.
+    peers: Vec<World>,
     start: Position,
     out: SyncSender<Message>,
     stop: Arc<AtomicBool>,
@@ -724,7 +737,7 @@ struct ReaderStage {
 
 impl ReaderStage {
     fn run(self) {
-        let ReaderStage { coordinator, dataset, io, pool, config, start, out, stop, stats } = self;
+        let ReaderStage { coordinator, dataset, io, pool, config, peers, start, out, stop, stats } = self;
         let mut reader = Reader::new(Arc::clone(&dataset), io);
         reader.set_staging(pool);
         if let Some(coordinator) = &coordinator {
@@ -734,7 +747,8 @@ impl ReaderStage {
         if let Some(hook) = &config.repair {
             reader.set_repair(Arc::clone(hook));
         }
-        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, coordinator.as_ref());
+        let tier = coordinator.as_ref().map(|coordinator| (coordinator, peers));
+        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, tier);
         if let Some(coordinator) = &coordinator {
             coordinator.stop();
         }
@@ -754,8 +768,9 @@ fn run_epochs(
     start: Position,
     out: &SyncSender<Message>,
     stop: &AtomicBool,
-    coordinator: Option<&Arc<Coordinator>>,
+    tier: Option<(&Arc<Coordinator>, Vec<World>)>,
 ) -> std::result::Result<(), Option<Error>> {
+    let coordinator = tier.as_ref().map(|(coordinator, _)| *coordinator);
     let n_records = dataset.n_records();
     let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
     let mut position = if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
@@ -764,7 +779,7 @@ fn run_epochs(
     let mut step = 0u64;
     let mut next_epoch: Option<Arc<EpochBatches>> = None;
     // The tier's schedule is computed on a thread of its own, off the path to the first batch.
-    let scheduler = coordinator.map(|c| Scheduler::start(dataset, c)).transpose().map_err(Some)?;
+    let scheduler = tier.map(|(c, peers)| Scheduler::start(dataset, c, config, peers)).transpose().map_err(Some)?;
     while end_epoch.is_none_or(|end| position.epoch < end) {
         if n_records == 0 {
             return Ok(());
@@ -780,7 +795,12 @@ fn run_epochs(
             if end_epoch.is_none_or(|end| following.epoch < end) {
                 next_epoch = Some(Arc::new(planner.epoch(following).map_err(Some)?));
             }
-            scheduler.request((step, Arc::clone(&batches), next_epoch.clone()));
+            scheduler.request(ScheduleRequest {
+                step,
+                from: position,
+                batches: Arc::clone(&batches),
+                next: next_epoch.as_ref().map(|next| (following, Arc::clone(next))),
+            });
         }
         let positions = std::cell::RefCell::new(std::collections::VecDeque::new());
         let mut stopped = false;

@@ -1,18 +1,24 @@
-//! The memory tier's schedule for a loader: which extents this rank reads at which step, over
-//! this epoch and the next, computed on a thread of its own so the first batch never waits for
-//! it.
+//! The memory tier's schedule for a loader: which extents the ranks of this node read at which
+//! step, over this epoch and the next, computed on a thread of its own so the first batch never
+//! waits for it.
 //!
-//! Owns: `Scheduler` (the thread and the channel to it) and `tier_schedule` (the computation).
+//! Owns: `Scheduler` (the thread, the plans of the node's other ranks, and the channel to it),
+//! `node_peers` (which ranks share this rank's node) and `tier_schedule` (the computation).
+//! Every rank of a node computes the same node-wide schedule, so they agree on what the tier
+//! holds instead of each evicting what only the others read. The ranks are taken to move in
+//! step (a synchronous job's do): another rank's batch `k` of an epoch is planned at this
+//! rank's step `k`.
 //! Never: loads or evicts extents (the tier's fillers do), or leaves the reader waiting for a
-//! schedule that will not come (a failed or panicking computation hands over an empty one).
+//! schedule that will not come (a failed or panicking computation hands over an empty one; a
+//! peer whose plan fails is left out).
 
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::thread::JoinHandle;
 
-use super::EpochBatches;
+use super::{EpochBatches, EpochPlanner, LoaderConfig};
 use crate::error::{Error, Result};
-use crate::plan::Position;
+use crate::plan::{Position, World};
 use crate::read::Dataset;
 use crate::tier::{Coordinator, ExtentInfo, ExtentKey, MemoryTier, TierSchedule};
 
@@ -20,9 +26,42 @@ use crate::tier::{Coordinator, ExtentInfo, ExtentKey, MemoryTier, TierSchedule};
 /// epoch are unknown to the fillers until the next epoch's schedule.
 const SCHEDULE_USES_MAX: usize = 16 << 20;
 
-/// What the tier's schedule is computed from: the step of the epoch's first batch, its batches,
-/// and the next epoch's.
-pub(super) type ScheduleRequest = (u64, Arc<EpochBatches>, Option<Arc<EpochBatches>>);
+/// What the tier's schedule is computed from: the step of an epoch's first batch, where the
+/// epoch starts and this rank's batches of it, and the same of the next epoch when there is one.
+pub(super) struct ScheduleRequest {
+    pub(super) step: u64,
+    pub(super) from: Position,
+    pub(super) batches: Arc<EpochBatches>,
+    pub(super) next: Option<(Position, Arc<EpochBatches>)>,
+}
+
+/// The other ranks of this rank's node: `config.local_world_size` ranks per node, or
+/// `LOCAL_WORLD_SIZE` from the environment (torchrun sets it), numbered node by node (node `n`
+/// holds ranks `n * L` to `n * L + L - 1`). None when neither says, or when the environment's
+/// `LOCAL_RANK` shows the ranks are numbered otherwise (the schedule is then this rank's alone,
+/// which is correct, only not shared).
+pub(super) fn node_peers(config: &LoaderConfig) -> Result<Vec<World>> {
+    let world = config.world;
+    let per_node = match config.local_world_size {
+        Some(0) => return Err(Error::invalid_input("local_world_size is 0; a node runs at least one rank")),
+        Some(n) => n,
+        None => {
+            let Some(text) = std::env::var_os("LOCAL_WORLD_SIZE") else { return Ok(Vec::new()) };
+            let text = text.to_string_lossy();
+            let n = text.trim().parse::<u32>().ok().filter(|&n| n > 0).ok_or_else(|| {
+                Error::invalid_input(format!("LOCAL_WORLD_SIZE={text:?} is not a count of ranks (1 or more)"))
+            })?;
+            let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|r| r.trim().parse::<u32>().ok());
+            if local_rank.is_some_and(|local| local != world.rank() % n) {
+                return Ok(Vec::new());
+            }
+            n
+        }
+    };
+    let first = world.rank() / per_node * per_node;
+    let end = first.saturating_add(per_node).min(world.size());
+    Ok((first..end).filter(|&rank| rank != world.rank()).filter_map(|rank| World::new(rank, world.size())).collect())
+}
 
 /// The tier's schedule thread and the channel to it: dropped, it closes the channel and then
 /// joins the thread.
@@ -33,14 +72,41 @@ pub(super) struct Scheduler {
 }
 
 impl Scheduler {
-    /// Starts the thread that computes `coordinator`'s schedules over `dataset`.
-    pub(super) fn start(dataset: &Arc<Dataset>, coordinator: &Arc<Coordinator>) -> Result<Self> {
+    /// Starts the thread that computes `coordinator`'s schedules over `dataset` for this rank
+    /// (`config`) and the other ranks of its node (`peers`).
+    pub(super) fn start(
+        dataset: &Arc<Dataset>,
+        coordinator: &Arc<Coordinator>,
+        config: &LoaderConfig,
+        peers: Vec<World>,
+    ) -> Result<Self> {
         let (send, receive) = std::sync::mpsc::channel::<ScheduleRequest>();
         let (dataset, for_thread) = (Arc::clone(dataset), Arc::clone(coordinator));
+        let (seed, batch_size, plan) = (config.seed, config.batch_size, config.plan.clone());
         let thread = super::spawn("granary-tier-plan", move || {
-            while let Ok((step, batches, next)) = receive.recv() {
+            // The peers' plans are made here, off the reader's path; one that cannot be made is
+            // left out of the schedule.
+            let mut planners: Vec<EpochPlanner> = peers
+                .into_iter()
+                .filter_map(|world| {
+                    let config =
+                        LoaderConfig { world, seed, batch_size, plan: plan.clone(), ..LoaderConfig::default() };
+                    EpochPlanner::new(&config, &dataset).ok()
+                })
+                .collect();
+            while let Ok(request) = receive.recv() {
                 let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    tier_schedule(&dataset, for_thread.tier(), step, &batches, next.as_ref().map(|n| n.as_slice()))
+                    let mut ranks =
+                        vec![(Arc::clone(&request.batches), request.next.as_ref().map(|n| Arc::clone(&n.1)))];
+                    for planner in &mut planners {
+                        let Ok(this) = planner.epoch(request.from) else { continue };
+                        let next = match &request.next {
+                            Some((from, _)) => planner.epoch(*from).ok().map(Arc::new),
+                            None => None,
+                        };
+                        ranks.push((Arc::new(this), next));
+                    }
+                    tier_schedule(&dataset, for_thread.tier(), request.step, &ranks)
                 }));
                 // On an error (or a bug) the reads go on from disk, where a failing shard is
                 // reported; the reader never waits for a schedule that will not come.
@@ -70,15 +136,18 @@ impl Drop for Scheduler {
     }
 }
 
-/// When each extent is read: the batches of this epoch from `step` on, then the next epoch's,
-/// up to `SCHEDULE_USES_MAX` record reads. Extents are numbered shard by shard, so a record's
-/// extent is found by arithmetic (this runs for every record of two epochs).
+/// Each rank's batches of an epoch, and of the next one when there is one.
+pub(super) type RankBatches = (Arc<EpochBatches>, Option<Arc<EpochBatches>>);
+
+/// When each extent is read: the ranks' batches of this epoch from `step` on, then the next
+/// epoch's, batch `k` of every rank at step `step + k`, up to `SCHEDULE_USES_MAX` record reads.
+/// Extents are numbered shard by shard, so a record's extent is found by arithmetic (this runs
+/// for every record of two epochs of the node's ranks).
 pub(super) fn tier_schedule(
     dataset: &Dataset,
     tier: &MemoryTier,
     step: u64,
-    batches: &[(Vec<u64>, Position)],
-    next_epoch: Option<&[(Vec<u64>, Position)]>,
+    ranks: &[RankBatches],
 ) -> Result<TierSchedule> {
     let extent_bytes = tier.extent_bytes();
     let extent_blocks = tier.extent_blocks();
@@ -103,10 +172,16 @@ pub(super) fn tier_schedule(
     }
     let mut schedule = TierSchedule::with_extents(extents);
     let mut uses = 0usize;
-    let all = batches.iter().chain(next_epoch.unwrap_or_default());
-    for (offset, (records, _)) in all.enumerate() {
+    fn batch_at((this, next): &RankBatches, offset: usize) -> Option<&[u64]> {
+        match this.get(offset) {
+            Some((records, _)) => Some(records.as_slice()),
+            None => next.as_ref()?.get(offset - this.len()).map(|(records, _)| records.as_slice()),
+        }
+    }
+    let longest = ranks.iter().map(|(this, next)| this.len() + next.as_ref().map_or(0, |n| n.len())).max();
+    for offset in 0..longest.unwrap_or(0) {
         let at = step + offset as u64;
-        for &index in records {
+        for &index in ranks.iter().filter_map(|rank| batch_at(rank, offset)).flatten() {
             uses += 1;
             if uses > SCHEDULE_USES_MAX {
                 return Ok(schedule);
@@ -122,4 +197,30 @@ pub(super) fn tier_schedule(
         }
     }
     Ok(schedule)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peers(rank: u32, size: u32, per_node: u32) -> Vec<u32> {
+        let config = LoaderConfig {
+            world: World::new(rank, size).unwrap(),
+            local_world_size: Some(per_node),
+            ..Default::default()
+        };
+        node_peers(&config).unwrap().iter().map(World::rank).collect()
+    }
+
+    #[test]
+    fn a_nodes_ranks_are_numbered_node_by_node() {
+        assert_eq!(peers(5, 8, 4), [4, 6, 7]);
+        assert_eq!(peers(0, 8, 4), [1, 2, 3]);
+        assert_eq!(peers(3, 4, 1), Vec::<u32>::new());
+        // A last node with fewer ranks, and more ranks per node than the world has.
+        assert_eq!(peers(7, 8, 3), [6]);
+        assert_eq!(peers(1, 2, 8), [0]);
+        let zero = LoaderConfig { local_world_size: Some(0), ..Default::default() };
+        assert!(node_peers(&zero).is_err());
+    }
 }
