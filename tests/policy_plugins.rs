@@ -187,8 +187,9 @@ fn the_elastic_plan_is_one_global_order_for_any_world_and_resumes_exactly() {
     let host = host();
     let dataset = shards(&[37, 0, 120, 64, 9, 200]);
     let total = 430;
-    for chunk in ["1", "16"] {
-        let options = vec![("chunk-records".to_owned(), chunk.to_owned())];
+    for (chunk, window) in [("1", "0"), ("16", "0"), ("1", "2"), ("16", "3")] {
+        let options =
+            vec![("chunk-records".to_owned(), chunk.to_owned()), ("window-shards".to_owned(), window.to_owned())];
         let mut partitioner = Partitioner::new(host.load("elastic").unwrap(), &options, None).unwrap();
         let epoch = |start| EpochSpec { seed: 11, epoch: 2, batch_size: 8, start };
         let global =
@@ -198,7 +199,8 @@ fn the_elastic_plan_is_one_global_order_for_any_world_and_resumes_exactly() {
         assert_eq!(sorted, (0..total).collect::<Vec<_>>(), "a permutation");
         for world in [2u32, 3, 7] {
             let plans = partitioner.plan(&dataset, &ranks(world), &nodes(), epoch(0)).unwrap();
-            assert_eq!(interleave(&plans, u64::from(world), 8, total, 0), global, "chunk {chunk}, world {world}");
+            let interleaved = interleave(&plans, u64::from(world), 8, total, 0);
+            assert_eq!(interleaved, global, "chunk {chunk}, window {window}, world {world}");
         }
         // Resume at a step boundary of a 3-rank run on 5 ranks: exactly the rest, in order.
         let resumed = partitioner.plan(&dataset, &ranks(5), &nodes(), epoch(3 * 8 * 4)).unwrap();
@@ -206,6 +208,63 @@ fn the_elastic_plan_is_one_global_order_for_any_world_and_resumes_exactly() {
         let other_epoch = partitioner.plan(&dataset, &ranks(1), &nodes(), EpochSpec { epoch: 3, ..epoch(0) }).unwrap();
         assert_ne!(other_epoch[0].records().collect::<Vec<_>>(), global, "epochs differ");
     }
+}
+
+/// The most shards begun and not finished at any point of `order`, for shards of `sizes`.
+fn most_shards_open(order: &[u64], sizes: &[u64]) -> usize {
+    let starts: Vec<u64> = sizes.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+    let shard_of = |record: u64| starts.partition_point(|&start| start <= record) - 1;
+    let mut left: Vec<u64> = sizes.to_vec();
+    let (mut open, mut most) = (0usize, 0usize);
+    for &record in order {
+        let shard = shard_of(record);
+        if left[shard] == sizes[shard] {
+            open += 1;
+        }
+        left[shard] -= 1;
+        if left[shard] == 0 {
+            most = most.max(open);
+            open -= 1;
+        }
+        most = most.max(open);
+    }
+    most
+}
+
+#[test]
+fn a_windowed_plan_keeps_few_shards_open_and_a_full_shuffle_keeps_them_all() {
+    let host = host();
+    let sizes: Vec<u64> = (0..40u64).map(|i| 50 + (i * 37) % 90).collect();
+    let dataset = shards(&sizes);
+    let total: u64 = sizes.iter().sum();
+    let plan = |options: &[(&str, &str)]| {
+        let options: Vec<(String, String)> = options.iter().map(|&(k, v)| (k.to_owned(), v.to_owned())).collect();
+        let mut partitioner = Partitioner::new(host.load("elastic").unwrap(), &options, None).unwrap();
+        let epoch = EpochSpec { seed: 5, epoch: 1, batch_size: 16, start: 0 };
+        partitioner.plan(&dataset, &ranks(1), &nodes(), epoch).unwrap()[0].records().collect::<Vec<_>>()
+    };
+    let full = plan(&[]);
+    assert!(most_shards_open(&full, &sizes) >= 35, "a full shuffle opens nearly every shard at once");
+    for window in [1u64, 2, 4] {
+        let text = window.to_string();
+        let order = plan(&[("window-shards", &text)]);
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..total).collect::<Vec<_>>(), "window {window}: a permutation");
+        let open = most_shards_open(&order, &sizes);
+        assert!(open <= window as usize + 1, "window {window}: {open} shards open at once");
+        // Mixed within the window: not the shards one after another in record order.
+        let in_order = order.windows(2).filter(|pair| pair[1] == pair[0] + 1).count();
+        assert!(
+            in_order < order.len() / 4,
+            "window {window}: {in_order} of {} records follow their predecessor",
+            order.len()
+        );
+    }
+    let refused = vec![("mode".to_owned(), "affinity".to_owned()), ("window-shards".to_owned(), "2".to_owned())];
+    let mut affinity = Partitioner::new(host.load("elastic").unwrap(), &refused, None).unwrap();
+    let epoch = EpochSpec { seed: 5, epoch: 1, batch_size: 16, start: 0 };
+    assert!(affinity.plan(&dataset, &ranks(2), &nodes(), epoch).is_err(), "window-shards is for mode=global");
 }
 
 #[test]

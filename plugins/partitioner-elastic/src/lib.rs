@@ -10,6 +10,13 @@
 //!   order (a short last step is split as evenly as possible), so concatenating the ranks' reads
 //!   step by step gives the global order for any world size, and planning from a global
 //!   position `start` covers exactly the rest of the epoch. Rank weights are not used.
+//!   With `window-shards=W` (W >= 1; default 0, off) the order is windowed for a cache that
+//!   holds about W shards: the shards are put in a seeded order, and each chunk of the shard at
+//!   position `p` of it gets a seeded key in `[p, p + W)`; the chunks are read in key order. A
+//!   window of W shards slides over the shard order, chunks of the shards in it are mixed, and a
+//!   shard is read only while it is in the window: at any point at most W + 1 shards are begun
+//!   and not finished, where a full shuffle keeps every shard open all epoch. Still one global
+//!   order for any world size.
 //! - `mode=affinity`: every chunk is owned by one rank chosen by weighted rendezvous hashing,
 //!   so shares follow the rank weights and a change of membership moves only the chunks of the
 //!   ranks that came or went. With `locality=true`, a chunk goes to a rank whose node holds a
@@ -57,9 +64,10 @@ impl Partitioner for Elastic {
         epoch: Epoch,
         options: &Options,
     ) -> Result<Vec<RankPlan>, Error> {
-        options.allow_only(&["mode", "chunk-records", "locality"])?;
+        options.allow_only(&["mode", "chunk-records", "locality", "window-shards"])?;
         let chunk_records: u64 = options.parse("chunk-records", 1)?;
         let locality: bool = options.parse("locality", false)?;
+        let window: u64 = options.parse("window-shards", 0)?;
         if chunk_records == 0 {
             return Err(Error::InvalidInput("chunk-records must be at least 1".into()));
         }
@@ -70,7 +78,11 @@ impl Partitioner for Elastic {
         }
         let chunks = chunks(shards, chunk_records)?;
         match options.get("mode").unwrap_or("global") {
-            "global" => Ok(global(&chunks, &up, epoch)),
+            "global" if window == 0 => Ok(global(&shuffled(&chunks, &epoch), &up, epoch)),
+            "global" => Ok(global(&windowed(&chunks, shards.len(), window, &epoch), &up, epoch)),
+            "affinity" if window > 0 => {
+                Err(Error::InvalidInput("window-shards orders a global plan (mode=global), not mode=affinity".into()))
+            }
             "affinity" => affinity(&chunks, shards, &up, nodes, epoch, locality),
             other => Err(Error::InvalidInput(format!("unknown mode {other:?} (global or affinity)"))),
         }
@@ -81,13 +93,41 @@ fn epoch_seed(epoch: &Epoch) -> u64 {
     mix(epoch.seed ^ mix(epoch.epoch.wrapping_add(0x6a09_e667_f3bc_c909)))
 }
 
-fn global(chunks: &[Chunk], up: &[Rank], epoch: Epoch) -> Vec<RankPlan> {
-    let permutation = Permutation::new(chunks.len() as u64, epoch_seed(&epoch));
-    let order: Vec<Chunk> = (0..chunks.len() as u64).map(|j| chunks[permutation.apply(j) as usize]).collect();
+/// Every chunk in a seeded order (a full shuffle of the chunks).
+fn shuffled(chunks: &[Chunk], epoch: &Epoch) -> Vec<Chunk> {
+    let permutation = Permutation::new(chunks.len() as u64, epoch_seed(epoch));
+    (0..chunks.len() as u64).map(|j| chunks[permutation.apply(j) as usize]).collect()
+}
+
+/// Every chunk in the order of a window of `window` shards sliding over a seeded order of the
+/// shards (see the module documentation): the shard at position `p` gives each of its chunks a
+/// key in `[p, p + window)`, in units of 2^32, and the chunks are sorted by key.
+fn windowed(chunks: &[Chunk], n_shards: usize, window: u64, epoch: &Epoch) -> Vec<Chunk> {
+    let seed = epoch_seed(epoch);
+    let shard_order = Permutation::new(n_shards as u64, seed ^ 0x3c6e_f372_fe94_f82b);
+    let mut position = vec![0u64; n_shards];
+    for p in 0..n_shards as u64 {
+        position[shard_order.apply(p) as usize] = p;
+    }
+    let span = u128::from(window) << 32;
+    let mut keyed: Vec<(u128, u64, Chunk)> = chunks
+        .iter()
+        .map(|chunk| {
+            let offset = u128::from(mix(seed ^ mix(chunk.first.wrapping_add(0xbb67_ae85_84ca_a73b)))) % span;
+            ((u128::from(position[chunk.shard as usize]) << 32) + offset, chunk.first, *chunk)
+        })
+        .collect();
+    keyed.sort_unstable_by_key(|&(key, first, _)| (key, first));
+    keyed.into_iter().map(|(_, _, chunk)| chunk).collect()
+}
+
+/// Cuts `order` into steps of `ranks x batch size` positions from `epoch.start`, one slice per
+/// rank that is up.
+fn global(order: &[Chunk], up: &[Rank], epoch: Epoch) -> Vec<RankPlan> {
     // ends[j]: the global position just past chunk j of the order.
     let mut ends = Vec::with_capacity(order.len());
     let mut total = 0u64;
-    for chunk in &order {
+    for chunk in order {
         total += chunk.len;
         ends.push(total);
     }
