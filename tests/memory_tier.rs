@@ -4,7 +4,7 @@
 //! the tier is caught by `verify` and by the next disk read, a damaged block never enters the
 //! tier, stray files in the tier's directory are not trusted, positions resume at another world
 //! size, four ranks of a node hold one copy of the data, and with half of it in the tier they
-//! keep one set within the budget.
+//! keep one set within the budget, while a windowed plan is served from memory.
 
 mod common;
 
@@ -409,6 +409,35 @@ fn the_ranks_of_a_node_plan_the_tier_together_and_keep_one_set() {
     assert!(loaded >= fit && hits >= 0.4, "hit ratio {hits:.3} with half of the data in the tier");
 }
 
+/// Three epochs over half of the data in the tier, `plan` ordering them; the extents loaded and
+/// the share of records served from memory.
+fn half_a_budget(plan: PlanSource) -> (u64, f64) {
+    let f = fixture(4000);
+    let tier = MemoryTier::open(&tier_config(f.dir.path(), data_bytes(&f.dataset) / 2)).unwrap().unwrap();
+    let mut config = config(World::single(), 3, TierSetting::Shared(Arc::clone(&tier)));
+    config.plan = plan;
+    let mut loader = Loader::new(Arc::clone(&f.dataset), config, Position::default()).unwrap();
+    let seen = drain(&mut loader, &f.records);
+    assert_eq!(seen.len(), 3 * 4000);
+    let stats = loader.stats();
+    (stats.tier.unwrap().extents_loaded, stats.read.tier_records as f64 / seen.len() as f64)
+}
+
+#[test]
+fn a_windowed_plan_over_twice_the_budget_is_served_from_memory() {
+    let windowed = PlanSource::Partitioner {
+        plugin: None,
+        options: vec![("window-shards".into(), "4".into()), ("chunk-records".into(), "4".into())],
+    };
+    let (loaded, hits) = half_a_budget(windowed);
+    let (shuffled_loaded, shuffled_hits) = half_a_budget(PlanSource::Native(Order::Shuffled));
+    eprintln!("windowed: {loaded} loaded, hit ratio {hits:.3}; shuffled: {shuffled_loaded} loaded, {shuffled_hits:.3}");
+    // The tier follows the window, loading each extent ahead of its reads at most once an epoch
+    // (128 extents, 3 epochs); a full shuffle keeps one set of half of them.
+    assert!(hits >= 0.9 && loaded <= 3 * 128, "windowed: {loaded} extents loaded, hit ratio {hits:.3}");
+    assert!(shuffled_hits >= 0.4 && shuffled_loaded <= 128, "shuffled: {shuffled_loaded} loaded, {shuffled_hits:.3}");
+}
+
 #[test]
 fn a_bad_local_world_size_is_refused() {
     let f = fixture(100);
@@ -465,8 +494,12 @@ fn the_loader_bench_prints_the_tier_rows_at_a_small_scale() {
         let line = out.lines().find(|line| line.starts_with(ratio)).unwrap_or_else(|| panic!("no {ratio}: {out}"));
         assert!(!line.contains("n/a"), "{line}");
     }
-    let partial = out.lines().find(|l| l.starts_with("tier at half the dataset")).expect("the partial row");
-    assert!(partial.contains("hit ratio") && partial.contains("Belady"), "{partial}");
+    let partial: Vec<_> = out.lines().filter(|l| l.starts_with("tier at half the dataset")).collect();
+    assert_eq!(partial.len(), 2, "a shuffled and a windowed row: {out}");
+    assert!(partial[0].contains("shuffled") && partial[1].contains("windowed"), "{partial:?}");
+    for row in partial {
+        assert!(row.contains("hit ratio") && row.contains("Belady"), "{row}");
+    }
     // The bench leaves the tier empty.
     let left: Vec<_> = std::fs::read_dir(&tier)
         .unwrap()

@@ -97,7 +97,8 @@ enum Workload {
     /// The memory tier: warm random against a gather from a memory map of the same files, a
     /// cold epoch against the same and against one sequential read of the dataset.
     Tier,
-    /// The memory tier at half the dataset: hit ratio over shuffled epochs against Belady's.
+    /// The memory tier at half the dataset: hit ratio over shuffled and windowed epochs against
+    /// Belady's.
     TierPartial,
 }
 
@@ -256,7 +257,7 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
             tier.clear()?;
         }
         if wants(Workload::TierPartial) && run == 0 {
-            notes.push(measure_partial(&dataset, &base, random_io, &tier_config, data_bytes, args)?);
+            notes.extend(measure_partial(&dataset, &base, random_io, &tier_config, data_bytes, args)?);
         }
         if wants(Workload::Step) {
             let mut step = random_config(warm_target);
@@ -574,8 +575,10 @@ fn measure_gather(dataset: &Dataset, maps: &[MappedFile], order: &[u64], batch: 
     Ok(Sample { bytes: delivered, seconds: start.elapsed().as_secs_f64(), cpu: cpu_seconds() - cpu, steady: 0.0 })
 }
 
-/// The tier at half the dataset's bytes over `--partial-epochs` shuffled epochs: its hit ratio
-/// (records served from memory) against Belady's on the same extent reads at the same capacity.
+/// The tier at half the dataset's bytes over `--partial-epochs` epochs, of a record-level
+/// shuffle and of the elastic partitioner's window of a quarter of the shards (chunks of 64
+/// records): each one's hit ratio (records served from memory) against Belady's on the same
+/// extent reads at the same capacity.
 fn measure_partial(
     dataset: &Arc<Dataset>,
     base: &LoaderConfig,
@@ -583,6 +586,46 @@ fn measure_partial(
     tier_config: &dyn Fn(u64) -> TierConfig,
     data_bytes: u64,
     args: &LoaderArgs,
+) -> Result<Vec<String>> {
+    let window = (dataset.n_shards() / 4).max(1).to_string();
+    let windowed = PlanSource::Partitioner {
+        plugin: None,
+        options: vec![("window-shards".into(), window.clone()), ("chunk-records".into(), "64".into())],
+    };
+    Ok(vec![
+        measure_partial_plan(
+            dataset,
+            base,
+            io,
+            tier_config,
+            data_bytes,
+            args,
+            "shuffled",
+            PlanSource::Native(Order::Shuffled),
+        )?,
+        measure_partial_plan(
+            dataset,
+            base,
+            io,
+            tier_config,
+            data_bytes,
+            args,
+            &format!("windowed ({window} shards, chunks of 64)"),
+            windowed,
+        )?,
+    ])
+}
+
+#[allow(clippy::too_many_arguments, reason = "one row's settings")]
+fn measure_partial_plan(
+    dataset: &Arc<Dataset>,
+    base: &LoaderConfig,
+    io: IoConfig,
+    tier_config: &dyn Fn(u64) -> TierConfig,
+    data_bytes: u64,
+    args: &LoaderArgs,
+    label: &str,
+    plan: PlanSource,
 ) -> Result<String> {
     let config = tier_config(data_bytes / 2);
     let extent_bytes = config.extent_bytes;
@@ -590,7 +633,7 @@ fn measure_partial(
     tier.clear()?;
     let epochs = args.partial_epochs.max(1);
     let loader_config = LoaderConfig {
-        plan: PlanSource::Native(Order::Shuffled),
+        plan,
         seed: 1,
         io,
         read_depth: 4,
@@ -620,7 +663,7 @@ fn measure_partial(
     let belady = belady_hits as f64 / trace.len() as f64;
     let hits = stats.read.tier_records as f64 / stats.read.records as f64;
     Ok(format!(
-        "tier at half the dataset, {epochs} shuffled epochs ({capacity} extents of {} fit): hit ratio {hits:.3} \
+        "tier at half the dataset, {epochs} {label} epochs ({capacity} extents of {} fit): hit ratio {hits:.3} \
          with {} extents loaded ({}, {} evicted, {seconds:.1} s); Belady's {belady:.3} loads {belady_loads} ({}): \
          ratio {:.3}, target >= 0.98",
         bytes(extent_bytes),
