@@ -9,8 +9,8 @@ before the first epoch (needs root to drop the cache; says so otherwise).
     python python/bench/memory_tier.py --dir /tmp/tierbench --gib 1 --epochs 3
     python python/bench/memory_tier.py --dir /tmp/tierbench --gib 1 --epochs 3 --ranks 4
 
-With --ranks N, N rank processes (rank 0..N-1 of N) each read their slice for every epoch, at
-once, on each side; records/s are summed over the ranks, and the node's memory growth (used plus
+With --ranks N, N rank processes (rank 0..N-1 of N, all of this node: the tier plans for all
+of them) each read their slice for every epoch, at once, on each side; records/s are summed over the ranks, and the node's memory growth (used plus
 page cache plus shared memory, from /proc/meminfo) is reported as a multiple of the dataset's
 bytes. One JSON line per measurement, then a summary table with the ratios.
 """
@@ -71,7 +71,7 @@ def granary_rank(args: tuple) -> list:
     store, rank, ranks, epochs, batch, tier_bytes, start, end = args
     loader = granary.Loader(
         store, "tier", batch, seed=1, rank=rank, world_size=ranks, device="cpu", output="numpy",
-        tier_bytes=tier_bytes, hold=2,
+        tier_bytes=tier_bytes, hold=2, local_world_size=ranks,
     )
     out = []
     start.wait()

@@ -16,6 +16,7 @@
 mod aligned;
 pub mod bare;
 mod fault;
+mod lazy;
 mod mapped;
 mod pread;
 #[cfg(target_os = "linux")]
@@ -25,6 +26,7 @@ use std::path::{Path, PathBuf};
 
 pub use aligned::AlignedBuf;
 pub use fault::{Fault, FaultIo};
+pub use lazy::{BuildIo, LazyIo};
 pub use mapped::{MappedFile, WritableMap, flock, fs_space};
 pub use pread::PreadIo;
 #[cfg(target_os = "linux")]

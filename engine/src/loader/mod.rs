@@ -31,7 +31,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::io::{Fault, FaultIo, Io, IoConfig, OwnedMemory};
+use crate::io::{Fault, FaultIo, Io, IoConfig, LazyIo, OwnedMemory};
 use crate::plan::{EpochPlan, Order, Position, RankCursor, World};
 use crate::read::{Batch, Dataset, ReadStats, Reader};
 use crate::staging::cuda::{Cuda, DeviceBuffer, Fence, Stream, Upload};
@@ -472,7 +472,6 @@ impl Loader {
         let buffers = config.read_depth + config.prefetch + device_held + config.hold_max + 1;
         let pinning = if cuda.is_some() { Pinning::Auto } else { Pinning::Off };
         let pool = StagingPool::new(StagingConfig { buffers, buffer_bytes: batch_bytes.max(1), pinning })?;
-        let io = build_io(&config, pinning)?;
 
         let stop = Arc::new(AtomicBool::new(false));
         let read_stats = Arc::new(Mutex::new(ReadStats::default()));
@@ -480,6 +479,14 @@ impl Loader {
         // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
         let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
         let peers = if coordinator.is_some() { schedule::node_peers(&config)? } else { Vec::new() };
+        // With the tier, the disk backend (its read slots are as large as all of the loader's
+        // batches) starts at the first record not served from memory, if one comes.
+        let io: Box<dyn Io> = if coordinator.is_some() {
+            let for_io = config.clone();
+            Box::new(LazyIo::new(config.io, Box::new(move || build_io(&for_io, pinning))))
+        } else {
+            build_io(&config, pinning)?
+        };
         // Should a step below fail, the threads started so far end with it.
         let mut threads = Started { threads: Vec::new(), stop: Arc::clone(&stop), coordinator: coordinator.clone() };
         if let Some(coordinator) = &coordinator {
