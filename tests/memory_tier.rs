@@ -414,11 +414,15 @@ fn the_ranks_of_a_node_plan_the_tier_together_and_keep_one_set() {
 fn half_a_budget(plan: PlanSource) -> (u64, f64) {
     let f = fixture(4000);
     let tier = MemoryTier::open(&tier_config(f.dir.path(), data_bytes(&f.dataset) / 2)).unwrap().unwrap();
+    // Named like a claim, but not of an extent: the fillers' listings leave it alone.
+    let notes = tier.dir().join(".fill-notes");
+    std::fs::write(&notes, b"not the tier's").unwrap();
     let mut config = config(World::single(), 3, TierSetting::Shared(Arc::clone(&tier)));
     config.plan = plan;
     let mut loader = Loader::new(Arc::clone(&f.dataset), config, Position::default()).unwrap();
     let seen = drain(&mut loader, &f.records);
     assert_eq!(seen.len(), 3 * 4000);
+    assert_eq!(std::fs::read(&notes).unwrap(), b"not the tier's");
     let stats = loader.stats();
     (stats.tier.unwrap().extents_loaded, stats.read.tier_records as f64 / seen.len() as f64)
 }

@@ -20,13 +20,15 @@ pub struct LazyIo {
     config: IoConfig,
     build: Option<BuildIo>,
     io: Option<Box<dyn Io>>,
+    /// Why the build failed, for every later call.
+    failed: Option<String>,
 }
 
 impl LazyIo {
     /// A backend that `build` makes when first needed; `config` is what it will be built with
     /// (its op size and queue depth are reported until then).
     pub fn new(config: IoConfig, build: BuildIo) -> Self {
-        Self { config, build: Some(build), io: None }
+        Self { config, build: Some(build), io: None, failed: None }
     }
 
     /// Whether the backend was built.
@@ -35,11 +37,24 @@ impl LazyIo {
     }
 
     fn get(&mut self) -> Result<&mut Box<dyn Io>> {
-        if self.io.is_none() {
-            let build = self.build.take().ok_or_else(|| Error::invalid_input("the disk backend failed to start"))?;
-            self.io = Some(build()?);
+        if self.io.is_none()
+            && let Some(build) = self.build.take()
+        {
+            match build() {
+                Ok(io) => self.io = Some(io),
+                Err(e) => {
+                    self.failed = Some(e.to_string());
+                    return Err(e);
+                }
+            }
         }
-        self.io.as_mut().ok_or_else(|| Error::invalid_input("the disk backend failed to start"))
+        let failed = &self.failed;
+        self.io.as_mut().ok_or_else(|| {
+            Error::invalid_input(format!(
+                "the disk backend failed to start: {}",
+                failed.as_deref().unwrap_or("(no reason kept)")
+            ))
+        })
     }
 }
 
@@ -171,6 +186,7 @@ mod tests {
 
         let mut failing = LazyIo::new(config, Box::new(|| Err(Error::invalid_input("no backend here"))));
         assert!(failing.open(&path).unwrap_err().to_string().contains("no backend here"));
-        assert!(failing.open(&path).is_err(), "and stays failed");
+        let again = failing.open(&path).unwrap_err().to_string();
+        assert!(again.contains("failed to start") && again.contains("no backend here"), "and stays failed: {again}");
     }
 }

@@ -479,9 +479,11 @@ impl Loader {
         // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
         let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
         let peers = if coordinator.is_some() { schedule::node_peers(&config)? } else { Vec::new() };
-        // With the tier, the disk backend (its read slots are as large as all of the loader's
-        // batches) starts at the first record not served from memory, if one comes.
-        let io: Box<dyn Io> = if coordinator.is_some() {
+        // With the tier, the default disk backend (its read slots are as large as all of the
+        // loader's batches) starts at the first record not served from memory, if one comes; a
+        // backend asked for by name is started here, so that one this machine refuses fails
+        // the construction.
+        let io: Box<dyn Io> = if coordinator.is_some() && config.io.backend == crate::io::Backend::Auto {
             let for_io = config.clone();
             Box::new(LazyIo::new(config.io, Box::new(move || build_io(&for_io, pinning))))
         } else {
@@ -899,12 +901,20 @@ impl EpochPlanner {
 
     /// This rank's batches from `from` to the end of its epoch, each with the position after
     /// it. Steps in which this rank reads nothing (a short last step) give no batch.
-    fn epoch(&mut self, from: Position) -> Result<Vec<(Vec<u64>, Position)>> {
-        let (n, world, batch_size) = (self.n_records, self.world, self.batch_size);
+    fn epoch(&mut self, from: Position) -> Result<EpochBatches> {
+        let world = self.world;
+        let mut epochs = self.epochs(from, &[world])?;
+        epochs.pop().ok_or_else(|| Error::invalid_input("no plan for this rank"))
+    }
+
+    /// The batches of each of `worlds` (ranks of this planner's world size) from `from` to the
+    /// end of the epoch, as `epoch` gives them; a plugin plans once for all of them.
+    fn epochs(&mut self, from: Position, worlds: &[World]) -> Result<Vec<EpochBatches>> {
+        let (n, batch_size) = (self.n_records, self.batch_size);
         // Positions and step sizes follow the native plan's arithmetic, which the step-cut
         // plugin plans share.
         let steps = EpochPlan::new(n, self.seed, from.epoch, Order::Sequential);
-        let after = |cursor: u64| {
+        let after = |cursor: u64, world: World| {
             let next = cursor + steps.step_len(cursor, world.size(), batch_size);
             if next >= n {
                 Position { epoch: from.epoch + 1, cursor: 0 }
@@ -912,20 +922,24 @@ impl EpochPlanner {
                 Position { epoch: from.epoch, cursor: next }
             }
         };
-        let mut batches = Vec::new();
+        let mut out = Vec::with_capacity(worlds.len());
         match &mut self.source {
             Source::Native(order) => {
-                let plan = EpochPlan::new(n, self.seed, from.epoch, *order);
-                let mut cursor = RankCursor::new(plan, world, batch_size, from.cursor);
-                loop {
-                    let at = cursor.cursor();
-                    let mut records = Vec::new();
-                    if !cursor.next_batch(&mut records) {
-                        break;
+                for &world in worlds {
+                    let plan = EpochPlan::new(n, self.seed, from.epoch, *order);
+                    let mut cursor = RankCursor::new(plan, world, batch_size, from.cursor);
+                    let mut batches = Vec::new();
+                    loop {
+                        let at = cursor.cursor();
+                        let mut records = Vec::new();
+                        if !cursor.next_batch(&mut records) {
+                            break;
+                        }
+                        if !records.is_empty() {
+                            batches.push((records, after(at, world)));
+                        }
                     }
-                    if !records.is_empty() {
-                        batches.push((records, after(at)));
-                    }
+                    out.push(batches);
                 }
             }
             #[cfg(feature = "policy")]
@@ -933,28 +947,32 @@ impl EpochPlanner {
                 let spec =
                     crate::policy::EpochSpec { seed: self.seed, epoch: from.epoch, batch_size, start: from.cursor };
                 let plans = partitioner.plan(shards, ranks, nodes, spec)?;
-                let mine = plans.iter().find(|plan| plan.rank == world.rank());
-                let mut records = mine.map(|plan| plan.records()).into_iter().flatten();
-                let mut cursor = from.cursor;
-                let mut planned = 0u64;
-                while cursor < n {
-                    let take = steps.rank_positions(cursor, world, batch_size);
-                    let batch: Vec<u64> = records.by_ref().take((take.end - take.start) as usize).collect();
-                    planned += batch.len() as u64;
-                    if batch.len() as u64 != take.end - take.start {
-                        return Err(step_mismatch(world, planned));
+                for &world in worlds {
+                    let mine = plans.iter().find(|plan| plan.rank == world.rank());
+                    let mut records = mine.map(|plan| plan.records()).into_iter().flatten();
+                    let mut batches = Vec::new();
+                    let mut cursor = from.cursor;
+                    let mut planned = 0u64;
+                    while cursor < n {
+                        let take = steps.rank_positions(cursor, world, batch_size);
+                        let batch: Vec<u64> = records.by_ref().take((take.end - take.start) as usize).collect();
+                        planned += batch.len() as u64;
+                        if batch.len() as u64 != take.end - take.start {
+                            return Err(step_mismatch(world, planned));
+                        }
+                        if !batch.is_empty() {
+                            batches.push((batch, after(cursor, world)));
+                        }
+                        cursor += steps.step_len(cursor, world.size(), batch_size);
                     }
-                    if !batch.is_empty() {
-                        batches.push((batch, after(cursor)));
+                    if records.next().is_some() {
+                        return Err(step_mismatch(world, planned + 1));
                     }
-                    cursor += steps.step_len(cursor, world.size(), batch_size);
-                }
-                if records.next().is_some() {
-                    return Err(step_mismatch(world, planned + 1));
+                    out.push(batches);
                 }
             }
         }
-        Ok(batches)
+        Ok(out)
     }
 }
 

@@ -82,29 +82,33 @@ impl Scheduler {
     ) -> Result<Self> {
         let (send, receive) = std::sync::mpsc::channel::<ScheduleRequest>();
         let (dataset, for_thread) = (Arc::clone(dataset), Arc::clone(coordinator));
-        let (seed, batch_size, plan) = (config.seed, config.batch_size, config.plan.clone());
+        let planner_config = LoaderConfig {
+            world: config.world,
+            seed: config.seed,
+            batch_size: config.batch_size,
+            plan: config.plan.clone(),
+            ..LoaderConfig::default()
+        };
         let thread = super::spawn("granary-tier-plan", move || {
-            // The peers' plans are made here, off the reader's path; one that cannot be made is
-            // left out of the schedule.
-            let mut planners: Vec<EpochPlanner> = peers
-                .into_iter()
-                .filter_map(|world| {
-                    let config =
-                        LoaderConfig { world, seed, batch_size, plan: plan.clone(), ..LoaderConfig::default() };
-                    EpochPlanner::new(&config, &dataset).ok()
-                })
-                .collect();
+            // The peers' batches are planned here, off the reader's path, by one planner (a
+            // partitioner plugin plans every rank at once); if they cannot be, the schedule is
+            // this rank's alone.
+            let mut planner = if peers.is_empty() { None } else { EpochPlanner::new(&planner_config, &dataset).ok() };
             while let Ok(request) = receive.recv() {
                 let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     let mut ranks =
                         vec![(Arc::clone(&request.batches), request.next.as_ref().map(|n| Arc::clone(&n.1)))];
-                    for planner in &mut planners {
-                        let Ok(this) = planner.epoch(request.from) else { continue };
+                    if let Some(planner) = &mut planner
+                        && let Ok(this) = planner.epochs(request.from, &peers)
+                    {
                         let next = match &request.next {
-                            Some((from, _)) => planner.epoch(*from).ok().map(Arc::new),
+                            Some((from, _)) => planner.epochs(*from, &peers).ok(),
                             None => None,
                         };
-                        ranks.push((Arc::new(this), next));
+                        let mut next = next.map(|epochs| epochs.into_iter().map(Arc::new));
+                        for batches in this {
+                            ranks.push((Arc::new(batches), next.as_mut().and_then(Iterator::next)));
+                        }
                     }
                     tier_schedule(&dataset, for_thread.tier(), request.step, &ranks)
                 }));

@@ -69,6 +69,9 @@ const MARKER: &str = ".granary-tier";
 /// node's (or the cgroup's) memory, and at least this much (or a quarter, in a small cgroup).
 const RESERVE_BYTES_MIN: u64 = 256 << 20;
 
+/// How long a filler waits for the budget lock before it gives up on a fill for now.
+const BUDGET_LOCK_WAIT: Duration = Duration::from_secs(1);
+
 /// How long a directory listing is trusted before it is read again (other processes fill and
 /// evict too).
 const SCAN_TTL: Duration = Duration::from_millis(100);
@@ -174,6 +177,11 @@ fn is_extent_name(name: &str) -> bool {
         && size.strip_suffix('k').is_some_and(digits)
         && index.len() >= 6
         && digits(index)
+}
+
+/// The extent size an extent's name says (`<shard>.<K>k.<index>`): K KiB.
+fn extent_size_of(name: &str) -> Option<u64> {
+    name.split('.').nth(1)?.strip_suffix('k')?.parse::<u64>().ok()?.checked_mul(1024)
 }
 
 /// The extent name a claim (`.fill-NAME`) or a private fill file (`.new-PID-N-NAME`) is for.
@@ -493,11 +501,12 @@ impl MemoryTier {
     }
 
     /// `fill`, within the node-wide budget. Under the budget lock (a flock on the directory that
-    /// every filler of the node, in any process, takes in turn), with what the tier holds listed
-    /// afresh and each fill under way counted as a whole extent, `room` evicts what it chooses
-    /// and says whether the extent fits now; the claim is taken before the lock goes, so two
-    /// fillers never spend the same room and the tier never holds more than the budget. `None`:
-    /// no room was made.
+    /// every filler of the node, in any process, takes in turn), the extent is claimed (or left
+    /// to the filler that holds it), then, with what the tier holds listed afresh and every other
+    /// fill under way counted at its extent size, `room` evicts what it chooses and says whether
+    /// the extent fits now; the lock goes after that, so two fillers never spend the same room.
+    /// `None`: no room was made, or the lock stayed taken for `BUDGET_LOCK_WAIT` (a process
+    /// forked while holding it keeps it until it exits).
     pub fn fill_within_budget(
         &self,
         info: &ExtentInfo,
@@ -508,24 +517,44 @@ impl MemoryTier {
             return Ok(Some(Filled::Elsewhere));
         }
         let claim = {
-            let budget_lock = std::fs::File::open(&self.dir).map_err(|e| Error::io("open", &self.dir, e))?;
-            // A descriptor of its own: a flock is per open file, so this also orders the fillers
-            // of this process. It goes with the descriptor, at the end of this block.
-            flock(&budget_lock, libc::LOCK_EX).map_err(|e| Error::io("flock", &self.dir, e))?;
-            if !room(self.holdings_now()?)? {
-                return Ok(None);
+            let Some(_budget_lock) = self.budget_lock()? else { return Ok(None) };
+            if self.dir.join(&name).exists() {
+                return Ok(Some(Filled::Elsewhere));
             }
-            match self.claim(&name)? {
-                Some(claim) => claim,
-                None => return Ok(Some(Filled::Elsewhere)),
+            let Some(claim) = self.claim(&name)? else { return Ok(Some(Filled::Elsewhere)) };
+            let mut holdings = self.holdings_now()?;
+            // Its own claim is what `room` is asked about.
+            holdings.filling = holdings.filling.saturating_sub(extent_size_of(&name).unwrap_or(self.extent_bytes));
+            match room(holdings) {
+                Ok(true) => claim,
+                outcome => {
+                    remove_if_same(&claim.path, &claim.file);
+                    return outcome.map(|_| None);
+                }
             }
         };
         self.fill_under(claim, info, &name).map(Some)
     }
 
+    /// The budget lock (an exclusive flock on the directory), held until the file is dropped;
+    /// `None` when it stayed taken for `BUDGET_LOCK_WAIT`. The descriptor is its own: a flock
+    /// is per open file, so this also orders the fillers of this process.
+    fn budget_lock(&self) -> Result<Option<std::fs::File>> {
+        let file = std::fs::File::open(&self.dir).map_err(|e| Error::io("open", &self.dir, e))?;
+        let deadline = Instant::now() + BUDGET_LOCK_WAIT;
+        while flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(Some(file))
+    }
+
     fn fill_under(&self, claim: Claim, info: &ExtentInfo, name: &str) -> Result<Filled> {
         // Another filler may have published it between the check and the claim.
-        let outcome = if self.dir.join(name).exists() { Ok(Filled::Elsewhere) } else { self.fill_claimed(info, name) };
+        let outcome =
+            if self.dir.join(name).exists() { Ok(Filled::Elsewhere) } else { self.fill_claimed(info, name, &claim) };
         if outcome.is_err() {
             self.counters.fill_failures.fetch_add(1, Ordering::Relaxed);
         }
@@ -533,7 +562,7 @@ impl MemoryTier {
         outcome
     }
 
-    fn fill_claimed(&self, info: &ExtentInfo, name: &str) -> Result<Filled> {
+    fn fill_claimed(&self, info: &ExtentInfo, name: &str, claim: &Claim) -> Result<Filled> {
         let len = usize::try_from(info.n_blocks * BLOCK_BYTES_U64)
             .map_err(|_| Error::invalid_input("an extent larger than memory"))?;
         let (file, private) = self.private_file(name)?;
@@ -551,11 +580,17 @@ impl MemoryTier {
                 .map_err(|e| Error::io("chmod", &private, e))?;
             // Only this call knows the private name, so what is linked is what was checked; the
             // link fails rather than replace an extent someone else published.
-            match std::fs::hard_link(&private, &final_path) {
+            // Under the budget lock, the extent appears and its claim goes in one step for a
+            // filler that lists the directory to count what is held (a listing is not atomic:
+            // it could miss both). A lock that stays taken does not stop the publication.
+            let _budget_lock = self.budget_lock()?;
+            let linked = match std::fs::hard_link(&private, &final_path) {
                 Ok(()) => Ok(Filled::Loaded),
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(Filled::Elsewhere),
                 Err(e) => Err(Error::io("link", &final_path, e)),
-            }
+            };
+            remove_if_same(&claim.path, &claim.file);
+            linked
         })();
         let _ = std::fs::remove_file(&private);
         if let Ok(Filled::Loaded) = outcome {
@@ -653,8 +688,14 @@ impl MemoryTier {
         let extents = listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect();
         let held = listing.bytes;
         drop(listing);
-        let filling = claims.iter().filter(|extent| self.claim_is_live(extent)).count() as u64;
-        Ok(Holdings { extents, held, filling: filling * self.extent_bytes })
+        // A fill is counted at its extent size (from its name: other processes may cut the
+        // tier's shards in other sizes), the most its extent can be.
+        let filling = claims
+            .iter()
+            .filter(|extent| self.claim_is_live(extent))
+            .map(|extent| extent_size_of(extent).unwrap_or(self.extent_bytes))
+            .sum();
+        Ok(Holdings { extents, held, filling })
     }
 
     /// Lists the directory into `listing` (an extent whose name and inode were listed before
@@ -667,7 +708,9 @@ impl MemoryTier {
         let entries = std::fs::read_dir(&self.dir).map_err(|e| Error::io("list", &self.dir, e))?;
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if let Some(extent) = name.strip_prefix(".fill-") {
+            if name.starts_with(".fill-")
+                && let Some(extent) = claimed_extent(&name)
+            {
                 claims.push(extent.to_owned());
                 continue;
             }
