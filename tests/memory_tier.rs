@@ -323,44 +323,18 @@ fn a_position_resumes_exactly_at_another_world_size_with_the_tier() {
     assert_eq!(seen, (0..1000).collect::<Vec<u64>>(), "every record once, none twice");
 }
 
-#[test]
-fn four_ranks_of_a_node_hold_one_copy() {
-    let f = fixture(2000);
-    let tier_dir = f.dir.path().to_path_buf();
-    // Each rank opens the tier on its own, as a separate process would.
-    let ranks: Vec<_> = (0..4)
-        .map(|rank| {
-            let dataset = Arc::clone(&f.dataset);
-            let records = f.records.clone();
-            let tier_dir = tier_dir.clone();
-            std::thread::spawn(move || {
-                let tier = MemoryTier::open(&tier_config(&tier_dir, 64 << 20)).unwrap().unwrap();
-                let world = World::new(rank, 4).unwrap();
-                let mut loader =
-                    Loader::new(dataset, config(world, 2, TierSetting::Shared(Arc::clone(&tier))), Position::default())
-                        .unwrap();
-                let seen = drain(&mut loader, &records);
-                let stats = loader.stats();
-                (seen.len() as u64, stats.tier.unwrap().extents_loaded, tier_dir_bytes(&tier), tier)
-            })
-        })
-        .collect();
-    let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
-    let records: u64 = results.iter().map(|r| r.0).sum();
-    assert_eq!(records, 2 * 2000);
-    let loaded: u64 = results.iter().map(|r| r.1).sum();
-    assert_eq!(loaded, n_extents(&f.dataset), "each extent loaded by one rank only");
-    for result in &results {
-        assert!(result.2 <= data_bytes(&f.dataset), "one copy: {} bytes held", result.2);
-    }
+/// What a rank saw: records read, and its loader's and tier's counters.
+struct RankRun {
+    records: u64,
+    loaded: u64,
+    evicted: u64,
+    hits: u64,
+    held_after: u64,
 }
 
-/// Four ranks of a node read three epochs of a dataset twice the tier's budget, each opening the
-/// tier as a process of its own would; returns the extents they loaded and evicted in all, and
-/// the share of records served from memory.
-fn four_ranks_over_half_a_budget(local_world_size: Option<u32>) -> (u64, u64, f64) {
-    let f = fixture(4000);
-    let budget = data_bytes(&f.dataset) / 2;
+/// Four ranks of a node read `epochs` epochs of `f` through a tier of `budget` bytes, each
+/// opening the tier as a process of its own would.
+fn four_ranks(f: &Fixture, budget: u64, epochs: u64, local_world_size: Option<u32>) -> Vec<RankRun> {
     let tier_dir = f.dir.path().to_path_buf();
     let ranks: Vec<_> = (0..4)
         .map(|rank| {
@@ -369,24 +343,54 @@ fn four_ranks_over_half_a_budget(local_world_size: Option<u32>) -> (u64, u64, f6
             let tier_dir = tier_dir.clone();
             std::thread::spawn(move || {
                 let tier = MemoryTier::open(&tier_config(&tier_dir, budget)).unwrap().unwrap();
-                let mut config = config(World::new(rank, 4).unwrap(), 3, TierSetting::Shared(Arc::clone(&tier)));
+                let mut config = config(World::new(rank, 4).unwrap(), epochs, TierSetting::Shared(Arc::clone(&tier)));
                 config.local_world_size = local_world_size;
                 let mut loader = Loader::new(dataset, config, Position::default()).unwrap();
                 let seen = drain(&mut loader, &records);
                 let stats = loader.stats();
                 let tier_stats = stats.tier.unwrap();
-                let held = tier_dir_bytes(&tier);
-                assert!(held <= budget, "rank {rank} found {held} bytes in the tier, over the budget of {budget}");
-                (seen.len() as u64, tier_stats.extents_loaded, tier_stats.extents_evicted, stats.read.tier_records)
+                let run = RankRun {
+                    records: seen.len() as u64,
+                    loaded: tier_stats.extents_loaded,
+                    evicted: tier_stats.extents_evicted,
+                    hits: stats.read.tier_records,
+                    held_after: tier_dir_bytes(&tier),
+                };
+                (run, tier)
             })
         })
         .collect();
-    let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
-    let records: u64 = results.iter().map(|r| r.0).sum();
+    // Every tier stays open until all ranks are done, so none empties the directory early.
+    let runs: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+    runs.into_iter().map(|(run, _)| run).collect()
+}
+
+#[test]
+fn four_ranks_of_a_node_hold_one_copy() {
+    let f = fixture(2000);
+    let runs = four_ranks(&f, 64 << 20, 2, None);
+    assert_eq!(runs.iter().map(|r| r.records).sum::<u64>(), 2 * 2000);
+    let loaded: u64 = runs.iter().map(|r| r.loaded).sum();
+    assert_eq!(loaded, n_extents(&f.dataset), "each extent loaded by one rank only");
+    for run in &runs {
+        assert!(run.held_after <= data_bytes(&f.dataset), "one copy: {} bytes held", run.held_after);
+    }
+}
+
+/// Four ranks read three epochs of a dataset twice the tier's budget; returns the extents they
+/// loaded and evicted in all, and the share of records served from memory.
+fn four_ranks_over_half_a_budget(local_world_size: Option<u32>) -> (u64, u64, f64) {
+    let f = fixture(4000);
+    let budget = data_bytes(&f.dataset) / 2;
+    let runs = four_ranks(&f, budget, 3, local_world_size);
+    for run in &runs {
+        assert!(run.held_after <= budget, "{} bytes in the tier, over the budget of {budget}", run.held_after);
+    }
+    let records: u64 = runs.iter().map(|r| r.records).sum();
     assert_eq!(records, 3 * 4000, "every record of every epoch, once");
-    let loaded = results.iter().map(|r| r.1).sum();
-    let evicted = results.iter().map(|r| r.2).sum();
-    let hits: u64 = results.iter().map(|r| r.3).sum();
+    let loaded = runs.iter().map(|r| r.loaded).sum();
+    let evicted = runs.iter().map(|r| r.evicted).sum();
+    let hits: u64 = runs.iter().map(|r| r.hits).sum();
     (loaded, evicted, hits as f64 / records as f64)
 }
 

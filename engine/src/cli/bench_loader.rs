@@ -257,7 +257,10 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
             tier.clear()?;
         }
         if wants(Workload::TierPartial) && run == 0 {
-            notes.extend(measure_partial(&dataset, &base, random_io, &tier_config, data_bytes, args)?);
+            for (label, plan) in partial_plans(&dataset) {
+                let note = measure_partial(&dataset, &base, random_io, &tier_config, data_bytes, args, &label, plan)?;
+                notes.push(note);
+            }
         }
         if wants(Workload::Step) {
             let mut step = random_config(warm_target);
@@ -575,49 +578,24 @@ fn measure_gather(dataset: &Dataset, maps: &[MappedFile], order: &[u64], batch: 
     Ok(Sample { bytes: delivered, seconds: start.elapsed().as_secs_f64(), cpu: cpu_seconds() - cpu, steady: 0.0 })
 }
 
-/// The tier at half the dataset's bytes over `--partial-epochs` epochs, of a record-level
-/// shuffle and of the elastic partitioner's window of a quarter of the shards (chunks of 64
-/// records): each one's hit ratio (records served from memory) against Belady's on the same
-/// extent reads at the same capacity.
-fn measure_partial(
-    dataset: &Arc<Dataset>,
-    base: &LoaderConfig,
-    io: IoConfig,
-    tier_config: &dyn Fn(u64) -> TierConfig,
-    data_bytes: u64,
-    args: &LoaderArgs,
-) -> Result<Vec<String>> {
-    let window = (dataset.n_shards() / 4).max(1).to_string();
+/// The plans the tier-partial rows run: a record-level shuffle, and the elastic partitioner's
+/// window of a quarter of the shards (chunks of 64 records).
+fn partial_plans(dataset: &Dataset) -> [(String, PlanSource); 2] {
+    let window = (dataset.n_shards() / 4).max(1);
     let windowed = PlanSource::Partitioner {
         plugin: None,
-        options: vec![("window-shards".into(), window.clone()), ("chunk-records".into(), "64".into())],
+        options: vec![("window-shards".into(), window.to_string()), ("chunk-records".into(), "64".into())],
     };
-    Ok(vec![
-        measure_partial_plan(
-            dataset,
-            base,
-            io,
-            tier_config,
-            data_bytes,
-            args,
-            "shuffled",
-            PlanSource::Native(Order::Shuffled),
-        )?,
-        measure_partial_plan(
-            dataset,
-            base,
-            io,
-            tier_config,
-            data_bytes,
-            args,
-            &format!("windowed ({window} shards, chunks of 64)"),
-            windowed,
-        )?,
-    ])
+    [
+        ("shuffled".to_owned(), PlanSource::Native(Order::Shuffled)),
+        (format!("windowed ({window} shards, chunks of 64)"), windowed),
+    ]
 }
 
+/// The tier at half the dataset's bytes over `--partial-epochs` epochs of `plan`: its hit ratio
+/// (records served from memory) against Belady's on the same extent reads at the same capacity.
 #[allow(clippy::too_many_arguments, reason = "one row's settings")]
-fn measure_partial_plan(
+fn measure_partial(
     dataset: &Arc<Dataset>,
     base: &LoaderConfig,
     io: IoConfig,
