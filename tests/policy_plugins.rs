@@ -268,6 +268,27 @@ fn a_windowed_plan_keeps_few_shards_open_and_a_full_shuffle_keeps_them_all() {
 }
 
 #[test]
+fn the_partition_sim_reports_how_well_a_plan_mixes() {
+    let host = host();
+    let plugin = host.load("elastic").unwrap();
+    let dataset = sim::synthetic_shards(100, 200).unwrap();
+    let mixing = |options: &[(&str, &str)]| {
+        let options: Vec<(String, String)> = options.iter().map(|&(k, v)| (k.to_owned(), v.to_owned())).collect();
+        let (results, _) = sim::partition(&plugin, &options, &dataset, &[4], &[], 64).unwrap();
+        results[0].mixing
+    };
+    let full = mixing(&[]);
+    assert!((0.9..1.1).contains(&full.spread) && full.shards_per_batch > 40.0, "full shuffle: {full:?}");
+    let window = mixing(&[("window-shards", "4")]);
+    // Few shards per batch, any of the dataset's (the shard order is shuffled), mixed.
+    assert!(window.shards_per_batch <= 5.0 && window.shards_per_batch > 1.5, "a window of 4 of 100 shards: {window:?}");
+    assert!(window.spread > 0.5, "a window of 4 of 100 shards: {window:?}");
+    let blocks = mixing(&[("chunk-records", "64")]);
+    // Runs of consecutive records: neighbours in a batch are neighbours in the dataset.
+    assert!(blocks.spread < 0.1 && blocks.shards_per_batch < 2.5, "chunks of one batch: {blocks:?}");
+}
+
+#[test]
 fn invalid_plans_are_refused_and_the_fallback_plans() {
     let host = host();
     let hostile = host.load_file(&built_plugin_path("hostile_partitioner")).unwrap();

@@ -218,11 +218,13 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
                     result.records.iter().max().copied().unwrap_or(0),
                 );
                 outln!(
-                    "{:>5} ranks: plan in {:.1} ms, {} ranges, records per rank {min}..{max}, largest deviation from the weighted share {:.2}%",
+                    "{:>5} ranks: plan in {:.1} ms, {} ranges, records per rank {min}..{max}, largest deviation from the weighted share {:.2}%; mixing: spread {:.3} of a full shuffle's, {:.1} shards per batch",
                     result.ranks,
                     result.elapsed.as_secs_f64() * 1e3,
                     result.ranges,
-                    result.balance_error * 100.0
+                    result.balance_error * 100.0,
+                    result.mixing.spread,
+                    result.mixing.shards_per_batch
                 )?;
             }
             for (movement, pair) in movements.iter().zip(ranks.windows(2)) {

@@ -75,6 +75,51 @@ pub struct PartitionResult {
     pub balance_error: f64,
     /// How long `plan` took.
     pub elapsed: Duration,
+    /// How well each rank's records are mixed.
+    pub mixing: Mixing,
+}
+
+/// How well a plan mixes the dataset, over each rank's stream of records, averaged over the
+/// ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Mixing {
+    /// The mean distance in the dataset between consecutive records of a rank, as a share of its
+    /// expectation under a uniform shuffle (a third of the records): about 1 for a full shuffle,
+    /// near 0 for a sequential read. A window over a shuffled shard order stays high: the
+    /// shards it mixes are any of the dataset's.
+    pub spread: f64,
+    /// The mean number of shards a batch draws from: how local the reads are (a window of W
+    /// shards: at most W + 1).
+    pub shards_per_batch: f64,
+}
+
+/// `Mixing` of `plans` over `shards`, in batches of `batch_size`.
+fn mixing(plans: &[RankPlan], shards: &[ShardInfo], batch_size: u64) -> Mixing {
+    let total: u64 = shards.iter().map(|s| s.records).sum();
+    let starts: Vec<u64> = shards.iter().scan(0u64, |at, s| Some(std::mem::replace(at, *at + s.records))).collect();
+    let shard_of = |record: u64| starts.partition_point(|&start| start <= record);
+    let (mut distance, mut pairs, mut shards_seen, mut batches) = (0f64, 0u64, 0u64, 0u64);
+    let mut in_batch: Vec<usize> = Vec::new();
+    for plan in plans {
+        let records: Vec<u64> = plan.records().collect();
+        for pair in records.windows(2) {
+            distance += pair[0].abs_diff(pair[1]) as f64;
+            pairs += 1;
+        }
+        for batch in records.chunks(usize::try_from(batch_size.max(1)).unwrap_or(usize::MAX)) {
+            in_batch.clear();
+            in_batch.extend(batch.iter().map(|&record| shard_of(record)));
+            in_batch.sort_unstable();
+            in_batch.dedup();
+            shards_seen += in_batch.len() as u64;
+            batches += 1;
+        }
+    }
+    let expected = total as f64 / 3.0;
+    Mixing {
+        spread: if pairs == 0 || expected == 0.0 { 0.0 } else { distance / pairs as f64 / expected },
+        shards_per_batch: if batches == 0 { 0.0 } else { shards_seen as f64 / batches as f64 },
+    }
 }
 
 /// The membership change between two worlds.
@@ -180,6 +225,7 @@ pub fn partition(
             ranges: plans.iter().map(|p| p.ranges.len() as u64).sum(),
             balance_error,
             elapsed,
+            mixing: mixing(&plans, shards, batch_size),
         });
         owners.push(ownership(&plans));
     }
