@@ -93,6 +93,9 @@ pub struct Mixing {
     pub shards_per_batch: f64,
 }
 
+/// Records of each rank that `mixing` looks at, at most.
+const MIXING_RECORDS_MAX: usize = 1 << 22;
+
 /// `Mixing` of `plans` over `shards`, in batches of `batch_size`.
 fn mixing(plans: &[RankPlan], shards: &[ShardInfo], batch_size: u64) -> Mixing {
     let total: u64 = shards.iter().map(|s| s.records).sum();
@@ -100,19 +103,30 @@ fn mixing(plans: &[RankPlan], shards: &[ShardInfo], batch_size: u64) -> Mixing {
     let shard_of = |record: u64| starts.partition_point(|&start| start <= record);
     let (mut distance, mut pairs, mut shards_seen, mut batches) = (0f64, 0u64, 0u64, 0u64);
     let mut in_batch: Vec<usize> = Vec::new();
+    let mut close_batch = |in_batch: &mut Vec<usize>| {
+        in_batch.sort_unstable();
+        in_batch.dedup();
+        shards_seen += in_batch.len() as u64;
+        batches += 1;
+        in_batch.clear();
+    };
     for plan in plans {
-        let records: Vec<u64> = plan.records().collect();
-        for pair in records.windows(2) {
-            distance += pair[0].abs_diff(pair[1]) as f64;
-            pairs += 1;
+        // The first MIXING_RECORDS_MAX records of each rank tell how it mixes; a plan of more
+        // is not walked whole.
+        let mut previous = None;
+        for record in plan.records().take(MIXING_RECORDS_MAX) {
+            if let Some(previous) = previous {
+                distance += record.abs_diff(previous) as f64;
+                pairs += 1;
+            }
+            previous = Some(record);
+            in_batch.push(shard_of(record));
+            if in_batch.len() as u64 >= batch_size.max(1) {
+                close_batch(&mut in_batch);
+            }
         }
-        for batch in records.chunks(usize::try_from(batch_size.max(1)).unwrap_or(usize::MAX)) {
-            in_batch.clear();
-            in_batch.extend(batch.iter().map(|&record| shard_of(record)));
-            in_batch.sort_unstable();
-            in_batch.dedup();
-            shards_seen += in_batch.len() as u64;
-            batches += 1;
+        if !in_batch.is_empty() {
+            close_batch(&mut in_batch);
         }
     }
     let expected = total as f64 / 3.0;
