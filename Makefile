@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 15
 
-.PHONY: toolchain test fmt-check clippy unit doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: toolchain test fmt-check clippy unit moto doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
 
 # Where cargo builds: CARGO_TARGET_DIR when set (the scripts follow it too), target/ otherwise.
 TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),target))
@@ -28,8 +28,16 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-unit:
+unit: moto
 	$(CARGO) test --workspace --locked
+
+## An S3-compatible server for the object-store tests (tests/origin.rs, the Python origin test):
+## moto in server mode, from PyPI, in its own venv.
+MOTO_VENV := $(TARGET_DIR)/moto-venv
+export GRANARY_MOTO_SERVER := $(MOTO_VENV)/bin/moto_server
+moto:
+	@test -x $(MOTO_VENV)/bin/moto_server || { python3 -m venv $(MOTO_VENV) && \
+		$(MOTO_VENV)/bin/pip install -q 'moto[server]==5.2.5'; }
 
 doc:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
@@ -45,7 +53,7 @@ plugins:
 ## extension itself is compiled (maturin builds the one package alone, with other features,
 ## and would rebuild the engine). `pip install ./python` is the packaged build.
 PYVENV := $(TARGET_DIR)/py-venv
-python: python-env
+python: python-env moto
 	$(CARGO) build --workspace --lib --tests --locked
 	rm -rf $(TARGET_DIR)/py-test && mkdir -p $(TARGET_DIR)/py-test/granary
 	cp python/granary/*.py $(TARGET_DIR)/py-test/granary/

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 pub use collect::{GC_GRACE_DEFAULT, GcOptions, GcReport};
 pub use repair::RepairReport;
-pub use verify::{Failure, Hurt, Unreadable, VerifyReport, verify, verify_shard};
+pub use verify::{Failure, Hurt, ShardFetcher, Unreadable, VerifyReport, verify, verify_shard, verify_through};
 
 use crate::catalog::{Catalog, ObjectEntry};
 use crate::error::{Error, Result};

@@ -331,6 +331,17 @@ pub enum Error {
         /// The hash of its bytes.
         actual: ObjectId,
     },
+    /// An object-store origin failed or returned what does not check out. `origin` is the URL as
+    /// given, which carries no credentials (`Origin::open` refuses one that does).
+    #[error("origin {origin}: {op}: {detail}")]
+    Origin {
+        /// The origin's URL.
+        origin: String,
+        /// What was being done ("read", "upload", "fetch", ...).
+        op: &'static str,
+        /// What it was done to, and what went wrong.
+        detail: String,
+    },
     /// A dataset name that is not allowed, for example one that would escape the store root.
     #[error("invalid dataset name {name:?}: {reason}")]
     InvalidName {

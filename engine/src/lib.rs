@@ -46,6 +46,8 @@ pub mod policy;
 pub mod loader;
 pub mod engine;
 pub mod replication;
+#[cfg(feature = "origin")]
+pub mod origin;
 #[cfg(feature = "cli")]
 pub mod cli;
 

@@ -78,6 +78,26 @@ class Store:
         `bytes`, `layout`."""
         return self._native.datasets()
 
+    def attach(self, name: str, url: str, *, cache_bytes: Optional[int] = None) -> Dict[str, Any]:
+        """Makes dataset `name` (`"NAME"` or `"NAME@N"`) of the object store at `url`
+        (`s3://bucket/prefix`, `gs://`, `az://`, `file:///path`) readable here: its manifest and
+        every shard's metadata are fetched and checked now, record data as loaders need it, into
+        this store's cache of shards, kept within `cache_bytes` (remembered for later attaches;
+        0 is no bound). Credentials come from the environment (`AWS_*` and the like), never from
+        `url`. Returns `name`, `version`, `shards`, `bytes`, `cache_bytes`."""
+        return self._native.attach(name, url, cache_bytes=cache_bytes)
+
+    def detach(self, name: str) -> int:
+        """Drops the attached dataset `name` and its cached shards (the origin keeps them);
+        returns how many cached shards were removed."""
+        return self._native.detach(name)
+
+    def push(self, name: str, url: str) -> int:
+        """Publishes version `name` (`"NAME"` or `"NAME@N"`) to the object store at `url`: the
+        shards it lacks, then the manifest, then the ref (written only if nobody changed it
+        meanwhile). Returns how many shards were uploaded."""
+        return self._native.push(name, url)
+
     def ingest(
         self,
         name: str,

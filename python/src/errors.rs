@@ -71,6 +71,7 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         E::Transport { .. } => "transport",
         E::PeerRefused { .. } => "peer_refused",
         E::Unavailable { .. } => "unavailable",
+        E::Origin { .. } => "origin",
         _ => "other",
     };
     let message = match &error {

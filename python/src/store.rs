@@ -71,6 +71,63 @@ impl Store {
         Ok(out)
     }
 
+    /// Makes dataset `name` (`"NAME"` or `"NAME@N"`) of the object store at `url` readable
+    /// here: its manifest and every shard's metadata are fetched and checked now, record data
+    /// as reads need it, into this store's cache of at most `cache_bytes` (kept for later
+    /// attaches; 0: unbounded). Credentials come from the environment (`AWS_*` and the like),
+    /// never from `url`. Loaders over `name` then read through the cache. Returns `name`,
+    /// `version`, `shards`, `bytes` and `cache_bytes`.
+    #[pyo3(signature = (name, url, *, cache_bytes = None))]
+    fn attach<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        url: &str,
+        cache_bytes: Option<u64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let spec = granary::VersionSpec::parse(name).map_err(to_py)?;
+        let report = py
+            .detach(|| {
+                let origin = granary::origin::Origin::open(url)?;
+                let mut granary = Granary::open(&self.root)?;
+                granary::origin::attach(&mut granary, &origin, &spec, cache_bytes)
+            })
+            .map_err(to_py)?;
+        let out = PyDict::new(py);
+        out.set_item("name", report.name.as_str())?;
+        out.set_item("version", report.number)?;
+        out.set_item("shards", report.shards)?;
+        out.set_item("bytes", report.dataset_bytes)?;
+        out.set_item("cache_bytes", report.cache_bytes)?;
+        Ok(out)
+    }
+
+    /// Drops the attached dataset `name` and its cached shards (the origin keeps them).
+    /// Returns the number of cached shards removed.
+    fn detach(&self, py: Python<'_>, name: &str) -> PyResult<usize> {
+        let name = DatasetName::new(name).map_err(to_py)?;
+        py.detach(|| {
+            let mut granary = Granary::open(&self.root)?;
+            granary::origin::detach(&mut granary, &name)
+        })
+        .map(|report| report.shards_removed)
+        .map_err(to_py)
+    }
+
+    /// Publishes version `name` (`"NAME"` or `"NAME@N"`) to the object store at `url`: the
+    /// shards it lacks, then the manifest, then the ref (written only if nobody changed it
+    /// meanwhile). Returns the number of shards uploaded.
+    fn push(&self, py: Python<'_>, name: &str, url: &str) -> PyResult<usize> {
+        let paths = StorePaths::new(&self.root);
+        py.detach(|| {
+            let origin = granary::origin::Origin::open(url)?;
+            let spec = paths.parse_spec(name)?;
+            granary::origin::push(&paths, &spec, &origin, &|_| {})
+        })
+        .map(|report| report.shards_uploaded)
+        .map_err(to_py)
+    }
+
     /// Ingests `records` (an iterable of bytes-like objects: `bytes`, `bytearray`, or anything
     /// with `tobytes()`, such as a NumPy array) as a new version of dataset `name`. With `dtype`
     /// and `shape` the records are fixed-size arrays (every record exactly that many bytes, and

@@ -9,6 +9,7 @@ mod bench;
 mod bench_loader;
 mod bench_replication;
 mod cluster;
+mod origin;
 mod plugin;
 mod show;
 mod tier;
@@ -92,6 +93,34 @@ enum Command {
         /// No grace period: delete everything no live version references now.
         #[arg(long)]
         prune_now: bool,
+    },
+    /// Publish a dataset version to an object store (s3://bucket/prefix, gs://, az://,
+    /// file:///path): the shards it lacks, each checked here first, then the manifest, then
+    /// the ref, written only if nobody changed it meanwhile. Credentials come from the
+    /// environment (AWS_*, GOOGLE_*, AZURE_*), never from the URL.
+    Push {
+        /// NAME or NAME@N.
+        dataset: String,
+        /// The origin.
+        url: String,
+    },
+    /// Make a dataset of an object store readable here: its manifest and every shard's
+    /// metadata are fetched and checked now; record data is fetched as reads need it, into a
+    /// cache of shards this store keeps within --cache-bytes.
+    Attach {
+        /// NAME or NAME@N (default: the origin's latest version).
+        dataset: String,
+        /// The origin.
+        url: String,
+        /// The store's cache bound (suffixes K, M, G, KiB, MiB, GiB); 0 for none. Kept for
+        /// later attaches; default: the bound set before, or none.
+        #[arg(long, value_parser = parse_size)]
+        cache_bytes: Option<u64>,
+    },
+    /// Drop an attached dataset and its cached shards (the origin keeps everything).
+    Detach {
+        /// NAME.
+        dataset: String,
     },
     /// Benchmarks.
     #[command(subcommand)]
@@ -299,6 +328,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Repair => show::repair(root).map(|()| ExitCode::SUCCESS),
         Command::Rm { dataset } => remove(root, &dataset).map(|()| ExitCode::SUCCESS),
         Command::Gc { prune_now } => show::gc(root, prune_now).map(|()| ExitCode::SUCCESS),
+        Command::Push { dataset, url } => origin::push(&paths, &dataset, &url).map(|()| ExitCode::SUCCESS),
+        Command::Attach { dataset, url, cache_bytes } => {
+            origin::attach(&root, &dataset, &url, cache_bytes).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Detach { dataset } => origin::detach(&root, &dataset).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Read(args)) => bench::read(&paths, &args).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Replication(args)) => {
             bench_replication::replication(&root, &args).map(|()| ExitCode::SUCCESS)
@@ -480,8 +514,17 @@ fn get(
         bail!("a record is binary: redirect stdout (get NAME INDEX > record.bin) or pass -o FILE");
     }
     let dataset = granary::Dataset::open(paths, &paths.parse_spec(spec)?)?;
+    let attached = match dataset.version() {
+        Some((name, _)) => granary::origin::attachment(paths, name)?.is_some(),
+        None => false,
+    };
     let mut reader = Reader::new(dataset, IoConfig::default().build()?);
-    if let Some(key) = key.key_if_given()? {
+    if attached {
+        // Its shards come from its origin, through the store's cache.
+        if let Some(cache) = granary::origin::OriginCache::open(paths, None, &[])? {
+            reader.set_repair(cache);
+        }
+    } else if let Some(key) = key.key_if_given()? {
         // A node serving this store repairs what the read finds damaged (none serving: no hook).
         if let Ok(client) = granary::replication::NodeClient::for_store(paths.root(), key) {
             reader.set_repair(std::sync::Arc::new(client));

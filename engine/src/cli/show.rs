@@ -95,6 +95,42 @@ pub(super) fn ls(paths: &StorePaths) -> Result<()> {
         datasets.len(),
         bytes(total)
     )?;
+    attached(paths)
+}
+
+/// The attached datasets: where from, and how much of each is cached here.
+fn attached(paths: &StorePaths) -> Result<()> {
+    let attachments = granary::origin::attachments(paths)?;
+    if attachments.is_empty() {
+        return Ok(());
+    }
+    for attachment in &attachments {
+        let (mut held, mut size) = (0u64, 0u64);
+        let mut seen = std::collections::HashSet::new();
+        if let Ok(log) = paths.read_ref(&attachment.name) {
+            for version in log.versions() {
+                for entry in paths.read_manifest(version.manifest)?.entries() {
+                    if seen.insert(entry.shard) {
+                        size += entry.file_bytes;
+                        if paths.shard(entry.shard).exists() {
+                            held += entry.file_bytes;
+                        }
+                    }
+                }
+            }
+        }
+        outln!(
+            "{}: attached from {}, {} of {} cached here",
+            attachment.name,
+            attachment.url,
+            bytes(held),
+            bytes(size)
+        )?;
+    }
+    match granary::origin::cache_bound(paths)? {
+        0 => outln!("cache: unbounded")?,
+        bound => outln!("cache: at most {}", bytes(bound))?,
+    }
     Ok(())
 }
 
@@ -171,7 +207,11 @@ fn inspect_shard(path: PathBuf, n_records: u64) -> Result<()> {
 
 pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode> {
     let spec = spec.map(|spec| paths.parse_spec(spec)).transpose()?;
-    let report = engine::verify(paths, spec.as_ref())?;
+    // Attached datasets' shards are fetched through the store's cache (a version's scrub), or
+    // counted as at their origin (the whole store's).
+    let cache = granary::origin::OriginCache::open(paths, None, &[])?;
+    let fetcher = cache.as_deref().map(|cache| cache as &dyn engine::ShardFetcher);
+    let report = engine::verify_through(paths, spec.as_ref(), fetcher)?;
     for failure in &report.failures {
         errln!("granary: FAILED {}: {}", failure.path.display(), failure.error);
     }
@@ -179,7 +219,11 @@ pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode>
         errln!("granary: UNREADABLE {unreadable}");
     }
     let versions = if spec.is_none() {
-        format!(", {} live versions readable, {} unreadable", report.versions_ok, versions_hurt(&report))
+        let at_origin = match report.shards_at_origin {
+            0 => String::new(),
+            n => format!(" ({n} of their shards at an origin, not here: `verify NAME` fetches and checks them)"),
+        };
+        format!(", {} live versions readable{at_origin}, {} unreadable", report.versions_ok, versions_hurt(&report))
     } else {
         String::new()
     };

@@ -94,6 +94,9 @@ pub struct VerifyReport {
     pub manifests_ok: u64,
     /// Ref files that decoded.
     pub refs_ok: u64,
+    /// Shards of live versions that are not here but at the origin of an attached dataset
+    /// (whole-store scrub only; a version's scrub fetches and checks them), once per version.
+    pub shards_at_origin: u64,
     /// Live versions every record of which can be read (whole-store scrub only).
     pub versions_ok: u64,
     /// Bytes read.
@@ -122,6 +125,25 @@ enum Checked {
 /// a spec, only that version's manifest and shards; otherwise every file in the store and the
 /// readability of every live version.
 pub fn verify(paths: &StorePaths, spec: Option<&VersionSpec>) -> Result<VerifyReport> {
+    verify_through(paths, spec, None)
+}
+
+/// Where the shards of attached datasets come from (the origin cache), for a scrub.
+pub trait ShardFetcher {
+    /// Whether shard `id` can be fetched (an attached dataset names it).
+    fn can_fetch(&self, id: ShardId) -> bool;
+    /// Makes shard `id` present here, checked against its id.
+    fn fetch(&self, id: ShardId) -> Result<()>;
+}
+
+/// [`verify`], with the shards of attached datasets in reach through `fetcher`: a version's
+/// scrub fetches each such shard that is not here and checks it like the rest; the whole-store
+/// scrub counts them as at their origin (`shards_at_origin`) rather than missing.
+pub fn verify_through(
+    paths: &StorePaths,
+    spec: Option<&VersionSpec>,
+    fetcher: Option<&dyn ShardFetcher>,
+) -> Result<VerifyReport> {
     paths.check()?;
     let mut report = VerifyReport::default();
     type ObjectFiles = Vec<(ObjectId, PathBuf)>;
@@ -150,6 +172,15 @@ pub fn verify(paths: &StorePaths, spec: Option<&VersionSpec>) -> Result<VerifyRe
     }
     let mut checked_shards = BTreeMap::new();
     for (id, path) in shards {
+        let fetchable = fetcher.filter(|f| f.can_fetch(ShardId(id)));
+        if let Some(fetcher) = fetchable
+            && !path.exists()
+            && let Err(error) = fetcher.fetch(ShardId(id))
+        {
+            report.failures.push(Failure { path, error });
+            checked_shards.insert(id, Checked::Damaged);
+            continue;
+        }
         match verify_shard(&path, ShardId(id)) {
             Ok(meta) => {
                 report.shards_ok += 1;
@@ -163,7 +194,7 @@ pub fn verify(paths: &StorePaths, spec: Option<&VersionSpec>) -> Result<VerifyRe
         }
     }
     if spec.is_none() {
-        let checked = Checks { manifests: &checked_manifests, shards: &checked_shards };
+        let checked = Checks { manifests: &checked_manifests, shards: &checked_shards, fetcher };
         for name in paths.list_names()? {
             check_dataset(paths, &name, &checked, &mut report)?;
         }
@@ -175,6 +206,7 @@ pub fn verify(paths: &StorePaths, spec: Option<&VersionSpec>) -> Result<VerifyRe
 struct Checks<'a> {
     manifests: &'a BTreeMap<ObjectId, Checked>,
     shards: &'a BTreeMap<ObjectId, Checked>,
+    fetcher: Option<&'a dyn ShardFetcher>,
 }
 
 /// Checks the ref and history of `name` and the readability of each of its live versions.
@@ -232,6 +264,9 @@ fn check_dataset(
                     match checked.shards.get(&entry.shard.0) {
                         Some(Checked::Sound) => {}
                         Some(Checked::Damaged) => report.unreadable.push(unreadable(Hurt::ShardDamaged(entry.shard))),
+                        None if checked.fetcher.is_some_and(|f| f.can_fetch(entry.shard)) => {
+                            report.shards_at_origin += 1;
+                        }
                         None => report.unreadable.push(unreadable(Hurt::ShardMissing(entry.shard))),
                     }
                 }

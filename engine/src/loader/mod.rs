@@ -450,6 +450,10 @@ impl Loader {
     /// Starts loading `dataset` from `start` (`Position::default()` for the beginning).
     pub fn new(dataset: Arc<Dataset>, config: LoaderConfig, start: Position) -> Result<Self> {
         check(&config)?;
+        let mut config = config;
+        if config.repair.is_none() {
+            config.repair = origin_hook(&dataset)?;
+        }
         let cuda = match config.target {
             Target::Host => None,
             Target::Auto => Cuda::get(),
@@ -742,6 +746,23 @@ struct ReaderStage {
     out: SyncSender<Message>,
     stop: Arc<AtomicBool>,
     stats: Arc<Mutex<ReadStats>>,
+}
+
+/// The store's origin cache when `dataset` is an attached one: its missing shards are fetched
+/// through it.
+#[cfg(feature = "origin")]
+fn origin_hook(dataset: &Dataset) -> Result<Option<Arc<dyn crate::read::ShardRepair>>> {
+    let Some((name, _)) = dataset.version() else { return Ok(None) };
+    if crate::origin::attachment(dataset.paths(), name)?.is_none() {
+        return Ok(None);
+    }
+    let cache = crate::origin::OriginCache::open(dataset.paths(), None, &[])?;
+    Ok(cache.map(|cache| cache as Arc<dyn crate::read::ShardRepair>))
+}
+
+#[cfg(not(feature = "origin"))]
+fn origin_hook(_: &Dataset) -> Result<Option<Arc<dyn crate::read::ShardRepair>>> {
+    Ok(None)
 }
 
 impl ReaderStage {

@@ -75,6 +75,11 @@ impl Dataset {
         self.manifest.layout()
     }
 
+    /// The store it is read from.
+    pub fn paths(&self) -> &StorePaths {
+        &self.paths
+    }
+
     /// The manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
@@ -440,8 +445,10 @@ impl Reader {
             }
             repairs += 1;
             last_repaired = Some(shard);
-            if hook.repair(self.dataset.shard_id(shard), &error).is_err() {
-                return Err(error);
+            if let Err(failed) = hook.repair(self.dataset.shard_id(shard), &error) {
+                // A missing shard that could not be had says why (the origin's answer, say);
+                // a damaged one keeps its own error, the stronger of the two.
+                return Err(if matches!(error, Error::MissingShard { .. }) { failed } else { error });
             }
             self.stats.shards_repaired += 1;
             self.publish();

@@ -46,6 +46,11 @@ impl ShardCache {
         self.used_bytes
     }
 
+    /// Whether shard `id` is one of the entries.
+    pub(crate) fn holds(&self, id: ShardId) -> bool {
+        self.entries.get(&shard_key(id.0.as_bytes())).is_some_and(|&(held, _)| held == id)
+    }
+
     /// Cached shards.
     pub(crate) fn len(&self) -> usize {
         self.entries.len()

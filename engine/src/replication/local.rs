@@ -10,7 +10,6 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
@@ -20,7 +19,7 @@ use super::frame::{InventoryEntry, WireKind};
 use crate::engine::Granary;
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
-use crate::store::{DatasetName, ObjectKind, RefLog, StorePaths, sync_dir};
+use crate::store::{DatasetName, ObjectKind, RefLog, StorePaths, replace_file};
 
 /// A partial transfer untouched for this long is removed when the node starts.
 const PARTIAL_AGE_MAX: Duration = Duration::from_secs(24 * 3600);
@@ -373,26 +372,6 @@ impl LocalStore {
 /// Writes `bytes` to `target` through a temp file in `dir`: fsync, rename, fsync the directory.
 fn write_atomically(dir: &Path, target: &Path, bytes: &[u8]) -> Result<()> {
     replace_file(dir, target, bytes, true)
-}
-
-/// Replaces `target` with `bytes` through a temp file in `dir` (readers see the old content or
-/// the new, never a mix); durable (synced) only when `durable`.
-fn replace_file(dir: &Path, target: &Path, bytes: &[u8], durable: bool) -> Result<()> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.join(format!(".{}-{n}.tmp", std::process::id()));
-    let mut file = File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-    let written = file
-        .write_all(bytes)
-        .and_then(|()| if durable { file.sync_all() } else { Ok(()) })
-        .map_err(|e| Error::io("write", &tmp, e))
-        .and_then(|()| fs::rename(&tmp, target).map_err(|e| Error::io("rename", target, e)));
-    if let Err(e) = written {
-        // A full disk, say: leave no temp file behind.
-        let _ = fs::remove_file(&tmp);
-        return Err(e);
-    }
-    if durable { sync_dir(dir) } else { Ok(()) }
 }
 
 /// Reads, increments and durably stores the node's incarnation counter.

@@ -17,7 +17,7 @@ pub mod frame;
 #[cfg(feature = "replication")]
 mod admission;
 #[cfg(feature = "replication")]
-mod cache;
+pub(crate) mod cache;
 #[cfg(feature = "replication")]
 mod client;
 #[cfg(feature = "replication")]

@@ -134,7 +134,7 @@ impl ShardMeta {
 
     /// Decodes through `read_at(offset, len)`, which is only asked for ranges inside
     /// `file_bytes`: the header, the footer, then the tail the footer points at.
-    fn load<E>(
+    pub(crate) fn load<E>(
         file_bytes: u64,
         mut read_at: impl FnMut(u64, u64) -> Result<Vec<u8>, E>,
         format: impl Fn(FormatError) -> E,

@@ -155,6 +155,21 @@ impl StorePaths {
         self.root.join("catalog")
     }
 
+    /// Moves the file at `path` into `quarantine/` as `name` plus a unique suffix. A rename: safe
+    /// without the write lock (the origin cache, in reader processes, uses it).
+    pub(crate) fn move_to_quarantine(&self, path: &Path, name: &str) -> Result<PathBuf> {
+        let dir = self.quarantine_dir();
+        fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let target = dir.join(format!("{name}.{}-{n}", std::process::id()));
+        fs::rename(path, &target).map_err(|e| Error::io("rename", path, e))?;
+        sync_dir(&dir)?;
+        if let Some(parent) = path.parent() {
+            sync_dir(parent)?;
+        }
+        Ok(target)
+    }
+
     /// Reads the ref of dataset `name`.
     pub fn read_ref(&self, name: &DatasetName) -> Result<RefLog> {
         let path = self.ref_file(name);
@@ -552,16 +567,7 @@ impl Store {
     }
 
     fn quarantine_named(&self, path: &Path, name: &str) -> Result<PathBuf> {
-        let dir = self.paths.quarantine_dir();
-        fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
-        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let target = dir.join(format!("{name}.{}-{n}", std::process::id()));
-        fs::rename(path, &target).map_err(|e| Error::io("rename", path, e))?;
-        sync_dir(&dir)?;
-        if let Some(parent) = path.parent() {
-            sync_dir(parent)?;
-        }
-        Ok(target)
+        self.paths.move_to_quarantine(path, name)
     }
 
     /// Temp files of dead writers that opening the store removed.
@@ -619,6 +625,26 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut file = File::create(path).map_err(|e| Error::io("create", path, e))?;
     file.write_all(bytes).map_err(|e| Error::io("write", path, e))?;
     file.sync_all().map_err(|e| Error::io("fsync", path, e))
+}
+
+/// Replaces `target` with `bytes` through a temp file in `dir` (readers see the old content or
+/// the new, never a mix); durable (synced) only when `durable`.
+pub(crate) fn replace_file(dir: &Path, target: &Path, bytes: &[u8], durable: bool) -> Result<()> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{}-{n}.tmp", std::process::id()));
+    let mut file = File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    let written = file
+        .write_all(bytes)
+        .and_then(|()| if durable { file.sync_all() } else { Ok(()) })
+        .map_err(|e| Error::io("write", &tmp, e))
+        .and_then(|()| fs::rename(&tmp, target).map_err(|e| Error::io("rename", target, e)));
+    if let Err(e) = written {
+        // A full disk, say: leave no temp file behind.
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    if durable { sync_dir(dir) } else { Ok(()) }
 }
 
 /// Makes a directory's entries (a rename into it, a new file) durable.

@@ -1,0 +1,376 @@
+//! The object-store origin: dataset versions published to, and read back from, object storage
+//! (S3 and S3-compatible servers, GCS, Azure, local files, memory) through the `object_store`
+//! crate.
+//!
+//! Owns: opening an origin from a URL (credentials from each cloud's usual environment, never
+//! from the URL), the layout in the bucket (the local store's: `shards/ab/<id>.shard`,
+//! `manifests/ab/<id>.manifest`, `refs/<name>` under the URL's path), and the operations on it:
+//! existence by id, uploads (multipart for large objects), ranged reads, a shard fetched whole
+//! into a local file and checked against its id, and refs written with a conditional put so two
+//! pushers cannot silently overwrite each other. `push` (publishing), `attach` (a dataset made
+//! readable here) and `cache` (the bounded set of shards fetched for readers) build on it.
+//! Invariants: nothing fetched is used before its bytes hashed to the id that named them; the
+//! URL shown in messages is the one given, which carries no credentials (one that does is
+//! refused). Never: writes into the local store itself (callers publish what it fetched), or
+//! prints, logs or returns a credential.
+
+mod attach;
+mod cache;
+mod push;
+
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::Path as FsPath;
+use std::sync::Arc;
+
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion, WriteMultipart};
+
+pub use attach::{AttachReport, Attachment, DetachReport, attach, attachment, attachments, cache_bound, detach};
+pub use cache::{CacheStats, OriginCache};
+pub use push::{Progress as PushProgress, PushReport, push};
+
+use crate::error::{Error, Result};
+use crate::id::{ManifestId, ObjectId, ShardId};
+use crate::manifest::Manifest;
+use crate::store::{DatasetName, ObjectKind, RefLog};
+
+/// Objects up to this size are uploaded in one request; larger ones in parts.
+const SINGLE_PUT_BYTES_MAX: u64 = 16 << 20;
+/// The size of each part of a multipart upload (S3 wants at least 5 MiB but the last).
+const PART_BYTES: usize = 16 << 20;
+/// Parts of one upload in flight at once.
+const PARTS_IN_FLIGHT: usize = 4;
+/// The size of each ranged read of a shard fetch.
+const RANGE_BYTES: u64 = 8 << 20;
+/// Ranged reads of one shard in flight at once.
+const RANGES_IN_FLIGHT: usize = 8;
+/// Existence checks in flight at once.
+const LOOKUPS_IN_FLIGHT: usize = 32;
+/// Tries at fetching one shard whose bytes did not hash to its id (the client retries
+/// transient HTTP errors itself, with backoff, below this).
+pub const FETCH_TRIES: u32 = 3;
+
+/// One object store holding (or about to hold) datasets in a store's layout.
+pub struct Origin {
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    /// The URL as given (checked to carry no credentials), for messages.
+    shown: String,
+    runtime: Arc<tokio::runtime::Runtime>,
+}
+
+impl std::fmt::Debug for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Origin").field("url", &self.shown).finish_non_exhaustive()
+    }
+}
+
+impl Origin {
+    /// The origin at `url`: `s3://bucket/prefix` (S3 or an S3-compatible server: `AWS_ENDPOINT`,
+    /// `AWS_ALLOW_HTTP`, credentials from `AWS_*` or the instance), `gs://`, `az://` (each from
+    /// its cloud's environment), `file:///path` or `memory://` (empty, and gone with this
+    /// value). A URL with a user, a password or a query is refused: credentials come from the
+    /// environment, never from a URL that would end up in logs and shell histories.
+    pub fn open(url: &str) -> Result<Self> {
+        // Before a client is built: reqwest panics on one without a TLS provider.
+        install_tls_provider();
+        let parsed =
+            url::Url::parse(url).map_err(|e| Error::invalid_input(format!("origin {url:?}: not a URL: {e}")))?;
+        if !parsed.username().is_empty() || parsed.password().is_some() || parsed.query().is_some() {
+            // Not even the URL goes into the message: it holds the secret.
+            return Err(Error::invalid_input(
+                "an origin URL carries no credentials (no user, password or query): give them through \
+                 the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, \
+                 AZURE_STORAGE_ACCOUNT_KEY, ...)",
+            ));
+        }
+        let shown = parsed.to_string();
+        let bad = |e: object_store::Error| Error::Origin { origin: shown.clone(), op: "open", detail: e.to_string() };
+        let prefix = || Path::from_url_path(parsed.path()).map_err(|e| bad(e.into()));
+        let (store, prefix): (Arc<dyn ObjectStore>, Path) = match parsed.scheme() {
+            "s3" | "s3a" => {
+                let store = object_store::aws::AmazonS3Builder::from_env()
+                    .with_url(url)
+                    // Refs are written with If-Match / If-None-Match.
+                    .with_conditional_put(object_store::aws::S3ConditionalPut::ETagMatch)
+                    .build()
+                    .map_err(bad)?;
+                (Arc::new(store), prefix()?)
+            }
+            "gs" => {
+                let store =
+                    object_store::gcp::GoogleCloudStorageBuilder::from_env().with_url(url).build().map_err(bad)?;
+                (Arc::new(store), prefix()?)
+            }
+            "az" | "azure" | "abfs" | "abfss" => {
+                let store =
+                    object_store::azure::MicrosoftAzureBuilder::from_env().with_url(url).build().map_err(bad)?;
+                (Arc::new(store), prefix()?)
+            }
+            "file" => {
+                let (store, prefix) = object_store::parse_url(&parsed).map_err(bad)?;
+                (Arc::from(store), prefix)
+            }
+            "memory" => (Arc::new(object_store::memory::InMemory::new()), prefix()?),
+            other => {
+                return Err(Error::invalid_input(format!(
+                    "origin {shown}: unknown scheme {other:?} (s3://, gs://, az://, file://, memory://)"
+                )));
+            }
+        };
+        Self::with_store(store, prefix, shown)
+    }
+
+    /// An origin over `store` (a wrapper that adds latency or faults, in tests and benchmarks),
+    /// its objects under `prefix`, shown as `shown`.
+    pub fn with_store(store: Arc<dyn ObjectStore>, prefix: Path, shown: String) -> Result<Self> {
+        install_tls_provider();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("granary-origin")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Origin { origin: shown.clone(), op: "start its runtime", detail: e.to_string() })?;
+        Ok(Self { store, prefix, shown, runtime: Arc::new(runtime) })
+    }
+
+    /// The URL, as given (it carries no credentials).
+    pub fn url(&self) -> &str {
+        &self.shown
+    }
+
+    fn error(&self, op: &'static str, what: impl std::fmt::Display, e: impl std::fmt::Display) -> Error {
+        Error::Origin { origin: self.shown.clone(), op, detail: format!("{what}: {e}") }
+    }
+
+    fn object_path(&self, kind: ObjectKind, id: ObjectId) -> Path {
+        let hex = id.to_string();
+        let (dir, suffix) = match kind {
+            ObjectKind::Shard => ("shards", "shard"),
+            ObjectKind::Manifest => ("manifests", "manifest"),
+        };
+        self.prefix.clone().join(dir).join(&hex[..2]).join(format!("{hex}.{suffix}"))
+    }
+
+    fn ref_path(&self, name: &DatasetName) -> Path {
+        self.prefix.clone().join("refs").join(name.as_str())
+    }
+
+    /// The size of object `id` at the origin, or `None` when it has none.
+    pub fn size_of(&self, kind: ObjectKind, id: ObjectId) -> Result<Option<u64>> {
+        let path = self.object_path(kind, id);
+        match self.runtime.block_on(self.store.head(&path)) {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error("look up", format_args!("{} {id}", kind.noun()), e)),
+        }
+    }
+
+    /// The sizes of objects `ids` at the origin (`None` for each it lacks), looked up
+    /// `LOOKUPS_IN_FLIGHT` at a time.
+    pub fn sizes_of(&self, kind: ObjectKind, ids: &[ObjectId]) -> Result<Vec<Option<u64>>> {
+        self.runtime.block_on(async {
+            let mut sizes = vec![None; ids.len()];
+            let mut tasks = tokio::task::JoinSet::new();
+            let mut next = 0;
+            loop {
+                while next < ids.len() && tasks.len() < LOOKUPS_IN_FLIGHT {
+                    let (store, path, at) = (Arc::clone(&self.store), self.object_path(kind, ids[next]), next);
+                    tasks.spawn(async move { (at, store.head(&path).await) });
+                    next += 1;
+                }
+                let Some(done) = tasks.join_next().await else { break };
+                let (at, result) = done.map_err(|e| self.error("look up", kind.noun(), e))?;
+                match result {
+                    Ok(meta) => sizes[at] = Some(meta.size),
+                    Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => return Err(self.error("look up", format_args!("{} {}", kind.noun(), ids[at]), e)),
+                }
+            }
+            Ok(sizes)
+        })
+    }
+
+    /// Uploads the file at `file` as object `id`; `sent` is told each chunk's bytes as it
+    /// leaves. Objects are named by their content, so an upload is idempotent, and one cut short
+    /// leaves nothing under the name (a multipart upload is aborted, or never completed).
+    pub fn upload(&self, kind: ObjectKind, id: ObjectId, file: &FsPath, sent: &dyn Fn(u64)) -> Result<()> {
+        let path = self.object_path(kind, id);
+        let what = format_args!("{} {id}", kind.noun()).to_string();
+        let source = File::open(file).map_err(|e| Error::io("open", file, e))?;
+        let bytes = source.metadata().map_err(|e| Error::io("stat", file, e))?.len();
+        if bytes <= SINGLE_PUT_BYTES_MAX {
+            let data = std::fs::read(file).map_err(|e| Error::io("read", file, e))?;
+            self.runtime
+                .block_on(self.store.put(&path, PutPayload::from(data)))
+                .map_err(|e| self.error("upload", &what, e))?;
+            sent(bytes);
+            return Ok(());
+        }
+        self.runtime.block_on(async {
+            let upload = self.store.put_multipart(&path).await.map_err(|e| self.error("start upload", &what, e))?;
+            let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+            let mut buf = vec![0u8; PART_BYTES];
+            let mut at = 0u64;
+            while at < bytes {
+                let n = usize::try_from((bytes - at).min(PART_BYTES as u64)).unwrap_or(PART_BYTES);
+                if let Err(e) = source.read_exact_at(&mut buf[..n], at) {
+                    writer.abort().await.ok();
+                    return Err(Error::io("read", file, e));
+                }
+                if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
+                    writer.abort().await.ok();
+                    return Err(self.error("upload", &what, e));
+                }
+                writer.write(&buf[..n]);
+                at += n as u64;
+                sent(n as u64);
+            }
+            writer.finish().await.map_err(|e| self.error("finish upload", &what, e))?;
+            Ok(())
+        })
+    }
+
+    /// Dataset `name`'s ref at the origin and the version of the object that holds it (for a
+    /// conditional update), or `None` when the origin has no such dataset.
+    pub fn read_ref(&self, name: &DatasetName) -> Result<Option<(RefLog, UpdateVersion)>> {
+        let path = self.ref_path(name);
+        let what = format!("ref {name}");
+        self.runtime.block_on(async {
+            let got = match self.store.get(&path).await {
+                Ok(got) => got,
+                Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                Err(e) => return Err(self.error("read", &what, e)),
+            };
+            let version = UpdateVersion { e_tag: got.meta.e_tag.clone(), version: got.meta.version.clone() };
+            let bytes = got.bytes().await.map_err(|e| self.error("read", &what, e))?;
+            let log = RefLog::decode(&bytes).map_err(|e| self.error("decode", &what, e))?;
+            Ok(Some((log, version)))
+        })
+    }
+
+    /// Writes dataset `name`'s ref: created when `expected` is `None` (and refused if one
+    /// appeared meanwhile), otherwise replaced only while it is still the version read.
+    pub fn write_ref(&self, name: &DatasetName, log: &RefLog, expected: Option<UpdateVersion>) -> Result<()> {
+        let path = self.ref_path(name);
+        let mode = match expected {
+            None => PutMode::Create,
+            Some(version) => PutMode::Update(version),
+        };
+        let options = PutOptions { mode, ..PutOptions::default() };
+        let payload = PutPayload::from(log.encode().into_bytes());
+        match self.runtime.block_on(self.store.put_opts(&path, payload, options)) {
+            Ok(_) => Ok(()),
+            Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }) => {
+                Err(Error::Origin {
+                    origin: self.shown.clone(),
+                    op: "write",
+                    detail: format!(
+                        "ref {name}: another push changed it since it was read; nothing was overwritten \
+                         (push again to add this version to the new ref)"
+                    ),
+                })
+            }
+            Err(e) => Err(self.error("write", format_args!("ref {name}"), e)),
+        }
+    }
+
+    /// Manifest `id`, checked against its id and decoded.
+    pub fn manifest(&self, id: ManifestId) -> Result<(Manifest, Vec<u8>)> {
+        let path = self.object_path(ObjectKind::Manifest, id.0);
+        let what = format!("manifest {id}");
+        let bytes = self.runtime.block_on(async {
+            let got = self.store.get(&path).await.map_err(|e| self.error("read", &what, e))?;
+            got.bytes().await.map_err(|e| self.error("read", &what, e))
+        })?;
+        let actual = ObjectId::of(&bytes);
+        if actual != id.0 {
+            return Err(self.error("read", &what, format_args!("its bytes hash to {actual}: damaged at the origin")));
+        }
+        let manifest = Manifest::decode(&bytes).map_err(|e| self.error("decode", &what, e))?;
+        Ok((manifest, bytes.to_vec()))
+    }
+
+    /// Bytes `range` of shard `id`.
+    pub fn shard_range(&self, id: ShardId, range: Range<u64>) -> Result<Vec<u8>> {
+        let path = self.object_path(ObjectKind::Shard, id.0);
+        let got = self
+            .runtime
+            .block_on(self.store.get_range(&path, range.clone()))
+            .map_err(|e| self.error("read", format_args!("shard {id}"), e))?;
+        if got.len() as u64 != range.end - range.start {
+            return Err(self.error(
+                "read",
+                format_args!("shard {id}"),
+                format_args!("{} bytes for {range:?}", got.len()),
+            ));
+        }
+        Ok(got.to_vec())
+    }
+
+    /// Fetches shard `id` (`file_bytes` long) whole into `file` with ranged reads in parallel,
+    /// syncs it, and checks that its bytes hash to `id`. On a mismatch the file holds bytes that
+    /// must not be used (the caller removes it and may try again).
+    pub fn fetch_shard(&self, id: ShardId, file_bytes: u64, file: &FsPath) -> Result<()> {
+        let path = self.object_path(ObjectKind::Shard, id.0);
+        let what = format!("shard {id}");
+        let out = Arc::new(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(file)
+                .map_err(|e| Error::io("create", file, e))?,
+        );
+        self.runtime.block_on(async {
+            let mut tasks = tokio::task::JoinSet::new();
+            let mut next = 0u64;
+            let mut result = Ok(());
+            loop {
+                while next < file_bytes && tasks.len() < RANGES_IN_FLIGHT && result.is_ok() {
+                    let range = next..(next + RANGE_BYTES).min(file_bytes);
+                    next = range.end;
+                    let (store, path, out) = (Arc::clone(&self.store), path.clone(), Arc::clone(&out));
+                    tasks.spawn(async move {
+                        let bytes = store.get_range(&path, range.clone()).await.map_err(|e| e.to_string())?;
+                        if bytes.len() as u64 != range.end - range.start {
+                            return Err(format!("{} bytes for the range {range:?}", bytes.len()));
+                        }
+                        tokio::task::spawn_blocking(move || out.write_all_at(&bytes, range.start))
+                            .await
+                            .map_err(|e| e.to_string())?
+                            .map_err(|e| format!("write: {e}"))
+                    });
+                }
+                let Some(done) = tasks.join_next().await else { break };
+                let done = done.map_err(|e| e.to_string()).and_then(|r| r);
+                if let Err(e) = done
+                    && result.is_ok()
+                {
+                    result = Err(self.error("fetch", &what, e));
+                }
+            }
+            result
+        })?;
+        out.sync_all().map_err(|e| Error::io("fsync", file, e))?;
+        let actual = crate::store::hash_file(file)?;
+        if actual != id.0 {
+            return Err(Error::HashMismatch { path: file.to_owned(), expected: id.0, actual });
+        }
+        Ok(())
+    }
+}
+
+/// Makes ring rustls's process-wide provider, once: reqwest is built without one of its own
+/// (see the workspace's Cargo.toml), and building an `object_store` HTTP client without one
+/// panics. `Origin::open` calls it; call it before building a client of your own for
+/// [`Origin::with_store`]. A provider installed first by another part of the process serves
+/// as well.
+pub fn install_tls_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}

@@ -1,0 +1,102 @@
+"""Datasets in object storage from Python, against a real S3 API (moto's server on loopback):
+push, attach into an empty store with a cache a quarter of the dataset, a loader's full epoch
+through it with every record equal to the input, and the cache within its bound."""
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import granary
+
+RECORD = 2048  # u16 tokens: 4 KiB records
+BUCKET = "granary-py"
+
+
+def _moto_server():
+    program = os.environ.get("GRANARY_MOTO_SERVER") or shutil.which("moto_server")
+    if not program or not os.path.exists(program):
+        pytest.fail("the origin tests need moto's S3 server: pip install 'moto[server]' (make test does)")
+    return program
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A moto server on a free loopback port, and this process's environment pointed at it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([_moto_server(), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                    conn.sendall(f"PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                                 "Content-Length: 0\r\nConnection: close\r\n\r\n".encode())
+                    assert b" 200 " in conn.recv(4096).split(b"\r\n")[0] + b" "
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "moto_server did not start"
+                time.sleep(0.05)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "granary-py-key")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "granary-py-secret")
+        monkeypatch.setenv("AWS_REGION", "us-east-1")
+        monkeypatch.setenv("AWS_ENDPOINT", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+        yield f"s3://{BUCKET}"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _cached_bytes(root):
+    return sum(p.stat().st_size for p in Path(root, "shards").rglob("*.shard"))
+
+
+def test_a_loader_reads_an_attached_dataset_whole_through_a_quarter_cache(s3, tmp_path):
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 65535, size=(2048, RECORD), dtype=np.uint16)
+    source = granary.Store(tmp_path / "source", create=True)
+    source.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=256 << 10)
+    dataset_bytes = _cached_bytes(tmp_path / "source")
+    n_shards = source.push("tokens", f"{s3}/py")
+    assert n_shards == source.datasets()[0]["shards"]
+
+    here = granary.Store(tmp_path / "here", create=True)
+    bound = dataset_bytes // 4
+    attached = here.attach("tokens", f"{s3}/py", cache_bytes=bound)
+    assert attached["version"] == 1 and attached["shards"] == n_shards and attached["cache_bytes"] == bound
+    assert _cached_bytes(tmp_path / "here") == 0
+
+    # A plan whose window fits the cache: shards visited in a seeded order, two at a time (the
+    # shards of the batches in flight, a window and a step of the next, are held at once).
+    loader = here.loader("tokens", batch_size=32, seed=3, output="numpy", with_indices=True,
+                         partitioner="elastic", partitioner_options={"window-shards": 2})
+    seen = []
+    for indices, batch in loader:
+        for index, row in zip(indices.tolist(), batch):
+            assert np.array_equal(row, data[index]), f"record {index}"
+            seen.append(index)
+        assert _cached_bytes(tmp_path / "here") <= bound
+    assert sorted(seen) == list(range(len(data)))
+    loader.close()
+
+    assert here.detach("tokens") >= 1
+    assert _cached_bytes(tmp_path / "here") == 0
+    with pytest.raises(granary.NotFoundError):
+        here.detach("tokens")
+
+
+def test_an_origin_url_with_credentials_is_refused(tmp_path):
+    store = granary.Store(tmp_path / "s", create=True)
+    with pytest.raises(granary.Error, match="carries no credentials") as caught:
+        store.attach("tokens", "s3://KEY:hunter2@bucket/x")
+    assert "hunter2" not in str(caught.value)
+    assert caught.value.kind == "invalid_input"
