@@ -244,6 +244,34 @@ fn closing_every_file_forgets_their_ids_and_files_opened_after_read_their_own_by
     }
 }
 
+#[test]
+fn closing_one_file_frees_it_and_leaves_the_others_readable() {
+    let dir = tempdir();
+    let files = files(dir.path());
+    for (name, make) in backends() {
+        let mut io = make();
+        let ids: Vec<FileId> = files.iter().map(|(path, _)| io.open(path).unwrap()).collect();
+        let op = |file| ReadOp { file, offset: 4096, len: 8192 };
+        std::fs::remove_file(&files[1].0).unwrap();
+        assert!(held_open(&files[1].0), "{name}");
+        io.close(ids[1]).unwrap();
+        assert!(!held_open(&files[1].0), "{name}: a closed file is still open");
+        // Its id reads nothing (a clear error); the others read their own bytes, and a file
+        // opened afterwards gets an id of its own.
+        let closed = read(io.as_mut(), &[op(ids[1])]).unwrap_err();
+        assert!(closed.to_string().contains("closed"), "{name}: {closed}");
+        for i in [0, 2] {
+            assert_eq!(read(io.as_mut(), &[op(ids[i])]).unwrap()[0], files[i].1[4096..12288], "{name}");
+        }
+        std::fs::write(&files[1].0, &files[2].1).unwrap();
+        let again = io.open(&files[1].0).unwrap();
+        assert!(!ids.contains(&again), "{name}: an id reused before close_all");
+        assert_eq!(read(io.as_mut(), &[op(again)]).unwrap()[0], files[2].1[4096..12288], "{name}");
+        io.close_all().unwrap();
+        std::fs::write(&files[1].0, &files[1].1).unwrap();
+    }
+}
+
 /// Whether this process holds a descriptor of the removed file `path` (Linux: /proc/self/fd).
 fn held_open(path: &Path) -> bool {
     let entries = std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd lists this process's descriptors");

@@ -62,7 +62,7 @@ def _cached_bytes(root):
 
 def test_a_loader_reads_an_attached_dataset_whole_through_a_quarter_cache(s3, tmp_path):
     rng = np.random.default_rng(5)
-    data = rng.integers(0, 65535, size=(2048, RECORD), dtype=np.uint16)
+    data = rng.integers(0, 65535, size=(960, RECORD), dtype=np.uint16)
     source = granary.Store(tmp_path / "source", create=True)
     source.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=256 << 10)
     dataset_bytes = _cached_bytes(tmp_path / "source")
@@ -75,8 +75,7 @@ def test_a_loader_reads_an_attached_dataset_whole_through_a_quarter_cache(s3, tm
     assert attached["version"] == 1 and attached["shards"] == n_shards and attached["cache_bytes"] == bound
     assert _cached_bytes(tmp_path / "here") == 0
 
-    # A plan whose window fits the cache: shards visited in a seeded order, two at a time (the
-    # shards of the batches in flight, a window and a step of the next, are held at once).
+    # A plan whose window fits the cache: shards visited in a seeded order, two at a time.
     loader = here.loader("tokens", batch_size=32, seed=3, output="numpy", with_indices=True,
                          partitioner="elastic", partitioner_options={"window-shards": 2})
     seen = []

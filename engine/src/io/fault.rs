@@ -63,6 +63,10 @@ impl Io for FaultIo {
         self.inner.close_all()
     }
 
+    fn close(&mut self, file: FileId) -> Result<()> {
+        self.inner.close(file)
+    }
+
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
         let first = self.ops_issued;
         let mut faulty =

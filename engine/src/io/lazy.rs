@@ -120,6 +120,10 @@ impl Io for LazyIo {
     fn close_all(&mut self) -> Result<()> {
         self.io.as_mut().map_or(Ok(()), |io| io.close_all())
     }
+
+    fn close(&mut self, file: FileId) -> Result<()> {
+        self.io.as_mut().map_or(Ok(()), |io| io.close(file))
+    }
 }
 
 #[cfg(test)]

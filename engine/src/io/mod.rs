@@ -142,6 +142,12 @@ pub trait Io: Send {
     /// removed meanwhile (an evicted cache entry, a quarantined shard) frees its space.
     fn close_all(&mut self) -> Result<()>;
 
+    /// Closes one open file (never called with an op in flight); its `FileId` is not used
+    /// again until `close_all`. A reader calls this for a file replaced by a repair and for
+    /// files removed since it opened them (cache entries evicted by another reader), keeping
+    /// the rest open.
+    fn close(&mut self, file: FileId) -> Result<()>;
+
     /// Reads every op of a slice, calling `on_done` with each op's index as it completes.
     fn read(&mut self, ops: &[ReadOp], on_done: &mut OnRead<'_>) -> Result<()> {
         self.read_stream(&mut SliceStream { ops, next: 0, on_done })
@@ -168,6 +174,11 @@ impl ReadStream for SliceStream<'_, '_> {
 }
 
 /// The error of a stream that asks the backend to wait while nothing is in flight.
+/// An op on a file closed by `Io::close`: a caller's mistake, reported as such.
+fn closed(path: &Path) -> Error {
+    Error::io("read", path, std::io::Error::other("the file was closed (Io::close) before this op"))
+}
+
 fn stalled() -> Error {
     Error::invalid_input("the read stream waited with no read in flight (a planning bug)")
 }

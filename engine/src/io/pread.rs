@@ -7,7 +7,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::{AlignedBuf, FileId, FileOpener, Io, Next, ReadStream, check_op, read_error, stalled};
+use super::{AlignedBuf, FileId, FileOpener, Io, Next, ReadStream, check_op, closed, read_error, stalled};
 use crate::error::{Error, Result};
 
 /// Retries of EAGAIN before an op fails.
@@ -49,6 +49,13 @@ impl Io for PreadIo {
         Ok(())
     }
 
+    fn close(&mut self, file: FileId) -> Result<()> {
+        if let Some((open, _)) = self.files.0.get_mut(file.0 as usize) {
+            *open = None;
+        }
+        Ok(())
+    }
+
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
         let mut seq = 0;
         loop {
@@ -59,6 +66,7 @@ impl Io for PreadIo {
             };
             check_op(&op, self.op_bytes_max, self.files.0.len())?;
             let (file, path) = &self.files.0[op.file.0 as usize];
+            let file = file.as_ref().ok_or_else(|| closed(path))?;
             let buf = &mut self.buf.as_mut_slice()[..op.len as usize];
             read_full(file, buf, op.offset).map_err(|e| read_error(path, &op, e))?;
             stream.complete(seq, buf)?;
@@ -68,13 +76,13 @@ impl Io for PreadIo {
 }
 
 /// The open files, in `FileId` order.
-struct Files(Vec<(File, PathBuf)>);
+struct Files(Vec<(Option<File>, PathBuf)>);
 
 impl FileOpener for Files {
     fn open(&mut self, path: &Path) -> Result<FileId> {
         let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
         let id = FileId(u32::try_from(self.0.len()).map_err(|_| Error::invalid_input("too many open files"))?);
-        self.0.push((file, path.to_owned()));
+        self.0.push((Some(file), path.to_owned()));
         Ok(id)
     }
 }

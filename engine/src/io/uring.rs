@@ -71,7 +71,8 @@ struct Slot {
 }
 
 struct OpenFile {
-    file: File,
+    /// `None` once closed by `Io::close`.
+    file: Option<File>,
     path: PathBuf,
     fixed: Option<u32>,
 }
@@ -101,7 +102,7 @@ impl Files {
             .then(|| ring.submitter().register_files_update(id.0, &[file.as_raw_fd()]).ok())
             .flatten()
             .map(|_| id.0);
-        self.open.push(OpenFile { file, path: path.to_owned(), fixed });
+        self.open.push(OpenFile { file: Some(file), path: path.to_owned(), fixed });
         Ok(id)
     }
 }
@@ -211,15 +212,16 @@ impl UringIo {
         let target = unsafe { self.slot_ptr(slot).add(s.done as usize) };
         let (len, offset) = (s.len - s.done, s.offset + u64::from(s.done));
         let open = &self.files.open[s.file as usize];
+        let Some(file) = open.file.as_ref() else { return Err(super::closed(&open.path)) };
         let entry = match (open.fixed, self.fixed_buffers) {
             (Some(fixed), true) => {
                 opcode::ReadFixed::new(types::Fixed(fixed), target, len, slot as u16).offset(offset).build()
             }
-            (None, true) => opcode::ReadFixed::new(types::Fd(open.file.as_raw_fd()), target, len, slot as u16)
-                .offset(offset)
-                .build(),
+            (None, true) => {
+                opcode::ReadFixed::new(types::Fd(file.as_raw_fd()), target, len, slot as u16).offset(offset).build()
+            }
             (Some(fixed), false) => opcode::Read::new(types::Fixed(fixed), target, len).offset(offset).build(),
-            (None, false) => opcode::Read::new(types::Fd(open.file.as_raw_fd()), target, len).offset(offset).build(),
+            (None, false) => opcode::Read::new(types::Fd(file.as_raw_fd()), target, len).offset(offset).build(),
         };
         let entry: squeue::Entry = entry.user_data(slot as u64);
         // The submission queue has `queue_depth` entries and each op in flight holds at most one,
@@ -299,6 +301,21 @@ impl Io for UringIo {
                 .map_err(|e| Error::io("io_uring_register", "io_uring", e))?;
         }
         self.files.open.clear();
+        Ok(())
+    }
+
+    fn close(&mut self, file: FileId) -> Result<()> {
+        if !self.drain() {
+            return Err(Error::io("io_uring_enter", "io_uring", std::io::Error::other("ring failed")));
+        }
+        let Some(open) = self.files.open.get_mut(file.0 as usize) else { return Ok(()) };
+        if let Some(slot) = open.fixed.take() {
+            self.ring
+                .submitter()
+                .register_files_update(slot, &[-1])
+                .map_err(|e| Error::io("io_uring_register", "io_uring", e))?;
+        }
+        open.file = None;
         Ok(())
     }
 

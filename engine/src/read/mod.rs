@@ -452,12 +452,32 @@ impl Reader {
             }
             self.stats.shards_repaired += 1;
             self.publish();
-            // The repaired file is a new file under the old name: open the files afresh.
-            self.close_files()?;
+            self.close_after_repair(shard, &undelivered)?;
             for indices in undelivered.into_iter().rev() {
                 replay.push_front(indices);
             }
         }
+    }
+
+    /// After shard `shard` was repaired: its file is a new file under the old name, so it is
+    /// reopened; so are files whose shards are gone (cache entries another reader evicted), so
+    /// their space frees, unless a batch still to be read (`undelivered`) needs them: those
+    /// stay open until it is read. Files still in place stay open, so a batch that needs more
+    /// shards than a cache holds at once still makes progress.
+    fn close_after_repair(&mut self, shard: usize, undelivered: &[Vec<u64>]) -> Result<()> {
+        let needed: std::collections::HashSet<usize> = undelivered
+            .iter()
+            .flatten()
+            .filter_map(|&index| self.dataset.locate(index).ok().map(|(shard, _)| shard))
+            .collect();
+        for (s, file) in self.files.iter_mut().enumerate() {
+            let Some(id) = *file else { continue };
+            if s == shard || (!needed.contains(&s) && !self.dataset.shard_path(s).exists()) {
+                self.io.close(id)?;
+                *file = None;
+            }
+        }
+        Ok(())
     }
 
     fn publish(&self) {
