@@ -78,14 +78,17 @@ class Store:
         `bytes`, `layout`."""
         return self._native.datasets()
 
-    def attach(self, name: str, url: str, *, cache_bytes: Optional[int] = None) -> Dict[str, Any]:
+    def attach(
+        self, name: str, url: str, *, cache_bytes: Optional[int] = None, evictor: Optional[str] = None
+    ) -> Dict[str, Any]:
         """Makes dataset `name` (`"NAME"` or `"NAME@N"`) of the object store at `url`
         (`s3://bucket/prefix`, `gs://`, `az://`, `file:///path`) readable here: its manifest and
         every shard's metadata are fetched and checked now, record data as loaders need it, into
-        this store's cache of shards, kept within `cache_bytes` (remembered for later attaches;
-        0 is no bound). Credentials come from the environment (`AWS_*` and the like), never from
+        this store's cache of shards, kept within `cache_bytes` by the evictor plugin `evictor`
+        (both remembered for later attaches; 0 is no bound; the default evictor, `plan-aware`,
+        is told by loaders when each shard is needed next). Credentials come from the environment (`AWS_*` and the like), never from
         `url`. Returns `name`, `version`, `shards`, `bytes`, `cache_bytes`."""
-        return self._native.attach(name, url, cache_bytes=cache_bytes)
+        return self._native.attach(name, url, cache_bytes=cache_bytes, evictor=evictor)
 
     def detach(self, name: str) -> int:
         """Drops the attached dataset `name` and its cached shards (the origin keeps them);

@@ -74,23 +74,25 @@ impl Store {
     /// Makes dataset `name` (`"NAME"` or `"NAME@N"`) of the object store at `url` readable
     /// here: its manifest and every shard's metadata are fetched and checked now, record data
     /// as reads need it, into this store's cache of at most `cache_bytes` (kept for later
-    /// attaches; 0: unbounded). Credentials come from the environment (`AWS_*` and the like),
-    /// never from `url`. Loaders over `name` then read through the cache. Returns `name`,
+    /// attaches; 0: unbounded), run by the evictor plugin `evictor` (kept too; default
+    /// `plan-aware`, which loaders tell each shard's next use). Credentials come from the
+    /// environment (`AWS_*` and the like), never from `url`. Loaders over `name` then read through the cache. Returns `name`,
     /// `version`, `shards`, `bytes` and `cache_bytes`.
-    #[pyo3(signature = (name, url, *, cache_bytes = None))]
+    #[pyo3(signature = (name, url, *, cache_bytes = None, evictor = None))]
     fn attach<'py>(
         &self,
         py: Python<'py>,
         name: &str,
         url: &str,
         cache_bytes: Option<u64>,
+        evictor: Option<&str>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let spec = granary::VersionSpec::parse(name).map_err(to_py)?;
         let report = py
             .detach(|| {
                 let origin = granary::origin::Origin::open(url)?;
                 let mut granary = Granary::open(&self.root)?;
-                granary::origin::attach(&mut granary, &origin, &spec, cache_bytes)
+                granary::origin::attach(&mut granary, &origin, &spec, cache_bytes, evictor)
             })
             .map_err(to_py)?;
         let out = PyDict::new(py);

@@ -43,7 +43,7 @@ const RECORD_BYTES: u64 = 4096;
 const SECRET: &[u8] = b"granary bench replication secret";
 
 /// Ingests `bytes` of random records into dataset `name` at `root`, in shards of `shard_bytes`.
-fn make_dataset(root: &Path, name: &str, bytes: u64, shard_bytes: u64, seed: u64) -> Result<()> {
+pub(super) fn make_dataset(root: &Path, name: &str, bytes: u64, shard_bytes: u64, seed: u64) -> Result<()> {
     let mut granary = Granary::create(root)?;
     let layout = Layout::Fixed(FixedLayout::new(Dtype::U8, &[RECORD_BYTES])?);
     let options = IngestOptions { shard_bytes_target: shard_bytes, ..IngestOptions::default() };

@@ -6,6 +6,7 @@
 mod output;
 
 mod bench;
+mod bench_cache;
 mod bench_loader;
 mod bench_replication;
 mod cluster;
@@ -116,6 +117,11 @@ enum Command {
         /// later attaches; default: the bound set before, or none.
         #[arg(long, value_parser = parse_size)]
         cache_bytes: Option<u64>,
+        /// The cache's evictor plugin: a built-in (plan-aware, lru, fifo, sieve, s3-fifo) or a
+        /// .wasm file. Kept for later attaches; default: the one set before, or plan-aware,
+        /// which the loaders tell when each shard is needed next.
+        #[arg(long)]
+        evictor: Option<String>,
     },
     /// Drop an attached dataset and its cached shards (the origin keeps everything).
     Detach {
@@ -229,6 +235,11 @@ enum BenchCommand {
     /// the same file, and the time to restore the replication factor after a node loss. The
     /// root is a scratch directory.
     Replication(bench_replication::ReplicationArgs),
+    /// A dataset several times the cache, read from a throttled origin through the cache for a
+    /// few epochs with each evictor (plan-aware, LRU, S3-FIFO): hit ratio, bytes from the
+    /// origin against Belady's minimum for the same plan, data stall. The root is a scratch
+    /// directory.
+    Cache(bench_cache::CacheArgs),
 }
 
 /// How long a command that writes waits for another writer (an ingest, or `granary serve`
@@ -329,14 +340,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Rm { dataset } => remove(root, &dataset).map(|()| ExitCode::SUCCESS),
         Command::Gc { prune_now } => show::gc(root, prune_now).map(|()| ExitCode::SUCCESS),
         Command::Push { dataset, url } => origin::push(&paths, &dataset, &url).map(|()| ExitCode::SUCCESS),
-        Command::Attach { dataset, url, cache_bytes } => {
-            origin::attach(&root, &dataset, &url, cache_bytes).map(|()| ExitCode::SUCCESS)
+        Command::Attach { dataset, url, cache_bytes, evictor } => {
+            origin::attach(&root, &dataset, &url, cache_bytes, evictor.as_deref()).map(|()| ExitCode::SUCCESS)
         }
         Command::Detach { dataset } => origin::detach(&root, &dataset).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Read(args)) => bench::read(&paths, &args).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Replication(args)) => {
             bench_replication::replication(&root, &args).map(|()| ExitCode::SUCCESS)
         }
+        Command::Bench(BenchCommand::Cache(args)) => bench_cache::cache(&root, &args).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Loader(args)) => {
             bench_loader::loader(&root, &paths, &args).map(|()| ExitCode::SUCCESS)
         }

@@ -39,12 +39,18 @@ pub(super) fn push(paths: &StorePaths, spec: &str, url: &str) -> Result<()> {
     Ok(())
 }
 
-pub(super) fn attach(root: &Path, spec: &str, url: &str, cache_bytes: Option<u64>) -> Result<()> {
+pub(super) fn attach(
+    root: &Path,
+    spec: &str,
+    url: &str,
+    cache_bytes: Option<u64>,
+    evictor: Option<&str>,
+) -> Result<()> {
     let origin = open_origin(url)?;
     let spec = VersionSpec::parse(spec)?;
     // Like an ingest, an attach may be what makes the store.
     let mut granary = open_writer(root, true)?;
-    let report = origin::attach(&mut granary, &origin, &spec, cache_bytes)?;
+    let report = origin::attach(&mut granary, &origin, &spec, cache_bytes, evictor)?;
     let cache = match report.cache_bytes {
         0 => "unbounded".to_owned(),
         bytes => format!("{bytes} bytes"),

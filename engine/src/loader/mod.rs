@@ -818,13 +818,25 @@ fn run_epochs(
             Some(batches) => batches,
             None => Arc::new(planner.epoch(position).map_err(Some)?),
         };
-        if let Some(scheduler) = &scheduler {
-            // The fillers see this epoch's reads and the next one's, so the tier keeps (and
-            // loads ahead) what the epoch after this needs first.
-            let following = Position { epoch: position.epoch + 1, cursor: 0 };
+        let hook = config.repair.as_ref().filter(|hook| hook.wants_plan());
+        let following = Position { epoch: position.epoch + 1, cursor: 0 };
+        if scheduler.is_some() || hook.is_some() {
+            // The fillers (and an origin cache's prefetch) see this epoch's reads and the next
+            // one's, so they keep (and load ahead) what the epoch after this needs first.
             if end_epoch.is_none_or(|end| following.epoch < end) {
                 next_epoch = Some(Arc::new(planner.epoch(following).map_err(Some)?));
             }
+        }
+        if let Some(hook) = hook {
+            // The first epoch's plan, then each following one's a whole epoch ahead.
+            if step == 0 {
+                hook.plan(step, &shards_by_step(dataset, &batches));
+            }
+            if let Some(next) = &next_epoch {
+                hook.plan(step + batches.len() as u64, &shards_by_step(dataset, next));
+            }
+        }
+        if let Some(scheduler) = &scheduler {
             scheduler.request(ScheduleRequest {
                 step,
                 from: position,
@@ -865,6 +877,20 @@ fn run_epochs(
 
 /// One epoch's batches of this rank, each with the position after it.
 type EpochBatches = Vec<(Vec<u64>, Position)>;
+
+/// The shards each batch of `batches` reads, in order, each once per batch.
+fn shards_by_step(dataset: &Dataset, batches: &EpochBatches) -> Vec<Vec<crate::id::ShardId>> {
+    batches
+        .iter()
+        .map(|(records, _)| {
+            let mut shards: Vec<usize> =
+                records.iter().filter_map(|&index| dataset.locate(index).ok().map(|(shard, _)| shard)).collect();
+            shards.sort_unstable();
+            shards.dedup();
+            shards.into_iter().map(|shard| dataset.shard_id(shard)).collect()
+        })
+        .collect()
+}
 
 /// Cuts epochs into this rank's batches, each with the position after it.
 struct EpochPlanner {

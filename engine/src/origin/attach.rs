@@ -6,7 +6,7 @@
 //! `origin/attached/<name>` and then writes the local ref. Record data stays at the origin until
 //! a reader needs it (`OriginCache`). Files (docs/format.md): `origin/attached/<name>` holds
 //! `granary-attach 1`, `url <URL>`, a CRC32C line; `origin/cache` holds `granary-cache 1`,
-//! `bytes <N>` (the bound; 0 is none), a CRC32C line. Never: fetches record data, or touches a
+//! `bytes <N>` (the bound; 0 is none), optionally `evictor <NAME or PATH>`, a CRC32C line. Never: fetches record data, or touches a
 //! dataset that was not attached (a local name is refused).
 
 use std::collections::HashSet;
@@ -91,28 +91,46 @@ pub fn attachment(paths: &StorePaths, name: &DatasetName) -> Result<Option<Attac
 
 /// The store's cache bound in bytes (0: none).
 pub fn cache_bound(paths: &StorePaths) -> Result<u64> {
+    Ok(cache_settings(paths)?.bytes)
+}
+
+/// How the store's cache is run: its bound and its evictor.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheSettings {
+    /// The bound in bytes (0: none).
+    pub bytes: u64,
+    /// The evictor plugin (a built-in name or a file); `None`: `plan-aware`.
+    pub evictor: Option<String>,
+}
+
+/// The store's cache settings (`origin/cache`; the defaults when there is none).
+pub fn cache_settings(paths: &StorePaths) -> Result<CacheSettings> {
     let path = origin_dir(paths).join("cache");
     let bytes = match std::fs::read(&path) {
         Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(CacheSettings::default()),
         Err(e) => return Err(Error::io("read", &path, e)),
     };
     let fields = decode_record(&bytes, CACHE_HEADER).map_err(|source| Error::Format { path: path.clone(), source })?;
     let text = field(&fields, "bytes").map_err(|source| Error::Format { path: path.clone(), source })?;
-    text.parse().map_err(|_| Error::Format {
+    let bound = text.parse().map_err(|_| Error::Format {
         path,
         source: FormatError::Inconsistent { field: "bytes", detail: format!("{text:?} is not a number") },
-    })
+    })?;
+    let evictor = field(&fields, "evictor").ok().map(str::to_owned);
+    Ok(CacheSettings { bytes: bound, evictor })
 }
 
 /// Attaches version `spec` (`NAME` or `NAME@N`) of `origin` to the store `granary` holds, and
-/// sets the store's cache bound when `cache_bytes` is given. Attaching a name again moves it to
+/// sets the store's cache bound and evictor plugin when `cache_bytes` and `evictor` are given
+/// (an evictor that does not load is refused here, not at the first read). Attaching a name again moves it to
 /// the origin's version asked for (the same origin only).
 pub fn attach(
     granary: &mut Granary,
     origin: &Origin,
     spec: &VersionSpec,
     cache_bytes: Option<u64>,
+    evictor: Option<&str>,
 ) -> Result<AttachReport> {
     let paths = granary.paths().clone();
     let (name, number) = match spec {
@@ -163,6 +181,10 @@ pub fn attach(
             big.shard, big.file_bytes
         )));
     }
+    if let Some(evictor) = evictor {
+        let host = crate::policy::PolicyHost::new(crate::policy::Limits::default(), None)?;
+        host.evictor(Some(evictor), &[], 1)?;
+    }
     check_shard_metas(origin, &manifest)?;
 
     let dir = origin_dir(&paths);
@@ -179,8 +201,18 @@ pub fn attach(
         }
         adopted?;
     }
-    if let Some(bound) = cache_bytes {
-        let record = encode_record(CACHE_HEADER, &[("bytes", &bound.to_string())]);
+    if cache_bytes.is_some() || evictor.is_some() {
+        let mut settings = cache_settings(&paths)?;
+        settings.bytes = bound;
+        if let Some(evictor) = evictor {
+            settings.evictor = Some(evictor.to_owned());
+        }
+        let bytes = settings.bytes.to_string();
+        let mut fields = vec![("bytes", bytes.as_str())];
+        if let Some(evictor) = &settings.evictor {
+            fields.push(("evictor", evictor.as_str()));
+        }
+        let record = encode_record(CACHE_HEADER, &fields);
         replace_file(&dir, &dir.join("cache"), record.as_bytes(), true)?;
     }
     // The attachment before the ref: a reader that finds the ref finds where its shards are.

@@ -12,14 +12,14 @@
 //! Invariant: no shard is published before its bytes hashed to its id. Never: takes the store's
 //! write lock or writes the catalog (the files are the truth; `granary repair` recatalogs).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::attach::{attachments, cache_bound, origin_dir};
+use super::attach::{attachments, cache_settings, origin_dir};
 use super::{FETCH_TRIES, Origin};
 use crate::error::{Error, Result};
 use crate::id::ShardId;
@@ -27,6 +27,18 @@ use crate::policy::{Limits, PolicyHost};
 use crate::read::ShardRepair;
 use crate::replication::cache::ShardCache;
 use crate::store::{StorePaths, sync_dir};
+
+/// Shards of the plan the prefetch thread looks at, soonest first.
+const PREFETCH_LOOKAHEAD: usize = 64;
+/// How long a shard a read waited for stays pinned at most (the read normally comes at once).
+const PIN_FOR: Duration = Duration::from_secs(30);
+/// Steps after an eviction of a shard needed sooner than the one it made room for during which
+/// fetches ahead use free room only.
+const REGRET_STEPS: u64 = 64;
+/// Shards fetched ahead at once (a fetch mostly waits: on the origin, on fsync).
+const PREFETCH_THREADS: usize = 8;
+/// How long a prefetch thread sleeps when there is nothing worth fetching.
+const PREFETCH_IDLE: Duration = Duration::from_millis(20);
 
 /// Counters of one process's cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -43,7 +55,11 @@ pub struct CacheStats {
     pub bytes_evicted: u64,
     /// Shard accesses by reads (one per shard a batch touched).
     pub accesses: u64,
-    /// Time reads waited for fetches.
+    /// Shards fetched ahead of the reader, from the plan (counted in `shards_fetched` too).
+    pub prefetched: u64,
+    /// Prefetches that failed (the read that needs the shard tries again, and reports).
+    pub prefetch_failures: u64,
+    /// Time reads waited for shards that were not here.
     pub fetch_wait: Duration,
 }
 
@@ -61,6 +77,25 @@ pub struct OriginCache {
     flying: Mutex<HashSet<ShardId>>,
     landed: Condvar,
     stats: Mutex<CacheStats>,
+    /// The steps (batches of this process's reader, counted from its start) at which each
+    /// shard is read, as far as the loader has told (`add_plan`); past steps are dropped.
+    plan: Mutex<HashMap<ShardId, VecDeque<u64>>>,
+    /// Batches delivered so far: the step the reader is at.
+    step: AtomicU64,
+    /// This cache, for the prefetch thread (which holds it only while it works, so the cache
+    /// goes, and the thread ends, when its last reader does).
+    me: std::sync::Weak<Self>,
+    prefetching: std::sync::Once,
+    /// The step at which the evictor last gave up a shard needed sooner than the one it made
+    /// room for (an evictor that does not follow the plan, LRU say): for `REGRET_STEPS` steps
+    /// from then, fetches ahead use free room only, so prefetch and eviction cannot chase each
+    /// other.
+    regret_at: AtomicU64,
+    /// The shards of each delivered batch, when asked for (`record_trace`).
+    trace: Mutex<Option<Vec<Vec<ShardId>>>>,
+    /// Shards a read of this process waited for and has not read yet: never evicted before it
+    /// has (or `PIN_FOR` passed), even when that keeps the cache over its bound for a moment.
+    pinned: Mutex<HashMap<ShardId, Instant>>,
 }
 
 impl std::fmt::Debug for OriginCache {
@@ -90,8 +125,20 @@ pub(crate) fn lock_cache(paths: &StorePaths) -> Result<File> {
 
 impl OriginCache {
     /// The cache of the store at `paths`, or `None` when nothing is attached there. `evictor`
-    /// names the evictor plugin (a built-in name or a file; the built-in default when `None`).
+    /// names the evictor plugin (a built-in name or a file); `None`: the store's (`attach
+    /// --evictor`), else `plan-aware`.
     pub fn open(paths: &StorePaths, evictor: Option<&str>, options: &[(String, String)]) -> Result<Option<Arc<Self>>> {
+        Self::open_with(paths, evictor, options, &[])
+    }
+
+    /// `open`, reaching the origins whose URLs `given` has through those (a wrapper that adds
+    /// latency or faults, in benchmarks and tests) instead of opening them afresh.
+    pub fn open_with(
+        paths: &StorePaths,
+        evictor: Option<&str>,
+        options: &[(String, String)],
+        given: &[Arc<Origin>],
+    ) -> Result<Option<Arc<Self>>> {
         let attached = attachments(paths)?;
         if attached.is_empty() {
             return Ok(None);
@@ -102,7 +149,11 @@ impl OriginCache {
             let at = match origins.iter().position(|o| o.url() == attachment.url) {
                 Some(at) => at,
                 None => {
-                    origins.push(Arc::new(Origin::open(&attachment.url)?));
+                    let origin = match given.iter().find(|o| o.url() == attachment.url) {
+                        Some(origin) => Arc::clone(origin),
+                        None => Arc::new(Origin::open(&attachment.url)?),
+                    };
+                    origins.push(origin);
                     origins.len() - 1
                 }
             };
@@ -127,12 +178,15 @@ impl OriginCache {
                 local.extend(paths.read_manifest(version.manifest)?.entries().iter().map(|e| e.shard));
             }
         }
-        let bound = cache_bound(paths)?;
+        let settings = cache_settings(paths)?;
+        let bound = settings.bytes;
         let host = PolicyHost::new(Limits::default(), None)?;
-        let evictor = ShardCache::new(&host, evictor, options, bound)?;
+        // The one asked for, else the store's, else the one that follows the plan.
+        let evictor = evictor.or(settings.evictor.as_deref()).unwrap_or("plan-aware");
+        let evictor = ShardCache::new(&host, Some(evictor), options, bound)?;
         let incoming = origin_dir(paths).join("incoming");
         std::fs::create_dir_all(&incoming).map_err(|e| Error::io("create directory", &incoming, e))?;
-        Ok(Some(Arc::new(Self {
+        Ok(Some(Arc::new_cyclic(|me| Self {
             paths: paths.clone(),
             bound,
             origins,
@@ -142,6 +196,13 @@ impl OriginCache {
             flying: Mutex::new(HashSet::new()),
             landed: Condvar::new(),
             stats: Mutex::new(CacheStats::default()),
+            plan: Mutex::new(HashMap::new()),
+            step: AtomicU64::new(0),
+            me: me.clone(),
+            prefetching: std::sync::Once::new(),
+            regret_at: AtomicU64::new(u64::MAX),
+            trace: Mutex::new(None),
+            pinned: Mutex::new(HashMap::new()),
         })))
     }
 
@@ -168,13 +229,12 @@ impl OriginCache {
     /// Makes shard `id` present here: fetched from its origin and published, unless it already
     /// is (or another reader of this process is fetching it, which this one then waits for).
     pub fn fetch(&self, id: ShardId) -> Result<()> {
-        let started = Instant::now();
-        let result = self.fetch_once(id);
-        self.stats.lock().unwrap_or_else(PoisonError::into_inner).fetch_wait += started.elapsed();
-        result
+        self.fetch_counted(id).map(|_| ())
     }
 
-    fn fetch_once(&self, id: ShardId) -> Result<()> {
+    /// `fetch`; returns whether this call fetched it (false: it was here, or another reader of
+    /// this process fetched it meanwhile).
+    fn fetch_counted(&self, id: ShardId) -> Result<bool> {
         let Some(&(bytes, at)) = self.fetchable.get(&id) else {
             return Err(Error::NotFound { what: format!("shard {id} in the datasets attached here") });
         };
@@ -184,11 +244,11 @@ impl OriginCache {
                 flying = self.landed.wait(flying).unwrap_or_else(PoisonError::into_inner);
             }
             if self.paths.shard(id).exists() {
-                return Ok(());
+                return Ok(false);
             }
             flying.insert(id);
         }
-        let result = self.fetch_flying(id, bytes, &self.origins[at]);
+        let result = self.fetch_flying(id, bytes, &self.origins[at]).map(|()| true);
         self.flying.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
         self.landed.notify_all();
         result
@@ -258,7 +318,7 @@ impl OriginCache {
     /// Evicts until shard `id` of `bytes` fits within the bound; the caller holds the lock.
     /// The evictor chooses, after it has been told of what other processes fetched (and what
     /// they evicted); when its choice still leaves the cache over the bound (a plugin that keeps
-    /// more than it is allowed), the oldest shards go.
+    /// more than it is allowed), the shards needed last by the plan go.
     fn make_room(&self, id: ShardId, bytes: u64) -> Result<()> {
         if self.bound == 0 {
             return Ok(());
@@ -273,26 +333,34 @@ impl OriginCache {
             for shard in gone {
                 evictor.forget(shard);
             }
+            let now = self.step();
             for &(shard, shard_bytes) in &present {
                 if !evictor.holds(shard) {
-                    victims.extend(evictor.admit(shard, shard_bytes)?.0);
+                    victims.extend(evictor.admit_next(shard, shard_bytes, self.next_use(shard, now))?.0);
                 }
             }
-            victims.extend(evictor.admit(id, bytes)?.0);
+            victims.extend(evictor.admit_next(id, bytes, self.next_use(id, now))?.0);
         }
+        let now = self.step();
+        let wanted = self.next_use(id, now);
         for (victim, victim_bytes) in victims {
-            if victim != id {
+            if victim != id && !self.is_pinned(victim) {
+                if self.next_use(victim, now) < wanted {
+                    self.regret_at.store(now, Ordering::Release);
+                }
                 self.evict(victim, victim_bytes)?;
             }
         }
         let mut present = self.present(Some(id));
         let mut used: u64 = present.iter().map(|&(_, b)| b).sum();
         if used + bytes > self.bound {
-            present
-                .sort_by_key(|&(shard, _)| std::fs::metadata(self.paths.shard(shard)).and_then(|m| m.modified()).ok());
+            present.sort_by_key(|&(shard, _)| std::cmp::Reverse(self.next_use(shard, now)));
             for (shard, shard_bytes) in present {
                 if used + bytes <= self.bound {
                     break;
+                }
+                if self.is_pinned(shard) {
+                    continue;
                 }
                 self.evictor.lock().unwrap_or_else(PoisonError::into_inner).forget(shard);
                 self.evict(shard, shard_bytes)?;
@@ -316,6 +384,12 @@ impl OriginCache {
         }
     }
 
+    fn is_pinned(&self, id: ShardId) -> bool {
+        let mut pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
+        pinned.retain(|_, since| since.elapsed() < PIN_FOR);
+        pinned.contains_key(&id)
+    }
+
     /// The damaged copy of shard `id` goes to `quarantine/` (a rename: no lock needed).
     fn quarantine(&self, id: ShardId) -> Result<()> {
         let path = self.paths.shard(id);
@@ -324,6 +398,156 @@ impl OriginCache {
             self.paths.move_to_quarantine(&path, &name)?;
         }
         Ok(())
+    }
+
+    /// The reader's step: batches delivered so far.
+    pub fn step(&self) -> u64 {
+        self.step.load(Ordering::Acquire)
+    }
+
+    /// Tells the cache which shards the reader reads at steps `first_step`, `first_step + 1`,
+    /// ... (one list per batch, as the plan has them): the evictor gets each access's next use
+    /// from this, and `upcoming` lists what to fetch ahead.
+    pub fn add_plan(&self, first_step: u64, shards_by_step: &[Vec<ShardId>]) {
+        let mut plan = self.plan.lock().unwrap_or_else(PoisonError::into_inner);
+        for (i, shards) in shards_by_step.iter().enumerate() {
+            let step = first_step + i as u64;
+            for &shard in shards {
+                let uses = plan.entry(shard).or_default();
+                if uses.back().is_none_or(|&last| last < step) {
+                    uses.push_back(step);
+                }
+            }
+        }
+    }
+
+    /// The first step at or after `from` at which shard `id` is read (`u64::MAX`: not in the
+    /// plan known so far). Drops the steps before `from`.
+    pub fn next_use(&self, id: ShardId, from: u64) -> u64 {
+        let mut plan = self.plan.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(uses) = plan.get_mut(&id) else { return u64::MAX };
+        while uses.front().is_some_and(|&step| step < from) {
+            uses.pop_front();
+        }
+        uses.front().copied().unwrap_or(u64::MAX)
+    }
+
+    /// Up to `limit` shards of the plan, soonest next use first, with that use.
+    pub fn upcoming(&self, limit: usize) -> Vec<(ShardId, u64)> {
+        let now = self.step();
+        let mut plan = self.plan.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut next: Vec<(u64, ShardId)> = Vec::new();
+        plan.retain(|&shard, uses| {
+            while uses.front().is_some_and(|&step| step < now) {
+                uses.pop_front();
+            }
+            if let Some(&step) = uses.front() {
+                next.push((step, shard));
+            }
+            !uses.is_empty()
+        });
+        next.sort_unstable();
+        next.truncate(limit);
+        next.into_iter().map(|(step, shard)| (shard, step)).collect()
+    }
+
+    /// Whether fetching shard `id`, next used at step `next_use`, is worth it now: it fits in
+    /// the free room, or some cached shard is next used later than it (so keeping that one
+    /// instead would cost more misses: Belady's rule).
+    pub fn worth_fetching(&self, id: ShardId, next_use: u64) -> bool {
+        if self.paths.shard(id).exists() {
+            return false;
+        }
+        if self.bound == 0 {
+            return true;
+        }
+        let Some(&(bytes, _)) = self.fetchable.get(&id) else { return false };
+        let present = self.present(Some(id));
+        // Shards on their way here take room too.
+        let (flying_bytes, flying_count): (u64, usize) = {
+            let flying = self.flying.lock().unwrap_or_else(PoisonError::into_inner);
+            (flying.iter().filter_map(|s| self.fetchable.get(s)).map(|&(b, _)| b).sum(), flying.len())
+        };
+        let used: u64 = present.iter().map(|&(_, b)| b).sum::<u64>() + flying_bytes;
+        if used + bytes <= self.bound {
+            return true;
+        }
+        // Each fetch under way will push out one of the shards needed later than it: there
+        // must be one more of those for this fetch.
+        let now = self.step();
+        let later = present.iter().filter(|&&(shard, _)| self.next_use(shard, now) > next_use).count();
+        let regret = self.regret_at.load(Ordering::Acquire);
+        let regretted = regret != u64::MAX && now < regret.saturating_add(REGRET_STEPS);
+        !regretted && later > flying_count
+    }
+
+    /// Fetches the first shard of the plan that is not here, when it is worth it (see
+    /// `worth_fetching`). Returns whether it fetched one.
+    fn prefetch_one(&self) -> bool {
+        for (shard, next_use) in self.upcoming(PREFETCH_LOOKAHEAD) {
+            if self.paths.shard(shard).exists()
+                || self.flying.lock().unwrap_or_else(PoisonError::into_inner).contains(&shard)
+            {
+                continue;
+            }
+            if !self.worth_fetching(shard, next_use) {
+                return false;
+            }
+            let fetched = self.fetch_counted(shard);
+            let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+            return match fetched {
+                Ok(fetched) => {
+                    stats.prefetched += u64::from(fetched);
+                    true
+                }
+                // The reader meets the same failure when it gets there, and reports it.
+                Err(_) => {
+                    stats.prefetch_failures += 1;
+                    false
+                }
+            };
+        }
+        false
+    }
+
+    /// Starts the threads that fetch ahead of the reader in plan order, once: several, so that
+    /// the origin's latency per request is paid in parallel.
+    fn start_prefetch(&self) {
+        self.prefetching.call_once(|| {
+            for _ in 0..PREFETCH_THREADS {
+                let me = self.me.clone();
+                let started = std::thread::Builder::new().name("granary-prefetch".into()).spawn(move || {
+                    loop {
+                        let Some(cache) = me.upgrade() else { return };
+                        let worked = cache.prefetch_one();
+                        drop(cache);
+                        if !worked {
+                            std::thread::sleep(PREFETCH_IDLE);
+                        }
+                    }
+                });
+                // Without the threads, reads still fetch what they miss.
+                if started.is_err() {
+                    self.stats.lock().unwrap_or_else(PoisonError::into_inner).prefetch_failures += 1;
+                }
+            }
+        });
+    }
+
+    /// Records the shards of every batch delivered from now on (benchmarks: the access trace
+    /// Belady's minimum is computed on).
+    pub fn record_trace(&self) {
+        *self.trace.lock().unwrap_or_else(PoisonError::into_inner) = Some(Vec::new());
+    }
+
+    /// The trace recorded so far.
+    pub fn trace(&self) -> Vec<Vec<ShardId>> {
+        self.trace.lock().unwrap_or_else(PoisonError::into_inner).clone().unwrap_or_default()
+    }
+
+    /// The bytes of shard `id`, when an attached dataset names it.
+    pub fn shard_bytes(&self, id: ShardId) -> Option<u64> {
+        self.fetchable.get(&id).map(|&(bytes, _)| bytes)
     }
 
     /// Where a shard of the attached datasets lives here (present or not).
@@ -352,15 +576,46 @@ impl ShardRepair for OriginCache {
         if cause.is_corruption() {
             self.quarantine(shard)?;
         }
-        self.fetch(shard)
+        let started = Instant::now();
+        // Pinned from before the fetch (another reader's fetch may publish it first) until
+        // this read has it.
+        self.pinned.lock().unwrap_or_else(PoisonError::into_inner).insert(shard, Instant::now());
+        let fetched = self.fetch(shard);
+        self.stats.lock().unwrap_or_else(PoisonError::into_inner).fetch_wait += started.elapsed();
+        fetched
+    }
+
+    fn wants_plan(&self) -> bool {
+        true
+    }
+
+    fn plan(&self, first_step: u64, shards_by_step: &[Vec<ShardId>]) {
+        self.add_plan(first_step, shards_by_step);
+        self.start_prefetch();
     }
 
     fn accessed(&self, shards: &[ShardId]) {
         self.stats.lock().unwrap_or_else(PoisonError::into_inner).accesses += shards.len() as u64;
+        if let Some(trace) = self.trace.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+            trace.push(shards.to_vec());
+        }
+        let now = self.step.fetch_add(1, Ordering::AcqRel) + 1;
+        {
+            let mut pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
+            if !pinned.is_empty() {
+                for shard in shards {
+                    pinned.remove(shard);
+                }
+            }
+        }
         if self.bound == 0 {
             return;
         }
-        let victims = self.evictor.lock().unwrap_or_else(PoisonError::into_inner).touch(shards);
+        let victims = self
+            .evictor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .touch_next(shards, &mut |shard| self.next_use(shard, now));
         // A plugin that changed its mind about what fits: its victims go now, under the lock.
         if let Ok(victims) = victims
             && !victims.is_empty()

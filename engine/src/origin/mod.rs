@@ -27,7 +27,10 @@ use std::sync::Arc;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion, WriteMultipart};
 
-pub use attach::{AttachReport, Attachment, DetachReport, attach, attachment, attachments, cache_bound, detach};
+pub use attach::{
+    AttachReport, Attachment, CacheSettings, DetachReport, attach, attachment, attachments, cache_bound,
+    cache_settings, detach,
+};
 pub use cache::{CacheStats, OriginCache};
 pub use push::{Progress as PushProgress, PushReport, push};
 

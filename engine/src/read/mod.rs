@@ -194,6 +194,18 @@ pub trait ShardRepair: Send + Sync + std::fmt::Debug {
     fn accessed(&self, shards: &[ShardId]) {
         let _ = shards;
     }
+
+    /// Whether the hook uses the read plan (a cache that fetches ahead of the reader and tells
+    /// its evictor each shard's next use): the loader then calls `plan` once per epoch, ahead.
+    fn wants_plan(&self) -> bool {
+        false
+    }
+
+    /// The shards the reader reads at steps `first_step`, `first_step + 1`, ... (one list per
+    /// batch; a step is one delivered batch, counted from the reader's start).
+    fn plan(&self, first_step: u64, shards_by_step: &[Vec<ShardId>]) {
+        let _ = (first_step, shards_by_step);
+    }
 }
 
 /// Repairs beyond one per shard that a read may make without delivering a batch.

@@ -60,6 +60,12 @@ impl ShardCache {
     /// room for it (never the shard itself: the reader that fetched it is about to read it), and
     /// whether the shard is now a cache entry (one larger than the whole cache is not).
     pub(crate) fn admit(&mut self, id: ShardId, bytes: u64) -> Result<(Vec<(ShardId, u64)>, bool)> {
+        self.admit_next(id, bytes, NEVER)
+    }
+
+    /// `admit`, with the step at which the shard is next used (`u64::MAX`: unknown), which the
+    /// evictor gets as the access's `next-use`.
+    pub(crate) fn admit_next(&mut self, id: ShardId, bytes: u64, next_use: u64) -> Result<(Vec<(ShardId, u64)>, bool)> {
         let key = shard_key(id.0.as_bytes());
         let Some(evictor) = &mut self.evictor else {
             if self.entries.insert(key, (id, bytes)).is_none() {
@@ -68,7 +74,7 @@ impl ShardCache {
             return Ok((Vec::new(), true));
         };
         let blocks = u32::try_from(bytes.div_ceil(BLOCK_BYTES_U64)).unwrap_or(u32::MAX);
-        let outcome = evictor.access(&[key], &[blocks], &[NEVER])?;
+        let outcome = evictor.access(&[key], &[blocks], &[next_use])?;
         let resident = evictor.contains(key);
         let victims = self.take_victims(outcome.evictions.iter().map(|&(_, key)| key).filter(|&k| k != key));
         if resident && self.entries.insert(key, (id, bytes)).is_none() {
@@ -80,19 +86,28 @@ impl ShardCache {
     /// Shards were read: the cached ones count as accesses; returns the victims (none, unless
     /// the plugin changed its mind about what fits).
     pub(crate) fn touch(&mut self, shards: &[ShardId]) -> Result<Vec<(ShardId, u64)>> {
+        self.touch_next(shards, &mut |_| NEVER)
+    }
+
+    /// `touch`, with each shard's next use (`u64::MAX`: unknown) for the evictor.
+    pub(crate) fn touch_next(
+        &mut self,
+        shards: &[ShardId],
+        next_use: &mut dyn FnMut(ShardId) -> u64,
+    ) -> Result<Vec<(ShardId, u64)>> {
         let Some(evictor) = &mut self.evictor else { return Ok(Vec::new()) };
-        let (mut keys, mut sizes) = (Vec::new(), Vec::new());
+        let (mut keys, mut sizes, mut next_uses) = (Vec::new(), Vec::new(), Vec::new());
         for shard in shards {
             let key = shard_key(shard.0.as_bytes());
             if let Some(&(_, bytes)) = self.entries.get(&key) {
                 keys.push(key);
                 sizes.push(u32::try_from(bytes.div_ceil(BLOCK_BYTES_U64)).unwrap_or(u32::MAX));
+                next_uses.push(next_use(*shard));
             }
         }
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let next_uses = vec![NEVER; keys.len()];
         let outcome = evictor.access(&keys, &sizes, &next_uses)?;
         Ok(self.take_victims(outcome.evictions.iter().map(|&(_, key)| key)))
     }

@@ -1,0 +1,232 @@
+//! `granary bench cache`: a dataset several times the cache, read for a few epochs from a slow
+//! origin through the cache, once per evictor, against Belady's minimum for the same plan.
+//!
+//! The origin is object_store's in-memory store behind its `ThrottledStore` (a wait per
+//! request and per byte; a shard is fetched with 8 ranged reads in flight, so the per-request
+//! rate is an eighth of the shard fetch rate asked for). The trainer is a sleep of fixed length
+//! per batch. Reported per evictor: the hit ratio (shard accesses found here without the read
+//! waiting), bytes from the origin and that as a multiple of Belady's minimum on the access
+//! trace the run recorded, and the data stall (the trainer's waits for batches, as a share of
+//! the run).
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use granary::loader::{Loader, LoaderConfig, PlanSource, Target};
+use granary::origin::{self, Origin, OriginCache};
+use granary::{Granary, Position, ShardId, StorePaths, VersionSpec};
+
+use super::parse_size;
+use super::show::bytes;
+
+#[derive(Args)]
+pub(crate) struct CacheArgs {
+    /// The dataset's size (random 4 KiB records).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    generate: u64,
+    /// Bytes of record data per shard.
+    #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+    shard_bytes: u64,
+    /// The cache as a share of the dataset.
+    #[arg(long, default_value_t = 0.25)]
+    cache_fraction: f64,
+    /// How fast one shard comes from the origin, bytes per second.
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    bandwidth: u64,
+    /// The origin's latency per request, in milliseconds.
+    #[arg(long, default_value_t = 20)]
+    latency_ms: u64,
+    /// Records (4 KiB) per batch.
+    #[arg(long, default_value_t = 64)]
+    batch: u64,
+    /// The training step per batch, in milliseconds.
+    #[arg(long, default_value_t = 10)]
+    step_ms: u64,
+    /// Epochs read.
+    #[arg(long, default_value_t = 2)]
+    epochs: u64,
+    /// Shards in the elastic partitioner's window (0: a quarter of the shards the cache holds).
+    #[arg(long, default_value_t = 0)]
+    window_shards: u64,
+    /// The evictors compared.
+    #[arg(long, value_delimiter = ',', default_value = "plan-aware,lru,s3-fifo")]
+    evictors: Vec<String>,
+}
+
+const RECORD_BYTES: u64 = 4096;
+
+pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
+    if !(args.cache_fraction > 0.0 && args.cache_fraction < 1.0) {
+        bail!("--cache-fraction {}: between 0 and 1", args.cache_fraction);
+    }
+    if args.bandwidth == 0 || args.batch == 0 || args.epochs == 0 {
+        bail!("--bandwidth, --batch and --epochs must be above zero");
+    }
+    std::fs::create_dir_all(root).with_context(|| format!("create {}", root.display()))?;
+    let source = root.join("source");
+    if source.exists() {
+        std::fs::remove_dir_all(&source).with_context(|| format!("remove {}", source.display()))?;
+    }
+    super::bench_replication::make_dataset(&source, "bench-cache", args.generate, args.shard_bytes, 7)?;
+    let source_paths = StorePaths::new(&source);
+    let spec = VersionSpec::parse("bench-cache")?;
+    let manifest = source_paths.read_manifest(source_paths.resolve(&spec)?.0)?;
+    let dataset_bytes: u64 = manifest.entries().iter().map(|e| e.file_bytes).sum();
+    let shard_max = manifest.entries().iter().map(|e| e.file_bytes).max().unwrap_or(0);
+    let bound = ((dataset_bytes as f64 * args.cache_fraction) as u64).max(shard_max);
+    let cache_shards = (bound / shard_max.max(1)).max(1);
+    let window = if args.window_shards > 0 { args.window_shards } else { (cache_shards / 4).max(1) };
+    // The origin: object_store's in-memory store behind its throttle (reads wait, writes do
+    // not), so the push is quick and every fetch pays the latency and the bandwidth.
+    let throttle = object_store::throttle::ThrottleConfig {
+        wait_get_per_call: Duration::from_millis(args.latency_ms),
+        wait_get_per_byte: Duration::from_secs_f64(8.0 / args.bandwidth as f64),
+        ..Default::default()
+    };
+    granary::origin::install_tls_provider();
+    let memory = object_store::memory::InMemory::new();
+    let url = "memory://bench-cache".to_owned();
+    let slow = Arc::new(Origin::with_store(
+        Arc::new(object_store::throttle::ThrottledStore::new(memory, throttle)),
+        object_store::path::Path::default(),
+        url,
+    )?);
+    origin::push(&source_paths, &spec, &slow, &|_| {})?;
+    let batch_bytes = args.batch * RECORD_BYTES;
+    let consumed = batch_bytes as f64 / (args.step_ms.max(1) as f64 / 1000.0);
+    outln!(
+        "bench cache: {} in {} shards, cache {} ({:.0}%, {cache_shards} shards), window {window} shards, \
+         {} epochs; origin {}/s per shard fetch, {} ms per request; training consumes {}/s ({} per {} ms step)",
+        bytes(dataset_bytes),
+        manifest.entries().len(),
+        bytes(bound),
+        100.0 * bound as f64 / dataset_bytes as f64,
+        args.epochs,
+        bytes(args.bandwidth),
+        args.latency_ms,
+        bytes(consumed as u64),
+        bytes(batch_bytes),
+        args.step_ms
+    )?;
+    outln!(
+        "{:<12} {:>9} {:>14} {:>10} {:>8} {:>9} {:>8} {:>8} {:>12}",
+        "EVICTOR",
+        "HIT RATIO",
+        "FROM ORIGIN",
+        "x BELADY",
+        "STALL",
+        "RUN",
+        "FETCHES",
+        "AHEAD",
+        "READS WAITED"
+    )?;
+    for evictor in &args.evictors {
+        let here = root.join(format!("here-{evictor}"));
+        if here.exists() {
+            std::fs::remove_dir_all(&here)?;
+        }
+        {
+            let mut granary = Granary::create(&here)?;
+            origin::attach(&mut granary, &slow, &spec, Some(bound), Some(evictor))?;
+        }
+        let paths = StorePaths::new(&here);
+        let cache = OriginCache::open_with(&paths, Some(evictor), &[], &[Arc::clone(&slow)])?
+            .context("the dataset was just attached")?;
+        cache.record_trace();
+        let dataset = granary::Dataset::open(&paths, &spec)?;
+        let config = LoaderConfig {
+            batch_size: args.batch,
+            seed: 11,
+            plan: PlanSource::Partitioner {
+                plugin: Some("elastic".to_owned()),
+                options: vec![("window-shards".to_owned(), window.to_string())],
+            },
+            epochs: Some(args.epochs),
+            target: Target::Host,
+            // The disk cache alone: the memory tier would serve later epochs from memory.
+            tier: granary::TierSetting::Off,
+            repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardRepair>),
+            ..LoaderConfig::default()
+        };
+        let mut loader = Loader::new(dataset, config, Position::default())?;
+        let started = Instant::now();
+        let mut stall = Duration::ZERO;
+        loop {
+            let asked = Instant::now();
+            let Some(batch) = loader.next() else { break };
+            stall += asked.elapsed();
+            drop(batch?);
+            std::thread::sleep(Duration::from_millis(args.step_ms));
+        }
+        let run = started.elapsed();
+        let stats = cache.stats();
+        let misses = stats.shards_fetched.saturating_sub(stats.prefetched);
+        let hit_ratio = 1.0 - misses as f64 / stats.accesses.max(1) as f64;
+        let trace = cache.trace();
+        let minimum = belady_bytes(&trace, bound, &|id| cache.shard_bytes(id).unwrap_or(0));
+        outln!(
+            "{evictor:<12} {hit_ratio:>9.3} {:>14} {:>8.2} x {:>7.1}% {:>8.1}s {:>8} {:>8} {:>11.1}s",
+            bytes(stats.bytes_from_origin),
+            stats.bytes_from_origin as f64 / minimum.max(1) as f64,
+            100.0 * stall.as_secs_f64() / run.as_secs_f64(),
+            run.as_secs_f64(),
+            stats.shards_fetched,
+            stats.prefetched,
+            stats.fetch_wait.as_secs_f64()
+        )?;
+        drop(loader);
+        drop(cache);
+        std::fs::remove_dir_all(&here)?;
+    }
+    outln!(
+        "(x BELADY: bytes from the origin over Belady's for the same access trace and cache, evicting the shard \
+         next used farthest ahead; the dataset once is {})",
+        bytes(dataset_bytes)
+    )?;
+    Ok(())
+}
+
+/// The bytes a cache of `capacity` bytes fetches on `trace` (the shards of each batch) when it
+/// evicts the shard next used farthest ahead (Belady's rule; exact for shards of one size), the
+/// shards of the batch being read kept.
+fn belady_bytes(trace: &[Vec<ShardId>], capacity: u64, size: &dyn Fn(ShardId) -> u64) -> u64 {
+    let accesses: Vec<(usize, ShardId)> =
+        trace.iter().enumerate().flat_map(|(step, shards)| shards.iter().map(move |&s| (step, s))).collect();
+    // next[i]: the step of the next access to the shard of access i after step i's (MAX: none).
+    let mut next = vec![usize::MAX; accesses.len()];
+    let mut seen: HashMap<ShardId, usize> = HashMap::new();
+    for i in (0..accesses.len()).rev() {
+        let (step, shard) = accesses[i];
+        next[i] = seen.get(&shard).copied().unwrap_or(usize::MAX);
+        seen.insert(shard, step);
+    }
+    // Each held shard: its next use and the step it was last read at.
+    let mut held: HashMap<ShardId, (usize, usize)> = HashMap::new();
+    let mut by_next: BTreeSet<(usize, ShardId)> = BTreeSet::new();
+    let (mut used, mut fetched) = (0u64, 0u64);
+    for (i, &(step, shard)) in accesses.iter().enumerate() {
+        if let Some((old, _)) = held.insert(shard, (next[i], step)) {
+            by_next.remove(&(old, shard));
+        } else {
+            fetched += size(shard);
+            used += size(shard);
+        }
+        by_next.insert((next[i], shard));
+        while used > capacity {
+            // The farthest next use, but never a shard the batch being read holds.
+            let Some(&(far, victim)) =
+                by_next.iter().rev().find(|(_, s)| held.get(s).is_some_and(|&(_, last)| last != step))
+            else {
+                break;
+            };
+            by_next.remove(&(far, victim));
+            held.remove(&victim);
+            used -= size(victim);
+        }
+    }
+    fetched
+}
