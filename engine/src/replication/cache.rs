@@ -47,6 +47,7 @@ impl ShardCache {
     }
 
     /// Whether shard `id` is one of the entries.
+    #[cfg(feature = "origin")]
     pub(crate) fn holds(&self, id: ShardId) -> bool {
         self.entries.get(&shard_key(id.0.as_bytes())).is_some_and(|&(held, _)| held == id)
     }

@@ -629,6 +629,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Replaces `target` with `bytes` through a temp file in `dir` (readers see the old content or
 /// the new, never a mix); durable (synced) only when `durable`.
+#[cfg(feature = "replication")]
 pub(crate) fn replace_file(dir: &Path, target: &Path, bytes: &[u8], durable: bool) -> Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
