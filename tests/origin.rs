@@ -289,3 +289,34 @@ fn bench_cache_runs_end_to_end_at_a_small_scale() {
         assert!(ratio > 0.8, "{row}");
     }
 }
+
+#[test]
+fn a_file_origin_takes_a_second_version_and_refuses_a_stale_ref() {
+    let dir = tempdir();
+    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
+    let input = store_with(&source, 16, 1);
+    let url = format!("file://{}", dir.path().join("origin").display());
+    granary_ok(&source, &["push", "tok", &url]);
+    // A pusher that read the ref before another pusher changed it is refused.
+    let origin = Origin::open(&url).unwrap();
+    let name = granary::DatasetName::new("tok").unwrap();
+    let (first, stale) = origin.read_ref(&name).unwrap().unwrap();
+    // A second version: the first's records and 16 more.
+    let more = dir.path().join("more.bin");
+    std::fs::write(&more, (16..32).flat_map(|i| bytes(1 + i as u64, RECORD)).collect::<Vec<u8>>()).unwrap();
+    granary_ok(
+        &source,
+        &["ingest", "records", "--name", "tok", "--append", "--record-bytes", "4096", more.to_str().unwrap()],
+    );
+    let pushed = granary_ok(&source, &["push", "tok", &url]);
+    assert!(pushed.contains("pushed tok@2") && pushed.contains("ref written"), "{pushed}");
+    let refused = origin.write_ref(&name, &first, Some(stale)).unwrap_err().to_string();
+    assert!(refused.contains("another push changed it"), "{refused}");
+    assert_eq!(origin.read_ref(&name).unwrap().unwrap().0.latest().number, 2, "the newer ref stands");
+    let attached = granary_ok(&here, &["attach", "tok@1", &url]);
+    assert!(attached.contains("attached tok@1"), "{attached}");
+    assert_eq!(granary(&here, &["get", "tok@1", "3"]).stdout, input[3 * RECORD..4 * RECORD]);
+    let moved = granary_ok(&here, &["attach", "tok", &url]);
+    assert!(moved.contains("attached tok@2"), "{moved}");
+    assert_eq!(granary(&here, &["get", "tok@2", "20"]).stdout, bytes(21, RECORD));
+}

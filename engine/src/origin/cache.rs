@@ -37,8 +37,9 @@ const PIN_FOR: Duration = Duration::from_secs(30);
 const REGRET_STEPS: u64 = 64;
 /// Shards fetched ahead at once (a fetch mostly waits: on the origin, on fsync).
 const PREFETCH_THREADS: usize = 8;
-/// How long a prefetch thread sleeps when there is nothing worth fetching.
-const PREFETCH_IDLE: Duration = Duration::from_millis(20);
+/// How long a prefetch thread first sleeps when there is nothing worth fetching, and at most.
+const PREFETCH_IDLE: Duration = Duration::from_millis(10);
+const PREFETCH_IDLE_MAX: Duration = Duration::from_millis(80);
 
 /// Counters of one process's cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -517,12 +518,18 @@ impl OriginCache {
             for _ in 0..PREFETCH_THREADS {
                 let me = self.me.clone();
                 let started = std::thread::Builder::new().name("granary-prefetch".into()).spawn(move || {
+                    // Idle, a thread looks again after a wait that doubles up to a bound: a
+                    // cache that holds what the plan needs costs next to nothing.
+                    let mut idle = PREFETCH_IDLE;
                     loop {
                         let Some(cache) = me.upgrade() else { return };
                         let worked = cache.prefetch_one();
                         drop(cache);
-                        if !worked {
-                            std::thread::sleep(PREFETCH_IDLE);
+                        if worked {
+                            idle = PREFETCH_IDLE;
+                        } else {
+                            std::thread::sleep(idle);
+                            idle = (idle * 2).min(PREFETCH_IDLE_MAX);
                         }
                     }
                 });

@@ -62,6 +62,9 @@ pub struct Origin {
     /// The URL as given (checked to carry no credentials), for messages.
     shown: String,
     runtime: Arc<tokio::runtime::Runtime>,
+    /// For a `file://` origin, its directory: the local file system cannot replace an object
+    /// conditionally, so ref updates there are serialised by a lock file instead.
+    local_dir: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for Origin {
@@ -114,7 +117,14 @@ impl Origin {
             }
             "file" => {
                 let (store, prefix) = object_store::parse_url(&parsed).map_err(bad)?;
-                (Arc::from(store), prefix)
+                let dir = parsed.to_file_path().map_err(|()| Error::Origin {
+                    origin: shown.clone(),
+                    op: "open",
+                    detail: "not a local path".to_owned(),
+                })?;
+                let mut origin = Self::with_store(Arc::from(store), prefix, shown)?;
+                origin.local_dir = Some(dir);
+                return Ok(origin);
             }
             "memory" => (Arc::new(object_store::memory::InMemory::new()), prefix()?),
             other => {
@@ -136,7 +146,7 @@ impl Origin {
             .enable_all()
             .build()
             .map_err(|e| Error::Origin { origin: shown.clone(), op: "start its runtime", detail: e.to_string() })?;
-        Ok(Self { store, prefix, shown, runtime: Arc::new(runtime) })
+        Ok(Self { store, prefix, shown, runtime: Arc::new(runtime), local_dir: None })
     }
 
     /// The URL, as given (it carries no credentials).
@@ -262,22 +272,52 @@ impl Origin {
             None => PutMode::Create,
             Some(version) => PutMode::Update(version),
         };
+        let conflict = || Error::Origin {
+            origin: self.shown.clone(),
+            op: "write",
+            detail: format!(
+                "ref {name}: another push changed it since it was read; nothing was overwritten \
+                 (push again to add this version to the new ref)"
+            ),
+        };
+        // The local file system has no conditional replace: under a lock file beside the refs,
+        // the ref read again must still be the one read before.
+        let lock = match (&mode, &self.local_dir) {
+            (PutMode::Update(version), Some(dir)) => {
+                let lock = self.lock_refs(dir)?;
+                match self.read_ref(name)? {
+                    Some((_, now)) if now.e_tag == version.e_tag => {}
+                    _ => return Err(conflict()),
+                }
+                Some(lock)
+            }
+            _ => None,
+        };
+        let mode = if lock.is_some() { PutMode::Overwrite } else { mode };
         let options = PutOptions { mode, ..PutOptions::default() };
         let payload = PutPayload::from(log.encode().into_bytes());
         match self.runtime.block_on(self.store.put_opts(&path, payload, options)) {
             Ok(_) => Ok(()),
             Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }) => {
-                Err(Error::Origin {
-                    origin: self.shown.clone(),
-                    op: "write",
-                    detail: format!(
-                        "ref {name}: another push changed it since it was read; nothing was overwritten \
-                         (push again to add this version to the new ref)"
-                    ),
-                })
+                Err(conflict())
             }
             Err(e) => Err(self.error("write", format_args!("ref {name}"), e)),
         }
+    }
+
+    /// The lock that serialises ref updates of a `file://` origin at `dir`.
+    fn lock_refs(&self, dir: &FsPath) -> Result<File> {
+        let refs = dir.join("refs");
+        std::fs::create_dir_all(&refs).map_err(|e| Error::io("create directory", &refs, e))?;
+        let path = refs.join(".lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io("open", &path, e))?;
+        crate::io::flock(&file, libc::LOCK_EX).map_err(|e| Error::io("lock", &path, e))?;
+        Ok(file)
     }
 
     /// Manifest `id`, checked against its id and decoded.
