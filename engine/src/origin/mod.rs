@@ -82,8 +82,8 @@ impl Origin {
     pub fn open(url: &str) -> Result<Self> {
         // Before a client is built: reqwest panics on one without a TLS provider.
         install_tls_provider();
-        let parsed =
-            url::Url::parse(url).map_err(|e| Error::invalid_input(format!("origin {url:?}: not a URL: {e}")))?;
+        // The text is not repeated: a malformed URL may still hold a secret.
+        let parsed = url::Url::parse(url).map_err(|e| Error::invalid_input(format!("the origin is not a URL: {e}")))?;
         if !parsed.username().is_empty() || parsed.password().is_some() || parsed.query().is_some() {
             // Not even the URL goes into the message: it holds the secret.
             return Err(Error::invalid_input(
@@ -93,7 +93,11 @@ impl Origin {
             ));
         }
         let shown = parsed.to_string();
-        let bad = |e: object_store::Error| Error::Origin { origin: shown.clone(), op: "open", detail: e.to_string() };
+        let bad = |e: object_store::Error| Error::Origin {
+            origin: shown.clone(),
+            op: "open",
+            detail: redact(&e.to_string()),
+        };
         let prefix = || Path::from_url_path(parsed.path()).map_err(|e| bad(e.into()));
         let (store, prefix): (Arc<dyn ObjectStore>, Path) = match parsed.scheme() {
             "s3" | "s3a" => {
@@ -155,7 +159,7 @@ impl Origin {
     }
 
     fn error(&self, op: &'static str, what: impl std::fmt::Display, e: impl std::fmt::Display) -> Error {
-        Error::Origin { origin: self.shown.clone(), op, detail: format!("{what}: {e}") }
+        Error::Origin { origin: self.shown.clone(), op, detail: redact(&format!("{what}: {e}")) }
     }
 
     fn object_path(&self, kind: ObjectKind, id: ObjectId) -> Path {
@@ -406,6 +410,36 @@ impl Origin {
     }
 }
 
+/// Environment variables whose values are credentials (or name them, like an access key id a
+/// server may echo back in an error body).
+const CREDENTIAL_VARIABLES: &[&str] = &[
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_ACCESS_KEY",
+    "AZURE_STORAGE_SAS_KEY",
+    "AZURE_CLIENT_SECRET",
+    "GOOGLE_SERVICE_ACCOUNT_KEY",
+];
+
+/// `text` with the value of every credential variable set here replaced, so that an error a
+/// server or client library wrote (a signature mismatch that echoes the request, say) cannot
+/// carry one into a message.
+fn redact(text: &str) -> String {
+    let values: Vec<String> = CREDENTIAL_VARIABLES.iter().filter_map(|variable| std::env::var(variable).ok()).collect();
+    redact_values(text, &values)
+}
+
+/// `text` with each of `values` (those of 4 bytes or more) replaced by `[redacted]`.
+fn redact_values(text: &str, values: &[String]) -> String {
+    let mut out = text.to_owned();
+    for value in values.iter().filter(|value| value.len() >= 4) {
+        out = out.replace(value.as_str(), "[redacted]");
+    }
+    out
+}
+
 /// Makes ring rustls's process-wide provider, once: reqwest is built without one of its own
 /// (see the workspace's Cargo.toml), and building an `object_store` HTTP client without one
 /// panics. `Origin::open` calls it; call it before building a client of your own for
@@ -416,4 +450,26 @@ pub fn install_tls_provider() {
     ONCE.call_once(|| {
         let _ = rustls::crypto::ring::default_provider().install_default();
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_in_an_error_text_are_replaced() {
+        let values = vec!["AKIAEXAMPLE".to_owned(), "s3cr3t/value+x".to_owned(), "ab".to_owned()];
+        let text = "403: <AWSAccessKeyId>AKIAEXAMPLE</AWSAccessKeyId> key s3cr3t/value+x; ab stays";
+        let out = redact_values(text, &values);
+        assert!(!out.contains("AKIAEXAMPLE") && !out.contains("s3cr3t"), "{out}");
+        assert!(out.contains("[redacted]") && out.contains("ab stays"), "{out}");
+    }
+
+    #[test]
+    fn a_url_with_credentials_is_refused_without_repeating_it() {
+        for url in ["s3://AKIA:hunter2@bucket/x", "s3://bucket/x?sig=hunter2", "s3://alice@bucket/x", "::hunter2"] {
+            let error = Origin::open(url).unwrap_err().to_string();
+            assert!(!error.contains("hunter2") && !error.contains("AKIA") && !error.contains("alice"), "{error}");
+        }
+    }
 }
