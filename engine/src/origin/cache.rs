@@ -111,17 +111,7 @@ impl std::fmt::Debug for OriginCache {
 
 /// Takes the cache's exclusive lock (blocking; held for a listing, a few deletions and a rename).
 pub(crate) fn lock_cache(paths: &StorePaths) -> Result<File> {
-    let dir = origin_dir(paths);
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
-    let path = dir.join("LOCK");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| Error::io("open", &path, e))?;
-    crate::io::flock(&file, libc::LOCK_EX).map_err(|e| Error::io("lock", &path, e))?;
-    Ok(file)
+    super::lock_exclusive(&origin_dir(paths), "LOCK")
 }
 
 impl OriginCache {

@@ -288,7 +288,7 @@ impl Origin {
         // the ref read again must still be the one read before.
         let lock = match (&mode, &self.local_dir) {
             (PutMode::Update(version), Some(dir)) => {
-                let lock = self.lock_refs(dir)?;
+                let lock = lock_exclusive(&dir.join("refs"), ".lock")?;
                 match self.read_ref(name)? {
                     Some((_, now)) if now.e_tag == version.e_tag => {}
                     _ => return Err(conflict()),
@@ -307,21 +307,6 @@ impl Origin {
             }
             Err(e) => Err(self.error("write", format_args!("ref {name}"), e)),
         }
-    }
-
-    /// The lock that serialises ref updates of a `file://` origin at `dir`.
-    fn lock_refs(&self, dir: &FsPath) -> Result<File> {
-        let refs = dir.join("refs");
-        std::fs::create_dir_all(&refs).map_err(|e| Error::io("create directory", &refs, e))?;
-        let path = refs.join(".lock");
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| Error::io("open", &path, e))?;
-        crate::io::flock(&file, libc::LOCK_EX).map_err(|e| Error::io("lock", &path, e))?;
-        Ok(file)
     }
 
     /// Manifest `id`, checked against its id and decoded.
@@ -408,6 +393,21 @@ impl Origin {
         }
         Ok(())
     }
+}
+
+/// Creates `dir` if need be and takes an exclusive flock on its file `name` (blocking), held
+/// while the returned file lives: the origin cache's `origin/LOCK`, a `file://` origin's refs.
+pub(crate) fn lock_exclusive(dir: &FsPath, name: &str) -> Result<File> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+    let path = dir.join(name);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io("open", &path, e))?;
+    crate::io::flock(&file, libc::LOCK_EX).map_err(|e| Error::io("lock", &path, e))?;
+    Ok(file)
 }
 
 /// Environment variables whose values are credentials (or name them, like an access key id a
