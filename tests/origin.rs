@@ -84,7 +84,12 @@ impl Moto {
 
     /// `granary --root ROOT ARGS` with this server's endpoint and (made-up) credentials.
     fn granary(&self, root: &Path, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_granary"))
+        self.command(root, args).output().unwrap()
+    }
+
+    fn command(&self, root: &Path, args: &[&str]) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_granary"));
+        command
             .arg("--root")
             .arg(root)
             .args(args)
@@ -92,9 +97,13 @@ impl Moto {
             .env("AWS_SECRET_ACCESS_KEY", "granary-test-secret-do-not-print")
             .env("AWS_REGION", "us-east-1")
             .env("AWS_ENDPOINT", format!("http://127.0.0.1:{}", self.port))
-            .env("AWS_ALLOW_HTTP", "true")
-            .output()
-            .unwrap()
+            .env("AWS_ALLOW_HTTP", "true");
+        command
+    }
+
+    /// `granary --root ROOT ARGS` started, not waited for (to be killed mid-way).
+    fn spawn(&self, root: &Path, args: &[&str]) -> Child {
+        self.command(root, args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap()
     }
 
     fn ok(&self, root: &Path, args: &[&str]) -> String {
@@ -319,4 +328,317 @@ fn a_file_origin_takes_a_second_version_and_refuses_a_stale_ref() {
     let moved = granary_ok(&here, &["attach", "tok", &url]);
     assert!(moved.contains("attached tok@2"), "{moved}");
     assert_eq!(granary(&here, &["get", "tok@2", "20"]).stdout, bytes(21, RECORD));
+}
+
+/// An object store over memory that fails and damages requests on purpose. Per request (its
+/// operation, path and range), the first call fails with a transient error (a ref's put after
+/// it was written: the reply lost on the way back), and the second read of a shard or manifest
+/// comes back with one bit flipped; later calls pass.
+#[derive(Debug, Default)]
+struct Faulty {
+    inner: object_store::memory::InMemory,
+    calls: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+    failed: std::sync::atomic::AtomicU64,
+    flipped: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Display for Faulty {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Faulty({})", self.inner)
+    }
+}
+
+impl Faulty {
+    /// How many times request `key` has been made, this one included.
+    fn call(&self, key: String) -> u32 {
+        let mut calls = self.calls.lock().unwrap();
+        let n = calls.entry(key).or_default();
+        *n += 1;
+        *n
+    }
+
+    fn fail(&self) -> object_store::Error {
+        self.failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        object_store::Error::Generic { store: "faulty", source: "connection reset (injected)".into() }
+    }
+
+    fn count(counter: &std::sync::atomic::AtomicU64) -> u64 {
+        counter.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+#[async_trait::async_trait]
+impl object_store::ObjectStore for Faulty {
+    async fn put_opts(
+        &self,
+        location: &object_store::path::Path,
+        payload: object_store::PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        if self.call(format!("put {location}")) == 1 {
+            if location.as_ref().contains("/refs/") {
+                self.inner.put_opts(location, payload, opts).await?;
+            }
+            return Err(self.fail());
+        }
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &object_store::path::Path,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &object_store::path::Path,
+        options: object_store::GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        let call = self.call(format!("get {location} {:?} {}", options.range, options.head));
+        if call == 1 {
+            return Err(self.fail());
+        }
+        let damage = call == 2 && !options.head && !location.as_ref().contains("/refs/");
+        let got = self.inner.get_opts(location, options).await?;
+        if !damage {
+            return Ok(got);
+        }
+        let object_store::GetResult { meta, range, attributes, extensions, .. } = &got;
+        let (meta, range, attributes, extensions) =
+            (meta.clone(), range.clone(), attributes.clone(), extensions.clone());
+        let mut bytes = got.bytes().await?.to_vec();
+        let middle = bytes.len() / 2;
+        if let Some(byte) = bytes.get_mut(middle) {
+            *byte ^= 0x10;
+            self.flipped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let stream = futures::stream::once(async move { Ok(bytes::Bytes::from(bytes)) });
+        Ok(object_store::GetResult {
+            payload: object_store::GetResultPayload::Stream(Box::pin(stream)),
+            meta,
+            range,
+            attributes,
+            extensions,
+        })
+    }
+
+    fn delete_stream(
+        &self,
+        locations: futures::stream::BoxStream<'static, object_store::Result<object_store::path::Path>>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::path::Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&object_store::path::Path>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&object_store::path::Path>,
+    ) -> object_store::Result<object_store::ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &object_store::path::Path,
+        to: &object_store::path::Path,
+        options: object_store::CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+#[test]
+fn transient_failures_are_retried_and_flipped_bits_refetched_never_delivered() {
+    use granary::loader::{Loader, LoaderConfig, PlanSource, Target};
+    use granary::store::{StorePaths, VersionSpec};
+
+    let dir = tempdir();
+    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
+    let input = store_with(&source, 256, 1);
+    let dataset_bytes = shard_bytes_here(&source);
+    let faulty = Arc::new(Faulty::default());
+    let origin = Arc::new(
+        Origin::with_store(
+            Arc::clone(&faulty) as Arc<dyn object_store::ObjectStore>,
+            object_store::path::Path::from("faulty"),
+            "memory://faulty".to_owned(),
+        )
+        .unwrap(),
+    );
+    let spec = VersionSpec::parse("tok").unwrap();
+    // Every upload's first try and the ref's reply fail: the push still lands, whole.
+    let pushed = granary::origin::push(&StorePaths::new(&source), &spec, &origin, &|_| {}).unwrap();
+    assert_eq!((pushed.shards_uploaded, pushed.ref_written), (4, true), "{pushed:?}");
+    let after_push = origin.retries();
+    assert!(after_push >= 5, "{after_push} retries: each shard's, the manifest's and the ref's first put failed");
+
+    let bound = dataset_bytes / 2;
+    {
+        let mut granary = granary::Granary::create(&here).unwrap();
+        // Every metadata read fails once, then comes back damaged once: read again until sound.
+        granary::origin::attach(&mut granary, &origin, &spec, Some(bound), None).unwrap();
+    }
+    let paths = StorePaths::new(&here);
+    let cache = granary::origin::OriginCache::open_with(&paths, None, &[], &[Arc::clone(&origin)]).unwrap().unwrap();
+    let dataset = granary::Dataset::open(&paths, &spec).unwrap();
+    let config = LoaderConfig {
+        batch_size: 16,
+        seed: 3,
+        plan: PlanSource::Partitioner { plugin: None, options: Vec::new() },
+        epochs: Some(2),
+        target: Target::Host,
+        tier: granary::TierSetting::Off,
+        repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardRepair>),
+        ..LoaderConfig::default()
+    };
+    let mut loader = Loader::new(dataset, config, granary::Position::default()).unwrap();
+    let mut seen = 0;
+    while let Some(batch) = loader.next() {
+        let batch = batch.unwrap();
+        for (i, &index) in batch.indices().iter().enumerate() {
+            let index = usize::try_from(index).unwrap();
+            assert_eq!(batch.record(i), &input[index * RECORD..(index + 1) * RECORD], "record {index}");
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, 2 * 256, "two epochs, every record");
+    let stats = cache.stats();
+    assert!(stats.refetches > 0, "flipped shards were refetched: {stats:?}");
+    let seen_by_loader = loader.stats().cache.expect("the loader reports its cache's counters");
+    assert_eq!(seen_by_loader.refetches, stats.refetches);
+    assert!(seen_by_loader.waited > 0 && seen_by_loader.hit_ratio() < 1.0, "{seen_by_loader:?}");
+    assert!(origin.retries() > after_push, "fetches retried");
+    assert!(Faulty::count(&faulty.flipped) > 0 && Faulty::count(&faulty.failed) > 0);
+    assert!(shard_bytes_here(&here) <= bound, "over the bound: {} of {bound}, {stats:?}", shard_bytes_here(&here));
+    // Nothing damaged was kept: every shard here hashes to its name.
+    for file in shard_files(&here) {
+        let name = file.file_name().unwrap().to_str().unwrap().trim_end_matches(".shard").to_owned();
+        assert_eq!(blake3::hash(&std::fs::read(&file).unwrap()).to_hex().as_str(), name, "{}", file.display());
+    }
+}
+
+/// Every shard file under `root` hashes to the id it is named by.
+fn assert_shards_whole(root: &Path) {
+    for file in shard_files(root) {
+        let name = file.file_name().unwrap().to_str().unwrap().trim_end_matches(".shard").to_owned();
+        assert_eq!(blake3::hash(&std::fs::read(&file).unwrap()).to_hex().as_str(), name, "{}", file.display());
+    }
+}
+
+#[test]
+fn a_fetch_or_a_push_killed_mid_way_leaves_nothing_partial_and_the_next_run_finishes() {
+    let moto = Moto::start();
+    let dir = tempdir();
+    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
+    let input = store_with(&source, 2048, 1);
+    let url = format!("s3://{BUCKET}/killed");
+    let ids: Vec<(ObjectId, u64)> = shard_files(&source)
+        .iter()
+        .map(|f| {
+            let name = f.file_name().unwrap().to_str().unwrap().trim_end_matches(".shard");
+            (ObjectId::parse_hex(name).unwrap(), std::fs::metadata(f).unwrap().len())
+        })
+        .collect();
+
+    // Pushes killed after a while, each longer: the origin holds whole shards or none, and no
+    // ref before every shard and the manifest are there.
+    let origin = moto.origin("killed");
+    let name = granary::DatasetName::new("tok").unwrap();
+    for wait_ms in [100, 250] {
+        let mut push = moto.spawn(&source, &["push", "tok", &url]);
+        std::thread::sleep(Duration::from_millis(wait_ms));
+        push.kill().unwrap();
+        push.wait().unwrap();
+        let sizes = origin.sizes_of(ObjectKind::Shard, &ids.iter().map(|&(id, _)| id).collect::<Vec<_>>()).unwrap();
+        for (&(id, bytes), size) in ids.iter().zip(&sizes) {
+            assert!(size.is_none() || *size == Some(bytes), "shard {id}: {size:?} of {bytes} bytes at the origin");
+        }
+        if origin.read_ref(&name).unwrap().is_some() {
+            assert!(sizes.iter().all(Option::is_some), "a ref before all its shards");
+        }
+    }
+    let pushed = moto.ok(&source, &["push", "tok", &url]);
+    assert!(pushed.contains("pushed tok@1"), "{pushed}");
+
+    // Reads killed mid-fetch: nothing unverified is ever published, and the next read finishes.
+    let bound = shard_bytes_here(&source) / 4;
+    moto.ok(&here, &["attach", "tok", &url, "--cache-bytes", &bound.to_string()]);
+    for wait_ms in [100, 250, 450] {
+        let mut verify = moto.spawn(&here, &["verify", "tok"]);
+        std::thread::sleep(Duration::from_millis(wait_ms));
+        verify.kill().unwrap();
+        verify.wait().unwrap();
+        assert_shards_whole(&here);
+    }
+    let verified = moto.ok(&here, &["verify", "tok"]);
+    assert!(verified.contains(": 0 failures"), "{verified}");
+    assert_shards_whole(&here);
+    let left: Vec<_> = std::fs::read_dir(here.join("origin/incoming")).unwrap().collect();
+    assert!(left.is_empty(), "parts of killed fetches left behind: {left:?}");
+    for index in [0usize, 777, 2047] {
+        let out = moto.granary(&here, &["get", "tok", &index.to_string()]);
+        assert_eq!(out.stdout, input[index * RECORD..(index + 1) * RECORD], "record {index}");
+    }
+}
+
+#[test]
+fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
+    use granary::loader::{Loader, LoaderConfig, Target};
+    use granary::store::{StorePaths, VersionSpec};
+
+    let dir = tempdir();
+    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
+    let input = store_with(&source, 1024, 1);
+    let dataset_bytes = shard_bytes_here(&source);
+    let origin = Arc::new(
+        Origin::with_store(
+            Arc::new(object_store::memory::InMemory::new()),
+            object_store::path::Path::from("windowed"),
+            "memory://windowed".to_owned(),
+        )
+        .unwrap(),
+    );
+    let spec = VersionSpec::parse("tok").unwrap();
+    granary::origin::push(&StorePaths::new(&source), &spec, &origin, &|_| {}).unwrap();
+    let bound = dataset_bytes / 4;
+    granary::origin::attach(&mut granary::Granary::create(&here).unwrap(), &origin, &spec, Some(bound), None).unwrap();
+    let paths = StorePaths::new(&here);
+    let cache = granary::origin::OriginCache::open_with(&paths, None, &[], &[Arc::clone(&origin)]).unwrap().unwrap();
+    // The default plan (the elastic partitioner's global shuffle), no window asked for.
+    let config = LoaderConfig {
+        batch_size: 16,
+        seed: 5,
+        target: Target::Host,
+        tier: granary::TierSetting::Off,
+        repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardRepair>),
+        ..LoaderConfig::default()
+    };
+    let mut loader = Loader::new(granary::Dataset::open(&paths, &spec).unwrap(), config, Default::default()).unwrap();
+    let mut seen = vec![false; 1024];
+    while let Some(batch) = loader.next() {
+        let batch = batch.unwrap();
+        for (i, &index) in batch.indices().iter().enumerate() {
+            let index = usize::try_from(index).unwrap();
+            assert_eq!(batch.record(i), &input[index * RECORD..(index + 1) * RECORD], "record {index}");
+            seen[index] = true;
+        }
+    }
+    assert!(seen.iter().all(|&s| s), "every record once");
+    // A full shuffle would need every shard at every step, and fetch the dataset many times
+    // over through a quarter cache; windowed, each shard comes about once.
+    let fetched = cache.stats().bytes_from_origin;
+    assert!(
+        fetched as f64 <= 1.10 * dataset_bytes as f64,
+        "{fetched} bytes from the origin for a dataset of {dataset_bytes}: {:?}",
+        cache.stats()
+    );
 }

@@ -468,7 +468,11 @@ class Loader:
         `blocks_verified`, `verify_failures`, `shards_repaired`, `pinned`; the memory tier's
         `tier_records`, `tier_bytes` and `tier_hit_ratio` (records served from memory) and, when
         the tier is on, `tier_bytes_held` (node-wide), `tier_budget_bytes`, `tier_extents_loaded`
-        and `tier_extents_evicted`."""
+        and `tier_extents_evicted`; reading an attached dataset, its origin cache's
+        `origin_bytes` (fetched from the origin), `origin_shards_fetched`, `origin_prefetched`
+        (fetched ahead of the reader), `origin_refetches` (fetches that failed their hash check),
+        `origin_cache_hit_ratio` (shard accesses that found their shard here),
+        `origin_wait_seconds` (time reads waited for a shard) and `origin_evictions`."""
         return self._native.metrics()
 
     def close(self) -> None:

@@ -471,6 +471,16 @@ impl Loader {
             out.set_item("tier_extents_loaded", held.extents_loaded)?;
             out.set_item("tier_extents_evicted", held.extents_evicted)?;
         }
+        // Reading an attached dataset: its shards come from the origin through the cache.
+        if let Some(cache) = &stats.cache {
+            out.set_item("origin_bytes", cache.bytes_from_origin)?;
+            out.set_item("origin_shards_fetched", cache.shards_fetched)?;
+            out.set_item("origin_prefetched", cache.prefetched)?;
+            out.set_item("origin_refetches", cache.refetches)?;
+            out.set_item("origin_cache_hit_ratio", cache.hit_ratio())?;
+            out.set_item("origin_wait_seconds", cache.fetch_wait.as_secs_f64())?;
+            out.set_item("origin_evictions", cache.evictions)?;
+        }
         Ok(out)
     }
 
@@ -619,6 +629,19 @@ fn add(to: &mut LoaderStats, more: &LoaderStats) {
     to.read.tier_records += more.read.tier_records;
     to.read.tier_bytes += more.read.tier_bytes;
     to.pool = more.pool;
+    if let Some(more) = &more.cache {
+        let cache = to.cache.get_or_insert_default();
+        cache.shards_fetched += more.shards_fetched;
+        cache.bytes_from_origin += more.bytes_from_origin;
+        cache.refetches += more.refetches;
+        cache.evictions += more.evictions;
+        cache.bytes_evicted += more.bytes_evicted;
+        cache.accesses += more.accesses;
+        cache.waited += more.waited;
+        cache.prefetched += more.prefetched;
+        cache.prefetch_failures += more.prefetch_failures;
+        cache.fetch_wait += more.fetch_wait;
+    }
 }
 
 /// What `dtype=` widens fixed-size integer records of `layout` to: `(from, to)`; an error for

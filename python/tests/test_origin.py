@@ -85,6 +85,12 @@ def test_a_loader_reads_an_attached_dataset_whole_through_a_quarter_cache(s3, tm
             seen.append(index)
         assert _cached_bytes(tmp_path / "here") <= bound
     assert sorted(seen) == list(range(len(data)))
+    metrics = loader.metrics()
+    # Every shard came from the origin at least once; each access found its shard or waited.
+    assert metrics["origin_bytes"] >= dataset_bytes, metrics
+    assert metrics["origin_shards_fetched"] >= n_shards, metrics
+    assert 0.0 <= metrics["origin_cache_hit_ratio"] < 1.0 and metrics["origin_wait_seconds"] >= 0.0, metrics
+    assert metrics["origin_refetches"] == 0, metrics
     loader.close()
 
     assert here.detach("tokens") >= 1

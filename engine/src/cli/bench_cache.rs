@@ -164,8 +164,7 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
         }
         let run = started.elapsed();
         let stats = cache.stats();
-        let misses = stats.shards_fetched.saturating_sub(stats.prefetched);
-        let hit_ratio = 1.0 - misses as f64 / stats.accesses.max(1) as f64;
+        let hit_ratio = stats.hit_ratio();
         let trace = cache.trace();
         let minimum = belady_bytes(&trace, bound, &|id| cache.shard_bytes(id).unwrap_or(0));
         outln!(

@@ -65,8 +65,9 @@ pub(super) fn attach(
     )?;
     if report.cache_bytes > 0 && report.cache_bytes < report.dataset_bytes {
         errln!(
-            "granary: the cache holds {:.0}% of {}: a plan that shuffles records across the whole dataset will \
-             fetch most of it again and again; the elastic partitioner's window-shards=W keeps a window that fits",
+            "granary: the cache holds {:.0}% of {}: a plan that shuffles records across the whole dataset would \
+             fetch most of it again and again; the loader windows its default plan to the cache (the elastic \
+             partitioner's window-shards), a plan you choose should keep a window that fits",
             100.0 * report.cache_bytes as f64 / report.dataset_bytes as f64,
             report.name
         );

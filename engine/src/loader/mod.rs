@@ -411,6 +411,8 @@ pub struct LoaderStats {
     pub pool: PoolStats,
     /// The memory tier's counters, when the loader uses one.
     pub tier: Option<TierStats>,
+    /// The counters of the cache an attached dataset is read through (this loader's), if any.
+    pub cache: Option<crate::read::CacheStats>,
 }
 
 impl LoaderStats {
@@ -444,6 +446,8 @@ pub struct Loader {
     finished: bool,
     device: Option<String>,
     coordinator: Option<Arc<Coordinator>>,
+    /// The repair hook, for its cache's counters.
+    repair: Option<Arc<dyn crate::read::ShardRepair>>,
 }
 
 impl Loader {
@@ -454,6 +458,8 @@ impl Loader {
         if config.repair.is_none() {
             config.repair = origin_hook(&dataset)?;
         }
+        config.plan = windowed_for_cache(&dataset, config.plan)?;
+        let repair = config.repair.clone();
         let cuda = match config.target {
             Target::Host => None,
             Target::Auto => Cuda::get(),
@@ -555,6 +561,7 @@ impl Loader {
             finished: false,
             device: cuda.map(|cuda| cuda.name().to_owned()),
             coordinator,
+            repair,
         })
     }
 
@@ -629,6 +636,7 @@ impl Loader {
         stats.read = *self.read_stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         stats.pool = self.pool.stats();
         stats.tier = self.coordinator.as_ref().map(|c| c.tier().stats());
+        stats.cache = self.repair.as_ref().and_then(|hook| hook.cache_stats());
         stats
     }
 
@@ -763,6 +771,40 @@ fn origin_hook(dataset: &Dataset) -> Result<Option<Arc<dyn crate::read::ShardRep
 #[cfg(not(feature = "origin"))]
 fn origin_hook(_: &Dataset) -> Result<Option<Arc<dyn crate::read::ShardRepair>>> {
     Ok(None)
+}
+
+/// `plan`, windowed to the cache when `dataset` is an attached one that its store's cache
+/// cannot hold whole and `plan` is the default partitioner's global order without a window:
+/// `window-shards` is then a quarter of the shards the cache holds (at least 1), so the reader
+/// works through a few shards at a time instead of needing most of the dataset every few steps.
+/// The window follows from the cache bound: nodes of one job give the same `--cache-bytes`
+/// (or pass `window-shards` themselves), or their ranks would read different plans. Any other
+/// plan (a native order, another plugin, a window or mode given) is left as chosen.
+#[cfg(feature = "origin")]
+fn windowed_for_cache(dataset: &Dataset, plan: PlanSource) -> Result<PlanSource> {
+    let PlanSource::Partitioner { plugin, mut options } = plan else { return Ok(plan) };
+    let chosen = options.iter().any(|(key, value)| key == "window-shards" || (key == "mode" && value != "global"));
+    let attached = match dataset.version() {
+        Some((name, _)) if !chosen && matches!(plugin.as_deref(), None | Some("elastic")) => {
+            crate::origin::attachment(dataset.paths(), name)?.is_some()
+        }
+        _ => false,
+    };
+    if attached {
+        let bound = crate::origin::cache_bound(dataset.paths())?;
+        let entries = dataset.manifest().entries();
+        let total: u64 = entries.iter().map(|e| e.file_bytes).sum();
+        let largest = entries.iter().map(|e| e.file_bytes).max().unwrap_or(1).max(1);
+        if bound > 0 && total > bound {
+            options.push(("window-shards".to_owned(), (bound / largest / 4).max(1).to_string()));
+        }
+    }
+    Ok(PlanSource::Partitioner { plugin, options })
+}
+
+#[cfg(not(feature = "origin"))]
+fn windowed_for_cache(_: &Dataset, plan: PlanSource) -> Result<PlanSource> {
+    Ok(plan)
 }
 
 impl ReaderStage {

@@ -12,7 +12,7 @@
 use std::collections::HashSet;
 use std::path::PathBuf;
 
-use super::Origin;
+use super::{FETCH_TRIES, Origin};
 use crate::engine::Granary;
 use crate::error::{Error, FormatError, Result};
 use crate::id::{ManifestId, ShardId};
@@ -274,18 +274,37 @@ fn check_shard_metas(origin: &Origin, manifest: &Manifest) -> Result<()> {
     }
 }
 
+/// Checks shard `entry`'s metadata (header, footer, index, checksum table) at the origin against
+/// its manifest: metadata that fails to decode or differs is read again (damaged on the way),
+/// up to `FETCH_TRIES` times.
 fn check_shard_meta(origin: &Origin, manifest: &Manifest, entry: &crate::manifest::ManifestEntry) -> Result<()> {
     let id = entry.shard;
-    let bad = |detail: String| Error::Origin { origin: origin.url().to_owned(), op: "check", detail };
-    let meta = ShardMeta::load(
-        entry.file_bytes,
-        |offset, len| origin.shard_range(id, offset..offset + len),
-        |e| bad(format!("shard {id}: metadata: {e}")),
-    )?;
-    if meta.digest() != entry.meta_digest || meta.n_records() != entry.n_records || meta.layout() != manifest.layout() {
-        return Err(bad(format!("shard {id}: its metadata is not the one its manifest records")));
+    let mut problem = String::new();
+    for _ in 0..FETCH_TRIES {
+        // Err(Ok): the bytes read do not decode; Err(Err): the origin failed a read.
+        let meta = ShardMeta::load(
+            entry.file_bytes,
+            |offset, len| origin.shard_range(id, offset..offset + len).map_err(Err),
+            |e| Ok(format!("metadata: {e}")),
+        );
+        match meta {
+            Ok(meta)
+                if meta.digest() == entry.meta_digest
+                    && meta.n_records() == entry.n_records
+                    && meta.layout() == manifest.layout() =>
+            {
+                return Ok(());
+            }
+            Ok(_) => problem = "its metadata is not the one its manifest records".to_owned(),
+            Err(Err(e)) => return Err(e),
+            Err(Ok(bad)) => problem = bad,
+        }
     }
-    Ok(())
+    Err(Error::Origin {
+        origin: origin.url().to_owned(),
+        op: "check",
+        detail: format!("shard {id}: {problem} (in {FETCH_TRIES} reads)"),
+    })
 }
 
 /// What a detach did.

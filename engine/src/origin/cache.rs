@@ -24,7 +24,7 @@ use super::{FETCH_TRIES, Origin};
 use crate::error::{Error, Result};
 use crate::id::ShardId;
 use crate::policy::{Limits, PolicyHost};
-use crate::read::ShardRepair;
+use crate::read::{CacheStats, ShardRepair};
 use crate::replication::cache::ShardCache;
 use crate::store::{StorePaths, sync_dir};
 
@@ -40,29 +40,6 @@ const PREFETCH_THREADS: usize = 8;
 /// How long a prefetch thread first sleeps when there is nothing worth fetching, and at most.
 const PREFETCH_IDLE: Duration = Duration::from_millis(10);
 const PREFETCH_IDLE_MAX: Duration = Duration::from_millis(80);
-
-/// Counters of one process's cache.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CacheStats {
-    /// Shards fetched from an origin and published here.
-    pub shards_fetched: u64,
-    /// Bytes of them.
-    pub bytes_from_origin: u64,
-    /// Fetches whose bytes did not hash to the shard's id (dropped and fetched again).
-    pub refetches: u64,
-    /// Shards evicted (deleted) to keep the bound, and their bytes.
-    pub evictions: u64,
-    /// Bytes of them.
-    pub bytes_evicted: u64,
-    /// Shard accesses by reads (one per shard a batch touched).
-    pub accesses: u64,
-    /// Shards fetched ahead of the reader, from the plan (counted in `shards_fetched` too).
-    pub prefetched: u64,
-    /// Prefetches that failed (the read that needs the shard tries again, and reports).
-    pub prefetch_failures: u64,
-    /// Time reads waited for shards that were not here.
-    pub fetch_wait: Duration,
-}
 
 /// The cache of one store, over all its attachments. Shared by a process's readers.
 pub struct OriginCache {
@@ -177,6 +154,7 @@ impl OriginCache {
         let evictor = ShardCache::new(&host, Some(evictor), options, bound)?;
         let incoming = origin_dir(paths).join("incoming");
         std::fs::create_dir_all(&incoming).map_err(|e| Error::io("create directory", &incoming, e))?;
+        sweep_incoming(&incoming)?;
         Ok(Some(Arc::new_cyclic(|me| Self {
             paths: paths.clone(),
             bound,
@@ -342,21 +320,29 @@ impl OriginCache {
                 self.evict(victim, victim_bytes)?;
             }
         }
-        let mut present = self.present(Some(id));
+        self.shrink(Some(id), bytes)
+    }
+
+    /// Evicts the shards next used last (pinned ones kept) until those here, `except` aside,
+    /// leave `room` bytes within the bound; the caller holds the lock.
+    fn shrink(&self, except: Option<ShardId>, room: u64) -> Result<()> {
+        let mut present = self.present(except);
         let mut used: u64 = present.iter().map(|&(_, b)| b).sum();
-        if used + bytes > self.bound {
-            present.sort_by_key(|&(shard, _)| std::cmp::Reverse(self.next_use(shard, now)));
-            for (shard, shard_bytes) in present {
-                if used + bytes <= self.bound {
-                    break;
-                }
-                if self.is_pinned(shard) {
-                    continue;
-                }
-                self.evictor.lock().unwrap_or_else(PoisonError::into_inner).forget(shard);
-                self.evict(shard, shard_bytes)?;
-                used -= shard_bytes;
+        if used + room <= self.bound {
+            return Ok(());
+        }
+        let now = self.step();
+        present.sort_by_key(|&(shard, _)| std::cmp::Reverse(self.next_use(shard, now)));
+        for (shard, shard_bytes) in present {
+            if used + room <= self.bound {
+                break;
             }
+            if self.is_pinned(shard) {
+                continue;
+            }
+            self.evictor.lock().unwrap_or_else(PoisonError::into_inner).forget(shard);
+            self.evict(shard, shard_bytes)?;
+            used -= shard_bytes;
         }
         Ok(())
     }
@@ -553,6 +539,30 @@ impl OriginCache {
     }
 }
 
+/// Removes from `incoming` the files of fetches (and attaches) whose process is gone: each is
+/// named `<pid>-...`, and one that was killed mid-way left its part behind. A file whose process
+/// still runs is left alone.
+fn sweep_incoming(incoming: &std::path::Path) -> Result<()> {
+    let entries = std::fs::read_dir(incoming).map_err(|e| Error::io("list", incoming, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("list", incoming, e))?;
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.split_once('-')).and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let path = entry.path();
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("remove", &path, e)),
+            }
+        }
+    }
+    Ok(())
+}
+
 impl crate::engine::ShardFetcher for OriginCache {
     fn can_fetch(&self, id: ShardId) -> bool {
         OriginCache::can_fetch(self, id)
@@ -574,6 +584,7 @@ impl ShardRepair for OriginCache {
             self.quarantine(shard)?;
         }
         let started = Instant::now();
+        self.stats.lock().unwrap_or_else(PoisonError::into_inner).waited += 1;
         // Pinned from before the fetch (another reader's fetch may publish it first) until
         // this read has it.
         self.pinned.lock().unwrap_or_else(PoisonError::into_inner).insert(shard, Instant::now());
@@ -584,6 +595,10 @@ impl ShardRepair for OriginCache {
 
     fn wants_plan(&self) -> bool {
         true
+    }
+
+    fn cache_stats(&self) -> Option<CacheStats> {
+        Some(self.stats())
     }
 
     fn plan(&self, first_step: u64, shards_by_step: &[Vec<ShardId>]) {
@@ -597,16 +612,21 @@ impl ShardRepair for OriginCache {
             trace.push(shards.to_vec());
         }
         let now = self.step.fetch_add(1, Ordering::AcqRel) + 1;
-        {
+        let unpinned = {
             let mut pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
-            if !pinned.is_empty() {
-                for shard in shards {
-                    pinned.remove(shard);
-                }
+            let before = pinned.len();
+            for shard in shards {
+                pinned.remove(shard);
             }
-        }
+            pinned.len() < before
+        };
         if self.bound == 0 {
             return;
+        }
+        // Pins may have held the cache over its bound (a batch that needs more than fits):
+        // once read, the extra shards go (the reader keeps the files it has open).
+        if unpinned && let Ok(_lock) = lock_cache(&self.paths) {
+            let _ = self.shrink(None, 0);
         }
         let victims = self
             .evictor

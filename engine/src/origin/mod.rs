@@ -23,15 +23,18 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::Path as FsPath;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion, WriteMultipart};
 
+pub use crate::read::CacheStats;
 pub use attach::{
     AttachReport, Attachment, CacheSettings, DetachReport, attach, attachment, attachments, cache_bound,
     cache_settings, detach,
 };
-pub use cache::{CacheStats, OriginCache};
+pub use cache::OriginCache;
 pub use push::{Progress as PushProgress, PushReport, push};
 
 use crate::error::{Error, Result};
@@ -51,9 +54,18 @@ const RANGE_BYTES: u64 = 8 << 20;
 const RANGES_IN_FLIGHT: usize = 8;
 /// Existence checks in flight at once.
 const LOOKUPS_IN_FLIGHT: usize = 32;
-/// Tries at fetching one shard whose bytes did not hash to its id (the client retries
-/// transient HTTP errors itself, with backoff, below this).
+/// Tries at fetching one shard (or reading one manifest or shard's metadata) whose bytes did
+/// not check against its id.
 pub const FETCH_TRIES: u32 = 3;
+/// Tries at one request that failed in a way that may pass: a connection dropped, a body cut
+/// short, an error a wrapper or server calls generic. An HTTP client retries the errors it
+/// knows to be transient itself, with backoff, below this.
+const REQUEST_TRIES: u32 = 3;
+/// The wait before the first retry of a request; each later one waits 4 times longer.
+const REQUEST_BACKOFF: Duration = Duration::from_millis(100);
+/// A request that took this long to fail has been retried by its HTTP client already: it is
+/// not tried again here (a dead origin is reported in about a minute, not three).
+const SLOW_FAILURE: Duration = Duration::from_secs(5);
 
 /// One object store holding (or about to hold) datasets in a store's layout.
 pub struct Origin {
@@ -65,6 +77,8 @@ pub struct Origin {
     /// For a `file://` origin, its directory: the local file system cannot replace an object
     /// conditionally, so ref updates there are serialised by a lock file instead.
     local_dir: Option<std::path::PathBuf>,
+    /// Requests tried again after a transient failure.
+    retries: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Origin {
@@ -150,12 +164,17 @@ impl Origin {
             .enable_all()
             .build()
             .map_err(|e| Error::Origin { origin: shown.clone(), op: "start its runtime", detail: e.to_string() })?;
-        Ok(Self { store, prefix, shown, runtime: Arc::new(runtime), local_dir: None })
+        Ok(Self { store, prefix, shown, runtime: Arc::new(runtime), local_dir: None, retries: Arc::default() })
     }
 
     /// The URL, as given (it carries no credentials).
     pub fn url(&self) -> &str {
         &self.shown
+    }
+
+    /// Requests tried again so far after a transient failure.
+    pub fn retries(&self) -> u64 {
+        self.retries.load(Ordering::Relaxed)
     }
 
     fn error(&self, op: &'static str, what: impl std::fmt::Display, e: impl std::fmt::Display) -> Error {
@@ -178,7 +197,7 @@ impl Origin {
     /// The size of object `id` at the origin, or `None` when it has none.
     pub fn size_of(&self, kind: ObjectKind, id: ObjectId) -> Result<Option<u64>> {
         let path = self.object_path(kind, id);
-        match self.runtime.block_on(self.store.head(&path)) {
+        match self.runtime.block_on(retrying(&self.retries, || self.store.head(&path))) {
             Ok(meta) => Ok(Some(meta.size)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(self.error("look up", format_args!("{} {id}", kind.noun()), e)),
@@ -195,7 +214,8 @@ impl Origin {
             loop {
                 while next < ids.len() && tasks.len() < LOOKUPS_IN_FLIGHT {
                     let (store, path, at) = (Arc::clone(&self.store), self.object_path(kind, ids[next]), next);
-                    tasks.spawn(async move { (at, store.head(&path).await) });
+                    let retries = Arc::clone(&self.retries);
+                    tasks.spawn(async move { (at, retrying(&retries, || store.head(&path)).await) });
                     next += 1;
                 }
                 let Some(done) = tasks.join_next().await else { break };
@@ -211,43 +231,67 @@ impl Origin {
     }
 
     /// Uploads the file at `file` as object `id`; `sent` is told each chunk's bytes as it
-    /// leaves. Objects are named by their content, so an upload is idempotent, and one cut short
-    /// leaves nothing under the name (a multipart upload is aborted, or never completed).
+    /// leaves. Objects are named by their content, so an upload is idempotent (and tried again
+    /// whole after a transient failure), and one cut short leaves nothing under the name (a
+    /// multipart upload is aborted, or never completed).
     pub fn upload(&self, kind: ObjectKind, id: ObjectId, file: &FsPath, sent: &dyn Fn(u64)) -> Result<()> {
         let path = self.object_path(kind, id);
         let what = format_args!("{} {id}", kind.noun()).to_string();
         let source = File::open(file).map_err(|e| Error::io("open", file, e))?;
         let bytes = source.metadata().map_err(|e| Error::io("stat", file, e))?.len();
         if bytes <= SINGLE_PUT_BYTES_MAX {
-            let data = std::fs::read(file).map_err(|e| Error::io("read", file, e))?;
+            let data = PutPayload::from(std::fs::read(file).map_err(|e| Error::io("read", file, e))?);
             self.runtime
-                .block_on(self.store.put(&path, PutPayload::from(data)))
+                .block_on(retrying(&self.retries, || self.store.put(&path, data.clone())))
                 .map_err(|e| self.error("upload", &what, e))?;
             sent(bytes);
             return Ok(());
         }
-        self.runtime.block_on(async {
-            let upload = self.store.put_multipart(&path).await.map_err(|e| self.error("start upload", &what, e))?;
-            let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
-            let mut buf = vec![0u8; PART_BYTES];
-            let mut at = 0u64;
-            while at < bytes {
-                let n = usize::try_from((bytes - at).min(PART_BYTES as u64)).unwrap_or(PART_BYTES);
-                if let Err(e) = source.read_exact_at(&mut buf[..n], at) {
-                    writer.abort().await.ok();
-                    return Err(Error::io("read", file, e));
+        let (mut attempt, mut wait) = (1, REQUEST_BACKOFF);
+        loop {
+            let started = Instant::now();
+            match self.runtime.block_on(self.upload_parts(&path, &source, bytes, sent)) {
+                Ok(()) => return Ok(()),
+                Err(PartsFailed::Read(e)) => return Err(Error::io("read", file, e)),
+                Err(PartsFailed::Store(op, e)) => {
+                    if attempt >= REQUEST_TRIES || !is_transient(&e) || started.elapsed() >= SLOW_FAILURE {
+                        return Err(self.error(op, &what, e));
+                    }
+                    self.retries.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(wait);
+                    (attempt, wait) = (attempt + 1, wait * 4);
                 }
-                if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
-                    writer.abort().await.ok();
-                    return Err(self.error("upload", &what, e));
-                }
-                writer.write(&buf[..n]);
-                at += n as u64;
-                sent(n as u64);
             }
-            writer.finish().await.map_err(|e| self.error("finish upload", &what, e))?;
-            Ok(())
-        })
+        }
+    }
+
+    /// One multipart upload of `source` (`bytes` long) to `path`, aborted when it fails.
+    async fn upload_parts(
+        &self,
+        path: &Path,
+        source: &File,
+        bytes: u64,
+        sent: &dyn Fn(u64),
+    ) -> std::result::Result<(), PartsFailed> {
+        let upload = self.store.put_multipart(path).await.map_err(|e| PartsFailed::Store("start upload", e))?;
+        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+        let mut buf = vec![0u8; PART_BYTES];
+        let mut at = 0u64;
+        while at < bytes {
+            let n = usize::try_from((bytes - at).min(PART_BYTES as u64)).unwrap_or(PART_BYTES);
+            if let Err(e) = source.read_exact_at(&mut buf[..n], at) {
+                writer.abort().await.ok();
+                return Err(PartsFailed::Read(e));
+            }
+            if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
+                writer.abort().await.ok();
+                return Err(PartsFailed::Store("upload", e));
+            }
+            writer.write(&buf[..n]);
+            at += n as u64;
+            sent(n as u64);
+        }
+        writer.finish().await.map(|_| ()).map_err(|e| PartsFailed::Store("finish upload", e))
     }
 
     /// Dataset `name`'s ref at the origin and the version of the object that holds it (for a
@@ -255,17 +299,18 @@ impl Origin {
     pub fn read_ref(&self, name: &DatasetName) -> Result<Option<(RefLog, UpdateVersion)>> {
         let path = self.ref_path(name);
         let what = format!("ref {name}");
-        self.runtime.block_on(async {
-            let got = match self.store.get(&path).await {
-                Ok(got) => got,
-                Err(object_store::Error::NotFound { .. }) => return Ok(None),
-                Err(e) => return Err(self.error("read", &what, e)),
-            };
+        let got = self.runtime.block_on(retrying(&self.retries, || async {
+            let got = self.store.get(&path).await?;
             let version = UpdateVersion { e_tag: got.meta.e_tag.clone(), version: got.meta.version.clone() };
-            let bytes = got.bytes().await.map_err(|e| self.error("read", &what, e))?;
-            let log = RefLog::decode(&bytes).map_err(|e| self.error("decode", &what, e))?;
-            Ok(Some((log, version)))
-        })
+            Ok((version, got.bytes().await?))
+        }));
+        let (version, bytes) = match got {
+            Ok(got) => got,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(self.error("read", &what, e)),
+        };
+        let log = RefLog::decode(&bytes).map_err(|e| self.error("decode", &what, e))?;
+        Ok(Some((log, version)))
     }
 
     /// Writes dataset `name`'s ref: created when `expected` is `None` (and refused if one
@@ -299,47 +344,64 @@ impl Origin {
         };
         let mode = if lock.is_some() { PutMode::Overwrite } else { mode };
         let options = PutOptions { mode, ..PutOptions::default() };
-        let payload = PutPayload::from(log.encode().into_bytes());
-        match self.runtime.block_on(self.store.put_opts(&path, payload, options)) {
+        let encoded = log.encode();
+        let payload = PutPayload::from(encoded.clone().into_bytes());
+        let retried_before = self.retries();
+        match self
+            .runtime
+            .block_on(retrying(&self.retries, || self.store.put_opts(&path, payload.clone(), options.clone())))
+        {
             Ok(_) => Ok(()),
             Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }) => {
+                // A try that failed on the way back may have written the ref: then the
+                // conflict is with this very write.
+                if self.retries() != retried_before
+                    && let Some((now, _)) = self.read_ref(name)?
+                    && now.encode() == encoded
+                {
+                    return Ok(());
+                }
                 Err(conflict())
             }
             Err(e) => Err(self.error("write", format_args!("ref {name}"), e)),
         }
     }
 
-    /// Manifest `id`, checked against its id and decoded.
+    /// Manifest `id`, checked against its id (read again when its bytes do not match, up to
+    /// `FETCH_TRIES` times) and decoded.
     pub fn manifest(&self, id: ManifestId) -> Result<(Manifest, Vec<u8>)> {
         let path = self.object_path(ObjectKind::Manifest, id.0);
         let what = format!("manifest {id}");
-        let bytes = self.runtime.block_on(async {
-            let got = self.store.get(&path).await.map_err(|e| self.error("read", &what, e))?;
-            got.bytes().await.map_err(|e| self.error("read", &what, e))
-        })?;
-        let actual = ObjectId::of(&bytes);
-        if actual != id.0 {
-            return Err(self.error("read", &what, format_args!("its bytes hash to {actual}: damaged at the origin")));
-        }
+        let mut tries = 0;
+        let bytes = loop {
+            let bytes = self
+                .runtime
+                .block_on(retrying(&self.retries, || async { self.store.get(&path).await?.bytes().await }))
+                .map_err(|e| self.error("read", &what, e))?;
+            let actual = ObjectId::of(&bytes);
+            if actual == id.0 {
+                break bytes;
+            }
+            tries += 1;
+            if tries >= FETCH_TRIES {
+                return Err(self.error(
+                    "read",
+                    &what,
+                    format_args!("its bytes hash to {actual} in {FETCH_TRIES} tries: damaged at the origin"),
+                ));
+            }
+        };
         let manifest = Manifest::decode(&bytes).map_err(|e| self.error("decode", &what, e))?;
         Ok((manifest, bytes.to_vec()))
     }
 
-    /// Bytes `range` of shard `id`.
+    /// Bytes `range` of shard `id` (a reply of another length is a transient failure).
     pub fn shard_range(&self, id: ShardId, range: Range<u64>) -> Result<Vec<u8>> {
         let path = self.object_path(ObjectKind::Shard, id.0);
-        let got = self
-            .runtime
-            .block_on(self.store.get_range(&path, range.clone()))
-            .map_err(|e| self.error("read", format_args!("shard {id}"), e))?;
-        if got.len() as u64 != range.end - range.start {
-            return Err(self.error(
-                "read",
-                format_args!("shard {id}"),
-                format_args!("{} bytes for {range:?}", got.len()),
-            ));
-        }
-        Ok(got.to_vec())
+        self.runtime
+            .block_on(retrying(&self.retries, || exact_range(&*self.store, &path, range.clone())))
+            .map(|bytes| bytes.to_vec())
+            .map_err(|e| self.error("read", format_args!("shard {id}"), e))
     }
 
     /// Fetches shard `id` (`file_bytes` long) whole into `file` with ranged reads in parallel,
@@ -365,11 +427,11 @@ impl Origin {
                     let range = next..(next + RANGE_BYTES).min(file_bytes);
                     next = range.end;
                     let (store, path, out) = (Arc::clone(&self.store), path.clone(), Arc::clone(&out));
+                    let retries = Arc::clone(&self.retries);
                     tasks.spawn(async move {
-                        let bytes = store.get_range(&path, range.clone()).await.map_err(|e| e.to_string())?;
-                        if bytes.len() as u64 != range.end - range.start {
-                            return Err(format!("{} bytes for the range {range:?}", bytes.len()));
-                        }
+                        let bytes = retrying(&retries, || exact_range(&*store, &path, range.clone()))
+                            .await
+                            .map_err(|e| e.to_string())?;
                         tokio::task::spawn_blocking(move || out.write_all_at(&bytes, range.start))
                             .await
                             .map_err(|e| e.to_string())?
@@ -393,6 +455,50 @@ impl Origin {
         }
         Ok(())
     }
+}
+
+/// Why a multipart upload failed: reading the local file, or a request (named by `.0`).
+enum PartsFailed {
+    Read(std::io::Error),
+    Store(&'static str, object_store::Error),
+}
+
+/// Whether a request that failed with `e` may pass when tried again: not when the object is
+/// missing or exists, a condition failed, or access, the path or the operation was refused.
+fn is_transient(e: &object_store::Error) -> bool {
+    matches!(e, object_store::Error::Generic { .. } | object_store::Error::JoinError { .. })
+}
+
+/// `request` made, and made again (up to `REQUEST_TRIES` in all, waiting longer each time) while
+/// it fails quickly with a transient error; each retry counted in `retries`.
+async fn retrying<T, Fut>(retries: &AtomicU64, mut request: impl FnMut() -> Fut) -> object_store::Result<T>
+where
+    Fut: Future<Output = object_store::Result<T>>,
+{
+    let (mut attempt, mut wait) = (1, REQUEST_BACKOFF);
+    loop {
+        let started = Instant::now();
+        match request().await {
+            Err(e) if attempt < REQUEST_TRIES && is_transient(&e) && started.elapsed() < SLOW_FAILURE => {
+                retries.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(wait).await;
+                (attempt, wait) = (attempt + 1, wait * 4);
+            }
+            done => return done,
+        }
+    }
+}
+
+/// Bytes `range` of the object at `path`; a reply of another length is a (transient) error.
+async fn exact_range(store: &dyn ObjectStore, path: &Path, range: Range<u64>) -> object_store::Result<bytes::Bytes> {
+    let bytes = store.get_range(path, range.clone()).await?;
+    if bytes.len() as u64 != range.end - range.start {
+        return Err(object_store::Error::Generic {
+            store: "origin",
+            source: format!("{} bytes for the range {range:?}", bytes.len()).into(),
+        });
+    }
+    Ok(bytes)
 }
 
 /// Creates `dir` if need be and takes an exclusive flock on its file `name` (blocking), held

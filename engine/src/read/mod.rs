@@ -206,6 +206,43 @@ pub trait ShardRepair: Send + Sync + std::fmt::Debug {
     fn plan(&self, first_step: u64, shards_by_step: &[Vec<ShardId>]) {
         let _ = (first_step, shards_by_step);
     }
+
+    /// The counters of a hook that is a cache of shards fetched from elsewhere (an origin).
+    fn cache_stats(&self) -> Option<CacheStats> {
+        None
+    }
+}
+
+/// Counters of a cache of fetched shards (the origin cache), since it was opened in this process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Shards fetched and published here (by reads and ahead of them).
+    pub shards_fetched: u64,
+    /// Bytes of them.
+    pub bytes_from_origin: u64,
+    /// Fetches whose bytes did not hash to the shard's id (dropped and fetched again).
+    pub refetches: u64,
+    /// Shards evicted (deleted) to keep the bound.
+    pub evictions: u64,
+    /// Bytes of them.
+    pub bytes_evicted: u64,
+    /// Shard accesses by reads (one per shard a batch touched).
+    pub accesses: u64,
+    /// Reads that found their shard missing and waited for it to be fetched (the misses).
+    pub waited: u64,
+    /// Shards fetched ahead of the reader, from the plan (counted in `shards_fetched` too).
+    pub prefetched: u64,
+    /// Prefetches that failed (the read that needs the shard tries again, and reports).
+    pub prefetch_failures: u64,
+    /// Time reads waited for shards that were not here.
+    pub fetch_wait: std::time::Duration,
+}
+
+impl CacheStats {
+    /// The share of shard accesses that found their shard here (0 before any access).
+    pub fn hit_ratio(&self) -> f64 {
+        if self.accesses == 0 { 0.0 } else { 1.0 - self.waited.min(self.accesses) as f64 / self.accesses as f64 }
+    }
 }
 
 /// Repairs beyond one per shard that a read may make without delivering a batch.
