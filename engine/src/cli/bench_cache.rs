@@ -55,6 +55,10 @@ pub(crate) struct CacheArgs {
     /// The evictors compared.
     #[arg(long, value_delimiter = ',', default_value = "plan-aware,lru,s3-fifo")]
     evictors: Vec<String>,
+    /// Writes each run's shard access trace to DIR/EVICTOR.oracleGeneral.bin (libCacheSim's
+    /// format; a shard is an object), for `plugin sim` and libCacheSim to replay.
+    #[arg(long, value_name = "DIR")]
+    trace_out: Option<std::path::PathBuf>,
 }
 
 const RECORD_BYTES: u64 = 4096;
@@ -167,6 +171,11 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
         let hit_ratio = stats.hit_ratio();
         let trace = cache.trace();
         let minimum = belady_bytes(&trace, bound, &|id| cache.shard_bytes(id).unwrap_or(0));
+        if let Some(dir) = &args.trace_out {
+            write_trace(&dir.join(format!("{evictor}.oracleGeneral.bin")), &trace, &|id| {
+                cache.shard_bytes(id).unwrap_or(0)
+            })?;
+        }
         outln!(
             "{evictor:<12} {hit_ratio:>9.3} {:>14} {:>8.2} x {:>7.1}% {:>8.1}s {:>8} {:>8} {:>11.1}s",
             bytes(stats.bytes_from_origin),
@@ -186,6 +195,29 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
          next used farthest ahead; the dataset once is {})",
         bytes(dataset_bytes)
     )?;
+    Ok(())
+}
+
+/// Writes `trace` (the shards of each batch, in order) as an oracleGeneral trace: one request per
+/// shard access, the object a shard (its key, as the evictors see it), its size, its next access.
+fn write_trace(path: &Path, trace: &[Vec<ShardId>], size: &dyn Fn(ShardId) -> u64) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    let mut requests: Vec<granary::policy::trace::Request> = trace
+        .iter()
+        .enumerate()
+        .flat_map(|(step, shards)| {
+            shards.iter().map(move |&shard| granary::policy::trace::Request {
+                time: u32::try_from(step).unwrap_or(u32::MAX),
+                key: granary::policy::shard_key(shard.0.as_bytes()),
+                size: u32::try_from(size(shard)).unwrap_or(u32::MAX),
+                next_use: u64::MAX,
+            })
+        })
+        .collect();
+    granary::policy::trace::annotate_next_use(&mut requests);
+    granary::policy::trace::write(path, &requests)?;
     Ok(())
 }
 
