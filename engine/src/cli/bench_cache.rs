@@ -6,8 +6,9 @@
 //! rate is an eighth of the shard fetch rate asked for). The trainer is a sleep of fixed length
 //! per batch. Reported per evictor: the hit ratio (shard accesses found here without the read
 //! waiting), bytes from the origin and that as a multiple of Belady's minimum on the access
-//! trace the run recorded, and the data stall (the trainer's waits for batches, as a share of
-//! the run).
+//! trace the run recorded, the wait for the first batch (the plan made, the first shards
+//! fetched) and the data stall after it (the trainer's waits for batches, as a share of the run
+//! from the first batch on).
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
@@ -117,16 +118,32 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
         args.step_ms
     )?;
     outln!(
-        "{:<12} {:>9} {:>14} {:>10} {:>8} {:>9} {:>8} {:>8} {:>12}",
+        "{:<12} {:>9} {:>14} {:>10} {:>7} {:>8} {:>9} {:>8} {:>8} {:>12}",
         "EVICTOR",
         "HIT RATIO",
         "FROM ORIGIN",
         "x BELADY",
+        "FIRST",
         "STALL",
         "RUN",
         "FETCHES",
         "AHEAD",
         "READS WAITED"
+    )?;
+    // The floor: the same plan read from a local copy of the dataset, no origin, no cache.
+    let local = read_epochs(granary::Dataset::open(&source_paths, &spec)?, None, args, window)?;
+    outln!(
+        "{:<12} {:>9} {:>14} {:>10} {:>6.2}s {:>7.1}% {:>8.1}s {:>8} {:>8} {:>12}",
+        "(local)",
+        "-",
+        "-",
+        "-",
+        local.first.as_secs_f64(),
+        100.0 * local.stall_fraction,
+        local.elapsed.as_secs_f64(),
+        "-",
+        "-",
+        "-"
     )?;
     for evictor in &args.evictors {
         let here = root.join(format!("here-{evictor}"));
@@ -142,31 +159,7 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
             .context("the dataset was just attached")?;
         cache.record_trace();
         let dataset = granary::Dataset::open(&paths, &spec)?;
-        let config = LoaderConfig {
-            batch_size: args.batch,
-            seed: 11,
-            plan: PlanSource::Partitioner {
-                plugin: Some("elastic".to_owned()),
-                options: vec![("window-shards".to_owned(), window.to_string())],
-            },
-            epochs: Some(args.epochs),
-            target: Target::Host,
-            // The disk cache alone: the memory tier would serve later epochs from memory.
-            tier: granary::TierSetting::Off,
-            repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardRepair>),
-            ..LoaderConfig::default()
-        };
-        let mut loader = Loader::new(dataset, config, Position::default())?;
-        let started = Instant::now();
-        let mut stall = Duration::ZERO;
-        loop {
-            let asked = Instant::now();
-            let Some(batch) = loader.next() else { break };
-            stall += asked.elapsed();
-            drop(batch?);
-            std::thread::sleep(Duration::from_millis(args.step_ms));
-        }
-        let run = started.elapsed();
+        let run = read_epochs(dataset, Some(Arc::clone(&cache) as Arc<dyn granary::ShardRepair>), args, window)?;
         let stats = cache.stats();
         let hit_ratio = stats.hit_ratio();
         let trace = cache.trace();
@@ -177,16 +170,16 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
             })?;
         }
         outln!(
-            "{evictor:<12} {hit_ratio:>9.3} {:>14} {:>8.2} x {:>7.1}% {:>8.1}s {:>8} {:>8} {:>11.1}s",
+            "{evictor:<12} {hit_ratio:>9.3} {:>14} {:>8.2} x {:>6.2}s {:>7.1}% {:>8.1}s {:>8} {:>8} {:>11.1}s",
             bytes(stats.bytes_from_origin),
             stats.bytes_from_origin as f64 / minimum.max(1) as f64,
-            100.0 * stall.as_secs_f64() / run.as_secs_f64(),
-            run.as_secs_f64(),
+            run.first.as_secs_f64(),
+            100.0 * run.stall_fraction,
+            run.elapsed.as_secs_f64(),
             stats.shards_fetched,
             stats.prefetched,
             stats.fetch_wait.as_secs_f64()
         )?;
-        drop(loader);
         drop(cache);
         std::fs::remove_dir_all(&here)?;
     }
@@ -196,6 +189,55 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
         bytes(dataset_bytes)
     )?;
     Ok(())
+}
+
+/// How one read of the epochs went.
+struct Run {
+    /// The wait for the first batch (the plan made, the first shards read or fetched).
+    first: Duration,
+    /// The trainer's waits for the later batches, as a share of the run from the first on.
+    stall_fraction: f64,
+    /// The whole run.
+    elapsed: Duration,
+}
+
+/// Reads `args.epochs` epochs of `dataset` under the windowed plan, a sleep of `args.step_ms`
+/// per batch standing for the training step, through `repair` (the cache) when given.
+fn read_epochs(
+    dataset: Arc<granary::Dataset>,
+    repair: Option<Arc<dyn granary::ShardRepair>>,
+    args: &CacheArgs,
+    window: u64,
+) -> Result<Run> {
+    let config = LoaderConfig {
+        batch_size: args.batch,
+        seed: 11,
+        plan: PlanSource::Partitioner {
+            plugin: Some("elastic".to_owned()),
+            options: vec![("window-shards".to_owned(), window.to_string())],
+        },
+        epochs: Some(args.epochs),
+        target: Target::Host,
+        // The disk cache alone: the memory tier would serve later epochs from memory.
+        tier: granary::TierSetting::Off,
+        repair,
+        ..LoaderConfig::default()
+    };
+    let mut loader = Loader::new(dataset, config, Position::default())?;
+    let started = Instant::now();
+    let first = loader.next().transpose()?.map(drop).map(|()| started.elapsed()).unwrap_or_default();
+    std::thread::sleep(Duration::from_millis(args.step_ms));
+    let steady = Instant::now();
+    let mut stall = Duration::ZERO;
+    loop {
+        let asked = Instant::now();
+        let Some(batch) = loader.next() else { break };
+        stall += asked.elapsed();
+        drop(batch?);
+        std::thread::sleep(Duration::from_millis(args.step_ms));
+    }
+    let stall_fraction = stall.as_secs_f64() / steady.elapsed().as_secs_f64().max(1e-9);
+    Ok(Run { first, stall_fraction, elapsed: started.elapsed() })
 }
 
 /// Writes `trace` (the shards of each batch, in order) as an oracleGeneral trace: one request per

@@ -37,9 +37,9 @@ const PIN_FOR: Duration = Duration::from_secs(30);
 const REGRET_STEPS: u64 = 64;
 /// Shards fetched ahead at once (a fetch mostly waits: on the origin, on fsync).
 const PREFETCH_THREADS: usize = 8;
-/// How long a prefetch thread first sleeps when there is nothing worth fetching, and at most.
-const PREFETCH_IDLE: Duration = Duration::from_millis(10);
-const PREFETCH_IDLE_MAX: Duration = Duration::from_millis(80);
+/// How long an idle prefetch thread waits at most for the reader to move on (a step, a plan)
+/// before it looks again (a fetch by another process may have made room meanwhile).
+const PREFETCH_IDLE: Duration = Duration::from_millis(100);
 
 /// The cache of one store, over all its attachments. Shared by a process's readers.
 pub struct OriginCache {
@@ -64,6 +64,10 @@ pub struct OriginCache {
     /// goes, and the thread ends, when its last reader does).
     me: std::sync::Weak<Self>,
     prefetching: std::sync::Once,
+    /// Counts the reader's moves (steps, plans); idle prefetch threads wait on `moved` for it
+    /// to change, so a shard is fetched as soon as the reader's progress makes it worth it.
+    moves: Mutex<u64>,
+    moved: Condvar,
     /// The step at which the evictor last gave up a shard needed sooner than the one it made
     /// room for (an evictor that does not follow the plan, LRU say): for `REGRET_STEPS` steps
     /// from then, fetches ahead use free room only, so prefetch and eviction cannot chase each
@@ -169,6 +173,8 @@ impl OriginCache {
             step: AtomicU64::new(0),
             me: me.clone(),
             prefetching: std::sync::Once::new(),
+            moves: Mutex::new(0),
+            moved: Condvar::new(),
             regret_at: AtomicU64::new(u64::MAX),
             trace: Mutex::new(None),
             pinned: Mutex::new(HashMap::new()),
@@ -220,6 +226,7 @@ impl OriginCache {
         let result = self.fetch_flying(id, bytes, &self.origins[at]).map(|()| true);
         self.flying.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
         self.landed.notify_all();
+        self.moved();
         result
     }
 
@@ -470,6 +477,8 @@ impl OriginCache {
             if !self.worth_fetching(shard, next_use) {
                 return false;
             }
+            // Another thread may take the shard after this one.
+            self.moved();
             let fetched = self.fetch_counted(shard);
             let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
             return match fetched {
@@ -494,18 +503,17 @@ impl OriginCache {
             for _ in 0..PREFETCH_THREADS {
                 let me = self.me.clone();
                 let started = std::thread::Builder::new().name("granary-prefetch".into()).spawn(move || {
-                    // Idle, a thread looks again after a wait that doubles up to a bound: a
-                    // cache that holds what the plan needs costs next to nothing.
-                    let mut idle = PREFETCH_IDLE;
+                    // Idle, a thread waits for the reader to move (or a fetch to land): a
+                    // cache that holds what the plan needs costs next to nothing, and one that
+                    // can take the next shard fetches it at once.
                     loop {
                         let Some(cache) = me.upgrade() else { return };
-                        let worked = cache.prefetch_one();
-                        drop(cache);
-                        if worked {
-                            idle = PREFETCH_IDLE;
-                        } else {
-                            std::thread::sleep(idle);
-                            idle = (idle * 2).min(PREFETCH_IDLE_MAX);
+                        let seen = *cache.moves.lock().unwrap_or_else(PoisonError::into_inner);
+                        if !cache.prefetch_one() {
+                            let moves = cache.moves.lock().unwrap_or_else(PoisonError::into_inner);
+                            if *moves == seen {
+                                let _ = cache.moved.wait_timeout(moves, PREFETCH_IDLE);
+                            }
                         }
                     }
                 });
@@ -515,6 +523,14 @@ impl OriginCache {
                 }
             }
         });
+    }
+
+    /// Wakes an idle prefetch thread: the reader moved, a plan came, a fetch landed or began
+    /// (one thread looks, and wakes the next when it found work: a step costs one look, not
+    /// one per thread).
+    fn moved(&self) {
+        *self.moves.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        self.moved.notify_one();
     }
 
     /// Records the shards of every batch delivered from now on (benchmarks: the access trace
@@ -604,6 +620,7 @@ impl ShardRepair for OriginCache {
     fn plan(&self, first_step: u64, shards_by_step: &[Vec<ShardId>]) {
         self.add_plan(first_step, shards_by_step);
         self.start_prefetch();
+        self.moved();
     }
 
     fn accessed(&self, shards: &[ShardId]) {
@@ -612,6 +629,7 @@ impl ShardRepair for OriginCache {
             trace.push(shards.to_vec());
         }
         let now = self.step.fetch_add(1, Ordering::AcqRel) + 1;
+        self.moved();
         let unpinned = {
             let mut pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
             let before = pinned.len();

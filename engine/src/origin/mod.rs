@@ -48,8 +48,11 @@ const SINGLE_PUT_BYTES_MAX: u64 = 16 << 20;
 const PART_BYTES: usize = 16 << 20;
 /// Parts of one upload in flight at once.
 const PARTS_IN_FLIGHT: usize = 4;
-/// The size of each ranged read of a shard fetch.
-const RANGE_BYTES: u64 = 8 << 20;
+/// The size of each ranged read of a shard fetch: the shard split `RANGES_IN_FLIGHT` ways, so
+/// that a small shard is fetched in parallel too, but at least `RANGE_BYTES_MIN` (each request
+/// pays the origin's latency) and at most `RANGE_BYTES_MAX` (the size cloud providers advise).
+const RANGE_BYTES_MIN: u64 = 1 << 20;
+const RANGE_BYTES_MAX: u64 = 8 << 20;
 /// Ranged reads of one shard in flight at once.
 const RANGES_IN_FLIGHT: usize = 8;
 /// Existence checks in flight at once.
@@ -418,13 +421,14 @@ impl Origin {
                 .open(file)
                 .map_err(|e| Error::io("create", file, e))?,
         );
+        let range_bytes = file_bytes.div_ceil(RANGES_IN_FLIGHT as u64).clamp(RANGE_BYTES_MIN, RANGE_BYTES_MAX);
         self.runtime.block_on(async {
             let mut tasks = tokio::task::JoinSet::new();
             let mut next = 0u64;
             let mut result = Ok(());
             loop {
                 while next < file_bytes && tasks.len() < RANGES_IN_FLIGHT && result.is_ok() {
-                    let range = next..(next + RANGE_BYTES).min(file_bytes);
+                    let range = next..(next + range_bytes).min(file_bytes);
                     next = range.end;
                     let (store, path, out) = (Arc::clone(&self.store), path.clone(), Arc::clone(&out));
                     let retries = Arc::clone(&self.retries);
