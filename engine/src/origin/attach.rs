@@ -194,8 +194,11 @@ pub fn attach(
         .map_err(|e| Error::io("create directory", attached_dir(&paths), e))?;
     if !paths.manifest(version.manifest).exists() {
         let tmp = incoming.join(format!("{}-{}.manifest", std::process::id(), version.manifest.0.short(16)));
-        std::fs::write(&tmp, &bytes).map_err(|e| Error::io("write", &tmp, e))?;
+        // Locked until adopted, as every file under `incoming/`.
+        let mut locked = super::create_locked(&tmp)?;
+        std::io::Write::write_all(&mut locked, &bytes).map_err(|e| Error::io("write", &tmp, e))?;
         let adopted = granary.adopt_object(ObjectKind::Manifest, version.manifest.0, &tmp);
+        drop(locked);
         if adopted.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }

@@ -236,7 +236,8 @@ impl OriginCache {
         for _ in 0..FETCH_TRIES {
             let part = incoming.join(format!("{}-{}.part", std::process::id(), PARTS.fetch_add(1, Ordering::Relaxed)));
             match origin.fetch_shard(id, bytes, &part) {
-                Ok(()) => {
+                // Locked until it is under `shards/` (or removed).
+                Ok(_locked) => {
                     let published = self.publish(id, bytes, &part);
                     if published.is_err() {
                         let _ = std::fs::remove_file(&part);
@@ -555,9 +556,10 @@ impl OriginCache {
     }
 }
 
-/// Removes from `incoming` the files of fetches (and attaches) whose process is gone: each is
-/// named `<pid>-...`, and one that was killed mid-way left its part behind. A file whose process
-/// still runs is left alone.
+/// Removes from `incoming` the files of fetches (and attaches) that were killed mid-way. Each is
+/// named `<pid>-...` and locked (flock) by its writer while it lives: a file goes when no
+/// process of this PID runs here and nobody holds its lock (the lock covers writers in another
+/// PID namespace; the PID, the moment between a file's creation and its lock).
 fn sweep_incoming(incoming: &std::path::Path) -> Result<()> {
     let entries = std::fs::read_dir(incoming).map_err(|e| Error::io("list", incoming, e))?;
     for entry in entries {
@@ -567,13 +569,18 @@ fn sweep_incoming(incoming: &std::path::Path) -> Result<()> {
         else {
             continue;
         };
-        if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let path = entry.path();
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(Error::io("remove", &path, e)),
-            }
+        if pid == std::process::id() || std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = File::open(&path) else { continue };
+        if crate::io::flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("remove", &path, e)),
         }
     }
     Ok(())
@@ -660,5 +667,31 @@ impl ShardRepair for OriginCache {
                 let _ = self.evict(victim, bytes);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sweep_removes_only_parts_nobody_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        // No process has this PID: a killed fetch's part, and one written by a process of
+        // another PID namespace, which still holds its lock.
+        let killed = dir.path().join("4294000000-1.part");
+        let elsewhere = dir.path().join("4294000000-2.part");
+        let mine = dir.path().join(format!("{}-3.part", std::process::id()));
+        let stray = dir.path().join("notes.txt");
+        for file in [&killed, &mine, &stray] {
+            std::fs::write(file, b"x").unwrap();
+        }
+        let held = super::super::create_locked(&elsewhere).unwrap();
+        sweep_incoming(dir.path()).unwrap();
+        assert!(!killed.exists(), "a part nobody holds stays");
+        assert!(elsewhere.exists() && mine.exists() && stray.exists(), "a held or live part was removed");
+        drop(held);
+        sweep_incoming(dir.path()).unwrap();
+        assert!(!elsewhere.exists(), "a part released by its writer stays");
     }
 }

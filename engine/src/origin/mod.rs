@@ -408,19 +408,14 @@ impl Origin {
     }
 
     /// Fetches shard `id` (`file_bytes` long) whole into `file` with ranged reads in parallel,
-    /// syncs it, and checks that its bytes hash to `id`. On a mismatch the file holds bytes that
+    /// syncs it, and checks that its bytes hash to `id`. Returns the file, locked (flock,
+    /// exclusive) from its creation until the caller drops it: a cache opened meanwhile by
+    /// another process knows it is not a killed fetch's. On a mismatch the file holds bytes that
     /// must not be used (the caller removes it and may try again).
-    pub fn fetch_shard(&self, id: ShardId, file_bytes: u64, file: &FsPath) -> Result<()> {
+    pub fn fetch_shard(&self, id: ShardId, file_bytes: u64, file: &FsPath) -> Result<File> {
         let path = self.object_path(ObjectKind::Shard, id.0);
         let what = format!("shard {id}");
-        let out = Arc::new(
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(file)
-                .map_err(|e| Error::io("create", file, e))?,
-        );
+        let out = Arc::new(create_locked(file)?);
         let range_bytes = file_bytes.div_ceil(RANGES_IN_FLIGHT as u64).clamp(RANGE_BYTES_MIN, RANGE_BYTES_MAX);
         self.runtime.block_on(async {
             let mut tasks = tokio::task::JoinSet::new();
@@ -457,7 +452,7 @@ impl Origin {
         if actual != id.0 {
             return Err(Error::HashMismatch { path: file.to_owned(), expected: id.0, actual });
         }
-        Ok(())
+        Arc::into_inner(out).ok_or_else(|| self.error("fetch", &what, "a range was still being written"))
     }
 }
 
@@ -503,6 +498,19 @@ async fn exact_range(store: &dyn ObjectStore, path: &Path, range: Range<u64>) ->
         });
     }
     Ok(bytes)
+}
+
+/// Creates (or truncates) `path` for writing and takes an exclusive flock on it, held while the
+/// returned file lives: files under `origin/incoming/` are locked by the process writing them.
+pub(crate) fn create_locked(path: &FsPath) -> Result<File> {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| Error::io("create", path, e))?;
+    crate::io::flock(&file, libc::LOCK_EX).map_err(|e| Error::io("lock", path, e))?;
+    Ok(file)
 }
 
 /// Creates `dir` if need be and takes an exclusive flock on its file `name` (blocking), held
