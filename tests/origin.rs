@@ -519,11 +519,8 @@ fn transient_failures_are_retried_and_flipped_bits_refetched_never_delivered() {
     assert!(origin.retries() > after_push, "fetches retried");
     assert!(Faulty::count(&faulty.flipped) > 0 && Faulty::count(&faulty.failed) > 0);
     assert!(shard_bytes_here(&here) <= bound, "over the bound: {} of {bound}, {stats:?}", shard_bytes_here(&here));
-    // Nothing damaged was kept: every shard here hashes to its name.
-    for file in shard_files(&here) {
-        let name = file.file_name().unwrap().to_str().unwrap().trim_end_matches(".shard").to_owned();
-        assert_eq!(blake3::hash(&std::fs::read(&file).unwrap()).to_hex().as_str(), name, "{}", file.display());
-    }
+    // Nothing damaged was kept.
+    assert_shards_whole(&here);
 }
 
 /// Every shard file under `root` hashes to the id it is named by.
@@ -641,4 +638,131 @@ fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
         "{fetched} bytes from the origin for a dataset of {dataset_bytes}: {:?}",
         cache.stats()
     );
+}
+
+#[test]
+fn two_processes_sharing_a_store_fetch_each_shard_once() {
+    use granary::store::{StorePaths, VersionSpec};
+
+    let dir = tempdir();
+    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
+    store_with(&source, 512, 1);
+    let n_shards = shard_files(&source).len() as u64;
+    // Slow enough that the two readers' fetches overlap.
+    let throttle =
+        object_store::throttle::ThrottleConfig { wait_get_per_call: Duration::from_millis(30), ..Default::default() };
+    let origin = Arc::new(
+        Origin::with_store(
+            Arc::new(object_store::throttle::ThrottledStore::new(object_store::memory::InMemory::new(), throttle)),
+            object_store::path::Path::from("shared"),
+            "memory://shared".to_owned(),
+        )
+        .unwrap(),
+    );
+    let spec = VersionSpec::parse("tok").unwrap();
+    granary::origin::push(&StorePaths::new(&source), &spec, &origin, &|_| {}).unwrap();
+    granary::origin::attach(&mut granary::Granary::create(&here).unwrap(), &origin, &spec, Some(0), None).unwrap();
+    let paths = StorePaths::new(&here);
+    let ids: Vec<granary::ShardId> = {
+        let manifest = paths.read_manifest(paths.resolve(&spec).unwrap().0).unwrap();
+        manifest.entries().iter().map(|e| e.shard).collect()
+    };
+    // Two caches of one store, as two processes have: each its own fetches in flight, the
+    // claims under origin/incoming/ between them (flock works between open files).
+    let caches: Vec<_> = (0..2)
+        .map(|_| granary::origin::OriginCache::open_with(&paths, None, &[], &[Arc::clone(&origin)]).unwrap().unwrap())
+        .collect();
+    std::thread::scope(|scope| {
+        for cache in &caches {
+            let ids = &ids;
+            scope.spawn(move || {
+                for &id in ids {
+                    cache.fetch(id).unwrap();
+                }
+            });
+        }
+    });
+    let fetched: u64 = caches.iter().map(|cache| cache.stats().shards_fetched).sum();
+    assert_eq!(fetched, n_shards, "each shard fetched once between the two");
+    assert_shards_whole(&here);
+    assert!(std::fs::read_dir(here.join("origin/incoming")).unwrap().next().is_none(), "claims left behind");
+}
+
+/// A repair hook that only listens to the plan it is told (the store it serves is whole).
+#[derive(Debug, Default)]
+struct PlanHeard(std::sync::Mutex<Vec<(u64, Vec<Vec<granary::ShardId>>)>>);
+
+impl granary::ShardRepair for PlanHeard {
+    fn repair(&self, shard: granary::ShardId, _: &granary::Error) -> granary::Result<()> {
+        panic!("shard {shard} needed repair in a whole store")
+    }
+
+    fn wants_plan(&self) -> bool {
+        true
+    }
+
+    fn plan(&self, first_step: u64, shards_by_step: &[Vec<granary::ShardId>]) {
+        self.0.lock().unwrap().push((first_step, shards_by_step.to_vec()));
+    }
+}
+
+#[test]
+fn the_cache_hears_the_plan_of_every_rank_of_its_node() {
+    use granary::loader::{Loader, LoaderConfig, Target};
+    use granary::store::{StorePaths, VersionSpec};
+
+    let dir = tempdir();
+    let source = dir.path().join("source");
+    store_with(&source, 1024, 1);
+    let spec = VersionSpec::parse("tok").unwrap();
+    let dataset = granary::Dataset::open(&StorePaths::new(&source), &spec).unwrap();
+    let config = |rank, local_world_size, repair| LoaderConfig {
+        batch_size: 16,
+        seed: 9,
+        world: granary::World::new(rank, 2).unwrap(),
+        local_world_size: Some(local_world_size),
+        epochs: Some(1),
+        target: Target::Host,
+        tier: granary::TierSetting::Off,
+        repair,
+        ..LoaderConfig::default()
+    };
+    // Every step's shards, per rank.
+    let steps = |rank| {
+        let mut loader = Loader::new(Arc::clone(&dataset), config(rank, 1, None), Default::default()).unwrap();
+        let mut steps = Vec::new();
+        while let Some(batch) = loader.next() {
+            let mut shards: Vec<_> =
+                batch.unwrap().indices().iter().map(|&i| dataset.shard_id(dataset.locate(i).unwrap().0)).collect();
+            shards.sort();
+            shards.dedup();
+            steps.push(shards);
+        }
+        steps
+    };
+    let (mine, neighbour) = (steps(0), steps(1));
+
+    // Rank 0 of a node of two: its hook hears its own plan, then rank 1's (from a thread).
+    let heard = Arc::new(PlanHeard::default());
+    let repair = Some(Arc::clone(&heard) as Arc<dyn granary::ShardRepair>);
+    let mut loader = Loader::new(Arc::clone(&dataset), config(0, 2, repair), Default::default()).unwrap();
+    while loader.next().is_some() {}
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while heard.0.lock().unwrap().len() < 2 {
+        assert!(Instant::now() < deadline, "the neighbour's plan never came");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let heard = heard.0.lock().unwrap();
+    let sorted = |plan: &Vec<Vec<granary::ShardId>>| -> Vec<Vec<granary::ShardId>> {
+        plan.iter()
+            .map(|shards| {
+                let mut shards = shards.clone();
+                shards.sort();
+                shards
+            })
+            .collect()
+    };
+    assert_eq!(heard.len(), 2, "this rank's epoch, then the neighbour's");
+    assert_eq!((heard[0].0, sorted(&heard[0].1)), (0, mine));
+    assert_eq!((heard[1].0, sorted(&heard[1].1)), (0, neighbour));
 }

@@ -21,6 +21,7 @@
 //! Never: panics on bad input, or hands out a batch after an error (the error comes instead,
 //! once, then the end).
 
+mod node_plan;
 mod schedule;
 
 use schedule::{ScheduleRequest, Scheduler};
@@ -488,7 +489,9 @@ impl Loader {
         let (to_next, from_reader) = std::sync::mpsc::sync_channel(config.prefetch);
         // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
         let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
-        let peers = if coordinator.is_some() { schedule::node_peers(&config)? } else { Vec::new() };
+        // The tier's schedule and an origin cache's plan cover every rank of this node.
+        let wants_plan = config.repair.as_ref().is_some_and(|hook| hook.wants_plan());
+        let peers = if coordinator.is_some() || wants_plan { schedule::node_peers(&config)? } else { Vec::new() };
         // With the tier, the default disk backend (its read slots are as large as all of the
         // loader's batches) starts at the first record not served from memory, if one comes; a
         // backend asked for by name is started here, so that one this machine refuses fails
@@ -819,8 +822,8 @@ impl ReaderStage {
         if let Some(hook) = &config.repair {
             reader.set_repair(Arc::clone(hook));
         }
-        let tier = coordinator.as_ref().map(|coordinator| (coordinator, peers));
-        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, tier);
+        let node = Node { coordinator: coordinator.as_ref(), peers };
+        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, node);
         if let Some(coordinator) = &coordinator {
             coordinator.stop();
         }
@@ -832,6 +835,15 @@ impl ReaderStage {
     }
 }
 
+/// What a reader shares with the other ranks of its node.
+struct Node<'a> {
+    /// The memory tier's coordinator, when the loader uses the tier.
+    coordinator: Option<&'a Arc<Coordinator>>,
+    /// The node's other ranks (whose reads the tier's schedule and an origin cache's plan
+    /// include); empty when this rank is alone or the node is not known.
+    peers: Vec<World>,
+}
+
 /// Reads epochs from `start`; `Err(None)` when stopped, `Err(Some(e))` on a failure.
 fn run_epochs(
     reader: &mut Reader,
@@ -840,9 +852,9 @@ fn run_epochs(
     start: Position,
     out: &SyncSender<Message>,
     stop: &AtomicBool,
-    tier: Option<(&Arc<Coordinator>, Vec<World>)>,
+    node: Node<'_>,
 ) -> std::result::Result<(), Option<Error>> {
-    let coordinator = tier.as_ref().map(|(coordinator, _)| *coordinator);
+    let Node { coordinator, peers: node_peers } = node;
     let n_records = dataset.n_records();
     let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
     let mut position = if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
@@ -851,7 +863,13 @@ fn run_epochs(
     let mut step = 0u64;
     let mut next_epoch: Option<Arc<EpochBatches>> = None;
     // The tier's schedule is computed on a thread of its own, off the path to the first batch.
-    let scheduler = tier.map(|(c, peers)| Scheduler::start(dataset, c, config, peers)).transpose().map_err(Some)?;
+    let scheduler =
+        coordinator.map(|c| Scheduler::start(dataset, c, config, node_peers.clone())).transpose().map_err(Some)?;
+    // An origin cache hears this rank's plan from here and the node's other ranks' from a thread.
+    let node_plan = match config.repair.as_ref().filter(|hook| hook.wants_plan()) {
+        Some(hook) => node_plan::NodePlan::start(dataset, config, Arc::clone(hook), node_peers).map_err(Some)?,
+        None => None,
+    };
     while end_epoch.is_none_or(|end| position.epoch < end) {
         if n_records == 0 {
             return Ok(());
@@ -873,9 +891,15 @@ fn run_epochs(
             // The first epoch's plan, then each following one's a whole epoch ahead.
             if step == 0 {
                 hook.plan(step, &shards_by_step(dataset, &batches));
+                if let Some(node_plan) = &node_plan {
+                    node_plan.request(step, position);
+                }
             }
             if let Some(next) = &next_epoch {
                 hook.plan(step + batches.len() as u64, &shards_by_step(dataset, next));
+                if let Some(node_plan) = &node_plan {
+                    node_plan.request(step + batches.len() as u64, following);
+                }
             }
         }
         if let Some(scheduler) = &scheduler {

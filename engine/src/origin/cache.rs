@@ -41,6 +41,17 @@ const PREFETCH_THREADS: usize = 8;
 /// before it looks again (a fetch by another process may have made room meanwhile).
 const PREFETCH_IDLE: Duration = Duration::from_millis(100);
 
+/// What a fetch found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fetch {
+    /// This call fetched and published the shard.
+    Fetched,
+    /// The shard was here already, or another reader published it meanwhile.
+    Present,
+    /// Another process is fetching it (asked not to wait).
+    Elsewhere,
+}
+
 /// The cache of one store, over all its attachments. Shared by a process's readers.
 pub struct OriginCache {
     paths: StorePaths,
@@ -202,14 +213,15 @@ impl OriginCache {
     }
 
     /// Makes shard `id` present here: fetched from its origin and published, unless it already
-    /// is (or another reader of this process is fetching it, which this one then waits for).
+    /// is (or another reader is fetching it, in this process or another, which this one then
+    /// waits for).
     pub fn fetch(&self, id: ShardId) -> Result<()> {
-        self.fetch_counted(id).map(|_| ())
+        self.fetch_counted(id, true).map(|_| ())
     }
 
-    /// `fetch`; returns whether this call fetched it (false: it was here, or another reader of
-    /// this process fetched it meanwhile).
-    fn fetch_counted(&self, id: ShardId) -> Result<bool> {
+    /// `fetch`; says whether this call fetched it. With `wait` false, a shard another process
+    /// is fetching is left to it (`Fetch::Elsewhere`) instead of waited for.
+    fn fetch_counted(&self, id: ShardId, wait: bool) -> Result<Fetch> {
         let Some(&(bytes, at)) = self.fetchable.get(&id) else {
             return Err(Error::NotFound { what: format!("shard {id} in the datasets attached here") });
         };
@@ -219,15 +231,43 @@ impl OriginCache {
                 flying = self.landed.wait(flying).unwrap_or_else(PoisonError::into_inner);
             }
             if self.paths.shard(id).exists() {
-                return Ok(false);
+                return Ok(Fetch::Present);
             }
             flying.insert(id);
         }
-        let result = self.fetch_flying(id, bytes, &self.origins[at]).map(|()| true);
+        let result = self.claim_and_fetch(id, bytes, &self.origins[at], wait);
         self.flying.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
         self.landed.notify_all();
         self.moved();
         result
+    }
+
+    /// Fetches shard `id` under its claim, `origin/incoming/<id>.claim` (flock'd, exclusive),
+    /// so that the processes sharing this store fetch each shard once: one that finds it
+    /// claimed waits for the claim (or, with `wait` false, leaves the shard to its holder),
+    /// then finds the shard published.
+    fn claim_and_fetch(&self, id: ShardId, bytes: u64, origin: &Origin, wait: bool) -> Result<Fetch> {
+        let path = origin_dir(&self.paths).join("incoming").join(format!("{id}.claim"));
+        let claim = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| Error::io("create", &path, e))?;
+        let operation = if wait { libc::LOCK_EX } else { libc::LOCK_EX | libc::LOCK_NB };
+        match crate::io::flock(&claim, operation) {
+            Ok(()) => {}
+            Err(e) if !wait && e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Fetch::Elsewhere),
+            Err(e) => return Err(Error::io("lock", &path, e)),
+        }
+        if self.paths.shard(id).exists() {
+            return Ok(Fetch::Present);
+        }
+        let fetched = self.fetch_flying(id, bytes, origin);
+        // Removed while held: a process that opened it before waits on this file's lock and
+        // then finds the shard; one that comes later makes a new claim (and finds the shard).
+        let _ = std::fs::remove_file(&path);
+        fetched.map(|()| Fetch::Fetched)
     }
 
     fn fetch_flying(&self, id: ShardId, bytes: u64, origin: &Origin) -> Result<()> {
@@ -390,17 +430,21 @@ impl OriginCache {
         self.step.load(Ordering::Acquire)
     }
 
-    /// Tells the cache which shards the reader reads at steps `first_step`, `first_step + 1`,
-    /// ... (one list per batch, as the plan has them): the evictor gets each access's next use
-    /// from this, and `upcoming` lists what to fetch ahead.
+    /// Tells the cache which shards are read at steps `first_step`, `first_step + 1`, ... (one
+    /// list per batch, as the plan has them; this rank's, and the node's other ranks' in calls
+    /// of their own): the evictor gets each access's next use from this, and `upcoming` lists
+    /// what to fetch ahead.
     pub fn add_plan(&self, first_step: u64, shards_by_step: &[Vec<ShardId>]) {
         let mut plan = self.plan.lock().unwrap_or_else(PoisonError::into_inner);
         for (i, shards) in shards_by_step.iter().enumerate() {
             let step = first_step + i as u64;
             for &shard in shards {
+                // Kept sorted: the node's other ranks' plans come after this rank's.
                 let uses = plan.entry(shard).or_default();
                 if uses.back().is_none_or(|&last| last < step) {
                     uses.push_back(step);
+                } else if let Err(at) = uses.binary_search(&step) {
+                    uses.insert(at, step);
                 }
             }
         }
@@ -480,19 +524,22 @@ impl OriginCache {
             }
             // Another thread may take the shard after this one.
             self.moved();
-            let fetched = self.fetch_counted(shard);
+            let fetched = self.fetch_counted(shard, false);
             let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
-            return match fetched {
-                Ok(fetched) => {
-                    stats.prefetched += u64::from(fetched);
-                    true
+            match fetched {
+                Ok(Fetch::Fetched) => {
+                    stats.prefetched += 1;
+                    return true;
                 }
+                Ok(Fetch::Present) => return true,
+                // Another process of this store is fetching it: on to the next.
+                Ok(Fetch::Elsewhere) => {}
                 // The reader meets the same failure when it gets there, and reports it.
                 Err(_) => {
                     stats.prefetch_failures += 1;
-                    false
+                    return false;
                 }
-            };
+            }
         }
         false
     }
@@ -556,21 +603,23 @@ impl OriginCache {
     }
 }
 
-/// Removes from `incoming` the files of fetches (and attaches) that were killed mid-way. Each is
-/// named `<pid>-...` and locked (flock) by its writer while it lives: a file goes when no
+/// Removes from `incoming` the files of fetches (and attaches) that were killed mid-way. Each
+/// part is named `<pid>-...` and locked (flock) by its writer while it lives: it goes when no
 /// process of this PID runs here and nobody holds its lock (the lock covers writers in another
-/// PID namespace; the PID, the moment between a file's creation and its lock).
+/// PID namespace; the PID, the moment between a file's creation and its lock). A claim
+/// (`<id>.claim`) nobody holds goes too (at worst a process that was about to take it fetches
+/// its shard a second time).
 fn sweep_incoming(incoming: &std::path::Path) -> Result<()> {
     let entries = std::fs::read_dir(incoming).map_err(|e| Error::io("list", incoming, e))?;
     for entry in entries {
         let entry = entry.map_err(|e| Error::io("list", incoming, e))?;
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.split_once('-')).and_then(|(pid, _)| pid.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid == std::process::id() || std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
+        let claim = name.to_str().is_some_and(|n| n.ends_with(".claim"));
+        let pid = name.to_str().and_then(|n| n.split_once('-')).and_then(|(pid, _)| pid.parse::<u32>().ok());
+        match pid {
+            _ if claim => {}
+            Some(pid) if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() => {}
+            _ => continue,
         }
         let path = entry.path();
         let Ok(file) = File::open(&path) else { continue };
@@ -683,12 +732,13 @@ mod tests {
         let elsewhere = dir.path().join("4294000000-2.part");
         let mine = dir.path().join(format!("{}-3.part", std::process::id()));
         let stray = dir.path().join("notes.txt");
-        for file in [&killed, &mine, &stray] {
+        let claim = dir.path().join("ab12.claim");
+        for file in [&killed, &mine, &stray, &claim] {
             std::fs::write(file, b"x").unwrap();
         }
         let held = super::super::create_locked(&elsewhere).unwrap();
         sweep_incoming(dir.path()).unwrap();
-        assert!(!killed.exists(), "a part nobody holds stays");
+        assert!(!killed.exists() && !claim.exists(), "a part or claim nobody holds stays");
         assert!(elsewhere.exists() && mine.exists() && stray.exists(), "a held or live part was removed");
         drop(held);
         sweep_incoming(dir.path()).unwrap();

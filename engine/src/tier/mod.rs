@@ -855,7 +855,13 @@ fn prepare_dir(dir: &Path) -> Result<()> {
     for entry in entries {
         let name = entry.map_err(|e| Error::io("list", dir, e))?.file_name();
         let name = name.to_string_lossy();
-        if !(name == ".users" || is_extent_name(&name) || is_old_extent_name(&name) || claimed_extent(&name).is_some())
+        // The marker itself: another process opening the tier at this moment wrote it since
+        // the check above.
+        if !(name == MARKER
+            || name == ".users"
+            || is_extent_name(&name)
+            || is_old_extent_name(&name)
+            || claimed_extent(&name).is_some())
         {
             return Err(Error::invalid_input(format!(
                 "{} holds {name:?}, which is not a memory tier file: the tier empties its directory, so it \
