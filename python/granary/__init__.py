@@ -357,6 +357,10 @@ class Loader:
         )
         source = store._native if isinstance(store, Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)
+        if partitioner is not None:
+            # The options it reads with, a window the cache of an attached dataset asks for
+            # included: a state saved here resumes only under the same order.
+            self._plan["options"] = {k: v for k, v in (self._native.plan_options or [])}
         if self._native.layout == "samples" and device != "cpu":
             if device_chosen:
                 raise ValueError(

@@ -374,6 +374,21 @@ impl Loader {
     }
 
     /// The manifest id of the dataset version being read.
+    /// The partitioner options this loader reads with: the ones given, and the window an
+    /// attached dataset's cache asks for (fixed from now on, so a state saved here names the
+    /// order it follows); `None` for a native order.
+    #[getter]
+    fn plan_options(&self, py: Python<'_>) -> PyResult<Option<Vec<(String, String)>>> {
+        let mut state = self.lock(py)?;
+        let dataset = state.dataset().map_err(to_py)?;
+        let plan = granary::loader::plan_for_store(&dataset, state.config.plan.clone()).map_err(to_py)?;
+        state.config.plan = plan.clone();
+        Ok(match plan {
+            PlanSource::Partitioner { options, .. } => Some(options),
+            PlanSource::Native(_) => None,
+        })
+    }
+
     #[getter]
     fn manifest(&self, py: Python<'_>) -> PyResult<String> {
         let mut state = self.lock(py)?;

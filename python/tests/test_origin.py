@@ -99,6 +99,32 @@ def test_a_loader_reads_an_attached_dataset_whole_through_a_quarter_cache(s3, tm
         here.detach("tokens")
 
 
+def test_a_saved_state_names_the_window_the_cache_chose(s3, tmp_path):
+    data = np.random.default_rng(11).integers(0, 65535, size=(1024, RECORD), dtype=np.uint16)
+    source = granary.Store(tmp_path / "source", create=True)
+    source.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=64 << 10)
+    dataset_bytes = _cached_bytes(tmp_path / "source")
+    source.push("tokens", f"{s3}/window")
+    here = granary.Store(tmp_path / "here", create=True)
+    here.attach("tokens", f"{s3}/window", cache_bytes=dataset_bytes // 4)
+
+    # The default partitioner over a dataset the cache cannot hold: windowed, and the state
+    # says with which window.
+    def loader():
+        return here.loader("tokens", batch_size=32, seed=3, output="numpy", partitioner="default")
+
+    state = loader().state_dict()
+    window = int(state["plan"]["options"]["window-shards"])
+    assert window >= 1, state
+    # Another cache bound, another window, another order: the state is refused, not followed
+    # into different batches.
+    here.attach("tokens", f"{s3}/window", cache_bytes=dataset_bytes // 2)
+    other = loader()
+    assert int(other.state_dict()["plan"]["options"]["window-shards"]) != window
+    with pytest.raises(ValueError, match="plan"):
+        other.load_state_dict(state)
+
+
 def test_an_origin_url_with_credentials_is_refused(tmp_path):
     store = granary.Store(tmp_path / "s", create=True)
     with pytest.raises(granary.Error, match="carries no credentials") as caught:

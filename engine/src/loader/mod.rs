@@ -459,7 +459,7 @@ impl Loader {
         if config.repair.is_none() {
             config.repair = origin_hook(&dataset)?;
         }
-        config.plan = windowed_for_cache(&dataset, config.plan)?;
+        config.plan = plan_for_store(&dataset, config.plan)?;
         let repair = config.repair.clone();
         let cuda = match config.target {
             Target::Host => None,
@@ -776,15 +776,17 @@ fn origin_hook(_: &Dataset) -> Result<Option<Arc<dyn crate::read::ShardRepair>>>
     Ok(None)
 }
 
-/// `plan`, windowed to the cache when `dataset` is an attached one that its store's cache
-/// cannot hold whole and `plan` is the default partitioner's global order without a window:
+/// The plan a loader of `dataset` reads with when asked for `plan` (`Loader::new` applies it;
+/// callers that record the plan, to resume under the same order, ask here): `plan` itself,
+/// windowed to the cache when `dataset` is an attached one that its store's cache cannot hold
+/// whole and `plan` is the default partitioner's global order without a window:
 /// `window-shards` is then a quarter of the shards the cache holds (at least 1), so the reader
 /// works through a few shards at a time instead of needing most of the dataset every few steps.
 /// The window follows from the cache bound: nodes of one job give the same `--cache-bytes`
 /// (or pass `window-shards` themselves), or their ranks would read different plans. Any other
 /// plan (a native order, another plugin, a window or mode given) is left as chosen.
 #[cfg(feature = "origin")]
-fn windowed_for_cache(dataset: &Dataset, plan: PlanSource) -> Result<PlanSource> {
+pub fn plan_for_store(dataset: &Dataset, plan: PlanSource) -> Result<PlanSource> {
     let PlanSource::Partitioner { plugin, mut options } = plan else { return Ok(plan) };
     let chosen = options.iter().any(|(key, value)| key == "window-shards" || (key == "mode" && value != "global"));
     let attached = match dataset.version() {
@@ -805,8 +807,10 @@ fn windowed_for_cache(dataset: &Dataset, plan: PlanSource) -> Result<PlanSource>
     Ok(PlanSource::Partitioner { plugin, options })
 }
 
+/// The plan a loader of a dataset reads with when asked for `plan`: `plan` (without origins,
+/// nothing windows it).
 #[cfg(not(feature = "origin"))]
-fn windowed_for_cache(_: &Dataset, plan: PlanSource) -> Result<PlanSource> {
+pub fn plan_for_store(_: &Dataset, plan: PlanSource) -> Result<PlanSource> {
     Ok(plan)
 }
 
