@@ -260,14 +260,16 @@ impl OriginCache {
             Err(e) if !wait && e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Fetch::Elsewhere),
             Err(e) => return Err(Error::io("lock", &path, e)),
         }
-        if self.paths.shard(id).exists() {
-            return Ok(Fetch::Present);
-        }
-        let fetched = self.fetch_flying(id, bytes, origin);
-        // Removed while held: a process that opened it before waits on this file's lock and
-        // then finds the shard; one that comes later makes a new claim (and finds the shard).
+        // Removed while held, whatever comes of it: a process that opened it before waits on
+        // this file's lock and then finds the shard; one that comes later makes a new claim (and
+        // finds the shard).
+        let fetched = if self.paths.shard(id).exists() {
+            Ok(Fetch::Present)
+        } else {
+            self.fetch_flying(id, bytes, origin).map(|()| Fetch::Fetched)
+        };
         let _ = std::fs::remove_file(&path);
-        fetched.map(|()| Fetch::Fetched)
+        fetched
     }
 
     fn fetch_flying(&self, id: ShardId, bytes: u64, origin: &Origin) -> Result<()> {
