@@ -523,6 +523,24 @@ fn transient_failures_are_retried_and_flipped_bits_refetched_never_delivered() {
     assert_shards_whole(&here);
 }
 
+/// An origin over `store` (shown as `memory://test`), `tok` of the store at `source` pushed to
+/// it and attached to a new store at `here` with a cache of `bound` bytes (0: none).
+fn pushed_and_attached(
+    store: Arc<dyn object_store::ObjectStore>,
+    source: &Path,
+    here: &Path,
+    bound: u64,
+) -> Arc<Origin> {
+    let origin = Arc::new(
+        Origin::with_store(store, object_store::path::Path::from("test"), "memory://test".to_owned()).unwrap(),
+    );
+    let spec = granary::store::VersionSpec::parse("tok").unwrap();
+    granary::origin::push(&granary::store::StorePaths::new(source), &spec, &origin, &|_| {}).unwrap();
+    let mut granary = granary::Granary::create(here).unwrap();
+    granary::origin::attach(&mut granary, &origin, &spec, Some(bound), None).unwrap();
+    origin
+}
+
 /// Every shard file under `root` hashes to the id it is named by.
 fn assert_shards_whole(root: &Path) {
     for file in shard_files(root) {
@@ -596,18 +614,9 @@ fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
     let (source, here) = (dir.path().join("source"), dir.path().join("here"));
     let input = store_with(&source, 1024, 1);
     let dataset_bytes = shard_bytes_here(&source);
-    let origin = Arc::new(
-        Origin::with_store(
-            Arc::new(object_store::memory::InMemory::new()),
-            object_store::path::Path::from("windowed"),
-            "memory://windowed".to_owned(),
-        )
-        .unwrap(),
-    );
     let spec = VersionSpec::parse("tok").unwrap();
-    granary::origin::push(&StorePaths::new(&source), &spec, &origin, &|_| {}).unwrap();
     let bound = dataset_bytes / 4;
-    granary::origin::attach(&mut granary::Granary::create(&here).unwrap(), &origin, &spec, Some(bound), None).unwrap();
+    let origin = pushed_and_attached(Arc::new(object_store::memory::InMemory::new()), &source, &here, bound);
     let paths = StorePaths::new(&here);
     let cache = granary::origin::OriginCache::open_with(&paths, None, &[], &[Arc::clone(&origin)]).unwrap().unwrap();
     // The default plan (the elastic partitioner's global shuffle), no window asked for.
@@ -651,17 +660,9 @@ fn two_processes_sharing_a_store_fetch_each_shard_once() {
     // Slow enough that the two readers' fetches overlap.
     let throttle =
         object_store::throttle::ThrottleConfig { wait_get_per_call: Duration::from_millis(30), ..Default::default() };
-    let origin = Arc::new(
-        Origin::with_store(
-            Arc::new(object_store::throttle::ThrottledStore::new(object_store::memory::InMemory::new(), throttle)),
-            object_store::path::Path::from("shared"),
-            "memory://shared".to_owned(),
-        )
-        .unwrap(),
-    );
+    let slow = object_store::throttle::ThrottledStore::new(object_store::memory::InMemory::new(), throttle);
+    let origin = pushed_and_attached(Arc::new(slow), &source, &here, 0);
     let spec = VersionSpec::parse("tok").unwrap();
-    granary::origin::push(&StorePaths::new(&source), &spec, &origin, &|_| {}).unwrap();
-    granary::origin::attach(&mut granary::Granary::create(&here).unwrap(), &origin, &spec, Some(0), None).unwrap();
     let paths = StorePaths::new(&here);
     let ids: Vec<granary::ShardId> = {
         let manifest = paths.read_manifest(paths.resolve(&spec).unwrap().0).unwrap();

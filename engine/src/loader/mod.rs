@@ -962,6 +962,18 @@ fn shards_by_step(dataset: &Dataset, batches: &EpochBatches) -> Vec<Vec<crate::i
         .collect()
 }
 
+/// What a planner of other ranks' epochs (the tier's schedule, an origin cache's node plan)
+/// needs of `config`: the world, seed, batch size and plan; nothing that reads.
+fn planner_config(config: &LoaderConfig) -> LoaderConfig {
+    LoaderConfig {
+        world: config.world,
+        seed: config.seed,
+        batch_size: config.batch_size,
+        plan: config.plan.clone(),
+        ..LoaderConfig::default()
+    }
+}
+
 /// Cuts epochs into this rank's batches, each with the position after it.
 struct EpochPlanner {
     n_records: u64,

@@ -37,13 +37,7 @@ impl NodePlan {
         if peers.is_empty() {
             return Ok(None);
         }
-        let planner_config = LoaderConfig {
-            world: config.world,
-            seed: config.seed,
-            batch_size: config.batch_size,
-            plan: config.plan.clone(),
-            ..LoaderConfig::default()
-        };
+        let planner_config = super::planner_config(config);
         let dataset = Arc::clone(dataset);
         let (send, receive) = std::sync::mpsc::channel::<(u64, Position)>();
         let thread = super::spawn("granary-node-plan", move || {

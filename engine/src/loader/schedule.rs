@@ -82,13 +82,7 @@ impl Scheduler {
     ) -> Result<Self> {
         let (send, receive) = std::sync::mpsc::channel::<ScheduleRequest>();
         let (dataset, for_thread) = (Arc::clone(dataset), Arc::clone(coordinator));
-        let planner_config = LoaderConfig {
-            world: config.world,
-            seed: config.seed,
-            batch_size: config.batch_size,
-            plan: config.plan.clone(),
-            ..LoaderConfig::default()
-        };
+        let planner_config = super::planner_config(config);
         let thread = super::spawn("granary-tier-plan", move || {
             // The peers' batches are planned here, off the reader's path, by one planner (a
             // partitioner plugin plans every rank at once); if they cannot be, the schedule is
