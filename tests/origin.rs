@@ -767,3 +767,136 @@ fn the_cache_hears_the_plan_of_every_rank_of_its_node() {
     assert_eq!((heard[0].0, sorted(&heard[0].1)), (0, mine));
     assert_eq!((heard[1].0, sorted(&heard[1].1)), (0, neighbour));
 }
+
+/// A `granary serve` of the store at `root` on loopback, killed on drop.
+struct Serve(Child);
+
+impl Serve {
+    fn start(root: &Path, key_file: &Path, listen: std::net::SocketAddr, peer: std::net::SocketAddr) -> Serve {
+        let log = std::fs::File::create(root.with_extension("log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_granary"))
+            .arg("--root")
+            .arg(root)
+            .args(["serve", "--listen", &listen.to_string(), "--peers", &peer.to_string(), "--cluster-key"])
+            .arg(key_file)
+            .args(["--heartbeat-ms", "100", "--down-after-ms", "800"])
+            .env_remove("GRANARY_ROOT")
+            .env_remove("GRANARY_CLUSTER_KEY")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let mut serve = Serve(child);
+        let listen_file = root.join("replication").join("listen");
+        let started = Instant::now();
+        while std::fs::read_to_string(&listen_file).ok().is_none_or(|t| t.trim() != listen.to_string()) {
+            assert!(serve.0.try_wait().unwrap().is_none(), "serve {} exited", root.display());
+            assert!(started.elapsed() < Duration::from_secs(30), "serve {} did not start", root.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        serve
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Reads every record of `tok` at `root` through a loader whose repair hook is `node` (the
+/// store's origin cache wraps it); checks them against `input`; returns the cache's counters.
+fn read_all_through(root: &Path, node: Option<Arc<dyn granary::ShardRepair>>, input: &[u8]) -> granary::CacheStats {
+    use granary::loader::{Loader, LoaderConfig, Target};
+    use granary::store::{StorePaths, VersionSpec};
+
+    let paths = StorePaths::new(root);
+    let config = LoaderConfig {
+        batch_size: 16,
+        target: Target::Host,
+        tier: granary::TierSetting::Off,
+        repair: node,
+        ..LoaderConfig::default()
+    };
+    let dataset = granary::Dataset::open(&paths, &VersionSpec::parse("tok").unwrap()).unwrap();
+    let mut loader = Loader::new(dataset, config, Default::default()).unwrap();
+    let mut seen = vec![false; input.len() / RECORD];
+    while let Some(batch) = loader.next() {
+        let batch = batch.unwrap();
+        for (i, &index) in batch.indices().iter().enumerate() {
+            let index = usize::try_from(index).unwrap();
+            assert_eq!(batch.record(i), &input[index * RECORD..(index + 1) * RECORD], "record {index}");
+            seen[index] = true;
+        }
+    }
+    assert!(seen.iter().all(|&s| s), "every record once");
+    loader.stats().cache.expect("an attached dataset is read through the cache")
+}
+
+#[test]
+fn a_shard_a_peer_holds_comes_from_the_peer_and_the_rest_from_the_origin_at_once() {
+    use granary::replication::{ClusterKey, NodeClient};
+
+    const KEY: &str = "a cluster secret of this test, long enough";
+    let dir = tempdir();
+    let source = dir.path().join("source");
+    let input = store_with(&source, 256, 3);
+    let dataset_bytes = shard_bytes_here(&source);
+    let n_shards = shard_files(&source).len();
+    assert!(n_shards >= 4, "{n_shards} shards");
+    let url = format!("file://{}", dir.path().join("origin").display());
+    granary_ok(&source, &["push", "tok", &url]);
+    let key_file = dir.path().join("cluster.key");
+    std::fs::write(&key_file, KEY).unwrap();
+    let key = ClusterKey::from_secret(KEY.as_bytes()).unwrap();
+    let roots = [dir.path().join("a"), dir.path().join("b")];
+    let listen = [0, 1].map(|_| {
+        std::net::SocketAddr::from((
+            [127, 0, 0, 1],
+            TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port(),
+        ))
+    });
+    for root in &roots {
+        granary_ok(root, &["attach", "tok", &url]);
+    }
+    let mut serves: Vec<Option<Serve>> =
+        (0..2).map(|i| Some(Serve::start(&roots[i], &key_file, listen[i], listen[1 - i]))).collect();
+    let client = |i: usize| Arc::new(NodeClient::new(listen[i], key.clone()));
+
+    // Node a's reader finds no peer with the shards: they come from the origin.
+    let first = read_all_through(&roots[0], Some(client(0)), &input);
+    assert_eq!((first.bytes_from_origin, first.bytes_from_peers), (dataset_bytes, 0), "{first:?}");
+    // Once node b hears node a list them (a rescan, a heartbeat), b's reader gets every shard
+    // from a, checked, and nothing from the origin.
+    let started = Instant::now();
+    loop {
+        let (a, b) = (client(0).status().unwrap(), client(1).status().unwrap());
+        if a.objects > n_shards && b.peers.first().is_some_and(|p| p.up && p.objects == a.objects) {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "b never heard a's shards: {a:?} {b:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let second = read_all_through(&roots[1], Some(client(1)), &input);
+    assert_eq!((second.bytes_from_origin, second.bytes_from_peers), (0, dataset_bytes), "{second:?}");
+    assert_eq!(second.shards_from_peers, n_shards as u64);
+    assert_shards_whole(&roots[1]);
+
+    // With node a gone and b's copies evicted, b's node holds no peer that lists them: it says
+    // so at once (it does not wait for a source, as it does for a shard only peers have) and
+    // every shard comes from the origin.
+    serves[0] = None;
+    for file in shard_files(&roots[1]) {
+        std::fs::remove_file(file).unwrap();
+    }
+    let started = Instant::now();
+    let third = read_all_through(&roots[1], Some(client(1)), &input);
+    assert_eq!((third.bytes_from_origin, third.bytes_from_peers), (dataset_bytes, 0), "{third:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{n_shards} shards took {:?}: the node waited for a peer per shard",
+        started.elapsed()
+    );
+    drop(serves);
+}

@@ -473,7 +473,9 @@ class Loader:
         `tier_records`, `tier_bytes` and `tier_hit_ratio` (records served from memory) and, when
         the tier is on, `tier_bytes_held` (node-wide), `tier_budget_bytes`, `tier_extents_loaded`
         and `tier_extents_evicted`; reading an attached dataset, its origin cache's
-        `origin_bytes` (fetched from the origin), `origin_shards_fetched`, `origin_prefetched`
+        `origin_bytes` (fetched from the origin), `origin_peer_bytes` (sent by a peer of the job
+        instead, through the `granary serve` beside the store), `origin_shards_fetched` (from
+        either), `origin_prefetched`
         (fetched ahead of the reader), `origin_refetches` (fetches that failed their hash check),
         `origin_cache_hit_ratio` (shard accesses that found their shard here),
         `origin_wait_seconds` (time reads waited for a shard) and `origin_evictions`."""

@@ -489,6 +489,7 @@ impl Loader {
         // Reading an attached dataset: its shards come from the origin through the cache.
         if let Some(cache) = &stats.cache {
             out.set_item("origin_bytes", cache.bytes_from_origin)?;
+            out.set_item("origin_peer_bytes", cache.bytes_from_peers)?;
             out.set_item("origin_shards_fetched", cache.shards_fetched)?;
             out.set_item("origin_prefetched", cache.prefetched)?;
             out.set_item("origin_refetches", cache.refetches)?;
@@ -648,6 +649,8 @@ fn add(to: &mut LoaderStats, more: &LoaderStats) {
         let cache = to.cache.get_or_insert_default();
         cache.shards_fetched += more.shards_fetched;
         cache.bytes_from_origin += more.bytes_from_origin;
+        cache.shards_from_peers += more.shards_from_peers;
+        cache.bytes_from_peers += more.bytes_from_peers;
         cache.refetches += more.refetches;
         cache.evictions += more.evictions;
         cache.bytes_evicted += more.bytes_evicted;

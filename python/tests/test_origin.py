@@ -91,6 +91,8 @@ def test_a_loader_reads_an_attached_dataset_whole_through_a_quarter_cache(s3, tm
     assert metrics["origin_shards_fetched"] >= n_shards, metrics
     assert 0.0 <= metrics["origin_cache_hit_ratio"] < 1.0 and metrics["origin_wait_seconds"] >= 0.0, metrics
     assert metrics["origin_refetches"] == 0, metrics
+    # No node serves this store: nothing came from a peer.
+    assert metrics["origin_peer_bytes"] == 0, metrics
     loader.close()
 
     assert here.detach("tokens") >= 1

@@ -531,16 +531,22 @@ fn get(
         None => false,
     };
     let mut reader = Reader::new(dataset, IoConfig::default().build()?);
+    // A node serving this store repairs what the read finds damaged (none serving: no hook).
+    let node = match key.key_if_given()? {
+        Some(key) => granary::replication::NodeClient::for_store(paths.root(), key).ok(),
+        None => None,
+    };
     if attached {
-        // Its shards come from its origin, through the store's cache.
+        // Its shards come from a peer through that node, else from its origin, through the
+        // store's cache.
         if let Some(cache) = granary::origin::OriginCache::open(paths, None, &[])? {
+            if let Some(client) = node {
+                cache.set_peers(std::sync::Arc::new(client));
+            }
             reader.set_repair(cache);
         }
-    } else if let Some(key) = key.key_if_given()? {
-        // A node serving this store repairs what the read finds damaged (none serving: no hook).
-        if let Ok(client) = granary::replication::NodeClient::for_store(paths.root(), key) {
-            reader.set_repair(std::sync::Arc::new(client));
-        }
+    } else if let Some(client) = node {
+        reader.set_repair(std::sync::Arc::new(client));
     }
     let record = reader.get(index)?;
     match output {

@@ -147,7 +147,9 @@ pub struct LoaderConfig {
     /// record from disk (no memory tier), where the faults act.
     pub faults: Vec<Fault>,
     /// Where a damaged or missing shard gets replaced from (a replication node): the read is
-    /// then retried and the batches come in the same order. `None`: such a read fails.
+    /// then retried and the batches come in the same order. `None`: such a read fails. For an
+    /// attached dataset the store's origin cache fetches missing shards, asking this node for
+    /// a peer's copy before the origin.
     pub repair: Option<Arc<dyn crate::read::ShardRepair>>,
     /// The node's memory tier: records are served from verified extents in memory, filled
     /// ahead of the reader in plan order.
@@ -456,9 +458,7 @@ impl Loader {
     pub fn new(dataset: Arc<Dataset>, config: LoaderConfig, start: Position) -> Result<Self> {
         check(&config)?;
         let mut config = config;
-        if config.repair.is_none() {
-            config.repair = origin_hook(&dataset)?;
-        }
+        config.repair = origin_hook(&dataset, config.repair.take())?;
         config.plan = plan_for_store(&dataset, config.plan)?;
         let repair = config.repair.clone();
         let cuda = match config.target {
@@ -759,21 +759,35 @@ struct ReaderStage {
     stats: Arc<Mutex<ReadStats>>,
 }
 
-/// The store's origin cache when `dataset` is an attached one: its missing shards are fetched
-/// through it.
+/// The repair hook of a loader of `dataset` given `given`: for an attached dataset, the store's
+/// origin cache, through which its missing shards are fetched (asking `given`, a replication
+/// node, before the origin); otherwise, or when `given` is a cache itself, `given`.
 #[cfg(feature = "origin")]
-fn origin_hook(dataset: &Dataset) -> Result<Option<Arc<dyn crate::read::ShardRepair>>> {
-    let Some((name, _)) = dataset.version() else { return Ok(None) };
-    if crate::origin::attachment(dataset.paths(), name)?.is_none() {
-        return Ok(None);
+fn origin_hook(
+    dataset: &Dataset,
+    given: Option<Arc<dyn crate::read::ShardRepair>>,
+) -> Result<Option<Arc<dyn crate::read::ShardRepair>>> {
+    let Some((name, _)) = dataset.version() else { return Ok(given) };
+    // A hook that is a cache of its own (an origin cache the caller opened) is used as given:
+    // wrapped, its fetches would wait on the claims of the wrapping cache's.
+    if given.as_ref().is_some_and(|hook| hook.cache_stats().is_some())
+        || crate::origin::attachment(dataset.paths(), name)?.is_none()
+    {
+        return Ok(given);
     }
-    let cache = crate::origin::OriginCache::open(dataset.paths(), None, &[])?;
-    Ok(cache.map(|cache| cache as Arc<dyn crate::read::ShardRepair>))
+    let Some(cache) = crate::origin::OriginCache::open(dataset.paths(), None, &[])? else { return Ok(given) };
+    if let Some(node) = given {
+        cache.set_peers(node);
+    }
+    Ok(Some(cache))
 }
 
 #[cfg(not(feature = "origin"))]
-fn origin_hook(_: &Dataset) -> Result<Option<Arc<dyn crate::read::ShardRepair>>> {
-    Ok(None)
+fn origin_hook(
+    _: &Dataset,
+    given: Option<Arc<dyn crate::read::ShardRepair>>,
+) -> Result<Option<Arc<dyn crate::read::ShardRepair>>> {
+    Ok(given)
 }
 
 /// The plan a loader of `dataset` reads with when asked for `plan` (`Loader::new` applies it;

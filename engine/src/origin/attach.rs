@@ -9,7 +9,7 @@
 //! `bytes <N>` (the bound; 0 is none), optionally `evictor <NAME or PATH>`, a CRC32C line. Never: fetches record data, or touches a
 //! dataset that was not attached (a local name is refused).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
 use super::{FETCH_TRIES, Origin};
@@ -87,6 +87,49 @@ pub fn attachments(paths: &StorePaths) -> Result<Vec<Attachment>> {
 /// The attachment of dataset `name`, if it is one.
 pub fn attachment(paths: &StorePaths, name: &DatasetName) -> Result<Option<Attachment>> {
     Ok(attachments(paths)?.into_iter().find(|a| &a.name == name))
+}
+
+/// The shards of a store as its origin cache sees them: those its attached datasets name (their
+/// bytes and the attachment's URL) and those a local dataset names (never evicted).
+#[derive(Debug, Default)]
+pub(crate) struct StoreShards {
+    pub(crate) attached: HashMap<ShardId, (u64, String)>,
+    pub(crate) local: HashSet<ShardId>,
+}
+
+impl StoreShards {
+    /// The shards the cache owns: attached ones that no local dataset names.
+    pub(crate) fn cached(&self) -> HashSet<ShardId> {
+        self.attached.keys().filter(|id| !self.local.contains(id)).copied().collect()
+    }
+}
+
+/// Reads which shards of the store at `paths` are attached and which local (an attach cut short
+/// before its ref names none yet).
+pub(crate) fn store_shards(paths: &StorePaths) -> Result<StoreShards> {
+    let attached = attachments(paths)?;
+    let mut out = StoreShards::default();
+    for attachment in &attached {
+        let log = match paths.read_ref(&attachment.name) {
+            Ok(log) => log,
+            Err(Error::NotFound { .. }) => continue,
+            Err(e) => return Err(e),
+        };
+        for version in log.versions() {
+            for entry in paths.read_manifest(version.manifest)?.entries() {
+                out.attached.insert(entry.shard, (entry.file_bytes, attachment.url.clone()));
+            }
+        }
+    }
+    for name in paths.list_refs()? {
+        if attached.iter().any(|a| a.name == name) {
+            continue;
+        }
+        for version in paths.read_ref(&name)?.versions() {
+            out.local.extend(paths.read_manifest(version.manifest)?.entries().iter().map(|e| e.shard));
+        }
+    }
+    Ok(out)
 }
 
 /// The store's cache bound in bytes (0: none).

@@ -1,7 +1,8 @@
 //! The bounded cache of shards that readers of attached datasets fetched from their origins.
 //!
-//! Owns: fetching a shard a read needs (ranged reads into `origin/incoming/`, the whole file
-//! hashed against its id, refetched when it does not match, published into `shards/` by a
+//! Owns: fetching a shard a read needs (from a peer of the job through the replication node
+//! beside the store when one holds it; else by ranged reads into `origin/incoming/`, the whole
+//! file hashed against its id, refetched when it does not match, published into `shards/` by a
 //! rename), and keeping the store's cached shards within the bound `origin/cache` sets, with the
 //! evictor plugin choosing victims. Cached shards are the attached datasets' shards that no
 //! local dataset names; only those are ever evicted. Readers in several processes share one
@@ -19,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::attach::{attachments, cache_settings, origin_dir};
+use super::attach::{attachments, cache_settings, origin_dir, store_shards};
 use super::{FETCH_TRIES, Origin};
 use crate::error::{Error, Result};
 use crate::id::ShardId;
@@ -40,6 +41,15 @@ const PREFETCH_THREADS: usize = 8;
 /// How long an idle prefetch thread waits at most for the reader to move on (a step, a plan)
 /// before it looks again (a fetch by another process may have made room meanwhile).
 const PREFETCH_IDLE: Duration = Duration::from_millis(100);
+
+/// How long the node beside the store is not asked again after it could not be reached.
+const PEERS_DOWN_FOR: Duration = Duration::from_secs(30);
+
+/// The replication node a cache asks before its origin, and until when it is left alone.
+struct Peers {
+    node: Arc<dyn ShardRepair>,
+    down_until: Option<Instant>,
+}
 
 /// What a fetch found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +99,9 @@ pub struct OriginCache {
     /// Shards a read of this process waited for and has not read yet: never evicted before it
     /// has (or `PIN_FOR` passed), even when that keeps the cache over its bound for a moment.
     pinned: Mutex<HashMap<ShardId, Instant>>,
+    /// The replication node asked for a shard before its origin (a peer of the job that holds
+    /// it is nearer and cheaper), and until when it is not asked after it could not be reached.
+    peers: Mutex<Option<Peers>>,
 }
 
 impl std::fmt::Debug for OriginCache {
@@ -122,45 +135,27 @@ impl OriginCache {
         options: &[(String, String)],
         given: &[Arc<Origin>],
     ) -> Result<Option<Arc<Self>>> {
-        let attached = attachments(paths)?;
-        if attached.is_empty() {
+        if attachments(paths)?.is_empty() {
             return Ok(None);
         }
+        let shards = store_shards(paths)?;
         let mut origins: Vec<Arc<Origin>> = Vec::new();
         let mut fetchable = HashMap::new();
-        for attachment in &attached {
-            let at = match origins.iter().position(|o| o.url() == attachment.url) {
+        for (&id, (bytes, url)) in &shards.attached {
+            let at = match origins.iter().position(|o| o.url() == url) {
                 Some(at) => at,
                 None => {
-                    let origin = match given.iter().find(|o| o.url() == attachment.url) {
+                    let origin = match given.iter().find(|o| o.url() == url) {
                         Some(origin) => Arc::clone(origin),
-                        None => Arc::new(Origin::open(&attachment.url)?),
+                        None => Arc::new(Origin::open(url)?),
                     };
                     origins.push(origin);
                     origins.len() - 1
                 }
             };
-            let log = match paths.read_ref(&attachment.name) {
-                Ok(log) => log,
-                // An attach cut short before its ref: nothing to read yet.
-                Err(Error::NotFound { .. }) => continue,
-                Err(e) => return Err(e),
-            };
-            for version in log.versions() {
-                for entry in paths.read_manifest(version.manifest)?.entries() {
-                    fetchable.insert(entry.shard, (entry.file_bytes, at));
-                }
-            }
+            fetchable.insert(id, (*bytes, at));
         }
-        let mut local = HashSet::new();
-        for name in paths.list_refs()? {
-            if attached.iter().any(|a| a.name == name) {
-                continue;
-            }
-            for version in paths.read_ref(&name)?.versions() {
-                local.extend(paths.read_manifest(version.manifest)?.entries().iter().map(|e| e.shard));
-            }
-        }
+        let local = shards.local;
         let settings = cache_settings(paths)?;
         let bound = settings.bytes;
         let host = PolicyHost::new(Limits::default(), None)?;
@@ -170,6 +165,7 @@ impl OriginCache {
         let incoming = origin_dir(paths).join("incoming");
         std::fs::create_dir_all(&incoming).map_err(|e| Error::io("create directory", &incoming, e))?;
         sweep_incoming(&incoming)?;
+        let peers = node_beside(paths)?;
         Ok(Some(Arc::new_cyclic(|me| Self {
             paths: paths.clone(),
             bound,
@@ -189,7 +185,17 @@ impl OriginCache {
             regret_at: AtomicU64::new(u64::MAX),
             trace: Mutex::new(None),
             pinned: Mutex::new(HashMap::new()),
+            peers: Mutex::new(peers),
         })))
+    }
+
+    /// Asks `node` (a replication node: `replication::Node` in this process, or a
+    /// `NodeClient` of one beside it) for each shard before its origin; it pulls the shard from
+    /// a peer that holds it, verified, or refuses at once when none does. `open` sets this
+    /// itself when `GRANARY_CLUSTER_KEY` is set and a `granary serve` serves the store. `node`
+    /// must not fetch through an origin cache of this store: it would wait on this one's claim.
+    pub fn set_peers(&self, node: Arc<dyn ShardRepair>) {
+        *self.peers.lock().unwrap_or_else(PoisonError::into_inner) = Some(Peers { node, down_until: None });
     }
 
     /// The bound in bytes (0: none).
@@ -266,10 +272,54 @@ impl OriginCache {
         let fetched = if self.paths.shard(id).exists() {
             Ok(Fetch::Present)
         } else {
-            self.fetch_flying(id, bytes, origin).map(|()| Fetch::Fetched)
+            match self.fetch_from_peers(id, bytes) {
+                Ok(true) => Ok(Fetch::Fetched),
+                Ok(false) => self.fetch_flying(id, bytes, origin).map(|()| Fetch::Fetched),
+                Err(e) => Err(e),
+            }
         };
         let _ = std::fs::remove_file(&path);
         fetched
+    }
+
+    /// Asks the replication node, if there is one, for shard `id` from a peer; returns whether
+    /// it is here now (published by the node, which checked its bytes against the id; the
+    /// reader checks each block as it reads). The node's refusal (no peer holds it, or none
+    /// sent it whole) leaves the shard to the origin; a node that cannot be reached is not asked
+    /// again for `PEERS_DOWN_FOR`.
+    fn fetch_from_peers(&self, id: ShardId, bytes: u64) -> Result<bool> {
+        let node = {
+            let peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+            match &*peers {
+                Some(Peers { node, down_until }) if down_until.is_none_or(|until| Instant::now() >= until) => {
+                    Arc::clone(node)
+                }
+                _ => return Ok(false),
+            }
+        };
+        let cause = Error::NotFound { what: format!("shard {id} in the cache") };
+        match node.repair(id, &cause) {
+            Ok(()) if self.paths.shard(id).exists() => {}
+            Ok(()) => return Ok(false),
+            Err(e) => {
+                if matches!(e, Error::Transport { .. } | Error::Io { .. })
+                    && let Some(peers) = &mut *self.peers.lock().unwrap_or_else(PoisonError::into_inner)
+                {
+                    peers.down_until = Some(Instant::now() + PEERS_DOWN_FOR);
+                }
+                return Ok(false);
+            }
+        }
+        // Published already: the bound is kept by evicting others now, as after a fetch.
+        {
+            let _lock = lock_cache(&self.paths)?;
+            self.make_room(id, bytes)?;
+        }
+        let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+        stats.shards_fetched += 1;
+        stats.shards_from_peers += 1;
+        stats.bytes_from_peers += bytes;
+        Ok(true)
     }
 
     fn fetch_flying(&self, id: ShardId, bytes: u64, origin: &Origin) -> Result<()> {
@@ -603,6 +653,15 @@ impl OriginCache {
     pub fn shard_path(&self, id: ShardId) -> PathBuf {
         self.paths.shard(id)
     }
+}
+
+/// A client of the `granary serve` that serves the store at `paths`, when `GRANARY_CLUSTER_KEY`
+/// is set and one records where it listens there.
+fn node_beside(paths: &StorePaths) -> Result<Option<Peers>> {
+    let Some(key) = crate::replication::ClusterKey::from_env()? else { return Ok(None) };
+    Ok(crate::replication::NodeClient::for_store(paths.root(), key)
+        .ok()
+        .map(|client| Peers { node: Arc::new(client), down_until: None }))
 }
 
 /// Removes from `incoming` the files of fetches (and attaches) that were killed mid-way. Each

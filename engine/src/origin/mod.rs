@@ -30,6 +30,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion, WriteMultipart};
 
 pub use crate::read::CacheStats;
+pub(crate) use attach::store_shards;
 pub use attach::{
     AttachReport, Attachment, CacheSettings, DetachReport, attach, attachment, attachments, cache_bound,
     cache_settings, detach,

@@ -216,10 +216,14 @@ pub trait ShardRepair: Send + Sync + std::fmt::Debug {
 /// Counters of a cache of fetched shards (the origin cache), since it was opened in this process.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
-    /// Shards fetched and published here (by reads and ahead of them).
+    /// Shards fetched and published here (by reads and ahead of them), from origins or peers.
     pub shards_fetched: u64,
-    /// Bytes of them.
+    /// Bytes of those an origin sent.
     pub bytes_from_origin: u64,
+    /// Of the shards fetched, those a peer of the job sent (through the replication node).
+    pub shards_from_peers: u64,
+    /// Bytes of them.
+    pub bytes_from_peers: u64,
     /// Fetches whose bytes did not hash to the shard's id (dropped and fetched again).
     pub refetches: u64,
     /// Shards evicted (deleted) to keep the bound.

@@ -33,6 +33,10 @@ pub(crate) struct LocalStore {
     inventory: RwLock<BTreeMap<(WireKind, ObjectId), u64>>,
     /// The shards held only as cache entries (evictable); peers see the flag.
     cached: RwLock<HashSet<ObjectId>>,
+    /// The shards of attached datasets that no local dataset names: the store's origin cache
+    /// owns them (it fetches and evicts them, in the readers' processes). Peers see them flagged
+    /// as cache entries; this node's own cache never takes them. Refreshed by `rescan`.
+    origin_cached: RwLock<HashSet<ObjectId>>,
     /// Bumped on every change of the inventory, so peers refetch it only when it changed.
     generation: AtomicU64,
     /// The open write session, if any: kept open between publications that follow each other,
@@ -79,6 +83,7 @@ impl LocalStore {
             goals_dir,
             inventory: RwLock::new(BTreeMap::new()),
             cached: RwLock::new(HashSet::new()),
+            origin_cached: RwLock::new(HashSet::new()),
             generation: AtomicU64::new(1),
             writer: Mutex::new(None),
             lock_wait,
@@ -168,13 +173,47 @@ impl LocalStore {
                 }
             }
         }
+        let owned_changed = self.refresh_origin_cached();
         let mut inventory = self.inventory.write().expect("the inventory lock is never poisoned");
-        if *inventory == fresh {
+        if *inventory == fresh && !owned_changed {
             return Ok(false);
         }
         *inventory = fresh;
         self.generation.fetch_add(1, Ordering::AcqRel);
         Ok(true)
+    }
+
+    /// Re-reads which shards the store's origin cache owns; returns whether that changed. A
+    /// store whose attachments cannot be read keeps the last set (and says so on stderr).
+    #[cfg(feature = "origin")]
+    fn refresh_origin_cached(&self) -> bool {
+        let fresh: HashSet<ObjectId> = match crate::origin::store_shards(&self.paths) {
+            Ok(shards) => shards.cached().into_iter().map(|id| id.0).collect(),
+            Err(e) => {
+                eprintln!("granary node: could not read the store's attachments: {e}");
+                return false;
+            }
+        };
+        let mut owned = self.origin_cached.write().expect("the origin set lock is never poisoned");
+        if *owned == fresh {
+            return false;
+        }
+        *owned = fresh;
+        true
+    }
+
+    #[cfg(not(feature = "origin"))]
+    fn refresh_origin_cached(&self) -> bool {
+        false
+    }
+
+    /// Whether shard `id` belongs to the store's origin cache (as of the last `rescan`, or now
+    /// when `refresh`).
+    pub(crate) fn is_origin_cached(&self, id: ObjectId, refresh: bool) -> bool {
+        if refresh {
+            self.refresh_origin_cached();
+        }
+        self.origin_cached.read().expect("the origin set lock is never poisoned").contains(&id)
     }
 
     /// The length of object `id`, if it is held.
@@ -186,9 +225,15 @@ impl LocalStore {
     pub(crate) fn entries(&self) -> Vec<InventoryEntry> {
         let inventory = self.inventory.read().expect("the inventory lock is never poisoned");
         let cached = self.cached.read().expect("the cache set lock is never poisoned");
+        let owned = self.origin_cached.read().expect("the origin set lock is never poisoned");
         inventory
             .iter()
-            .map(|(&(kind, id), &bytes)| InventoryEntry { kind, id, bytes, cached: cached.contains(&id) })
+            .map(|(&(kind, id), &bytes)| InventoryEntry {
+                kind,
+                id,
+                bytes,
+                cached: cached.contains(&id) || owned.contains(&id),
+            })
             .collect()
     }
 
@@ -222,11 +267,16 @@ impl LocalStore {
         }
     }
 
-    /// The shards held as cache entries, with their lengths (at start, to rebuild the cache).
+    /// The shards held as this node's cache entries, with their lengths (at start, to rebuild
+    /// the cache; the origin cache's are not among them).
     pub(crate) fn cached_entries(&self) -> Vec<(ObjectId, u64)> {
         let cached = self.cached.read().expect("the cache set lock is never poisoned");
-        let mut out: Vec<(ObjectId, u64)> =
-            cached.iter().filter_map(|&id| self.holds(WireKind::Shard, id).map(|bytes| (id, bytes))).collect();
+        let owned = self.origin_cached.read().expect("the origin set lock is never poisoned");
+        let mut out: Vec<(ObjectId, u64)> = cached
+            .iter()
+            .filter(|id| !owned.contains(id))
+            .filter_map(|&id| self.holds(WireKind::Shard, id).map(|bytes| (id, bytes)))
+            .collect();
         out.sort();
         out
     }

@@ -604,13 +604,24 @@ impl Shared {
                 Err(e) => return Err(e),
             }
         }
+        // A shard of an attached dataset is the store's origin cache's (which asks here before
+        // its origin): taken from a peer that lists it now, else refused at once, so the
+        // origin is asked instead; this node's cache never takes it.
+        let origin_cached = {
+            let shared = Arc::clone(self);
+            tokio::task::spawn_blocking(move || {
+                shared.local.is_origin_cached(id.0, false) || shared.local.is_origin_cached(id.0, true)
+            })
+            .await
+            .unwrap_or(false)
+        };
         // A shard fetched for a read and not placed here is a cache entry; peers must see it
         // flagged as such from the moment it is listed (they count on copies that are not).
-        let as_cache = (was_cached || !was_here) && !self.is_placed_here(id).await;
+        let as_cache = !origin_cached && (was_cached || !was_here) && !self.is_placed_here(id).await;
         if as_cache {
             self.local.set_cached(id.0, true);
         }
-        let pulled = self.pull_for_read(id).await;
+        let pulled = self.pull_for_read(id, !origin_cached).await;
         let pulled = match pulled {
             Ok(pulled) => pulled,
             Err(e) => {
@@ -646,9 +657,11 @@ impl Shared {
     /// Pulls shard `id` for a reader: its length from a manifest here when there is one (a
     /// peer's inventory is only a hint), from whichever peer lists it, waiting a little for
     /// one to be up (right after a start, no heartbeat has answered yet).
-    async fn pull_for_read(self: &Arc<Self>, id: ShardId) -> Result<Pulled> {
+    async fn pull_for_read(self: &Arc<Self>, id: ShardId, wait: bool) -> Result<Pulled> {
         let kind = WireKind::Shard;
-        self.wait_for_source(kind, id.0, &[]).await;
+        if wait {
+            self.wait_for_source(kind, id.0, &[]).await;
+        }
         let length = match self.manifest_bytes(id) {
             Some(bytes) => pull::Length::new(bytes, true),
             None => pull::Length::new(self.bytes_known(kind, id.0), false),
