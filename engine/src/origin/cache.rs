@@ -36,8 +36,13 @@ const PIN_FOR: Duration = Duration::from_secs(30);
 /// Steps after an eviction of a shard needed sooner than the one it made room for during which
 /// fetches ahead use free room only.
 const REGRET_STEPS: u64 = 64;
-/// Shards fetched ahead at once (a fetch mostly waits: on the origin, on fsync).
+/// Shards fetched ahead at once at most (a fetch mostly waits: on the origin, on fsync); how
+/// many are is sized from the measured pace (`Pace`).
 const PREFETCH_THREADS: usize = 8;
+/// Headroom over the fetches the measured pace says are enough.
+const PACE_MARGIN: f64 = 1.5;
+/// Weight of the newest sample in the moving averages of `Pace`.
+const PACE_WEIGHT: f64 = 0.2;
 /// How long an idle prefetch thread waits at most for the reader to move on (a step, a plan)
 /// before it looks again (a fetch by another process may have made room meanwhile).
 const PREFETCH_IDLE: Duration = Duration::from_millis(100);
@@ -49,6 +54,47 @@ const PEERS_DOWN_FOR: Duration = Duration::from_secs(30);
 struct Peers {
     node: Arc<dyn ShardRepair>,
     down_until: Option<Instant>,
+}
+
+/// The measured pace that sizes how many fetches run ahead at once: how fast one fetch brings
+/// bytes, and how fast the reader steps.
+#[derive(Debug, Default)]
+struct Pace {
+    /// Bytes per second of one shard fetch from an origin (moving average; 0: none yet).
+    fetch_rate: f64,
+    /// Seconds per step of the reader (moving average; 0: fewer than two steps yet).
+    step_secs: f64,
+    last_step: Option<Instant>,
+    /// Fetches ahead wanted at the last look.
+    wanted: usize,
+}
+
+impl Pace {
+    fn average(old: f64, sample: f64) -> f64 {
+        if old == 0.0 { sample } else { old + PACE_WEIGHT * (sample - old) }
+    }
+
+    /// Fetches to keep under way so that each of `missing` (the shards of the plan not here,
+    /// soonest first: next use, bytes) lands before the reader reaches it, at `now`: with `c`
+    /// fetches at `fetch_rate` each, the first `k` shards' bytes take `bytes / (c * rate)`,
+    /// which must not exceed the time to their use. Every thread until both rates are known.
+    fn fetches_wanted(&mut self, now: u64, missing: &[(ShardId, u64, u64)]) -> usize {
+        if self.fetch_rate <= 0.0 || self.step_secs <= 0.0 {
+            self.wanted = PREFETCH_THREADS;
+            return PREFETCH_THREADS;
+        }
+        let mut behind = 0u64;
+        let mut need = 0.0f64;
+        for &(_, next_use, bytes) in missing {
+            behind += bytes;
+            let secs = next_use.saturating_sub(now).max(1) as f64 * self.step_secs;
+            need = need.max(behind as f64 / (self.fetch_rate * secs));
+        }
+        // One spare: a fetch that stalls on a slow request does not hold the rest up.
+        let wanted = (need * PACE_MARGIN).ceil() as usize + 1;
+        self.wanted = wanted.clamp(1, PREFETCH_THREADS);
+        self.wanted
+    }
 }
 
 /// What a fetch found.
@@ -102,6 +148,7 @@ pub struct OriginCache {
     /// The replication node asked for a shard before its origin (a peer of the job that holds
     /// it is nearer and cheaper), and until when it is not asked after it could not be reached.
     peers: Mutex<Option<Peers>>,
+    pace: Mutex<Pace>,
 }
 
 impl std::fmt::Debug for OriginCache {
@@ -186,6 +233,7 @@ impl OriginCache {
             trace: Mutex::new(None),
             pinned: Mutex::new(HashMap::new()),
             peers: Mutex::new(peers),
+            pace: Mutex::new(Pace::default()),
         })))
     }
 
@@ -327,9 +375,14 @@ impl OriginCache {
         let incoming = origin_dir(&self.paths).join("incoming");
         for _ in 0..FETCH_TRIES {
             let part = incoming.join(format!("{}-{}.part", std::process::id(), PARTS.fetch_add(1, Ordering::Relaxed)));
+            let started = Instant::now();
             match origin.fetch_shard(id, bytes, &part) {
                 // Locked until it is under `shards/` (or removed).
                 Ok(_locked) => {
+                    let rate = bytes as f64 / started.elapsed().as_secs_f64().max(1e-6);
+                    let mut pace = self.pace.lock().unwrap_or_else(PoisonError::into_inner);
+                    pace.fetch_rate = Pace::average(pace.fetch_rate, rate);
+                    drop(pace);
                     let published = self.publish(id, bytes, &part);
                     if published.is_err() {
                         let _ = std::fs::remove_file(&part);
@@ -565,11 +618,23 @@ impl OriginCache {
     /// Fetches the first shard of the plan that is not here, when it is worth it (see
     /// `worth_fetching`). Returns whether it fetched one.
     fn prefetch_one(&self) -> bool {
-        for (shard, next_use) in self.upcoming(PREFETCH_LOOKAHEAD) {
-            if self.paths.shard(shard).exists()
-                || self.flying.lock().unwrap_or_else(PoisonError::into_inner).contains(&shard)
+        let missing: Vec<(ShardId, u64, u64)> = self
+            .upcoming(PREFETCH_LOOKAHEAD)
+            .into_iter()
+            .filter(|&(shard, _)| !self.paths.shard(shard).exists())
+            .filter_map(|(shard, next_use)| self.fetchable.get(&shard).map(|&(bytes, _)| (shard, next_use, bytes)))
+            .collect();
+        let wanted = self.pace.lock().unwrap_or_else(PoisonError::into_inner).fetches_wanted(self.step(), &missing);
+        for (shard, next_use, _) in missing {
             {
-                continue;
+                let flying = self.flying.lock().unwrap_or_else(PoisonError::into_inner);
+                if flying.contains(&shard) {
+                    continue;
+                }
+                // Enough under way for the pace the reader and the origin keep.
+                if flying.len() >= wanted {
+                    return false;
+                }
             }
             if !self.worth_fetching(shard, next_use) {
                 return false;
@@ -746,6 +811,13 @@ impl ShardRepair for OriginCache {
             trace.push(shards.to_vec());
         }
         let now = self.step.fetch_add(1, Ordering::AcqRel) + 1;
+        {
+            let mut pace = self.pace.lock().unwrap_or_else(PoisonError::into_inner);
+            let stepped = Instant::now();
+            if let Some(last) = pace.last_step.replace(stepped) {
+                pace.step_secs = Pace::average(pace.step_secs, (stepped - last).as_secs_f64());
+            }
+        }
         self.moved();
         let unpinned = {
             let mut pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
@@ -783,6 +855,30 @@ impl ShardRepair for OriginCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fetches_ahead_follow_the_measured_pace() {
+        let shard = |n: u8| ShardId(crate::id::ObjectId::from_bytes([n; 32]));
+        let mb = 1_000_000u64;
+        // Four 4 MB shards needed at steps 10, 20, 30, 40 (the reader at step 0).
+        let missing: Vec<(ShardId, u64, u64)> = (1..=4).map(|k| (shard(k), u64::from(k) * 10, 4 * mb)).collect();
+        let mut pace = Pace::default();
+        assert_eq!(pace.fetches_wanted(0, &missing), PREFETCH_THREADS, "nothing measured yet: all threads");
+        // 10 ms steps: 4 MB per 100 ms is 40 MB/s wanted. One fetch at 100 MB/s keeps up
+        // (0.4 of one, with headroom 1), plus the spare.
+        pace.step_secs = 0.010;
+        pace.fetch_rate = 100.0 * mb as f64;
+        assert_eq!(pace.fetches_wanted(0, &missing), 2);
+        // At 10 MB/s a fetch: 4 of them (1.5 x 4 = 6, plus the spare).
+        pace.fetch_rate = 10.0 * mb as f64;
+        assert_eq!(pace.fetches_wanted(0, &missing), 7);
+        // An origin that cannot keep up gets every thread, no more.
+        pace.fetch_rate = mb as f64;
+        assert_eq!(pace.fetches_wanted(0, &missing), PREFETCH_THREADS);
+        // Nothing missing: the spare alone.
+        pace.fetch_rate = 100.0 * mb as f64;
+        assert_eq!(pace.fetches_wanted(0, &[]), 1);
+    }
 
     #[test]
     fn the_sweep_removes_only_parts_nobody_holds() {
