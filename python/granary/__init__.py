@@ -227,7 +227,9 @@ class Loader:
     `"cpu"` (host memory), or `None` (`"cuda"` when torch sees a GPU, `"cpu"` otherwise).
     `prefetch`: batches read ahead; `hold`: batches the trainer may keep at once (a batch is
     held while any tensor made from it lives; asking for one more raises instead of waiting
-    forever). `order`: `"shuffled"` or `"sequential"` (the native plan); `partitioner`: a
+    forever). `order`: `"shuffled"` or `"sequential"` (the native plan; default shuffled, and for
+    an attached dataset that its store's cache cannot hold, the default partitioner's plan
+    windowed to the cache, recorded in the saved state); `partitioner`: a
     partitioner plugin by name (`"default"`, the built-in elastic one) or `.wasm` path instead,
     with `partitioner_options`. `drop_last=True` ends each epoch before its short last step,
     so that every rank reads the same number of batches (DDP needs that; without it the last
@@ -273,7 +275,7 @@ class Loader:
         prefetch: int = 4,
         read_depth: int = 2,
         hold: int = 4,
-        order: str = "shuffled",
+        order: Optional[str] = None,
         partitioner: Optional[str] = None,
         partitioner_options: Optional[Dict[str, Any]] = None,
         io: Optional[str] = None,
@@ -335,7 +337,7 @@ class Loader:
         self._plan = (
             {"partitioner": partitioner, "options": {str(k): str(v) for k, v in (partitioner_options or {}).items()}}
             if partitioner is not None
-            else {"order": order}
+            else {"order": order or "shuffled"}
         )
         options = dict(
             seed=seed,
@@ -361,6 +363,13 @@ class Loader:
             # The options it reads with, a window the cache of an attached dataset asks for
             # included: a state saved here resumes only under the same order.
             self._plan["options"] = {k: v for k, v in (self._native.plan_options or [])}
+        elif order is None:
+            # The default shuffle: for an attached dataset the cache cannot hold, the default
+            # partitioner's plan windowed to it (a record-level shuffle would refetch the
+            # dataset every few steps).
+            windowed = self._native.plan_options
+            if windowed is not None:
+                self._plan = {"partitioner": "default", "options": {k: v for k, v in windowed}}
         if self._native.layout == "samples" and device != "cpu":
             if device_chosen:
                 raise ValueError(

@@ -56,6 +56,10 @@ struct State {
     /// Stop each epoch before its short last step, so every rank reads as many batches.
     drop_last: bool,
     dataset: Option<Arc<Dataset>>,
+    /// The plan is the default shuffle, not asked for by name: an attached dataset that its
+    /// store's cache cannot hold reads the default partitioner's windowed plan instead
+    /// (decided once, by `plan_options`).
+    windowable: bool,
     /// After the last batch handed out; an epoch's end is the next epoch's start.
     position: Position,
     /// The epoch the current iteration covers.
@@ -182,7 +186,7 @@ impl Loader {
     #[new]
     #[pyo3(signature = (
         store, dataset, batch_size, *, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
-        prefetch = 4, read_depth = 2, hold = 4, order = "shuffled", partitioner = None,
+        prefetch = 4, read_depth = 2, hold = 4, order = None, partitioner = None,
         partitioner_options = None, io = None, drop_last = false, tier_bytes = None,
         local_world_size = None,
     ))]
@@ -199,7 +203,7 @@ impl Loader {
         prefetch: usize,
         read_depth: usize,
         hold: usize,
-        order: &str,
+        order: Option<&str>,
         partitioner: Option<String>,
         partitioner_options: Option<Vec<(String, String)>>,
         io: Option<&str>,
@@ -235,10 +239,15 @@ impl Loader {
                 plugin: if plugin == "default" { None } else { Some(plugin) },
                 options: partitioner_options.unwrap_or_default(),
             },
-            ("shuffled", None) => PlanSource::Native(Order::Shuffled),
-            ("sequential", None) => PlanSource::Native(Order::Sequential),
-            (other, None) => return Err(invalid(format!("order {other:?}: expected \"shuffled\" or \"sequential\""))),
+            (None | Some("shuffled"), None) => PlanSource::Native(Order::Shuffled),
+            (Some("sequential"), None) => PlanSource::Native(Order::Sequential),
+            (Some(other), None) => {
+                return Err(invalid(format!("order {other:?}: expected \"shuffled\" or \"sequential\"")));
+            }
         };
+        // No order and no partitioner: shuffled, windowed to the cache for an attached
+        // dataset it cannot hold (see `plan_options`).
+        let windowable = order.is_none() && matches!(plan, PlanSource::Native(Order::Shuffled));
         let mut config = LoaderConfig {
             batch_size,
             world,
@@ -276,6 +285,7 @@ impl Loader {
                 device,
                 drop_last,
                 dataset: None,
+                windowable,
                 position: Position { epoch, cursor: 0 },
                 iterating: epoch,
                 len_from: Position { epoch, cursor: 0 },
@@ -373,14 +383,22 @@ impl Loader {
         Ok((state.position.epoch, state.position.cursor))
     }
 
-    /// The manifest id of the dataset version being read.
     /// The partitioner options this loader reads with: the ones given, and the window an
     /// attached dataset's cache asks for (fixed from now on, so a state saved here names the
-    /// order it follows); `None` for a native order.
+    /// order it follows); `None` for a native order. Without an order or a partitioner given,
+    /// an attached dataset the cache cannot hold reads the default partitioner's windowed plan
+    /// (decided here, once) instead of the native shuffle.
     #[getter]
     fn plan_options(&self, py: Python<'_>) -> PyResult<Option<Vec<(String, String)>>> {
         let mut state = self.lock(py)?;
         let dataset = state.dataset().map_err(to_py)?;
+        if std::mem::take(&mut state.windowable) {
+            let default = PlanSource::Partitioner { plugin: None, options: Vec::new() };
+            let windowed = granary::loader::plan_for_store(&dataset, default).map_err(to_py)?;
+            if matches!(&windowed, PlanSource::Partitioner { options, .. } if !options.is_empty()) {
+                state.config.plan = windowed;
+            }
+        }
         let plan = granary::loader::plan_for_store(&dataset, state.config.plan.clone()).map_err(to_py)?;
         state.config.plan = plan.clone();
         Ok(match plan {
@@ -389,6 +407,7 @@ impl Loader {
         })
     }
 
+    /// The manifest id of the dataset version being read.
     #[getter]
     fn manifest(&self, py: Python<'_>) -> PyResult<String> {
         let mut state = self.lock(py)?;

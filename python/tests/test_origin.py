@@ -127,6 +127,34 @@ def test_a_saved_state_names_the_window_the_cache_chose(s3, tmp_path):
         other.load_state_dict(state)
 
 
+def test_the_default_order_over_a_dataset_the_cache_cannot_hold_is_windowed(s3, tmp_path):
+    data = np.random.default_rng(13).integers(0, 65535, size=(1024, RECORD), dtype=np.uint16)
+    source = granary.Store(tmp_path / "source", create=True)
+    source.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=64 << 10)
+    dataset_bytes = _cached_bytes(tmp_path / "source")
+    source.push("tokens", f"{s3}/default")
+    here = granary.Store(tmp_path / "here", create=True)
+    here.attach("tokens", f"{s3}/default", cache_bytes=dataset_bytes // 4)
+
+    # No order asked for: not the native record-level shuffle (every shard at every step), but
+    # the default partitioner windowed to the cache, and the state says so.
+    loader = here.loader("tokens", batch_size=32, seed=3, output="numpy", with_indices=True)
+    plan = loader.state_dict()["plan"]
+    assert plan["partitioner"] == "default" and int(plan["options"]["window-shards"]) >= 1, plan
+    seen = []
+    for indices, batch in loader:
+        for index, row in zip(indices.tolist(), batch):
+            assert np.array_equal(row, data[index]), f"record {index}"
+            seen.append(index)
+    assert sorted(seen) == list(range(len(data)))
+    assert seen != sorted(seen), "shuffled"
+    assert loader.metrics()["origin_bytes"] <= 1.10 * dataset_bytes, loader.metrics()
+    loader.close()
+    # Asked for by name, the native shuffle is what it reads; a local dataset is not windowed.
+    assert here.loader("tokens", batch_size=32, order="shuffled").state_dict()["plan"] == {"order": "shuffled"}
+    assert source.loader("tokens", batch_size=32).state_dict()["plan"] == {"order": "shuffled"}
+
+
 def test_an_origin_url_with_credentials_is_refused(tmp_path):
     store = granary.Store(tmp_path / "s", create=True)
     with pytest.raises(granary.Error, match="carries no credentials") as caught:
