@@ -367,6 +367,31 @@ impl Faulty {
     }
 }
 
+/// A multipart upload that fails when completed, when told to.
+#[derive(Debug)]
+struct FailsAtEnd {
+    upload: Box<dyn object_store::MultipartUpload>,
+    fail: Option<object_store::Error>,
+}
+
+#[async_trait::async_trait]
+impl object_store::MultipartUpload for FailsAtEnd {
+    fn put_part(&mut self, data: object_store::PutPayload) -> object_store::UploadPart {
+        self.upload.put_part(data)
+    }
+
+    async fn complete(&mut self) -> object_store::Result<object_store::PutResult> {
+        match self.fail.take() {
+            Some(e) => Err(e),
+            None => self.upload.complete().await,
+        }
+    }
+
+    async fn abort(&mut self) -> object_store::Result<()> {
+        self.upload.abort().await
+    }
+}
+
 #[async_trait::async_trait]
 impl object_store::ObjectStore for Faulty {
     async fn put_opts(
@@ -389,7 +414,10 @@ impl object_store::ObjectStore for Faulty {
         location: &object_store::path::Path,
         opts: object_store::PutMultipartOptions,
     ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
-        self.inner.put_multipart_opts(location, opts).await
+        let upload = self.inner.put_multipart_opts(location, opts).await?;
+        // The first upload of an object fails at its end, after every part went.
+        let fail = self.call(format!("multipart {location}")) == 1;
+        Ok(Box::new(FailsAtEnd { upload, fail: fail.then(|| self.fail()) }))
     }
 
     async fn get_opts(
@@ -899,4 +927,31 @@ fn a_shard_a_peer_holds_comes_from_the_peer_and_the_rest_from_the_origin_at_once
         started.elapsed()
     );
     drop(serves);
+}
+
+#[test]
+fn a_large_upload_tried_again_reports_its_bytes_once() {
+    let dir = tempdir();
+    let file = dir.path().join("large.shard");
+    let data = bytes(7, 20 << 20);
+    std::fs::write(&file, &data).unwrap();
+    let id = ObjectId::from_bytes(*blake3::hash(&data).as_bytes());
+    let faulty = Arc::new(Faulty::default());
+    let origin = Origin::with_store(
+        Arc::clone(&faulty) as Arc<dyn object_store::ObjectStore>,
+        object_store::path::Path::from("faulty"),
+        "memory://faulty".to_owned(),
+    )
+    .unwrap();
+    let sent = std::sync::atomic::AtomicU64::new(0);
+    origin
+        .upload(ObjectKind::Shard, id, &file, &|n| {
+            sent.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        })
+        .unwrap();
+    // In parts, the first upload failed at its end and the second went whole.
+    assert_eq!(Faulty::count(&faulty.failed), 1);
+    assert!(origin.retries() >= 1);
+    assert_eq!(sent.into_inner(), data.len() as u64, "progress counts each byte once");
+    assert_eq!(origin.size_of(ObjectKind::Shard, id).unwrap(), Some(data.len() as u64));
 }

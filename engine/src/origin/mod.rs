@@ -251,10 +251,19 @@ impl Origin {
             sent(bytes);
             return Ok(());
         }
+        // An upload tried again re-sends its first parts: only bytes past the furthest any
+        // attempt reached are reported.
+        let reported = std::cell::Cell::new(0u64);
+        let reached = |at: u64| {
+            if at > reported.get() {
+                sent(at - reported.get());
+                reported.set(at);
+            }
+        };
         let (mut attempt, mut wait) = (1, REQUEST_BACKOFF);
         loop {
             let started = Instant::now();
-            match self.runtime.block_on(self.upload_parts(&path, &source, bytes, sent)) {
+            match self.runtime.block_on(self.upload_parts(&path, &source, bytes, &reached)) {
                 Ok(()) => return Ok(()),
                 Err(PartsFailed::Read(e)) => return Err(Error::io("read", file, e)),
                 Err(PartsFailed::Store(op, e)) => {
@@ -269,13 +278,14 @@ impl Origin {
         }
     }
 
-    /// One multipart upload of `source` (`bytes` long) to `path`, aborted when it fails.
+    /// One multipart upload of `source` (`bytes` long) to `path`, aborted when it fails;
+    /// `reached` is told how far into the file the parts handed over go.
     async fn upload_parts(
         &self,
         path: &Path,
         source: &File,
         bytes: u64,
-        sent: &dyn Fn(u64),
+        reached: &dyn Fn(u64),
     ) -> std::result::Result<(), PartsFailed> {
         let upload = self.store.put_multipart(path).await.map_err(|e| PartsFailed::Store("start upload", e))?;
         let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
@@ -293,7 +303,7 @@ impl Origin {
             }
             writer.write(&buf[..n]);
             at += n as u64;
-            sent(n as u64);
+            reached(at);
         }
         writer.finish().await.map(|_| ()).map_err(|e| PartsFailed::Store("finish upload", e))
     }
