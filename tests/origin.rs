@@ -955,3 +955,34 @@ fn a_large_upload_tried_again_reports_its_bytes_once() {
     assert_eq!(sent.into_inner(), data.len() as u64, "progress counts each byte once");
     assert_eq!(origin.size_of(ObjectKind::Shard, id).unwrap(), Some(data.len() as u64));
 }
+
+#[test]
+fn a_store_mounted_read_only_serves_its_cached_shards_and_names_the_rest() {
+    let dir = tempdir();
+    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
+    let input = store_with(&source, 256, 9);
+    let url = format!("file://{}", dir.path().join("origin").display());
+    granary_ok(&source, &["push", "tok", &url]);
+    granary_ok(&here, &["attach", "tok", &url]);
+    // Record 1's shard is cached; record 200's is not.
+    assert_eq!(granary(&here, &["get", "tok", "1"]).stdout, input[RECORD..2 * RECORD]);
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    // The store bind-mounted read-only over itself, in a mount namespace of this test's own.
+    let script = format!(
+        "mount --bind {here} {here} && mount -o remount,ro,bind {here} && \
+         {granary} --root {here} get tok 1 -o {out}/1; echo \"rc=$?\"; \
+         {granary} --root {here} get tok 200 -o {out}/200; echo \"rc=$?\"",
+        here = here.display(),
+        granary = env!("CARGO_BIN_EXE_granary"),
+        out = out.display(),
+    );
+    let run = Command::new("unshare").args(["--mount", "sh", "-c", &script]).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "unshare: {stdout}{stderr}");
+    assert_eq!(stdout.lines().collect::<Vec<_>>(), ["rc=0", "rc=1"], "{stdout}{stderr}");
+    assert_eq!(std::fs::read(out.join("1")).unwrap(), &input[RECORD..2 * RECORD]);
+    assert!(!out.join("200").exists() || std::fs::read(out.join("200")).unwrap().is_empty());
+    assert!(stderr.contains("cannot be written here") && stderr.contains("cannot be fetched from"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

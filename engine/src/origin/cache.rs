@@ -10,11 +10,13 @@
 //! look at which shards are here, so the bound holds across processes (exceeded at most by the
 //! shards being fetched at that moment, which are published only after room was made). A shard
 //! already open by a reader stays readable after it is evicted (its file lives until closed).
-//! Invariant: no shard is published before its bytes hashed to its id. Never: takes the store's
+//! A store this process cannot write is only read (its cached shards serve; nothing is fetched
+//! or evicted). Invariant: no shard is published before its bytes hashed to its id. Never: takes the store's
 //! write lock or writes the catalog (the files are the truth; `granary repair` recatalogs).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
+use std::io::ErrorKind;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -149,6 +151,8 @@ pub struct OriginCache {
     /// it is nearer and cheaper), and until when it is not asked after it could not be reached.
     peers: Mutex<Option<Peers>>,
     pace: Mutex<Pace>,
+    /// Whether this process may write the store (else it only reads the shards here).
+    writable: bool,
 }
 
 impl std::fmt::Debug for OriginCache {
@@ -210,8 +214,21 @@ impl OriginCache {
         let evictor = evictor.or(settings.evictor.as_deref()).unwrap_or("plan-aware");
         let evictor = ShardCache::new(&host, Some(evictor), options, bound)?;
         let incoming = origin_dir(paths).join("incoming");
-        std::fs::create_dir_all(&incoming).map_err(|e| Error::io("create directory", &incoming, e))?;
-        sweep_incoming(&incoming)?;
+        // A store this process cannot write (a read-only mount, another user's) is read as it
+        // is: the shards here serve, nothing is fetched or evicted.
+        // (The directory may exist already: opening the cache's lock file for writing is the
+        // probe.)
+        let lock = origin_dir(paths).join("LOCK");
+        let probe = std::fs::create_dir_all(&incoming)
+            .and_then(|()| std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(&lock));
+        let writable = match probe {
+            Ok(_) => true,
+            Err(e) if matches!(e.kind(), ErrorKind::ReadOnlyFilesystem | ErrorKind::PermissionDenied) => false,
+            Err(e) => return Err(Error::io("create", &lock, e)),
+        };
+        if writable {
+            sweep_incoming(&incoming)?;
+        }
         let peers = node_beside(paths)?;
         Ok(Some(Arc::new_cyclic(|me| Self {
             paths: paths.clone(),
@@ -234,6 +251,7 @@ impl OriginCache {
             pinned: Mutex::new(HashMap::new()),
             peers: Mutex::new(peers),
             pace: Mutex::new(Pace::default()),
+            writable,
         })))
     }
 
@@ -279,6 +297,20 @@ impl OriginCache {
         let Some(&(bytes, at)) = self.fetchable.get(&id) else {
             return Err(Error::NotFound { what: format!("shard {id} in the datasets attached here") });
         };
+        if !self.writable {
+            if self.paths.shard(id).exists() {
+                return Ok(Fetch::Present);
+            }
+            return Err(Error::Unavailable {
+                what: format!("shard {id}"),
+                detail: format!(
+                    "it is not cached in {} and the store cannot be written here (read-only or another user's), so it \
+                     cannot be fetched from {}",
+                    self.paths.root().display(),
+                    self.origins[at].url()
+                ),
+            });
+        }
         {
             let mut flying = self.flying.lock().unwrap_or_else(PoisonError::into_inner);
             while flying.contains(&id) {
@@ -664,6 +696,9 @@ impl OriginCache {
     /// Starts the threads that fetch ahead of the reader in plan order, once: several, so that
     /// the origin's latency per request is paid in parallel.
     fn start_prefetch(&self) {
+        if !self.writable {
+            return;
+        }
         self.prefetching.call_once(|| {
             for _ in 0..PREFETCH_THREADS {
                 let me = self.me.clone();
@@ -778,6 +813,16 @@ impl ShardRepair for OriginCache {
                 what: format!("shard {shard} at an origin (it is not an attached dataset's)"),
             });
         }
+        if !self.writable {
+            return Err(Error::Unavailable {
+                what: format!("shard {shard}"),
+                detail: format!(
+                    "{cause}; the store at {} cannot be written here (read-only or another user's), so it cannot \
+                     be fetched from its origin",
+                    self.paths.root().display()
+                ),
+            });
+        }
         if cause.is_corruption() {
             self.quarantine(shard)?;
         }
@@ -827,7 +872,7 @@ impl ShardRepair for OriginCache {
             }
             pinned.len() < before
         };
-        if self.bound == 0 {
+        if self.bound == 0 || !self.writable {
             return;
         }
         // Pins may have held the cache over its bound (a batch that needs more than fits):
