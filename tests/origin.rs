@@ -657,16 +657,7 @@ fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
         ..LoaderConfig::default()
     };
     let mut loader = Loader::new(granary::Dataset::open(&paths, &spec).unwrap(), config, Default::default()).unwrap();
-    let mut seen = vec![false; 1024];
-    while let Some(batch) = loader.next() {
-        let batch = batch.unwrap();
-        for (i, &index) in batch.indices().iter().enumerate() {
-            let index = usize::try_from(index).unwrap();
-            assert_eq!(batch.record(i), &input[index * RECORD..(index + 1) * RECORD], "record {index}");
-            seen[index] = true;
-        }
-    }
-    assert!(seen.iter().all(|&s| s), "every record once");
+    assert_every_record_read(&mut loader, &input);
     // A full shuffle would need every shard at every step, and fetch the dataset many times
     // over through a quarter cache; windowed, each shard comes about once.
     let fetched = cache.stats().bytes_from_origin;
@@ -849,17 +840,22 @@ fn read_all_through(root: &Path, node: Option<Arc<dyn granary::ShardRepair>>, in
     };
     let dataset = granary::Dataset::open(&paths, &VersionSpec::parse("tok").unwrap()).unwrap();
     let mut loader = Loader::new(dataset, config, Default::default()).unwrap();
+    assert_every_record_read(&mut loader, input);
+    loader.stats().cache.expect("an attached dataset is read through the cache")
+}
+
+/// Reads `loader` to its end: every record of `input` comes once, equal to the input.
+fn assert_every_record_read(loader: &mut granary::loader::Loader, input: &[u8]) {
     let mut seen = vec![false; input.len() / RECORD];
     while let Some(batch) = loader.next() {
         let batch = batch.unwrap();
         for (i, &index) in batch.indices().iter().enumerate() {
             let index = usize::try_from(index).unwrap();
             assert_eq!(batch.record(i), &input[index * RECORD..(index + 1) * RECORD], "record {index}");
-            seen[index] = true;
+            assert!(!std::mem::replace(&mut seen[index], true), "record {index} twice");
         }
     }
     assert!(seen.iter().all(|&s| s), "every record once");
-    loader.stats().cache.expect("an attached dataset is read through the cache")
 }
 
 #[test]

@@ -101,14 +101,21 @@ def test_a_loader_reads_an_attached_dataset_whole_through_a_quarter_cache(s3, tm
         here.detach("tokens")
 
 
-def test_a_saved_state_names_the_window_the_cache_chose(s3, tmp_path):
-    data = np.random.default_rng(11).integers(0, 65535, size=(1024, RECORD), dtype=np.uint16)
+def _attached_quarter(s3, tmp_path, prefix, seed):
+    """1024 records pushed to `prefix` and attached to a new store with a cache a quarter
+    their size: (records, their bytes, the source store, the attached store)."""
+    data = np.random.default_rng(seed).integers(0, 65535, size=(1024, RECORD), dtype=np.uint16)
     source = granary.Store(tmp_path / "source", create=True)
     source.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=64 << 10)
     dataset_bytes = _cached_bytes(tmp_path / "source")
-    source.push("tokens", f"{s3}/window")
+    source.push("tokens", f"{s3}/{prefix}")
     here = granary.Store(tmp_path / "here", create=True)
-    here.attach("tokens", f"{s3}/window", cache_bytes=dataset_bytes // 4)
+    here.attach("tokens", f"{s3}/{prefix}", cache_bytes=dataset_bytes // 4)
+    return data, dataset_bytes, source, here
+
+
+def test_a_saved_state_names_the_window_the_cache_chose(s3, tmp_path):
+    data, dataset_bytes, source, here = _attached_quarter(s3, tmp_path, "window", 11)
 
     # The default partitioner over a dataset the cache cannot hold: windowed, and the state
     # says with which window.
@@ -128,13 +135,7 @@ def test_a_saved_state_names_the_window_the_cache_chose(s3, tmp_path):
 
 
 def test_the_default_order_over_a_dataset_the_cache_cannot_hold_is_windowed(s3, tmp_path):
-    data = np.random.default_rng(13).integers(0, 65535, size=(1024, RECORD), dtype=np.uint16)
-    source = granary.Store(tmp_path / "source", create=True)
-    source.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=64 << 10)
-    dataset_bytes = _cached_bytes(tmp_path / "source")
-    source.push("tokens", f"{s3}/default")
-    here = granary.Store(tmp_path / "here", create=True)
-    here.attach("tokens", f"{s3}/default", cache_bytes=dataset_bytes // 4)
+    data, dataset_bytes, source, here = _attached_quarter(s3, tmp_path, "default", 13)
 
     # No order asked for: not the native record-level shuffle (every shard at every step), but
     # the default partitioner windowed to the cache, and the state says so.
