@@ -11,8 +11,9 @@
 //! shards being fetched at that moment, which are published only after room was made). A shard
 //! already open by a reader stays readable after it is evicted (its file lives until closed).
 //! A store this process cannot write is only read (its cached shards serve; nothing is fetched
-//! or evicted). Invariant: no shard is published before its bytes hashed to its id. Never: takes the store's
-//! write lock or writes the catalog (the files are the truth; `granary repair` recatalogs).
+//! or evicted). Invariant: no shard is published before its bytes hashed to its id. Never:
+//! takes the store's write lock or writes the catalog (the files are the truth; `granary
+//! repair` recatalogs).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -67,8 +68,6 @@ struct Pace {
     /// Seconds per step of the reader (moving average; 0: fewer than two steps yet).
     step_secs: f64,
     last_step: Option<Instant>,
-    /// Fetches ahead wanted at the last look.
-    wanted: usize,
 }
 
 impl Pace {
@@ -80,9 +79,8 @@ impl Pace {
     /// soonest first: next use, bytes) lands before the reader reaches it, at `now`: with `c`
     /// fetches at `fetch_rate` each, the first `k` shards' bytes take `bytes / (c * rate)`,
     /// which must not exceed the time to their use. Every thread until both rates are known.
-    fn fetches_wanted(&mut self, now: u64, missing: &[(ShardId, u64, u64)]) -> usize {
+    fn fetches_wanted(&self, now: u64, missing: &[(ShardId, u64, u64)]) -> usize {
         if self.fetch_rate <= 0.0 || self.step_secs <= 0.0 {
-            self.wanted = PREFETCH_THREADS;
             return PREFETCH_THREADS;
         }
         let mut behind = 0u64;
@@ -94,8 +92,7 @@ impl Pace {
         }
         // One spare: a fetch that stalls on a slow request does not hold the rest up.
         let wanted = (need * PACE_MARGIN).ceil() as usize + 1;
-        self.wanted = wanted.clamp(1, PREFETCH_THREADS);
-        self.wanted
+        wanted.clamp(1, PREFETCH_THREADS)
     }
 }
 
@@ -216,15 +213,19 @@ impl OriginCache {
         let incoming = origin_dir(paths).join("incoming");
         // A store this process cannot write (a read-only mount, another user's) is read as it
         // is: the shards here serve, nothing is fetched or evicted.
-        // (The directory may exist already: opening the cache's lock file for writing is the
-        // probe.)
+        // The directory may exist already: opening the cache's lock file for writing is the
+        // probe.
         let lock = origin_dir(paths).join("LOCK");
-        let probe = std::fs::create_dir_all(&incoming)
-            .and_then(|()| std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(&lock));
-        let writable = match probe {
-            Ok(_) => true,
-            Err(e) if matches!(e.kind(), ErrorKind::ReadOnlyFilesystem | ErrorKind::PermissionDenied) => false,
-            Err(e) => return Err(Error::io("create", &lock, e)),
+        let refused =
+            |e: &std::io::Error| matches!(e.kind(), ErrorKind::ReadOnlyFilesystem | ErrorKind::PermissionDenied);
+        let writable = match std::fs::create_dir_all(&incoming) {
+            Ok(()) => match std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(&lock) {
+                Ok(_) => true,
+                Err(e) if refused(&e) => false,
+                Err(e) => return Err(Error::io("create", &lock, e)),
+            },
+            Err(e) if refused(&e) => false,
+            Err(e) => return Err(Error::io("create directory", &incoming, e)),
         };
         if writable {
             sweep_incoming(&incoming)?;

@@ -1,5 +1,7 @@
-//! The node's own store: what it holds, its replication goals and incarnation, and the short
-//! write sessions through which objects that arrived from peers are published.
+//! The node's own store: what it holds (and which of its shards the store's origin cache owns:
+//! listed as cache entries, never taken by the node's cache), its replication goals and
+//! incarnation, and the short write sessions through which objects that arrived from peers are
+//! published.
 //!
 //! The node does not hold the store's write lock for its lifetime: `granary ingest` must be able
 //! to run beside `granary serve`. It opens a `Granary` (lock and catalog) for each publication,
