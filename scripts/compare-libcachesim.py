@@ -77,7 +77,7 @@ def logged_run(granary, work):
     traces = os.path.join(work, "logged")
     out = subprocess.run([granary, "--root", root, "bench", "cache", "--generate", "8MiB", "--shard-bytes", "128KiB",
                           "--batch", "16", "--step-ms", "0", "--latency-ms", "1", "--bandwidth", "1GiB",
-                          "--evictors", "lru", "--trace-out", traces],
+                          "--evictors", "lru", "--baseline", "none", "--trace-out", traces],
                          check=True, capture_output=True, text=True).stdout
     cache = int(re.search(r"%, (\d+) shards\)", out).group(1))
     failures = 0

@@ -297,6 +297,9 @@ fn bench_cache_runs_end_to_end_at_a_small_scale() {
         // cache over its bound for a moment, so a little below is possible).
         assert!(ratio > 0.8, "{row}");
     }
+    // The baseline: LRU not told the plan fetches nothing ahead.
+    let baseline = out.lines().find(|line| line.starts_with("lru no plan")).unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(baseline.split_whitespace().nth(12), Some("0"), "{baseline}");
 }
 
 #[test]
@@ -981,4 +984,45 @@ fn a_store_mounted_read_only_serves_its_cached_shards_and_names_the_rest() {
     assert!(!out.join("200").exists() || std::fs::read(out.join("200")).unwrap().is_empty());
     assert!(stderr.contains("cannot be written here") && stderr.contains("cannot be fetched from"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
+    use granary::ShardRepair;
+    use granary::store::{StorePaths, VersionSpec};
+
+    let dir = tempdir();
+    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
+    // Four shards of 64 records, all of one size.
+    store_with(&source, 256, 4);
+    let paths = StorePaths::new(&here);
+    let spec = VersionSpec::parse("tok").unwrap();
+    let entries = {
+        let source_paths = StorePaths::new(&source);
+        source_paths.read_manifest(source_paths.resolve(&spec).unwrap().0).unwrap().entries().to_vec()
+    };
+    assert!(entries.len() == 4 && entries.iter().all(|e| e.file_bytes == entries[0].file_bytes));
+    let bound = 2 * entries[0].file_bytes;
+    let origin = pushed_and_attached(Arc::new(object_store::memory::InMemory::new()), &source, &here, bound);
+    let cache = granary::origin::OriginCache::open_with(&paths, Some("lru"), &[], &[origin]).unwrap().unwrap();
+    let (a, b, c) = (entries[0].shard, entries[1].shard, entries[2].shard);
+    // The plan: a at steps 0 and 5, b at 1 and 50, c at 10.
+    let mut steps = vec![Vec::new(); 51];
+    steps[0].push(a);
+    steps[1].push(b);
+    steps[5].push(a);
+    steps[10].push(c);
+    steps[50].push(b);
+    cache.add_plan(0, &steps);
+    for shard in [a, b] {
+        cache.fetch(shard).unwrap();
+        cache.accessed(&[shard]);
+    }
+    // At step 2, c comes: LRU would evict a, the least recently used, which is needed at
+    // step 5, before c; b (step 50) goes instead.
+    cache.fetch(c).unwrap();
+    assert!(paths.shard(a).exists(), "a, needed sooner than c, was evicted");
+    assert!(!paths.shard(b).exists(), "b, needed last, was kept");
+    assert!(paths.shard(c).exists());
+    assert!(shard_bytes_here(&here) <= bound);
 }

@@ -56,6 +56,11 @@ pub(crate) struct CacheArgs {
     /// The evictors compared.
     #[arg(long, value_delimiter = ',', default_value = "plan-aware,lru,s3-fifo")]
     evictors: Vec<String>,
+    /// One more row: this evictor with the cache not told the plan (no prefetch, no next use:
+    /// a shard fetched when a read misses it, as Mosaic Streaming's LRU cache does); `none`
+    /// for no such row.
+    #[arg(long, default_value = "lru")]
+    baseline: String,
     /// Writes each run's shard access trace to DIR/EVICTOR.oracleGeneral.bin (libCacheSim's
     /// format; a shard is an object), for `plugin sim` and libCacheSim to replay.
     #[arg(long, value_name = "DIR")]
@@ -145,8 +150,12 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
         "-",
         "-"
     )?;
-    for evictor in &args.evictors {
-        let here = root.join(format!("here-{evictor}"));
+    let mut rows: Vec<(String, &str, bool)> = args.evictors.iter().map(|e| (e.clone(), e.as_str(), true)).collect();
+    if args.baseline != "none" {
+        rows.push((format!("{} no plan", args.baseline), args.baseline.as_str(), false));
+    }
+    for (label, evictor, planned) in rows {
+        let here = root.join(format!("here-{}", label.replace(' ', "-")));
         if here.exists() {
             std::fs::remove_dir_all(&here)?;
         }
@@ -159,18 +168,20 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
             .context("the dataset was just attached")?;
         cache.record_trace();
         let dataset = granary::Dataset::open(&paths, &spec)?;
-        let run = read_epochs(dataset, Some(Arc::clone(&cache) as Arc<dyn granary::ShardRepair>), args, window)?;
+        let hook: Arc<dyn granary::ShardRepair> =
+            if planned { Arc::clone(&cache) as _ } else { Arc::new(Unplanned(Arc::clone(&cache))) };
+        let run = read_epochs(dataset, Some(hook), args, window)?;
         let stats = cache.stats();
         let hit_ratio = stats.hit_ratio();
         let trace = cache.trace();
         let minimum = belady_bytes(&trace, bound, &|id| cache.shard_bytes(id).unwrap_or(0));
         if let Some(dir) = &args.trace_out {
-            write_trace(&dir.join(format!("{evictor}.oracleGeneral.bin")), &trace, &|id| {
+            write_trace(&dir.join(format!("{}.oracleGeneral.bin", label.replace(' ', "-"))), &trace, &|id| {
                 cache.shard_bytes(id).unwrap_or(0)
             })?;
         }
         outln!(
-            "{evictor:<12} {hit_ratio:>9.3} {:>14} {:>8.2} x {:>6.2}s {:>7.1}% {:>8.1}s {:>8} {:>8} {:>11.1}s",
+            "{label:<12} {hit_ratio:>9.3} {:>14} {:>8.2} x {:>6.2}s {:>7.1}% {:>8.1}s {:>8} {:>8} {:>11.1}s",
             bytes(stats.bytes_from_origin),
             stats.bytes_from_origin as f64 / minimum.max(1) as f64,
             run.first.as_secs_f64(),
@@ -189,6 +200,25 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
         bytes(dataset_bytes)
     )?;
     Ok(())
+}
+
+/// The cache as a hook that is not told the plan: it fetches what a read misses and hears the
+/// accesses, with no next use and nothing fetched ahead.
+#[derive(Debug)]
+struct Unplanned(Arc<OriginCache>);
+
+impl granary::ShardRepair for Unplanned {
+    fn repair(&self, shard: ShardId, cause: &granary::Error) -> granary::Result<()> {
+        self.0.repair(shard, cause)
+    }
+
+    fn accessed(&self, shards: &[ShardId]) {
+        self.0.accessed(shards);
+    }
+
+    fn cache_stats(&self) -> Option<granary::CacheStats> {
+        self.0.cache_stats()
+    }
 }
 
 /// How one read of the epochs went.

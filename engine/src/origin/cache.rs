@@ -472,8 +472,9 @@ impl OriginCache {
 
     /// Evicts until shard `id` of `bytes` fits within the bound; the caller holds the lock.
     /// The evictor chooses, after it has been told of what other processes fetched (and what
-    /// they evicted); when its choice still leaves the cache over the bound (a plugin that keeps
-    /// more than it is allowed), the shards needed last by the plan go.
+    /// they evicted), except that a pinned shard or one the plan needs before `id` is never
+    /// evicted for it; when its choice still leaves the cache over the bound (a plugin that
+    /// keeps more than it is allowed, or a choice refused), the shards needed last go.
     fn make_room(&self, id: ShardId, bytes: u64) -> Result<()> {
         if self.bound == 0 {
             return Ok(());
@@ -499,12 +500,17 @@ impl OriginCache {
         let now = self.step();
         let wanted = self.next_use(id, now);
         for (victim, victim_bytes) in victims {
-            if victim != id && !self.is_pinned(victim) {
-                if self.next_use(victim, now) < wanted {
-                    self.regret_at.store(now, Ordering::Release);
-                }
-                self.evict(victim, victim_bytes)?;
+            if victim == id || self.is_pinned(victim) {
+                continue;
             }
+            // A shard needed before the one admitted stays, whatever the evictor chose (it
+            // would be fetched again before this one is read): the shards next used last make
+            // the room instead, and fetches ahead use free room only for a while.
+            if self.next_use(victim, now) < wanted {
+                self.regret_at.store(now, Ordering::Release);
+                continue;
+            }
+            self.evict(victim, victim_bytes)?;
         }
         self.shrink(Some(id), bytes)
     }
@@ -891,8 +897,11 @@ impl ShardRepair for OriginCache {
             && !victims.is_empty()
             && let Ok(_lock) = lock_cache(&self.paths)
         {
+            // Not one a read is waiting on: it goes once read, if still over the bound.
             for (victim, bytes) in victims {
-                let _ = self.evict(victim, bytes);
+                if !self.is_pinned(victim) {
+                    let _ = self.evict(victim, bytes);
+                }
             }
         }
     }
