@@ -917,6 +917,13 @@ fn a_shard_a_peer_holds_comes_from_the_peer_and_the_rest_from_the_origin_at_once
     for file in shard_files(&roots[1]) {
         std::fs::remove_file(file).unwrap();
     }
+    // Until b's heartbeat finds a down, a still counts as a source; after, none is left, and a
+    // node that waited for a source would wait 10 s per shard.
+    let started = Instant::now();
+    while client(1).status().unwrap().peers.first().is_some_and(|p| p.up) {
+        assert!(started.elapsed() < Duration::from_secs(30), "b never found a down");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let started = Instant::now();
     let third = read_all_through(&roots[1], Some(client(1)), &input);
     assert_eq!((third.bytes_from_origin, third.bytes_from_peers), (dataset_bytes, 0), "{third:?}");

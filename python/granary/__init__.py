@@ -483,7 +483,8 @@ class Loader:
         the tier is on, `tier_bytes_held` (node-wide), `tier_budget_bytes`, `tier_extents_loaded`
         and `tier_extents_evicted`; reading an attached dataset, its origin cache's
         `origin_bytes` (fetched from the origin), `origin_peer_bytes` (sent by a peer of the job
-        instead, through the `granary serve` beside the store), `origin_shards_fetched` (from
+        instead, through the `granary serve` beside the store; `origin_peer_failures` counts asks of
+        it that failed other than by no peer holding the shard), `origin_shards_fetched` (from
         either), `origin_prefetched`
         (fetched ahead of the reader), `origin_refetches` (fetches that failed their hash check),
         `origin_cache_hit_ratio` (shard accesses that found their shard here),

@@ -509,6 +509,7 @@ impl Loader {
         if let Some(cache) = &stats.cache {
             out.set_item("origin_bytes", cache.bytes_from_origin)?;
             out.set_item("origin_peer_bytes", cache.bytes_from_peers)?;
+            out.set_item("origin_peer_failures", cache.peer_failures)?;
             out.set_item("origin_shards_fetched", cache.shards_fetched)?;
             out.set_item("origin_prefetched", cache.prefetched)?;
             out.set_item("origin_refetches", cache.refetches)?;
@@ -670,6 +671,7 @@ fn add(to: &mut LoaderStats, more: &LoaderStats) {
         cache.bytes_from_origin += more.bytes_from_origin;
         cache.shards_from_peers += more.shards_from_peers;
         cache.bytes_from_peers += more.bytes_from_peers;
+        cache.peer_failures += more.peer_failures;
         cache.refetches += more.refetches;
         cache.evictions += more.evictions;
         cache.bytes_evicted += more.bytes_evicted;

@@ -50,8 +50,12 @@ const PACE_WEIGHT: f64 = 0.2;
 /// before it looks again (a fetch by another process may have made room meanwhile).
 const PREFETCH_IDLE: Duration = Duration::from_millis(100);
 
-/// How long the node beside the store is not asked again after it could not be reached.
+/// How long the node beside the store is not asked again after it could not be reached (or
+/// failed slowly).
 const PEERS_DOWN_FOR: Duration = Duration::from_secs(30);
+/// A node's failure that took this long (waiting on the store's write lock, say) leaves it
+/// alone for `PEERS_DOWN_FOR` too: the next shard would wait as long.
+const PEERS_SLOW: Duration = Duration::from_secs(2);
 
 /// The replication node a cache asks before its origin, and until when it is left alone.
 struct Peers {
@@ -366,8 +370,8 @@ impl OriginCache {
     /// Asks the replication node, if there is one, for shard `id` from a peer; returns whether
     /// it is here now (published by the node, which checked its bytes against the id; the
     /// reader checks each block as it reads). The node's refusal (no peer holds it, or none
-    /// sent it whole) leaves the shard to the origin; a node that cannot be reached is not asked
-    /// again for `PEERS_DOWN_FOR`.
+    /// sent it whole) leaves the shard to the origin; a node that cannot be reached, or took
+    /// `PEERS_SLOW` to fail, is not asked again for `PEERS_DOWN_FOR`.
     fn fetch_from_peers(&self, id: ShardId, bytes: u64) -> Result<bool> {
         let node = {
             let peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
@@ -378,12 +382,25 @@ impl OriginCache {
                 _ => return Ok(false),
             }
         };
+        // Room first, as for a fetch from the origin (the node publishes the shard itself).
+        {
+            let _lock = lock_cache(&self.paths)?;
+            self.make_room(id, bytes)?;
+        }
         let cause = Error::NotFound { what: format!("shard {id} in the cache") };
+        let asked = Instant::now();
         match node.repair(id, &cause) {
             Ok(()) if self.paths.shard(id).exists() => {}
             Ok(()) => return Ok(false),
             Err(e) => {
-                if matches!(e, Error::Transport { .. } | Error::Io { .. })
+                // No peer holding it is the common answer; anything else is counted.
+                let none_holds = matches!(&e, Error::Unavailable { .. } | Error::NotFound { .. })
+                    || matches!(&e, Error::PeerRefused { code, .. } if code == "unavailable" || code == "not found");
+                if !none_holds {
+                    self.stats.lock().unwrap_or_else(PoisonError::into_inner).peer_failures += 1;
+                }
+                let unreachable = matches!(e, Error::Transport { .. } | Error::Io { .. });
+                if (unreachable || asked.elapsed() >= PEERS_SLOW)
                     && let Some(peers) = &mut *self.peers.lock().unwrap_or_else(PoisonError::into_inner)
                 {
                     peers.down_until = Some(Instant::now() + PEERS_DOWN_FOR);
@@ -391,7 +408,7 @@ impl OriginCache {
                 return Ok(false);
             }
         }
-        // Published already: the bound is kept by evicting others now, as after a fetch.
+        // Another process may have filled the room meanwhile: the bound is kept now.
         {
             let _lock = lock_cache(&self.paths)?;
             self.make_room(id, bytes)?;
@@ -766,9 +783,12 @@ impl OriginCache {
 /// is set and one records where it listens there.
 fn node_beside(paths: &StorePaths) -> Result<Option<Peers>> {
     let Some(key) = crate::replication::ClusterKey::from_env()? else { return Ok(None) };
-    Ok(crate::replication::NodeClient::for_store(paths.root(), key)
-        .ok()
-        .map(|client| Peers { node: Arc::new(client), down_until: None }))
+    match crate::replication::NodeClient::for_store(paths.root(), key) {
+        Ok(client) => Ok(Some(Peers { node: Arc::new(client), down_until: None })),
+        // No node serves this store.
+        Err(Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Removes from `incoming` the files of fetches (and attaches) that were killed mid-way. Each

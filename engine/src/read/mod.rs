@@ -224,6 +224,9 @@ pub struct CacheStats {
     pub shards_from_peers: u64,
     /// Bytes of them.
     pub bytes_from_peers: u64,
+    /// Asks of the replication node for a peer's copy that failed other than by no peer
+    /// holding the shard (the shard then came from the origin).
+    pub peer_failures: u64,
     /// Fetches whose bytes did not hash to the shard's id (dropped and fetched again).
     pub refetches: u64,
     /// Shards evicted (deleted) to keep the bound.

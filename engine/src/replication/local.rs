@@ -212,8 +212,9 @@ impl LocalStore {
     /// Whether shard `id` belongs to the store's origin cache (as of the last `rescan`, or now
     /// when `refresh`).
     pub(crate) fn is_origin_cached(&self, id: ObjectId, refresh: bool) -> bool {
-        if refresh {
-            self.refresh_origin_cached();
+        // Peers refetch the inventory when the set changed (its flags did).
+        if refresh && self.refresh_origin_cached() {
+            self.generation.fetch_add(1, Ordering::AcqRel);
         }
         self.origin_cached.read().expect("the origin set lock is never poisoned").contains(&id)
     }
