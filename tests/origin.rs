@@ -153,6 +153,15 @@ fn store_with(root: &Path, n: usize, seed: u64) -> Vec<u8> {
     input
 }
 
+/// `tok` of `n` records (seeded by `seed`) made at `source` and pushed to a `file://` origin
+/// under `dir`: the records and the origin's URL.
+fn pushed_to_file(dir: &Path, source: &Path, n: usize, seed: u64) -> (Vec<u8>, String) {
+    let input = store_with(source, n, seed);
+    let url = format!("file://{}", dir.join("origin").display());
+    granary_ok(source, &["push", "tok", &url]);
+    (input, url)
+}
+
 /// Bytes of the shard files under `root`.
 fn shard_bytes_here(root: &Path) -> u64 {
     shard_files(root).iter().map(|f| std::fs::metadata(f).unwrap().len()).sum()
@@ -306,9 +315,7 @@ fn bench_cache_runs_end_to_end_at_a_small_scale() {
 fn a_file_origin_takes_a_second_version_and_refuses_a_stale_ref() {
     let dir = tempdir();
     let (source, here) = (dir.path().join("source"), dir.path().join("here"));
-    let input = store_with(&source, 16, 1);
-    let url = format!("file://{}", dir.path().join("origin").display());
-    granary_ok(&source, &["push", "tok", &url]);
+    let (input, url) = pushed_to_file(dir.path(), &source, 16, 1);
     // A pusher that read the ref before another pusher changed it is refused.
     let origin = Origin::open(&url).unwrap();
     let name = granary::DatasetName::new("tok").unwrap();
@@ -868,12 +875,10 @@ fn a_shard_a_peer_holds_comes_from_the_peer_and_the_rest_from_the_origin_at_once
     const KEY: &str = "a cluster secret of this test, long enough";
     let dir = tempdir();
     let source = dir.path().join("source");
-    let input = store_with(&source, 256, 3);
+    let (input, url) = pushed_to_file(dir.path(), &source, 256, 3);
     let dataset_bytes = shard_bytes_here(&source);
     let n_shards = shard_files(&source).len();
     assert!(n_shards >= 4, "{n_shards} shards");
-    let url = format!("file://{}", dir.path().join("origin").display());
-    granary_ok(&source, &["push", "tok", &url]);
     let key_file = dir.path().join("cluster.key");
     std::fs::write(&key_file, KEY).unwrap();
     let key = ClusterKey::from_secret(KEY.as_bytes()).unwrap();
@@ -966,9 +971,7 @@ fn a_large_upload_tried_again_reports_its_bytes_once() {
 fn a_store_mounted_read_only_serves_its_cached_shards_and_names_the_rest() {
     let dir = tempdir();
     let (source, here) = (dir.path().join("source"), dir.path().join("here"));
-    let input = store_with(&source, 256, 9);
-    let url = format!("file://{}", dir.path().join("origin").display());
-    granary_ok(&source, &["push", "tok", &url]);
+    let (input, url) = pushed_to_file(dir.path(), &source, 256, 9);
     granary_ok(&here, &["attach", "tok", &url]);
     // Record 1's shard is cached; record 200's is not.
     assert_eq!(granary(&here, &["get", "tok", "1"]).stdout, input[RECORD..2 * RECORD]);

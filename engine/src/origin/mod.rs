@@ -16,6 +16,7 @@
 
 mod attach;
 mod cache;
+mod pace;
 mod push;
 
 use std::fs::File;
