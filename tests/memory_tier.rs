@@ -4,7 +4,8 @@
 //! the tier is caught by `verify` and by the next disk read, a damaged block never enters the
 //! tier, stray files in the tier's directory are not trusted, positions resume at another world
 //! size, four ranks of a node hold one copy of the data, and with half of it in the tier they
-//! keep one set within the budget, while a windowed plan is served from memory.
+//! keep one set within the budget, while a windowed plan is served from memory, the evictor
+//! plugin (whatever it is) choosing what makes room within the plan's rules.
 
 mod common;
 
@@ -82,8 +83,9 @@ fn n_extents(dataset: &Dataset) -> u64 {
     (0..dataset.n_shards()).map(|s| dataset.shard_meta(s).unwrap().n_data_blocks().div_ceil(EXTENT / 4096)).sum()
 }
 
-/// Bytes of the files in the tier's directory (fills in progress included), each file once
-/// (an extent and the private file it was linked from are one).
+/// Memory the files in the tier's directory take (fills in progress included), each file once
+/// (an extent and the private file it was linked from are one): their allocated blocks, so a
+/// claim, a sparse file as long as its extent, takes none.
 fn tier_dir_bytes(tier: &MemoryTier) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let mut files = std::collections::HashMap::new();
@@ -92,7 +94,7 @@ fn tier_dir_bytes(tier: &MemoryTier) -> u64 {
             && entry.file_name() != ".users"
             && entry.file_name() != ".granary-tier"
         {
-            files.insert(meta.ino(), meta.len());
+            files.insert(meta.ino(), meta.blocks() * 512);
         }
     }
     files.values().sum()
@@ -416,8 +418,23 @@ fn the_ranks_of_a_node_plan_the_tier_together_and_keep_one_set() {
 /// Three epochs over half of the data in the tier, `plan` ordering them; the extents loaded and
 /// the share of records served from memory.
 fn half_a_budget(plan: PlanSource) -> (u64, f64) {
+    let (stats, hits) = half_a_budget_evicting(plan, None, Vec::new());
+    (stats.extents_loaded, hits)
+}
+
+/// `half_a_budget`, with the evictor plugin `evictor` (`None`: the default) and its options;
+/// the tier's counters and the share of records served from memory. Checks that the tier never
+/// held more than its budget.
+fn half_a_budget_evicting(
+    plan: PlanSource,
+    evictor: Option<String>,
+    evictor_options: Vec<(String, String)>,
+) -> (granary::TierStats, f64) {
     let f = fixture(4000);
-    let tier = MemoryTier::open(&tier_config(f.dir.path(), data_bytes(&f.dataset) / 2)).unwrap().unwrap();
+    let budget = data_bytes(&f.dataset) / 2;
+    let tier = MemoryTier::open(&TierConfig { evictor, evictor_options, ..tier_config(f.dir.path(), budget) })
+        .unwrap()
+        .unwrap();
     // Named like a claim, but not of an extent: the fillers' listings leave it alone.
     let notes = tier.dir().join(".fill-notes");
     std::fs::write(&notes, b"not the tier's").unwrap();
@@ -428,16 +445,46 @@ fn half_a_budget(plan: PlanSource) -> (u64, f64) {
     assert_eq!(seen.len(), 3 * 4000);
     assert_eq!(std::fs::read(&notes).unwrap(), b"not the tier's");
     let stats = loader.stats();
-    (stats.tier.unwrap().extents_loaded, stats.read.tier_records as f64 / seen.len() as f64)
+    let tier_stats = stats.tier.unwrap();
+    assert!(tier_stats.bytes_held <= budget && tier_dir_bytes(&tier) <= budget, "over the budget: {tier_stats:?}");
+    (tier_stats, stats.read.tier_records as f64 / seen.len() as f64)
+}
+
+fn windowed() -> PlanSource {
+    PlanSource::Partitioner {
+        plugin: None,
+        options: vec![("window-shards".into(), "4".into()), ("chunk-records".into(), "4".into())],
+    }
+}
+
+#[test]
+fn the_evictor_plugin_chooses_what_makes_room_within_the_plans_rules() {
+    // The default (plan-aware: Belady on the plan's next uses), a recency policy, and a plugin
+    // that traps at every call (its fallback, LRU, answers): each chooses the victims, the plan's
+    // rules keep what it needs sooner, and the reads stay right and within the budget.
+    let hostile = granary::policy::builtin::built_plugin_path("hostile_evictor").display().to_string();
+    let cases = [
+        ("plan-aware", None, Vec::new()),
+        ("lru", Some("lru".to_owned()), Vec::new()),
+        ("trapping", Some(hostile), vec![("behave".to_owned(), "trap".to_owned())]),
+    ];
+    for (label, evictor, options) in cases {
+        let (stats, hits) = half_a_budget_evicting(windowed(), evictor, options);
+        eprintln!("{label}: hit ratio {hits:.3}, {stats:?}");
+        assert!(stats.evictor_chosen > 0, "{label}: the plugin chose no victim: {stats:?}");
+        assert_eq!(stats.evictor_failures, 0, "{label}: {stats:?}");
+        assert!(hits >= 0.9, "{label}: hit ratio {hits:.3}");
+    }
+    // A plugin that is not there is refused when the tier opens, not at its first eviction.
+    let dir = tempdir();
+    let missing = TierConfig { evictor: Some("no-such-evictor".into()), ..tier_config(dir.path(), 1 << 20) };
+    let error = MemoryTier::open(&missing).expect_err("refused");
+    assert!(error.to_string().contains("no-such-evictor"), "{error}");
 }
 
 #[test]
 fn a_windowed_plan_over_twice_the_budget_is_served_from_memory() {
-    let windowed = PlanSource::Partitioner {
-        plugin: None,
-        options: vec![("window-shards".into(), "4".into()), ("chunk-records".into(), "4".into())],
-    };
-    let (loaded, hits) = half_a_budget(windowed);
+    let (loaded, hits) = half_a_budget(windowed());
     let (shuffled_loaded, shuffled_hits) = half_a_budget(PlanSource::Native(Order::Shuffled));
     eprintln!("windowed: {loaded} loaded, hit ratio {hits:.3}; shuffled: {shuffled_loaded} loaded, {shuffled_hits:.3}");
     // The tier follows the window, loading each extent ahead of its reads at most once an epoch

@@ -231,7 +231,8 @@ class Loader:
     an attached dataset that its store's cache cannot hold, the default partitioner's plan
     windowed to the cache, recorded in the saved state); `partitioner`: a
     partitioner plugin by name (`"default"`, the built-in elastic one) or `.wasm` path instead,
-    with `partitioner_options`. `drop_last=True` ends each epoch before its short last step,
+    with `partitioner_options` (given alone: the default partitioner's, as `window-shards`).
+    `drop_last=True` ends each epoch before its short last step,
     so that every rank reads the same number of batches (DDP needs that; without it the last
     step gives some ranks one batch fewer when it holds fewer records than there are ranks).
     `output`: `"torch"` or `"numpy"` (default: torch when importable). `with_indices=True`
@@ -242,6 +243,9 @@ class Loader:
     memory that every process of the node reading the store uses, filled ahead of the reader
     in plan order): its budget in bytes, `0` to read every record from disk, `None` for the
     default (`GRANARY_TIER_BYTES`, else half of the memory available when it opens).
+    `tier_evictor`: the evictor plugin (a built-in name or a `.wasm` file) that chooses which
+    extents make room when the tier is full, among those the plan does not need sooner (default
+    `GRANARY_TIER_EVICTOR`, else `plan-aware`), with `tier_evictor_options`.
     `local_world_size`: ranks per node, numbered node by node as torchrun numbers them (default:
     `LOCAL_WORLD_SIZE`, which torchrun sets); the tier then plans for all of the node's ranks,
     so they fill it together and keep the same extents when it cannot hold the whole dataset.
@@ -283,6 +287,8 @@ class Loader:
         output: Optional[str] = None,
         with_indices: bool = False,
         tier_bytes: Optional[int] = None,
+        tier_evictor: Optional[str] = None,
+        tier_evictor_options: Optional[Dict[str, Any]] = None,
         dtype: Optional[Any] = None,
         local_world_size: Optional[int] = None,
     ) -> None:
@@ -335,8 +341,11 @@ class Loader:
         self._with_indices = with_indices
         self._seed = seed
         self._plan = (
-            {"partitioner": partitioner, "options": {str(k): str(v) for k, v in (partitioner_options or {}).items()}}
-            if partitioner is not None
+            {
+                "partitioner": "default" if partitioner is None else partitioner,
+                "options": {str(k): str(v) for k, v in (partitioner_options or {}).items()},
+            }
+            if partitioner is not None or partitioner_options is not None
             else {"order": order or "shuffled"}
         )
         options = dict(
@@ -355,11 +364,15 @@ class Loader:
             io=io,
             drop_last=drop_last,
             tier_bytes=tier_bytes,
+            tier_evictor=None if tier_evictor is None else os.fspath(tier_evictor),
+            tier_evictor_options=None
+            if tier_evictor_options is None
+            else [(str(k), str(v)) for k, v in tier_evictor_options.items()],
             local_world_size=local_world_size,
         )
         source = store._native if isinstance(store, Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)
-        if partitioner is not None:
+        if partitioner is not None or partitioner_options is not None:
             # The options it reads with, a window the cache of an attached dataset asks for
             # included: a state saved here resumes only under the same order.
             self._plan["options"] = {k: v for k, v in (self._native.plan_options or [])}
@@ -480,8 +493,10 @@ class Loader:
         `cache_hit_ratio` (batches already prefetched when asked for), `bytes_read`,
         `blocks_verified`, `verify_failures`, `shards_repaired`, `pinned`; the memory tier's
         `tier_records`, `tier_bytes` and `tier_hit_ratio` (records served from memory) and, when
-        the tier is on, `tier_bytes_held` (node-wide), `tier_budget_bytes`, `tier_extents_loaded`
-        and `tier_extents_evicted`; reading an attached dataset, its origin cache's
+        the tier is on, `tier_bytes_held` (node-wide), `tier_budget_bytes`, `tier_extents_loaded`,
+        `tier_extents_evicted`, and of those evictions `tier_evictor_chosen` (the evictor plugin's
+        choices taken), `tier_evictor_refused` (its choices kept because the plan needs them) and
+        `tier_evictor_failures`; reading an attached dataset, its origin cache's
         `origin_bytes` (fetched from the origin), `origin_peer_bytes` (sent by a peer of the job
         instead, through the `granary serve` beside the store; `origin_peer_failures` counts asks of
         it that failed other than by no peer holding the shard), `origin_shards_fetched` (from

@@ -188,7 +188,7 @@ impl Loader {
         store, dataset, batch_size, *, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
         prefetch = 4, read_depth = 2, hold = 4, order = None, partitioner = None,
         partitioner_options = None, io = None, drop_last = false, tier_bytes = None,
-        local_world_size = None,
+        tier_evictor = None, tier_evictor_options = None, local_world_size = None,
     ))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
@@ -209,6 +209,8 @@ impl Loader {
         io: Option<&str>,
         drop_last: bool,
         tier_bytes: Option<u64>,
+        tier_evictor: Option<String>,
+        tier_evictor_options: Option<Vec<(String, String)>>,
         local_world_size: Option<u32>,
     ) -> PyResult<Self> {
         let root = match store.cast::<Store>() {
@@ -239,6 +241,16 @@ impl Loader {
                 plugin: if plugin == "default" { None } else { Some(plugin) },
                 options: partitioner_options.unwrap_or_default(),
             },
+            // Options alone are the default partitioner's (not dropped in silence).
+            (None, None) if partitioner_options.is_some() => {
+                PlanSource::Partitioner { plugin: None, options: partitioner_options.unwrap_or_default() }
+            }
+            (Some(order), None) if partitioner_options.is_some() => {
+                return Err(invalid(format!(
+                    "partitioner_options are a partitioner's, and order={order:?} reads without one: \
+                     drop order (the default partitioner takes them) or name a partitioner"
+                )));
+            }
             (None | Some("shuffled"), None) => PlanSource::Native(Order::Shuffled),
             (Some("sequential"), None) => PlanSource::Native(Order::Sequential),
             (Some(other), None) => {
@@ -258,14 +270,19 @@ impl Loader {
             prefetch,
             hold_max: hold,
             target,
-            tier: match tier_bytes {
-                None => TierSetting::Auto,
-                Some(0) => TierSetting::Off,
-                // The budget given; the directory and keep from the environment, as by default.
-                Some(bytes) => TierSetting::Config(TierConfig {
-                    budget_bytes: Some(bytes),
-                    ..TierConfig::from_env().map_err(to_py)?
-                }),
+            tier: match (tier_bytes, tier_evictor.is_some() || tier_evictor_options.is_some()) {
+                (None, false) => TierSetting::Auto,
+                (Some(0), _) => TierSetting::Off,
+                // The budget and evictor given; the rest from the environment, as by default.
+                (bytes, _) => {
+                    let from_env = TierConfig::from_env().map_err(to_py)?;
+                    TierSetting::Config(TierConfig {
+                        budget_bytes: bytes.or(from_env.budget_bytes),
+                        evictor: tier_evictor.or(from_env.evictor.clone()),
+                        evictor_options: tier_evictor_options.unwrap_or_default(),
+                        ..from_env
+                    })
+                }
             },
             local_world_size,
             ..LoaderConfig::default()
@@ -504,6 +521,9 @@ impl Loader {
             out.set_item("tier_budget_bytes", held.budget_bytes)?;
             out.set_item("tier_extents_loaded", held.extents_loaded)?;
             out.set_item("tier_extents_evicted", held.extents_evicted)?;
+            out.set_item("tier_evictor_chosen", held.evictor_chosen)?;
+            out.set_item("tier_evictor_refused", held.evictor_refused)?;
+            out.set_item("tier_evictor_failures", held.evictor_failures)?;
         }
         // Reading an attached dataset: its shards come from the origin through the cache.
         if let Some(cache) = &stats.cache {

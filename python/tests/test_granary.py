@@ -572,6 +572,30 @@ def test_the_memory_tier_serves_every_epoch_and_can_be_turned_off(tokens, tmp_pa
     assert m["tier_records"] == 0 and m["bytes_read"] > 0 and "tier_bytes_held" not in m, m
 
 
+def test_the_tier_evictor_plugin_makes_room_and_a_missing_one_is_refused(store, tmp_path, monkeypatch):
+    # The plan's rules over the plugin are tested in Rust (tests/memory_tier.rs); here: the
+    # option reaches the tier, and a window moving over the shards (the default partitioner's,
+    # from its options alone) is served from a tier of half the data, the plugin making room.
+    monkeypatch.setenv("GRANARY_TIER_DIR", str(tmp_path / "tier"))
+    data = records(8000)
+    store.ingest("window", data, dtype="uint16", shape=[RECORD], shard_bytes=16 << 10)
+    half = sum(row.nbytes for row in data) // 2
+    loader = store.loader("window", batch_size=50, output="numpy", with_indices=True, tier_bytes=half,
+                          tier_evictor="lru", partitioner_options={"window-shards": 2, "chunk-records": 4})
+    for _ in range(2):
+        for index, row in read_epoch(loader):
+            assert (row == data[index]).all()
+    m = loader.metrics()
+    assert m["tier_evictor_chosen"] > 0 and m["tier_evictor_failures"] == 0, m
+    assert m["tier_bytes_held"] <= half and m["tier_hit_ratio"] >= 0.9, m
+    assert loader.state_dict()["plan"]["partitioner"] == "default"
+    loader.close()
+    with pytest.raises(granary.Error, match="no-such-evictor"):
+        next(iter(store.loader("window", batch_size=50, tier_bytes=half, tier_evictor="no-such-evictor")))
+    with pytest.raises(ValueError, match="partitioner_options"):
+        store.loader("window", batch_size=50, order="sequential", partitioner_options={"window-shards": 2})
+
+
 def test_local_world_size_reaches_the_loader_and_a_bad_one_is_refused(tokens, tmp_path, monkeypatch):
     # What the node's plan does for the tier is tested in Rust (tests/memory_tier.rs); here: the
     # ranks of a node, planning together, still read every record right.

@@ -28,9 +28,8 @@ use super::pace::{PREFETCH_THREADS, Pace};
 use super::{FETCH_TRIES, Origin};
 use crate::error::{Error, Result};
 use crate::id::ShardId;
-use crate::policy::{Limits, PolicyHost};
+use crate::policy::{Limits, PolicyHost, ShardCache};
 use crate::read::{CacheStats, ShardRepair};
-use crate::replication::cache::ShardCache;
 use crate::store::{StorePaths, sync_dir};
 
 /// Shards of the plan the prefetch thread looks at, soonest first.

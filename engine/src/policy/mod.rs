@@ -16,6 +16,7 @@ pub mod builtin;
 mod cache;
 pub mod conformance;
 mod evictor;
+mod keyed_cache;
 mod partitioner;
 mod replicator;
 mod sandbox;
@@ -33,6 +34,9 @@ use wasmtime::{Engine, Store};
 
 pub use cache::CompiledFrom;
 pub use evictor::{AccessOutcome, Evictor, EvictorStats, ResidentSet};
+#[cfg(feature = "replication")]
+pub(crate) use keyed_cache::ShardCache;
+pub(crate) use keyed_cache::{CacheKey, KeyedCache};
 pub use partitioner::{EpochSpec, NodeInfo, Partitioner, RankInfo, RankPlan, ShardInfo};
 pub use replicator::{Holding, Placement, ReplicationMode, Replicator, Transfer, shard_key};
 pub use supervise::{PolicyStatus, SwapHandle};

@@ -17,8 +17,6 @@ pub mod frame;
 #[cfg(feature = "replication")]
 mod admission;
 #[cfg(feature = "replication")]
-pub(crate) mod cache;
-#[cfg(feature = "replication")]
 mod client;
 #[cfg(feature = "replication")]
 mod config;

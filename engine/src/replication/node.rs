@@ -21,7 +21,6 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
 
 use super::admission::{HandshakeSlot, Handshakes};
-use super::cache::ShardCache;
 pub use super::config::{Faults, NodeConfig};
 use super::flight::{Flight, InFlight};
 use super::frame::{Frame, InventoryEntry, ReplyCode, Role, WireKind};
@@ -31,7 +30,7 @@ pub use super::report::{GoalStatus, NodeStatus, PeerStatus};
 use super::secure::{Channel, Hello};
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
-use crate::policy::{Holding, NodeInfo, Placement, PolicyHost, ReplicationMode, Replicator, shard_key};
+use crate::policy::{Holding, NodeInfo, Placement, PolicyHost, ReplicationMode, Replicator, ShardCache, shard_key};
 use crate::read::ShardRepair;
 use crate::store::{DatasetName, VersionSpec};
 

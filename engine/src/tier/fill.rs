@@ -16,6 +16,15 @@
 //! reads all extents alike, keeps one set and reads the rest from disk at record granularity,
 //! loading nothing for them; a plan that moves on, such as the elastic partitioner's window of
 //! shards, is followed, each extent loaded ahead of its reads.
+//!
+//! Which extents make room is the evictor plugin's choice (`TierConfig::evictor`, `plan-aware`
+//! by default: Belady on the plan), with the plan's rules over it: the plugin of each process is
+//! told what the tier holds node-wide, the plan's reads step by step and each extent's next use,
+//! and proposes victims for each fill; an extent the plan holds (admitted) stays while one it
+//! does not hold could go instead, and never goes for a fill needed later than itself. What the
+//! plugin leaves short, or everything when it fails, the native order covers: extents the plan
+//! does not hold first, then the farthest next use. Under memory pressure the native order alone
+//! gives memory back.
 //! Never: reads records (the `read` module does), or waits without a deadline.
 
 use std::collections::{HashMap, VecDeque};
@@ -71,6 +80,8 @@ pub struct TierSchedule {
     extents: Vec<ExtentInfo>,
     /// Per extent: (step, records read from it up to and including that step).
     uses: Vec<Vec<(u64, u64)>>,
+    /// Every (step, extent) with a read, by step (the evictor plugin is told them in order).
+    reads: Vec<(u64, usize)>,
     index: HashMap<ExtentKey, usize>,
 }
 
@@ -79,7 +90,7 @@ impl TierSchedule {
     pub fn with_extents(extents: Vec<ExtentInfo>) -> Self {
         let index = extents.iter().enumerate().map(|(i, info)| (info.key, i)).collect();
         let uses = vec![Vec::new(); extents.len()];
-        Self { extents, uses, index }
+        Self { extents, uses, reads: Vec::new(), index }
     }
 
     /// The index of `key`, adding it with `info` when new.
@@ -101,6 +112,7 @@ impl TierSchedule {
                 debug_assert!(last.as_ref().is_none_or(|(last, _)| *last < step), "uses are added in step order");
                 let records = last.map_or(0, |(_, records)| *records);
                 uses.push((step, records + 1));
+                self.reads.push((step, extent));
             }
         }
     }
@@ -159,6 +171,49 @@ pub struct Coordinator {
     changed: Condvar,
     /// Fills finished (loaded, failed or found elsewhere) so far.
     published: AtomicU64,
+    /// The evictor plugin, started at the first fill that needs room (most loaders never evict).
+    #[cfg(feature = "policy")]
+    evictor: Mutex<PluginEvictor>,
+}
+
+/// The evictor plugin of this process's fillers, and the steps whose reads it was told.
+#[cfg(feature = "policy")]
+#[derive(Default)]
+struct PluginEvictor {
+    /// `None` until started, and again after it failed (started afresh at the next fill).
+    cache: Option<crate::policy::KeyedCache<ExtentKey>>,
+    /// The plan's reads of steps before this one were told.
+    told_to: u64,
+}
+
+/// Steps of reads told to the evictor plugin at most at once (the older ones are skipped: they
+/// no longer bear on what to evict).
+#[cfg(feature = "policy")]
+const TELL_STEPS_MAX: u64 = 1024;
+
+/// The evictor plugin's view of one fill: what the tier holds (this tier's extents, with their
+/// bytes and next use), the reads it has not been told (per step: extents and their next use
+/// after it), and the extent room is made for (with its next use and bytes).
+#[cfg(feature = "policy")]
+struct EvictorInput {
+    held: Vec<(ExtentKey, u64, u64)>,
+    reads: Vec<Vec<(ExtentKey, u64)>>,
+    told_to: u64,
+    fill: (ExtentKey, u64, u64),
+}
+
+/// The host's process-wide policy host for the tiers' evictors: each plugin compiled once per
+/// process, not once per loader.
+#[cfg(feature = "policy")]
+pub(super) fn evictor_host() -> Result<crate::policy::PolicyHost> {
+    static HOST: Mutex<Option<crate::policy::PolicyHost>> = Mutex::new(None);
+    let mut host = HOST.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(host) = &*host {
+        return Ok(host.clone());
+    }
+    let made = crate::policy::PolicyHost::new(crate::policy::Limits::default(), None)?;
+    *host = Some(made.clone());
+    Ok(made)
 }
 
 #[derive(Default)]
@@ -192,6 +247,8 @@ impl Coordinator {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             published: AtomicU64::new(0),
+            #[cfg(feature = "policy")]
+            evictor: Mutex::new(PluginEvictor::default()),
         })
     }
 
@@ -408,12 +465,15 @@ impl Coordinator {
         state.planned_at = Some(step);
     }
 
-    /// Evicts extents until `bytes` more fit the budget beside what `holdings` lists: first
-    /// those not admitted (extents of other datasets, never used here, first; then the farthest
-    /// next use), then admitted ones by farthest next use, but for a fill (`for_next_use`) never
-    /// one used no later than the extent it makes room for. Under memory pressure (`None`)
-    /// anything goes. False when no room can be made that way.
-    fn make_room(&self, holdings: Holdings, for_next_use: Option<u64>, bytes: u64) -> Result<bool> {
+    /// Evicts extents until `bytes` more fit the budget beside what `holdings` lists. For a fill
+    /// (`fill`: the extent and its next use) the evictor plugin proposes first; an extent the
+    /// plan holds (admitted) that it proposes stays while one the plan does not hold is still
+    /// there, and always when it is used no later than the fill. Then the native order: those
+    /// not admitted (extents of other datasets, never used here, first; then the farthest next
+    /// use), then admitted ones by farthest next use, but for a fill never one used no later
+    /// than it. Under memory pressure (`None`) anything goes, in the native order. False when no
+    /// room can be made that way.
+    fn make_room(&self, holdings: Holdings, fill: Option<(ExtentKey, u64)>, bytes: u64) -> Result<bool> {
         let Holdings { extents: resident, mut held, filling } = holdings;
         let budget = self.tier.effective_budget(held);
         let fits = |held: u64| held.saturating_add(filling).saturating_add(bytes) <= budget;
@@ -431,21 +491,170 @@ impl Coordinator {
                 .collect()
         };
         victims.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)).then_with(|| a.2.cmp(&b.2)));
-        for (admitted, next, name, size) in victims {
+        let mine = fill.map(|(_, next)| next);
+        let mut gone = vec![false; victims.len()];
+        #[cfg(feature = "policy")]
+        if let Some((key, next)) = fill {
+            // The plugin's capacity is the whole budget: the room it makes for the fill also covers
+            // the fills under way and what memory pressure takes off the budget.
+            let room = bytes.saturating_add(filling).saturating_add(self.tier.budget_bytes().saturating_sub(budget));
+            let chosen = self.plugin_victims(&victims, key, next, room);
+            held = self.evict_chosen(&chosen, &victims, &mut gone, held, next, &fits)?;
+        }
+        for i in 0..victims.len() {
             if fits(held) {
                 break;
             }
-            if admitted && for_next_use.is_some_and(|mine| next <= mine) {
+            let (admitted, next, ..) = victims[i];
+            if gone[i] {
+                continue;
+            }
+            if admitted && mine.is_some_and(|mine| next <= mine) {
                 return Ok(false);
             }
-            self.tier.evict(&name)?;
-            held = held.saturating_sub(size);
-            let mut state = self.lock();
-            if let Some(&e) = state.by_name.get(&name) {
-                state.loaded[e] = false;
-            }
+            self.evict(&victims[i].2)?;
+            held = held.saturating_sub(victims[i].3);
+            gone[i] = true;
         }
         Ok(fits(held))
+    }
+
+    /// Evicts the extents the plugin `chose`, in its order, until `fits` the `held` bytes, but
+    /// keeps an admitted one while one not admitted is still there or when it is needed no later
+    /// than `next` (the fill's next use); marks what went in `gone`, returns the bytes held.
+    #[cfg(feature = "policy")]
+    fn evict_chosen(
+        &self,
+        chosen: &[ExtentKey],
+        victims: &[(bool, u64, String, u64)],
+        gone: &mut [bool],
+        mut held: u64,
+        next: u64,
+        fits: &dyn Fn(u64) -> bool,
+    ) -> Result<u64> {
+        let at: HashMap<&str, usize> = victims.iter().enumerate().map(|(i, v)| (v.2.as_str(), i)).collect();
+        let mut unadmitted = victims.iter().filter(|v| !v.0).count();
+        for key in chosen {
+            if fits(held) {
+                break;
+            }
+            let Some(&i) = at.get(self.tier.extent_name(key).as_str()) else { continue };
+            let (admitted, their_next, ref name, size) = victims[i];
+            if gone[i] {
+                continue;
+            }
+            if admitted && (unadmitted > 0 || their_next <= next) {
+                self.tier.counters.evictor_refused.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            self.evict(name)?;
+            held = held.saturating_sub(size);
+            gone[i] = true;
+            unadmitted -= usize::from(!admitted);
+            self.tier.counters.evictor_chosen.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(held)
+    }
+
+    /// Removes extent `name` from the tier; this loader loads it again if the plan still wants it.
+    fn evict(&self, name: &str) -> Result<()> {
+        self.tier.evict(name)?;
+        let mut state = self.lock();
+        if let Some(&e) = state.by_name.get(name) {
+            state.loaded[e] = false;
+        }
+        Ok(())
+    }
+
+    /// The victims the evictor plugin proposes to make room for extent `key` (next used at
+    /// `next`, `bytes` of room), among `victims` (the tier's holdings: admitted, next use, name,
+    /// bytes), after it has been told what the tier holds and the plan's reads since it was last
+    /// asked. Empty when the plugin cannot answer (counted; the native order decides).
+    #[cfg(feature = "policy")]
+    fn plugin_victims(
+        &self,
+        victims: &[(bool, u64, String, u64)],
+        key: ExtentKey,
+        next: u64,
+        bytes: u64,
+    ) -> Vec<ExtentKey> {
+        let extent_bytes = self.tier.extent_bytes();
+        let held = victims
+            .iter()
+            .filter_map(|(_, next, name, size)| Some((super::extent_key_of(name, extent_bytes)?, *size, *next)))
+            .collect();
+        let mut evictor = self.evictor.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let input = {
+            let state = self.lock();
+            let schedule = &state.schedule;
+            let from = evictor.told_to.max(state.step.saturating_sub(TELL_STEPS_MAX));
+            let first = schedule.reads.partition_point(|&(step, _)| step < from);
+            let last = schedule.reads.partition_point(|&(step, _)| step < state.step);
+            let mut reads: Vec<Vec<(ExtentKey, u64)>> = Vec::new();
+            let mut at = None;
+            for &(step, e) in &schedule.reads[first..last] {
+                if at != Some(step) {
+                    reads.push(Vec::new());
+                    at = Some(step);
+                }
+                if let Some(told) = reads.last_mut() {
+                    told.push((schedule.extents[e].key, schedule.next_use(e, step + 1)));
+                }
+            }
+            EvictorInput { held, reads, told_to: state.step, fill: (key, next, bytes) }
+        };
+        match self.ask_evictor(&mut evictor, input) {
+            Ok(chosen) => chosen,
+            Err(_) => {
+                // Started afresh at the next fill; the native order decides this one.
+                evictor.cache = None;
+                self.tier.counters.evictor_failures.fetch_add(1, Ordering::Relaxed);
+                Vec::new()
+            }
+        }
+    }
+
+    #[cfg(feature = "policy")]
+    fn ask_evictor(&self, evictor: &mut PluginEvictor, input: EvictorInput) -> Result<Vec<ExtentKey>> {
+        let cache = match evictor.cache.take() {
+            Some(cache) => cache,
+            None => {
+                let (name, options) = self.tier.evictor();
+                let host = evictor_host()?;
+                crate::policy::KeyedCache::new(
+                    &host,
+                    Some(name.unwrap_or("plan-aware")),
+                    options,
+                    self.tier.budget_bytes(),
+                )?
+            }
+        };
+        let cache = evictor.cache.insert(cache);
+        let EvictorInput { held, reads, told_to, fill: (key, next, bytes) } = input;
+        let mut chosen = Vec::new();
+        // What the tier holds node-wide: extents gone (any process evicted them) are forgotten,
+        // extents it does not know (other processes loaded them; or this one, admitted with the
+        // room made for it rather than its own size) are told, farthest next use first.
+        let here: HashMap<ExtentKey, u64> = held.iter().map(|&(key, size, _)| (key, size)).collect();
+        let stale: Vec<ExtentKey> =
+            cache.held().into_iter().filter(|key| cache.bytes_of(*key) != here.get(key).copied()).collect();
+        for key in stale {
+            cache.forget(key);
+        }
+        let mut unknown: Vec<&(ExtentKey, u64, u64)> = held.iter().filter(|(key, ..)| !cache.holds(*key)).collect();
+        unknown.sort_unstable_by_key(|&&(key, _, next)| (std::cmp::Reverse(next), key.extent));
+        for &&(key, size, next) in &unknown {
+            chosen.extend(cache.admit_next(key, size, next)?.0.into_iter().map(|(key, _)| key));
+        }
+        for step in reads {
+            let next_uses: HashMap<ExtentKey, u64> = step.iter().copied().collect();
+            let keys: Vec<ExtentKey> = step.iter().map(|&(key, _)| key).collect();
+            let touched = cache.touch_next(&keys, &mut |key| next_uses.get(&key).copied().unwrap_or(NEVER))?;
+            chosen.extend(touched.into_iter().map(|(key, _)| key));
+        }
+        evictor.told_to = told_to;
+        chosen.extend(cache.admit_next(key, bytes, next)?.0.into_iter().map(|(key, _)| key));
+        Ok(chosen)
     }
 
     /// Gives memory back when the node needs it (the tier's holdings as last listed).
@@ -489,7 +698,7 @@ pub fn run_filler(coordinator: &Coordinator) -> Result<()> {
         let bytes = info.n_blocks * crate::shard::BLOCK_BYTES_U64;
         let outcome = coordinator
             .tier
-            .fill_within_budget(&info, |holdings| coordinator.make_room(holdings, Some(next_use), bytes));
+            .fill_within_budget(&info, |holdings| coordinator.make_room(holdings, Some((info.key, next_use)), bytes));
         coordinator.finish(extent, &outcome);
     }
     Ok(())

@@ -94,17 +94,31 @@ pub struct TierConfig {
     /// Leave the extents in place when the last user closes the tier (a later run starts warm;
     /// the memory stays taken until someone clears it).
     pub keep: bool,
+    /// The evictor plugin (a built-in name or a `.wasm` file) that chooses which extents make
+    /// room among those the plan does not hold; `None`: `plan-aware` (Belady on the plan). Each
+    /// process runs its own, told what the tier holds node-wide. Needs the `policy` feature.
+    pub evictor: Option<String>,
+    /// The evictor's options (the built-ins take none).
+    pub evictor_options: Vec<(String, String)>,
 }
 
 impl Default for TierConfig {
     fn default() -> Self {
-        Self { budget_bytes: None, dir: None, extent_bytes: default_extent_bytes(), fill_threads: 4, keep: false }
+        Self {
+            budget_bytes: None,
+            dir: None,
+            extent_bytes: default_extent_bytes(),
+            fill_threads: 4,
+            keep: false,
+            evictor: None,
+            evictor_options: Vec::new(),
+        }
     }
 }
 
 impl TierConfig {
     /// The default, with `GRANARY_TIER_BYTES` (0 turns it off; size suffixes as `4GiB`),
-    /// `GRANARY_TIER_DIR` and `GRANARY_TIER_KEEP=1` applied.
+    /// `GRANARY_TIER_DIR`, `GRANARY_TIER_KEEP=1` and `GRANARY_TIER_EVICTOR` applied.
     pub fn from_env() -> Result<Self> {
         let mut config = Self::default();
         if let Ok(bytes) = std::env::var("GRANARY_TIER_BYTES") {
@@ -116,6 +130,7 @@ impl TierConfig {
             config.dir = Some(PathBuf::from(dir));
         }
         config.keep = std::env::var("GRANARY_TIER_KEEP").is_ok_and(|v| v == "1");
+        config.evictor = std::env::var("GRANARY_TIER_EVICTOR").ok().filter(|name| !name.is_empty());
         Ok(config)
     }
 
@@ -133,6 +148,10 @@ impl TierConfig {
         }
         if self.fill_threads == 0 || self.fill_threads > 64 {
             return Err(Error::invalid_input(format!("tier fill threads {} is not in 1..=64", self.fill_threads)));
+        }
+        #[cfg(not(feature = "policy"))]
+        if self.evictor.is_some() {
+            return Err(Error::invalid_input("a tier evictor plugin needs granary built with the `policy` feature"));
         }
         Ok(())
     }
@@ -165,6 +184,14 @@ pub struct ExtentKey {
     pub extent: u32,
 }
 
+#[cfg(feature = "policy")]
+impl crate::policy::CacheKey for ExtentKey {
+    fn cache_key(&self) -> u64 {
+        // The shard's key is uniform (its id's first bytes); the index spread over all bits.
+        crate::policy::shard_key(self.shard.0.as_bytes()) ^ u64::from(self.extent).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+}
+
 /// Whether `name` is an extent file's (`<shard id, 64 hex>.<extent KiB>k.<index, 6+ digits>`).
 fn is_extent_name(name: &str) -> bool {
     let mut parts = name.split('.');
@@ -177,6 +204,17 @@ fn is_extent_name(name: &str) -> bool {
         && size.strip_suffix('k').is_some_and(digits)
         && index.len() >= 6
         && digits(index)
+}
+
+/// The extent an extent's name (`<shard>.<K>k.<index>`) names, when it is cut in extents of
+/// `extent_bytes`.
+#[cfg(feature = "policy")]
+fn extent_key_of(name: &str, extent_bytes: u64) -> Option<ExtentKey> {
+    let mut parts = name.split('.');
+    let shard = ShardId(crate::id::ObjectId::parse_hex(parts.next()?)?);
+    (extent_size_of(name)? == extent_bytes).then_some(())?;
+    let extent = parts.nth(1)?.parse().ok()?;
+    Some(ExtentKey { shard, extent })
 }
 
 /// The extent size an extent's name says (`<shard>.<K>k.<index>`): K KiB.
@@ -209,6 +247,14 @@ pub struct TierStats {
     /// Fills that failed (a read error or a block that did not check out: the record reads go
     /// to disk and report it there).
     pub fill_failures: u64,
+    /// Extents the evictor plugin chose to make room that were removed.
+    pub evictor_chosen: u64,
+    /// Extents the evictor plugin chose that stayed, because the plan needs them (sooner than
+    /// the extent room was made for, or while extents the plan does not hold could go instead).
+    pub evictor_refused: u64,
+    /// Times the evictor plugin could not be started or answered with an error (the native
+    /// order, farthest next use first, chose instead).
+    pub evictor_failures: u64,
 }
 
 #[derive(Default)]
@@ -217,6 +263,9 @@ struct Counters {
     bytes_loaded: AtomicU64,
     extents_evicted: AtomicU64,
     fill_failures: AtomicU64,
+    evictor_chosen: AtomicU64,
+    evictor_refused: AtomicU64,
+    evictor_failures: AtomicU64,
 }
 
 /// A resident extent as this process maps it.
@@ -269,6 +318,8 @@ pub struct MemoryTier {
     extent_bytes: u64,
     fill_threads: usize,
     keep: bool,
+    evictor: Option<String>,
+    evictor_options: Vec<(String, String)>,
     /// The process that opened the tier: a child forked from it shares the lock on `users` (it
     /// belongs to the open file, not the process) and must never empty the tier under its
     /// parent.
@@ -324,6 +375,12 @@ impl MemoryTier {
                 shm.join(format!("granary-tier-{}", current_uid()))
             }
         };
+        // A plugin asked for by name that does not load is refused now, not at the first
+        // eviction.
+        #[cfg(feature = "policy")]
+        if let Some(name) = &config.evictor {
+            fill::evictor_host()?.load(name)?;
+        }
         prepare_dir(&dir)?;
         let most = EXTENTS_MAX * config.extent_bytes;
         let budget_bytes = match config.budget_bytes {
@@ -355,6 +412,8 @@ impl MemoryTier {
             extent_bytes: config.extent_bytes,
             fill_threads: config.fill_threads,
             keep: config.keep,
+            evictor: config.evictor.clone(),
+            evictor_options: config.evictor_options.clone(),
             pid: std::process::id(),
             users,
             counters: Counters::default(),
@@ -387,6 +446,11 @@ impl MemoryTier {
     /// Threads that fill this tier for a loader.
     pub fn fill_threads(&self) -> usize {
         self.fill_threads
+    }
+
+    /// The evictor plugin asked for (`None`: `plan-aware`) and its options.
+    pub fn evictor(&self) -> (Option<&str>, &[(String, String)]) {
+        (self.evictor.as_deref(), &self.evictor_options)
     }
 
     /// Blocks per extent.
@@ -422,6 +486,9 @@ impl MemoryTier {
             bytes_loaded: self.counters.bytes_loaded.load(Ordering::Relaxed),
             extents_evicted: self.counters.extents_evicted.load(Ordering::Relaxed),
             fill_failures: self.counters.fill_failures.load(Ordering::Relaxed),
+            evictor_chosen: self.counters.evictor_chosen.load(Ordering::Relaxed),
+            evictor_refused: self.counters.evictor_refused.load(Ordering::Relaxed),
+            evictor_failures: self.counters.evictor_failures.load(Ordering::Relaxed),
         }
     }
 
@@ -479,13 +546,21 @@ impl MemoryTier {
     /// Whether a live filler holds the claim on extent `name`. A claim whose lock is free was
     /// left by a filler that died: it is removed.
     fn claim_is_live(&self, name: &str) -> bool {
+        self.live_claim_bytes(name).is_some()
+    }
+
+    /// The bytes a live filler's claim on extent `name` says it is filling (its claim file's
+    /// length: a sparse file, no memory; a claim that says nothing counts as a whole extent of
+    /// the size its name says); `None` when no live filler holds it (a stale claim is removed).
+    fn live_claim_bytes(&self, name: &str) -> Option<u64> {
         let claim = self.dir.join(format!(".fill-{name}"));
-        let Ok(file) = std::fs::File::open(&claim) else { return false };
+        let file = std::fs::File::open(&claim).ok()?;
         if flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_err() {
-            return true;
+            let said = file.metadata().map_or(0, |meta| meta.len());
+            return Some(if said > 0 { said } else { extent_size_of(name).unwrap_or(self.extent_bytes) });
         }
         remove_if_same(&claim, &file);
-        false
+        None
     }
 
     /// Reads extent `info` from its shard into the tier: a claim, one O_DIRECT read into a
@@ -496,7 +571,7 @@ impl MemoryTier {
         if self.dir.join(&name).exists() {
             return Ok(Filled::Elsewhere);
         }
-        let Some(claim) = self.claim(&name)? else { return Ok(Filled::Elsewhere) };
+        let Some(claim) = self.claim(&name, info.n_blocks * BLOCK_BYTES_U64)? else { return Ok(Filled::Elsewhere) };
         self.fill_under(claim, info, &name)
     }
 
@@ -521,10 +596,11 @@ impl MemoryTier {
             if self.dir.join(&name).exists() {
                 return Ok(Some(Filled::Elsewhere));
             }
-            let Some(claim) = self.claim(&name)? else { return Ok(Some(Filled::Elsewhere)) };
+            let bytes = info.n_blocks * BLOCK_BYTES_U64;
+            let Some(claim) = self.claim(&name, bytes)? else { return Ok(Some(Filled::Elsewhere)) };
             let mut holdings = self.holdings_now()?;
             // Its own claim is what `room` is asked about.
-            holdings.filling = holdings.filling.saturating_sub(extent_size_of(&name).unwrap_or(self.extent_bytes));
+            holdings.filling = holdings.filling.saturating_sub(bytes);
             match room(holdings) {
                 Ok(true) => claim,
                 outcome => {
@@ -620,14 +696,17 @@ impl MemoryTier {
         }
     }
 
-    /// Takes the claim on extent `name`: a fresh file, locked, then linked to `.fill-NAME` (the
+    /// Takes the claim on extent `name`, `bytes` long: a fresh file, locked, as long as the fill
+    /// (sparse: no memory, the length tells other fillers the room it takes), then linked to `.fill-NAME` (the
     /// link fails if another claim exists, so the lock is held before the name is visible).
     /// `None` when a live filler holds it.
-    fn claim(&self, name: &str) -> Result<Option<Claim>> {
+    fn claim(&self, name: &str, bytes: u64) -> Result<Option<Claim>> {
         let claim_path = self.dir.join(format!(".fill-{name}"));
         let (file, fresh) = self.private_file(name)?;
-        let claimed =
-            flock(&file, libc::LOCK_EX | libc::LOCK_NB).map_err(|e| Error::io("flock", &fresh, e)).and_then(|()| {
+        let claimed = flock(&file, libc::LOCK_EX | libc::LOCK_NB)
+            .and_then(|()| file.set_len(bytes))
+            .map_err(|e| Error::io("claim", &fresh, e))
+            .and_then(|()| {
                 for _ in 0..2 {
                     match std::fs::hard_link(&fresh, &claim_path) {
                         Ok(()) => return Ok(true),
@@ -688,13 +767,9 @@ impl MemoryTier {
         let extents = listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect();
         let held = listing.bytes;
         drop(listing);
-        // A fill is counted at its extent size (from its name: other processes may cut the
-        // tier's shards in other sizes), the most its extent can be.
-        let filling = claims
-            .iter()
-            .filter(|extent| self.claim_is_live(extent))
-            .map(|extent| extent_size_of(extent).unwrap_or(self.extent_bytes))
-            .sum();
+        // A fill is counted at the length its claim says (a shard's last extent is shorter, and
+        // a shard smaller than one extent is all last extent).
+        let filling = claims.iter().filter_map(|extent| self.live_claim_bytes(extent)).sum();
         Ok(Holdings { extents, held, filling })
     }
 
@@ -1138,9 +1213,9 @@ mod tests {
             TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
         let tier = MemoryTier::open(&config).expect("open").expect("on");
         let name = format!("{}.4096k.000000", "ab".repeat(32));
-        let claim = tier.claim(&name).expect("claim").expect("free");
+        let claim = tier.claim(&name, 4 << 20).expect("claim").expect("free");
         assert!(tier.claim_is_live(&name), "held by this process's open claim");
-        assert!(tier.claim(&name).expect("claim").is_none(), "one claim at a time");
+        assert!(tier.claim(&name, 4 << 20).expect("claim").is_none(), "one claim at a time");
         drop(claim);
         assert!(!tier.claim_is_live(&name), "its lock went with it");
         assert!(!dir.path().join(format!("t/.fill-{name}")).exists(), "the stale claim was removed");
@@ -1153,7 +1228,7 @@ mod tests {
             TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
         let tier = MemoryTier::open(&config).expect("open").expect("on");
         let name = format!("{}.4096k.000000", "cd".repeat(32));
-        let claim = tier.claim(&name).expect("claim").expect("free");
+        let claim = tier.claim(&name, 4 << 20).expect("claim").expect("free");
         // Someone else's clean-up replaced the name meanwhile (another filler's claim now).
         std::fs::remove_file(&claim.path).expect("unlink");
         std::fs::write(&claim.path, b"theirs").expect("write");
