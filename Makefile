@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 15
 
-.PHONY: toolchain test fmt-check clippy unit moto doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: toolchain test fmt-check clippy unit moto strace doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
 
 # Where cargo builds: CARGO_TARGET_DIR when set (the scripts follow it too), target/ otherwise.
 TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),target))
@@ -28,8 +28,13 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-unit: moto
+unit: moto strace
 	$(CARGO) test --workspace --locked
+
+## strace, for the test that counts a reader's opens (tests/ingest_read_verify.rs): Debian's
+## package, installed when the machine lacks it.
+strace:
+	@command -v strace >/dev/null || { apt-get update -q && apt-get install -y -q strace; } >/dev/null
 
 ## An S3-compatible server for the object-store tests (tests/origin.rs, the Python origin test):
 ## moto in server mode, from PyPI, in its own venv.

@@ -138,14 +138,14 @@ pub trait Io: Send {
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()>;
 
     /// Closes every open file (never called with an op in flight); the next `open` starts
-    /// again from the first `FileId`. A reader calls this when a read ends, so that a file
-    /// removed meanwhile (an evicted cache entry, a quarantined shard) frees its space.
+    /// again from the first `FileId`. A reader calls this after a failed read, and after 1024
+    /// opens (files otherwise stay open from read to read).
     fn close_all(&mut self) -> Result<()>;
 
     /// Closes one open file (never called with an op in flight); its `FileId` is not used
     /// again until `close_all`. A reader calls this for a file replaced by a repair and for
-    /// files removed since it opened them (cache entries evicted by another reader), keeping
-    /// the rest open.
+    /// files removed or replaced since it opened them (cache entries evicted by another reader,
+    /// quarantined shards), keeping the rest open.
     fn close(&mut self, file: FileId) -> Result<()>;
 
     /// Reads every op of a slice, calling `on_done` with each op's index as it completes.

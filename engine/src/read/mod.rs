@@ -8,8 +8,12 @@
 //! the batch in request order. Records whose extents the memory tier holds (`Reader::set_tier`)
 //! are copied from it while the batch is planned and read from disk not at all. Invariant: no
 //! byte reaches a `Batch` from a block whose checksum has not matched (on its way into the tier,
-//! or as its op completed); a failed read leaves the batch empty. Never: writes, or touches the catalog (refs
-//! and manifests are files, so many reader processes share a store with one writer).
+//! or as its op completed); a failed read leaves the batch empty. Files stay open from read to
+//! read (a reader used a record at a time opens each shard once); one removed or replaced under
+//! its name (an evicted cache entry, a quarantined or repaired shard, by any process) is closed
+//! at the next read once a second has passed since the last look, and at once when a read fails.
+//! Never: writes, or touches the catalog (refs and manifests are files, so many reader processes
+//! share a store with one writer).
 
 mod batch;
 
@@ -255,6 +259,14 @@ impl CacheStats {
 /// Repairs beyond one per shard that a read may make without delivering a batch.
 const REPAIRS_WITHOUT_PROGRESS_SLACK: usize = 8;
 
+/// How often a reader looks whether the files it keeps open were removed or replaced (a stat of
+/// each): a removed file's space is freed within this, and a replaced one read afresh.
+const OPEN_FILES_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Files a reader opens before it closes them all at the end of a read and starts afresh (a
+/// backend numbers its files from the first open; io_uring registers 4096).
+const OPENS_BEFORE_RESET: usize = 1024;
+
 /// Counters of one reader.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReadStats {
@@ -286,6 +298,12 @@ pub struct Reader {
     dataset: Arc<Dataset>,
     io: Box<dyn Io>,
     files: Vec<Option<FileId>>,
+    /// Per open file: the (device, inode) its path named just after it was opened.
+    inodes: Vec<Option<(u64, u64)>>,
+    /// Files opened since the backend last closed them all.
+    opens: usize,
+    /// When the open files were last looked at.
+    checked_at: Option<std::time::Instant>,
     slots: Vec<BatchSlot>,
     stats: ReadStats,
     /// A copy of `stats` kept current for another thread (see `publish_stats`).
@@ -319,6 +337,9 @@ impl Reader {
     pub fn new(dataset: Arc<Dataset>, io: Box<dyn Io>) -> Self {
         let files = vec![None; dataset.n_shards()];
         Self {
+            inodes: vec![None; dataset.n_shards()],
+            opens: 0,
+            checked_at: None,
             dataset,
             io,
             files,
@@ -379,7 +400,13 @@ impl Reader {
             self.slots.push(BatchSlot::default());
         }
         std::mem::swap(batch, &mut self.slots[0].batch);
-        let outcome = self.run(std::iter::once(indices), 1, &mut |_| Ok(()));
+        let mut outcome = self.run(std::iter::once(indices), 1, &mut |_| Ok(()));
+        if let Err(RunError::Replaced(_)) = outcome {
+            // A file kept open from an earlier read was replaced meanwhile (a repaired shard):
+            // the files are open afresh now, so the batch is read again, once.
+            outcome = self.run(std::iter::once(indices), 1, &mut |_| Ok(()));
+        }
+        let outcome = outcome.map_err(RunError::into_error);
         std::mem::swap(batch, &mut self.slots[0].batch);
         if outcome.is_err() {
             batch.clear();
@@ -402,23 +429,66 @@ impl Reader {
         while self.slots.len() < depth {
             self.slots.push(BatchSlot::default());
         }
-        self.run(batches.into_iter(), depth, sink)
+        self.run(batches.into_iter(), depth, sink).map_err(RunError::into_error)
     }
 
+    /// One read, with the files kept open from earlier reads: those removed or replaced since
+    /// are closed first (looked at once a second); after a failure every file is closed, and
+    /// the failure says whether one of them had been replaced (the caller may read again).
     fn run<B: AsRef<[u64]>>(
         &mut self,
         batches: impl Iterator<Item = B>,
         depth: usize,
         sink: &mut dyn FnMut(&mut Batch) -> Result<()>,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), RunError> {
+        if self.checked_at.is_none_or(|at| at.elapsed() >= OPEN_FILES_CHECK) {
+            self.close_replaced_files().map_err(RunError::Failed)?;
+        }
         let outcome = self.run_open(batches, depth, sink);
-        // Files are opened when a read first needs them and closed when it ends, so a file
-        // removed meanwhile (an evicted cache entry, a quarantined shard) frees its space.
-        let closed = self.close_files();
-        outcome.and(closed)
+        self.note_opened();
+        match outcome {
+            Ok(()) if self.opens <= OPENS_BEFORE_RESET => Ok(()),
+            Ok(()) => self.close_files().map_err(RunError::Failed),
+            Err(error) => {
+                let replaced = !self.replaced_files().is_empty();
+                self.close_files().map_err(RunError::Failed)?;
+                Err(if replaced { RunError::Replaced(error) } else { RunError::Failed(error) })
+            }
+        }
+    }
+
+    /// Records the inode of each file opened by the read that just ended.
+    fn note_opened(&mut self) {
+        for (s, file) in self.files.iter().enumerate() {
+            if file.is_some() && self.inodes[s].is_none() {
+                self.opens += 1;
+                // A file that cannot be looked at now counts as replaced at the next look.
+                self.inodes[s] = Some(inode_of(&self.dataset.shard_path(s)).unwrap_or((0, 0)));
+            }
+        }
+    }
+
+    /// The shards whose open file is no longer the one their path names.
+    fn replaced_files(&self) -> Vec<usize> {
+        (0..self.files.len())
+            .filter(|&s| self.files[s].is_some() && inode_of(&self.dataset.shard_path(s)) != self.inodes[s])
+            .collect()
+    }
+
+    fn close_replaced_files(&mut self) -> Result<()> {
+        for s in self.replaced_files() {
+            if let Some(id) = self.files[s].take() {
+                self.inodes[s] = None;
+                self.io.close(id)?;
+            }
+        }
+        self.checked_at = Some(std::time::Instant::now());
+        Ok(())
     }
 
     fn close_files(&mut self) -> Result<()> {
+        self.opens = 0;
+        self.inodes.iter_mut().for_each(|inode| *inode = None);
         if self.files.iter().all(Option::is_none) {
             return Ok(());
         }
@@ -531,6 +601,7 @@ impl Reader {
             if s == shard || (!needed.contains(&s) && !self.dataset.shard_path(s).exists()) {
                 self.io.close(id)?;
                 *file = None;
+                self.inodes[s] = None;
             }
         }
         Ok(())
@@ -546,6 +617,27 @@ impl Reader {
         self.read_batch(&[index], &mut batch)?;
         Ok(batch.record(0).to_vec())
     }
+}
+
+/// How a read ended badly: with the files it found, or with one of the files kept open from an
+/// earlier read replaced under its name meanwhile (worth reading again, now that it is closed).
+enum RunError {
+    Failed(Error),
+    Replaced(Error),
+}
+
+impl RunError {
+    fn into_error(self) -> Error {
+        match self {
+            RunError::Failed(error) | RunError::Replaced(error) => error,
+        }
+    }
+}
+
+/// The (device, inode) `path` names now; `None` when it names nothing.
+fn inode_of(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|meta| (meta.dev(), meta.ino()))
 }
 
 /// The read stream of a sequence of batches: plans each batch when a slot frees up, issues its
@@ -677,6 +769,15 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                     if self.files[shard].is_none() {
                         match opener.open(&self.dataset.shard_path(shard)) {
                             Ok(file) => self.files[shard] = Some(file),
+                            // Gone since its metadata was read (evicted, removed): missing, as
+                            // when the metadata is read.
+                            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                                planned = Err(Error::MissingShard {
+                                    shard: self.dataset.shard_id(shard),
+                                    manifest: self.dataset.manifest_id(),
+                                });
+                                break;
+                            }
                             Err(e) => {
                                 planned = Err(e);
                                 break;
