@@ -304,6 +304,8 @@ pub struct Reader {
     opens: usize,
     /// When the open files were last looked at.
     checked_at: Option<std::time::Instant>,
+    /// The batch `get` reads into, kept from call to call.
+    get_batch: Batch,
     slots: Vec<BatchSlot>,
     stats: ReadStats,
     /// A copy of `stats` kept current for another thread (see `publish_stats`).
@@ -340,6 +342,7 @@ impl Reader {
             inodes: vec![None; dataset.n_shards()],
             opens: 0,
             checked_at: None,
+            get_batch: Batch::default(),
             dataset,
             io,
             files,
@@ -613,9 +616,12 @@ impl Reader {
 
     /// The bytes of one record.
     pub fn get(&mut self, index: u64) -> Result<Vec<u8>> {
-        let mut batch = Batch::default();
-        self.read_batch(&[index], &mut batch)?;
-        Ok(batch.record(0).to_vec())
+        // The batch's memory is kept for the next call: a page-aligned mapping per call would
+        // cost more than the read.
+        let mut batch = std::mem::take(&mut self.get_batch);
+        let outcome = self.read_batch(&[index], &mut batch).map(|()| batch.record(0).to_vec());
+        self.get_batch = batch;
+        outcome
     }
 }
 
