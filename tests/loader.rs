@@ -245,16 +245,25 @@ fn the_loader_bench_prints_its_table_at_a_small_scale() {
     // --keep-cache: a test must not drop the machine's page cache under the other tests.
     let args =
         ["bench", "loader", "--generate", "4MiB", "--batch", "16", "--batches", "8", "--runs", "1", "--keep-cache"];
-    let out = granary_ok(&root, &[&args[..], &["--rows", "random,warm", "--step-us", "100"]].concat());
+    let out = granary_ok(&root, &[&args[..], &["--rows", "random,warm,block", "--step-us", "100"]].concat());
     let rate = |label: &str| -> f64 {
         let line = out.lines().find(|line| line.starts_with(label)).unwrap_or_else(|| panic!("no {label}: {out}"));
         line[label.len()..].split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0.0)
     };
-    for label in ["random: bare io_uring", "random: engine -> host", "warm: engine -> target"] {
+    for label in [
+        "random: bare io_uring",
+        "random: engine -> host",
+        "warm: engine -> target",
+        "block: engine -> host",
+        "sequential: bare io_uring",
+    ] {
         assert!(rate(label) > 0.0, "{label}: {out}");
     }
     assert!(!out.contains("sequential: engine") && !out.contains("training step"), "rows not asked for: {out}");
     assert!(out.contains("random, engine -> host / bare"), "{out}");
+    let block =
+        out.lines().find(|l| l.starts_with("block, engine -> host / sequential bare")).expect("the block ratio");
+    assert!(!block.contains("n/a"), "{block}");
     // The raw files for the PyTorch baseline, beside the store, hold every record.
     let raw: u64 = std::fs::read_dir(dir.path().join("store.raw"))
         .unwrap()
@@ -263,5 +272,8 @@ fn the_loader_bench_prints_its_table_at_a_small_scale() {
     assert_eq!(raw, 4 << 20);
     let refused = granary(&root, &["bench", "loader", "--rows", "everything"]);
     let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success() && err.contains("possible values: random, sequential, warm, step"), "{err}");
+    assert!(
+        !refused.status.success() && err.contains("possible values: random, sequential, block, warm, step"),
+        "{err}"
+    );
 }

@@ -71,7 +71,12 @@ pub(crate) struct LoaderArgs {
     keep_cache: bool,
     /// The workloads to measure (all by default): random, sequential, warm, step, tier,
     /// tier-partial.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "random,sequential,warm,step,tier,tier-partial")]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "random,sequential,block,warm,step,tier,tier-partial"
+    )]
     rows: Vec<Workload>,
     /// The memory tier's directory for the tier rows (default: a directory of the bench's own
     /// in /dev/shm, removed at the end, so that a job's shared tier is never emptied under it).
@@ -90,6 +95,9 @@ enum Workload {
     Random,
     /// Sequential: bare reader, engine to host, engine to GPU, pinned copy.
     Sequential,
+    /// Block-shuffled (the elastic partitioner's chunks of 64 records), engine to host, against
+    /// the sequential bare reader.
+    Block,
     /// The data in the page cache, engine to the target.
     Warm,
     /// Random with a simulated training step: the stall.
@@ -171,6 +179,14 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         target,
         ..base.clone()
     };
+    // The loader's own depth (sized from its queue's bytes), as a trainer gets it.
+    let block_config = |target| LoaderConfig {
+        plan: PlanSource::Partitioner { plugin: None, options: vec![("chunk-records".into(), "64".into())] },
+        seed: 1,
+        io: seq_io,
+        target,
+        ..base.clone()
+    };
     let seq_config = |target| LoaderConfig {
         plan: PlanSource::Native(Order::Sequential),
         io: seq_io,
@@ -216,6 +232,18 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
                     record("pinned copy to GPU", measure_pinned_copy(batch_bytes, args.batches)?);
                 }
             }
+        }
+        if wants(Workload::Block) {
+            if !wants(Workload::Sequential) {
+                record(
+                    "sequential: bare io_uring",
+                    measure_bare(&mut seq_bare, &seq_ops, wanted * record_bytes, cold)?,
+                );
+            }
+            record(
+                "block: engine -> host",
+                measure_loader(&dataset, block_config(Target::Host), args.batches, 0, cold)?,
+            );
         }
         let warm_target = if cuda.is_some() { Target::Gpu } else { Target::Host };
         if wants(Workload::Warm) {
@@ -343,6 +371,11 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         "sequential, engine -> GPU / bare",
         ratio("sequential: engine -> GPU", "sequential: bare io_uring"),
         ">= 0.95",
+    )?;
+    show(
+        "block, engine -> host / sequential bare",
+        ratio("block: engine -> host", "sequential: bare io_uring"),
+        ">= 0.90",
     )?;
     show(
         "warm random: engine -> host / mmap gather",

@@ -130,7 +130,10 @@ pub struct LoaderConfig {
     pub plan: PlanSource,
     /// Epochs to run from the start position's epoch; `None` runs until dropped.
     pub epochs: Option<u64>,
-    /// Batches the reader keeps in flight at once.
+    /// Batches the reader keeps in flight at once, at least: reading from disk (the memory tier
+    /// off), more when batches are small, so that `io.queue_depth` ops of `io.op_bytes_max` can
+    /// be in flight whatever the batch size and plan (a block-shuffled batch of 256 KiB chunks is
+    /// a few ops; at most 64 batches, and no more than those bytes' worth).
     pub read_depth: usize,
     /// Verified batches queued ahead of the trainer.
     pub prefetch: usize,
@@ -477,6 +480,14 @@ impl Loader {
                 .map_err(|_| Error::invalid_input("a batch larger than memory"))?,
             (None, None) => 64 << 20,
         };
+        // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
+        let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
+        // Reading from disk, enough batches in flight to keep the queue of large ops full; a
+        // loader served from the tier copies from memory and keeps the depth asked for (each
+        // batch in flight is a staging buffer).
+        if coordinator.is_none() {
+            config.read_depth = reader_depth(&config, batch_bytes);
+        }
         // Buffers: the reader's batches in flight, the queue to the trainer, what the device
         // stage holds (one being copied, two queued), what the trainer holds, and one spare.
         let device_held = if cuda.is_some() { 3 } else { 0 };
@@ -487,8 +498,6 @@ impl Loader {
         let stop = Arc::new(AtomicBool::new(false));
         let read_stats = Arc::new(Mutex::new(ReadStats::default()));
         let (to_next, from_reader) = std::sync::mpsc::sync_channel(config.prefetch);
-        // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
-        let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
         // The tier's schedule and an origin cache's plan cover every rank of this node.
         let wants_plan = config.repair.as_ref().is_some_and(|hook| hook.wants_plan());
         let peers = if coordinator.is_some() || wants_plan { schedule::node_peers(&config)? } else { Vec::new() };
@@ -720,6 +729,17 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 
 /// The read backend: io_uring reading into slots from a staging pool (page-locked with CUDA,
 /// registered as fixed buffers), or what `config.io` builds.
+/// Batches of `batch_bytes` in flight enough for the backend's queue of large ops
+/// (`queue_depth` x `op_bytes_max` bytes: a sequential or block-shuffled plan reads a batch in a
+/// few such ops), at least `read_depth` and at most `READ_DEPTH_MAX`.
+fn reader_depth(config: &LoaderConfig, batch_bytes: usize) -> usize {
+    let queue_bytes = (config.io.queue_depth as usize).saturating_mul(config.io.op_bytes_max);
+    queue_bytes.div_ceil(batch_bytes.max(1)).clamp(config.read_depth, READ_DEPTH_MAX.max(config.read_depth))
+}
+
+/// The most batches `reader_depth` keeps in flight unless asked for more.
+const READ_DEPTH_MAX: usize = 64;
+
 fn build_io(config: &LoaderConfig, pinning: Pinning) -> Result<Box<dyn Io>> {
     let io: Box<dyn Io> = match config.io.backend {
         crate::io::Backend::Pread => config.io.build()?,
