@@ -116,6 +116,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--workers", type=int, default=min(8, (os.cpu_count() or 2) - 1))
     p.add_argument("--loader", choices=["granary", "dataloader", "both"], default="both")
+    p.add_argument(
+        "--order",
+        choices=["record", "block"],
+        default="record",
+        help="granary's shuffle: record-level, or blocks of 64 consecutive records (read in runs, not one record at a time)",
+    )
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = a.dir or tempfile.mkdtemp(prefix="granary-train-")
@@ -129,8 +135,9 @@ def main() -> None:
     print(f"device {device}, {os.path.getsize(path) // (4 * record)} records of {record} tokens, batch {a.batch}")
 
     if a.loader in ("granary", "both"):
-        loader = store.loader("tokens", batch_size=a.batch, seed=0, device=str(device))
-        train("granary", loader, a.steps, a.vocab, a.seq, device)
+        block = {"partitioner_options": {"chunk-records": 64}} if a.order == "block" else {}
+        loader = store.loader("tokens", batch_size=a.batch, seed=0, device=str(device), **block)
+        train(f"granary ({a.order})", loader, a.steps, a.vocab, a.seq, device)
         m = loader.metrics()
         print(
             f"{'':>10}  loader: {m['batches']} batches, stall {m['stall_seconds']:.2f} s, "

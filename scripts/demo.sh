@@ -69,7 +69,7 @@ if [[ "${1:-}" != "--bench-only" ]]; then
   step "replicator: 3 copies over 10 nodes in 5 failure domains, then 11 and 9 nodes"
   granary plugin sim replicate --plugin rendezvous --nodes 10 --replicas 3 --domains 5
 
-  step "train: the example trainer on tokens (GPU if present, else host memory), stopped and resumed halfway"
+  step "train: the example trainer on tokens (GPU if present, else host memory), stopped and resumed halfway, then one epoch block-shuffled"
   "$bin_dir/examples/trainer" "$store" tokens --epochs 2 --batch 64 --step-us 200
 
   step "replication: three nodes on loopback, the tree dataset at 2 copies, a damaged shard repaired on read"

@@ -480,6 +480,14 @@ fn the_evictor_plugin_chooses_what_makes_room_within_the_plans_rules() {
     let missing = TierConfig { evictor: Some("no-such-evictor".into()), ..tier_config(dir.path(), 1 << 20) };
     let error = MemoryTier::open(&missing).expect_err("refused");
     assert!(error.to_string().contains("no-such-evictor"), "{error}");
+    // So is one that refuses its options.
+    let refusing = TierConfig {
+        evictor: Some("lru".into()),
+        evictor_options: vec![("bogus".into(), "1".into())],
+        ..tier_config(dir.path(), 1 << 20)
+    };
+    let error = MemoryTier::open(&refusing).expect_err("refused");
+    assert!(error.to_string().contains("bogus"), "{error}");
 }
 
 #[test]

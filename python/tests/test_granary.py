@@ -592,6 +592,11 @@ def test_the_tier_evictor_plugin_makes_room_and_a_missing_one_is_refused(store, 
     loader.close()
     with pytest.raises(granary.Error, match="no-such-evictor"):
         next(iter(store.loader("window", batch_size=50, tier_bytes=half, tier_evictor="no-such-evictor")))
+    # Named in the environment, with the default tier: refused too, not the tier silently off.
+    monkeypatch.setenv("GRANARY_TIER_EVICTOR", "no-such-evictor")
+    with pytest.raises(granary.Error, match="no-such-evictor"):
+        next(iter(store.loader("window", batch_size=50)))
+    monkeypatch.delenv("GRANARY_TIER_EVICTOR")
     with pytest.raises(ValueError, match="partitioner_options"):
         store.loader("window", batch_size=50, order="sequential", partitioner_options={"window-shards": 2})
 

@@ -1,6 +1,7 @@
 //! Read-only shared mappings of whole files: how the memory tier's extents (files in a tmpfs
 //! that every process of the node maps) are read without a system call per record; and the
-//! other file system calls the tier makes that std lacks (`flock`, `fs_space`).
+//! other file system calls the tier makes that std lacks (`flock`, `fs_space`), and the
+//! process's limit on open files (`open_files_limit`), which readers keep under.
 //!
 //! Invariant: a `MappedFile` maps its file read-only and shared, whole, once; the file is never
 //! truncated or written while mapped (the memory tier publishes an extent file complete, by
@@ -206,6 +207,17 @@ pub fn fs_space(path: &Path) -> std::io::Result<(u64, u64)> {
     Ok((blocks.saturating_mul(unit), free.saturating_mul(unit)))
 }
 
+/// The process's soft limit on open descriptors (`getrlimit(RLIMIT_NOFILE)`); `None` when it
+/// cannot be read or is unlimited.
+pub fn open_files_limit() -> Option<u64> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one `rlimit` into `limit`, which lives for the call.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    #[allow(clippy::useless_conversion, reason = "rlim_t is narrower than u64 on 32-bit targets")]
+    let soft = u64::from(limit.rlim_cur);
+    (rc == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(soft)
+}
+
 impl Drop for MappedFile {
     fn drop(&mut self) {
         // SAFETY: the mapping was made in `new` with this address and length and is unmapped
@@ -225,6 +237,13 @@ impl std::fmt::Debug for MappedFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_open_files_limit_is_read() {
+        let limit = open_files_limit().expect("a finite limit here");
+        let open = std::fs::read_dir("/proc/self/fd").expect("fds").count() as u64;
+        assert!(limit >= open, "{limit} descriptors allowed, {open} open");
+    }
 
     #[test]
     fn maps_the_file_without_holding_a_descriptor_and_outlives_an_unlink() {

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 pub use aligned::AlignedBuf;
 pub use fault::{Fault, FaultIo};
 pub use lazy::{BuildIo, LazyIo};
-pub use mapped::{MappedFile, WritableMap, flock, fs_space};
+pub use mapped::{MappedFile, WritableMap, flock, fs_space, open_files_limit};
 pub use pread::PreadIo;
 #[cfg(target_os = "linux")]
 pub use uring::UringIo;

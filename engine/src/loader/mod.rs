@@ -84,8 +84,8 @@ impl Default for PlanSource {
 pub enum TierSetting {
     /// The default tier (`TierConfig::from_env`: half of MemAvailable unless
     /// `GRANARY_TIER_BYTES` says otherwise); reads go to disk alone if the default directory
-    /// cannot be opened. A bad `GRANARY_TIER_BYTES`, or a `GRANARY_TIER_DIR` that cannot be the
-    /// tier's, is an error.
+    /// cannot be opened. A bad `GRANARY_TIER_BYTES`, a `GRANARY_TIER_DIR` that cannot be the
+    /// tier's, or a `GRANARY_TIER_EVICTOR` that does not load, is an error.
     #[default]
     Auto,
     /// No memory tier: every record is read from disk.
@@ -103,10 +103,11 @@ impl TierSetting {
         match self {
             TierSetting::Auto => {
                 // A setting the user made (a bad GRANARY_TIER_BYTES, a GRANARY_TIER_DIR that
-                // cannot be the tier's) is reported; a node without /dev/shm reads from disk.
+                // cannot be the tier's, an evictor that does not load) is reported; a node
+                // without /dev/shm reads from disk.
                 let config = TierConfig::from_env()?;
                 match MemoryTier::open(&config) {
-                    Err(e) if config.dir.is_some() => Err(e),
+                    Err(e) if config.dir.is_some() || config.evictor.is_some() => Err(e),
                     opened => Ok(opened.ok().flatten()),
                 }
             }
@@ -727,8 +728,6 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
     std::thread::Builder::new().name(name.to_owned()).spawn(f).map_err(|e| Error::io("spawn", name, e))
 }
 
-/// The read backend: io_uring reading into slots from a staging pool (page-locked with CUDA,
-/// registered as fixed buffers), or what `config.io` builds.
 /// Batches of `batch_bytes` in flight enough for the backend's queue of large ops
 /// (`queue_depth` x `op_bytes_max` bytes: a sequential or block-shuffled plan reads a batch in a
 /// few such ops), at least `read_depth` and at most `READ_DEPTH_MAX`.
@@ -740,6 +739,8 @@ fn reader_depth(config: &LoaderConfig, batch_bytes: usize) -> usize {
 /// The most batches `reader_depth` keeps in flight unless asked for more.
 const READ_DEPTH_MAX: usize = 64;
 
+/// The read backend: io_uring reading into slots from a staging pool (page-locked with CUDA,
+/// registered as fixed buffers), or what `config.io` builds.
 fn build_io(config: &LoaderConfig, pinning: Pinning) -> Result<Box<dyn Io>> {
     let io: Box<dyn Io> = match config.io.backend {
         crate::io::Backend::Pread => config.io.build()?,

@@ -263,9 +263,17 @@ const REPAIRS_WITHOUT_PROGRESS_SLACK: usize = 8;
 /// each): a removed file's space is freed within this, and a replaced one read afresh.
 const OPEN_FILES_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Files a reader opens before it closes them all at the end of a read and starts afresh (a
-/// backend numbers its files from the first open; io_uring registers 4096).
-const OPENS_BEFORE_RESET: usize = 1024;
+/// Files a reader opens before it closes them all at the end of a read and starts afresh: a
+/// quarter of the process's soft limit on descriptors (several readers share it), at least 16
+/// and at most 1024 (a backend numbers its files from the first open; io_uring registers 4096).
+fn opens_before_reset() -> usize {
+    static OPENS: OnceLock<usize> = OnceLock::new();
+    *OPENS.get_or_init(|| {
+        let soft =
+            crate::io::open_files_limit().map_or(usize::MAX, |limit| usize::try_from(limit).unwrap_or(usize::MAX));
+        (soft / 4).clamp(16, 1024)
+    })
+}
 
 /// Counters of one reader.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -298,7 +306,7 @@ pub struct Reader {
     dataset: Arc<Dataset>,
     io: Box<dyn Io>,
     files: Vec<Option<FileId>>,
-    /// Per open file: the (device, inode) its path named just after it was opened.
+    /// Per open file: the (device, inode) its path named just before it was opened.
     inodes: Vec<Option<(u64, u64)>>,
     /// Files opened since the backend last closed them all.
     opens: usize,
@@ -448,25 +456,13 @@ impl Reader {
             self.close_replaced_files().map_err(RunError::Failed)?;
         }
         let outcome = self.run_open(batches, depth, sink);
-        self.note_opened();
         match outcome {
-            Ok(()) if self.opens <= OPENS_BEFORE_RESET => Ok(()),
+            Ok(()) if self.opens <= opens_before_reset() => Ok(()),
             Ok(()) => self.close_files().map_err(RunError::Failed),
             Err(error) => {
                 let replaced = !self.replaced_files().is_empty();
                 self.close_files().map_err(RunError::Failed)?;
                 Err(if replaced { RunError::Replaced(error) } else { RunError::Failed(error) })
-            }
-        }
-    }
-
-    /// Records the inode of each file opened by the read that just ended.
-    fn note_opened(&mut self) {
-        for (s, file) in self.files.iter().enumerate() {
-            if file.is_some() && self.inodes[s].is_none() {
-                self.opens += 1;
-                // A file that cannot be looked at now counts as replaced at the next look.
-                self.inodes[s] = Some(inode_of(&self.dataset.shard_path(s)).unwrap_or((0, 0)));
             }
         }
     }
@@ -529,6 +525,8 @@ impl Reader {
             let mut pipeline = Pipeline {
                 dataset: &self.dataset,
                 files: &mut self.files,
+                inodes: &mut self.inodes,
+                opens: &mut self.opens,
                 slots: &mut self.slots[..depth],
                 op_blocks_max,
                 batches: &mut source,
@@ -651,6 +649,10 @@ fn inode_of(path: &std::path::Path) -> Option<(u64, u64)> {
 struct Pipeline<'r, I> {
     dataset: &'r Dataset,
     files: &'r mut [Option<FileId>],
+    /// Per open file: the (device, inode) its path named just before it was opened.
+    inodes: &'r mut [Option<(u64, u64)>],
+    /// Files opened since the backend last closed them all.
+    opens: &'r mut usize,
     slots: &'r mut [BatchSlot],
     op_blocks_max: usize,
     batches: I,
@@ -773,8 +775,16 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             if planned.is_ok() {
                 for shard in slot.planner.shards_touched() {
                     if self.files[shard].is_none() {
-                        match opener.open(&self.dataset.shard_path(shard)) {
-                            Ok(file) => self.files[shard] = Some(file),
+                        let path = self.dataset.shard_path(shard);
+                        // Looked at before the open: a file replaced in between is seen as
+                        // replaced at the next look and opened again, never the other way.
+                        let inode = inode_of(&path);
+                        match opener.open(&path) {
+                            Ok(file) => {
+                                self.files[shard] = Some(file);
+                                self.inodes[shard] = Some(inode.unwrap_or((0, 0)));
+                                *self.opens += 1;
+                            }
                             // Gone since its metadata was read (evicted, removed): missing, as
                             // when the metadata is read.
                             Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {

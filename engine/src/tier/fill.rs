@@ -20,7 +20,8 @@
 //! Which extents make room is the evictor plugin's choice (`TierConfig::evictor`, `plan-aware`
 //! by default: Belady on the plan), with the plan's rules over it: the plugin of each process is
 //! told what the tier holds node-wide, the plan's reads step by step and each extent's next use,
-//! and proposes victims for each fill; an extent the plan holds (admitted) stays while one it
+//! and proposes victims for each fill (it is started before the first fill that needs room,
+//! outside the node-wide budget lock); an extent the plan holds (admitted) stays while one it
 //! does not hold could go instead, and never goes for a fill needed later than itself. What the
 //! plugin leaves short, or everything when it fails, the native order covers: extents the plan
 //! does not hold first, then the farthest next use. Under memory pressure the native order alone
@@ -189,7 +190,7 @@ struct PluginEvictor {
 /// Steps of reads told to the evictor plugin at most at once (the older ones are skipped: they
 /// no longer bear on what to evict).
 #[cfg(feature = "policy")]
-const TELL_STEPS_MAX: u64 = 1024;
+const TELL_STEPS_MAX: u64 = 256;
 
 /// The evictor plugin's view of one fill: what the tier holds (this tier's extents, with their
 /// bytes and next use), the reads it has not been told (per step: extents and their next use
@@ -614,22 +615,32 @@ impl Coordinator {
         }
     }
 
+    /// Starts the evictor plugin if it is not running: before a fill takes the node-wide budget
+    /// lock (compiling a plugin there would hold up every filler of the node).
+    #[cfg(feature = "policy")]
+    fn start_evictor(&self) {
+        let mut evictor = self.evictor.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if evictor.cache.is_some() {
+            return;
+        }
+        let (name, options) = self.tier.evictor();
+        let started = evictor_host().and_then(|host| {
+            crate::policy::KeyedCache::new(&host, Some(name.unwrap_or("plan-aware")), options, self.tier.budget_bytes())
+        });
+        match started {
+            Ok(cache) => evictor.cache = Some(cache),
+            // The native order decides until a later start succeeds.
+            Err(_) => {
+                self.tier.counters.evictor_failures.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     #[cfg(feature = "policy")]
     fn ask_evictor(&self, evictor: &mut PluginEvictor, input: EvictorInput) -> Result<Vec<ExtentKey>> {
-        let cache = match evictor.cache.take() {
-            Some(cache) => cache,
-            None => {
-                let (name, options) = self.tier.evictor();
-                let host = evictor_host()?;
-                crate::policy::KeyedCache::new(
-                    &host,
-                    Some(name.unwrap_or("plan-aware")),
-                    options,
-                    self.tier.budget_bytes(),
-                )?
-            }
-        };
-        let cache = evictor.cache.insert(cache);
+        // Not started (or failed): the fill goes by the native order; the filler starts it
+        // before its next fill that needs room.
+        let Some(cache) = evictor.cache.as_mut() else { return Ok(Vec::new()) };
         let EvictorInput { held, reads, told_to, fill: (key, next, bytes) } = input;
         let mut chosen = Vec::new();
         // What the tier holds node-wide: extents gone (any process evicted them) are forgotten,
@@ -696,6 +707,17 @@ pub fn run_filler(coordinator: &Coordinator) -> Result<()> {
             continue;
         }
         let bytes = info.n_blocks * crate::shard::BLOCK_BYTES_U64;
+        // Room may be needed (what is held, this fill and as many more under way as there are
+        // fillers come near the budget): the evictor plugin is started now, outside the budget
+        // lock.
+        #[cfg(feature = "policy")]
+        {
+            let tier = &coordinator.tier;
+            let under_way = (tier.fill_threads() as u64).saturating_mul(tier.extent_bytes());
+            if tier.held_bytes().saturating_add(bytes).saturating_add(under_way) > tier.budget_bytes() {
+                coordinator.start_evictor();
+            }
+        }
         let outcome = coordinator
             .tier
             .fill_within_budget(&info, |holdings| coordinator.make_room(holdings, Some((info.key, next_use)), bytes));

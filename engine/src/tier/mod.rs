@@ -347,7 +347,7 @@ pub struct Holdings {
     pub extents: HashMap<String, u64>,
     /// Bytes of those extents.
     pub held: u64,
-    /// Bytes of the fills under way (a whole extent each).
+    /// Bytes of the fills under way (each the length its claim says: its extent's).
     pub filling: u64,
 }
 
@@ -375,11 +375,11 @@ impl MemoryTier {
                 shm.join(format!("granary-tier-{}", current_uid()))
             }
         };
-        // A plugin asked for by name that does not load is refused now, not at the first
-        // eviction.
+        // A plugin asked for by name that does not load, or refuses its options, is refused
+        // now, not at the first eviction.
         #[cfg(feature = "policy")]
         if let Some(name) = &config.evictor {
-            fill::evictor_host()?.load(name)?;
+            fill::evictor_host()?.evictor(Some(name), &config.evictor_options, 1)?;
         }
         prepare_dir(&dir)?;
         let most = EXTENTS_MAX * config.extent_bytes;
@@ -446,6 +446,11 @@ impl MemoryTier {
     /// Threads that fill this tier for a loader.
     pub fn fill_threads(&self) -> usize {
         self.fill_threads
+    }
+
+    /// Bytes the tier held at the last directory listing.
+    pub fn held_bytes(&self) -> u64 {
+        lock(&self.listing).bytes
     }
 
     /// The evictor plugin asked for (`None`: `plan-aware`) and its options.
@@ -578,7 +583,7 @@ impl MemoryTier {
     /// `fill`, within the node-wide budget. Under the budget lock (a flock on the directory that
     /// every filler of the node, in any process, takes in turn), the extent is claimed (or left
     /// to the filler that holds it), then, with what the tier holds listed afresh and every other
-    /// fill under way counted at its extent size, `room` evicts what it chooses and says whether
+    /// fill under way counted at the length its claim says, `room` evicts what it chooses and says whether
     /// the extent fits now; the lock goes after that, so two fillers never spend the same room.
     /// `None`: no room was made, or the lock stayed taken for `BUDGET_LOCK_WAIT` (a process
     /// forked while holding it keeps it until it exits).
@@ -759,8 +764,8 @@ impl MemoryTier {
         Ok((listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect(), listing.bytes))
     }
 
-    /// What the tier holds and is filling node-wide, listed now: the extents, and a whole extent
-    /// for each fill under way (a live claim; a dead filler's is removed).
+    /// What the tier holds and is filling node-wide, listed now: the extents, and each fill under
+    /// way at its claim's length (a live claim; a dead filler's is removed).
     fn holdings_now(&self) -> Result<Holdings> {
         let mut listing = lock(&self.listing);
         let claims = self.list(&mut listing)?;
