@@ -53,22 +53,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     let start = Instant::now();
-    let (mut seen, mut bytes, mut checkpoint) = (0u64, 0u64, None);
-    let halfway = dataset.n_records() / 2;
-    while let Some(batch) = loader.next() {
-        let batch = batch?;
-        if let Some(device) = batch.device() {
-            device.wait()?; // the model's stream would wait on device.event() instead
-        }
-        spin(Duration::from_micros(step_us)); // the model
-        seen += batch.len() as u64;
-        bytes += batch.data().len() as u64;
-        if checkpoint.is_none() && seen >= halfway {
-            checkpoint = Some((batch.position(), seen));
-            break; // "crash" halfway through the first epoch
-        }
-    }
-    let (position, before) = checkpoint.ok_or("the run ended before the checkpoint")?;
+    // "Crash" halfway through the first epoch.
+    let (mut seen, mut bytes, checkpoint) = train(&mut loader, step_us, Some(dataset.n_records() / 2))?;
+    let (position, before) = (checkpoint.ok_or("the run ended before the checkpoint")?, seen);
     let stats_before = loader.stats();
     drop(loader);
     println!("stopped at {position:?} after {before} records; resuming from the checkpoint");
@@ -78,15 +65,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         LoaderConfig { epochs: Some(epochs - position.epoch), ..config.clone() },
         position,
     )?;
-    while let Some(batch) = loader.next() {
-        let batch = batch?;
-        if let Some(device) = batch.device() {
-            device.wait()?;
-        }
-        spin(Duration::from_micros(step_us));
-        seen += batch.len() as u64;
-        bytes += batch.data().len() as u64;
-    }
+    let (records, read_bytes, _) = train(&mut loader, step_us, None)?;
+    (seen, bytes) = (seen + records, bytes + read_bytes);
     let elapsed = start.elapsed().as_secs_f64();
     let stats = loader.stats();
     let stall = stats_before.stall + stats.stall;
@@ -123,15 +103,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..config
         };
         let mut loader = Loader::new(Arc::clone(&dataset), block_config, Position::default())?;
-        let (start, mut read) = (Instant::now(), 0u64);
-        while let Some(batch) = loader.next() {
-            let batch = batch?;
-            if let Some(device) = batch.device() {
-                device.wait()?;
-            }
-            spin(Duration::from_micros(step_us));
-            read += batch.len() as u64;
-        }
+        let start = Instant::now();
+        let (read, ..) = train(&mut loader, step_us, None)?;
         let elapsed = start.elapsed().as_secs_f64();
         let stall = loader.stats().stall.as_secs_f64();
         if read != dataset.n_records() {
@@ -145,6 +118,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     Ok(())
+}
+
+/// Runs the training step on the batches `loader` has left, or until `stop_at` records: the
+/// records and bytes it got, and the position after the batch it stopped at (with `stop_at`).
+fn train(
+    loader: &mut Loader,
+    step_us: u64,
+    stop_at: Option<u64>,
+) -> Result<(u64, u64, Option<Position>), Box<dyn std::error::Error>> {
+    let (mut records, mut bytes) = (0u64, 0u64);
+    while let Some(batch) = loader.next() {
+        let batch = batch?;
+        if let Some(device) = batch.device() {
+            device.wait()?; // the model's stream would wait on device.event() instead
+        }
+        spin(Duration::from_micros(step_us)); // the model
+        records += batch.len() as u64;
+        bytes += batch.data().len() as u64;
+        if stop_at.is_some_and(|stop| records >= stop) {
+            return Ok((records, bytes, Some(batch.position())));
+        }
+    }
+    Ok((records, bytes, None))
 }
 
 /// 64 MiB of pseudo-random 2048-token u16 sequences as dataset `tokens` under `dir/store`.
