@@ -40,6 +40,9 @@ struct NodeProc {
 
 struct Cluster {
     dir: tempfile::TempDir,
+    /// The cluster's secret: its own, so that a node of another test running meanwhile, which
+    /// may listen on a port a stopped node of this one freed, is never taken for that node.
+    secret: String,
     key_file: PathBuf,
     nodes: Vec<NodeProc>,
 }
@@ -49,7 +52,8 @@ impl Cluster {
     fn new(n: usize) -> Cluster {
         let dir = tempdir();
         let key_file = dir.path().join("cluster.key");
-        std::fs::write(&key_file, KEY).unwrap();
+        let secret = format!("{KEY} of {}", dir.path().display());
+        std::fs::write(&key_file, &secret).unwrap();
         let nodes = (0..n)
             .map(|i| {
                 let root = dir.path().join(format!("node{i}"));
@@ -65,11 +69,11 @@ impl Cluster {
                 }
             })
             .collect();
-        Cluster { dir, key_file, nodes }
+        Cluster { dir, secret, key_file, nodes }
     }
 
     fn key(&self) -> ClusterKey {
-        ClusterKey::from_secret(KEY.as_bytes()).unwrap()
+        ClusterKey::from_secret(self.secret.as_bytes()).unwrap()
     }
 
     fn root(&self, i: usize) -> &Path {
