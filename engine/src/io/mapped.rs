@@ -1,7 +1,8 @@
 //! Read-only shared mappings of whole files: how the memory tier's extents (files in a tmpfs
 //! that every process of the node maps) are read without a system call per record; and the
 //! other file system calls the tier makes that std lacks (`flock`, `fs_space`), and the
-//! process's limit on open files (`open_files_limit`), which readers keep under.
+//! process's limit on open files (`open_files_limit`), from which a reader sizes how many files
+//! it keeps open across reads.
 //!
 //! Invariant: a `MappedFile` maps its file read-only and shared, whole, once; the file is never
 //! truncated or written while mapped (the memory tier publishes an extent file complete, by

@@ -107,7 +107,9 @@ impl TierSetting {
                 // without /dev/shm reads from disk.
                 let config = TierConfig::from_env()?;
                 match MemoryTier::open(&config) {
-                    Err(e) if config.dir.is_some() || config.evictor.is_some() => Err(e),
+                    Err(e) if config.dir.is_some() || (config.evictor.is_some() && matches!(e, Error::Plugin(_))) => {
+                        Err(e)
+                    }
                     opened => Ok(opened.ok().flatten()),
                 }
             }

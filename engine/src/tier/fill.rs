@@ -172,7 +172,8 @@ pub struct Coordinator {
     changed: Condvar,
     /// Fills finished (loaded, failed or found elsewhere) so far.
     published: AtomicU64,
-    /// The evictor plugin, started at the first fill that needs room (most loaders never evict).
+    /// The evictor plugin, started before the first fill that may need room (most loaders never
+    /// evict).
     #[cfg(feature = "policy")]
     evictor: Mutex<PluginEvictor>,
 }
@@ -181,7 +182,7 @@ pub struct Coordinator {
 #[cfg(feature = "policy")]
 #[derive(Default)]
 struct PluginEvictor {
-    /// `None` until started, and again after it failed (started afresh at the next fill).
+    /// `None` until started, and again after it failed (started afresh before a later fill).
     cache: Option<crate::policy::KeyedCache<ExtentKey>>,
     /// The plan's reads of steps before this one were told.
     told_to: u64,
@@ -619,16 +620,20 @@ impl Coordinator {
     /// lock (compiling a plugin there would hold up every filler of the node).
     #[cfg(feature = "policy")]
     fn start_evictor(&self) {
-        let mut evictor = self.evictor.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if evictor.cache.is_some() {
+        let lock = || self.evictor.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if lock().cache.is_some() {
             return;
         }
+        // Built without the lock: a filler asking the plugin under the budget lock never waits
+        // for a compile (two fillers may both build one; the first stored stays).
         let (name, options) = self.tier.evictor();
         let started = evictor_host().and_then(|host| {
             crate::policy::KeyedCache::new(&host, Some(name.unwrap_or("plan-aware")), options, self.tier.budget_bytes())
         });
         match started {
-            Ok(cache) => evictor.cache = Some(cache),
+            Ok(cache) => {
+                lock().cache.get_or_insert(cache);
+            }
             // The native order decides until a later start succeeds.
             Err(_) => {
                 self.tier.counters.evictor_failures.fetch_add(1, Ordering::Relaxed);

@@ -375,12 +375,6 @@ impl MemoryTier {
                 shm.join(format!("granary-tier-{}", current_uid()))
             }
         };
-        // A plugin asked for by name that does not load, or refuses its options, is refused
-        // now, not at the first eviction.
-        #[cfg(feature = "policy")]
-        if let Some(name) = &config.evictor {
-            fill::evictor_host()?.evictor(Some(name), &config.evictor_options, 1)?;
-        }
         prepare_dir(&dir)?;
         let most = EXTENTS_MAX * config.extent_bytes;
         let budget_bytes = match config.budget_bytes {
@@ -397,6 +391,16 @@ impl MemoryTier {
                 (memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX)) / 2).min(most)
             }
         };
+        // A plugin asked for by name that does not load, or refuses its options (at the
+        // capacity it will run with), is refused now, not at the first eviction.
+        #[cfg(feature = "policy")]
+        if let Some(name) = &config.evictor {
+            fill::evictor_host()?.evictor(
+                Some(name),
+                &config.evictor_options,
+                (budget_bytes / BLOCK_BYTES_U64).max(1),
+            )?;
+        }
         let users_path = dir.join(".users");
         let users = std::fs::OpenOptions::new()
             .read(true)
