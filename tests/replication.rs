@@ -54,13 +54,18 @@ impl Cluster {
         let key_file = dir.path().join("cluster.key");
         let secret = format!("{KEY} of {}", dir.path().display());
         std::fs::write(&key_file, &secret).unwrap();
+        // Distinct ports: each is held until all are picked (two picks in a row may otherwise
+        // get the same port back from the kernel).
+        let held: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let ports: Vec<u16> = held.iter().map(|l| l.local_addr().unwrap().port()).collect();
+        drop(held);
         let nodes = (0..n)
             .map(|i| {
                 let root = dir.path().join(format!("node{i}"));
                 drop(Granary::create(&root).unwrap());
                 NodeProc {
                     root,
-                    listen: SocketAddr::from(([127, 0, 0, 1], free_port())),
+                    listen: SocketAddr::from(([127, 0, 0, 1], ports[i])),
                     child: None,
                     log: dir.path().join(format!("node{i}.log")),
                     env: Vec::new(),
