@@ -165,3 +165,57 @@ fn damaged_refs_and_manifests_are_format_errors() {
     std::fs::write(&ref_path, &text).unwrap();
     assert!(matches!(paths.read_ref(&name), Err(Error::Format { .. })));
 }
+
+/// A bit flipped in an op read straight into the batch, while a verify worker checks it and the
+/// reading thread goes on with the next ops: the read fails with the block named, no batch with
+/// the damaged record is delivered, and the batches before it are whole.
+#[test]
+fn a_bit_flipped_under_a_verify_worker_is_caught_and_nothing_damaged_is_delivered() {
+    let dir = tempdir();
+    let records: Vec<Vec<u8>> = (0..512).map(|i| bytes(i + 11, 4096)).collect();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    // One shard: op b is batch b.
+    ingest(&mut granary, "w", tokens_layout(2048), small_shards(8 << 20), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("w").unwrap()).unwrap();
+    // 64 KiB ops (16 records): batch b is op b; op 5 gets bit 3 of its block 7 flipped.
+    let batches: Vec<Vec<u64>> = (0..32).map(|b| (b * 16..b * 16 + 16).collect()).collect();
+    for backend in [Backend::Pread, Backend::Uring] {
+        let inner = IoConfig { backend, queue_depth: 8, op_bytes_max: 64 << 10, direct: true }.build().unwrap();
+        let faults = vec![Fault::FlipBit { op: 5, bit: 7 * 4096 * 8 + 3 }];
+        let mut reader = Reader::new(dataset.clone(), Box::new(FaultIo::new(inner, faults)));
+        reader.set_verify_threads(1);
+        let mut delivered = Vec::new();
+        let error = reader
+            .read_batches(&batches, 4, &mut |batch| {
+                delivered.push((batch.indices().to_vec(), batch.data().to_vec()));
+                Ok(())
+            })
+            .unwrap_err();
+        let (shard, block) = match &error {
+            Error::ChecksumMismatch { shard, block, .. } => (*shard, *block),
+            other => panic!("{backend:?}: expected a checksum mismatch, got {other}"),
+        };
+        let (damaged_shard, local) = dataset.locate(5 * 16 + 7).unwrap();
+        assert_eq!(shard, dataset.shard_id(damaged_shard), "{backend:?}");
+        assert_eq!(block, local, "{backend:?}: records are one block each");
+        assert!(delivered.len() <= 5, "{backend:?}: {} batches delivered past the damage", delivered.len());
+        for (indices, data) in &delivered {
+            let expected: Vec<u8> = indices.iter().flat_map(|&i| records[i as usize].clone()).collect();
+            assert!(data == &expected, "{backend:?}: a delivered batch is not the input");
+        }
+        let stats = reader.stats();
+        assert!(stats.ops_offloaded >= 1, "{backend:?}: no check ran on a worker: {stats:?}");
+        assert_eq!(stats.verify_failures, 1, "{backend:?}");
+        // The damage was in flight only: read again, everything is whole.
+        let mut n = 0;
+        reader
+            .read_batches(&batches, 4, &mut |batch| {
+                let expected: Vec<u8> = batches[n].iter().flat_map(|&i| records[i as usize].clone()).collect();
+                assert!(batch.data() == &expected[..], "{backend:?}: batch {n} differs");
+                n += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(n, 32);
+    }
+}

@@ -127,3 +127,97 @@ fn a_failing_sink_stops_the_pipeline_with_its_error() {
     reader.read_batch(&[99, 0], &mut batch).unwrap();
     assert_eq!(batch.record(0), &records[99][..]);
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Whole-block records (a token corpus of 2048 u16 tokens, 4 KiB each) are read straight
+    /// into the batch and checked there, long ops on verify workers: the same bytes as the
+    /// model, whatever the plan (runs, chunks that neighbour in a shard, repeats, single
+    /// records), op size, queue, pipeline depth and number of workers.
+    #[test]
+    fn whole_block_records_read_in_place_and_checked_off_thread_match_the_model(
+        n in 40usize..200,
+        shard_kib in 64u64..512,
+        batches in prop::collection::vec(
+            prop::collection::vec((any::<prop::sample::Index>(), 1usize..40), 0..6), 1..6),
+        op_blocks in prop_oneof![1usize..4, 16usize..40],
+        queue_depth in 1u32..9,
+        depth in 1usize..4,
+        uring: bool,
+        threads in 0usize..3,
+    ) {
+        let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 7, 4096)).collect();
+        let dir = tempdir();
+        let mut granary = Granary::create(dir.path().join("store")).unwrap();
+        ingest(&mut granary, "w", tokens_layout(2048), small_shards(shard_kib << 10), &records);
+        let dataset = granary.open_dataset(&VersionSpec::parse("w").unwrap()).unwrap();
+        let backend = if uring { Backend::Uring } else { Backend::Pread };
+        let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
+        let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
+        reader.set_verify_threads(threads);
+        // Each batch: runs of consecutive records from random starts (block-shuffled chunks).
+        let batches: Vec<Vec<u64>> = batches
+            .iter()
+            .map(|runs| {
+                runs.iter()
+                    .flat_map(|(start, len)| {
+                        let start = start.index(n);
+                        (start..(start + len).min(n)).map(|i| i as u64)
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut delivered = Vec::new();
+        reader.read_batches(&batches, depth, &mut |batch| {
+            delivered.push(batch.data().to_vec());
+            Ok(())
+        }).unwrap();
+        prop_assert_eq!(delivered.len(), batches.len());
+        for (got, wanted) in delivered.iter().zip(&batches) {
+            let expected: Vec<u8> = wanted.iter().flat_map(|&i| records[i as usize].clone()).collect();
+            prop_assert!(got == &expected, "a batch differs from the model");
+        }
+        let stats = reader.stats();
+        // Only ops of 64 KiB and more go straight into the batch.
+        prop_assert!(stats.ops_direct <= stats.ops);
+        if op_blocks < 16 {
+            prop_assert_eq!(stats.ops_direct, 0);
+        }
+        if threads == 0 || op_blocks < 16 {
+            prop_assert_eq!(stats.ops_offloaded, 0);
+        }
+        prop_assert!(stats.ops_offloaded <= stats.ops_direct);
+    }
+}
+
+/// With verify workers and long ops, a full read of the dataset in runs has its checks done off
+/// the reading thread: the counters say so (the property test above allows zero).
+#[test]
+fn long_ops_read_into_the_batch_are_checked_by_a_worker() {
+    let records: Vec<Vec<u8>> = (0..256).map(|i| bytes(i + 3, 4096)).collect();
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    ingest(&mut granary, "w", tokens_layout(2048), small_shards(256 << 10), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("w").unwrap()).unwrap();
+    for backend in [Backend::Pread, Backend::Uring] {
+        let io = IoConfig { backend, queue_depth: 4, op_bytes_max: 128 << 10, direct: true }.build().unwrap();
+        let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
+        reader.set_verify_threads(2);
+        let batches: Vec<Vec<u64>> = (0..8).map(|b| (b * 32..b * 32 + 32).collect()).collect();
+        let mut n = 0;
+        reader
+            .read_batches(&batches, 3, &mut |batch| {
+                let expected: Vec<u8> = batches[n].iter().flat_map(|&i| records[i as usize].clone()).collect();
+                assert!(batch.data() == &expected[..], "{backend:?}: batch {n} differs");
+                n += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(n, 8);
+        let stats = reader.stats();
+        assert_eq!(stats.ops_direct, stats.ops, "{backend:?}: {stats:?}");
+        assert_eq!(stats.ops_offloaded, stats.ops, "{backend:?}: {stats:?}");
+        assert_eq!(stats.blocks_verified, 256, "{backend:?}: {stats:?}");
+    }
+}

@@ -88,7 +88,7 @@ struct FaultStream<'a> {
 impl ReadStream for FaultStream<'_> {
     fn next_op(&mut self, files: &mut dyn FileOpener) -> Result<Next> {
         let next = self.inner.next_op(files)?;
-        if matches!(next, Next::Op(_)) {
+        if matches!(next, Next::Op(_) | Next::Into(..)) {
             self.issued += 1;
         }
         Ok(next)
@@ -115,5 +115,27 @@ impl ReadStream for FaultStream<'_> {
             }
         }
         if flipped { self.inner.complete(seq, self.scratch) } else { self.inner.complete(seq, bytes) }
+    }
+
+    fn complete_into(&mut self, seq: u64, bytes: &mut [u8]) -> Result<()> {
+        // The bytes are the stream's own memory: a flipped bit lands there, as a DMA error would.
+        let number = self.first + seq;
+        for fault in self.faults {
+            match *fault {
+                Fault::FailRead { op, errno } if op == number => {
+                    return Err(Error::io("read", "fault injection", std::io::Error::from_raw_os_error(errno)));
+                }
+                Fault::FlipBit { op, bit } if op == number => {
+                    let bit = bit % (bytes.len() as u64 * 8);
+                    bytes[(bit / 8) as usize] ^= 1 << (bit % 8);
+                }
+                _ => {}
+            }
+        }
+        self.inner.complete_into(seq, bytes)
+    }
+
+    fn idle(&mut self) -> Result<bool> {
+        self.inner.idle()
     }
 }

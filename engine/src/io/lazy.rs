@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use super::{FileId, FileOpener, Io, IoConfig, Next, ReadOp, ReadStream, stalled};
+use super::{FileId, FileOpener, Io, IoConfig, Next, ReadStream, stalled};
 use crate::error::{Error, Result};
 
 /// Builds a read backend.
@@ -69,20 +69,28 @@ impl FileOpener for Opener<'_> {
 
 /// The op a stream gave before the backend existed, then the stream.
 struct Resumed<'a> {
-    first: Option<ReadOp>,
+    first: Option<Next>,
     rest: &'a mut dyn ReadStream,
 }
 
 impl ReadStream for Resumed<'_> {
     fn next_op(&mut self, files: &mut dyn FileOpener) -> Result<Next> {
         match self.first.take() {
-            Some(op) => Ok(Next::Op(op)),
+            Some(next) => Ok(next),
             None => self.rest.next_op(files),
         }
     }
 
     fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()> {
         self.rest.complete(seq, bytes)
+    }
+
+    fn complete_into(&mut self, seq: u64, bytes: &mut [u8]) -> Result<()> {
+        self.rest.complete_into(seq, bytes)
+    }
+
+    fn idle(&mut self) -> Result<bool> {
+        self.rest.idle()
     }
 }
 
@@ -109,7 +117,7 @@ impl Io for LazyIo {
                 Next::Done => return Ok(()),
                 // Nothing is in flight here: a stream that waits now would wait forever.
                 Next::Wait => return Err(stalled()),
-                Next::Op(op) => op,
+                next @ (Next::Op(_) | Next::Into(..)) => next,
             };
             let io = self.get()?;
             return io.read_stream(&mut Resumed { first: Some(first), rest: stream });
@@ -132,7 +140,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
-    use crate::io::Backend;
+    use crate::io::{Backend, ReadOp};
 
     fn lazy(built: &Arc<AtomicBool>) -> (LazyIo, IoConfig) {
         let flag = Arc::clone(built);

@@ -4,9 +4,12 @@
 //! The unit of work is a `ReadOp`: a block-aligned range of an opened file. A backend pulls ops
 //! from a `ReadStream` whenever it has a free buffer slot, keeps as many in flight as its queue
 //! depth allows, and hands each op's bytes back to the stream as soon as that op completes, while
-//! the others are still in flight, so planning, checking and copying overlap the disk. The bytes live in the backend's own buffers (for io_uring: page-
-//! aligned memory registered with the ring as fixed buffers) and are valid only during the
-//! callback. Invariants: every op is block-aligned (O_DIRECT-legal) and no longer than
+//! the others are still in flight, so planning, checking and copying overlap the disk. The bytes
+//! live in the backend's own buffers (for io_uring: page-aligned memory registered with the ring
+//! as fixed buffers) and are valid only during the callback, or, for an op the stream issues
+//! as `Next::Into`, in the stream's own memory (a batch's staging buffer), read there by DMA
+//! with no copy. A stream that checks bytes on other threads says `Wait` while they work and
+//! is asked to block (`ReadStream::idle`) when nothing is in flight. Invariants: every op is block-aligned (O_DIRECT-legal) and no longer than
 //! `op_bytes_max`; a backend never returns from `read_stream` with an op still in flight, also
 //! when the stream fails, unless the ring itself breaks (then it refuses further reads and leaks
 //! its buffers rather than unmap memory the kernel may still write); short reads, EINTR, EAGAIN and ECANCELED are retried, EIO and end-of-file are
@@ -58,13 +61,46 @@ pub struct ReadOp {
 /// What a stream has to issue next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Next {
-    /// This op.
+    /// This op, into the backend's own memory: its bytes go to [`ReadStream::complete`].
     Op(ReadOp),
+    /// This op, straight into the stream's memory at `Dest` (no copy): the backend tells
+    /// [`ReadStream::complete_into`] when the bytes are there.
+    Into(ReadOp, Dest),
     /// Nothing until some op in flight completes (its buffer is needed first).
     Wait,
     /// Nothing more, ever.
     Done,
 }
+
+/// Where an op of [`Next::Into`] puts its bytes: memory of the stream's own, aligned as
+/// O_DIRECT needs it (to the block size), that only the read writes while the op is in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dest(std::ptr::NonNull<u8>);
+
+impl Dest {
+    /// The destination at `ptr`.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` is aligned to the block size and the op's `len` bytes from it are writable memory
+    /// that stays valid, and that nothing else reads or writes, from the moment the op is
+    /// handed to a backend until the backend has called [`ReadStream::complete_into`] for it
+    /// or `read_stream` has returned, whichever is first.
+    #[allow(unsafe_code, reason = "the caller promises memory the kernel may write into")]
+    pub unsafe fn new(ptr: std::ptr::NonNull<u8>) -> Self {
+        Self(ptr)
+    }
+
+    /// The destination's start.
+    pub fn as_ptr(self) -> *mut u8 {
+        self.0.as_ptr()
+    }
+}
+
+// SAFETY: a `Dest` is an address the stream promised (`Dest::new`); it is only dereferenced by
+// the backend the stream handed it to, on the thread that runs `read_stream`.
+#[allow(unsafe_code, reason = "a Dest travels with its op")]
+unsafe impl Send for Dest {}
 
 /// Opens files for a stream while the backend is reading (the backend owns the descriptors).
 pub trait FileOpener {
@@ -81,6 +117,20 @@ pub trait ReadStream {
     /// Op number `seq` (in issue order, from 0 in each `read_stream` call) has completed; its
     /// bytes are valid during this call only.
     fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()>;
+
+    /// Op number `seq`, issued as [`Next::Into`], has completed: `bytes` is its destination,
+    /// now holding what was read (a wrapper may still change them, as a fault injector does).
+    fn complete_into(&mut self, seq: u64, bytes: &mut [u8]) -> Result<()> {
+        let _ = bytes;
+        Err(Error::invalid_input(format!("op {seq} completed into memory this stream never gave")))
+    }
+
+    /// Nothing is in flight and the stream said [`Next::Wait`]: blocks until it can go on (work
+    /// of its own finishes, such as checks on other threads) and returns true, or returns false
+    /// when nothing will change (the backend then reports a stall).
+    fn idle(&mut self) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// Memory a backend may hand to the kernel for its reads (its slots): a page-aligned region that
@@ -118,12 +168,14 @@ unsafe impl OwnedMemory for AlignedBuf {
 /// Called once per op with its index in the slice and its bytes, in completion order.
 pub type OnRead<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
 
-/// A block reader.
+/// A block reader. A backend reads [`Next::Into`] ops straight into the stream's memory: with
+/// io_uring, O_DIRECT DMA into it.
 pub trait Io: Send {
     /// The backend's name, for reports.
     fn name(&self) -> &'static str;
 
-    /// Ops kept in flight at once.
+    /// Ops kept in flight at once, at the longest op size: the backend keeps
+    /// `queue_depth * op_bytes_max` bytes in flight (more, shorter, ops when they are short).
     fn queue_depth(&self) -> usize;
 
     /// The longest op accepted.

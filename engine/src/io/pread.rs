@@ -59,17 +59,32 @@ impl Io for PreadIo {
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
         let mut seq = 0;
         loop {
-            let op = match stream.next_op(&mut self.files)? {
-                Next::Op(op) => op,
+            let (op, dest) = match stream.next_op(&mut self.files)? {
+                Next::Op(op) => (op, None),
+                Next::Into(op, dest) => (op, Some(dest)),
+                Next::Wait if stream.idle()? => continue,
                 Next::Wait => return Err(stalled()),
                 Next::Done => return Ok(()),
             };
             check_op(&op, self.op_bytes_max, self.files.0.len())?;
             let (file, path) = &self.files.0[op.file.0 as usize];
             let file = file.as_ref().ok_or_else(|| closed(path))?;
-            let buf = &mut self.buf.as_mut_slice()[..op.len as usize];
-            read_full(file, buf, op.offset).map_err(|e| read_error(path, &op, e))?;
-            stream.complete(seq, buf)?;
+            match dest {
+                Some(dest) => {
+                    #[allow(unsafe_code, reason = "an op into the stream's memory")]
+                    // SAFETY: the stream promised `len` writable bytes at `dest` that nothing
+                    // else touches until `complete_into` for this op returns (`Dest::new`); the
+                    // slice lives only until then.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(dest.as_ptr(), op.len as usize) };
+                    read_full(file, buf, op.offset).map_err(|e| read_error(path, &op, e))?;
+                    stream.complete_into(seq, buf)?;
+                }
+                None => {
+                    let buf = &mut self.buf.as_mut_slice()[..op.len as usize];
+                    read_full(file, buf, op.offset).map_err(|e| read_error(path, &op, e))?;
+                    stream.complete(seq, buf)?;
+                }
+            }
             seq += 1;
         }
     }

@@ -2,15 +2,21 @@
 //!
 //! The backend owns `2 * queue_depth` buffer slots of `op_bytes_max` bytes each, carved from one
 //! page-aligned mapping (or handed in by the caller, such as page-locked staging buffers that a GPU
-//! copy engine reads) and registered with the ring once, and registers each opened file in a
-//! sparse fixed-file table. `read_stream` keeps up to `queue_depth` ops in flight, one per slot.
+//! copy engine reads) and registered with the ring at the first op into one (registering pins
+//! and so allocates every page), and registers each opened file in a
+//! sparse fixed-file table. An op the stream issues into its own memory (`Next::Into`) needs no
+//! buffer slot: the kernel reads straight into that memory. `read_stream` keeps
+//! `queue_depth * op_bytes_max` bytes in flight, in at most `4 * queue_depth` ops (so short ops,
+//! such as the 256 KiB chunks of a block-shuffled plan, still keep the disk as busy as long ones)
+//! and at most `queue_depth` ops into buffer slots.
 //! Finished ops queue up; before each one's bytes go to the stream (which checks and copies them)
 //! the backend collects new completions and refills the queue from the spare slots, so the disk
 //! never waits on the callbacks. Invariant
 //! (what the SAFETY comments rest on): a slot is written by the kernel only while its op is in
 //! flight, Rust code reads a slot only after its op completed and before the slot is reused, and
 //! no op is in flight when `read` returns or the backend is dropped (an op still in flight after
-//! a ring failure leaks the mapping rather than free memory the kernel may still write).
+//! a ring failure leaks the mapping rather than free memory the kernel may still write, and
+//! aborts the process when it reads into a stream's memory, which cannot be kept from reuse).
 #![allow(unsafe_code, reason = "io_uring submission hands the kernel raw pointers into the backend's own buffers")]
 
 use std::fs::{File, OpenOptions};
@@ -21,7 +27,8 @@ use std::path::{Path, PathBuf};
 use io_uring::{IoUring, opcode, squeue, types};
 
 use super::{
-    AlignedBuf, FileId, FileOpener, Io, IoConfig, Next, OwnedMemory, ReadOp, ReadStream, check_op, read_error, stalled,
+    AlignedBuf, Dest, FileId, FileOpener, Io, IoConfig, Next, OwnedMemory, QUEUE_DEPTH_MAX, ReadOp, ReadStream,
+    check_op, read_error, stalled,
 };
 use crate::error::{Error, Result};
 
@@ -62,6 +69,8 @@ pub(crate) fn classify(result: i32, remaining: u32, retries: u32) -> Completion 
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Slot {
+    /// For an op into the stream's memory: where its bytes go (the slot's buffer is unused).
+    dest: Option<Dest>,
     seq: u64,
     file: u32,
     offset: u64,
@@ -128,11 +137,23 @@ pub struct UringIo {
     memory: Option<Vec<Box<dyn OwnedMemory>>>,
     queue_depth: usize,
     op_bytes_max: usize,
-    fixed_buffers: bool,
+    /// Whether the slots are registered (`None`: not tried yet).
+    fixed_buffers: Option<bool>,
     files: Files,
+    /// `2 * queue_depth` slots with a buffer each, then `ops_max` slots for ops into the
+    /// stream's memory.
     slots: Vec<Slot>,
     free_slots: Vec<usize>,
+    free_direct: Vec<usize>,
+    /// Ops in flight at most.
+    ops_max: usize,
     in_flight: usize,
+    /// Of them, ops into buffer slots.
+    in_flight_buffered: usize,
+    /// Of them, ops into the stream's memory (a broken ring with one in flight aborts).
+    in_flight_direct: usize,
+    /// Bytes the ops in flight read.
+    in_flight_bytes: usize,
     /// Ops queued in the submission ring but not yet handed to the kernel.
     unsubmitted: usize,
     completions: Vec<(u64, i32)>,
@@ -166,17 +187,11 @@ impl UringIo {
 
     fn build(config: &IoConfig, memory: Vec<Box<dyn OwnedMemory>>) -> Result<Self> {
         let queue_depth = config.queue_depth as usize;
-        let ring = IoUring::new(config.queue_depth).map_err(|e| Error::io("io_uring_setup", "io_uring", e))?;
+        let ops_max = (4 * queue_depth).min(QUEUE_DEPTH_MAX as usize);
+        // Every op in flight may hold a submission entry; the completion ring is twice as long.
+        let entries = u32::try_from(ops_max).expect("at most QUEUE_DEPTH_MAX");
+        let ring = IoUring::new(entries).map_err(|e| Error::io("io_uring_setup", "io_uring", e))?;
         let n_slots = 2 * queue_depth;
-        let iovecs: Vec<libc::iovec> = (0..n_slots)
-            .map(|slot| libc::iovec {
-                iov_base: slot_start(&memory, slot, config.op_bytes_max).cast(),
-                iov_len: config.op_bytes_max,
-            })
-            .collect();
-        // SAFETY: every iovec lies inside `memory` (`slot_start`), which this backend owns and
-        // keeps valid until the ring is closed (field order, and `Drop` waits for ops in flight).
-        let fixed_buffers = unsafe { ring.submitter().register_buffers(&iovecs) }.is_ok();
         let fixed_files =
             if ring.submitter().register_files_sparse(FIXED_FILES_MAX).is_ok() { FIXED_FILES_MAX } else { 0 };
         Ok(Self {
@@ -184,21 +199,47 @@ impl UringIo {
             memory: Some(memory),
             queue_depth,
             op_bytes_max: config.op_bytes_max,
-            fixed_buffers,
+            fixed_buffers: None,
             files: Files { open: Vec::new(), fixed_files, direct: config.direct },
-            slots: vec![Slot::default(); n_slots],
+            slots: vec![Slot::default(); n_slots + ops_max],
             free_slots: (0..n_slots).rev().collect(),
+            free_direct: (n_slots..n_slots + ops_max).rev().collect(),
+            ops_max,
             in_flight: 0,
+            in_flight_buffered: 0,
+            in_flight_direct: 0,
+            in_flight_bytes: 0,
             unsubmitted: 0,
-            completions: Vec::with_capacity(queue_depth),
-            ready: std::collections::VecDeque::with_capacity(2 * queue_depth),
+            completions: Vec::with_capacity(ops_max),
+            ready: std::collections::VecDeque::with_capacity(n_slots + ops_max),
         })
     }
 
-    /// Whether the slots are registered fixed buffers (false when the kernel refused, for
-    /// example over RLIMIT_MEMLOCK; reads then use plain buffers).
+    /// Whether the slots are registered fixed buffers. They are registered at the first op into
+    /// one (registering pins, and so allocates, every page of them: a reader whose ops all go
+    /// into its caller's memory never pays for it); false before that, or when the kernel
+    /// refused (for example over RLIMIT_MEMLOCK: reads then use plain buffers).
     pub fn fixed_buffers(&self) -> bool {
-        self.fixed_buffers
+        self.fixed_buffers == Some(true)
+    }
+
+    /// Registers the slots as fixed buffers, once.
+    fn register_buffers(&mut self) -> bool {
+        if let Some(registered) = self.fixed_buffers {
+            return registered;
+        }
+        let memory = self.memory.as_ref().expect("the memory lives until drop");
+        let iovecs: Vec<libc::iovec> = (0..2 * self.queue_depth)
+            .map(|slot| libc::iovec {
+                iov_base: slot_start(memory, slot, self.op_bytes_max).cast(),
+                iov_len: self.op_bytes_max,
+            })
+            .collect();
+        // SAFETY: every iovec lies inside `memory` (`slot_start`), which this backend owns and
+        // keeps valid until the ring is closed (field order, and `Drop` waits for ops in flight).
+        let registered = unsafe { self.ring.submitter().register_buffers(&iovecs) }.is_ok();
+        self.fixed_buffers = Some(registered);
+        registered
     }
 
     fn slot_ptr(&self, slot: usize) -> *mut u8 {
@@ -208,12 +249,16 @@ impl UringIo {
     /// Queues the unread rest of `slot`'s op.
     fn push(&mut self, slot: usize) -> Result<()> {
         let s = self.slots[slot];
-        // SAFETY: `done < len <= op_bytes_max`, so the target stays inside the slot.
-        let target = unsafe { self.slot_ptr(slot).add(s.done as usize) };
+        let base = s.dest.map_or_else(|| self.slot_ptr(slot), Dest::as_ptr);
+        // SAFETY: `done < len`, and `len` bytes from `base` are the slot's (`len <= op_bytes_max`)
+        // or the stream's destination (`Dest::new`), so the target stays inside them.
+        let target = unsafe { base.add(s.done as usize) };
         let (len, offset) = (s.len - s.done, s.offset + u64::from(s.done));
+        // The stream's memory is not a registered buffer: a plain read, pinned per op.
+        let fixed_buffer = s.dest.is_none() && self.register_buffers();
         let open = &self.files.open[s.file as usize];
         let Some(file) = open.file.as_ref() else { return Err(super::closed(&open.path)) };
-        let entry = match (open.fixed, self.fixed_buffers) {
+        let entry = match (open.fixed, fixed_buffer) {
             (Some(fixed), true) => {
                 opcode::ReadFixed::new(types::Fixed(fixed), target, len, slot as u16).offset(offset).build()
             }
@@ -229,7 +274,8 @@ impl UringIo {
         loop {
             // SAFETY: the entry points into slot `slot`, which no other op targets (a slot is on
             // the free list or owned by exactly one op) and which stays mapped until the op
-            // completes (no op outlives `read` or the backend).
+            // completes (no op outlives `read` or the backend), or into the stream's memory,
+            // which the stream keeps for the op until it completes (`Dest::new`).
             let pushed = unsafe { self.ring.submission().push(&entry) };
             if pushed.is_ok() {
                 self.unsubmitted += 1;
@@ -253,19 +299,44 @@ impl UringIo {
     /// Waits for every op in flight, discarding results. Returns false if the ring failed.
     fn drain(&mut self) -> bool {
         // Ops whose callbacks never ran (an earlier callback panicked) are discarded.
-        for (slot, _) in self.ready.drain(..) {
-            self.free_slots.push(slot);
+        while let Some((slot, _)) = self.ready.pop_front() {
+            self.release(slot);
         }
         while self.in_flight > 0 {
             if self.submit_and_wait().is_err() {
+                if self.in_flight_direct > 0 {
+                    broken_with_reads_into_stream_memory();
+                }
                 return false;
             }
-            for cqe in self.ring.completion() {
-                self.free_slots.push(cqe.user_data() as usize);
-                self.in_flight -= 1;
+            let completed: Vec<usize> = self.ring.completion().map(|cqe| cqe.user_data() as usize).collect();
+            for slot in completed {
+                self.landed(slot);
+                self.release(slot);
             }
         }
         true
+    }
+
+    /// Accounts for slot `slot`'s op leaving the kernel.
+    fn landed(&mut self, slot: usize) {
+        let s = &self.slots[slot];
+        self.in_flight -= 1;
+        self.in_flight_bytes -= s.len as usize;
+        if s.dest.is_some() {
+            self.in_flight_direct -= 1;
+        } else {
+            self.in_flight_buffered -= 1;
+        }
+    }
+
+    /// Puts slot `slot` back on its free list.
+    fn release(&mut self, slot: usize) {
+        if self.slots[slot].dest.take().is_some() {
+            self.free_direct.push(slot);
+        } else {
+            self.free_slots.push(slot);
+        }
     }
 }
 
@@ -333,7 +404,8 @@ impl Io for UringIo {
                 // The slot goes back on the free list before its bytes are handed out: only
                 // `fill` reuses free slots, and it runs after the callback returns. A callback
                 // that panics (or a failed submit) therefore loses no slot.
-                self.free_slots.push(slot);
+                let s = self.slots[slot];
+                self.release(slot);
                 // Submitting costs a system call: batch new ops until the kernel holds less than
                 // half the queue (the wait below submits whatever is left, so a transient refusal
                 // here only delays them).
@@ -347,7 +419,7 @@ impl Io for UringIo {
                     }
                 }
                 if issue.failure.is_none()
-                    && let Err(e) = self.finish(slot, verdict, stream)
+                    && let Err(e) = self.finish(slot, s, verdict, stream)
                 {
                     issue.failure = Some(e);
                 }
@@ -355,14 +427,24 @@ impl Io for UringIo {
             }
             if self.in_flight == 0 {
                 if !issue.done && issue.failure.is_none() {
-                    issue.failure = Some(stalled());
+                    // The stream waits with nothing in flight: for work of its own, or forever.
+                    match stream.idle() {
+                        Ok(true) => continue,
+                        Ok(false) => issue.failure = Some(stalled()),
+                        Err(e) => issue.failure = Some(e),
+                    }
                 }
                 break;
             }
             // Only a broken ring fails here, with ops possibly in flight: the backend then
             // refuses further reads (its drain fails) and `Drop` leaks the buffers rather than
             // unmap memory the kernel may still write.
-            self.submit_and_wait()?;
+            if let Err(e) = self.submit_and_wait() {
+                if self.in_flight_direct > 0 {
+                    broken_with_reads_into_stream_memory();
+                }
+                return Err(e);
+            }
         }
         issue.failure.map_or(Ok(()), Err)
     }
@@ -391,27 +473,34 @@ impl UringIo {
                     }
                 }
             }
-            self.in_flight -= 1;
+            self.landed(slot);
             self.ready.push_back((slot, verdict));
         }
     }
 
     /// Hands a finished op's bytes to the stream, or turns its failure into an error.
-    fn finish(&self, slot: usize, verdict: Completion, stream: &mut dyn ReadStream) -> Result<()> {
-        let s = self.slots[slot];
+    /// `s` is the slot as it was when the op finished (released since).
+    fn finish(&self, slot: usize, s: Slot, verdict: Completion, stream: &mut dyn ReadStream) -> Result<()> {
         let op = ReadOp { file: FileId(s.file), offset: s.offset, len: s.len };
         let path = &self.files.open[s.file as usize].path;
-        match verdict {
-            Completion::Done => {
+        match (verdict, s.dest) {
+            (Completion::Done, Some(dest)) => {
+                // SAFETY: the op into the stream's memory completed, so the kernel no longer
+                // writes it, and the stream keeps it for this op until this call returns
+                // (`Dest::new`); the slice lives only as long as the call.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(dest.as_ptr(), s.len as usize) };
+                stream.complete_into(s.seq, bytes)
+            }
+            (Completion::Done, None) => {
                 // SAFETY: the op into this slot completed, and although the slot is on the free
                 // list, only `fill` reuses it, after this call returns: no op targets it now,
                 // and it holds `len` bytes.
                 let bytes = unsafe { std::slice::from_raw_parts(self.slot_ptr(slot), s.len as usize) };
                 stream.complete(s.seq, bytes)
             }
-            Completion::Eof => Err(read_error(path, &op, std::io::ErrorKind::UnexpectedEof.into())),
-            Completion::Failed(errno) => Err(read_error(path, &op, std::io::Error::from_raw_os_error(errno))),
-            Completion::Partial(_) | Completion::Retry => Ok(()),
+            (Completion::Eof, _) => Err(read_error(path, &op, std::io::ErrorKind::UnexpectedEof.into())),
+            (Completion::Failed(errno), _) => Err(read_error(path, &op, std::io::Error::from_raw_os_error(errno))),
+            (Completion::Partial(_) | Completion::Retry, _) => Ok(()),
         }
     }
 }
@@ -427,15 +516,23 @@ struct Issue {
 }
 
 impl UringIo {
-    /// Issues the stream's ops while fewer than `queue_depth` are in flight and a slot is free
-    /// (there are twice as many slots as the queue depth, so completed slots can wait for their
-    /// callbacks while new ops run).
+    /// Issues the stream's ops while fewer than `queue_depth * op_bytes_max` bytes and `ops_max`
+    /// ops are in flight, fewer than `queue_depth` of them into buffer slots, and a slot of each
+    /// kind is free (there are twice as many buffer slots as the queue depth, so completed slots
+    /// can wait for their callbacks while new ops run).
     fn fill(&mut self, stream: &mut dyn ReadStream, issue: &mut Issue) {
-        while issue.failure.is_none() && !issue.done && self.in_flight < self.queue_depth {
-            let Some(&slot) = self.free_slots.last() else { break };
+        let bytes_max = self.queue_depth * self.op_bytes_max;
+        while issue.failure.is_none()
+            && !issue.done
+            && self.in_flight < self.ops_max
+            && self.in_flight_bytes < bytes_max
+            && self.in_flight_buffered < self.queue_depth
+        {
+            let (Some(&buffered), Some(&direct)) = (self.free_slots.last(), self.free_direct.last()) else { break };
             let next = stream.next_op(&mut Opener { files: &mut self.files, ring: &self.ring });
-            let op = match next {
-                Ok(Next::Op(op)) => op,
+            let (op, dest) = match next {
+                Ok(Next::Op(op)) => (op, None),
+                Ok(Next::Into(op, dest)) => (op, Some(dest)),
                 Ok(Next::Wait) => break,
                 Ok(Next::Done) => {
                     issue.done = true;
@@ -450,15 +547,27 @@ impl UringIo {
                 issue.failure = Some(e);
                 break;
             }
-            self.free_slots.pop();
+            let slot = if dest.is_some() {
+                self.free_direct.pop();
+                direct
+            } else {
+                self.free_slots.pop();
+                buffered
+            };
             self.slots[slot] =
-                Slot { seq: issue.seq, file: op.file.0, offset: op.offset, len: op.len, done: 0, retries: 0 };
+                Slot { dest, seq: issue.seq, file: op.file.0, offset: op.offset, len: op.len, done: 0, retries: 0 };
             if let Err(e) = self.push(slot) {
-                self.free_slots.push(slot);
+                self.release(slot);
                 issue.failure = Some(e);
                 break;
             }
             self.in_flight += 1;
+            self.in_flight_bytes += op.len as usize;
+            if dest.is_some() {
+                self.in_flight_direct += 1;
+            } else {
+                self.in_flight_buffered += 1;
+            }
             issue.seq += 1;
         }
     }
@@ -476,6 +585,18 @@ fn slot_start(memory: &[Box<dyn OwnedMemory>], slot: usize, op_bytes_max: usize)
         // `slot < 2 * queue_depth`, so the offset stays inside it.
         unsafe { memory[0].as_ptr().add(slot * op_bytes_max) }
     }
+}
+
+/// The ring broke while the kernel may still be reading into a stream's memory: that memory
+/// belongs to the caller, who will reuse or free it once the read returns, so returning would let
+/// the kernel write into memory in other use. Nothing safe is left but to stop the process.
+#[cold]
+fn broken_with_reads_into_stream_memory() -> ! {
+    eprintln!(
+        "granary: the io_uring ring failed with reads into the caller's memory still in flight; \
+         aborting rather than let the kernel write into memory that is handed back"
+    );
+    std::process::abort()
 }
 
 impl Drop for UringIo {

@@ -144,6 +144,10 @@ pub struct LoaderConfig {
     pub hold_max: usize,
     /// The read backend.
     pub io: IoConfig,
+    /// Threads that check ops read straight into a batch, so the reading thread only reaps;
+    /// `None`: [`crate::read::default_verify_threads`] (`GRANARY_VERIFY_THREADS`, else none below
+    /// 8 cores); 0: checks on the reading thread.
+    pub verify_threads: Option<usize>,
     /// Where batches go.
     pub target: Target,
     /// Bytes per staging buffer (the largest batch); `None`: exact for fixed-size records,
@@ -179,6 +183,7 @@ impl Default for LoaderConfig {
             prefetch: 4,
             hold_max: 2,
             io: IoConfig::default(),
+            verify_threads: None,
             target: Target::Auto,
             batch_bytes_max: None,
             faults: Vec::new(),
@@ -855,6 +860,9 @@ impl ReaderStage {
     fn run(self) {
         let ReaderStage { coordinator, dataset, io, pool, config, peers, start, out, stop, stats } = self;
         let mut reader = Reader::new(Arc::clone(&dataset), io);
+        if let Some(threads) = config.verify_threads {
+            reader.set_verify_threads(threads);
+        }
         reader.set_staging(pool);
         if let Some(coordinator) = &coordinator {
             reader.set_tier(TierReader::new(Arc::clone(coordinator.tier()), Some(Arc::clone(coordinator))));

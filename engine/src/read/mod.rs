@@ -4,11 +4,14 @@
 //! shard's verified metadata) and `Reader` (one per thread or rank: a backend, its open files,
 //! reusable planning scratch). A batch read maps indices to shard byte ranges, reads each block
 //! that any record touches exactly once, coalescing adjacent blocks into ops of up to the
-//! backend's op size, checks every block's CRC32C as its op completes, and copies the records into
-//! the batch in request order. Records whose extents the memory tier holds (`Reader::set_tier`)
+//! backend's op size, reads ops of whole block-aligned records straight into the batch's memory
+//! and the rest into the backend's buffers, checks every block's CRC32C as its op completes (long
+//! ops on verify workers, `verify.rs`), and copies the other records into the batch in request
+//! order. Records whose extents the memory tier holds (`Reader::set_tier`)
 //! are copied from it while the batch is planned and read from disk not at all. Invariant: no
-//! byte reaches a `Batch` from a block whose checksum has not matched (on its way into the tier,
-//! or as its op completed); a failed read leaves the batch empty. Files stay open from read to
+//! batch is delivered holding a byte of a block whose checksum has not matched (on its way into
+//! the tier, or as its op completed: bytes read straight into a batch are checked there before
+//! the batch is handed out); a failed read leaves the batch empty. Files stay open from read to
 //! read (a reader used a record at a time opens each shard once); one removed or replaced under
 //! its name (an evicted cache entry, a quarantined or repaired shard, by any process) is closed
 //! at the next read once a second has passed since the last look, and at once when a read fails.
@@ -16,15 +19,17 @@
 //! share a store with one writer).
 
 mod batch;
+mod verify;
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 pub use batch::Batch;
+pub use verify::{VERIFY_THREADS_MAX, default_verify_threads};
 
 use crate::error::{Error, FormatError, Result};
 use crate::id::{ManifestId, ShardId};
-use crate::io::{FileId, FileOpener, Io, Next, ReadStream};
+use crate::io::{Dest, FileId, FileOpener, Io, Next, ReadStream};
 use crate::manifest::Manifest;
 use crate::shard::{Layout, ShardMeta};
 use crate::staging::StagingPool;
@@ -298,6 +303,11 @@ pub struct ReadStats {
     pub tier_records: u64,
     /// Record bytes copied from the memory tier.
     pub tier_bytes: u64,
+    /// Ops read straight into the batch's memory and checked there (no copy); the rest of
+    /// `ops` went through the backend's buffers.
+    pub ops_direct: u64,
+    /// Ops checked by a verify worker rather than the thread that reaps the disk.
+    pub ops_offloaded: u64,
 }
 
 /// Reads records of one dataset version through one backend. Not shared between threads: each
@@ -321,6 +331,10 @@ pub struct Reader {
     staging: Option<StagingPool>,
     repair: Option<Arc<dyn ShardRepair>>,
     tier: Option<TierReader>,
+    /// Verify workers to start for long ops (0: every check on the reading thread).
+    verify_threads: usize,
+    /// The workers, started at the first op they take.
+    verify: Option<verify::VerifyPool>,
 }
 
 /// A batch being read: its plan, its bytes, and how far its ops have got.
@@ -332,8 +346,10 @@ struct BatchSlot {
     first_seq: u64,
     /// Extents issued so far.
     issued: usize,
-    /// Extents not yet completed.
+    /// Extents not yet completed and checked.
     remaining: usize,
+    /// Extents handed to a verify worker.
+    offloaded: u64,
 }
 
 impl BatchSlot {
@@ -360,7 +376,20 @@ impl Reader {
             staging: None,
             repair: None,
             tier: None,
+            verify_threads: default_verify_threads(),
+            verify: None,
         }
+    }
+
+    /// Checks ops of at least 64 KiB read straight into a batch on `threads` worker threads (0:
+    /// on the reading thread); the default is [`default_verify_threads`]. Takes effect at the
+    /// next read.
+    pub fn set_verify_threads(&mut self, threads: usize) {
+        let threads = threads.min(VERIFY_THREADS_MAX);
+        if threads != self.verify_threads {
+            self.verify = None;
+        }
+        self.verify_threads = threads;
     }
 
     /// Serves records from the memory tier where their extents are in it (or about to be, when
@@ -542,8 +571,10 @@ impl Reader {
                 hook: self.repair.as_deref(),
                 unplanned: None,
                 tier: self.tier.as_mut(),
+                verify: &mut self.verify,
+                verify_threads: self.verify_threads,
             };
-            let outcome = self.io.read_stream(&mut pipeline).and_then(|()| pipeline.deliver_ready());
+            let outcome = self.io.read_stream(&mut pipeline).and_then(|()| pipeline.finish());
             let error = match outcome {
                 Ok(()) => {
                     debug_assert!(pipeline.in_order.is_empty(), "every planned batch was delivered");
@@ -672,6 +703,19 @@ struct Pipeline<'r, I> {
     /// A batch taken from the source whose planning failed.
     unplanned: Option<Vec<u64>>,
     tier: Option<&'r mut TierReader>,
+    /// Verify workers (started at the first op they take), and how many to start.
+    verify: &'r mut Option<verify::VerifyPool>,
+    verify_threads: usize,
+}
+
+impl<I> Drop for Pipeline<'_, I> {
+    fn drop(&mut self) {
+        // Workers may still be reading batches' memory (a read that failed): the batches are not
+        // let go, or planned again, before every check is done.
+        if let Some(pool) = self.verify.as_mut() {
+            pool.wait_all();
+        }
+    }
 }
 
 /// Copies `stats` to the counters another thread reads, if there are any.
@@ -729,6 +773,8 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
             self.stats.blocks_verified += read_bytes / crate::shard::BLOCK_BYTES_U64;
             self.stats.tier_records += slot.planner.tier_records;
             self.stats.tier_bytes += slot.planner.tier_bytes;
+            self.stats.ops_direct += slot.planner.n_direct() as u64;
+            self.stats.ops_offloaded += slot.offloaded;
             publish(self.published, self.stats);
             if let Some(hook) = self.hook {
                 self.touched.clear();
@@ -743,22 +789,101 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
     }
 }
 
+impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
+    /// Takes the verdicts that are in (all of them, waiting, with `wait`), counts each checked
+    /// op, and delivers what is complete. A failed check is the read's error.
+    fn take_verdicts(&mut self, wait: bool) -> Result<()> {
+        while let Some(pool) = self.verify.as_mut() {
+            let verdict = if wait { pool.take()? } else { pool.try_take() };
+            let Some(verdict) = verdict else { break };
+            self.apply(verdict)?;
+        }
+        self.deliver_ready()
+    }
+
+    /// Counts a worker's verdict against its op's batch; a failed one is the read's error.
+    fn apply(&mut self, verdict: verify::Verdict) -> Result<()> {
+        let (slot, extent) = ((verdict.tag >> 32) as usize, (verdict.tag & u64::from(u32::MAX)) as usize);
+        let slot = &mut self.slots[slot];
+        slot.remaining -= 1;
+        let Err(why) = verdict.outcome else { return Ok(()) };
+        let (shard, _) = slot.planner.extent_blocks(extent);
+        Err(match why {
+            verify::Failure::Mismatch(block, expected, actual) => {
+                batch::mismatch(self.dataset, shard, block, expected, actual)
+            }
+            verify::Failure::Panicked => Error::invalid_input(format!(
+                "the check of extent {extent} of shard {} panicked",
+                self.dataset.shard_id(shard)
+            )),
+        })
+    }
+
+    /// The batch slot and extent of op `seq`.
+    fn owner(&self, seq: u64) -> Result<(usize, usize)> {
+        let slots = &*self.slots;
+        let owner = self
+            .in_order
+            .iter()
+            .copied()
+            .find(|&s| seq >= slots[s].first_seq && seq < slots[s].first_seq + slots[s].issued as u64)
+            .ok_or_else(|| Error::invalid_input(format!("the backend completed op {seq}, which was never issued")))?;
+        let extent = usize::try_from(seq - slots[owner].first_seq).expect("fewer extents than memory");
+        Ok((owner, extent))
+    }
+
+    /// After the backend read the last op: waits for the last checks and delivers the rest.
+    fn finish(&mut self) -> Result<()> {
+        self.take_verdicts(true)?;
+        self.deliver_ready()
+    }
+}
+
 impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
     fn next_op(&mut self, opener: &mut dyn FileOpener) -> Result<Next> {
+        self.take_verdicts(false)?;
         loop {
             if let Some(&current) = self.in_order.back() {
                 let slot = &mut self.slots[current];
                 if slot.issued < slot.planner.n_extents() {
-                    let op = slot.planner.op(slot.issued, self.files);
+                    let e = slot.issued;
+                    let op = slot.planner.op(e, self.files);
+                    let next = match slot.planner.direct(e) {
+                        Some(dst) => {
+                            let at = slot.batch.memory().range(dst, op.len as usize)?;
+                            #[allow(unsafe_code, reason = "an op into the batch's own memory")]
+                            // SAFETY: `at` is a block-aligned range of the batch's page-aligned
+                            // memory that only this extent covers (`plan_direct`). The batch is
+                            // not planned again, delivered or dropped while the op is in flight:
+                            // its slot is busy until every extent completed, and after a failure
+                            // the backend returns only once no op is in flight.
+                            let dest = unsafe { Dest::new(at) };
+                            Next::Into(op, dest)
+                        }
+                        None => Next::Op(op),
+                    };
                     slot.issued += 1;
                     self.issued += 1;
-                    return Ok(Next::Op(op));
+                    return Ok(next);
                 }
             }
             if self.exhausted {
                 return Ok(Next::Done);
             }
-            let Some(&free) = self.free.last() else { return Ok(Next::Wait) };
+            let Some(&free) = self.free.last() else {
+                // Every batch slot is taken: nothing can be issued until one is delivered, and
+                // a check on a worker may be what it waits for. Waiting for that here frees
+                // the slot as soon as the check is done, not at the disk's next completion.
+                if self.verify.as_ref().is_some_and(|pool| pool.pending() > 0) {
+                    let pool = self.verify.as_mut().expect("checked above");
+                    if let Some(verdict) = pool.take()? {
+                        self.apply(verdict)?;
+                        self.deliver_ready()?;
+                        continue;
+                    }
+                }
+                return Ok(Next::Wait);
+            };
             let Some(indices) = self.batches.next() else {
                 self.exhausted = true;
                 return Ok(Next::Done);
@@ -812,6 +937,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             slot.first_seq = self.issued;
             slot.issued = 0;
             slot.remaining = slot.planner.n_extents();
+            slot.offloaded = 0;
             self.in_order.push_back(free);
             // A batch with nothing to read (no records, or only empty ones) is complete already.
             self.deliver_ready()?;
@@ -819,17 +945,68 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
     }
 
     fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()> {
-        let slots = &mut *self.slots;
-        let owner = self
-            .in_order
-            .iter()
-            .copied()
-            .find(|&s| seq >= slots[s].first_seq && seq < slots[s].first_seq + slots[s].issued as u64)
-            .ok_or_else(|| Error::invalid_input(format!("the backend completed op {seq}, which was never issued")))?;
-        let slot = &mut slots[owner];
-        let extent = usize::try_from(seq - slot.first_seq).expect("fewer extents than memory");
-        slot.planner.deliver(self.dataset, extent, bytes, slot.batch.data_mut())?;
+        let (owner, extent) = self.owner(seq)?;
+        let slot = &mut self.slots[owner];
+        if slot.planner.direct(extent).is_some() {
+            return Err(Error::invalid_input(format!("op {seq} was to be read into the batch, not a buffer")));
+        }
+        let memory = slot.batch.memory();
+        #[allow(unsafe_code, reason = "copies into a batch others may work on")]
+        // SAFETY: `memory` is this slot's batch, planned for this plan; the extent is not one
+        // read straight into the batch, so no op or worker works on its pieces' ranges.
+        unsafe {
+            slot.planner.deliver(self.dataset, extent, bytes, memory)?
+        };
         slot.remaining -= 1;
+        self.take_verdicts(false)?;
         self.deliver_ready()
+    }
+
+    fn complete_into(&mut self, seq: u64, bytes: &mut [u8]) -> Result<()> {
+        let (owner, extent) = self.owner(seq)?;
+        let slot = &mut self.slots[owner];
+        let expected = match slot.planner.direct(extent) {
+            Some(dst) => slot.batch.memory().range(dst, bytes.len())?,
+            None => return Err(Error::invalid_input(format!("op {seq} was to be read into a buffer"))),
+        };
+        if bytes.as_ptr() != expected.as_ptr().cast_const() {
+            return Err(Error::invalid_input(format!("op {seq} completed into memory other than its batch's")));
+        }
+        let offload = self.verify_threads > 0 && bytes.len() >= verify::OFFLOAD_BYTES_MIN;
+        if offload {
+            if self.verify.is_none() {
+                *self.verify = Some(verify::VerifyPool::new(self.verify_threads)?);
+            }
+            let (shard, first_block) = slot.planner.extent_blocks(extent);
+            let meta = Arc::clone(self.dataset.shard_meta(shard)?);
+            let pool = self.verify.as_mut().expect("started above");
+            let tag = (u64::try_from(owner).expect("a slot index") << 32) | extent as u64;
+            #[allow(unsafe_code, reason = "a worker checks the batch's memory")]
+            // SAFETY: the bytes are this extent's range of the batch, which is neither written
+            // (the read completed; no other op or copy covers the range) nor let go (the slot
+            // waits for this verdict before it is delivered, and `Pipeline::drop` waits for all
+            // verdicts) until the verdict is taken. The pointer comes from `bytes`.
+            unsafe {
+                pool.submit(meta, first_block, bytes.as_ptr(), bytes.len(), tag)
+            };
+            slot.offloaded += 1;
+        } else {
+            slot.planner.check(self.dataset, extent, bytes)?;
+            slot.remaining -= 1;
+        }
+        self.take_verdicts(false)?;
+        self.deliver_ready()
+    }
+
+    fn idle(&mut self) -> Result<bool> {
+        if self.verify.as_ref().is_none_or(|pool| pool.pending() == 0) {
+            return Ok(false);
+        }
+        // Nothing is in flight and every batch slot waits on checks: wait for one.
+        let pool = self.verify.as_mut().expect("checked above");
+        let Some(verdict) = pool.take()? else { return Ok(false) };
+        self.apply(verdict)?;
+        self.take_verdicts(false)?;
+        Ok(true)
     }
 }
