@@ -405,9 +405,31 @@ fn a_file_kept_open_is_let_go_when_its_shard_is_replaced_or_removed() {
     std::fs::write(&fresh, &good).unwrap();
     std::fs::rename(&fresh, &path).unwrap();
     assert_eq!(reader.get(0).unwrap(), records[0]);
-    // Removed: within a second the reader's open file still serves verified bytes; after it,
-    // the reader looks again, lets the file go and reports the shard missing.
+    // Removed: the watch on its directory tells the reader, which lets the file go at its next
+    // read (a millisecond later at most: it reads its notifications that often) and reports
+    // the shard missing; the process holds no descriptor of the removed file after that read.
+    assert_eq!(reader.get(0).unwrap(), records[0]);
     std::fs::remove_file(&path).unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(1100));
+    std::thread::sleep(std::time::Duration::from_millis(5));
     assert!(matches!(reader.get(0), Err(granary::Error::MissingShard { .. })));
+    assert!(!holds_removed(&path), "a descriptor of the removed shard is still open");
+    // Another shard, read and then removed while another's records are read: let go too.
+    let other = dataset.shard_path(1);
+    let first_of_other = (0..records.len() as u64).find(|&i| dataset.locate(i).unwrap().0 == 1).unwrap();
+    reader.get(first_of_other).unwrap();
+    std::fs::remove_file(&other).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let last_shard = dataset.n_shards() - 1;
+    let in_last = (0..records.len() as u64).rev().find(|&i| dataset.locate(i).unwrap().0 == last_shard).unwrap();
+    assert_eq!(reader.get(in_last).unwrap(), records[in_last as usize]);
+    assert!(!holds_removed(&other), "a descriptor of the removed shard is still open");
+}
+
+/// Whether this process holds a descriptor of `path`, removed.
+fn holds_removed(path: &std::path::Path) -> bool {
+    let wanted = format!("{} (deleted)", path.display());
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
+        .any(|target| target.to_string_lossy() == wanted)
 }

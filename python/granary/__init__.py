@@ -249,6 +249,9 @@ class Loader:
     `local_world_size`: ranks per node, numbered node by node as torchrun numbers them (default:
     `LOCAL_WORLD_SIZE`, which torchrun sets); the tier then plans for all of the node's ranks,
     so they fill it together and keep the same extents when it cannot hold the whole dataset.
+    `verify_threads`: threads that check the CRC32C of long reads landed straight in a batch, so
+    the reading thread only reaps the disk (default `GRANARY_VERIFY_THREADS`, else one per 8
+    cores, none below 8; `0` checks on the reading thread).
 
     Batches are the loader's own memory, read-only (NumPy's `writeable` is False; torch warns
     that the tensor is not writable): copy one (`batch.copy()`, `batch.clone()`) to change it.
@@ -291,6 +294,7 @@ class Loader:
         tier_evictor_options: Optional[Dict[str, Any]] = None,
         dtype: Optional[Any] = None,
         local_world_size: Optional[int] = None,
+        verify_threads: Optional[int] = None,
     ) -> None:
         env_rank, env_world = world_from_env()
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -320,6 +324,10 @@ class Loader:
             isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1
         ):
             raise ValueError(f"local_world_size must be an integer of at least 1, not {local_world_size!r}")
+        if verify_threads is not None and (
+            isinstance(verify_threads, bool) or not isinstance(verify_threads, int) or not 0 <= verify_threads <= 64
+        ):
+            raise ValueError(f"verify_threads must be an integer from 0 to 64, not {verify_threads!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if output is None:
@@ -369,6 +377,7 @@ class Loader:
             if tier_evictor_options is None
             else [(str(k), str(v)) for k, v in tier_evictor_options.items()],
             local_world_size=local_world_size,
+            verify_threads=verify_threads,
         )
         source = store._native if isinstance(store, Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)

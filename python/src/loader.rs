@@ -188,7 +188,7 @@ impl Loader {
         store, dataset, batch_size, *, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
         prefetch = 4, read_depth = 2, hold = 4, order = None, partitioner = None,
         partitioner_options = None, io = None, drop_last = false, tier_bytes = None,
-        tier_evictor = None, tier_evictor_options = None, local_world_size = None,
+        tier_evictor = None, tier_evictor_options = None, local_world_size = None, verify_threads = None,
     ))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
@@ -212,6 +212,7 @@ impl Loader {
         tier_evictor: Option<String>,
         tier_evictor_options: Option<Vec<(String, String)>>,
         local_world_size: Option<u32>,
+        verify_threads: Option<usize>,
     ) -> PyResult<Self> {
         let root = match store.cast::<Store>() {
             Ok(store) => store.get().root().to_path_buf(),
@@ -285,6 +286,7 @@ impl Loader {
                 }
             },
             local_world_size,
+            verify_threads,
             ..LoaderConfig::default()
         };
         config.io.backend = match io {
@@ -509,6 +511,9 @@ impl Loader {
         let filled = tier_stats.map_or(0, |t| t.bytes_loaded / 4096);
         out.set_item("blocks_verified", stats.read.blocks_verified + filled)?;
         out.set_item("verify_failures", stats.read.verify_failures)?;
+        out.set_item("ops", stats.read.ops)?;
+        out.set_item("ops_direct", stats.read.ops_direct)?;
+        out.set_item("ops_offloaded", stats.read.ops_offloaded)?;
         out.set_item("shards_repaired", stats.read.shards_repaired)?;
         out.set_item("pinned", stats.pool.pinned)?;
         out.set_item("tier_records", stats.read.tier_records)?;
@@ -675,15 +680,7 @@ fn add(to: &mut LoaderStats, more: &LoaderStats) {
     to.stall += more.stall;
     to.stall_max = to.stall_max.max(more.stall_max);
     to.elapsed += more.elapsed;
-    to.read.records += more.read.records;
-    to.read.bytes_delivered += more.read.bytes_delivered;
-    to.read.bytes_read += more.read.bytes_read;
-    to.read.ops += more.read.ops;
-    to.read.blocks_verified += more.read.blocks_verified;
-    to.read.shards_repaired += more.read.shards_repaired;
-    to.read.verify_failures += more.read.verify_failures;
-    to.read.tier_records += more.read.tier_records;
-    to.read.tier_bytes += more.read.tier_bytes;
+    to.read += &more.read;
     to.pool = more.pool;
     if let Some(more) = &more.cache {
         let cache = to.cache.get_or_insert_default();

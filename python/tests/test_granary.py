@@ -658,7 +658,8 @@ def test_loader_arguments_are_checked_where_the_loader_is_made(tokens, monkeypat
     with pytest.raises(ValueError, match="rank given without world_size"):
         store.loader("tokens", batch_size=10, rank=1)
     for bad in (dict(prefetch=0), dict(hold=0), dict(read_depth=-1), dict(seed=-3), dict(batch_size=0),
-                dict(tier_bytes=-1), dict(local_world_size=0), dict(rank=4, world_size=4)):
+                dict(tier_bytes=-1), dict(local_world_size=0), dict(rank=4, world_size=4),
+                dict(verify_threads=-1), dict(verify_threads=65), dict(verify_threads=True)):
         options = dict(batch_size=10, **{k: v for k, v in bad.items() if k != "batch_size"})
         if "batch_size" in bad:
             options["batch_size"] = bad["batch_size"]
@@ -669,6 +670,23 @@ def test_loader_arguments_are_checked_where_the_loader_is_made(tokens, monkeypat
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert store.loader("tokens", batch_size=10, world_size=2).rank == 1
+
+
+def test_whole_block_records_are_read_into_the_batch_and_checked_on_workers_or_not(store):
+    # 4 KiB records in 1 MiB shards, sequential batches of 64: reads of 64 KiB or more go
+    # straight into the batch and are checked there, by a verify thread when there is one.
+    data = records(512, seed=3)
+    wide = [np.concatenate([r] * 32) for r in data]
+    store.ingest("blocks", wide, dtype="uint16", shape=[RECORD * 32], shard_bytes=1 << 20)
+    for threads in (0, 1):
+        loader = store.loader("blocks", batch_size=64, order="sequential", output="numpy", tier_bytes=0,
+                              verify_threads=threads, with_indices=True)
+        for indices, batch in loader:
+            assert np.array_equal(batch, np.stack([wide[i] for i in indices.tolist()]))
+        metrics = loader.metrics()
+        # A batch across two shards may leave a read under 64 KiB, which goes through a buffer.
+        assert metrics["ops"] > 0 and metrics["ops_direct"] > metrics["ops"] // 2, metrics
+        assert metrics["ops_offloaded"] == (metrics["ops_direct"] if threads else 0), metrics
 
 
 def test_dtypes_take_the_cli_names_too(store):

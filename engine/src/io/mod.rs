@@ -24,6 +24,7 @@ mod mapped;
 mod pread;
 #[cfg(target_os = "linux")]
 mod uring;
+mod watch;
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +35,7 @@ pub use mapped::{MappedFile, WritableMap, flock, fs_space, open_files_limit};
 pub use pread::PreadIo;
 #[cfg(target_os = "linux")]
 pub use uring::UringIo;
+pub use watch::{Changes, DirWatch};
 
 use crate::error::{Error, Result};
 use crate::shard::BLOCK_BYTES;
@@ -84,8 +86,9 @@ impl Dest {
     ///
     /// `ptr` is aligned to the block size and the op's `len` bytes from it are writable memory
     /// that stays valid, and that nothing else reads or writes, from the moment the op is
-    /// handed to a backend until the backend has called [`ReadStream::complete_into`] for it
-    /// or `read_stream` has returned, whichever is first.
+    /// handed to a backend until [`ReadStream::complete_into`] for it has returned, or
+    /// `read_stream` has returned, whichever is first. (The stream itself may read the bytes
+    /// during `complete_into`, through the slice it is given.)
     #[allow(unsafe_code, reason = "the caller promises memory the kernel may write into")]
     pub unsafe fn new(ptr: std::ptr::NonNull<u8>) -> Self {
         Self(ptr)

@@ -237,9 +237,18 @@ impl UringIo {
             .collect();
         // SAFETY: every iovec lies inside `memory` (`slot_start`), which this backend owns and
         // keeps valid until the ring is closed (field order, and `Drop` waits for ops in flight).
-        let registered = unsafe { self.ring.submitter().register_buffers(&iovecs) }.is_ok();
-        self.fixed_buffers = Some(registered);
-        registered
+        match unsafe { self.ring.submitter().register_buffers(&iovecs) } {
+            Ok(()) => {
+                self.fixed_buffers = Some(true);
+                true
+            }
+            // Interrupted or busy: plain reads this time, registration again at the next op.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)) => false,
+            Err(_) => {
+                self.fixed_buffers = Some(false);
+                false
+            }
+        }
     }
 
     fn slot_ptr(&self, slot: usize) -> *mut u8 {
@@ -394,6 +403,22 @@ impl Io for UringIo {
         if !self.drain() {
             return Err(Error::io("io_uring_enter", "io_uring", std::io::Error::other("ring failed")));
         }
+        // A callback that panics unwinds through here with ops in flight, some perhaps into the
+        // stream's memory, which the caller may free while unwinding: every op is waited for
+        // first (`drain` aborts the process if that fails with such ops in flight).
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_stream(stream))) {
+            Ok(outcome) => outcome,
+            Err(panic) => {
+                self.drain();
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+}
+
+impl UringIo {
+    /// `read_stream` after the backend is known idle.
+    fn run_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
         let mut issue = Issue { seq: 0, done: false, failure: None };
         loop {
             // Between two callbacks: collect what completed and refill from the spare slots, so

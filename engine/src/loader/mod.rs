@@ -728,6 +728,12 @@ fn check(config: &LoaderConfig) -> Result<()> {
     if config.local_world_size == Some(0) {
         return Err(Error::invalid_input("local_world_size is 0; a node runs at least one rank"));
     }
+    if let Some(threads) = config.verify_threads.filter(|&t| t > crate::read::VERIFY_THREADS_MAX) {
+        return Err(Error::invalid_input(format!(
+            "verify_threads is {threads}, more than {}",
+            crate::read::VERIFY_THREADS_MAX
+        )));
+    }
     config.io.validate()
 }
 

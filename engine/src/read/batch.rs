@@ -466,6 +466,11 @@ impl Planner {
         self.direct.iter().filter(|d| d.is_some()).count()
     }
 
+    /// Bytes extent `e` reads.
+    pub(super) fn extent_len(&self, e: usize) -> usize {
+        self.extents[e].n_blocks as usize * BLOCK_BYTES
+    }
+
     /// The shard and first block of extent `e`.
     pub(super) fn extent_blocks(&self, e: usize) -> (usize, u64) {
         let extent = self.extents[e];

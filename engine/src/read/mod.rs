@@ -14,7 +14,9 @@
 //! the batch is handed out); a failed read leaves the batch empty. Files stay open from read to
 //! read (a reader used a record at a time opens each shard once); one removed or replaced under
 //! its name (an evicted cache entry, a quarantined or repaired shard, by any process) is closed
-//! at the next read once a second has passed since the last look, and at once when a read fails.
+//! at the next read: an inotify watch on its directory tells the reader (looked at once a
+//! millisecond at most), or, where inotify is unavailable, a stat of every open file once a
+//! second; and every file is closed when a read fails.
 //! Never: writes, or touches the catalog (refs and manifests are files, so many reader processes
 //! share a store with one writer).
 
@@ -264,9 +266,55 @@ impl CacheStats {
 /// Repairs beyond one per shard that a read may make without delivering a batch.
 const REPAIRS_WITHOUT_PROGRESS_SLACK: usize = 8;
 
-/// How often a reader looks whether the files it keeps open were removed or replaced (a stat of
-/// each): a removed file's space is freed within this, and a replaced one read afresh.
+/// How often a reader without notifications looks whether the files it keeps open were removed
+/// or replaced (a stat of each): a removed file's space is freed within this, and a replaced one
+/// read afresh.
 const OPEN_FILES_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How often a reader with notifications reads them (a system call): a reader used a record at
+/// a time does not pay one per record.
+const NOTIFICATIONS_CHECK: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// How a reader learns that files it keeps open were removed or replaced: inotify watches on
+/// their directories, set before each file is opened.
+#[derive(Default)]
+struct Watcher {
+    watch: Option<crate::io::DirWatch>,
+    /// Notifications cannot be had (no inotify, or a directory could not be watched): the
+    /// reader stats its open files instead.
+    failed: bool,
+    /// Open files by path (a shard may sit at several indices of a dataset).
+    open_paths: std::collections::HashMap<PathBuf, Vec<usize>>,
+    checked_at: Option<std::time::Instant>,
+}
+
+impl Watcher {
+    /// Watches `path`'s directory, before shard `shard` opens it.
+    fn before_open(&mut self, path: &std::path::Path, shard: usize) {
+        if self.failed {
+            return;
+        }
+        if self.watch.is_none() {
+            match crate::io::DirWatch::new() {
+                Ok(watch) => self.watch = Some(watch),
+                Err(_) => {
+                    self.failed = true;
+                    return;
+                }
+            }
+        }
+        let watch = self.watch.as_mut().expect("made above");
+        let watched = path.parent().is_some_and(|dir| watch.watch(dir).is_ok());
+        if !watched {
+            self.failed = true;
+            return;
+        }
+        let shards = self.open_paths.entry(path.to_owned()).or_default();
+        if !shards.contains(&shard) {
+            shards.push(shard);
+        }
+    }
+}
 
 /// Files a reader opens before it closes them all at the end of a read and starts afresh: a
 /// quarter of the process's soft limit on descriptors (several readers share it), at least 16
@@ -310,6 +358,37 @@ pub struct ReadStats {
     pub ops_offloaded: u64,
 }
 
+impl std::ops::AddAssign<&ReadStats> for ReadStats {
+    /// Adds another reader's (or another run's) counters: every field, named, so a new counter
+    /// cannot be left out of a sum.
+    fn add_assign(&mut self, more: &ReadStats) {
+        let ReadStats {
+            records,
+            bytes_delivered,
+            bytes_read,
+            ops,
+            blocks_verified,
+            shards_repaired,
+            verify_failures,
+            tier_records,
+            tier_bytes,
+            ops_direct,
+            ops_offloaded,
+        } = *more;
+        self.records += records;
+        self.bytes_delivered += bytes_delivered;
+        self.bytes_read += bytes_read;
+        self.ops += ops;
+        self.blocks_verified += blocks_verified;
+        self.shards_repaired += shards_repaired;
+        self.verify_failures += verify_failures;
+        self.tier_records += tier_records;
+        self.tier_bytes += tier_bytes;
+        self.ops_direct += ops_direct;
+        self.ops_offloaded += ops_offloaded;
+    }
+}
+
 /// Reads records of one dataset version through one backend. Not shared between threads: each
 /// thread or rank makes its own (they share the `Dataset`).
 pub struct Reader {
@@ -320,8 +399,10 @@ pub struct Reader {
     inodes: Vec<Option<(u64, u64)>>,
     /// Files opened since the backend last closed them all.
     opens: usize,
-    /// When the open files were last looked at.
+    /// When the open files were last looked at (a stat of each).
     checked_at: Option<std::time::Instant>,
+    /// Notifications of open files removed or replaced.
+    watcher: Watcher,
     /// The batch `get` reads into, kept from call to call.
     get_batch: Batch,
     slots: Vec<BatchSlot>,
@@ -350,6 +431,10 @@ struct BatchSlot {
     remaining: usize,
     /// Extents handed to a verify worker.
     offloaded: u64,
+    /// Of `remaining`, extents read and waiting only for a worker's verdict.
+    awaiting_verdicts: usize,
+    /// Per extent: completed already (a backend that completes an op twice is refused).
+    completed: Vec<bool>,
 }
 
 impl BatchSlot {
@@ -366,6 +451,7 @@ impl Reader {
             inodes: vec![None; dataset.n_shards()],
             opens: 0,
             checked_at: None,
+            watcher: Watcher::default(),
             get_batch: Batch::default(),
             dataset,
             io,
@@ -481,7 +567,8 @@ impl Reader {
         depth: usize,
         sink: &mut dyn FnMut(&mut Batch) -> Result<()>,
     ) -> std::result::Result<(), RunError> {
-        if self.checked_at.is_none_or(|at| at.elapsed() >= OPEN_FILES_CHECK) {
+        let notified = self.close_notified_files().map_err(RunError::Failed)?;
+        if !notified && self.checked_at.is_none_or(|at| at.elapsed() >= OPEN_FILES_CHECK) {
             self.close_replaced_files().map_err(RunError::Failed)?;
         }
         let outcome = self.run_open(batches, depth, sink);
@@ -503,6 +590,41 @@ impl Reader {
             .collect()
     }
 
+    /// Closes the open files that notifications say were removed or replaced (every one a stat
+    /// finds so, when notifications were lost); false when there are no notifications to go by.
+    fn close_notified_files(&mut self) -> Result<bool> {
+        if self.watcher.failed {
+            return Ok(false);
+        }
+        let Some(watch) = self.watcher.watch.as_mut() else { return Ok(true) };
+        if self.watcher.checked_at.is_some_and(|at| at.elapsed() < NOTIFICATIONS_CHECK) {
+            return Ok(true);
+        }
+        self.watcher.checked_at = Some(std::time::Instant::now());
+        match watch.changes() {
+            Ok(crate::io::Changes::Entries(paths)) => {
+                for path in paths {
+                    for s in self.watcher.open_paths.remove(&path).unwrap_or_default() {
+                        if let Some(id) = self.files[s].take() {
+                            self.inodes[s] = None;
+                            self.io.close(id)?;
+                        }
+                    }
+                }
+                Ok(true)
+            }
+            Ok(crate::io::Changes::Unknown) => {
+                self.close_replaced_files()?;
+                // Directories whose watch went are watched again at the next open in them.
+                Ok(true)
+            }
+            Err(_) => {
+                self.watcher.failed = true;
+                Ok(false)
+            }
+        }
+    }
+
     fn close_replaced_files(&mut self) -> Result<()> {
         for s in self.replaced_files() {
             if let Some(id) = self.files[s].take() {
@@ -516,6 +638,7 @@ impl Reader {
 
     fn close_files(&mut self) -> Result<()> {
         self.opens = 0;
+        self.watcher.open_paths.clear();
         self.inodes.iter_mut().for_each(|inode| *inode = None);
         if self.files.iter().all(Option::is_none) {
             return Ok(());
@@ -556,6 +679,7 @@ impl Reader {
                 files: &mut self.files,
                 inodes: &mut self.inodes,
                 opens: &mut self.opens,
+                watcher: &mut self.watcher,
                 slots: &mut self.slots[..depth],
                 op_blocks_max,
                 batches: &mut source,
@@ -684,6 +808,7 @@ struct Pipeline<'r, I> {
     inodes: &'r mut [Option<(u64, u64)>],
     /// Files opened since the backend last closed them all.
     opens: &'r mut usize,
+    watcher: &'r mut Watcher,
     slots: &'r mut [BatchSlot],
     op_blocks_max: usize,
     batches: I,
@@ -790,15 +915,26 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
 }
 
 impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
-    /// Takes the verdicts that are in (all of them, waiting, with `wait`), counts each checked
-    /// op, and delivers what is complete. A failed check is the read's error.
+    /// Takes the verdicts that are in (all of them, waiting, with `wait`) and counts each
+    /// checked op; delivers nothing (the caller does, when no backend holds a slice of a batch).
+    /// A failed check is the read's error.
     fn take_verdicts(&mut self, wait: bool) -> Result<()> {
         while let Some(pool) = self.verify.as_mut() {
             let verdict = if wait { pool.take()? } else { pool.try_take() };
             let Some(verdict) = verdict else { break };
             self.apply(verdict)?;
         }
-        self.deliver_ready()
+        Ok(())
+    }
+
+    /// Marks op `extent` of `slot` completed; an op completed twice is the backend's error.
+    fn mark_completed(&mut self, seq: u64, slot: usize, extent: usize) -> Result<()> {
+        let done = &mut self.slots[slot].completed[extent];
+        if *done {
+            return Err(Error::invalid_input(format!("the backend completed op {seq} twice")));
+        }
+        *done = true;
+        Ok(())
     }
 
     /// Counts a worker's verdict against its op's batch; a failed one is the read's error.
@@ -806,6 +942,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
         let (slot, extent) = ((verdict.tag >> 32) as usize, (verdict.tag & u64::from(u32::MAX)) as usize);
         let slot = &mut self.slots[slot];
         slot.remaining -= 1;
+        slot.awaiting_verdicts -= 1;
         let Err(why) = verdict.outcome else { return Ok(()) };
         let (shard, _) = slot.planner.extent_blocks(extent);
         Err(match why {
@@ -837,11 +974,20 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
         self.take_verdicts(true)?;
         self.deliver_ready()
     }
+
+    /// Whether the oldest batch waits for nothing but workers' verdicts (every op of it read).
+    fn front_awaits_only_verdicts(&self) -> bool {
+        self.in_order.front().is_some_and(|&front| {
+            let slot = &self.slots[front];
+            slot.issued == slot.planner.n_extents() && slot.remaining > 0 && slot.remaining == slot.awaiting_verdicts
+        })
+    }
 }
 
 impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
     fn next_op(&mut self, opener: &mut dyn FileOpener) -> Result<Next> {
         self.take_verdicts(false)?;
+        self.deliver_ready()?;
         loop {
             if let Some(&current) = self.in_order.back() {
                 let slot = &mut self.slots[current];
@@ -871,13 +1017,15 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                 return Ok(Next::Done);
             }
             let Some(&free) = self.free.last() else {
-                // Every batch slot is taken: nothing can be issued until one is delivered, and
-                // a check on a worker may be what it waits for. Waiting for that here frees
-                // the slot as soon as the check is done, not at the disk's next completion.
-                if self.verify.as_ref().is_some_and(|pool| pool.pending() > 0) {
-                    let pool = self.verify.as_mut().expect("checked above");
+                // Every batch slot is taken: nothing can be issued until one is delivered. When
+                // the oldest batch waits only for checks on workers, waiting for those here frees
+                // its slot as soon as they are done, not at the disk's next completion; when it
+                // waits for the disk, the backend waits for the disk.
+                if self.front_awaits_only_verdicts() {
+                    let pool = self.verify.as_mut().expect("verdicts are awaited from the pool");
                     if let Some(verdict) = pool.take()? {
                         self.apply(verdict)?;
+                        self.take_verdicts(false)?;
                         self.deliver_ready()?;
                         continue;
                     }
@@ -901,8 +1049,9 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                 for shard in slot.planner.shards_touched() {
                     if self.files[shard].is_none() {
                         let path = self.dataset.shard_path(shard);
-                        // Looked at before the open: a file replaced in between is seen as
-                        // replaced at the next look and opened again, never the other way.
+                        // Watched and looked at before the open: a file replaced in between is
+                        // seen as replaced at the next look and opened again, never the other way.
+                        self.watcher.before_open(&path, shard);
                         let inode = inode_of(&path);
                         match opener.open(&path) {
                             Ok(file) => {
@@ -938,6 +1087,9 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             slot.issued = 0;
             slot.remaining = slot.planner.n_extents();
             slot.offloaded = 0;
+            slot.awaiting_verdicts = 0;
+            slot.completed.clear();
+            slot.completed.resize(slot.planner.n_extents(), false);
             self.in_order.push_back(free);
             // A batch with nothing to read (no records, or only empty ones) is complete already.
             self.deliver_ready()?;
@@ -946,6 +1098,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
 
     fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()> {
         let (owner, extent) = self.owner(seq)?;
+        self.mark_completed(seq, owner, extent)?;
         let slot = &mut self.slots[owner];
         if slot.planner.direct(extent).is_some() {
             return Err(Error::invalid_input(format!("op {seq} was to be read into the batch, not a buffer")));
@@ -958,19 +1111,26 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             slot.planner.deliver(self.dataset, extent, bytes, memory)?
         };
         slot.remaining -= 1;
+        // The bytes are a backend's buffer, not a batch: delivering here touches no memory the
+        // caller holds.
         self.take_verdicts(false)?;
         self.deliver_ready()
     }
 
     fn complete_into(&mut self, seq: u64, bytes: &mut [u8]) -> Result<()> {
         let (owner, extent) = self.owner(seq)?;
+        self.mark_completed(seq, owner, extent)?;
         let slot = &mut self.slots[owner];
         let expected = match slot.planner.direct(extent) {
-            Some(dst) => slot.batch.memory().range(dst, bytes.len())?,
+            Some(dst) => slot.batch.memory().range(dst, slot.planner.extent_len(extent))?,
             None => return Err(Error::invalid_input(format!("op {seq} was to be read into a buffer"))),
         };
-        if bytes.as_ptr() != expected.as_ptr().cast_const() {
-            return Err(Error::invalid_input(format!("op {seq} completed into memory other than its batch's")));
+        if bytes.as_ptr() != expected.as_ptr().cast_const() || bytes.len() != slot.planner.extent_len(extent) {
+            return Err(Error::invalid_input(format!(
+                "op {seq} completed into {} bytes other than its {} bytes of the batch",
+                bytes.len(),
+                slot.planner.extent_len(extent)
+            )));
         }
         let offload = self.verify_threads > 0 && bytes.len() >= verify::OFFLOAD_BYTES_MIN;
         if offload {
@@ -990,12 +1150,15 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                 pool.submit(meta, first_block, bytes.as_ptr(), bytes.len(), tag)
             };
             slot.offloaded += 1;
+            slot.awaiting_verdicts += 1;
         } else {
             slot.planner.check(self.dataset, extent, bytes)?;
             slot.remaining -= 1;
         }
-        self.take_verdicts(false)?;
-        self.deliver_ready()
+        // `bytes` is part of a batch and the caller holds it until this returns: no batch is
+        // delivered (handed to the sink, which may drop it) here, only at the next `next_op`,
+        // `idle` or the end of the stream.
+        self.take_verdicts(false)
     }
 
     fn idle(&mut self) -> Result<bool> {
@@ -1007,6 +1170,39 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
         let Some(verdict) = pool.take()? else { return Ok(false) };
         self.apply(verdict)?;
         self.take_verdicts(false)?;
+        self.deliver_ready()?;
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Dtype, FixedLayout, Granary, IngestOptions, IoConfig, Layout};
+
+    /// Without notifications (no inotify, or a watch refused) the reader stats its open files
+    /// once a second: a removed shard's open file serves verified bytes until then, and is let
+    /// go after.
+    #[test]
+    fn without_notifications_removed_files_are_let_go_within_a_second() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut granary = Granary::create(dir.path().join("store")).expect("a store");
+        let name = DatasetName::new("t").expect("a name");
+        let layout = Layout::Fixed(FixedLayout::new(Dtype::U8, &[256]).expect("a layout"));
+        let options = IngestOptions { shard_bytes_target: 8 << 10, ..IngestOptions::default() };
+        let mut ingest = granary.ingest(name, layout, options).expect("ingest");
+        for i in 0..100u8 {
+            ingest.push(&[i; 256]).expect("push");
+        }
+        ingest.commit().expect("commit");
+        let dataset = granary.open_dataset(&VersionSpec::parse("t").expect("a spec")).expect("open");
+        let mut reader = Reader::new(Arc::clone(&dataset), IoConfig::default().build().expect("io"));
+        reader.watcher.failed = true;
+        assert_eq!(reader.get(0).expect("read"), vec![0; 256]);
+        std::fs::remove_file(dataset.shard_path(0)).expect("rm");
+        assert_eq!(reader.get(0).expect("still open"), vec![0; 256]);
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        assert!(matches!(reader.get(0), Err(Error::MissingShard { .. })));
+        assert!(reader.watcher.watch.is_none(), "no watch was set");
     }
 }
