@@ -152,3 +152,19 @@ fn the_plugin_kits_numbers_are_checked_before_anything_is_allocated() {
     let done = granary_ok(&root, &["plugin", "trace", "zipf", "--objects", "10", "--requests", "100", "--out", out]);
     assert!(done.contains("wrote 100 requests to 10 objects"), "{done}");
 }
+
+#[test]
+fn a_plugin_name_that_is_neither_a_file_nor_a_built_in_lists_the_built_ins() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let trace = dir.path().join("trace.bin");
+    std::fs::write(&trace, []).unwrap();
+    let trace = trace.to_str().unwrap();
+    let err = granary_err(&root, &["plugin", "sim", "evict", "--plugin", "s3fifo", "--trace", trace]);
+    assert!(err.contains("plugin \"s3fifo\": no such file, and no built-in of that name"), "{err}");
+    assert!(err.contains("built in: elastic, lru, fifo, sieve, s3-fifo, plan-aware, rendezvous"), "{err}");
+    assert!(err.contains("did you mean \"s3-fifo\"?"), "{err}");
+    assert_eq!(err.matches("no such file").count(), 1, "the cause once: {err}");
+    let err = granary_err(&root, &["plugin", "sim", "evict", "--plugin", "nothing-like-it", "--trace", trace]);
+    assert!(err.contains("built in:") && !err.contains("did you mean"), "{err}");
+}

@@ -88,7 +88,11 @@ fn plugins_that_reach_for_files_or_sockets_are_refused_at_load() {
     );
     assert!(err.contains("refused at load"), "{err}");
     assert!(matches!(host.load_bytes("junk", b"not wasm"), Err(Error::Plugin(PluginError::Load { .. }))));
-    assert!(matches!(host.load("no-such-plugin"), Err(Error::Io { .. })));
+    // A name that is neither a file nor a built-in: not found, with the built-ins listed.
+    match host.load("no-such-plugin") {
+        Err(Error::NotFound { what }) => assert!(what.contains("built in: elastic, lru"), "{what}"),
+        other => panic!("expected not found, got {:?}", other.map(|_| ())),
+    }
 }
 
 #[test]

@@ -186,13 +186,26 @@ impl PolicyHost {
         self.load_bytes(name, bytes)
     }
 
-    /// Loads a built-in plugin by name, or a component file by path.
+    /// Loads a built-in plugin by name, or a component file by path. A name that is neither
+    /// says so, lists the built-ins, and names the one it was probably meant to be
+    /// (`s3fifo` for `s3-fifo`).
     pub fn load(&self, name_or_path: &str) -> Result<Plugin, Error> {
         if builtin::bytes(name_or_path).is_some() {
-            self.load_builtin(name_or_path)
-        } else {
-            self.load_file(Path::new(name_or_path))
+            return self.load_builtin(name_or_path);
         }
+        let path = Path::new(name_or_path);
+        if !path.exists() {
+            let squashed = |name: &str| name.replace(['-', '_', ' '], "").to_ascii_lowercase();
+            let meant = builtin::NAMES.iter().find(|name| squashed(name) == squashed(name_or_path));
+            return Err(Error::NotFound {
+                what: format!(
+                    "plugin {name_or_path:?}: no such file, and no built-in of that name (built in: {}){}",
+                    builtin::NAMES.join(", "),
+                    meant.map(|name| format!("; did you mean {name:?}?")).unwrap_or_default()
+                ),
+            });
+        }
+        self.load_file(path)
     }
 
     /// A partitioner: the plugin `name_or_path` (the built-in default when `None`) run with
