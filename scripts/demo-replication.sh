@@ -6,7 +6,7 @@
 #   usage: scripts/demo-replication.sh DIR STORE
 set -euo pipefail
 dir=$1 store=$2
-bin=${CARGO_TARGET_DIR:-target}/release/granary
+bin=${GRANARY_BIN:-$("$(dirname "$0")/target-dir.sh")/release/granary}
 key="$dir/cluster.key"
 rm -f "$key"
 $bin cluster-key --out "$key" >/dev/null

@@ -16,7 +16,8 @@ step() { printf '\n== %s\n' "$*"; }
 # A first build takes a few minutes on two cores (wasmtime, and the policy plugins).
 echo "building granary (release; a first build takes 3-10 minutes)"
 cargo build --release -p granary --locked --bins --examples
-bin_dir="${CARGO_TARGET_DIR:-target}/release"
+bin_dir="$(scripts/target-dir.sh)/release"
+export GRANARY_BIN="$bin_dir/granary"
 granary() { "$bin_dir/granary" --root "$store" "$@"; }
 
 if [[ "${1:-}" != "--bench-only" ]]; then

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # --tests: the feature set `cargo test` built with (make test), so nothing is rebuilt.
 cargo build -q -p granary --tests --locked
-granary=${CARGO_TARGET_DIR:-target}/debug/granary
+granary=$(scripts/target-dir.sh)/debug/granary
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
