@@ -341,6 +341,42 @@ fn a_dataset_ingested_on_one_node_reaches_its_replication_factor_verified() {
 }
 
 #[test]
+fn replicate_waits_for_the_copies_when_asked_to_for_one_call() {
+    // Nodes in asynchronous mode (the replicator's setting): `replicate --mode sync` waits for
+    // every copy this once; `--mode async` on another dataset returns once they are scheduled.
+    let mut cluster = Cluster::new(3);
+    ingest_tokens(cluster.root(0), "tokens", 3, 512, 256 << 10);
+    ingest_tokens(cluster.root(0), "later", 4, 256, 256 << 10);
+    for i in 0..3 {
+        cluster.nodes[i].args = vec!["--replicator-options".into(), "mode=async".into()];
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(20), |c| (0..3).all(|i| c.peers_up(i) == 2));
+    let out = cluster.cli(0, &["replicate", "tokens", "--replicas", "3", "--mode", "sync"]);
+    assert!(out.status.success(), "replicate failed: {}\n{}", String::from_utf8_lossy(&out.stderr), cluster.logs());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("synchronous"), "{stdout}");
+    let shards = shards_of(cluster.root(0), "tokens");
+    for i in 1..3 {
+        let held = cluster.verified_shards(i);
+        assert!(shards.iter().all(|s| held.contains(s)), "node {i} lacks copies right after a synchronous call");
+    }
+    let out = cluster.cli(0, &["replicate", "later", "--replicas", "3", "--mode", "async"]);
+    assert!(out.status.success(), "replicate failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("asynchronous"));
+    let later = shards_of(cluster.root(0), "later");
+    cluster.wait("the scheduled copies", Duration::from_secs(30), |c| {
+        (1..3).all(|i| {
+            let held = c.verified_shards(i);
+            later.iter().all(|s| held.contains(s))
+        })
+    });
+    let out = cluster.cli(0, &["replicate", "later", "--replicas", "3", "--mode", "sometimes"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sometimes"));
+}
+
+#[test]
 fn more_replicas_than_nodes_is_refused_and_never_reported_as_confirmed() {
     let mut cluster = Cluster::new(3);
     ingest_tokens(cluster.root(0), "tokens", 3, 256, 512 << 10);

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use granary::policy::{Limits, PolicyHost};
+use granary::replication::frame::ReplicateMode;
 use granary::replication::{ClusterKey, Faults, Membership, Node, NodeClient, NodeConfig};
 
 use super::parse_size;
@@ -146,11 +147,25 @@ pub(crate) struct ReplicateArgs {
     /// Copies wanted of each shard.
     #[arg(long)]
     replicas: u32,
+    /// For this call: `sync` returns once every copy is verified on its node, `async` once the
+    /// copies are scheduled (default: the node's replicator setting, `serve --replicator-options
+    /// mode=...`).
+    #[arg(long, value_enum)]
+    mode: Option<ModeArg>,
     /// The node to ask (default: the one serving --root).
     #[arg(long, value_name = "ADDR")]
     node: Option<String>,
     #[command(flatten)]
     key: KeyArgs,
+}
+
+/// `replicate --mode`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub(crate) enum ModeArg {
+    /// Wait for every copy.
+    Sync,
+    /// Schedule the copies and return.
+    Async,
 }
 
 fn client(root: &Path, node: Option<&str>, key: ClusterKey) -> Result<NodeClient> {
@@ -163,7 +178,12 @@ fn client(root: &Path, node: Option<&str>, key: ClusterKey) -> Result<NodeClient
 pub(crate) fn replicate(root: &Path, args: &ReplicateArgs) -> Result<()> {
     let client = client(root, args.node.as_deref(), args.key.key()?)?;
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let report = client.replicate(&args.dataset, args.replicas, move |done, total| {
+    let mode = match args.mode {
+        None => ReplicateMode::Node,
+        Some(ModeArg::Sync) => ReplicateMode::Synchronous,
+        Some(ModeArg::Async) => ReplicateMode::Asynchronous,
+    };
+    let report = client.replicate(&args.dataset, args.replicas, mode, move |done, total| {
         if tty {
             err!("\rreplicating: {done}/{total} shards confirmed");
             if done == total {

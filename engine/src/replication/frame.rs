@@ -260,6 +260,38 @@ pub struct InventoryEntry {
     pub cached: bool,
 }
 
+/// Whether a `Replicate` request waits for its copies: as the node's replicator says, or as the
+/// caller asks for this one call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReplicateMode {
+    /// The node's setting (its replicator's `mode` option).
+    #[default]
+    Node,
+    /// Return once every copy is verified on its node.
+    Synchronous,
+    /// Return once the copies are scheduled.
+    Asynchronous,
+}
+
+impl ReplicateMode {
+    fn code(self) -> u8 {
+        match self {
+            ReplicateMode::Node => 0,
+            ReplicateMode::Synchronous => 1,
+            ReplicateMode::Asynchronous => 2,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<ReplicateMode> {
+        match code {
+            0 => Some(ReplicateMode::Node),
+            1 => Some(ReplicateMode::Synchronous),
+            2 => Some(ReplicateMode::Asynchronous),
+            _ => None,
+        }
+    }
+}
+
 /// An object kind as it travels: [`ObjectKind`] with a total order and a wire code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum WireKind {
@@ -424,6 +456,8 @@ pub enum Frame<'a> {
         request: u32,
         /// Copies wanted.
         replicas: u32,
+        /// Whether to wait for the copies.
+        mode: ReplicateMode,
         /// NAME, NAME@N or a manifest id.
         spec: &'a str,
     },
@@ -770,9 +804,15 @@ impl<'a> Frame<'a> {
                 let request = c.u32()?;
                 let replicas = c.u32()?;
                 let len = usize::from(c.u16()?);
-                c.zeros(6, kind)?;
+                let code = c.u8()?;
+                let mode = ReplicateMode::from_code(code).ok_or_else(|| FrameError::BadField {
+                    kind: kind.name(),
+                    field: "mode",
+                    detail: format!("{code} is not 0 (the node's), 1 (sync) or 2 (async)"),
+                })?;
+                c.zeros(5, kind)?;
                 let spec = text(c.take(len)?, kind, "spec", NAME_BYTES_MAX)?;
-                Frame::Replicate { request, replicas, spec }
+                Frame::Replicate { request, replicas, mode, spec }
             }
             Kind::Progress => {
                 let request = c.u32()?;
@@ -936,12 +976,13 @@ impl<'a> Frame<'a> {
                 out.extend_from_slice(name.as_bytes());
                 out.extend_from_slice(log);
             }
-            Frame::Replicate { request, replicas, spec } => {
+            Frame::Replicate { request, replicas, mode, spec } => {
                 checked("spec", spec.len(), NAME_BYTES_MAX)?;
                 out.extend_from_slice(&request.to_le_bytes());
                 out.extend_from_slice(&replicas.to_le_bytes());
                 out.extend_from_slice(&(spec.len() as u16).to_le_bytes());
-                out.extend_from_slice(&[0; 6]);
+                out.push(mode.code());
+                out.extend_from_slice(&[0; 5]);
                 out.extend_from_slice(spec.as_bytes());
             }
             Frame::Progress { request, done, total, last, code, message } => {
@@ -1060,7 +1101,9 @@ mod tests {
             Frame::Reply { request: 9, code: ReplyCode::Corrupt, message: "block 3 checksum mismatch" },
             Frame::Fetch { request: 1, kind: WireKind::Manifest, id, bytes: 196, sources: vec![2, 0, 1] },
             Frame::PutRef { request: 2, replicas: 3, name: "tokens", log: b"granary-ref 1\n" },
-            Frame::Replicate { request: 4, replicas: 2, spec: "tokens@3" },
+            Frame::Replicate { request: 4, replicas: 2, mode: ReplicateMode::Node, spec: "tokens@3" },
+            Frame::Replicate { request: 8, replicas: 3, mode: ReplicateMode::Synchronous, spec: "tokens" },
+            Frame::Replicate { request: 9, replicas: 1, mode: ReplicateMode::Asynchronous, spec: "t@1" },
             Frame::Progress { request: 4, done: 5, total: 16, last: false, code: ReplyCode::Ok, message: "" },
             Frame::StatusRequest { request: 5 },
             Frame::Status { request: 5, text: "node 1\npeer 2 up\n" },

@@ -23,7 +23,7 @@ use tokio::sync::{Notify, Semaphore, mpsc, watch};
 use super::admission::{HandshakeSlot, Handshakes};
 pub use super::config::{Faults, NodeConfig};
 use super::flight::{Flight, InFlight};
-use super::frame::{Frame, InventoryEntry, ReplyCode, Role, WireKind};
+use super::frame::{Frame, InventoryEntry, ReplicateMode, ReplyCode, Role, WireKind};
 use super::local::LocalStore;
 use super::pull::{self, Pulled};
 pub use super::report::{GoalStatus, NodeStatus, PeerStatus};
@@ -281,9 +281,15 @@ impl Node {
     /// In synchronous mode (the replicator decides) this returns once every copy is verified on
     /// its node; in asynchronous mode once the copies are scheduled.
     pub fn replicate(&self, spec: &str, replicas: u32) -> Result<ReplicateReport> {
+        self.replicate_in(spec, replicas, ReplicateMode::Node)
+    }
+
+    /// [`Node::replicate`], waiting for the copies or not as `mode` says for this call (the
+    /// replicator's setting stays the default of other calls).
+    pub fn replicate_in(&self, spec: &str, replicas: u32, mode: ReplicateMode) -> Result<ReplicateReport> {
         let shared = Arc::clone(&self.shared);
         let spec = spec.to_owned();
-        self.block_on(async move { shared.replicate(&spec, replicas, None).await })
+        self.block_on(async move { shared.replicate(&spec, replicas, mode, None).await })
     }
 
     /// Replaces shard `id` (damaged or missing here) with a verified copy from a peer.
@@ -992,12 +998,13 @@ impl Shared {
         Ok(shards)
     }
 
-    /// Replicates `spec` with `replicas` copies per shard; reports (shards done, shards) to
-    /// `progress` as copies are confirmed.
+    /// Replicates `spec` with `replicas` copies per shard, waiting for them as `mode` says (or
+    /// the replicator); reports (shards done, shards) to `progress` as copies are confirmed.
     pub(crate) async fn replicate(
         self: &Arc<Self>,
         spec: &str,
         replicas: u32,
+        mode: ReplicateMode,
         progress: Option<mpsc::Sender<(u64, u64)>>,
     ) -> Result<ReplicateReport> {
         let started = Instant::now();
@@ -1040,6 +1047,11 @@ impl Shared {
         }
         let nodes = self.node_infos();
         let placement = self.placement(nodes, replicas).await?;
+        let mode = match mode {
+            ReplicateMode::Node => placement.mode,
+            ReplicateMode::Synchronous => ReplicationMode::Synchronous,
+            ReplicateMode::Asynchronous => ReplicationMode::Asynchronous,
+        };
         let shards: Vec<(ShardId, u64)> = manifest
             .entries()
             .iter()
@@ -1051,7 +1063,7 @@ impl Shared {
         let mut report = ReplicateReport {
             name: name.to_string(),
             replicas,
-            mode: placement.mode,
+            mode,
             shards: total,
             shards_done: 0,
             copies_made: 0,
@@ -1074,7 +1086,7 @@ impl Shared {
                 .collect();
             jobs.push((*shard, *bytes, holders, targets));
         }
-        if placement.mode == ReplicationMode::Asynchronous {
+        if mode == ReplicationMode::Asynchronous {
             // The reconciler makes the copies and measures how far behind they are.
             self.wake.notify_one();
             report.failures = failures;

@@ -17,7 +17,7 @@ use std::sync::atomic::Ordering;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
-use super::frame::{CHUNK_BYTES_MAX, Frame, INVENTORY_ENTRIES_MAX, Kind, ReplyCode, Role, WireKind};
+use super::frame::{CHUNK_BYTES_MAX, Frame, INVENTORY_ENTRIES_MAX, Kind, ReplicateMode, ReplyCode, Role, WireKind};
 use super::node::{Shared, reply_code_of};
 use super::secure::Channel;
 use crate::error::{Error, Result, TransportError};
@@ -68,7 +68,7 @@ enum Request {
     Get { transfer: u32, kind: WireKind, id: ObjectId, offset: u64 },
     Fetch { request: u32, kind: WireKind, id: ObjectId, bytes: u64, sources: Vec<u32> },
     PutRef { request: u32, replicas: u32, name: String, log: Vec<u8> },
-    Replicate { request: u32, replicas: u32, spec: String },
+    Replicate { request: u32, replicas: u32, mode: ReplicateMode, spec: String },
     Status { request: u32 },
     Repair { request: u32, id: ObjectId },
     Members { request: u32 },
@@ -84,7 +84,9 @@ fn to_request(frame: Frame<'_>) -> Request {
         Frame::PutRef { request, replicas, name, log } => {
             Request::PutRef { request, replicas, name: name.to_owned(), log: log.to_vec() }
         }
-        Frame::Replicate { request, replicas, spec } => Request::Replicate { request, replicas, spec: spec.to_owned() },
+        Frame::Replicate { request, replicas, mode, spec } => {
+            Request::Replicate { request, replicas, mode, spec: spec.to_owned() }
+        }
         Frame::StatusRequest { request } => Request::Status { request },
         Frame::Repair { request, id } => Request::Repair { request, id },
         Frame::MembersRequest { request } => Request::Members { request },
@@ -182,10 +184,10 @@ async fn answer(shared: &Arc<Shared>, channel: &mut Channel, request: Request) -
                 Err(e) => reply(channel, request, reply_code_of(&e), &e.to_string()).await,
             }
         }
-        Request::Replicate { request, replicas, spec } => {
+        Request::Replicate { request, replicas, mode, spec } => {
             let (tx, mut rx) = mpsc::channel::<(u64, u64)>(16);
             let node = Arc::clone(shared);
-            let work = tokio::spawn(async move { node.replicate(&spec, replicas, Some(tx)).await });
+            let work = tokio::spawn(async move { node.replicate(&spec, replicas, mode, Some(tx)).await });
             while let Some((done, total)) = rx.recv().await {
                 channel
                     .send(&Frame::Progress { request, done, total, last: false, code: ReplyCode::Ok, message: "" })
