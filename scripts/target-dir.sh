@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo metadata --format-version 1 --no-deps --offline 2>/dev/null \
-  | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])' \
+  | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null \
   || { d=${CARGO_TARGET_DIR:-target}; [[ $d = /* ]] && echo "$d" || echo "$PWD/$d"; }

@@ -251,7 +251,7 @@ class Loader:
     so they fill it together and keep the same extents when it cannot hold the whole dataset.
     `verify_threads`: threads that check the CRC32C of long reads landed straight in a batch, so
     the reading thread only reaps the disk (default `GRANARY_VERIFY_THREADS`, else one per 8
-    cores, none below 8; `0` checks on the reading thread).
+    cores, at most 8, none below 8 cores; `0` checks on the reading thread).
 
     Batches are the loader's own memory, read-only (NumPy's `writeable` is False; torch warns
     that the tensor is not writable): copy one (`batch.copy()`, `batch.clone()`) to change it.

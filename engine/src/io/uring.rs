@@ -139,6 +139,8 @@ pub struct UringIo {
     op_bytes_max: usize,
     /// Whether the slots are registered (`None`: not tried yet).
     fixed_buffers: Option<bool>,
+    /// Registrations interrupted so far (retried at the next op into a slot, a few times).
+    register_attempts: u32,
     files: Files,
     /// `2 * queue_depth` slots with a buffer each, then `ops_max` slots for ops into the
     /// stream's memory.
@@ -200,6 +202,7 @@ impl UringIo {
             queue_depth,
             op_bytes_max: config.op_bytes_max,
             fixed_buffers: None,
+            register_attempts: 0,
             files: Files { open: Vec::new(), fixed_files, direct: config.direct },
             slots: vec![Slot::default(); n_slots + ops_max],
             free_slots: (0..n_slots).rev().collect(),
@@ -242,8 +245,15 @@ impl UringIo {
                 self.fixed_buffers = Some(true);
                 true
             }
-            // Interrupted or busy: plain reads this time, registration again at the next op.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)) => false,
+            // Interrupted or busy: plain reads this time, registration again at the next op, a
+            // few times at most.
+            Err(e)
+                if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY | libc::EAGAIN))
+                    && self.register_attempts < 3 =>
+            {
+                self.register_attempts += 1;
+                false
+            }
             Err(_) => {
                 self.fixed_buffers = Some(false);
                 false

@@ -85,6 +85,23 @@ impl DirWatch {
         Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "inotify exists only on Linux"))
     }
 
+    /// Watches every directory watched so far again, under its name now: the same directory
+    /// keeps its watch, one re-created or moved in under the name gets a new one, one gone is
+    /// forgotten.
+    fn refresh(&mut self) -> std::io::Result<()> {
+        let dirs: Vec<PathBuf> = self.watched.keys().cloned().collect();
+        self.watched.clear();
+        self.dirs.clear();
+        for dir in dirs {
+            match self.watch(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Whether `dir` is watched.
     pub fn is_watched(&self, dir: &Path) -> bool {
         self.watched.contains_key(dir)
@@ -99,8 +116,11 @@ impl DirWatch {
                 return Ok(Changes::Entries(entries));
             }
             if self.parse(n, &mut entries) {
-                // Drain what is left so the next look starts clean, then say so.
+                // Drain what is left so the next look starts clean, watch every directory
+                // afresh (a watch may have gone with events that were dropped, or followed a
+                // directory moved away), then say so.
                 while self.read_events()? > 0 {}
+                self.refresh()?;
                 return Ok(Changes::Unknown);
             }
         }
@@ -202,5 +222,19 @@ mod tests {
         std::fs::remove_dir(&sub).expect("rmdir");
         assert_eq!(watch.changes().expect("events"), Changes::Unknown);
         assert!(!watch.is_watched(&sub));
+        // Made again under the same name: watched afresh, its removals named.
+        std::fs::create_dir(&sub).expect("mkdir");
+        std::fs::write(&a, b"a").expect("write");
+        watch.watch(&sub).expect("a new watch");
+        std::fs::remove_file(&a).expect("rm");
+        let Changes::Entries(entries) = watch.changes().expect("events") else { panic!("events lost") };
+        assert!(entries.contains(&a), "{entries:?}");
+        // Moved away: unknown, and the name is no longer watched (the watch followed the move).
+        let moved = dir.path().join("moved");
+        std::fs::rename(&sub, &moved).expect("mv");
+        assert_eq!(watch.changes().expect("events"), Changes::Unknown);
+        assert!(!watch.is_watched(&sub));
+        std::fs::create_dir(&sub).expect("mkdir");
+        assert!(watch.watch(&sub).is_ok() && watch.is_watched(&sub));
     }
 }

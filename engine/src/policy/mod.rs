@@ -194,7 +194,9 @@ impl PolicyHost {
             return self.load_builtin(name_or_path);
         }
         let path = Path::new(name_or_path);
-        if !path.exists() {
+        // Only a path that surely names nothing is "not found"; one that cannot be looked at
+        // (a directory without permission) goes on to the read, which says why.
+        if matches!(path.try_exists(), Ok(false)) {
             let squashed = |name: &str| name.replace(['-', '_', ' '], "").to_ascii_lowercase();
             let meant = builtin::NAMES.iter().find(|name| squashed(name) == squashed(name_or_path));
             return Err(Error::NotFound {

@@ -289,30 +289,53 @@ struct Watcher {
 }
 
 impl Watcher {
-    /// Watches `path`'s directory, before shard `shard` opens it.
-    fn before_open(&mut self, path: &std::path::Path, shard: usize) {
+    /// Watches `path`'s directory before shard `shard` opens it. False when the directory does
+    /// not exist (yet: a cache directory is made with its first shard); the open then most
+    /// likely fails too, and if it does not, `after_open` watches it.
+    fn before_open(&mut self, path: &std::path::Path, shard: usize) -> bool {
         if self.failed {
-            return;
+            return true;
         }
         if self.watch.is_none() {
             match crate::io::DirWatch::new() {
                 Ok(watch) => self.watch = Some(watch),
                 Err(_) => {
-                    self.failed = true;
-                    return;
+                    self.give_up();
+                    return true;
                 }
             }
         }
         let watch = self.watch.as_mut().expect("made above");
-        let watched = path.parent().is_some_and(|dir| watch.watch(dir).is_ok());
-        if !watched {
-            self.failed = true;
-            return;
+        match path.parent().map(|dir| watch.watch(dir)) {
+            Some(Ok(())) => {}
+            Some(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => return false,
+            // No directory to name, or a watch refused (the per-user limit): stat instead.
+            _ => {
+                self.give_up();
+                return true;
+            }
         }
         let shards = self.open_paths.entry(path.to_owned()).or_default();
         if !shards.contains(&shard) {
             shards.push(shard);
         }
+        true
+    }
+
+    /// A file opened although its directory was missing just before: watched now (a change in
+    /// between is seen by the stat at the next failed read, not by a notification).
+    fn after_open(&mut self, path: &std::path::Path, shard: usize) {
+        if !self.before_open(path, shard) {
+            self.give_up();
+        }
+    }
+
+    /// Notifications cannot be relied on: the reader stats its files instead, and the watches
+    /// go (they count against a per-user limit).
+    fn give_up(&mut self) {
+        self.failed = true;
+        self.watch = None;
+        self.open_paths.clear();
     }
 }
 
@@ -603,15 +626,20 @@ impl Reader {
         self.watcher.checked_at = Some(std::time::Instant::now());
         match watch.changes() {
             Ok(crate::io::Changes::Entries(paths)) => {
+                // Every file named is let go, also when closing one fails (the events are read
+                // only once); the first failure is the read's.
+                let mut failure = None;
                 for path in paths {
                     for s in self.watcher.open_paths.remove(&path).unwrap_or_default() {
                         if let Some(id) = self.files[s].take() {
                             self.inodes[s] = None;
-                            self.io.close(id)?;
+                            if let Err(e) = self.io.close(id) {
+                                failure.get_or_insert(e);
+                            }
                         }
                     }
                 }
-                Ok(true)
+                failure.map_or(Ok(true), Err)
             }
             Ok(crate::io::Changes::Unknown) => {
                 self.close_replaced_files()?;
@@ -619,7 +647,7 @@ impl Reader {
                 Ok(true)
             }
             Err(_) => {
-                self.watcher.failed = true;
+                self.watcher.give_up();
                 Ok(false)
             }
         }
@@ -1051,10 +1079,13 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                         let path = self.dataset.shard_path(shard);
                         // Watched and looked at before the open: a file replaced in between is
                         // seen as replaced at the next look and opened again, never the other way.
-                        self.watcher.before_open(&path, shard);
+                        let watched = self.watcher.before_open(&path, shard);
                         let inode = inode_of(&path);
                         match opener.open(&path) {
                             Ok(file) => {
+                                if !watched {
+                                    self.watcher.after_open(&path, shard);
+                                }
                                 self.files[shard] = Some(file);
                                 self.inodes[shard] = Some(inode.unwrap_or((0, 0)));
                                 *self.opens += 1;
