@@ -200,11 +200,9 @@ impl BatchMemory {
                 self.len
             )));
         }
-        #[allow(unsafe_code, reason = "pointer arithmetic inside the batch's own mapping")]
-        // SAFETY: `offset + len <= self.len`, the length of the mapping at `base`, so the sum
-        // stays inside it (and is not null: the mapping is).
-        let ptr = unsafe { self.base.add(offset) };
-        std::ptr::NonNull::new(ptr).ok_or_else(|| Error::invalid_input("a batch's memory at address 0"))
+        // Inside the mapping (checked above): plain address arithmetic, no dereference here.
+        std::ptr::NonNull::new(self.base.wrapping_add(offset))
+            .ok_or_else(|| Error::invalid_input("a batch's memory at address 0"))
     }
 
     /// Copies `src` to the batch's bytes at `dst`.
