@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use super::frame::{Frame, ReplicateMode, ReplyCode, Role};
-use super::report::NodeStatus;
 use super::secure::{Channel, ClusterKey, Deadlines, Hello};
+use super::status::NodeStatus;
 use crate::error::{Error, Result, TransportError};
 use crate::id::ShardId;
 use crate::read::ShardRepair;

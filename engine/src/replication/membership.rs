@@ -7,11 +7,10 @@
 //! orders anything.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::frame::Frame;
-use super::node::Shared;
+use super::secure::{Channel, ClusterKey, Deadlines, Hello};
 use crate::error::{Error, Result};
 
 /// Where the membership comes from.
@@ -98,8 +97,14 @@ impl Membership {
     }
 
     /// The other nodes' addresses: the list, or what the rendezvous answers once every node has
-    /// joined (node 0 answers, and learns the others as they connect).
-    pub(crate) async fn resolve(&self, shared: &Arc<Shared>) -> Result<Vec<SocketAddr>> {
+    /// joined (node 0 answers, and learns the others as they connect). `hello` is this node's,
+    /// sent to the rendezvous with `key`.
+    pub(crate) async fn resolve(
+        &self,
+        hello: &Hello,
+        key: &ClusterKey,
+        deadlines: Deadlines,
+    ) -> Result<Vec<SocketAddr>> {
         let (n_nodes, rendezvous, wait) = match self {
             Self::Peers(addrs) => return Ok(addrs.clone()),
             Self::Launcher { node_rank: 0, .. } => return Ok(Vec::new()),
@@ -113,11 +118,11 @@ impl Membership {
         let started = Instant::now();
         let mut last = String::from("no answer yet");
         while started.elapsed() < wait {
-            match ask_members(shared, addr).await {
+            match ask_members(hello, key, deadlines, addr).await {
                 Ok(members) if members.len() >= n_nodes as usize => {
                     return Ok(members
                         .into_iter()
-                        .filter(|(id, _)| *id != shared.hello.node_id)
+                        .filter(|(id, _)| *id != hello.node_id)
                         .map(|(_, addr)| addr)
                         .collect());
                 }
@@ -133,10 +138,16 @@ impl Membership {
     }
 }
 
-async fn ask_members(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Vec<(u32, SocketAddr)>> {
+async fn ask_members(
+    hello: &Hello,
+    key: &ClusterKey,
+    deadlines: Deadlines,
+    addr: SocketAddr,
+) -> Result<Vec<(u32, SocketAddr)>> {
     let transport = |source| Error::Transport { peer: format!("rendezvous {addr}"), source };
-    let (mut channel, _) = shared.connect(addr).await.map_err(transport)?;
-    let request = shared.next_request_id();
+    let (mut channel, _) = Channel::connect(addr, key, hello, deadlines).await.map_err(transport)?;
+    // The channel carries this one request.
+    let request = 1;
     channel.send(&Frame::MembersRequest { request }).await.map_err(transport)?;
     match channel.recv().await.map_err(transport)? {
         Frame::Members { request: r, members } if r == request => members

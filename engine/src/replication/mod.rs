@@ -23,20 +23,31 @@ mod config;
 #[cfg(feature = "replication")]
 mod flight;
 #[cfg(feature = "replication")]
+mod heartbeat;
+#[cfg(feature = "replication")]
 mod local;
 #[cfg(feature = "replication")]
 pub mod membership;
 #[cfg(feature = "replication")]
 mod node;
 #[cfg(feature = "replication")]
+mod peers;
+#[cfg(feature = "replication")]
 mod pull;
+#[cfg(feature = "replication")]
+mod read_repair;
+#[cfg(feature = "replication")]
+mod reconcile;
+#[cfg(feature = "replication")]
+mod replicate;
 #[cfg(feature = "replication")]
 pub mod secure;
 #[cfg(feature = "replication")]
-mod report;
-#[cfg(feature = "replication")]
 mod server;
-
+#[cfg(feature = "replication")]
+mod shared;
+#[cfg(feature = "replication")]
+mod status;
 #[cfg(feature = "replication")]
 pub use client::NodeClient;
 #[cfg(feature = "replication")]

@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::flight::Flight;
 use super::frame::{Frame, ReplyCode, WireKind};
-use super::node::Shared;
+use super::shared::{Pulled, Shared};
 use crate::error::{Error, Result, TransportError};
 use crate::id::ObjectId;
 use crate::shard::{BLOCK_BYTES, FILE_BYTES_MAX};
@@ -33,17 +33,6 @@ const WRITE_QUEUE_MAX: usize = 4;
 /// Passes over the sources before a pull gives up (the second catches sources that failed for
 /// a passing reason, such as a restart).
 const PASSES_MAX: usize = 2;
-
-/// How a pull ended well.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Pulled {
-    /// The object was already here.
-    AlreadyHeld,
-    /// A verified copy was published; `bytes` were received in this pull.
-    Published { bytes: u64 },
-    /// Another pull of the same object, which this one waited for, published it.
-    Joined,
-}
 
 /// What is known of an object's length before it arrives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,7 +103,7 @@ async fn run(shared: &Arc<Shared>, kind: WireKind, id: ObjectId, length: Length,
     if shared.local.holds(kind, id).is_some() {
         return Ok(Pulled::AlreadyHeld);
     }
-    if shared.sources_for(kind, id, sources).is_empty() {
+    if shared.peers.sources_for(kind, id, sources).is_empty() {
         return Err(unavailable(id, "no peer that is up lists it".to_owned()));
     }
     let bytes_max = length.max();
@@ -127,12 +116,12 @@ async fn run(shared: &Arc<Shared>, kind: WireKind, id: ObjectId, length: Length,
     let mut failures: Vec<String> = Vec::new();
     let mut received = 0u64;
     for pass in 0..PASSES_MAX {
-        let candidates = shared.sources_for(kind, id, sources);
+        let candidates = shared.peers.sources_for(kind, id, sources);
         if candidates.is_empty() && pass == 0 {
             failures.push("no peer that is up lists it".to_owned());
         }
         for source in candidates {
-            let Some(addr) = shared.peer_addr(source) else { continue };
+            let Some(addr) = shared.peers.addr_of(source) else { continue };
             let start = writer.len;
             if start > 0 {
                 shared.event(format!("resuming the transfer of {} at byte {start} from node {source}", id.short(12)));

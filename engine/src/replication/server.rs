@@ -18,8 +18,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
 use super::frame::{CHUNK_BYTES_MAX, Frame, INVENTORY_ENTRIES_MAX, Kind, ReplicateMode, ReplyCode, Role, WireKind};
-use super::node::{Shared, reply_code_of};
 use super::secure::Channel;
+use super::shared::{Shared, reply_code_of};
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
 use crate::shard::{BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET, ShardMeta};

@@ -1,18 +1,22 @@
-//! The status report of a node: what `granary status` shows, as data (`NodeStatus`), as JSON
-//! (the body of a `Status` frame, and `granary status --json`: its keys are the field names and
-//! stay stable) and as a report for people (`Display`).
+//! The status report of a node: what `granary status` shows, gathered from the node's shared
+//! state (`Shared::status`), as data (`NodeStatus`), as JSON (the body of a `Status` frame, and
+//! `granary status --json`: its keys are the field names and stay stable) and as a report for
+//! people (`Display`).
 //!
 //! Invariant: the JSON a node sends fits a `Status` frame (oldest events, then peers beyond
-//! what fits, are left out and counted). Never: gathers anything itself (the node fills it in).
+//! what fits, are left out and counted). Never: changes what it reports on (it reads counters
+//! and tables under their locks, one at a time).
 
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use super::frame::STATUS_BYTES_MAX;
+use super::shared::Shared;
 use crate::error::{Error, Result};
 
 /// One replication goal.
@@ -112,6 +116,76 @@ pub struct NodeStatus {
     /// Peers left out of the report (to fit a frame).
     #[serde(default)]
     pub peers_omitted: usize,
+}
+
+impl Shared {
+    /// The status report.
+    pub(crate) fn status(&self) -> NodeStatus {
+        let now = Instant::now();
+        let peers = self.peers.map(|p| PeerStatus {
+            id: p.id(),
+            addr: p.addr,
+            up: p.up,
+            for_ms: now.duration_since(p.changed).as_millis() as u64,
+            objects: p.objects(),
+            demoted: p.demoted(now),
+            last_error: p.last_error.clone(),
+        });
+        let goals = self.local.goals().unwrap_or_default();
+        let (under_replicated, unavailable, lag_oldest_ms, lag_last_ms, lag_max_ms) = {
+            let lag = self.lag.lock().expect("the lag lock is never poisoned");
+            let oldest = lag.under.values().map(|since| now.duration_since(*since)).max().unwrap_or_default();
+            (
+                lag.under.len(),
+                lag.unavailable,
+                oldest.as_millis() as u64,
+                lag.last.map(|d| d.as_millis() as u64),
+                lag.max.as_millis() as u64,
+            )
+        };
+        let (cache_bytes, cache_objects) = {
+            let cache = self.cache.lock().expect("the cache lock is never poisoned");
+            (cache.used_bytes(), cache.len())
+        };
+        let stat = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        NodeStatus {
+            id: self.hello.node_id,
+            incarnation: self.hello.epoch,
+            listen: self.hello.listen.clone(),
+            root: self.config.root.clone(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            objects: self.local.entries().len(),
+            peers,
+            goals: goals
+                .into_iter()
+                .map(|(name, replicas)| GoalStatus { dataset: name.to_string(), replicas })
+                .collect(),
+            under_replicated,
+            unavailable,
+            lag_oldest_ms,
+            lag_last_ms,
+            lag_max_ms,
+            pending_fetches: self.fetching.len(),
+            copies_made: stat(&self.stats.copies_made),
+            copies_failed: stat(&self.stats.copies_failed),
+            objects_received: stat(&self.stats.objects_received),
+            bytes_sent: stat(&self.stats.bytes_sent),
+            verify_failures: stat(&self.stats.verify_failures),
+            demotions: stat(&self.stats.demotions),
+            connections_refused: stat(&self.stats.connections_refused),
+            connections_busy: stat(&self.stats.connections_busy),
+            frames_rejected: stat(&self.stats.frames_rejected),
+            repairs: stat(&self.stats.repairs),
+            cache_bytes,
+            cache_bytes_max: self.config.cache_bytes_max,
+            cache_objects,
+            evicted: stat(&self.stats.evicted),
+            kept_last_copy: stat(&self.stats.kept_last_copy),
+            events: self.events.lock().expect("the event lock is never poisoned").iter().cloned().collect(),
+            events_omitted: 0,
+            peers_omitted: 0,
+        }
+    }
 }
 
 impl NodeStatus {
