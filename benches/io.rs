@@ -6,6 +6,10 @@
 //! should stay within 10% of the bare reader (the target is >= 0.9x). The store lives in
 //! `GRANARY_BENCH_DIR` (default: the system temp dir) and must be on a real disk: O_DIRECT.
 //! `reader_get` reads one record per call, against a plain `pread` (page cache warm for both).
+//! `staging_pool` times a lease of the staging pool: taken and returned by one thread, and by two
+//! threads contending for a pool of one buffer (a lease waits on the pool's condition variable
+//! while the other side holds the buffer; one side's waits have a deadline). Its figure is the
+//! locks' own cost, to compare with the milliseconds a batch takes to fill.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,9 +17,10 @@ use std::sync::Arc;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use granary::io::bare::{BareOp, BareReader};
 use granary::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
+use granary::staging::Pinning;
 use granary::{
     Backend, Dataset, DatasetName, Dtype, EpochPlan, FixedLayout, Granary, IngestOptions, IoConfig, Layout, Order,
-    Reader, VersionSpec,
+    Reader, StagingConfig, StagingPool, VersionSpec,
 };
 
 const RECORDS: u64 = 64 << 10;
@@ -114,5 +119,36 @@ fn reader_get(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, io_read_4k_qd32, reader_get);
+fn staging_pool(c: &mut Criterion) {
+    let pool = |buffers| {
+        StagingPool::new(StagingConfig { buffers, buffer_bytes: 4096, pinning: Pinning::Off }).expect("a pool")
+    };
+    let mut group = c.benchmark_group("staging_pool");
+    group.throughput(Throughput::Elements(1));
+    let alone = pool(4);
+    group.bench_function("lease", |b| b.iter(|| drop(alone.acquire())));
+    let shared = pool(1);
+    group.bench_function("handoff", |b| {
+        b.iter_custom(|n| {
+            let other = shared.clone();
+            let started = std::time::Instant::now();
+            let helper = std::thread::spawn(move || {
+                for _ in 0..n {
+                    let lease = other.acquire_timeout(std::time::Duration::from_secs(10)).expect("a buffer comes back");
+                    std::hint::black_box(&lease);
+                }
+            });
+            for _ in 0..n {
+                let lease = shared.acquire();
+                std::hint::black_box(&lease);
+            }
+            helper.join().expect("the helper finishes");
+            // Two leases per iteration, one on each side.
+            started.elapsed() / 2
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, io_read_4k_qd32, reader_get, staging_pool);
 criterion_main!(benches);

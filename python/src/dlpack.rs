@@ -17,8 +17,9 @@
 #![allow(unsafe_code, reason = "DLPack is a C ABI: raw structs, a capsule, and a deleter called by the consumer")]
 
 use std::ffi::{CStr, c_void};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use parking_lot::Mutex;
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -130,14 +131,14 @@ impl HeldBatch {
 
     /// Calls `f` with the batch.
     pub(crate) fn with<R>(&self, f: impl FnOnce(&LoadedBatch) -> R) -> R {
-        let batch = self.batch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let batch = self.batch.lock();
         f(batch.as_ref().expect("taken only in drop"))
     }
 }
 
 impl Drop for HeldBatch {
     fn drop(&mut self) {
-        let Some(mut batch) = self.batch.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take() else {
+        let Some(mut batch) = self.batch.get_mut().take() else {
             return;
         };
         if std::process::id() != self.pid {
@@ -146,7 +147,7 @@ impl Drop for HeldBatch {
             std::mem::forget(batch);
             return;
         }
-        let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let streams = std::mem::take(&mut *self.streams.lock());
         // A consumer that named no stream, or whose stream cannot take a fence (a handle
         // destroyed while its tensor lived, against DLPack's contract), leaves the buffer's
         // reuse ordered after all the device's work instead.
@@ -257,7 +258,7 @@ impl Exported {
                             Some(device) => device.order_before(stream).map_err(crate::errors::to_py),
                             None => Err(PyValueError::new_err("not a device batch")),
                         })?;
-                        held.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(stream);
+                        held.streams.lock().push(stream);
                     }
                     None => held.unordered.store(true, std::sync::atomic::Ordering::Relaxed),
                 }

@@ -9,9 +9,10 @@
 //! is a `ForkError`; the child never drops the parent's engine loader (it leaks the copy).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 
+use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -627,12 +628,12 @@ impl Loader {
 impl Loader {
     /// The state, waited for with the GIL released: another thread may hold it while it waits
     /// for a batch without the GIL, and needs the GIL back to let go of it.
-    fn lock(&self, py: Python<'_>) -> PyResult<std::sync::MutexGuard<'_, State>> {
+    fn lock(&self, py: Python<'_>) -> PyResult<parking_lot::MutexGuard<'_, State>> {
         let started_in = self.started_in.load(Ordering::Acquire);
         if started_in != 0 && started_in != std::process::id() {
             return Err(forked("granary.Loader", started_in));
         }
-        Ok(self.state.lock_py_attached(py).unwrap_or_else(std::sync::PoisonError::into_inner))
+        Ok(self.state.lock_py_attached(py))
     }
 
     fn start(&self, py: Python<'_>, state: &mut State) -> PyResult<()> {

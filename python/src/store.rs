@@ -2,10 +2,10 @@
 //! and no lock, and survives a fork), with ingest and listing.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
@@ -366,7 +366,7 @@ fn committed_dict<'py>(
     out.set_item("shards_deduplicated", committed.stats.shards_deduplicated)?;
     out.set_item("unchanged", committed.unchanged)?;
     let skipped = PyList::empty(py);
-    for (source, member, reason) in report.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter() {
+    for (source, member, reason) in report.skipped.lock().iter() {
         let entry = PyDict::new(py);
         entry.set_item("source", source)?;
         entry.set_item("member", member)?;
@@ -440,7 +440,7 @@ impl Report {
                 );
             }
             Sink::Call(callable) => Python::attach(|py| {
-                let mut failed = self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let mut failed = self.failed.lock();
                 if failed.is_none()
                     && let Err(e) = callable.call1(py, (self.records.load(Ordering::Relaxed), done))
                 {
@@ -458,7 +458,7 @@ impl Report {
 
     /// Raises what the callable raised, if it did.
     fn check(&self) -> PyResult<()> {
-        match self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+        match self.failed.lock().take() {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -467,11 +467,7 @@ impl Report {
 
 impl Progress for Report {
     fn skipped(&self, source: &std::path::Path, member: &str, reason: &str) {
-        self.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((
-            source.display().to_string(),
-            member.to_owned(),
-            reason.to_owned(),
-        ));
+        self.skipped.lock().push((source.display().to_string(), member.to_owned(), reason.to_owned()));
     }
 
     fn start(&self, total_bytes: u64) {
@@ -480,7 +476,7 @@ impl Progress for Report {
 
     fn advance(&self, bytes: u64) {
         self.done.fetch_add(bytes, Ordering::Relaxed);
-        let mut last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut last = self.last.lock();
         let now = Instant::now();
         if last.is_none_or(|at| now.duration_since(at) >= PROGRESS_EVERY) {
             *last = Some(now);

@@ -3,7 +3,8 @@
 //! Invariant: every sled type and error stays in this file.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 
@@ -148,10 +149,10 @@ pub struct MemoryKv {
 }
 
 impl MemoryKv {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
-        // A panic while holding this lock cannot leave the map half-updated: every operation is
-        // one BTreeMap call, so a poisoned lock still guards a consistent map.
-        self.trees.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Entries> {
+        // A panic while holding this lock (which releases it: parking_lot does not poison)
+        // cannot leave the map half-updated: every operation is one BTreeMap call.
+        self.trees.lock()
     }
 }
 

@@ -25,11 +25,13 @@ mod node_plan;
 mod schedule;
 
 use schedule::{ScheduleRequest, Scheduler};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError};
-use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::io::{Fault, FaultIo, Io, IoConfig, LazyIo, OwnedMemory};
@@ -653,7 +655,7 @@ impl Loader {
     /// Counters so far.
     pub fn stats(&self) -> LoaderStats {
         let mut stats = self.stats;
-        stats.read = *self.read_stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        stats.read = *self.read_stats.lock();
         stats.pool = self.pool.stats();
         stats.tier = self.coordinator.as_ref().map(|c| c.tier().stats());
         stats.cache = self.repair.as_ref().and_then(|hook| hook.cache_stats());

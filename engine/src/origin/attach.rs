@@ -297,24 +297,24 @@ fn adopt_ref_or_write(granary: &mut Granary, name: &DatasetName, log: &RefLog) -
 /// Checks every shard's metadata at the origin against the manifest, `META_THREADS` at once.
 fn check_shard_metas(origin: &Origin, manifest: &Manifest) -> Result<()> {
     let entries = manifest.entries();
-    let failed = std::sync::Mutex::new(None);
+    let failed = parking_lot::Mutex::new(None);
     std::thread::scope(|scope| {
         for first in 0..META_THREADS.min(entries.len()) {
             let failed = &failed;
             scope.spawn(move || {
                 for entry in entries.iter().skip(first).step_by(META_THREADS) {
-                    if failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some() {
+                    if failed.lock().is_some() {
                         return;
                     }
                     if let Err(e) = check_shard_meta(origin, manifest, entry) {
-                        *failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+                        *failed.lock() = Some(e);
                         return;
                     }
                 }
             });
         }
     });
-    match failed.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
+    match failed.into_inner() {
         Some(e) => Err(e),
         None => Ok(()),
     }

@@ -19,9 +19,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
 use std::io::ErrorKind;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
 
 use super::attach::{attachments, cache_settings, origin_dir, store_shards};
 use super::pace::{PREFETCH_THREADS, Pace};
@@ -222,7 +224,7 @@ impl OriginCache {
     /// itself when `GRANARY_CLUSTER_KEY` is set and a `granary serve` serves the store. `node`
     /// must not fetch through an origin cache of this store: it would wait on this one's claim.
     pub fn set_peers(&self, node: Arc<dyn ShardRepair>) {
-        *self.peers.lock().unwrap_or_else(PoisonError::into_inner) = Some(Peers { node, down_until: None });
+        *self.peers.lock() = Some(Peers { node, down_until: None });
     }
 
     /// The bound in bytes (0: none).
@@ -232,7 +234,7 @@ impl OriginCache {
 
     /// The counters so far.
     pub fn stats(&self) -> CacheStats {
-        *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
+        *self.stats.lock()
     }
 
     /// Bytes of the cached shards here now (every process's).
@@ -273,9 +275,9 @@ impl OriginCache {
             });
         }
         {
-            let mut flying = self.flying.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut flying = self.flying.lock();
             while flying.contains(&id) {
-                flying = self.landed.wait(flying).unwrap_or_else(PoisonError::into_inner);
+                self.landed.wait(&mut flying);
             }
             if self.paths.shard(id).exists() {
                 return Ok(Fetch::Present);
@@ -283,7 +285,7 @@ impl OriginCache {
             flying.insert(id);
         }
         let result = self.claim_and_fetch(id, bytes, &self.origins[at], wait);
-        self.flying.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
+        self.flying.lock().remove(&id);
         self.landed.notify_all();
         self.moved();
         result
@@ -330,7 +332,7 @@ impl OriginCache {
     /// `PEERS_SLOW` to fail, is not asked again for `PEERS_DOWN_FOR`.
     fn fetch_from_peers(&self, id: ShardId, bytes: u64) -> Result<bool> {
         let node = {
-            let peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+            let peers = self.peers.lock();
             match &*peers {
                 Some(Peers { node, down_until }) if down_until.is_none_or(|until| Instant::now() >= until) => {
                     Arc::clone(node)
@@ -353,11 +355,11 @@ impl OriginCache {
                 let none_holds = matches!(&e, Error::Unavailable { .. } | Error::NotFound { .. })
                     || matches!(&e, Error::PeerRefused { code, .. } if code == "unavailable" || code == "not found");
                 if !none_holds {
-                    self.stats.lock().unwrap_or_else(PoisonError::into_inner).peer_failures += 1;
+                    self.stats.lock().peer_failures += 1;
                 }
                 let unreachable = matches!(e, Error::Transport { .. } | Error::Io { .. });
                 if (unreachable || asked.elapsed() >= PEERS_SLOW)
-                    && let Some(peers) = &mut *self.peers.lock().unwrap_or_else(PoisonError::into_inner)
+                    && let Some(peers) = &mut *self.peers.lock()
                 {
                     peers.down_until = Some(Instant::now() + PEERS_DOWN_FOR);
                 }
@@ -369,7 +371,7 @@ impl OriginCache {
             let _lock = lock_cache(&self.paths)?;
             self.make_room(id, bytes)?;
         }
-        let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut stats = self.stats.lock();
         stats.shards_fetched += 1;
         stats.shards_from_peers += 1;
         stats.bytes_from_peers += bytes;
@@ -386,7 +388,7 @@ impl OriginCache {
                 // Locked until it is under `shards/` (or removed).
                 Ok(_locked) => {
                     let rate = bytes as f64 / started.elapsed().as_secs_f64().max(1e-6);
-                    let mut pace = self.pace.lock().unwrap_or_else(PoisonError::into_inner);
+                    let mut pace = self.pace.lock();
                     pace.fetch_rate = Pace::average(pace.fetch_rate, rate);
                     drop(pace);
                     let published = self.publish(id, bytes, &part);
@@ -397,7 +399,7 @@ impl OriginCache {
                 }
                 Err(Error::HashMismatch { .. }) => {
                     let _ = std::fs::remove_file(&part);
-                    self.stats.lock().unwrap_or_else(PoisonError::into_inner).refetches += 1;
+                    self.stats.lock().refetches += 1;
                 }
                 Err(e) => {
                     let _ = std::fs::remove_file(&part);
@@ -425,7 +427,7 @@ impl OriginCache {
         std::fs::rename(part, &target).map_err(|e| Error::io("rename", &target, e))?;
         sync_dir(fan)?;
         sync_dir(fan.parent().expect("the fan-out directory has a parent"))?;
-        let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut stats = self.stats.lock();
         stats.shards_fetched += 1;
         stats.bytes_from_origin += bytes;
         Ok(())
@@ -455,7 +457,7 @@ impl OriginCache {
         let present = self.present(Some(id));
         let mut victims = Vec::new();
         {
-            let mut evictor = self.evictor.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut evictor = self.evictor.lock();
             let here: HashSet<ShardId> = present.iter().map(|&(id, _)| id).collect();
             let gone: Vec<ShardId> =
                 self.fetchable.keys().copied().filter(|s| !here.contains(s) && evictor.holds(*s)).collect();
@@ -505,7 +507,7 @@ impl OriginCache {
             if self.is_pinned(shard) {
                 continue;
             }
-            self.evictor.lock().unwrap_or_else(PoisonError::into_inner).forget(shard);
+            self.evictor.lock().forget(shard);
             self.evict(shard, shard_bytes)?;
             used -= shard_bytes;
         }
@@ -516,7 +518,7 @@ impl OriginCache {
         let path = self.paths.shard(id);
         match std::fs::remove_file(&path) {
             Ok(()) => {
-                let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut stats = self.stats.lock();
                 stats.evictions += 1;
                 stats.bytes_evicted += bytes;
                 Ok(())
@@ -527,7 +529,7 @@ impl OriginCache {
     }
 
     fn is_pinned(&self, id: ShardId) -> bool {
-        let mut pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pinned = self.pinned.lock();
         pinned.retain(|_, since| since.elapsed() < PIN_FOR);
         pinned.contains_key(&id)
     }
@@ -552,7 +554,7 @@ impl OriginCache {
     /// of their own): the evictor gets each access's next use from this, and `upcoming` lists
     /// what to fetch ahead.
     pub fn add_plan(&self, first_step: u64, shards_by_step: &[Vec<ShardId>]) {
-        let mut plan = self.plan.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut plan = self.plan.lock();
         for (i, shards) in shards_by_step.iter().enumerate() {
             let step = first_step + i as u64;
             for &shard in shards {
@@ -570,7 +572,7 @@ impl OriginCache {
     /// The first step at or after `from` at which shard `id` is read (`u64::MAX`: not in the
     /// plan known so far). Drops the steps before `from`.
     pub fn next_use(&self, id: ShardId, from: u64) -> u64 {
-        let mut plan = self.plan.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut plan = self.plan.lock();
         let Some(uses) = plan.get_mut(&id) else { return u64::MAX };
         while uses.front().is_some_and(|&step| step < from) {
             uses.pop_front();
@@ -581,7 +583,7 @@ impl OriginCache {
     /// Up to `limit` shards of the plan, soonest next use first, with that use.
     pub fn upcoming(&self, limit: usize) -> Vec<(ShardId, u64)> {
         let now = self.step();
-        let mut plan = self.plan.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut plan = self.plan.lock();
         let mut next: Vec<(u64, ShardId)> = Vec::new();
         plan.retain(|&shard, uses| {
             while uses.front().is_some_and(|&step| step < now) {
@@ -611,7 +613,7 @@ impl OriginCache {
         let present = self.present(Some(id));
         // Shards on their way here take room too.
         let (flying_bytes, flying_count): (u64, usize) = {
-            let flying = self.flying.lock().unwrap_or_else(PoisonError::into_inner);
+            let flying = self.flying.lock();
             (flying.iter().filter_map(|s| self.fetchable.get(s)).map(|&(b, _)| b).sum(), flying.len())
         };
         let used: u64 = present.iter().map(|&(_, b)| b).sum::<u64>() + flying_bytes;
@@ -636,10 +638,10 @@ impl OriginCache {
             .filter(|&(shard, _)| !self.paths.shard(shard).exists())
             .filter_map(|(shard, next_use)| self.fetchable.get(&shard).map(|&(bytes, _)| (shard, next_use, bytes)))
             .collect();
-        let wanted = self.pace.lock().unwrap_or_else(PoisonError::into_inner).fetches_wanted(self.step(), &missing);
+        let wanted = self.pace.lock().fetches_wanted(self.step(), &missing);
         for (shard, next_use, _) in missing {
             {
-                let flying = self.flying.lock().unwrap_or_else(PoisonError::into_inner);
+                let flying = self.flying.lock();
                 if flying.contains(&shard) {
                     continue;
                 }
@@ -654,7 +656,7 @@ impl OriginCache {
             // Another thread may take the shard after this one.
             self.moved();
             let fetched = self.fetch_counted(shard, false);
-            let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut stats = self.stats.lock();
             match fetched {
                 Ok(Fetch::Fetched) => {
                     stats.prefetched += 1;
@@ -688,18 +690,18 @@ impl OriginCache {
                     // can take the next shard fetches it at once.
                     loop {
                         let Some(cache) = me.upgrade() else { return };
-                        let seen = *cache.moves.lock().unwrap_or_else(PoisonError::into_inner);
+                        let seen = *cache.moves.lock();
                         if !cache.prefetch_one() {
-                            let moves = cache.moves.lock().unwrap_or_else(PoisonError::into_inner);
+                            let mut moves = cache.moves.lock();
                             if *moves == seen {
-                                let _ = cache.moved.wait_timeout(moves, PREFETCH_IDLE);
+                                let _ = cache.moved.wait_for(&mut moves, PREFETCH_IDLE);
                             }
                         }
                     }
                 });
                 // Without the threads, reads still fetch what they miss.
                 if started.is_err() {
-                    self.stats.lock().unwrap_or_else(PoisonError::into_inner).prefetch_failures += 1;
+                    self.stats.lock().prefetch_failures += 1;
                 }
             }
         });
@@ -709,19 +711,19 @@ impl OriginCache {
     /// (one thread looks, and wakes the next when it found work: a step costs one look, not
     /// one per thread).
     fn moved(&self) {
-        *self.moves.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        *self.moves.lock() += 1;
         self.moved.notify_one();
     }
 
     /// Records the shards of every batch delivered from now on (benchmarks: the access trace
     /// Belady's minimum is computed on).
     pub fn record_trace(&self) {
-        *self.trace.lock().unwrap_or_else(PoisonError::into_inner) = Some(Vec::new());
+        *self.trace.lock() = Some(Vec::new());
     }
 
     /// The trace recorded so far.
     pub fn trace(&self) -> Vec<Vec<ShardId>> {
-        self.trace.lock().unwrap_or_else(PoisonError::into_inner).clone().unwrap_or_default()
+        self.trace.lock().clone().unwrap_or_default()
     }
 
     /// The bytes of shard `id`, when an attached dataset names it.
@@ -810,12 +812,12 @@ impl ShardRepair for OriginCache {
             self.quarantine(shard)?;
         }
         let started = Instant::now();
-        self.stats.lock().unwrap_or_else(PoisonError::into_inner).waited += 1;
+        self.stats.lock().waited += 1;
         // Pinned from before the fetch (another reader's fetch may publish it first) until
         // this read has it.
-        self.pinned.lock().unwrap_or_else(PoisonError::into_inner).insert(shard, Instant::now());
+        self.pinned.lock().insert(shard, Instant::now());
         let fetched = self.fetch(shard);
-        self.stats.lock().unwrap_or_else(PoisonError::into_inner).fetch_wait += started.elapsed();
+        self.stats.lock().fetch_wait += started.elapsed();
         fetched
     }
 
@@ -834,13 +836,13 @@ impl ShardRepair for OriginCache {
     }
 
     fn accessed(&self, shards: &[ShardId]) {
-        self.stats.lock().unwrap_or_else(PoisonError::into_inner).accesses += shards.len() as u64;
-        if let Some(trace) = self.trace.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+        self.stats.lock().accesses += shards.len() as u64;
+        if let Some(trace) = self.trace.lock().as_mut() {
             trace.push(shards.to_vec());
         }
         let now = self.step.fetch_add(1, Ordering::AcqRel) + 1;
         {
-            let mut pace = self.pace.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut pace = self.pace.lock();
             let stepped = Instant::now();
             if let Some(last) = pace.last_step.replace(stepped) {
                 pace.step_secs = Pace::average(pace.step_secs, (stepped - last).as_secs_f64());
@@ -848,7 +850,7 @@ impl ShardRepair for OriginCache {
         }
         self.moved();
         let unpinned = {
-            let mut pinned = self.pinned.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut pinned = self.pinned.lock();
             let before = pinned.len();
             for shard in shards {
                 pinned.remove(shard);
@@ -863,11 +865,7 @@ impl ShardRepair for OriginCache {
         if unpinned && let Ok(_lock) = lock_cache(&self.paths) {
             let _ = self.shrink(None, 0);
         }
-        let victims = self
-            .evictor
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .touch_next(shards, &mut |shard| self.next_use(shard, now));
+        let victims = self.evictor.lock().touch_next(shards, &mut |shard| self.next_use(shard, now));
         // A plugin that changed its mind about what fits: its victims go now, under the lock.
         if let Ok(victims) = victims
             && !victims.is_empty()

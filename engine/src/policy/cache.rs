@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
+use parking_lot::Mutex;
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
@@ -60,9 +60,10 @@ impl ComponentCache {
         Ok((id, component, CompiledFrom::Compiler))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ObjectId, Component>> {
-        // Every operation under the lock is one map call: a poisoned map is still consistent.
-        self.compiled.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<ObjectId, Component>> {
+        // Every operation under the lock is one map call: a panic that releases it (parking_lot
+        // does not poison) leaves the map consistent.
+        self.compiled.lock()
     }
 }
 

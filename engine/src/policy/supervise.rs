@@ -10,8 +10,10 @@
 //! returned to the caller as is: it is an answer, not a failure.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
+
+use parking_lot::Mutex;
 
 use super::{Limits, Plugin};
 use crate::error::{Error, PluginError};
@@ -78,7 +80,7 @@ pub struct SwapHandle(Arc<Mutex<Option<(Plugin, Options)>>>);
 impl SwapHandle {
     /// Asks the policy to switch to `plugin`, run with `options`, before its next call.
     pub fn swap(&self, plugin: Plugin, options: &[(String, String)]) {
-        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some((plugin, options.to_vec()));
+        *self.0.lock() = Some((plugin, options.to_vec()));
     }
 }
 
@@ -120,7 +122,7 @@ impl<I> Supervisor<I> {
 
     /// A plugin handed over through a `SwapHandle`, if any.
     pub(crate) fn take_pending(&mut self) -> Option<(Plugin, Options)> {
-        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
+        self.pending.lock().take()
     }
 
     pub(crate) fn active_plugin(&self) -> &Plugin {

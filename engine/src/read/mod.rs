@@ -431,7 +431,7 @@ pub struct Reader {
     slots: Vec<BatchSlot>,
     stats: ReadStats,
     /// A copy of `stats` kept current for another thread (see `publish_stats`).
-    published: Option<Arc<std::sync::Mutex<ReadStats>>>,
+    published: Option<Arc<parking_lot::Mutex<ReadStats>>>,
     staging: Option<StagingPool>,
     repair: Option<Arc<dyn ShardRepair>>,
     tier: Option<TierReader>,
@@ -523,7 +523,7 @@ impl Reader {
 
     /// Copies the counters into `to` after every delivered batch and every repair, so another
     /// thread sees them while a long read runs.
-    pub fn publish_stats(&mut self, to: Arc<std::sync::Mutex<ReadStats>>) {
+    pub fn publish_stats(&mut self, to: Arc<parking_lot::Mutex<ReadStats>>) {
         self.published = Some(to);
     }
 
@@ -848,7 +848,7 @@ struct Pipeline<'r, I> {
     issued: u64,
     sink: &'r mut dyn FnMut(&mut Batch) -> Result<()>,
     stats: &'r mut ReadStats,
-    published: Option<&'r std::sync::Mutex<ReadStats>>,
+    published: Option<&'r parking_lot::Mutex<ReadStats>>,
     staging: Option<&'r StagingPool>,
     /// Scratch: the shards of a delivered batch, for the repair hook's access accounting.
     touched: Vec<ShardId>,
@@ -872,9 +872,9 @@ impl<I> Drop for Pipeline<'_, I> {
 }
 
 /// Copies `stats` to the counters another thread reads, if there are any.
-fn publish(to: Option<&std::sync::Mutex<ReadStats>>, stats: &ReadStats) {
+fn publish(to: Option<&parking_lot::Mutex<ReadStats>>, stats: &ReadStats) {
     if let Some(to) = to {
-        *to.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = *stats;
+        *to.lock() = *stats;
     }
 }
 

@@ -6,9 +6,11 @@
 //! Never: reads files, writes the memory it checks, or decides anything about a batch: the reader
 //! counts the verdicts and delivers a batch only when every one of its ops has checked out.
 
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::shard::ShardMeta;
@@ -185,7 +187,7 @@ impl Drop for VerifyPool {
 /// A worker: takes jobs until the queue closes, answers each.
 fn work(queue: &Mutex<Receiver<Job>>, out: &Sender<Verdict>) {
     loop {
-        let job = queue.lock().unwrap_or_else(PoisonError::into_inner).recv();
+        let job = queue.lock().recv();
         let Ok(job) = job else { return };
         if out.send(check(&job)).is_err() {
             return;

@@ -9,8 +9,9 @@
 //! server and the channel do) or reads a byte.
 
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 /// Handshakes in progress at once, in all and from one address: a peer without the key can
@@ -56,7 +57,7 @@ impl Handshakes {
     /// within a round trip of its connection. `None` (the connection is refused as busy) only
     /// when every slot it could take has authenticated.
     pub(crate) fn begin(this: &Arc<Self>, ip: IpAddr) -> Option<(HandshakeSlot, bool)> {
-        let mut table = this.table.lock().expect("the handshake table lock is never poisoned");
+        let mut table = this.table.lock();
         assert!(table.pending.len() <= HANDSHAKES_MAX);
         let from_ip = table.pending.iter().filter(|p| p.ip == ip).count();
         let victim = if from_ip >= HANDSHAKES_PER_ADDRESS_MAX {
@@ -89,7 +90,7 @@ impl HandshakeSlot {
     /// The connection's first message authenticated: it holds the key (or replays a message of
     /// one that does), and is no longer evicted for newer connections.
     pub(crate) fn authenticated(&self) {
-        let mut table = self.handshakes.table.lock().expect("the handshake table lock is never poisoned");
+        let mut table = self.handshakes.table.lock();
         if let Some(pending) = table.pending.iter_mut().find(|p| p.id == self.id) {
             pending.authenticated = true;
         }
@@ -98,7 +99,7 @@ impl HandshakeSlot {
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
-        let mut table = self.handshakes.table.lock().expect("the handshake table lock is never poisoned");
+        let mut table = self.handshakes.table.lock();
         table.pending.retain(|p| p.id != self.id);
     }
 }
@@ -124,7 +125,7 @@ mod tests {
         // The oldest (slot 0) makes room; slot 1 has authenticated and is kept.
         let (_newer, evicted) = Handshakes::begin(&handshakes, ip(250)).expect("room by eviction");
         assert!(evicted);
-        let table = handshakes.table.lock().unwrap();
+        let table = handshakes.table.lock();
         assert_eq!(table.pending.len(), HANDSHAKES_MAX);
         assert!(!table.pending.iter().any(|p| p.id == slots[0].id));
         assert!(table.pending.iter().any(|p| p.id == slots[1].id));
@@ -145,7 +146,7 @@ mod tests {
         // A further connection from the same address evicts that address's oldest, not another's.
         let (_next, evicted) = Handshakes::begin(&handshakes, ip(9)).expect("room by eviction");
         assert!(evicted);
-        let table = handshakes.table.lock().unwrap();
+        let table = handshakes.table.lock();
         assert!(!table.pending.iter().any(|p| p.id == same[0].id));
         assert!(table.pending.iter().any(|p| p.id == other.id));
         drop(table);

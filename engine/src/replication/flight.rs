@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::Hash;
-use std::sync::Mutex;
 
+use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use crate::error::Result;
@@ -32,8 +32,8 @@ impl<K: Eq + Hash + Clone, T: Clone> InFlight<K, T> {
         Self { flights: Mutex::new(HashMap::new()) }
     }
 
-    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<K, Outcome<T>>> {
-        self.flights.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn table(&self) -> parking_lot::MutexGuard<'_, HashMap<K, Outcome<T>>> {
+        self.flights.lock()
     }
 
     /// Whether work for `key` is in flight.
@@ -74,7 +74,7 @@ impl<K: Eq + Hash + Clone, T: Clone> InFlight<K, T> {
         impl<K: Eq + Hash, T> Drop for Leave<'_, K, T> {
             fn drop(&mut self) {
                 if let Some(key) = self.key.take() {
-                    self.flights.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&key);
+                    self.flights.lock().remove(&key);
                 }
             }
         }

@@ -14,8 +14,9 @@ use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
 
 use super::frame::{InventoryEntry, WireKind};
 use crate::engine::Granary;
@@ -138,7 +139,7 @@ impl LocalStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             Err(e) => return Err(Error::io("read", &path, e)),
         };
-        let mut cached = self.cached.write().expect("the cache set lock is never poisoned");
+        let mut cached = self.cached.write();
         for line in text.lines() {
             if let Some(id) = ObjectId::parse_hex(line.trim())
                 && self.holds(WireKind::Shard, id).is_some()
@@ -176,7 +177,7 @@ impl LocalStore {
             }
         }
         let owned_changed = self.refresh_origin_cached();
-        let mut inventory = self.inventory.write().expect("the inventory lock is never poisoned");
+        let mut inventory = self.inventory.write();
         if *inventory == fresh && !owned_changed {
             return Ok(false);
         }
@@ -196,7 +197,7 @@ impl LocalStore {
                 return false;
             }
         };
-        let mut owned = self.origin_cached.write().expect("the origin set lock is never poisoned");
+        let mut owned = self.origin_cached.write();
         if *owned == fresh {
             return false;
         }
@@ -216,19 +217,19 @@ impl LocalStore {
         if refresh && self.refresh_origin_cached() {
             self.generation.fetch_add(1, Ordering::AcqRel);
         }
-        self.origin_cached.read().expect("the origin set lock is never poisoned").contains(&id)
+        self.origin_cached.read().contains(&id)
     }
 
     /// The length of object `id`, if it is held.
     pub(crate) fn holds(&self, kind: WireKind, id: ObjectId) -> Option<u64> {
-        self.inventory.read().expect("the inventory lock is never poisoned").get(&(kind, id)).copied()
+        self.inventory.read().get(&(kind, id)).copied()
     }
 
     /// Every object held, in (kind, id) order.
     pub(crate) fn entries(&self) -> Vec<InventoryEntry> {
-        let inventory = self.inventory.read().expect("the inventory lock is never poisoned");
-        let cached = self.cached.read().expect("the cache set lock is never poisoned");
-        let owned = self.origin_cached.read().expect("the origin set lock is never poisoned");
+        let inventory = self.inventory.read();
+        let cached = self.cached.read();
+        let owned = self.origin_cached.read();
         inventory
             .iter()
             .map(|(&(kind, id), &bytes)| InventoryEntry {
@@ -242,7 +243,7 @@ impl LocalStore {
 
     /// Whether shard `id` is held only as a cache entry.
     pub(crate) fn is_cached(&self, id: ObjectId) -> bool {
-        self.cached.read().expect("the cache set lock is never poisoned").contains(&id)
+        self.cached.read().contains(&id)
     }
 
     /// Forgets a listed object whose file is gone.
@@ -254,7 +255,7 @@ impl LocalStore {
     /// `replication/cached`, so a restart does not turn cache entries into copies that are
     /// never evicted.
     pub(crate) fn set_cached(&self, id: ObjectId, is_cached: bool) {
-        let mut cached = self.cached.write().expect("the cache set lock is never poisoned");
+        let mut cached = self.cached.write();
         let changed = if is_cached { cached.insert(id) } else { cached.remove(&id) };
         if changed {
             self.generation.fetch_add(1, Ordering::AcqRel);
@@ -273,8 +274,8 @@ impl LocalStore {
     /// The shards held as this node's cache entries, with their lengths (at start, to rebuild
     /// the cache; the origin cache's are not among them).
     pub(crate) fn cached_entries(&self) -> Vec<(ObjectId, u64)> {
-        let cached = self.cached.read().expect("the cache set lock is never poisoned");
-        let owned = self.origin_cached.read().expect("the origin set lock is never poisoned");
+        let cached = self.cached.read();
+        let owned = self.origin_cached.read();
         let mut out: Vec<(ObjectId, u64)> = cached
             .iter()
             .filter(|id| !owned.contains(id))
@@ -287,12 +288,12 @@ impl LocalStore {
     /// Up to `max` entries after `after`, and whether more follow.
     pub(crate) fn page(&self, after: Option<(WireKind, ObjectId)>, max: usize) -> (Vec<InventoryEntry>, bool) {
         use std::ops::Bound;
-        let inventory = self.inventory.read().expect("the inventory lock is never poisoned");
+        let inventory = self.inventory.read();
         let start = match after {
             None => Bound::Unbounded,
             Some(key) => Bound::Excluded(key),
         };
-        let cached = self.cached.read().expect("the cache set lock is never poisoned");
+        let cached = self.cached.read();
         let mut iter = inventory.range((start, Bound::Unbounded));
         let page: Vec<InventoryEntry> = iter
             .by_ref()
@@ -319,7 +320,7 @@ impl LocalStore {
     /// Runs `f` in a write session: the store lock and the catalog, waiting up to the lock wait
     /// for another writer (an ingest) to finish. Blocking.
     pub(crate) fn with_granary<R>(&self, f: impl FnOnce(&mut Granary) -> Result<R>) -> Result<R> {
-        let mut writer = self.writer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut writer = self.writer.lock();
         if writer.is_none() {
             *writer = Some((Granary::open_waiting(self.paths.root(), false, self.lock_wait)?, Instant::now()));
         }
@@ -330,7 +331,7 @@ impl LocalStore {
 
     /// Closes the write session if it has been idle for `idle` (it never waits for it).
     pub(crate) fn release_if_idle(&self, idle: Duration) {
-        if let Ok(mut writer) = self.writer.try_lock()
+        if let Some(mut writer) = self.writer.try_lock()
             && writer.as_ref().is_some_and(|(_, last_used)| last_used.elapsed() >= idle)
         {
             *writer = None;
@@ -347,7 +348,7 @@ impl LocalStore {
     }
 
     fn note_added(&self, kind: WireKind, id: ObjectId, bytes: u64) {
-        let mut inventory = self.inventory.write().expect("the inventory lock is never poisoned");
+        let mut inventory = self.inventory.write();
         if inventory.insert((kind, id), bytes) != Some(bytes) {
             self.generation.fetch_add(1, Ordering::AcqRel);
         }
@@ -355,7 +356,7 @@ impl LocalStore {
 
     fn note_removed(&self, kind: WireKind, id: ObjectId) {
         self.set_cached(id, false);
-        let mut inventory = self.inventory.write().expect("the inventory lock is never poisoned");
+        let mut inventory = self.inventory.write();
         if inventory.remove(&(kind, id)).is_some() {
             self.generation.fetch_add(1, Ordering::AcqRel);
         }

@@ -8,8 +8,9 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use super::frame::WireKind;
 use super::secure::Hello;
@@ -86,8 +87,8 @@ impl PeerTable {
         Self { own, peers: Mutex::new(Vec::new()), incarnations: Mutex::new(HashMap::new()) }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Peer>> {
-        self.peers.lock().expect("the peer lock is never poisoned")
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Vec<Peer>> {
+        self.peers.lock()
     }
 
     /// Adds a peer at `addr` unless it is known or the table is full.
@@ -109,7 +110,7 @@ impl PeerTable {
         if node_id == self.own {
             return Err(format!("it claims this node's id {node_id}"));
         }
-        let mut seen = self.incarnations.lock().expect("the incarnation lock is never poisoned");
+        let mut seen = self.incarnations.lock();
         let known = seen.entry(node_id).or_insert(epoch);
         if epoch < *known {
             return Err(format!("incarnation {epoch} is older than {known}, already seen"));

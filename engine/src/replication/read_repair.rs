@@ -23,7 +23,7 @@ impl Shared {
     /// Quarantines this node's damaged copy; the reconciler brings a good one back when the
     /// shard belongs here.
     pub(crate) async fn quarantine_and_heal(self: &Arc<Self>, kind: WireKind, id: ObjectId) {
-        self.cache.lock().expect("the cache lock is never poisoned").forget(ShardId(id));
+        self.cache.lock().forget(ShardId(id));
         let shared = Arc::clone(self);
         let moved = tokio::task::spawn_blocking(move || shared.local.quarantine(kind, id)).await;
         match moved {
@@ -83,7 +83,7 @@ impl Shared {
             Err(e) => {
                 if as_cache {
                     self.local.set_cached(id.0, false);
-                    self.cache.lock().expect("the cache lock is never poisoned").forget(id);
+                    self.cache.lock().forget(id);
                 }
                 return Err(e);
             }
@@ -97,7 +97,7 @@ impl Shared {
         if as_cache {
             let bytes = self.local.holds(kind, id.0).unwrap_or(0);
             let (victims, cached) = {
-                let mut cache = self.cache.lock().expect("the cache lock is never poisoned");
+                let mut cache = self.cache.lock();
                 cache.admit(id, bytes)?
             };
             if !cached {
@@ -130,8 +130,7 @@ impl Shared {
     pub(super) fn readmit_cache(self: &Arc<Self>) -> Result<()> {
         let mut victims = Vec::new();
         for (id, bytes) in self.local.cached_entries() {
-            let (evicted, cached) =
-                self.cache.lock().expect("the cache lock is never poisoned").admit(ShardId(id), bytes)?;
+            let (evicted, cached) = self.cache.lock().admit(ShardId(id), bytes)?;
             if !cached {
                 self.local.set_cached(id, false);
             }
@@ -153,7 +152,7 @@ impl Shared {
     pub(super) fn accessed(self: &Arc<Self>, shards: &[ShardId]) {
         // On the reader's thread: the evictor call is short; a task is started only when
         // there is something to delete.
-        let victims = self.cache.lock().expect("the cache lock is never poisoned").touch(shards);
+        let victims = self.cache.lock().touch(shards);
         match victims {
             Ok(victims) if victims.is_empty() => {}
             Ok(victims) => {

@@ -49,16 +49,14 @@ impl Shared {
                     Ok(log) => log.versions().iter().any(|v| !self.node_holds(peer, WireKind::Manifest, v.manifest.0)),
                     Err(_) => false,
                 };
-                if missing
-                    && self.pushing.lock().expect("the push table lock is never poisoned").insert((peer, name.clone()))
-                {
+                if missing && self.pushing.lock().insert((peer, name.clone())) {
                     let shared = Arc::clone(self);
                     let name = name.clone();
                     tokio::spawn(async move {
                         if let Err(e) = shared.push_ref(peer, &name, replicas).await {
                             shared.event(format!("could not bring {name} to node {peer}: {e}"));
                         }
-                        shared.pushing.lock().expect("the push table lock is never poisoned").remove(&(peer, name));
+                        shared.pushing.lock().remove(&(peer, name));
                     });
                 }
             }
@@ -109,7 +107,7 @@ impl Shared {
                 });
             }
         }
-        let mut lag = self.lag.lock().expect("the lag lock is never poisoned");
+        let mut lag = self.lag.lock();
         let previous = std::mem::take(&mut lag.under);
         for (shard, since) in &mut under {
             if let Some(&first) = previous.get(shard) {

@@ -48,7 +48,7 @@ impl Shared {
         // A peer asks this node to hold the object: a placed copy, not a cache entry.
         if self.local.is_cached(id) {
             self.local.set_cached(id, false);
-            self.cache.lock().expect("the cache lock is never poisoned").forget(ShardId(id));
+            self.cache.lock().forget(ShardId(id));
         }
         // The asking peer may not be up in this node's table yet (it just started, or its first
         // heartbeat has not been answered): give it a moment rather than refuse.

@@ -11,10 +11,11 @@
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use tokio::sync::{Notify, Semaphore, watch};
 
 use super::admission::{HandshakeSlot, Handshakes};
@@ -126,7 +127,7 @@ impl Shared {
     /// Records an event for the status report (and stderr, for `granary serve`'s log).
     pub(crate) fn event(&self, text: String) {
         eprintln!("granary node {}: {text}", self.hello.node_id);
-        let mut events = self.events.lock().expect("the event lock is never poisoned");
+        let mut events = self.events.lock();
         if events.len() == EVENTS_MAX {
             events.pop_front();
         }
@@ -240,9 +241,7 @@ impl Shared {
     pub(super) async fn placement(&self, nodes: Vec<NodeInfo>, replicas: u32) -> Result<Placement> {
         // The plugin call is short and bounded by its deadline; it runs on this worker thread
         // under block_in_place so the runtime moves other tasks away meanwhile.
-        tokio::task::block_in_place(|| {
-            self.replicator.lock().expect("the replicator lock is never poisoned").place(&nodes, replicas)
-        })
+        tokio::task::block_in_place(|| self.replicator.lock().place(&nodes, replicas))
     }
 
     /// The replicator's transfers that bring `holdings` to `replicas` copies over `nodes`.
@@ -252,9 +251,7 @@ impl Shared {
         replicas: u32,
         holdings: Vec<Holding>,
     ) -> Result<Vec<Transfer>> {
-        tokio::task::block_in_place(|| {
-            self.replicator.lock().expect("the replicator lock is never poisoned").repair(&nodes, replicas, &holdings)
-        })
+        tokio::task::block_in_place(|| self.replicator.lock().repair(&nodes, replicas, &holdings))
     }
 
     /// Whether the replicator places shard `id` on this node for some replication goal. When

@@ -133,7 +133,7 @@ impl Shared {
         });
         let goals = self.local.goals().unwrap_or_default();
         let (under_replicated, unavailable, lag_oldest_ms, lag_last_ms, lag_max_ms) = {
-            let lag = self.lag.lock().expect("the lag lock is never poisoned");
+            let lag = self.lag.lock();
             let oldest = lag.under.values().map(|since| now.duration_since(*since)).max().unwrap_or_default();
             (
                 lag.under.len(),
@@ -144,7 +144,7 @@ impl Shared {
             )
         };
         let (cache_bytes, cache_objects) = {
-            let cache = self.cache.lock().expect("the cache lock is never poisoned");
+            let cache = self.cache.lock();
             (cache.used_bytes(), cache.len())
         };
         let stat = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -181,7 +181,7 @@ impl Shared {
             cache_objects,
             evicted: stat(&self.stats.evicted),
             kept_last_copy: stat(&self.stats.kept_last_copy),
-            events: self.events.lock().expect("the event lock is never poisoned").iter().cloned().collect(),
+            events: self.events.lock().iter().cloned().collect(),
             events_omitted: 0,
             peers_omitted: 0,
         }

@@ -13,8 +13,10 @@
 
 pub mod cuda;
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::io::{AlignedBuf, OwnedMemory};
@@ -146,7 +148,7 @@ impl StagingPool {
         if state.free.is_empty() {
             state.stats.waits += 1;
             while state.free.is_empty() {
-                state = self.inner.returned.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
+                self.inner.returned.wait(&mut state);
             }
         }
         self.lease(&mut state)
@@ -161,7 +163,7 @@ impl StagingPool {
         }
         while state.free.is_empty() {
             let left = deadline.checked_duration_since(Instant::now())?;
-            state = self.inner.returned.wait_timeout(state, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+            self.inner.returned.wait_for(&mut state, left);
         }
         Some(self.lease(&mut state))
     }
@@ -189,9 +191,10 @@ impl std::fmt::Debug for StagingPool {
 
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
-        // The state is a free list and counters, consistent between statements: a panic
-        // elsewhere while holding the lock leaves nothing half-done.
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        // The state is a free list and counters, consistent between statements: a panic while
+        // holding the lock (which releases it: parking_lot does not poison) leaves nothing
+        // half-done.
+        self.state.lock()
     }
 
     fn buffer_ptr(&self, index: usize) -> *mut u8 {

@@ -30,9 +30,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::{ExtentKey, Filled, Holdings, MemoryTier};
 use crate::error::Result;
@@ -209,7 +211,7 @@ struct EvictorInput {
 #[cfg(feature = "policy")]
 pub(super) fn evictor_host() -> Result<crate::policy::PolicyHost> {
     static HOST: Mutex<Option<crate::policy::PolicyHost>> = Mutex::new(None);
-    let mut host = HOST.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut host = HOST.lock();
     if let Some(host) = &*host {
         return Ok(host.clone());
     }
@@ -260,7 +262,7 @@ impl Coordinator {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.state.lock()
     }
 
     /// A schedule is on its way: until it comes, `wait_for` waits for it.
@@ -320,9 +322,9 @@ impl Coordinator {
 
     /// Waits until a fill finishes after `seen` fills had, or `timeout` passes.
     pub fn wait_for_publish(&self, seen: u64, timeout: Duration) {
-        let state = self.lock();
+        let mut state = self.lock();
         if self.published() == seen {
-            let _ = self.changed.wait_timeout(state, timeout);
+            let _ = self.changed.wait_for(&mut state, timeout);
         }
     }
 
@@ -333,7 +335,7 @@ impl Coordinator {
         let mut state = self.lock();
         while state.pending && !state.stop && Instant::now() < deadline {
             let left = deadline.saturating_duration_since(Instant::now());
-            state = self.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+            self.changed.wait_for(&mut state, left);
         }
         if state.planned_at.is_none() {
             self.replan(&mut state);
@@ -356,7 +358,7 @@ impl Coordinator {
             if state.failed[extent] || !state.admitted[extent] || state.stop || now >= deadline {
                 return false;
             }
-            state = self.changed.wait_timeout(state, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            self.changed.wait_for(&mut state, deadline - now);
         }
     }
 
@@ -391,9 +393,8 @@ impl Coordinator {
                 let next_use = state.schedule.next_use(e, state.step);
                 return Some((e, state.schedule.extents[e].clone(), next_use));
             }
-            let (woken, timeout) = self.changed.wait_timeout(state, IDLE_CHECK).unwrap_or_else(|e| e.into_inner());
-            state = woken;
-            if timeout.timed_out() && !state.stop {
+            let waited = self.changed.wait_for(&mut state, IDLE_CHECK);
+            if waited.timed_out() && !state.stop {
                 // Nothing to load: give memory back if the node needs it.
                 drop(state);
                 let _ = self.shrink_under_pressure();
@@ -585,7 +586,7 @@ impl Coordinator {
             .iter()
             .filter_map(|(_, next, name, size)| Some((super::extent_key_of(name, extent_bytes)?, *size, *next)))
             .collect();
-        let mut evictor = self.evictor.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut evictor = self.evictor.lock();
         let input = {
             let state = self.lock();
             let schedule = &state.schedule;
@@ -620,7 +621,7 @@ impl Coordinator {
     /// lock (compiling a plugin there would hold up every filler of the node).
     #[cfg(feature = "policy")]
     fn start_evictor(&self) {
-        let lock = || self.evictor.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let lock = || self.evictor.lock();
         if lock().cache.is_some() {
             return;
         }

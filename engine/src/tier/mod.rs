@@ -31,9 +31,11 @@ mod fill;
 use std::collections::HashMap;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 pub use fill::{Coordinator, ExtentInfo, TierSchedule, run_filler};
 
@@ -351,10 +353,6 @@ pub struct Holdings {
     pub filling: u64,
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 impl MemoryTier {
     /// Opens (creating it if needed) the tier `config` describes; `None` when the budget is 0.
     pub fn open(config: &TierConfig) -> Result<Option<Arc<Self>>> {
@@ -454,7 +452,7 @@ impl MemoryTier {
 
     /// Bytes the tier held at the last directory listing.
     pub fn held_bytes(&self) -> u64 {
-        lock(&self.listing).bytes
+        self.listing.lock().bytes
     }
 
     /// The evictor plugin asked for (`None`: `plan-aware`) and its options.
@@ -487,7 +485,7 @@ impl MemoryTier {
 
     /// Counters so far.
     pub fn stats(&self) -> TierStats {
-        let bytes_held = lock(&self.listing).bytes;
+        let bytes_held = self.listing.lock().bytes;
         TierStats {
             bytes_held,
             budget_bytes: self.effective_budget(bytes_held),
@@ -520,7 +518,7 @@ impl MemoryTier {
     /// written by hand): it is removed, so the extent can be filled again.
     pub fn lookup(&self, key: &ExtentKey, len: u64) -> Result<Lookup> {
         let name = self.extent_name(key);
-        let mut maps = lock(&self.maps);
+        let mut maps = self.maps.lock();
         if let Some(mapped) = maps.get(&name) {
             if !mapped.is_gone() {
                 return Ok(Lookup::Resident(Arc::clone(mapped)));
@@ -682,7 +680,7 @@ impl MemoryTier {
             self.counters.extents_loaded.fetch_add(1, Ordering::Relaxed);
             self.counters.bytes_loaded.fetch_add(len as u64, Ordering::Relaxed);
             let ino = file.metadata().map(|m| m.ino()).unwrap_or(0);
-            let mut listing = lock(&self.listing);
+            let mut listing = self.listing.lock();
             if listing.extents.insert(name.to_owned(), (len as u64, ino)).is_none() {
                 listing.bytes += len as u64;
             }
@@ -748,10 +746,10 @@ impl MemoryTier {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(Error::io("remove", &path, e)),
         }
-        if let Some(mapped) = lock(&self.maps).remove(name) {
+        if let Some(mapped) = self.maps.lock().remove(name) {
             mapped.mark_gone();
         }
-        let mut listing = lock(&self.listing);
+        let mut listing = self.listing.lock();
         if let Some((bytes, _)) = listing.extents.remove(name) {
             listing.bytes -= bytes;
         }
@@ -761,7 +759,7 @@ impl MemoryTier {
     /// The extents held node-wide (name and bytes), listed again when the last listing is older
     /// than a moment. Only files named as extents count.
     pub fn resident(&self) -> Result<(HashMap<String, u64>, u64)> {
-        let mut listing = lock(&self.listing);
+        let mut listing = self.listing.lock();
         if listing.at.is_none_or(|at| at.elapsed() > SCAN_TTL) {
             self.list(&mut listing)?;
         }
@@ -771,7 +769,7 @@ impl MemoryTier {
     /// What the tier holds and is filling node-wide, listed now: the extents, and each fill under
     /// way at its claim's length (a live claim; a dead filler's is removed).
     fn holdings_now(&self) -> Result<Holdings> {
-        let mut listing = lock(&self.listing);
+        let mut listing = self.listing.lock();
         let claims = self.list(&mut listing)?;
         let extents = listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect();
         let held = listing.bytes;
@@ -813,7 +811,7 @@ impl MemoryTier {
             }
         }
         // Mappings of extents another process evicted (or replaced) go, so their memory can.
-        lock(&self.maps).retain(|name, mapped| {
+        self.maps.lock().retain(|name, mapped| {
             let listed = extents.get(name).is_some_and(|&(_, ino)| ino == mapped.map.ino());
             if !listed {
                 mapped.mark_gone();
@@ -843,8 +841,8 @@ impl MemoryTier {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
-        *lock(&self.listing) = Listing { at: None, extents: HashMap::new(), bytes: 0 };
-        for (_, mapped) in lock(&self.maps).drain() {
+        *self.listing.lock() = Listing { at: None, extents: HashMap::new(), bytes: 0 };
+        for (_, mapped) in self.maps.lock().drain() {
             mapped.mark_gone();
         }
         Ok(())
