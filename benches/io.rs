@@ -148,6 +148,9 @@ fn staging_pool(c: &mut Criterion) {
         })
     });
     group.finish();
+    // How often a lease found the buffer taken: the share of the handoff figure that is a wait.
+    let stats = shared.stats();
+    println!("staging_pool/handoff: {} of {} leases waited for the buffer", stats.waits, stats.leases);
 }
 
 criterion_group!(benches, io_read_4k_qd32, reader_get, staging_pool);

@@ -31,12 +31,10 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvErr
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
-
 use crate::error::{Error, Result};
 use crate::io::{Fault, FaultIo, Io, IoConfig, LazyIo, OwnedMemory};
 use crate::plan::{EpochPlan, Order, Position, RankCursor, World};
-use crate::read::{Batch, Dataset, ReadStats, Reader};
+use crate::read::{Batch, Dataset, PublishedStats, ReadStats, Reader};
 use crate::staging::cuda::{Cuda, DeviceBuffer, Fence, Stream, Upload};
 use crate::staging::{Pinning, PoolStats, StagingConfig, StagingPool};
 use crate::tier::{Coordinator, MemoryTier, TierConfig, TierReader, TierStats};
@@ -455,7 +453,7 @@ pub struct Loader {
     held: Arc<AtomicUsize>,
     hold_max: usize,
     pool: StagingPool,
-    read_stats: Arc<Mutex<ReadStats>>,
+    read_stats: Arc<PublishedStats>,
     position: Position,
     stats: LoaderStats,
     first_next: Option<Instant>,
@@ -506,7 +504,7 @@ impl Loader {
         let pool = StagingPool::new(StagingConfig { buffers, buffer_bytes: batch_bytes.max(1), pinning })?;
 
         let stop = Arc::new(AtomicBool::new(false));
-        let read_stats = Arc::new(Mutex::new(ReadStats::default()));
+        let read_stats = Arc::new(PublishedStats::default());
         let (to_next, from_reader) = std::sync::mpsc::sync_channel(config.prefetch);
         // The tier's schedule and an origin cache's plan cover every rank of this node.
         let wants_plan = config.repair.as_ref().is_some_and(|hook| hook.wants_plan());
@@ -655,7 +653,7 @@ impl Loader {
     /// Counters so far.
     pub fn stats(&self) -> LoaderStats {
         let mut stats = self.stats;
-        stats.read = *self.read_stats.lock();
+        stats.read = self.read_stats.get();
         stats.pool = self.pool.stats();
         stats.tier = self.coordinator.as_ref().map(|c| c.tier().stats());
         stats.cache = self.repair.as_ref().and_then(|hook| hook.cache_stats());
@@ -792,7 +790,7 @@ struct ReaderStage {
     start: Position,
     out: SyncSender<Message>,
     stop: Arc<AtomicBool>,
-    stats: Arc<Mutex<ReadStats>>,
+    stats: Arc<PublishedStats>,
 }
 
 /// The repair hook of a loader of `dataset` given `given`: for an attached dataset, the store's

@@ -431,7 +431,7 @@ pub struct Reader {
     slots: Vec<BatchSlot>,
     stats: ReadStats,
     /// A copy of `stats` kept current for another thread (see `publish_stats`).
-    published: Option<Arc<parking_lot::Mutex<ReadStats>>>,
+    published: Option<Arc<PublishedStats>>,
     staging: Option<StagingPool>,
     repair: Option<Arc<dyn ShardRepair>>,
     tier: Option<TierReader>,
@@ -523,7 +523,7 @@ impl Reader {
 
     /// Copies the counters into `to` after every delivered batch and every repair, so another
     /// thread sees them while a long read runs.
-    pub fn publish_stats(&mut self, to: Arc<parking_lot::Mutex<ReadStats>>) {
+    pub fn publish_stats(&mut self, to: Arc<PublishedStats>) {
         self.published = Some(to);
     }
 
@@ -848,7 +848,7 @@ struct Pipeline<'r, I> {
     issued: u64,
     sink: &'r mut dyn FnMut(&mut Batch) -> Result<()>,
     stats: &'r mut ReadStats,
-    published: Option<&'r parking_lot::Mutex<ReadStats>>,
+    published: Option<&'r PublishedStats>,
     staging: Option<&'r StagingPool>,
     /// Scratch: the shards of a delivered batch, for the repair hook's access accounting.
     touched: Vec<ShardId>,
@@ -872,9 +872,21 @@ impl<I> Drop for Pipeline<'_, I> {
 }
 
 /// Copies `stats` to the counters another thread reads, if there are any.
-fn publish(to: Option<&parking_lot::Mutex<ReadStats>>, stats: &ReadStats) {
+fn publish(to: Option<&PublishedStats>, stats: &ReadStats) {
     if let Some(to) = to {
-        *to.lock() = *stats;
+        *to.0.lock() = *stats;
+    }
+}
+
+/// A reader's counters as another thread sees them while the reader runs
+/// (`Reader::publish_stats`).
+#[derive(Debug, Default)]
+pub struct PublishedStats(parking_lot::Mutex<ReadStats>);
+
+impl PublishedStats {
+    /// The counters as of the reader's last delivered batch or repair.
+    pub fn get(&self) -> ReadStats {
+        *self.0.lock()
     }
 }
 

@@ -274,12 +274,16 @@ impl LocalStore {
     /// The shards held as this node's cache entries, with their lengths (at start, to rebuild
     /// the cache; the origin cache's are not among them).
     pub(crate) fn cached_entries(&self) -> Vec<(ObjectId, u64)> {
+        // The order every reader that holds more than one of these locks takes them in
+        // (writers hold one at a time): a waiting writer blocks new readers, so two readers
+        // taking them in different orders could wait on each other through writers.
+        let inventory = self.inventory.read();
         let cached = self.cached.read();
         let owned = self.origin_cached.read();
         let mut out: Vec<(ObjectId, u64)> = cached
             .iter()
             .filter(|id| !owned.contains(id))
-            .filter_map(|&id| self.holds(WireKind::Shard, id).map(|bytes| (id, bytes)))
+            .filter_map(|&id| inventory.get(&(WireKind::Shard, id)).map(|&bytes| (id, bytes)))
             .collect();
         out.sort();
         out

@@ -2,9 +2,10 @@
 //! it: which peers are up, which are demoted, who holds what, where to pull an object from.
 //!
 //! Owns `Peer`, the table and its lock, and the incarnations seen in hellos. The heartbeats
-//! (`heartbeat.rs`) write it from what their probes find; every other job reads it. Never: talks
-//! to the network, starts a task, or decides what to copy (it answers questions about what the
-//! heartbeats saw; the jobs above it act on the answers).
+//! (`heartbeat.rs`) write it from what their probes find; besides them, a pull demotes a source
+//! that sent bad bytes (`demote`) and a confirmed fetch notes the new holder (`note_has`); every
+//! job reads it. Never: talks to the network, starts a task, or decides what to copy (it answers
+//! questions about what the heartbeats saw; the jobs above it act on the answers).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

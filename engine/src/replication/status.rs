@@ -4,8 +4,8 @@
 //! people (`Display`).
 //!
 //! Invariant: the JSON a node sends fits a `Status` frame (oldest events, then peers beyond
-//! what fits, are left out and counted). Never: changes what it reports on (it reads counters
-//! and tables under their locks, one at a time).
+//! what fits, are left out and counted). Never: changes what it reports on (it only reads
+//! counters and tables, under their locks).
 
 use std::fmt;
 use std::net::SocketAddr;
