@@ -47,6 +47,61 @@ pub fn block_crc(block: u64, bytes: &[u8]) -> u32 {
     crc32c::crc32c_append(crc32c::crc32c(&block.to_le_bytes()), bytes)
 }
 
+/// Blocks checked together by `blocks_match` at most: 48 blocks, 192 KiB, eight times the 24 KiB
+/// the crate's fastest loop (three interleaved streams) takes at once; a pass per 4 KiB block
+/// runs its slower loop and pays a call per block (BENCHMARKS.md). A check over a run keeps
+/// CRC32C's guarantees at these lengths: every burst of up to 32 bits and every error of up to 3
+/// bits is caught (Hamming distance 4 up to 2^31 bits, as for one block); what a run gives up is
+/// only the independent 2^-32 per block when several blocks are damaged at once.
+pub const CHECK_RUN_BLOCKS: usize = 48;
+
+/// Whether data blocks `first_block..` (`bytes`, whole blocks) have the checksums `expected`
+/// (one per block, as `block_crc` makes them), checked with one CRC32C pass per run of up to
+/// `CHECK_RUN_BLOCKS` blocks.
+///
+/// CRC32C is linear: `crc32c_combine(a, b, n)` is `Z(a) ^ b`, where `Z` runs the CRC over `n`
+/// zero bytes. A block's stored checksum is `Z(crc32c(index)) ^ crc32c(bytes)`, so the CRC of the
+/// bytes alone follows from it, and the CRC a run's bytes must have follows from those of its
+/// blocks (`Z` applied once per block, Horner's way). When a run's CRC differs, the run has a
+/// bad block; `false` sends the caller to `block_crc` to name it.
+pub fn blocks_match(first_block: u64, bytes: &[u8], expected: &[u32]) -> bool {
+    if bytes.len() != expected.len() * BLOCK_BYTES {
+        return false;
+    }
+    let mut block = first_block;
+    for (run, want) in bytes.chunks(CHECK_RUN_BLOCKS * BLOCK_BYTES).zip(expected.chunks(CHECK_RUN_BLOCKS)) {
+        let mut run_crc = 0u32;
+        for &stored in want {
+            let seed = crc32c::crc32c(&block.to_le_bytes());
+            // Z(run) ^ Z(seed) ^ stored, with Z applied once (it is linear).
+            run_crc = zeros_block(run_crc ^ seed) ^ stored;
+            block += 1;
+        }
+        if crc32c::crc32c(run) != run_crc {
+            return false;
+        }
+    }
+    true
+}
+
+/// `Z` of `blocks_match` for one block of zeros: linear over GF(2), so four byte tables built
+/// from its value on the 32 unit vectors (`crc32c_combine(1 << bit, 0, BLOCK_BYTES)`).
+fn zeros_block(crc: u32) -> u32 {
+    static TABLES: std::sync::OnceLock<[[u32; 256]; 4]> = std::sync::OnceLock::new();
+    let tables = TABLES.get_or_init(|| {
+        let unit: Vec<u32> = (0..32).map(|bit| crc32c::crc32c_combine(1 << bit, 0, BLOCK_BYTES)).collect();
+        let mut tables = [[0u32; 256]; 4];
+        for (byte, table) in tables.iter_mut().enumerate() {
+            for (value, entry) in table.iter_mut().enumerate() {
+                *entry = (0..8).filter(|bit| value >> bit & 1 == 1).fold(0, |acc, bit| acc ^ unit[8 * byte + bit]);
+            }
+        }
+        tables
+    });
+    let [b0, b1, b2, b3] = crc.to_le_bytes();
+    tables[0][usize::from(b0)] ^ tables[1][usize::from(b1)] ^ tables[2][usize::from(b2)] ^ tables[3][usize::from(b3)]
+}
+
 /// Encodes the header block: magic, version, block size, layout, and a CRC32C of the rest.
 pub(crate) fn encode_header(layout: &Layout) -> [u8; BLOCK_BYTES] {
     let mut block = [0u8; BLOCK_BYTES];

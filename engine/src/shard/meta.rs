@@ -15,7 +15,7 @@ use crate::error::{Error, FormatError, Result};
 
 use super::format::{
     BLOCK_BYTES, BLOCK_BYTES_U64, CRC_ENTRY_BYTES, DATA_OFFSET, Footer, INDEX_ENTRY_BYTES, TAIL_BYTES_MAX, block_crc,
-    decode_header, padded,
+    blocks_match, decode_header, padded,
 };
 use super::layout::{Layout, read_u32, read_u64};
 
@@ -231,9 +231,17 @@ impl ShardMeta {
     }
 
     /// Checks consecutive data blocks starting at `first_block`; returns the first bad one as
-    /// `(block, expected, actual)`.
+    /// `(block, expected, actual)`. Runs of blocks are checked in one pass each (`blocks_match`);
+    /// a run that fails is checked block by block, to name the bad block.
     pub fn check_blocks(&self, first_block: u64, bytes: &[u8]) -> Result<(), (u64, u32, u32)> {
         debug_assert_eq!(bytes.len() % BLOCK_BYTES, 0);
+        let first = usize::try_from(first_block).unwrap_or(usize::MAX);
+        let stored = first.checked_add(bytes.len() / BLOCK_BYTES).and_then(|end| self.block_crcs.get(first..end));
+        if let Some(expected) = stored
+            && blocks_match(first_block, bytes, expected)
+        {
+            return Ok(());
+        }
         for (block, chunk) in (first_block..).zip(bytes.chunks_exact(BLOCK_BYTES)) {
             self.check_block(block, chunk).map_err(|(expected, actual)| (block, expected, actual))?;
         }

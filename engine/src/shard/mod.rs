@@ -20,8 +20,8 @@ mod writer;
 mod tests;
 
 pub use format::{
-    BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET, FILE_BYTES_MAX, FOOTER_MAGIC, FORMAT_VERSION, Footer, HEADER_MAGIC,
-    block_crc, padded,
+    BLOCK_BYTES, BLOCK_BYTES_U64, CHECK_RUN_BLOCKS, DATA_OFFSET, FILE_BYTES_MAX, FOOTER_MAGIC, FORMAT_VERSION, Footer,
+    HEADER_MAGIC, block_crc, blocks_match, padded,
 };
 pub use layout::{Dtype, FIXED_RECORD_BYTES_MAX, FixedLayout, LAYOUT_BYTES, Layout, SHAPE_DIMS_MAX};
 pub use meta::{MetaDigest, ShardMeta, check_file_bytes};

@@ -186,3 +186,73 @@ fn a_future_format_version_is_reported_as_such() {
         Err(FormatError::UnsupportedVersion { found: 2, supported: 1, .. })
     ));
 }
+
+/// Pseudo-random bytes, the same for the same seed.
+fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A run checked in one pass agrees with a check per block: intact blocks pass, and any
+    /// flipped bit, any wrong stored checksum and any two blocks swapped fail.
+    #[test]
+    fn blocks_checked_together_agree_with_blocks_checked_one_by_one(
+        first_block in 0u64..1 << 40,
+        n_blocks in 1usize..3 * CHECK_RUN_BLOCKS + 2,
+        seed in any::<u64>(),
+        flip in any::<(usize, u8)>(),
+        wrong in any::<(usize, u32)>(),
+        swap in any::<(usize, usize)>(),
+    ) {
+        let bytes = noise(seed, n_blocks * BLOCK_BYTES);
+        let blocks = |bytes: &[u8]| -> Vec<u32> {
+            bytes.chunks_exact(BLOCK_BYTES).zip(first_block..).map(|(b, i)| block_crc(i, b)).collect()
+        };
+        let expected = blocks(&bytes);
+        prop_assert!(blocks_match(first_block, &bytes, &expected));
+
+        let mut flipped = bytes.clone();
+        flipped[flip.0 % bytes.len()] ^= 1 << (flip.1 % 8);
+        prop_assert!(!blocks_match(first_block, &flipped, &expected));
+
+        let mut lying = expected.clone();
+        lying[wrong.0 % n_blocks] ^= wrong.1.max(1);
+        prop_assert!(!blocks_match(first_block, &bytes, &lying));
+
+        let (a, b) = (swap.0 % n_blocks, swap.1 % n_blocks);
+        if a != b {
+            let mut swapped = bytes.clone();
+            for k in 0..BLOCK_BYTES {
+                swapped.swap(a * BLOCK_BYTES + k, b * BLOCK_BYTES + k);
+            }
+            prop_assert!(!blocks_match(first_block, &swapped, &expected));
+        }
+        prop_assert!(!blocks_match(first_block, &bytes[..bytes.len() - BLOCK_BYTES], &expected));
+    }
+}
+
+#[test]
+fn check_blocks_names_the_bad_block_of_a_run_checked_in_one_pass() {
+    let records: Vec<Vec<u8>> = (0..40).map(|i| noise(i, 4096)).collect();
+    let layout = Layout::Fixed(FixedLayout::new(Dtype::U8, &[4096]).unwrap());
+    let (mut bytes, _) = shard_bytes(&layout, &records);
+    let meta = ShardMeta::from_file_bytes(&bytes).unwrap();
+    let data = BLOCK_BYTES..BLOCK_BYTES * 41;
+    assert_eq!(meta.check_blocks(0, &bytes[data.clone()]), Ok(()));
+    assert_eq!(meta.check_blocks(3, &bytes[BLOCK_BYTES * 4..BLOCK_BYTES * 37]), Ok(()));
+    bytes[BLOCK_BYTES * 30 + 17] ^= 0x10;
+    let (block, expected, actual) = meta.check_blocks(0, &bytes[data]).unwrap_err();
+    assert_eq!(block, 29);
+    assert_eq!(expected, meta.expected_crc(29));
+    assert_ne!(actual, expected);
+}
