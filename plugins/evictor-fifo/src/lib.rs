@@ -4,9 +4,10 @@ use granary_policy_sdk::evict::Evictor;
 use granary_policy_sdk::list::KeyList;
 use granary_policy_sdk::{Error, Options};
 
-/// Insertion order: head is the newest.
+/// Insertion order: head is the newest; each key with its size (the cache keeps no table of its
+/// own: `KEEPS_RESIDENTS`).
 pub struct Fifo {
-    queue: KeyList<()>,
+    queue: KeyList<u32>,
 }
 
 impl Evictor for Fifo {
@@ -17,14 +18,28 @@ impl Evictor for Fifo {
         Ok(Self { queue: KeyList::default() })
     }
 
-    fn insert(&mut self, key: u64, _size: u32, _next_use: u64) {
-        self.queue.push_head(key, ());
+    const KEEPS_RESIDENTS: bool = true;
+
+    fn insert(&mut self, key: u64, size: u32, _next_use: u64) {
+        self.queue.push_head(key, size);
     }
 
     fn hit(&mut self, _key: u64, _size: u32, _next_use: u64) {}
 
+    fn hit_if_resident(&mut self, key: u64, _size: u32, _next_use: u64) -> bool {
+        self.queue.contains(key)
+    }
+
+    fn resident(&self, key: u64) -> Option<u32> {
+        self.queue.get(key)
+    }
+
     fn evict(&mut self) -> Option<u64> {
-        self.queue.pop_tail().map(|(key, ())| key)
+        self.queue.pop_tail().map(|(key, _)| key)
+    }
+
+    fn evict_sized(&mut self) -> Option<(u64, u32)> {
+        self.queue.pop_tail()
     }
 
     fn remove(&mut self, key: u64) {

@@ -7,9 +7,10 @@ use granary_policy_sdk::evict::Evictor;
 use granary_policy_sdk::list::KeyList;
 use granary_policy_sdk::{Error, Options};
 
-/// The queue (value: visited) and the hand.
+/// The queue (value: visited, size) and the hand. The cache keeps no table of its own
+/// (`KEEPS_RESIDENTS`).
 pub struct Sieve {
-    queue: KeyList<bool>,
+    queue: KeyList<(bool, u32)>,
     /// The key the hand rests on; `None` means the tail.
     hand: Option<u64>,
 }
@@ -22,26 +23,44 @@ impl Evictor for Sieve {
         Ok(Self { queue: KeyList::default(), hand: None })
     }
 
-    fn insert(&mut self, key: u64, _size: u32, _next_use: u64) {
-        self.queue.push_head(key, false);
+    const KEEPS_RESIDENTS: bool = true;
+
+    fn insert(&mut self, key: u64, size: u32, _next_use: u64) {
+        self.queue.push_head(key, (false, size));
     }
 
-    fn hit(&mut self, key: u64, _size: u32, _next_use: u64) {
-        if let Some(visited) = self.queue.get_mut(key) {
-            *visited = true;
+    fn hit(&mut self, key: u64, size: u32, next_use: u64) {
+        self.hit_if_resident(key, size, next_use);
+    }
+
+    fn hit_if_resident(&mut self, key: u64, _size: u32, _next_use: u64) -> bool {
+        match self.queue.get_mut(key) {
+            Some((visited, _)) => {
+                *visited = true;
+                true
+            }
+            None => false,
         }
     }
 
+    fn resident(&self, key: u64) -> Option<u32> {
+        self.queue.get(key).map(|(_, size)| size)
+    }
+
     fn evict(&mut self) -> Option<u64> {
+        self.evict_sized().map(|(key, _)| key)
+    }
+
+    fn evict_sized(&mut self) -> Option<(u64, u32)> {
         let mut at = self.hand.and_then(|key| self.queue.cursor(key)).or_else(|| self.queue.tail())?;
         loop {
-            let (key, visited) = self.queue.at(at);
+            let (key, (visited, size)) = self.queue.at(at);
             if !visited {
                 self.hand = self.queue.newer(at).map(|newer| self.queue.at(newer).0);
                 self.queue.remove(key);
-                return Some(key);
+                return Some((key, size));
             }
-            *self.queue.value_at(at) = false;
+            self.queue.value_at(at).0 = false;
             at = self.queue.newer(at).or_else(|| self.queue.tail())?;
         }
     }
@@ -65,7 +84,7 @@ impl Evictor for Sieve {
         state.extend_from_slice(&self.hand.unwrap_or(0).to_le_bytes());
         let mut at = self.queue.tail();
         while let Some(cursor) = at {
-            state.push(u8::from(self.queue.at(cursor).1));
+            state.push(u8::from(self.queue.at(cursor).1.0));
             at = self.queue.newer(cursor);
         }
         state
@@ -73,8 +92,8 @@ impl Evictor for Sieve {
 
     fn restore(&mut self, resident: &[(u64, u32)], state: Option<&[u8]>) -> Result<(), Error> {
         let Some(state) = state else {
-            for &(key, _) in resident {
-                self.queue.push_head(key, false);
+            for &(key, size) in resident {
+                self.queue.push_head(key, (false, size));
             }
             return Ok(());
         };
@@ -85,8 +104,8 @@ impl Evictor for Sieve {
                 resident.len()
             )));
         }
-        for (&(key, _), &visited) in resident.iter().zip(&state[9..]) {
-            self.queue.push_head(key, visited != 0);
+        for (&(key, size), &visited) in resident.iter().zip(&state[9..]) {
+            self.queue.push_head(key, (visited != 0, size));
         }
         let mut hand = [0u8; 8];
         hand.copy_from_slice(&state[1..9]);

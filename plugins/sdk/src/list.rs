@@ -85,7 +85,23 @@ impl<T: Copy> KeyList<T> {
         }
     }
 
+    /// Moves `key` to the head and returns its value, in one lookup; `None` if it is not in the
+    /// list.
+    pub fn touch(&mut self, key: u64) -> Option<T> {
+        let at = self.index.get(key)?;
+        if at != self.head {
+            self.unlink(at);
+            self.link_head(at);
+        }
+        Some(self.nodes[at as usize].value)
+    }
+
     /// The value of `key`.
+    pub fn get(&self, key: u64) -> Option<T> {
+        self.index.get(key).map(|at| self.nodes[at as usize].value)
+    }
+
+    /// The value of `key`, mutably.
     pub fn get_mut(&mut self, key: u64) -> Option<&mut T> {
         let at = self.index.get(key)?;
         Some(&mut self.nodes[at as usize].value)
