@@ -23,7 +23,7 @@ fn data(len: usize) -> Vec<u8> {
 /// `shard_block_crc32c`: CRC32C of 4 KiB blocks, seeded with the block index, over 64 MiB.
 /// Budget: over 10 GB/s per core (SSE4.2 three-way interleaved), 5x the disk. `64MiB` computes
 /// every block's checksum, as the writer does; `check_runs` checks the blocks against their
-/// stored checksums as the reader does (`blocks_match`: one pass per run of 16 blocks); `one_pass`
+/// stored checksums as the reader does (`blocks_match`: one pass per run of 48 blocks); `one_pass`
 /// is the crate's speed on one long buffer, the reference `check_runs` is held to.
 fn shard_block_crc32c(c: &mut Criterion) {
     let buf = data(64 << 20);

@@ -232,7 +232,8 @@ impl ShardMeta {
 
     /// Checks consecutive data blocks starting at `first_block`; returns the first bad one as
     /// `(block, expected, actual)`. Runs of blocks are checked in one pass each (`blocks_match`);
-    /// a run that fails is checked block by block, to name the bad block.
+    /// when one fails, the blocks are checked again one by one from `first_block`, to name the
+    /// first bad one (the error path only).
     pub fn check_blocks(&self, first_block: u64, bytes: &[u8]) -> Result<(), (u64, u32, u32)> {
         debug_assert_eq!(bytes.len() % BLOCK_BYTES, 0);
         let first = usize::try_from(first_block).unwrap_or(usize::MAX);

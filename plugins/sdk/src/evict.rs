@@ -8,9 +8,12 @@
 //! A policy whose own index already says which keys are resident (an LRU's list, a FIFO's queue)
 //! can set [`Evictor::KEEPS_RESIDENTS`] and answer [`Evictor::hit_if_resident`],
 //! [`Evictor::resident`] and [`Evictor::evict_sized`]: the cache then keeps no table of its own,
-//! so a hit is one lookup and a miss one insert and one removal per victim, in one table. Inside
+//! so a hit is one lookup and a miss one insert and one removal per victim, in one table (inside
 //! the sandbox every table operation costs about twice what it does natively, and the cache's
-//! table was half of them.
+//! table was half of them). Membership is then the policy's word: a policy that loses track
+//! disagrees with the host, whose check of every outcome refuses the batch, and the cache
+//! reports what it can tell is inconsistent (a victim when nothing is resident, more bytes
+//! evicted than are resident) as an error.
 
 use crate::hash::KeyMap;
 
@@ -39,7 +42,8 @@ pub trait Evictor: Sized + 'static {
     /// The host removed `key` (it is resident); forget it.
     fn remove(&mut self, key: u64);
 
-    /// Resident keys, next victim first (as far as the policy can tell cheaply).
+    /// Resident keys, next victim first (as far as the policy can tell cheaply). With
+    /// `KEEPS_RESIDENTS` it must list every resident key: a restore removes what it lists.
     fn order(&self) -> Vec<u64>;
 
     /// Whether the policy's index answers which keys are resident, and their sizes, so that the
@@ -49,22 +53,24 @@ pub trait Evictor: Sized + 'static {
     /// [`evict`](Self::evict).
     const KEEPS_RESIDENTS: bool = false;
 
-    /// With `KEEPS_RESIDENTS`: if `key` is resident, records the hit and returns `true`.
+    /// With `KEEPS_RESIDENTS`: if `key` is resident, records the hit and returns `true`. (The
+    /// cache calls it only when `KEEPS_RESIDENTS` is set; a policy that sets it without this
+    /// method stops at its first access, naming what is missing.)
     fn hit_if_resident(&mut self, key: u64, size: u32, next_use: u64) -> bool {
         let _ = (key, size, next_use);
-        false
+        panic!("{} sets KEEPS_RESIDENTS but does not implement hit_if_resident", Self::NAME)
     }
 
     /// With `KEEPS_RESIDENTS`: the size of `key` if it is resident.
     fn resident(&self, key: u64) -> Option<u32> {
         let _ = key;
-        None
+        panic!("{} sets KEEPS_RESIDENTS but does not implement resident", Self::NAME)
     }
 
     /// With `KEEPS_RESIDENTS`: picks a resident key to evict, forgets it and returns it with its
     /// size; `None` only when nothing is resident.
     fn evict_sized(&mut self) -> Option<(u64, u32)> {
-        None
+        panic!("{} sets KEEPS_RESIDENTS but does not implement evict_sized", Self::NAME)
     }
 
     /// Policy-specific state beyond the order, for a snapshot of the same policy.
@@ -174,8 +180,10 @@ impl<P: Evictor> Cache<P> {
         for &key in keys {
             let size = if P::KEEPS_RESIDENTS { self.policy.resident(key) } else { self.resident.remove(key) };
             if let Some(size) = size {
-                self.used -= u64::from(size);
-                self.count -= 1;
+                // Saturating: with `KEEPS_RESIDENTS` the sizes are the policy's word, and a
+                // policy that lost track is refused by the host's check, not by a panic here.
+                self.used = self.used.saturating_sub(u64::from(size));
+                self.count = self.count.saturating_sub(1);
                 self.policy.remove(key);
             }
         }
@@ -193,7 +201,7 @@ impl<P: Evictor> Cache<P> {
 
     /// Replaces the contents with a snapshot's (from this policy or another).
     pub fn restore(&mut self, policy: &str, resident: &[(u64, u32)], state: &[u8]) -> Result<(), Error> {
-        let keys: Vec<u64> = self.policy.order();
+        let keys: Vec<u64> = if P::KEEPS_RESIDENTS { self.policy.order() } else { self.resident.keys().collect() };
         self.remove(&keys);
         let mut seen = KeyMap::default();
         let mut used = 0u64;
@@ -220,10 +228,11 @@ impl<P: Evictor> Cache<P> {
                 .evict_sized()
                 .ok_or_else(|| Error::InvalidInput(format!("{} found no victim in a non-empty cache", P::NAME)))?;
             // The policy's word alone: a size it never admitted is its bug, reported, not trusted.
-            self.used = self.used.checked_sub(u64::from(size)).ok_or_else(|| {
+            let inconsistent = || {
                 Error::InvalidInput(format!("{} evicted key {victim} of {size} bytes, more than is resident", P::NAME))
-            })?;
-            self.count -= 1;
+            };
+            self.used = self.used.checked_sub(u64::from(size)).ok_or_else(inconsistent)?;
+            self.count = self.count.checked_sub(1).ok_or_else(inconsistent)?;
             return Ok(victim);
         }
         let victim = self
