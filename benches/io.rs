@@ -128,7 +128,7 @@ fn staging_pool(c: &mut Criterion) {
     let alone = pool(4);
     group.bench_function("lease", |b| b.iter(|| drop(alone.acquire())));
     let shared = pool(1);
-    group.bench_function("handoff", |b| {
+    group.bench_function("contended", |b| {
         b.iter_custom(|n| {
             let other = shared.clone();
             let started = std::time::Instant::now();
@@ -148,9 +148,9 @@ fn staging_pool(c: &mut Criterion) {
         })
     });
     group.finish();
-    // How often a lease found the buffer taken: the share of the handoff figure that is a wait.
+    // How often a lease found the buffer taken: the share of the contended figure that is a wait.
     let stats = shared.stats();
-    println!("staging_pool/handoff: {} of {} leases waited for the buffer", stats.waits, stats.leases);
+    println!("staging_pool/contended: {} of {} leases waited for the buffer", stats.waits, stats.leases);
 }
 
 criterion_group!(benches, io_read_4k_qd32, reader_get, staging_pool);
