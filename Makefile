@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 15
 
-.PHONY: toolchain test fmt-check clippy unit moto strace doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
 
 # Where cargo builds: CARGO_TARGET_DIR when set (the scripts follow it too), target/ otherwise.
 TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),target))
@@ -28,13 +28,19 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-unit: moto strace
-	$(CARGO) test --workspace --locked
+unit: moto strace prometheus
+	GRANARY_REQUIRE_PROMETHEUS=1 $(CARGO) test --workspace --locked
 
 ## strace, for the test that counts a reader's opens (tests/ingest_read_verify.rs): Debian's
 ## package, installed when the machine lacks it.
 strace:
 	@command -v strace >/dev/null || { apt-get update -q && apt-get install -y -q strace; } >/dev/null
+
+## Prometheus and promtool, for the test that scrapes a node and a loader (tests/metrics.rs):
+## Debian's package, installed when the machine lacks it.
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; } >/dev/null
 
 ## An S3-compatible server for the object-store tests (tests/origin.rs, the Python origin test):
 ## moto in server mode, from PyPI, in its own venv.

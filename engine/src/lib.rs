@@ -31,6 +31,7 @@
 
 pub mod id;
 pub mod error;
+pub mod metrics;
 pub mod shard;
 pub mod manifest;
 pub mod store;

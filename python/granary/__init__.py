@@ -40,6 +40,8 @@ __all__ = [
     "IngestIntentError",
     "cuda_available",
     "world_from_env",
+    "serve_metrics",
+    "metrics_text",
 ]
 __version__ = _native.__version__
 
@@ -58,6 +60,22 @@ def world_from_env() -> Tuple[int, int]:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     return rank, world_size
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0", *, offset_by_local_rank: bool = True) -> Any:
+    """Serves this process's metrics (every loader it runs, labelled by rank) for Prometheus at
+    `http://HOST:PORT/metrics`, on a thread of its own, until the returned endpoint's `close()`.
+    Under torchrun the ranks of a node share its address, so each listens on `port +
+    LOCAL_RANK` unless `offset_by_local_rank=False` (port 0 picks a free port; the endpoint's
+    `port` tells which). Call it once per process."""
+    if port != 0 and offset_by_local_rank:
+        port += int(os.environ.get("LOCAL_RANK", "0"))
+    return _native.serve_metrics(host, port)
+
+
+def metrics_text() -> str:
+    """This process's metrics in the Prometheus text format, as a scrape would get them."""
+    return _native.metrics_text()
 
 
 class Store:

@@ -1,6 +1,6 @@
 //! `granary._native`: the engine for Python. The `granary` package (`python/granary/`) wraps it:
 //! a `Store` (open, ingest, list), a `Loader` whose batches are exported through DLPack without
-//! a copy, and the exceptions.
+//! a copy, the process's metrics endpoint, and the exceptions.
 //!
 //! Invariants: every engine call that can wait (ingest from files, a loader's next batch) runs
 //! with the GIL released; an object whose engine threads belong to another process (a fork
@@ -11,6 +11,7 @@
 mod dlpack;
 mod errors;
 mod loader;
+mod metrics;
 mod store;
 
 use pyo3::prelude::*;
@@ -30,6 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<loader::Loader>()?;
     m.add_class::<loader::NativeBatch>()?;
     m.add_class::<dlpack::Exported>()?;
+    m.add_class::<metrics::MetricsEndpoint>()?;
     m.add("Error", py.get_type::<errors::Error>())?;
     m.add("CorruptionError", py.get_type::<errors::CorruptionError>())?;
     m.add("NotFoundError", py.get_type::<errors::NotFoundError>())?;
@@ -39,5 +41,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("IngestIntentError", py.get_type::<errors::IngestIntentError>())?;
     m.add_function(wrap_pyfunction!(loader::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cli, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::serve_metrics, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::metrics_text, m)?)?;
     Ok(())
 }

@@ -505,6 +505,37 @@ def test_metrics_count_what_was_delivered(tokens):
     assert m["stall_seconds"] >= 0.0
 
 
+def _scraped(port, name):
+    """The sum of `name`'s samples in a scrape of the endpoint on `port` (0 when absent)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_scrape_of_the_process_counts_what_its_loaders_delivered(tokens, monkeypatch):
+    store, _ = tokens
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    endpoint = granary.serve_metrics(0, "127.0.0.1")
+    try:
+        assert endpoint.port > 0 and endpoint.host == "127.0.0.1"
+        # Other tests' loaders ran in this process too: what this epoch adds is measured.
+        before = _scraped(endpoint.port, "granary_loader_delivered_bytes_total")
+        batches_before = _scraped(endpoint.port, "granary_loader_batches_total")
+        loader = store.loader("tokens", batch_size=100, output="numpy")
+        for _ in loader:
+            pass
+        assert _scraped(endpoint.port, "granary_loader_delivered_bytes_total") - before == 1000 * RECORD * 2
+        assert _scraped(endpoint.port, "granary_loader_batches_total") - batches_before == 10
+        assert "granary_loader_step_stall_seconds_bucket" in granary.metrics_text()
+    finally:
+        endpoint.close()
+    with pytest.raises(OSError):
+        _scraped(endpoint.port, "granary_loader_batches_total")
+
+
 def test_drain_reads_the_epoch_as_iteration_does(tokens):
     # The benchmark's baseline: the engine loader drained in Rust covers the same epoch.
     store, _ = tokens

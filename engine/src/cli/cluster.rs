@@ -84,6 +84,9 @@ pub(crate) struct ServeArgs {
     /// Compiled plugins are cached here (default: ROOT/replication/plugin-cache).
     #[arg(long)]
     plugin_cache: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (HOST:PORT).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
 }
 
 fn socket_addr(text: &str) -> Result<SocketAddr> {
@@ -124,6 +127,7 @@ pub(crate) fn serve(root: &Path, args: &ServeArgs) -> Result<()> {
     config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(10));
     config.down_after = Duration::from_millis(args.down_after_ms.max(args.heartbeat_ms));
     config.faults = Faults::from_env();
+    config.metrics_listen = args.metrics.as_deref().map(socket_addr).transpose()?;
     let cache_dir = args.plugin_cache.clone().unwrap_or_else(|| root.join("replication").join("plugin-cache"));
     let host = PolicyHost::new(Limits::default(), Some(cache_dir))?;
     // Everything the node is given is checked before the store is made or anything listens.
@@ -136,6 +140,9 @@ pub(crate) fn serve(root: &Path, args: &ServeArgs) -> Result<()> {
     // A node serves whatever became of its stdout (a closed pipe, a full disk): the line is a
     // courtesy, the listen file under replication/ is what tools read.
     let _ = outln!("granary node {} serving {} on {}", node.id(), root.display(), node.listen_addr());
+    if let Some(addr) = node.metrics_addr() {
+        let _ = outln!("metrics at http://{addr}/metrics");
+    }
     node.run_until_signal();
     Ok(())
 }

@@ -21,12 +21,14 @@
 //! Never: panics on bad input, or hands out a batch after an error (the error comes instead,
 //! once, then the end).
 
+mod metrics;
 mod node_plan;
 mod schedule;
 
+use metrics::{Live, LoaderMetrics};
 use schedule::{ScheduleRequest, Scheduler};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -169,6 +171,9 @@ pub struct LoaderConfig {
     /// agree on what it holds and fill it together. `None`: `LOCAL_WORLD_SIZE` from the
     /// environment when set (torchrun sets it), else this rank alone.
     pub local_world_size: Option<u32>,
+    /// Where the loader's metrics are registered (labelled by rank); `None`: the process's
+    /// registry, [`crate::metrics::global`], which `metrics::serve` exposes.
+    pub metrics: Option<crate::metrics::Registry>,
 }
 
 impl Default for LoaderConfig {
@@ -190,6 +195,7 @@ impl Default for LoaderConfig {
             repair: None,
             tier: TierSetting::default(),
             local_world_size: None,
+            metrics: None,
         }
     }
 }
@@ -462,6 +468,7 @@ pub struct Loader {
     coordinator: Option<Arc<Coordinator>>,
     /// The repair hook, for its cache's counters.
     repair: Option<Arc<dyn crate::read::ShardRepair>>,
+    metrics: Arc<LoaderMetrics>,
 }
 
 impl Loader {
@@ -505,6 +512,17 @@ impl Loader {
 
         let stop = Arc::new(AtomicBool::new(false));
         let read_stats = Arc::new(PublishedStats::default());
+        let held = Arc::new(AtomicUsize::new(0));
+        let metrics = Arc::new(LoaderMetrics::new(
+            config.world.rank(),
+            Arc::clone(&held),
+            Arc::clone(&read_stats),
+            Live {
+                pool: pool.clone(),
+                tier: coordinator.as_ref().map(|c| Arc::clone(c.tier())),
+                repair: repair.clone(),
+            },
+        ));
         let (to_next, from_reader) = std::sync::mpsc::sync_channel(config.prefetch);
         // The tier's schedule and an origin cache's plan cover every rank of this node.
         let wants_plan = config.repair.as_ref().is_some_and(|hook| hook.wants_plan());
@@ -541,6 +559,7 @@ impl Loader {
             out: to_next,
             stop: Arc::clone(&stop),
             stats: Arc::clone(&read_stats),
+            metrics: Arc::clone(&metrics),
         };
         threads.push(spawn("granary-reader", move || reader.run())?);
         let (receiver, returns) = match cuda {
@@ -566,12 +585,16 @@ impl Loader {
                 (receiver, Some(returns))
             }
         };
+        let registry = config.metrics.clone().unwrap_or_else(|| crate::metrics::global().clone());
+        registry.register(Arc::clone(&metrics) as Arc<dyn crate::metrics::Source>);
+        registry.derive("skew", metrics::derive_skew);
         Ok(Self {
             receiver: Some(receiver),
             threads: std::mem::take(&mut threads.threads),
             stop,
             returns,
-            held: Arc::new(AtomicUsize::new(0)),
+            held,
+            metrics,
             hold_max: config.hold_max,
             pool,
             read_stats,
@@ -636,6 +659,7 @@ impl Loader {
         self.stats.ready += u64::from(ready);
         self.stats.records += loaded.len() as u64;
         self.stats.bytes += loaded.data().len() as u64;
+        self.metrics.handed_out(position.epoch, loaded.len() as u64, loaded.data().len() as u64, stall, ready);
         Some(Ok(loaded))
     }
 
@@ -683,6 +707,7 @@ impl Drop for Loader {
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
+        self.metrics.end();
     }
 }
 
@@ -791,6 +816,7 @@ struct ReaderStage {
     out: SyncSender<Message>,
     stop: Arc<AtomicBool>,
     stats: Arc<PublishedStats>,
+    metrics: Arc<LoaderMetrics>,
 }
 
 /// The repair hook of a loader of `dataset` given `given`: for an attached dataset, the store's
@@ -864,7 +890,7 @@ pub fn plan_for_store(_: &Dataset, plan: PlanSource) -> Result<PlanSource> {
 
 impl ReaderStage {
     fn run(self) {
-        let ReaderStage { coordinator, dataset, io, pool, config, peers, start, out, stop, stats } = self;
+        let ReaderStage { coordinator, dataset, io, pool, config, peers, start, out, stop, stats, metrics } = self;
         let mut reader = Reader::new(Arc::clone(&dataset), io);
         if let Some(threads) = config.verify_threads {
             reader.set_verify_threads(threads);
@@ -878,7 +904,8 @@ impl ReaderStage {
             reader.set_repair(Arc::clone(hook));
         }
         let node = Node { coordinator: coordinator.as_ref(), peers };
-        let outcome = run_epochs(&mut reader, &dataset, &config, start, &out, &stop, node);
+        let queue = Queue { sender: &out, queued: &metrics.queued };
+        let outcome = run_epochs(&mut reader, &dataset, &config, start, queue, &stop, node);
         if let Some(coordinator) = &coordinator {
             coordinator.stop();
         }
@@ -888,6 +915,12 @@ impl ReaderStage {
             Err(None) => Ok(()),
         };
     }
+}
+
+/// Where the reader stage puts batches, and its count of them (for the queue's depth).
+struct Queue<'a> {
+    sender: &'a SyncSender<Message>,
+    queued: &'a AtomicU64,
 }
 
 /// What a reader shares with the other ranks of its node.
@@ -905,7 +938,7 @@ fn run_epochs(
     dataset: &Arc<Dataset>,
     config: &LoaderConfig,
     start: Position,
-    out: &SyncSender<Message>,
+    out: Queue<'_>,
     stop: &AtomicBool,
     node: Node<'_>,
 ) -> std::result::Result<(), Option<Error>> {
@@ -981,10 +1014,11 @@ fn run_epochs(
                 return Err(Error::invalid_input("stopped"));
             }
             let batch = Box::new(std::mem::take(batch));
-            if out.send(Message::Batch(batch, after)).is_err() {
+            if out.sender.send(Message::Batch(batch, after)).is_err() {
                 stopped = true;
                 return Err(Error::invalid_input("stopped"));
             }
+            out.queued.fetch_add(1, Ordering::Relaxed);
             Ok(())
         });
         if stopped {

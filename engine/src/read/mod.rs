@@ -874,19 +874,66 @@ impl<I> Drop for Pipeline<'_, I> {
 /// Copies `stats` to the counters another thread reads, if there are any.
 fn publish(to: Option<&PublishedStats>, stats: &ReadStats) {
     if let Some(to) = to {
-        *to.0.lock() = *stats;
+        to.set(stats);
     }
 }
 
 /// A reader's counters as another thread sees them while the reader runs
-/// (`Reader::publish_stats`).
+/// (`Reader::publish_stats`): relaxed atomics, so publishing after a batch takes no lock and a
+/// scrape of the metrics never waits on the reader (fields may be a batch apart).
 #[derive(Debug, Default)]
-pub struct PublishedStats(parking_lot::Mutex<ReadStats>);
+pub struct PublishedStats([std::sync::atomic::AtomicU64; 11]);
 
 impl PublishedStats {
     /// The counters as of the reader's last delivered batch or repair.
     pub fn get(&self) -> ReadStats {
-        *self.0.lock()
+        let [a, b, c, d, e, f, g, h, i, j, k] = self.0.each_ref().map(|v| v.load(std::sync::atomic::Ordering::Relaxed));
+        ReadStats {
+            records: a,
+            bytes_delivered: b,
+            bytes_read: c,
+            ops: d,
+            blocks_verified: e,
+            shards_repaired: f,
+            verify_failures: g,
+            tier_records: h,
+            tier_bytes: i,
+            ops_direct: j,
+            ops_offloaded: k,
+        }
+    }
+
+    fn set(&self, stats: &ReadStats) {
+        // Every field, named, so a new counter cannot be left out.
+        let ReadStats {
+            records,
+            bytes_delivered,
+            bytes_read,
+            ops,
+            blocks_verified,
+            shards_repaired,
+            verify_failures,
+            tier_records,
+            tier_bytes,
+            ops_direct,
+            ops_offloaded,
+        } = *stats;
+        let values = [
+            records,
+            bytes_delivered,
+            bytes_read,
+            ops,
+            blocks_verified,
+            shards_repaired,
+            verify_failures,
+            tier_records,
+            tier_bytes,
+            ops_direct,
+            ops_offloaded,
+        ];
+        for (to, value) in self.0.iter().zip(values) {
+            to.store(value, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 

@@ -78,6 +78,12 @@ pub struct NodeConfig {
     pub evictor_options: Vec<(String, String)>,
     /// Faults to inject (tests).
     pub faults: Faults,
+    /// Where the node's metrics are registered; `None`: the process's registry
+    /// ([`crate::metrics::global`]).
+    pub metrics: Option<crate::metrics::Registry>,
+    /// Where to serve that registry's `/metrics` over HTTP, on the node's runtime (`None`: not
+    /// served by the node).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl NodeConfig {
@@ -104,6 +110,8 @@ impl NodeConfig {
             replicator_options: Vec::new(),
             evictor_options: Vec::new(),
             faults: Faults::default(),
+            metrics: None,
+            metrics_listen: None,
         }
     }
 }

@@ -29,6 +29,8 @@ mod local;
 #[cfg(feature = "replication")]
 pub mod membership;
 #[cfg(feature = "replication")]
+mod metrics;
+#[cfg(feature = "replication")]
 mod node;
 #[cfg(feature = "replication")]
 mod peers;

@@ -42,6 +42,8 @@ pub struct Node {
     runtime: Option<tokio::runtime::Runtime>,
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
+    /// `/metrics`, when `NodeConfig::metrics_listen` asked for it.
+    metrics: Option<crate::metrics::Endpoint>,
 }
 
 impl fmt::Debug for Node {
@@ -120,8 +122,14 @@ impl Node {
         // The cache entries of an earlier life count against the bound again.
         shared.readmit_cache()?;
         runtime.spawn(super::reconcile::reconciler(Arc::clone(&shared), shutdown));
+        let registry = shared.config.metrics.clone().unwrap_or_else(|| crate::metrics::global().clone());
+        registry.register(Arc::new(super::metrics::NodeMetrics { shared: Arc::downgrade(&shared) }));
+        let metrics = match shared.config.metrics_listen {
+            Some(addr) => Some(crate::metrics::Endpoint::start(addr, registry, Some(runtime.handle()))?),
+            None => None,
+        };
         shared.event(format!("node {node_id} (incarnation {}) listening on {bound}", shared.hello.epoch));
-        Ok(Node { runtime: Some(runtime), shared, stop })
+        Ok(Node { runtime: Some(runtime), shared, stop, metrics })
     }
 
     /// This node's id.
@@ -132,6 +140,11 @@ impl Node {
     /// Where it listens.
     pub fn listen_addr(&self) -> SocketAddr {
         self.shared.hello.listen.parse().expect("the bound address parses")
+    }
+
+    /// Where its `/metrics` endpoint listens, if it serves one.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(crate::metrics::Endpoint::addr)
     }
 
     /// What the node knows now.

@@ -50,6 +50,11 @@ impl Peer {
         }
     }
 
+    /// When it last answered a heartbeat.
+    pub(super) fn last_ok(&self) -> Option<Instant> {
+        self.last_ok
+    }
+
     pub(super) fn id(&self) -> Option<u32> {
         self.hello.as_ref().map(|h| h.node_id)
     }

@@ -128,6 +128,10 @@ async fn run(shared: &Arc<Shared>, kind: WireKind, id: ObjectId, length: Length,
             }
             let attempt = fetch_from(shared, addr, kind, id, bytes_max, &mut writer).await;
             received += writer.len.saturating_sub(start);
+            shared
+                .stats
+                .bytes_received
+                .fetch_add(writer.len.saturating_sub(start), std::sync::atomic::Ordering::Relaxed);
             if writer.len > start {
                 contributors.insert(source);
             }

@@ -56,6 +56,8 @@ pub(crate) enum Pulled {
 pub(crate) struct Stats {
     pub(crate) objects_received: AtomicU64,
     pub(crate) bytes_sent: AtomicU64,
+    /// Bytes of transfers received from peers (those that failed verification included).
+    pub(crate) bytes_received: AtomicU64,
     pub(crate) verify_failures: AtomicU64,
     pub(crate) demotions: AtomicU64,
     pub(crate) connections_refused: AtomicU64,

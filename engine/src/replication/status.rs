@@ -45,6 +45,9 @@ pub struct PeerStatus {
     pub demoted: bool,
     /// Its last failure.
     pub last_error: String,
+    /// Since its last answer to a heartbeat (`None` before the first).
+    #[serde(default)]
+    pub answered_ms_ago: Option<u64>,
 }
 
 /// What a node knows: peers, goals, lag, counters.
@@ -86,6 +89,9 @@ pub struct NodeStatus {
     pub objects_received: u64,
     /// Bytes sent to peers.
     pub bytes_sent: u64,
+    /// Bytes received from peers.
+    #[serde(default)]
+    pub bytes_received: u64,
     /// Transfers or local copies that failed verification.
     pub verify_failures: u64,
     /// Peers demoted for sending bad bytes.
@@ -130,6 +136,7 @@ impl Shared {
             objects: p.objects(),
             demoted: p.demoted(now),
             last_error: p.last_error.clone(),
+            answered_ms_ago: p.last_ok().map(|t| now.duration_since(t).as_millis() as u64),
         });
         let goals = self.local.goals().unwrap_or_default();
         let (under_replicated, unavailable, lag_oldest_ms, lag_last_ms, lag_max_ms) = {
@@ -170,6 +177,7 @@ impl Shared {
             copies_failed: stat(&self.stats.copies_failed),
             objects_received: stat(&self.stats.objects_received),
             bytes_sent: stat(&self.stats.bytes_sent),
+            bytes_received: stat(&self.stats.bytes_received),
             verify_failures: stat(&self.stats.verify_failures),
             demotions: stat(&self.stats.demotions),
             connections_refused: stat(&self.stats.connections_refused),

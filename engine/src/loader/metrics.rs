@@ -1,0 +1,343 @@
+//! A loader's metrics: the counters its stages keep in relaxed atomics (batches, bytes,
+//! stalls, the epoch's reads) and what it reports of its reader, staging pool, memory tier
+//! and origin cache at a scrape, labelled by rank. Also the skew across the ranks of a
+//! process, derived at each scrape from their per-epoch reads.
+//!
+//! Never: takes a lock or allocates on the path of a batch (`next` and the reader stage touch
+//! atomics only), or keeps a loader's memory alive after the loader is dropped (the pool, the
+//! tier and the cache are let go at `end`, after a last snapshot of their counters).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::metrics::{AtomicHistogram, Samples, Source, Unit};
+use crate::read::{CacheStats, PublishedStats, ShardRepair};
+use crate::staging::StagingPool;
+use crate::tier::{MemoryTier, TierStats};
+
+/// Upper bounds of the per-step stall histogram, in seconds.
+static STALL_BOUNDS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0];
+
+/// One loader's metrics source.
+pub(crate) struct LoaderMetrics {
+    rank: String,
+    pub(super) batches: AtomicU64,
+    pub(super) records: AtomicU64,
+    pub(super) bytes: AtomicU64,
+    pub(super) ready: AtomicU64,
+    stall_nanos: AtomicU64,
+    stall: AtomicHistogram,
+    /// The epoch of the last batch handed out, and what this rank read of it.
+    epoch: AtomicU64,
+    epoch_records: AtomicU64,
+    epoch_bytes: AtomicU64,
+    /// Batches the reader stage has queued (the queue's depth is this less `batches`).
+    pub(super) queued: AtomicU64,
+    held: Arc<AtomicUsize>,
+    read: Arc<PublishedStats>,
+    live: Mutex<Option<Live>>,
+    /// The tier's and cache's counters as the loader ended.
+    last: Mutex<(Option<TierStats>, Option<CacheStats>)>,
+    ended: AtomicBool,
+}
+
+/// What the loader owns and a scrape asks while it runs.
+pub(super) struct Live {
+    pub(super) pool: StagingPool,
+    pub(super) tier: Option<Arc<MemoryTier>>,
+    pub(super) repair: Option<Arc<dyn ShardRepair>>,
+}
+
+impl LoaderMetrics {
+    pub(super) fn new(rank: u32, held: Arc<AtomicUsize>, read: Arc<PublishedStats>, live: Live) -> Self {
+        Self {
+            rank: rank.to_string(),
+            batches: AtomicU64::new(0),
+            records: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            ready: AtomicU64::new(0),
+            stall_nanos: AtomicU64::new(0),
+            stall: AtomicHistogram::new(&STALL_BOUNDS),
+            epoch: AtomicU64::new(0),
+            epoch_records: AtomicU64::new(0),
+            epoch_bytes: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
+            held,
+            read,
+            live: Mutex::new(Some(live)),
+            last: Mutex::new((None, None)),
+            ended: AtomicBool::new(false),
+        }
+    }
+
+    /// Counts a batch handed to the trainer (called by `next`, the only writer of these).
+    pub(super) fn handed_out(&self, epoch: u64, records: u64, bytes: u64, stall: Duration, ready: bool) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.records.fetch_add(records, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.ready.fetch_add(u64::from(ready), Ordering::Relaxed);
+        self.stall_nanos.fetch_add(stall.as_nanos() as u64, Ordering::Relaxed);
+        self.stall.observe(stall.as_secs_f64());
+        if self.epoch.load(Ordering::Relaxed) != epoch {
+            self.epoch.store(epoch, Ordering::Relaxed);
+            self.epoch_records.store(0, Ordering::Relaxed);
+            self.epoch_bytes.store(0, Ordering::Relaxed);
+        }
+        self.epoch_records.fetch_add(records, Ordering::Relaxed);
+        self.epoch_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// The loader is being dropped: keeps the last counters of what it owned and lets it go.
+    pub(super) fn end(&self) {
+        if let Some(live) = self.live.lock().take() {
+            *self.last.lock() =
+                (live.tier.as_ref().map(|tier| tier.stats()), live.repair.as_ref().and_then(|hook| hook.cache_stats()));
+        }
+        self.ended.store(true, Ordering::Release);
+    }
+}
+
+impl Source for LoaderMetrics {
+    fn ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
+    }
+
+    fn collect(&self, out: &mut Samples) {
+        let rank = || vec![("rank", self.rank.clone())];
+        let get = |v: &AtomicU64| v.load(Ordering::Relaxed) as f64;
+        let batches = self.batches.load(Ordering::Relaxed);
+        out.counter("granary_loader_batches", "Batches handed to the trainer.", Unit::None, rank(), batches as f64);
+        out.counter("granary_loader_records", "Records handed to the trainer.", Unit::None, rank(), get(&self.records));
+        out.counter(
+            "granary_loader_delivered",
+            "Record bytes handed to the trainer.",
+            Unit::Bytes,
+            rank(),
+            get(&self.bytes),
+        );
+        out.counter(
+            "granary_loader_ready_batches",
+            "Batches that were ready when the trainer asked (no wait).",
+            Unit::None,
+            rank(),
+            get(&self.ready),
+        );
+        out.counter(
+            "granary_loader_stall",
+            "Time the trainer waited for data.",
+            Unit::Seconds,
+            rank(),
+            self.stall_nanos.load(Ordering::Relaxed) as f64 / 1e9,
+        );
+        out.histogram(
+            "granary_loader_step_stall",
+            "The trainer's wait for each batch.",
+            Unit::Seconds,
+            rank(),
+            self.stall.value(),
+        );
+
+        let read = self.read.get();
+        out.counter(
+            "granary_read",
+            "Bytes read from shard files (whole blocks).",
+            Unit::Bytes,
+            rank(),
+            read.bytes_read as f64,
+        );
+        out.counter("granary_read_ops", "Read operations issued to the disk.", Unit::None, rank(), read.ops as f64);
+        out.counter(
+            "granary_read_blocks_verified",
+            "Blocks whose CRC32C was checked on reads from disk.",
+            Unit::None,
+            rank(),
+            read.blocks_verified as f64,
+        );
+        out.counter(
+            "granary_read_verify_failures",
+            "Reads that found damaged bytes (each repaired or reported).",
+            Unit::None,
+            rank(),
+            read.verify_failures as f64,
+        );
+        out.counter(
+            "granary_read_shards_repaired",
+            "Shards replaced through the repair hook (a peer's or the origin's copy).",
+            Unit::None,
+            rank(),
+            read.shards_repaired as f64,
+        );
+        out.counter(
+            "granary_read_tier",
+            "Record bytes copied from the memory tier.",
+            Unit::Bytes,
+            rank(),
+            read.tier_bytes as f64,
+        );
+
+        let (tier, cache, pool) = match &*self.live.lock() {
+            Some(live) => (
+                live.tier.as_ref().map(|tier| tier.stats()),
+                live.repair.as_ref().and_then(|hook| hook.cache_stats()),
+                Some(live.pool.stats()),
+            ),
+            None => {
+                let last = self.last.lock();
+                (last.0, last.1, None)
+            }
+        };
+        if let Some(tier) = tier {
+            out.counter(
+                "granary_tier_loaded",
+                "Bytes this process read from disk into the memory tier.",
+                Unit::Bytes,
+                rank(),
+                tier.bytes_loaded as f64,
+            );
+            out.counter(
+                "granary_tier_evicted_extents",
+                "Extents this process removed from the memory tier.",
+                Unit::None,
+                rank(),
+                tier.extents_evicted as f64,
+            );
+            out.counter(
+                "granary_tier_fill_failures",
+                "Memory tier fills that failed (their reads went to disk).",
+                Unit::None,
+                rank(),
+                tier.fill_failures as f64,
+            );
+        }
+        if let Some(cache) = cache {
+            out.counter(
+                "granary_cache_accesses",
+                "Shard accesses through the origin cache.",
+                Unit::None,
+                rank(),
+                cache.accesses as f64,
+            );
+            out.counter(
+                "granary_cache_misses",
+                "Shard accesses that waited for the shard to be fetched.",
+                Unit::None,
+                rank(),
+                cache.waited as f64,
+            );
+            out.counter(
+                "granary_cache_from_origin",
+                "Bytes fetched from the object-store origin.",
+                Unit::Bytes,
+                rank(),
+                cache.bytes_from_origin as f64,
+            );
+            out.counter(
+                "granary_cache_from_peers",
+                "Bytes fetched from the job's peers.",
+                Unit::Bytes,
+                rank(),
+                cache.bytes_from_peers as f64,
+            );
+        }
+        // The hit ratio: of the memory tier when there is one (records from memory), else of
+        // the origin cache (shard accesses that found their shard).
+        let hit_ratio = match (tier, cache) {
+            (Some(_), _) if read.records > 0 => Some(read.tier_records as f64 / read.records as f64),
+            (None, Some(cache)) if cache.accesses > 0 => Some(cache.hit_ratio()),
+            _ => None,
+        };
+        if let Some(ratio) = hit_ratio {
+            out.gauge(
+                "granary_loader_cache_hit",
+                "Share of reads served from memory or the local cache.",
+                Unit::Ratio,
+                rank(),
+                ratio,
+            );
+        }
+
+        if self.ended() {
+            return;
+        }
+        out.gauge(
+            "granary_loader_queued_batches",
+            "Batches read and waiting for the trainer (the prefetch queue).",
+            Unit::None,
+            rank(),
+            self.queued.load(Ordering::Relaxed).saturating_sub(batches) as f64,
+        );
+        out.gauge(
+            "granary_loader_held_batches",
+            "Batches the trainer holds.",
+            Unit::None,
+            rank(),
+            self.held.load(Ordering::Relaxed) as f64,
+        );
+        out.gauge(
+            "granary_loader_epoch",
+            "The epoch of the last batch handed out.",
+            Unit::None,
+            rank(),
+            get(&self.epoch),
+        );
+        out.gauge(
+            "granary_loader_epoch_records",
+            "Records this rank read in the current epoch.",
+            Unit::None,
+            rank(),
+            get(&self.epoch_records),
+        );
+        out.gauge(
+            "granary_loader_epoch_read",
+            "Record bytes this rank read in the current epoch.",
+            Unit::Bytes,
+            rank(),
+            get(&self.epoch_bytes),
+        );
+        if let Some(pool) = pool {
+            out.gauge(
+                "granary_staging_buffers_leased",
+                "Staging buffers in use.",
+                Unit::None,
+                rank(),
+                pool.leased as f64,
+            );
+            out.gauge(
+                "granary_staging_buffers",
+                "Staging buffers in the pool.",
+                Unit::None,
+                rank(),
+                pool.buffers as f64,
+            );
+            let pinned = if pool.pinned { pool.buffers * pool.buffer_bytes } else { 0 };
+            out.gauge("granary_staging_pinned", "Page-locked staging memory.", Unit::Bytes, rank(), pinned as f64);
+        }
+    }
+}
+
+/// The skew of this process's ranks: the most any rank read this epoch against the mean, in
+/// records and in bytes (1 when they read the same; absent with no rank).
+pub(crate) fn derive_skew(samples: &mut Samples) {
+    for (from, to, help) in [
+        (
+            "granary_loader_epoch_records",
+            "granary_skew_records",
+            "Most records a rank read this epoch over the mean of the process's ranks.",
+        ),
+        (
+            "granary_loader_epoch_read",
+            "granary_skew_bytes",
+            "Most bytes a rank read this epoch over the mean of the process's ranks.",
+        ),
+    ] {
+        let values: Vec<f64> = samples.values(from).collect();
+        let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
+        if mean > 0.0 {
+            let max = values.iter().copied().fold(0.0, f64::max);
+            samples.gauge(to, help, Unit::Ratio, vec![], max / mean);
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! The `/metrics` endpoint: a registry's exposition over HTTP/1.1 (hyper), on a tokio runtime
+//! of its own or on one the caller already runs (a replication node's).
+//!
+//! Bounded like the replication port: at most `CONNECTIONS_MAX` connections at once (more are
+//! closed at once), request heads of at most `HEAD_BYTES_MAX` bytes that must arrive within
+//! `HEAD_TIMEOUT`, a connection kept at most `CONNECTION_TIME_MAX`. Only `GET` and `HEAD` are
+//! answered; a request body is never read. Never: parses HTTP itself, or serves anything but
+//! the registry's text.
+
+use std::net::{SocketAddr, TcpListener as StdListener, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{ALLOW, CONTENT_TYPE, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::sync::{Notify, Semaphore};
+
+use super::{Format, Registry, global};
+use crate::error::{Error, Result};
+
+/// Connections served at once.
+const CONNECTIONS_MAX: usize = 64;
+/// The most a request's head may take (hyper's smallest read buffer).
+const HEAD_BYTES_MAX: usize = 8192;
+/// How long a request's head may take to arrive.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one connection is kept, scrapes included (a scraper reconnects).
+const CONNECTION_TIME_MAX: Duration = Duration::from_secs(300);
+
+/// A running endpoint; dropping it stops it (connections being served are cut).
+pub struct Endpoint {
+    addr: SocketAddr,
+    stop: Arc<Notify>,
+    /// The runtime's thread, when the endpoint runs one of its own.
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint").field("addr", &self.addr).finish()
+    }
+}
+
+/// Serves the process's registry (`global`) at `http://ADDR/metrics`, on a thread of its own.
+/// Port 0 picks a free port (`Endpoint::addr` tells which).
+pub fn serve(addr: impl ToSocketAddrs) -> Result<Endpoint> {
+    Endpoint::start(addr, global().clone(), None)
+}
+
+impl Endpoint {
+    /// Serves `registry` at `http://ADDR/metrics`: on `runtime` when given, otherwise on a
+    /// one-thread runtime of its own. Binding happens before this returns, so an address in
+    /// use is an error here.
+    pub fn start(
+        addr: impl ToSocketAddrs,
+        registry: Registry,
+        runtime: Option<&tokio::runtime::Handle>,
+    ) -> Result<Endpoint> {
+        let listener = bind(addr)?;
+        let addr = listener.local_addr().map_err(|e| Error::io("metrics endpoint: address of", "listener", e))?;
+        let at = || PathBuf::from(addr.to_string());
+        let stop = Arc::new(Notify::new());
+        let thread = match runtime {
+            Some(handle) => {
+                let _entered = handle.enter();
+                let listener = tokio::net::TcpListener::from_std(listener)
+                    .map_err(|e| Error::io("metrics endpoint: listen", at(), e))?;
+                handle.spawn(accept(listener, registry, stop.clone()));
+                None
+            }
+            None => {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| Error::io("metrics endpoint: start the runtime", "tokio", e))?;
+                let listener = {
+                    let _entered = runtime.enter();
+                    tokio::net::TcpListener::from_std(listener)
+                        .map_err(|e| Error::io("metrics endpoint: listen", at(), e))?
+                };
+                let stop = stop.clone();
+                let thread = std::thread::Builder::new()
+                    .name("granary-metrics".into())
+                    .spawn(move || runtime.block_on(accept(listener, registry, stop)))
+                    .map_err(|e| Error::io("metrics endpoint: start the thread", at(), e))?;
+                Some(thread)
+            }
+        };
+        Ok(Endpoint { addr, stop, thread })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        // `notify_one` keeps a permit if the accept loop is not waiting at this moment.
+        self.stop.notify_one();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn bind(addr: impl ToSocketAddrs) -> Result<StdListener> {
+    let addrs: Vec<SocketAddr> =
+        addr.to_socket_addrs().map_err(|e| Error::io("metrics endpoint: resolve", "address", e))?.collect();
+    let mut last = None;
+    for addr in addrs {
+        let at = PathBuf::from(addr.to_string());
+        match StdListener::bind(addr) {
+            Ok(listener) => {
+                listener.set_nonblocking(true).map_err(|e| Error::io("metrics endpoint: listen", at, e))?;
+                return Ok(listener);
+            }
+            Err(e) => last = Some((at, e)),
+        }
+    }
+    Err(match last {
+        Some((at, e)) => Error::io("metrics endpoint: listen", at, e),
+        None => Error::io(
+            "metrics endpoint: resolve",
+            "address",
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "the address resolves to nothing"),
+        ),
+    })
+}
+
+async fn accept(listener: tokio::net::TcpListener, registry: Registry, stop: Arc<Notify>) {
+    let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let stream = tokio::select! {
+            _ = stop.notified() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of descriptors or a connection reset before accept: try the next one
+                // after a pause, so a full table does not spin.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        // Reap finished connections so the set does not grow.
+        while connections.try_join_next().is_some() {}
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
+        let registry = registry.clone();
+        connections.spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let registry = registry.clone();
+                async move { Ok::<_, std::convert::Infallible>(respond(&registry, &request)) }
+            });
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT).max_buf_size(HEAD_BYTES_MAX);
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(CONNECTION_TIME_MAX, connection).await;
+            drop(slot);
+        });
+    }
+    connections.abort_all();
+}
+
+fn respond(registry: &Registry, request: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let head = request.method() == Method::HEAD;
+    if request.method() != Method::GET && !head {
+        let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD are served\n");
+        response.headers_mut().insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return response;
+    }
+    match request.uri().path() {
+        "/metrics" => {
+            // OpenMetrics to whoever asks for it (Prometheus does), the older text format to
+            // everyone else.
+            let asks_openmetrics = request
+                .headers()
+                .get_all(hyper::header::ACCEPT)
+                .iter()
+                .any(|value| value.to_str().is_ok_and(|v| v.contains("application/openmetrics-text")));
+            let format = if asks_openmetrics { Format::OpenMetrics } else { Format::Prometheus };
+            let body = if head { String::new() } else { registry.encode(format) };
+            let mut response = Response::new(Full::new(Bytes::from(body)));
+            response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(format.content_type()));
+            response
+        }
+        "/" => text(StatusCode::OK, "granary: metrics at /metrics\n"),
+        _ => text(StatusCode::NOT_FOUND, "not found: metrics are at /metrics\n"),
+    }
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    response
+}

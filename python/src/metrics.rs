@@ -1,0 +1,72 @@
+//! The process's metrics for Python: `/metrics` served over HTTP (`serve_metrics`), and the
+//! exposition as text (`metrics_text`). The loaders of the process register themselves; this
+//! only exposes them.
+//!
+//! Never: joins the endpoint's thread in a process forked from the one that started it (that
+//! thread is the parent's; the copy is leaked, as a loader's is).
+
+use pyo3::prelude::*;
+
+use crate::errors::{forked, to_py};
+
+/// A running `/metrics` endpoint; `close()` (or dropping it) stops it.
+#[pyclass(module = "granary._native")]
+pub(crate) struct MetricsEndpoint {
+    endpoint: Option<granary::metrics::Endpoint>,
+    addr: std::net::SocketAddr,
+    pid: u32,
+}
+
+#[pymethods]
+impl MetricsEndpoint {
+    /// The host it listens on.
+    #[getter]
+    fn host(&self) -> String {
+        self.addr.ip().to_string()
+    }
+
+    /// The port it listens on (the one picked, when 0 was asked for).
+    #[getter]
+    fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// Stops serving.
+    fn close(&mut self, py: Python<'_>) -> PyResult<()> {
+        if self.pid != std::process::id() {
+            return Err(forked("metrics endpoint", self.pid));
+        }
+        if let Some(endpoint) = self.endpoint.take() {
+            py.detach(move || drop(endpoint));
+        }
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("MetricsEndpoint(http://{}/metrics)", self.addr)
+    }
+}
+
+impl Drop for MetricsEndpoint {
+    fn drop(&mut self) {
+        if let Some(endpoint) = self.endpoint.take()
+            && self.pid != std::process::id()
+        {
+            std::mem::forget(endpoint);
+        }
+    }
+}
+
+/// Serves the process's metrics at `http://HOST:PORT/metrics` on a thread of its own.
+#[pyfunction]
+pub(crate) fn serve_metrics(py: Python<'_>, host: String, port: u16) -> PyResult<MetricsEndpoint> {
+    let endpoint = py.detach(|| granary::metrics::serve((host.as_str(), port))).map_err(to_py)?;
+    Ok(MetricsEndpoint { addr: endpoint.addr(), endpoint: Some(endpoint), pid: std::process::id() })
+}
+
+/// The process's metrics in the Prometheus text format (what a scrape without OpenMetrics
+/// gets).
+#[pyfunction]
+pub(crate) fn metrics_text(py: Python<'_>) -> String {
+    py.detach(|| granary::metrics::global().encode(granary::metrics::Format::Prometheus))
+}
