@@ -146,10 +146,11 @@ impl Prometheus {
 }
 
 /// `promtool check metrics` on a scrape of `addr` (the text format, with its lint).
-fn promtool_accepts(promtool: &Path, addr: SocketAddr) {
+fn promtool_accepts(promtool: &Path, addr: SocketAddr, secret: &str) {
     let (code, body) = get(addr, "/metrics").expect("the endpoint answers");
     assert_eq!(code, 200);
     assert!(body.contains("granary_"), "{body}");
+    assert!(!body.contains(secret), "the cluster secret is in the exposition of {addr}");
     let mut check = Command::new(promtool)
         .args(["check", "metrics"])
         .stdin(Stdio::piped())
@@ -255,7 +256,7 @@ fn prometheus_sees_the_bytes_of_an_epoch_a_repair_and_a_peer_going_down() {
         epochs: Some(1),
         target: Target::Host,
         repair: Some(Arc::new(NodeClient::for_store(&roots[1], key).unwrap())),
-        metrics: Some(registry.clone()),
+        metrics: granary::metrics::Setting::Registry(registry.clone()),
         ..LoaderConfig::default()
     };
     let mut loader = Loader::new(Arc::clone(&dataset), config, Position::default()).unwrap();
@@ -269,6 +270,12 @@ fn prometheus_sees_the_bytes_of_an_epoch_a_repair_and_a_peer_going_down() {
     }
     assert_eq!(delivered, RECORDS * RECORD_BYTES);
     drop(loader);
+    // The loader has ended: its counters stay in the registry's totals.
+    let after = registry.gather();
+    let labels = [("rank", "0"), ("dataset", "tokens@1")];
+    assert_eq!(after.value("granary_loader_delivered", &labels), Some((RECORDS * RECORD_BYTES) as f64));
+    assert_eq!(after.value("granary_read_verify_failures", &labels), Some(1.0));
+    assert_eq!(after.value("granary_loader_queued_batches", &labels), None, "its gauges went with it");
 
     // Prometheus has it: the epoch's bytes, one failure, one repair (kept after the loader
     // ended), and the node's repair.
@@ -278,9 +285,18 @@ fn prometheus_sees_the_bytes_of_an_epoch_a_repair_and_a_peer_going_down() {
     prom.wait_for("granary_read_shards_repaired_total", 1.0);
     prom.wait_for(&format!("granary_node_repairs_total{{instance=\"{}\"}}", metrics[1]), 1.0);
     prom.wait_for("count(granary_loader_step_stall_seconds_bucket)", 13.0);
+    // Every shard was read (one twice over, after its repair), and the hottest are named.
+    let shards = dataset.n_shards() as f64;
+    prom.wait_for("sum(granary_shards_by_reads{reads_at_most=\"+Inf\"})", shards);
+    prom.wait_for("sum(granary_shards_by_reads{reads_at_most=\"0\"})", 0.0);
+    prom.wait_for("count(granary_shard_reads)", shards.min(16.0));
+    prom.wait_for("sum(granary_shard_reads) >= bool 256", 1.0);
+    // The copies went from node 0 to node 1, counted on both sides and per peer.
+    prom.wait_for(&format!("sum(granary_peer_sent_bytes_total{{{node0}}}) > bool 0"), 1.0);
+    prom.wait_for(&format!("sum(granary_node_received_bytes_total{{instance=\"{}\"}}) > bool 0", metrics[1]), 1.0);
 
     for addr in [metrics[0], endpoint.addr()] {
-        promtool_accepts(&promtool, addr);
+        promtool_accepts(&promtool, addr, &secret);
     }
 
     // Node 1 is killed: node 0 reports it down, and Prometheus its target down.

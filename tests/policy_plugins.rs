@@ -99,8 +99,20 @@ fn plugins_that_reach_for_files_or_sockets_are_refused_at_load() {
 fn a_plugin_that_keeps_failing_is_quarantined() {
     let host = PolicyHost::new(Limits { backoff_base: Duration::ZERO, quarantine_after: 3, ..Limits::default() }, None)
         .unwrap();
-    let mut evictor =
-        Evictor::new(hostile_evictor(&host), &behave("trap"), Some(host.load("fifo").unwrap()), 3).unwrap();
+    let plugin = hostile_evictor(&host);
+    let name = plugin.name().to_owned();
+    // The process's metrics count per plugin name, across the tests running beside this one.
+    let metric = |metric: &str, kind: Option<&str>| {
+        let mut labels = vec![("plugin", name.as_str())];
+        labels.extend(kind.map(|kind| ("kind", kind)));
+        granary::metrics::global().gather().value(metric, &labels).unwrap_or(0.0)
+    };
+    let before = [
+        metric("granary_plugin_failures", Some("trap")),
+        metric("granary_plugin_quarantines", None),
+        metric("granary_plugin_fallback_calls", None),
+    ];
+    let mut evictor = Evictor::new(plugin, &behave("trap"), Some(host.load("fifo").unwrap()), 3).unwrap();
     for round in 0..6 {
         let mut evictor_round = || evictor.access(&[round, round + 100], &[1, 1], &[u64::MAX; 2]);
         assert!(evictor_round().is_ok(), "round {round}: the fallback answers");
@@ -109,6 +121,11 @@ fn a_plugin_that_keeps_failing_is_quarantined() {
     assert!(status.quarantined);
     assert_eq!(status.failures, 3, "no call reaches a quarantined plugin");
     assert_eq!(status.fallback_calls, 6);
+    assert!(metric("granary_plugin_failures", Some("trap")) >= before[0] + 3.0);
+    assert!(metric("granary_plugin_quarantines", None) >= before[1] + 1.0);
+    assert!(metric("granary_plugin_fallback_calls", None) >= before[2] + 6.0);
+    let text = granary::metrics::global().encode(granary::metrics::Format::Prometheus);
+    assert!(text.contains(&format!("granary_plugin_call_seconds_count{{plugin=\"{name}\"}}")), "{text}");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! granary: an embedded storage engine that keeps a trainer's GPU fed from local disk.
 //!
-//! Modules follow a sample's path (after `id` and `error`): `shard` (the file format) -> `manifest` (dataset versions) ->
+//! Modules follow a sample's path (after `id`, `error` and `metrics`, the registry every part
+//! reports to): `shard` (the file format) -> `manifest` (dataset versions) ->
 //! `store` (files on disk, crash-safe publishing) -> `catalog` (sled cache of what the files say)
 //! -> `ingest` (sources into shards) -> `plan` (which record each rank reads, in which order) ->
 //! `io` (io_uring and pread backends) -> `staging` (the bounded pool of page-aligned buffers,

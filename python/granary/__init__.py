@@ -45,6 +45,15 @@ __all__ = [
 ]
 __version__ = _native.__version__
 
+# A fork while another thread scrapes or registers would leave the child's metrics registry
+# locked for good; and the child's registry must not hold the parent's loaders.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_native._metrics_before_fork,
+        after_in_parent=_native._metrics_after_fork_in_parent,
+        after_in_child=_native._metrics_after_fork_in_child,
+    )
+
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -63,11 +72,16 @@ def world_from_env() -> Tuple[int, int]:
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0", *, offset_by_local_rank: bool = True) -> Any:
-    """Serves this process's metrics (every loader it runs, labelled by rank) for Prometheus at
-    `http://HOST:PORT/metrics`, on a thread of its own, until the returned endpoint's `close()`.
-    Under torchrun the ranks of a node share its address, so each listens on `port +
-    LOCAL_RANK` unless `offset_by_local_rank=False` (port 0 picks a free port; the endpoint's
-    `port` tells which). Call it once per process."""
+    """Serves this process's metrics (every loader it runs, labelled by rank and dataset) for
+    Prometheus at `http://HOST:PORT/metrics`, on a thread of its own, until the returned
+    endpoint's `close()`. Under torchrun the ranks of a node share its address, so each listens
+    on `port + LOCAL_RANK` unless `offset_by_local_rank=False` (port 0 picks a free port; the
+    endpoint's `port` tells which). Call it once per process. The default host is every
+    interface, so that Prometheus on another machine can scrape; the metrics carry dataset
+    names, shard ids and peer addresses (never a key): `host="127.0.0.1"` keeps them on this
+    machine. Loaders in DataLoader worker processes (`granary.torch.IterableDataset` with
+    `num_workers > 0`) run in the workers, whose metrics this endpoint does not include: call
+    `serve_metrics` in each worker (`worker_init_fn`, with its own port) to scrape them."""
     if port != 0 and offset_by_local_rank:
         port += int(os.environ.get("LOCAL_RANK", "0"))
     return _native.serve_metrics(host, port)

@@ -43,5 +43,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::serve_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::metrics_text, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::_metrics_before_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::_metrics_after_fork_in_parent, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::_metrics_after_fork_in_child, m)?)?;
     Ok(())
 }

@@ -64,6 +64,24 @@ pub(crate) fn serve_metrics(py: Python<'_>, host: String, port: u16) -> PyResult
     Ok(MetricsEndpoint { addr: endpoint.addr(), endpoint: Some(endpoint), pid: std::process::id() })
 }
 
+/// Before a `fork` (registered with `os.register_at_fork`): holds the registry across it.
+#[pyfunction]
+pub(crate) fn _metrics_before_fork(py: Python<'_>) {
+    py.detach(granary::metrics::before_fork);
+}
+
+/// After a `fork`, in the parent.
+#[pyfunction]
+pub(crate) fn _metrics_after_fork_in_parent() {
+    granary::metrics::after_fork_in_parent();
+}
+
+/// After a `fork`, in the child: the parent's loaders and nodes are not the child's.
+#[pyfunction]
+pub(crate) fn _metrics_after_fork_in_child() {
+    granary::metrics::after_fork_in_child();
+}
+
 /// The process's metrics in the Prometheus text format (what a scrape without OpenMetrics
 /// gets).
 #[pyfunction]

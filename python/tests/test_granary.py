@@ -536,6 +536,41 @@ def test_a_scrape_of_the_process_counts_what_its_loaders_delivered(tokens, monke
         _scraped(endpoint.port, "granary_loader_batches_total")
 
 
+def _metrics_in_child(queue):
+    queue.put(granary.metrics_text())
+
+
+def test_a_forked_child_has_its_own_metrics_and_never_the_parent_s_loaders(tokens):
+    store, _ = tokens
+    loader = store.loader("tokens", batch_size=100, output="numpy")
+    for _ in loader:
+        pass
+    assert "granary_loader_batches_total" in granary.metrics_text()
+    # A scrape running in another thread while the fork happens must not leave the child's
+    # registry locked.
+    stop = threading.Event()
+
+    def scrape():
+        while not stop.is_set():
+            granary.metrics_text()
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        context = multiprocessing.get_context("fork")
+        for _ in range(3):
+            queue = context.Queue()
+            child = context.Process(target=_metrics_in_child, args=(queue,))
+            child.start()
+            text = queue.get(timeout=60)
+            child.join(timeout=60)
+            assert child.exitcode == 0
+            assert "granary_loader_batches_total" not in text, "the parent's loaders are not the child's"
+    finally:
+        stop.set()
+        scraper.join()
+
+
 def test_drain_reads_the_epoch_as_iteration_does(tokens):
     # The benchmark's baseline: the engine loader drained in Rust covers the same epoch.
     store, _ = tokens

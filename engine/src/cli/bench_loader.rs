@@ -69,13 +69,13 @@ pub(crate) struct LoaderArgs {
     /// machine, or in tests, dropping the whole machine's cache is not this process's call).
     #[arg(long)]
     keep_cache: bool,
-    /// The workloads to measure (all by default): random, sequential, warm, step, tier,
-    /// tier-partial.
+    /// The workloads to measure (all by default): random, sequential, block, warm, step, tier,
+    /// tier-partial, metrics.
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "random,sequential,block,warm,step,tier,tier-partial"
+        default_value = "random,sequential,block,warm,step,tier,tier-partial,metrics"
     )]
     rows: Vec<Workload>,
     /// The memory tier's directory for the tier rows (default: a directory of the bench's own
@@ -108,6 +108,9 @@ enum Workload {
     /// The memory tier at half the dataset: hit ratio over shuffled and windowed epochs against
     /// Belady's.
     TierPartial,
+    /// The cost of the loader's metrics: warm random (the page cache; the most batches and
+    /// per-shard counts per byte), with the metrics on and off, alternating.
+    Metrics,
 }
 
 /// One measurement: bytes delivered, time, CPU seconds.
@@ -292,6 +295,23 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
                 notes.push(note);
             }
         }
+        if wants(Workload::Metrics) {
+            let mut warm = random_config(Target::Host);
+            warm.io.direct = false;
+            measure_loader(&dataset, warm.clone(), args.batches, 0, false)?;
+            let registry = granary::metrics::Registry::default();
+            let on = LoaderConfig { metrics: granary::metrics::Setting::Registry(registry.clone()), ..warm.clone() };
+            let off = LoaderConfig { metrics: granary::metrics::Setting::Off, ..warm };
+            // On, off, off, on: a drift of the machine's speed within the run cancels out.
+            for metrics_on in [true, false, false, true] {
+                let (label, config) =
+                    if metrics_on { ("metrics on: warm random", &on) } else { ("metrics off: warm random", &off) };
+                record(label, measure_loader(&dataset, config.clone(), args.batches, 0, false)?);
+            }
+            // The scrape works on what was measured (not timed).
+            let scraped = registry.encode(granary::metrics::Format::Prometheus);
+            anyhow::ensure!(scraped.contains("granary_loader_batches_total"), "the metrics row registered nothing");
+        }
         if wants(Workload::Step) {
             let mut step = random_config(warm_target);
             step.prefetch = 8;
@@ -378,6 +398,11 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         "block, engine -> host / sequential bare",
         ratio("block: engine -> host", "sequential: bare io_uring"),
         ">= 0.90",
+    )?;
+    show(
+        "metrics on / off (warm random; cost < 1%)",
+        ratio("metrics on: warm random", "metrics off: warm random"),
+        ">= 0.99",
     )?;
     show(
         "warm random: engine -> host / mmap gather",

@@ -14,6 +14,7 @@ mod origin;
 mod plugin;
 mod show;
 mod tier;
+mod top;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -146,6 +147,9 @@ enum Command {
     /// The node's memory tier (verified extents in shared memory that loaders fill and read).
     #[command(subcommand)]
     Tier(tier::TierCommand),
+    /// A live view of a job's metrics endpoints (nodes, ranks): throughput, stall, cache hits,
+    /// hot shards, skew, replication. `q` quits.
+    Top(top::TopArgs),
 }
 
 #[derive(Subcommand)]
@@ -326,6 +330,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
     if let Command::Tier(command) = cli.command {
         return tier::run(command).map(|()| ExitCode::SUCCESS);
     }
+    if let Command::Top(args) = &cli.command {
+        return top::run(cli.root.as_deref(), args).map(|()| ExitCode::SUCCESS);
+    }
     let root = cli.root.context("no store given: pass --root DIR or set GRANARY_ROOT")?;
     let paths = StorePaths::new(&root);
     match cli.command {
@@ -355,7 +362,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Serve(args) => cluster::serve(&root, &args).map(|()| ExitCode::SUCCESS),
         Command::Replicate(args) => cluster::replicate(&root, &args).map(|()| ExitCode::SUCCESS),
         Command::Status(args) => cluster::status(&root, &args).map(|()| ExitCode::SUCCESS),
-        Command::Plugin(_) | Command::ClusterKey(_) | Command::Tier(_) => {
+        Command::Plugin(_) | Command::ClusterKey(_) | Command::Tier(_) | Command::Top(_) => {
             unreachable!("handled above, before a store is needed")
         }
     }

@@ -1,20 +1,21 @@
 //! A loader's metrics: the counters its stages keep in relaxed atomics (batches, bytes,
 //! stalls, the epoch's reads) and what it reports of its reader, staging pool, memory tier
 //! and origin cache at a scrape, labelled by rank. Also the skew across the ranks of a
-//! process, derived at each scrape from their per-epoch reads.
+//! process, derived at each scrape from their per-epoch reads, and the reads of each dataset's
+//! shards (`DatasetHeat`: the 16 hottest by name, all of them as a distribution).
 //!
 //! Never: takes a lock or allocates on the path of a batch (`next` and the reader stage touch
 //! atomics only), or keeps a loader's memory alive after the loader is dropped (the pool, the
 //! tier and the cache are let go at `end`, after a last snapshot of their counters).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use crate::metrics::{AtomicHistogram, Samples, Source, Unit};
-use crate::read::{CacheStats, PublishedStats, ShardRepair};
+use crate::read::{CacheStats, Dataset, PublishedStats, ShardRepair};
 use crate::staging::StagingPool;
 use crate::tier::{MemoryTier, TierStats};
 
@@ -24,6 +25,11 @@ static STALL_BOUNDS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
 /// One loader's metrics source.
 pub(crate) struct LoaderMetrics {
     rank: String,
+    /// The dataset version it reads (`name@version`).
+    dataset: String,
+    /// The tier's and the cache's counters when the loader started: both outlive loaders and
+    /// count for the whole process, so a loader reports what they did since it started.
+    baseline: (Option<TierStats>, Option<CacheStats>),
     pub(super) batches: AtomicU64,
     pub(super) records: AtomicU64,
     pub(super) bytes: AtomicU64,
@@ -52,9 +58,19 @@ pub(super) struct Live {
 }
 
 impl LoaderMetrics {
-    pub(super) fn new(rank: u32, held: Arc<AtomicUsize>, read: Arc<PublishedStats>, live: Live) -> Self {
+    pub(super) fn new(
+        rank: u32,
+        dataset: &Dataset,
+        held: Arc<AtomicUsize>,
+        read: Arc<PublishedStats>,
+        live: Live,
+    ) -> Self {
+        let baseline =
+            (live.tier.as_ref().map(|tier| tier.stats()), live.repair.as_ref().and_then(|hook| hook.cache_stats()));
         Self {
             rank: rank.to_string(),
+            dataset: dataset_label(dataset),
+            baseline,
             batches: AtomicU64::new(0),
             records: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
@@ -106,7 +122,7 @@ impl Source for LoaderMetrics {
     }
 
     fn collect(&self, out: &mut Samples) {
-        let rank = || vec![("rank", self.rank.clone())];
+        let rank = || vec![("rank", self.rank.clone()), ("dataset", self.dataset.clone())];
         let get = |v: &AtomicU64| v.load(Ordering::Relaxed) as f64;
         let batches = self.batches.load(Ordering::Relaxed);
         out.counter("granary_loader_batches", "Batches handed to the trainer.", Unit::None, rank(), batches as f64);
@@ -189,6 +205,8 @@ impl Source for LoaderMetrics {
                 (last.0, last.1, None)
             }
         };
+        let tier = tier.map(|now| tier_since(now, self.baseline.0.unwrap_or_default()));
+        let cache = cache.map(|now| cache_since(now, self.baseline.1.unwrap_or_default()));
         if let Some(tier) = tier {
             out.counter(
                 "granary_tier_loaded",
@@ -245,8 +263,12 @@ impl Source for LoaderMetrics {
         // The hit ratio: of the memory tier when there is one (records from memory), else of
         // the origin cache (shard accesses that found their shard).
         let hit_ratio = match (tier, cache) {
-            (Some(_), _) if read.records > 0 => Some(read.tier_records as f64 / read.records as f64),
-            (None, Some(cache)) if cache.accesses > 0 => Some(cache.hit_ratio()),
+            // The two counters are published one after the other: a scrape between them could
+            // see a batch's tier records before its records.
+            (Some(_), _) if read.records > 0 => Some((read.tier_records as f64 / read.records as f64).min(1.0)),
+            (None, Some(cache)) if cache.accesses > 0 => {
+                Some(1.0 - (cache.waited as f64 / cache.accesses as f64).min(1.0))
+            }
             _ => None,
         };
         if let Some(ratio) = hit_ratio {
@@ -268,6 +290,13 @@ impl Source for LoaderMetrics {
             Unit::None,
             rank(),
             self.queued.load(Ordering::Relaxed).saturating_sub(batches) as f64,
+        );
+        out.gauge(
+            "granary_read_pending_ops",
+            "Read operations issued whose batch is not delivered yet (in flight, or done and waiting for an earlier batch).",
+            Unit::None,
+            rank(),
+            self.read.pending_ops() as f64,
         );
         out.gauge(
             "granary_loader_held_batches",
@@ -318,8 +347,8 @@ impl Source for LoaderMetrics {
     }
 }
 
-/// The skew of this process's ranks: the most any rank read this epoch against the mean, in
-/// records and in bytes (1 when they read the same; absent with no rank).
+/// The skew of this process's ranks, per dataset: the most any rank read this epoch against
+/// the mean, in records and in bytes (1 when they read the same; absent with no rank).
 pub(crate) fn derive_skew(samples: &mut Samples) {
     for (from, to, help) in [
         (
@@ -333,11 +362,106 @@ pub(crate) fn derive_skew(samples: &mut Samples) {
             "Most bytes a rank read this epoch over the mean of the process's ranks.",
         ),
     ] {
-        let values: Vec<f64> = samples.values(from).collect();
-        let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
-        if mean > 0.0 {
-            let max = values.iter().copied().fold(0.0, f64::max);
-            samples.gauge(to, help, Unit::Ratio, vec![], max / mean);
+        let mut by_dataset: std::collections::BTreeMap<String, Vec<f64>> = std::collections::BTreeMap::new();
+        for (labels, value) in samples.values(from) {
+            let dataset = labels.iter().find(|(k, _)| *k == "dataset").map_or("", |(_, v)| v.as_str());
+            by_dataset.entry(dataset.to_owned()).or_default().push(value);
+        }
+        for (dataset, values) in by_dataset {
+            let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
+            if mean > 0.0 {
+                let max = values.iter().copied().fold(0.0, f64::max);
+                samples.gauge(to, help, Unit::Ratio, vec![("dataset", dataset)], max / mean);
+            }
+        }
+    }
+}
+
+/// A dataset version as the metrics name it: `name@version`, or its manifest id's first digits.
+fn dataset_label(dataset: &Dataset) -> String {
+    match dataset.version() {
+        Some((name, version)) => format!("{name}@{version}"),
+        None => dataset.manifest_id().0.short(12),
+    }
+}
+
+/// The counters of a tier since `before` (the ones the metrics report).
+fn tier_since(now: TierStats, before: TierStats) -> TierStats {
+    TierStats {
+        bytes_loaded: now.bytes_loaded.saturating_sub(before.bytes_loaded),
+        extents_evicted: now.extents_evicted.saturating_sub(before.extents_evicted),
+        fill_failures: now.fill_failures.saturating_sub(before.fill_failures),
+        ..now
+    }
+}
+
+/// The counters of a cache since `before` (the ones the metrics report).
+fn cache_since(now: CacheStats, before: CacheStats) -> CacheStats {
+    CacheStats {
+        accesses: now.accesses.saturating_sub(before.accesses),
+        waited: now.waited.saturating_sub(before.waited),
+        bytes_from_origin: now.bytes_from_origin.saturating_sub(before.bytes_from_origin),
+        bytes_from_peers: now.bytes_from_peers.saturating_sub(before.bytes_from_peers),
+        ..now
+    }
+}
+
+/// Shards labelled in the hot-shard gauge.
+const HOT_SHARDS: usize = 16;
+/// Upper bounds of the shards-by-reads distribution.
+const READS_BOUNDS: [u64; 10] = [0, 1, 4, 16, 64, 256, 1024, 4096, 16384, 65536];
+
+/// The reads of one dataset version's shards in this process: the hottest by name, the rest as
+/// a distribution. Registered once per version and registry (`DatasetHeat::key`); ends when
+/// the last `Dataset` of the version in the process is dropped.
+pub(crate) struct DatasetHeat {
+    reads: Weak<[AtomicU64]>,
+    shards: Vec<crate::id::ShardId>,
+    name: String,
+}
+
+impl DatasetHeat {
+    pub(super) fn key(dataset: &Dataset) -> String {
+        format!("dataset-heat {}", dataset.manifest_id())
+    }
+
+    pub(super) fn new(dataset: &Dataset) -> Self {
+        let name = dataset_label(dataset);
+        let shards = (0..dataset.n_shards()).map(|s| dataset.shard_id(s)).collect();
+        Self { reads: Arc::downgrade(dataset.shard_read_counts()), shards, name }
+    }
+}
+
+impl Source for DatasetHeat {
+    fn ended(&self) -> bool {
+        self.reads.strong_count() == 0
+    }
+
+    fn collect(&self, out: &mut Samples) {
+        let Some(counts) = self.reads.upgrade() else { return };
+        let reads: Vec<u64> = counts.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        let mut hottest: Vec<usize> = (0..reads.len()).filter(|&s| reads[s] > 0).collect();
+        hottest.sort_unstable_by_key(|&s| std::cmp::Reverse(reads[s]));
+        for &shard in hottest.iter().take(HOT_SHARDS) {
+            let Some(id) = self.shards.get(shard) else { continue };
+            out.gauge(
+                "granary_shard_reads",
+                "Records read from each of the 16 most read shards of a dataset (this process).",
+                Unit::None,
+                vec![("dataset", self.name.clone()), ("shard", id.0.short(12))],
+                reads[shard] as f64,
+            );
+        }
+        for bound in READS_BOUNDS.iter().map(|&b| Some(b)).chain([None]) {
+            let shards = reads.iter().filter(|&&r| bound.is_none_or(|b| r <= b)).count();
+            let le = bound.map_or_else(|| "+Inf".to_owned(), |b| b.to_string());
+            out.gauge(
+                "granary_shards_by_reads",
+                "Shards of a dataset read at most `reads_at_most` times by this process (cumulative).",
+                Unit::None,
+                vec![("dataset", self.name.clone()), ("reads_at_most", le)],
+                shards as f64,
+            );
         }
     }
 }

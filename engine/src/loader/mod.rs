@@ -25,7 +25,7 @@ mod metrics;
 mod node_plan;
 mod schedule;
 
-use metrics::{Live, LoaderMetrics};
+use metrics::{DatasetHeat, Live, LoaderMetrics};
 use schedule::{ScheduleRequest, Scheduler};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -171,9 +171,9 @@ pub struct LoaderConfig {
     /// agree on what it holds and fill it together. `None`: `LOCAL_WORLD_SIZE` from the
     /// environment when set (torchrun sets it), else this rank alone.
     pub local_world_size: Option<u32>,
-    /// Where the loader's metrics are registered (labelled by rank); `None`: the process's
-    /// registry, [`crate::metrics::global`], which `metrics::serve` exposes.
-    pub metrics: Option<crate::metrics::Registry>,
+    /// Where the loader's metrics are registered (labelled by rank): by default the process's
+    /// registry, which `metrics::serve` exposes.
+    pub metrics: crate::metrics::Setting,
 }
 
 impl Default for LoaderConfig {
@@ -195,7 +195,7 @@ impl Default for LoaderConfig {
             repair: None,
             tier: TierSetting::default(),
             local_world_size: None,
-            metrics: None,
+            metrics: crate::metrics::Setting::Process,
         }
     }
 }
@@ -468,7 +468,8 @@ pub struct Loader {
     coordinator: Option<Arc<Coordinator>>,
     /// The repair hook, for its cache's counters.
     repair: Option<Arc<dyn crate::read::ShardRepair>>,
-    metrics: Arc<LoaderMetrics>,
+    /// `None` with the metrics off.
+    metrics: Option<Arc<LoaderMetrics>>,
 }
 
 impl Loader {
@@ -513,16 +514,20 @@ impl Loader {
         let stop = Arc::new(AtomicBool::new(false));
         let read_stats = Arc::new(PublishedStats::default());
         let held = Arc::new(AtomicUsize::new(0));
-        let metrics = Arc::new(LoaderMetrics::new(
-            config.world.rank(),
-            Arc::clone(&held),
-            Arc::clone(&read_stats),
-            Live {
-                pool: pool.clone(),
-                tier: coordinator.as_ref().map(|c| Arc::clone(c.tier())),
-                repair: repair.clone(),
-            },
-        ));
+        let registry = config.metrics.registry();
+        let metrics = registry.as_ref().map(|_| {
+            Arc::new(LoaderMetrics::new(
+                config.world.rank(),
+                &dataset,
+                Arc::clone(&held),
+                Arc::clone(&read_stats),
+                Live {
+                    pool: pool.clone(),
+                    tier: coordinator.as_ref().map(|c| Arc::clone(c.tier())),
+                    repair: repair.clone(),
+                },
+            ))
+        });
         let (to_next, from_reader) = std::sync::mpsc::sync_channel(config.prefetch);
         // The tier's schedule and an origin cache's plan cover every rank of this node.
         let wants_plan = config.repair.as_ref().is_some_and(|hook| hook.wants_plan());
@@ -548,6 +553,7 @@ impl Loader {
                 })?);
             }
         }
+        let heat = (DatasetHeat::key(&dataset), registry.is_some().then(|| DatasetHeat::new(&dataset)));
         let reader = ReaderStage {
             coordinator: coordinator.clone(),
             dataset,
@@ -559,7 +565,7 @@ impl Loader {
             out: to_next,
             stop: Arc::clone(&stop),
             stats: Arc::clone(&read_stats),
-            metrics: Arc::clone(&metrics),
+            metrics: metrics.clone(),
         };
         threads.push(spawn("granary-reader", move || reader.run())?);
         let (receiver, returns) = match cuda {
@@ -585,9 +591,13 @@ impl Loader {
                 (receiver, Some(returns))
             }
         };
-        let registry = config.metrics.clone().unwrap_or_else(|| crate::metrics::global().clone());
-        registry.register(Arc::clone(&metrics) as Arc<dyn crate::metrics::Source>);
-        registry.derive("skew", metrics::derive_skew);
+        if let (Some(registry), Some(source)) = (&registry, &metrics) {
+            registry.register(Arc::clone(source) as Arc<dyn crate::metrics::Source>);
+            registry.derive("skew", metrics::derive_skew);
+            if let (key, Some(heat)) = heat {
+                registry.register_once(&key, || Arc::new(heat));
+            }
+        }
         Ok(Self {
             receiver: Some(receiver),
             threads: std::mem::take(&mut threads.threads),
@@ -659,7 +669,9 @@ impl Loader {
         self.stats.ready += u64::from(ready);
         self.stats.records += loaded.len() as u64;
         self.stats.bytes += loaded.data().len() as u64;
-        self.metrics.handed_out(position.epoch, loaded.len() as u64, loaded.data().len() as u64, stall, ready);
+        if let Some(metrics) = &self.metrics {
+            metrics.handed_out(position.epoch, loaded.len() as u64, loaded.data().len() as u64, stall, ready);
+        }
         Some(Ok(loaded))
     }
 
@@ -707,7 +719,9 @@ impl Drop for Loader {
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
-        self.metrics.end();
+        if let Some(metrics) = &self.metrics {
+            metrics.end();
+        }
     }
 }
 
@@ -816,7 +830,7 @@ struct ReaderStage {
     out: SyncSender<Message>,
     stop: Arc<AtomicBool>,
     stats: Arc<PublishedStats>,
-    metrics: Arc<LoaderMetrics>,
+    metrics: Option<Arc<LoaderMetrics>>,
 }
 
 /// The repair hook of a loader of `dataset` given `given`: for an attached dataset, the store's
@@ -904,7 +918,8 @@ impl ReaderStage {
             reader.set_repair(Arc::clone(hook));
         }
         let node = Node { coordinator: coordinator.as_ref(), peers };
-        let queue = Queue { sender: &out, queued: &metrics.queued };
+        reader.set_count_shard_reads(metrics.is_some());
+        let queue = Queue { sender: &out, queued: metrics.as_ref().map(|m| &m.queued) };
         let outcome = run_epochs(&mut reader, &dataset, &config, start, queue, &stop, node);
         if let Some(coordinator) = &coordinator {
             coordinator.stop();
@@ -920,7 +935,7 @@ impl ReaderStage {
 /// Where the reader stage puts batches, and its count of them (for the queue's depth).
 struct Queue<'a> {
     sender: &'a SyncSender<Message>,
-    queued: &'a AtomicU64,
+    queued: Option<&'a AtomicU64>,
 }
 
 /// What a reader shares with the other ranks of its node.
@@ -1018,7 +1033,9 @@ fn run_epochs(
                 stopped = true;
                 return Err(Error::invalid_input("stopped"));
             }
-            out.queued.fetch_add(1, Ordering::Relaxed);
+            if let Some(queued) = out.queued {
+                queued.fetch_add(1, Ordering::Relaxed);
+            }
             Ok(())
         });
         if stopped {

@@ -136,6 +136,9 @@ fn bind(addr: impl ToSocketAddrs) -> Result<StdListener> {
 
 async fn accept(listener: tokio::net::TcpListener, registry: Registry, stop: Arc<Notify>) {
     let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+    // One scrape is encoded at a time, off the runtime's workers (a node's runtime also runs
+    // its heartbeats); the others wait their turn without holding a worker.
+    let encoding = Arc::new(Semaphore::new(1));
     let mut connections = tokio::task::JoinSet::new();
     loop {
         let stream = tokio::select! {
@@ -157,10 +160,12 @@ async fn accept(listener: tokio::net::TcpListener, registry: Registry, stop: Arc
             continue;
         };
         let registry = registry.clone();
+        let encoding = encoding.clone();
         connections.spawn(async move {
             let service = hyper::service::service_fn(move |request| {
                 let registry = registry.clone();
-                async move { Ok::<_, std::convert::Infallible>(respond(&registry, &request)) }
+                let encoding = encoding.clone();
+                async move { Ok::<_, std::convert::Infallible>(respond(registry, encoding, &request).await) }
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT).max_buf_size(HEAD_BYTES_MAX);
@@ -172,7 +177,7 @@ async fn accept(listener: tokio::net::TcpListener, registry: Registry, stop: Arc
     connections.abort_all();
 }
 
-fn respond(registry: &Registry, request: &Request<Incoming>) -> Response<Full<Bytes>> {
+async fn respond(registry: Registry, encoding: Arc<Semaphore>, request: &Request<Incoming>) -> Response<Full<Bytes>> {
     let head = request.method() == Method::HEAD;
     if request.method() != Method::GET && !head {
         let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD are served\n");
@@ -189,7 +194,17 @@ fn respond(registry: &Registry, request: &Request<Incoming>) -> Response<Full<By
                 .iter()
                 .any(|value| value.to_str().is_ok_and(|v| v.contains("application/openmetrics-text")));
             let format = if asks_openmetrics { Format::OpenMetrics } else { Format::Prometheus };
-            let body = if head { String::new() } else { registry.encode(format) };
+            let body = if head {
+                String::new()
+            } else {
+                let Ok(_turn) = encoding.acquire().await else {
+                    return text(StatusCode::SERVICE_UNAVAILABLE, "the endpoint is stopping\n");
+                };
+                match tokio::task::spawn_blocking(move || registry.encode(format)).await {
+                    Ok(body) => body,
+                    Err(_) => return text(StatusCode::INTERNAL_SERVER_ERROR, "encoding the metrics failed\n"),
+                }
+            };
             let mut response = Response::new(Full::new(Bytes::from(body)));
             response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(format.content_type()));
             response

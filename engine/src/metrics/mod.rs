@@ -43,6 +43,12 @@ pub trait Source: Send + Sync + 'static {
     fn ended(&self) -> bool {
         false
     }
+
+    /// Whether a child forked from this process keeps the source (the process's own figures
+    /// do; a loader's or a node's belong to the parent, whose threads the child lacks).
+    fn survives_fork(&self) -> bool {
+        false
+    }
 }
 
 /// A registry of sources: the process has one (`global`), and tests make their own. Cloning
@@ -54,7 +60,8 @@ pub struct Registry {
 
 #[derive(Default)]
 struct Inner {
-    sources: Vec<Arc<dyn Source>>,
+    /// Each with the key it was registered under, if any (`register_once`).
+    sources: Vec<(Option<String>, Arc<dyn Source>)>,
     /// Series computed from the others after every source has written, by name.
     derived: BTreeMap<&'static str, fn(&mut Samples)>,
     /// The counters and histograms of sources that have ended.
@@ -64,6 +71,30 @@ struct Inner {
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registry").field("sources", &self.inner.lock().sources.len()).finish()
+    }
+}
+
+/// Where a loader or a node registers its metrics.
+#[derive(Clone, Debug, Default)]
+pub enum Setting {
+    /// The process's registry ([`global`]), which [`serve`] exposes.
+    #[default]
+    Process,
+    /// This registry.
+    Registry(Registry),
+    /// Nowhere: the counters behind the metrics are not kept either (what `granary bench
+    /// loader` measures the metrics' cost against).
+    Off,
+}
+
+impl Setting {
+    /// The registry to register with, if any.
+    pub fn registry(&self) -> Option<Registry> {
+        match self {
+            Setting::Process => Some(global().clone()),
+            Setting::Registry(registry) => Some(registry.clone()),
+            Setting::Off => None,
+        }
     }
 }
 
@@ -85,7 +116,19 @@ impl Registry {
         // Sources that ended are folded in here too, so a process that makes many loaders and
         // is never scraped keeps only the live ones.
         inner.retire_ended();
-        inner.sources.push(source);
+        inner.sources.push((None, source));
+    }
+
+    /// Adds the source `make` builds unless a live source was registered under `key` (one
+    /// source of a dataset's hot shards, however many loaders read it); returns whether it did.
+    pub fn register_once(&self, key: &str, make: impl FnOnce() -> Arc<dyn Source>) -> bool {
+        let mut inner = self.inner.lock();
+        inner.retire_ended();
+        if inner.sources.iter().any(|(have, _)| have.as_deref() == Some(key)) {
+            return false;
+        }
+        inner.sources.push((Some(key.to_owned()), make()));
+        true
     }
 
     /// The samples of every source, with those of ended sources folded into the retired
@@ -95,7 +138,7 @@ impl Registry {
         inner.retire_ended();
         let Inner { sources, derived, retired } = &*inner;
         let mut out = retired.clone();
-        for source in sources.iter() {
+        for (_, source) in sources.iter() {
             source.collect(&mut out);
         }
         for derive in derived.values() {
@@ -137,7 +180,7 @@ impl Inner {
     /// the sources go.
     fn retire_ended(&mut self) {
         let Inner { sources, retired, .. } = self;
-        sources.retain(|source| {
+        sources.retain(|(_, source)| {
             if !source.ended() {
                 return true;
             }
@@ -266,11 +309,11 @@ impl Samples {
         })
     }
 
-    /// The values of counter or gauge `name`, one per label set.
-    pub fn values(&self, name: &str) -> impl Iterator<Item = f64> + '_ {
+    /// The samples of counter or gauge `name`: each label set and its value.
+    pub fn values(&self, name: &str) -> impl Iterator<Item = (&Labels, f64)> + '_ {
         self.families.get(name).into_iter().flat_map(|family| {
-            family.samples.values().filter_map(|value| match value {
-                Value::Number(v) => Some(*v),
+            family.samples.iter().filter_map(|(labels, value)| match value {
+                Value::Number(v) => Some((labels, *v)),
                 Value::Histogram(_) => None,
             })
         })
@@ -407,10 +450,46 @@ impl AtomicHistogram {
     }
 }
 
+thread_local! {
+    /// The process's registry, locked by the thread that is about to fork (see `before_fork`).
+    static HELD_FOR_FORK: std::cell::RefCell<Option<parking_lot::MutexGuard<'static, Inner>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// To be called by the thread about to `fork` (Python's `os.register_at_fork` does): takes the
+/// process's registry, so that no scrape or registration holds it across the fork (a child
+/// would inherit it locked, with no thread to unlock it). `after_fork_in_parent` or
+/// `after_fork_in_child`, on the same thread, lets it go.
+pub fn before_fork() {
+    let guard = global().inner.lock();
+    HELD_FOR_FORK.with(|held| *held.borrow_mut() = Some(guard));
+}
+
+/// After a `fork`, in the parent: lets the registry go.
+pub fn after_fork_in_parent() {
+    HELD_FOR_FORK.with(|held| drop(held.borrow_mut().take()));
+}
+
+/// After a `fork`, in the child: forgets the parent's sources (their loaders and nodes run in
+/// the parent; the child's own register afresh) and their retired totals, then lets the
+/// registry go.
+pub fn after_fork_in_child() {
+    HELD_FOR_FORK.with(|held| {
+        if let Some(mut inner) = held.borrow_mut().take() {
+            inner.sources.retain(|(_, source)| source.survives_fork());
+            inner.retired = Samples::default();
+        }
+    });
+}
+
 /// The process's own figures: open files.
 struct Process;
 
 impl Source for Process {
+    fn survives_fork(&self) -> bool {
+        true
+    }
+
     fn collect(&self, out: &mut Samples) {
         if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
             // The listing's own descriptor is among them.

@@ -1,3 +1,5 @@
+//! The registry's own rules: label sets that add up, retired totals, encoding, histograms.
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::*;

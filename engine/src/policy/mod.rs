@@ -17,6 +17,7 @@ mod cache;
 pub mod conformance;
 mod evictor;
 mod keyed_cache;
+mod metrics;
 mod partitioner;
 mod replicator;
 mod sandbox;
@@ -141,6 +142,7 @@ struct HostInner {
 impl PolicyHost {
     /// A host with these limits; compiled plugins are cached in `cache_dir` when given.
     pub fn new(limits: Limits, cache_dir: Option<PathBuf>) -> Result<Self, Error> {
+        metrics::init();
         let mut config = wasmtime::Config::new();
         config.wasm_component_model(true);
         // Measured here: a component call costs 191 ns with concurrency support off, 534 ns on.

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
+use super::metrics::PluginCounters;
 use super::{Limits, Plugin};
 use crate::error::{Error, PluginError};
 
@@ -45,11 +46,14 @@ struct Slot<I> {
     failures: u64,
     retry_at: Option<Instant>,
     quarantined: bool,
+    /// The process-wide counters of plugins of this name (the metrics).
+    counters: Arc<PluginCounters>,
 }
 
 impl<I> Slot<I> {
     fn new(plugin: Plugin, options: Options, instance: Option<I>) -> Self {
-        Self { plugin, options, instance, consecutive: 0, failures: 0, retry_at: None, quarantined: false }
+        let counters = super::metrics::counters(plugin.name());
+        Self { plugin, options, instance, consecutive: 0, failures: 0, retry_at: None, quarantined: false, counters }
     }
 }
 
@@ -150,6 +154,7 @@ impl<I> Supervisor<I> {
     /// date (it is new, or the other plugin answered last).
     pub(crate) fn run<R>(&mut self, make: &mut Make<'_, I>, op: &mut Op<'_, I, R>) -> Result<R, Error> {
         let mut last_error = None;
+        let active_counters = Arc::clone(&self.active.counters);
         for side in [Side::Active, Side::Fallback] {
             let slot = match side {
                 Side::Active => &mut self.active,
@@ -172,13 +177,17 @@ impl<I> Supervisor<I> {
                 }
             }
             let instance = slot.instance.as_mut().expect("built above");
-            match op(instance, fresh, &slot.options) {
+            let started = Instant::now();
+            let outcome = op(instance, fresh, &slot.options);
+            slot.counters.called(started.elapsed());
+            match outcome {
                 Ok(out) => {
                     slot.consecutive = 0;
                     slot.retry_at = None;
                     self.last_side = Some(side);
                     if side == Side::Fallback {
                         self.fallback_calls += 1;
+                        active_counters.fell_back();
                     }
                     return Ok(out);
                 }
@@ -206,7 +215,11 @@ impl<I> Supervisor<I> {
         slot.instance = None;
         slot.failures += 1;
         slot.consecutive += 1;
+        slot.counters.failed(&error);
         if slot.consecutive >= limits.quarantine_after {
+            if !slot.quarantined {
+                slot.counters.quarantined();
+            }
             slot.quarantined = true;
         } else {
             let backoff =

@@ -287,6 +287,8 @@ pub(super) struct Planner {
     /// Records and bytes of the plan served by the memory tier.
     pub(super) tier_records: u64,
     pub(super) tier_bytes: u64,
+    /// Whether `plan` counts the batch's reads per shard (`Dataset::shard_reads`).
+    pub(super) count_reads: bool,
 }
 
 impl Planner {
@@ -307,13 +309,30 @@ impl Planner {
         batch.ends.clear();
         self.requests.clear();
         let mut dst = 0u64;
+        // Reads per shard, counted once per run of records from one shard.
+        let mut run: Option<(usize, u64)> = None;
         for &index in indices {
             let (shard, local) = dataset.locate(index)?;
+            run = match run {
+                Some((same, n)) if same == shard => Some((same, n + 1)),
+                Some((other, n)) => {
+                    if self.count_reads {
+                        dataset.count_reads(other, n);
+                    }
+                    Some((shard, 1))
+                }
+                None => Some((shard, 1)),
+            };
             let range = dataset.shard_meta(shard)?.record_range(local);
             let shard = u32::try_from(shard).map_err(|_| Error::invalid_input("more than 2^32 shards"))?;
             self.requests.push(Request { shard, start: range.start, end: range.end, dst });
             dst += range.end - range.start;
             batch.ends.push(dst);
+        }
+        if let Some((shard, n)) = run
+            && self.count_reads
+        {
+            dataset.count_reads(shard, n);
         }
         batch.indices.extend_from_slice(indices);
         let total = usize::try_from(dst).map_err(|_| Error::invalid_input("a batch larger than memory"))?;

@@ -47,6 +47,27 @@ pub struct Dataset {
     /// `record_starts[s]` is the dataset index of shard `s`'s first record; one extra at the end.
     record_starts: Vec<u64>,
     metas: Vec<OnceLock<Arc<ShardMeta>>>,
+    /// Records read from each shard by this process's readers (the metrics' hot shards):
+    /// shared by every `Dataset` of this manifest in the process.
+    shard_reads: Arc<[std::sync::atomic::AtomicU64]>,
+}
+
+/// The per-shard read counts of each manifest open in this process, so that every `Dataset`
+/// of one version counts into the same ones.
+fn shard_reads_of(manifest: ManifestId, shards: usize) -> Arc<[std::sync::atomic::AtomicU64]> {
+    type Table = std::collections::HashMap<ManifestId, std::sync::Weak<[std::sync::atomic::AtomicU64]>>;
+    static TABLE: OnceLock<parking_lot::Mutex<Table>> = OnceLock::new();
+    let mut table = TABLE.get_or_init(Default::default).lock();
+    table.retain(|_, counts| counts.strong_count() > 0);
+    if let Some(counts) = table.get(&manifest).and_then(std::sync::Weak::upgrade)
+        && counts.len() == shards
+    {
+        return counts;
+    }
+    let counts: Arc<[std::sync::atomic::AtomicU64]> =
+        (0..shards).map(|_| std::sync::atomic::AtomicU64::new(0)).collect();
+    table.insert(manifest, Arc::downgrade(&counts));
+    counts
 }
 
 impl Dataset {
@@ -73,7 +94,8 @@ impl Dataset {
             record_starts.push(start);
         }
         let metas = manifest.entries().iter().map(|_| OnceLock::new()).collect();
-        Self { paths, manifest_id, manifest, version, record_starts, metas }
+        let shard_reads = shard_reads_of(manifest_id, manifest.entries().len());
+        Self { paths, manifest_id, manifest, version, record_starts, metas, shard_reads }
     }
 
     /// Records in the version.
@@ -109,6 +131,25 @@ impl Dataset {
     /// Shards in the version.
     pub fn n_shards(&self) -> usize {
         self.metas.len()
+    }
+
+    /// Records this process's readers have read from each shard of this version (counted as
+    /// batches are planned, from disk or the memory tier; a batch read again after a repair
+    /// counts again), by shard index.
+    pub fn shard_reads(&self) -> Vec<u64> {
+        self.shard_reads.iter().map(|reads| reads.load(std::sync::atomic::Ordering::Relaxed)).collect()
+    }
+
+    /// The counts behind `shard_reads`, shared by the version's `Dataset`s in this process.
+    pub(crate) fn shard_read_counts(&self) -> &Arc<[std::sync::atomic::AtomicU64]> {
+        &self.shard_reads
+    }
+
+    /// Counts `records` reads of shard `shard`.
+    pub(crate) fn count_reads(&self, shard: usize, records: u64) {
+        if let Some(reads) = self.shard_reads.get(shard) {
+            reads.fetch_add(records, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// The id of shard `shard`.
@@ -439,6 +480,8 @@ pub struct Reader {
     verify_threads: usize,
     /// The workers, started at the first op they take.
     verify: Option<verify::VerifyPool>,
+    /// Whether reads are counted per shard (`Dataset::shard_reads`).
+    count_shard_reads: bool,
 }
 
 /// A batch being read: its plan, its bytes, and how far its ops have got.
@@ -487,7 +530,14 @@ impl Reader {
             tier: None,
             verify_threads: default_verify_threads(),
             verify: None,
+            count_shard_reads: true,
         }
+    }
+
+    /// Whether this reader counts its reads per shard in the dataset's `shard_reads` (the
+    /// metrics' hot shards); on by default.
+    pub fn set_count_shard_reads(&mut self, count: bool) {
+        self.count_shard_reads = count;
     }
 
     /// Checks ops of at least 64 KiB read straight into a batch on `threads` worker threads (0:
@@ -715,6 +765,7 @@ impl Reader {
                 in_order: std::collections::VecDeque::with_capacity(depth),
                 free: (0..depth).rev().collect(),
                 issued: 0,
+                delivered_ops: 0,
                 sink: &mut *sink,
                 stats: &mut self.stats,
                 staging: self.staging.as_ref(),
@@ -725,6 +776,7 @@ impl Reader {
                 tier: self.tier.as_mut(),
                 verify: &mut self.verify,
                 verify_threads: self.verify_threads,
+                count_shard_reads: self.count_shard_reads,
             };
             let outcome = self.io.read_stream(&mut pipeline).and_then(|()| pipeline.finish());
             let error = match outcome {
@@ -846,6 +898,8 @@ struct Pipeline<'r, I> {
     free: Vec<usize>,
     /// Ops issued in this stream so far.
     issued: u64,
+    /// Ops of the batches delivered in this stream so far.
+    delivered_ops: u64,
     sink: &'r mut dyn FnMut(&mut Batch) -> Result<()>,
     stats: &'r mut ReadStats,
     published: Option<&'r PublishedStats>,
@@ -859,6 +913,7 @@ struct Pipeline<'r, I> {
     /// Verify workers (started at the first op they take), and how many to start.
     verify: &'r mut Option<verify::VerifyPool>,
     verify_threads: usize,
+    count_shard_reads: bool,
 }
 
 impl<I> Drop for Pipeline<'_, I> {
@@ -882,9 +937,15 @@ fn publish(to: Option<&PublishedStats>, stats: &ReadStats) {
 /// (`Reader::publish_stats`): relaxed atomics, so publishing after a batch takes no lock and a
 /// scrape of the metrics never waits on the reader (fields may be a batch apart).
 #[derive(Debug, Default)]
-pub struct PublishedStats([std::sync::atomic::AtomicU64; 11]);
+pub struct PublishedStats([std::sync::atomic::AtomicU64; 11], std::sync::atomic::AtomicU64);
 
 impl PublishedStats {
+    /// Ops issued whose batch was not delivered yet, as of the last delivered batch (the reads
+    /// in flight, and those done but waiting for an earlier batch).
+    pub fn pending_ops(&self) -> u64 {
+        self.1.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The counters as of the reader's last delivered batch or repair.
     pub fn get(&self) -> ReadStats {
         let [a, b, c, d, e, f, g, h, i, j, k] = self.0.each_ref().map(|v| v.load(std::sync::atomic::Ordering::Relaxed));
@@ -987,7 +1048,11 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
             self.stats.tier_bytes += slot.planner.tier_bytes;
             self.stats.ops_direct += slot.planner.n_direct() as u64;
             self.stats.ops_offloaded += slot.offloaded;
+            self.delivered_ops += slot.planner.n_extents() as u64;
             publish(self.published, self.stats);
+            if let Some(published) = self.published {
+                published.1.store(self.issued.saturating_sub(self.delivered_ops), std::sync::atomic::Ordering::Relaxed);
+            }
             if let Some(hook) = self.hook {
                 self.touched.clear();
                 self.touched.extend(slot.planner.shards_touched().map(|s| self.dataset.shard_id(s)));
@@ -1124,6 +1189,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                 return Ok(Next::Done);
             };
             let slot = &mut self.slots[free];
+            slot.planner.count_reads = self.count_shard_reads;
             let mut planned = slot.planner.plan(
                 self.dataset,
                 indices.as_ref(),

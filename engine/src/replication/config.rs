@@ -78,9 +78,8 @@ pub struct NodeConfig {
     pub evictor_options: Vec<(String, String)>,
     /// Faults to inject (tests).
     pub faults: Faults,
-    /// Where the node's metrics are registered; `None`: the process's registry
-    /// ([`crate::metrics::global`]).
-    pub metrics: Option<crate::metrics::Registry>,
+    /// Where the node's metrics are registered: by default the process's registry.
+    pub metrics: crate::metrics::Setting,
     /// Where to serve that registry's `/metrics` over HTTP, on the node's runtime (`None`: not
     /// served by the node).
     pub metrics_listen: Option<SocketAddr>,
@@ -110,7 +109,7 @@ impl NodeConfig {
             replicator_options: Vec::new(),
             evictor_options: Vec::new(),
             faults: Faults::default(),
-            metrics: None,
+            metrics: crate::metrics::Setting::Process,
             metrics_listen: None,
         }
     }

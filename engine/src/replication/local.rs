@@ -225,20 +225,9 @@ impl LocalStore {
         self.inventory.read().get(&(kind, id)).copied()
     }
 
-    /// Every object held, in (kind, id) order.
-    pub(crate) fn entries(&self) -> Vec<InventoryEntry> {
-        let inventory = self.inventory.read();
-        let cached = self.cached.read();
-        let owned = self.origin_cached.read();
-        inventory
-            .iter()
-            .map(|(&(kind, id), &bytes)| InventoryEntry {
-                kind,
-                id,
-                bytes,
-                cached: cached.contains(&id) || owned.contains(&id),
-            })
-            .collect()
+    /// How many objects are held.
+    pub(crate) fn len(&self) -> usize {
+        self.inventory.read().len()
     }
 
     /// Whether shard `id` is held only as a cache entry.
@@ -389,6 +378,20 @@ impl LocalStore {
     pub(crate) fn record_listen(&self, addr: &std::net::SocketAddr) -> Result<()> {
         let dir = self.paths.root().join("replication");
         write_atomically(&dir, &dir.join("listen"), format!("{addr}\n").as_bytes())
+    }
+
+    /// Records where the node serves its metrics, for `granary top` on this machine.
+    pub(crate) fn record_metrics_listen(&self, addr: Option<&std::net::SocketAddr>) -> Result<()> {
+        let dir = self.paths.root().join("replication");
+        let path = dir.join("metrics-listen");
+        match addr {
+            Some(addr) => write_atomically(&dir, &path, format!("{addr}\n").as_bytes()),
+            // A node that does not serve them leaves no address of an earlier life behind.
+            None => match fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io("remove", &path, e)),
+                _ => Ok(()),
+            },
+        }
     }
 
     /// The replication goal of every dataset that has one: copies wanted of each shard.

@@ -2,28 +2,52 @@
 //! scrape: replication lag, the cache of fetched shards, transfers, refusals, and each peer's
 //! state labelled by its node id (or address before its hello).
 //!
-//! Never: keeps the node alive (it holds a weak reference; a stopped node ends the source), or
+//! Never: keeps the node alive (it holds a weak reference; a node being dropped leaves its last
+//! report, whose counters the registry keeps, and ends the source), or
 //! reports an event's text or an error message (those can name paths and peers; they stay in
 //! `granary status`).
 
 use std::sync::Weak;
 
+use parking_lot::Mutex;
+
 use super::shared::Shared;
+use super::status::NodeStatus;
 use crate::metrics::{Samples, Source, Unit};
 
 /// The metrics source of one node.
 pub(super) struct NodeMetrics {
-    pub(super) shared: Weak<Shared>,
+    shared: Weak<Shared>,
+    /// The node's last report, taken as it is dropped.
+    last: Mutex<Option<NodeStatus>>,
+}
+
+impl NodeMetrics {
+    pub(super) fn new(shared: Weak<Shared>) -> Self {
+        Self { shared, last: Mutex::new(None) }
+    }
+
+    /// The node is being dropped: keeps its last report for the registry's retired totals.
+    pub(super) fn end(&self) {
+        if let Some(shared) = self.shared.upgrade() {
+            *self.last.lock() = Some(shared.status());
+        }
+    }
 }
 
 impl Source for NodeMetrics {
     fn ended(&self) -> bool {
-        self.shared.strong_count() == 0
+        self.last.lock().is_some() || self.shared.strong_count() == 0
     }
 
     fn collect(&self, out: &mut Samples) {
-        let Some(shared) = self.shared.upgrade() else { return };
-        let status = shared.status();
+        let status = match self.last.lock().clone() {
+            Some(last) => last,
+            None => match self.shared.upgrade() {
+                Some(shared) => shared.status(),
+                None => return,
+            },
+        };
         let node = || vec![("node", status.id.to_string())];
         let count =
             |out: &mut Samples, name, help, value: u64| out.counter(name, help, Unit::None, node(), value as f64);
@@ -102,6 +126,13 @@ impl Source for NodeMetrics {
             status.cache_bytes as f64,
         );
         out.gauge(
+            "granary_node_under_replicated",
+            "Bytes of the shards of goal datasets with fewer copies than wanted.",
+            Unit::Bytes,
+            node(),
+            status.under_replicated_bytes as f64,
+        );
+        out.gauge(
             "granary_node_uptime",
             "Since the node started.",
             Unit::Seconds,
@@ -138,6 +169,20 @@ impl Source for NodeMetrics {
                 );
             }
             out.gauge("granary_peer_objects", "Objects the peer lists.", Unit::None, labels(), peer.objects as f64);
+            out.counter(
+                "granary_peer_sent",
+                "Bytes of objects sent to the peer.",
+                Unit::Bytes,
+                labels(),
+                peer.bytes_sent as f64,
+            );
+            out.counter(
+                "granary_peer_received",
+                "Bytes of objects received from the peer.",
+                Unit::Bytes,
+                labels(),
+                peer.bytes_received as f64,
+            );
         }
     }
 }

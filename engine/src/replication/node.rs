@@ -44,6 +44,8 @@ pub struct Node {
     stop: watch::Sender<bool>,
     /// `/metrics`, when `NodeConfig::metrics_listen` asked for it.
     metrics: Option<crate::metrics::Endpoint>,
+    /// The node's metrics source, told when the node is dropped.
+    metrics_source: Option<Arc<super::metrics::NodeMetrics>>,
 }
 
 impl fmt::Debug for Node {
@@ -122,14 +124,25 @@ impl Node {
         // The cache entries of an earlier life count against the bound again.
         shared.readmit_cache()?;
         runtime.spawn(super::reconcile::reconciler(Arc::clone(&shared), shutdown));
-        let registry = shared.config.metrics.clone().unwrap_or_else(|| crate::metrics::global().clone());
-        registry.register(Arc::new(super::metrics::NodeMetrics { shared: Arc::downgrade(&shared) }));
+        let registry = shared.config.metrics.registry();
+        let metrics_source = registry.as_ref().map(|registry| {
+            let source = Arc::new(super::metrics::NodeMetrics::new(Arc::downgrade(&shared)));
+            registry.register(Arc::clone(&source) as Arc<dyn crate::metrics::Source>);
+            source
+        });
         let metrics = match shared.config.metrics_listen {
-            Some(addr) => Some(crate::metrics::Endpoint::start(addr, registry, Some(runtime.handle()))?),
+            // Asked to serve with its metrics off, a node serves the process's registry (the
+            // loaders and plugins of the process, without the node).
+            Some(addr) => Some(crate::metrics::Endpoint::start(
+                addr,
+                registry.unwrap_or_else(|| crate::metrics::global().clone()),
+                Some(runtime.handle()),
+            )?),
             None => None,
         };
+        shared.local.record_metrics_listen(metrics.as_ref().map(|e| e.addr()).as_ref())?;
         shared.event(format!("node {node_id} (incarnation {}) listening on {bound}", shared.hello.epoch));
-        Ok(Node { runtime: Some(runtime), shared, stop, metrics })
+        Ok(Node { runtime: Some(runtime), shared, stop, metrics, metrics_source })
     }
 
     /// This node's id.
@@ -226,6 +239,13 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        if let Some(source) = &self.metrics_source {
+            source.end();
+        }
+        if self.metrics.take().is_some() {
+            // No endpoint of a stopped node to be found by `granary top`.
+            let _ = self.shared.local.record_metrics_listen(None);
+        }
         let _ = self.stop.send(true);
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_timeout(Duration::from_secs(2));

@@ -86,11 +86,19 @@ pub(super) struct PeerTable {
     peers: Mutex<Vec<Peer>>,
     /// The newest incarnation seen in a hello, by node id.
     incarnations: Mutex<HashMap<u32, u64>>,
+    /// Bytes of objects sent to and received from each node, by id: kept by id, so a node
+    /// that comes back at another address goes on counting where it was.
+    bytes: Mutex<HashMap<u32, (u64, u64)>>,
 }
 
 impl PeerTable {
     pub(super) fn new(own: u32) -> Self {
-        Self { own, peers: Mutex::new(Vec::new()), incarnations: Mutex::new(HashMap::new()) }
+        Self {
+            own,
+            peers: Mutex::new(Vec::new()),
+            incarnations: Mutex::new(HashMap::new()),
+            bytes: Mutex::new(HashMap::new()),
+        }
     }
 
     fn lock(&self) -> parking_lot::MutexGuard<'_, Vec<Peer>> {
@@ -128,6 +136,23 @@ impl PeerTable {
     /// Every peer that said hello, as (id, address).
     pub(super) fn members(&self) -> Vec<(u32, String)> {
         self.lock().iter().filter_map(|p| p.id().map(|id| (id, p.addr.to_string()))).collect()
+    }
+
+    /// Counts bytes of objects sent to and received from peer `id` (nothing for a node that is
+    /// not a peer, such as a client).
+    pub(super) fn count_bytes(&self, id: u32, sent: u64, received: u64) {
+        if id == self.own || !self.lock().iter().any(|p| p.id() == Some(id)) {
+            return;
+        }
+        let mut bytes = self.bytes.lock();
+        let entry = bytes.entry(id).or_default();
+        entry.0 += sent;
+        entry.1 += received;
+    }
+
+    /// Bytes of objects sent to and received from node `id` so far.
+    pub(super) fn bytes_of(&self, id: u32) -> (u64, u64) {
+        self.bytes.lock().get(&id).copied().unwrap_or_default()
     }
 
     pub(super) fn addr_of(&self, id: u32) -> Option<SocketAddr> {

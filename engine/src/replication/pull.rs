@@ -132,6 +132,7 @@ async fn run(shared: &Arc<Shared>, kind: WireKind, id: ObjectId, length: Length,
                 .stats
                 .bytes_received
                 .fetch_add(writer.len.saturating_sub(start), std::sync::atomic::Ordering::Relaxed);
+            shared.peers.count_bytes(source, 0, writer.len.saturating_sub(start));
             if writer.len > start {
                 contributors.insert(source);
             }

@@ -64,6 +64,7 @@ impl Shared {
         let now = Instant::now();
         let mut under: HashMap<ShardId, Instant> = HashMap::new();
         let mut unavailable = 0;
+        let mut under_bytes = 0;
         // Fetch requests started in this pass, across factors; none while many are pending.
         let mut started = self.fetching.len();
         for (&replicas, shards) in &by_factor {
@@ -75,8 +76,8 @@ impl Shared {
                 if holders.is_empty() {
                     unavailable += 1;
                 }
-                if holders.len() < want {
-                    under.insert(shard, now);
+                if holders.len() < want && under.insert(shard, now).is_none() {
+                    under_bytes += bytes;
                 }
                 let key = shard_key(shard.0.as_bytes());
                 by_key.insert(key, (shard, bytes));
@@ -122,6 +123,7 @@ impl Shared {
             }
         }
         lag.under = under;
+        lag.under_bytes = under_bytes;
         lag.unavailable = unavailable;
         Ok(())
     }

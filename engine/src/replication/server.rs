@@ -149,7 +149,7 @@ async fn serve_connection(
                 return;
             }
         };
-        if let Err(e) = answer(shared, &mut channel, request).await {
+        if let Err(e) = answer(shared, &mut channel, request, peer.node_id).await {
             if !matches!(e, TransportError::Closed) {
                 shared.event(format!("connection of node {} ({addr}) ended: {e}", peer.node_id));
             }
@@ -162,14 +162,21 @@ async fn reply(channel: &mut Channel, request: u32, code: ReplyCode, message: &s
     channel.send(&Frame::Reply { request, code, message }).await
 }
 
-async fn answer(shared: &Arc<Shared>, channel: &mut Channel, request: Request) -> Result<(), TransportError> {
+async fn answer(
+    shared: &Arc<Shared>,
+    channel: &mut Channel,
+    request: Request,
+    from: u32,
+) -> Result<(), TransportError> {
     match request {
         Request::Ping(nonce) => channel.send(&Frame::Pong { nonce, generation: shared.local.generation() }).await,
         Request::Inventory(after) => {
             let (entries, more) = shared.local.page(after, INVENTORY_ENTRIES_MAX);
             channel.send(&Frame::Inventory { entries, more }).await
         }
-        Request::Get { transfer, kind, id, offset } => send_object(shared, channel, transfer, kind, id, offset).await,
+        Request::Get { transfer, kind, id, offset } => {
+            send_object(shared, channel, transfer, kind, id, offset, from).await
+        }
         Request::Fetch { request, kind, id, bytes, sources } => {
             let outcome = shared.fetch_here(kind, id, bytes, &sources).await;
             match outcome {
@@ -267,6 +274,7 @@ async fn send_object(
     kind: WireKind,
     id: ObjectId,
     offset: u64,
+    to: u32,
 ) -> Result<(), TransportError> {
     let path = shared.local.object_path(kind, id);
     let (tx, mut rx) = mpsc::channel::<Result<Piece>>(READ_AHEAD_MAX);
@@ -293,11 +301,13 @@ async fn send_object(
         }
         // The first piece starts at the block holding `offset`.
         let skip = (sent - piece.offset) as usize;
+        let before = sent;
         for chunk in piece.bytes[skip..].chunks(CHUNK_BYTES_MAX) {
             channel.queue(&Frame::Chunk { transfer, offset: sent, data: chunk }).await?;
             sent += chunk.len() as u64;
             shared.stats.bytes_sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         }
+        shared.peers.count_bytes(to, sent - before, 0);
         let _ = spare_tx.try_send(piece.bytes);
         if !faults.send_delay_per_mib.is_zero() {
             tokio::time::sleep(faults.send_delay_per_mib).await;

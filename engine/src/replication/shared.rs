@@ -77,6 +77,8 @@ pub(crate) struct Stats {
 pub(super) struct Lag {
     /// Shards below their goal, since when.
     pub(super) under: std::collections::HashMap<ShardId, Instant>,
+    /// Their bytes.
+    pub(super) under_bytes: u64,
     /// Shards with no copy on a node that is up.
     pub(super) unavailable: usize,
     pub(super) last: Option<Duration>,

@@ -48,6 +48,12 @@ pub struct PeerStatus {
     /// Since its last answer to a heartbeat (`None` before the first).
     #[serde(default)]
     pub answered_ms_ago: Option<u64>,
+    /// Bytes of objects sent to it.
+    #[serde(default)]
+    pub bytes_sent: u64,
+    /// Bytes of objects received from it.
+    #[serde(default)]
+    pub bytes_received: u64,
 }
 
 /// What a node knows: peers, goals, lag, counters.
@@ -71,6 +77,9 @@ pub struct NodeStatus {
     pub goals: Vec<GoalStatus>,
     /// Shards of goal datasets with fewer copies than wanted on nodes that are up.
     pub under_replicated: usize,
+    /// Their bytes.
+    #[serde(default)]
+    pub under_replicated_bytes: u64,
     /// Shards of goal datasets with no copy on a node that is up.
     pub unavailable: usize,
     /// How long the oldest under-replicated shard has been so.
@@ -128,7 +137,7 @@ impl Shared {
     /// The status report.
     pub(crate) fn status(&self) -> NodeStatus {
         let now = Instant::now();
-        let peers = self.peers.map(|p| PeerStatus {
+        let mut peers = self.peers.map(|p| PeerStatus {
             id: p.id(),
             addr: p.addr,
             up: p.up,
@@ -137,13 +146,21 @@ impl Shared {
             demoted: p.demoted(now),
             last_error: p.last_error.clone(),
             answered_ms_ago: p.last_ok().map(|t| now.duration_since(t).as_millis() as u64),
+            bytes_sent: 0,
+            bytes_received: 0,
         });
+        for peer in &mut peers {
+            if let Some(id) = peer.id {
+                (peer.bytes_sent, peer.bytes_received) = self.peers.bytes_of(id);
+            }
+        }
         let goals = self.local.goals().unwrap_or_default();
-        let (under_replicated, unavailable, lag_oldest_ms, lag_last_ms, lag_max_ms) = {
+        let (under_replicated, under_replicated_bytes, unavailable, lag_oldest_ms, lag_last_ms, lag_max_ms) = {
             let lag = self.lag.lock();
             let oldest = lag.under.values().map(|since| now.duration_since(*since)).max().unwrap_or_default();
             (
                 lag.under.len(),
+                lag.under_bytes,
                 lag.unavailable,
                 oldest.as_millis() as u64,
                 lag.last.map(|d| d.as_millis() as u64),
@@ -161,13 +178,14 @@ impl Shared {
             listen: self.hello.listen.clone(),
             root: self.config.root.clone(),
             uptime_ms: self.started.elapsed().as_millis() as u64,
-            objects: self.local.entries().len(),
+            objects: self.local.len(),
             peers,
             goals: goals
                 .into_iter()
                 .map(|(name, replicas)| GoalStatus { dataset: name.to_string(), replicas })
                 .collect(),
             under_replicated,
+            under_replicated_bytes,
             unavailable,
             lag_oldest_ms,
             lag_last_ms,
