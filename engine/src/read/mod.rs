@@ -422,10 +422,10 @@ pub struct ReadStats {
     pub ops_offloaded: u64,
 }
 
-impl std::ops::AddAssign<&ReadStats> for ReadStats {
-    /// Adds another reader's (or another run's) counters: every field, named, so a new counter
-    /// cannot be left out of a sum.
-    fn add_assign(&mut self, more: &ReadStats) {
+impl ReadStats {
+    /// Every counter, in declaration order: named one by one, so a new counter cannot be left
+    /// out of a sum or a copy.
+    fn to_array(self) -> [u64; 11] {
         let ReadStats {
             records,
             bytes_delivered,
@@ -438,18 +438,49 @@ impl std::ops::AddAssign<&ReadStats> for ReadStats {
             tier_bytes,
             ops_direct,
             ops_offloaded,
-        } = *more;
-        self.records += records;
-        self.bytes_delivered += bytes_delivered;
-        self.bytes_read += bytes_read;
-        self.ops += ops;
-        self.blocks_verified += blocks_verified;
-        self.shards_repaired += shards_repaired;
-        self.verify_failures += verify_failures;
-        self.tier_records += tier_records;
-        self.tier_bytes += tier_bytes;
-        self.ops_direct += ops_direct;
-        self.ops_offloaded += ops_offloaded;
+        } = self;
+        [
+            records,
+            bytes_delivered,
+            bytes_read,
+            ops,
+            blocks_verified,
+            shards_repaired,
+            verify_failures,
+            tier_records,
+            tier_bytes,
+            ops_direct,
+            ops_offloaded,
+        ]
+    }
+
+    /// The counters `to_array` gave.
+    fn from_array(values: [u64; 11]) -> Self {
+        let [a, b, c, d, e, f, g, h, i, j, k] = values;
+        ReadStats {
+            records: a,
+            bytes_delivered: b,
+            bytes_read: c,
+            ops: d,
+            blocks_verified: e,
+            shards_repaired: f,
+            verify_failures: g,
+            tier_records: h,
+            tier_bytes: i,
+            ops_direct: j,
+            ops_offloaded: k,
+        }
+    }
+}
+
+impl std::ops::AddAssign<&ReadStats> for ReadStats {
+    /// Adds another reader's (or another run's) counters, every one of them.
+    fn add_assign(&mut self, more: &ReadStats) {
+        let mut sum = self.to_array();
+        for (have, add) in sum.iter_mut().zip(more.to_array()) {
+            *have += add;
+        }
+        *self = ReadStats::from_array(sum);
     }
 }
 
@@ -948,51 +979,11 @@ impl PublishedStats {
 
     /// The counters as of the reader's last delivered batch or repair.
     pub fn get(&self) -> ReadStats {
-        let [a, b, c, d, e, f, g, h, i, j, k] = self.0.each_ref().map(|v| v.load(std::sync::atomic::Ordering::Relaxed));
-        ReadStats {
-            records: a,
-            bytes_delivered: b,
-            bytes_read: c,
-            ops: d,
-            blocks_verified: e,
-            shards_repaired: f,
-            verify_failures: g,
-            tier_records: h,
-            tier_bytes: i,
-            ops_direct: j,
-            ops_offloaded: k,
-        }
+        ReadStats::from_array(self.0.each_ref().map(|v| v.load(std::sync::atomic::Ordering::Relaxed)))
     }
 
     fn set(&self, stats: &ReadStats) {
-        // Every field, named, so a new counter cannot be left out.
-        let ReadStats {
-            records,
-            bytes_delivered,
-            bytes_read,
-            ops,
-            blocks_verified,
-            shards_repaired,
-            verify_failures,
-            tier_records,
-            tier_bytes,
-            ops_direct,
-            ops_offloaded,
-        } = *stats;
-        let values = [
-            records,
-            bytes_delivered,
-            bytes_read,
-            ops,
-            blocks_verified,
-            shards_repaired,
-            verify_failures,
-            tier_records,
-            tier_bytes,
-            ops_direct,
-            ops_offloaded,
-        ];
-        for (to, value) in self.0.iter().zip(values) {
+        for (to, value) in self.0.iter().zip(stats.to_array()) {
             to.store(value, std::sync::atomic::Ordering::Relaxed);
         }
     }
