@@ -1,12 +1,12 @@
 //! granary: an embedded storage engine that keeps a trainer's GPU fed from local disk.
 //!
-//! Modules follow a sample's path (after `id`, `error` and `metrics`, the registry every part
-//! reports to): `shard` (the file format) -> `manifest` (dataset versions) ->
+//! Modules follow a sample's path (after `id` and `error`): `shard` (the file format) -> `manifest` (dataset versions) ->
 //! `store` (files on disk, crash-safe publishing) -> `catalog` (sled cache of what the files say)
 //! -> `ingest` (sources into shards) -> `plan` (which record each rank reads, in which order) ->
 //! `io` (io_uring and pread backends) -> `staging` (the bounded pool of page-aligned buffers,
 //! page-locked through CUDA when present) -> `tier` (verified extents in memory, shared by the
-//! node's processes, filled and emptied by the plan) -> `read` (batch planning, verification, assembly) ->
+//! node's processes, filled and emptied by the plan) -> `read` (batch planning, verification, assembly) -> `metrics` (the registry the parts after it
+//! report to, and its `/metrics` endpoint) ->
 //! `policy` (partitioning, eviction and replication as WebAssembly plugins) -> `loader` (one
 //! rank's batches, prefetched, verified, copied to the GPU). `engine` wires the write side
 //! together (store, catalog, ingest); `replication` (a side path) keeps copies of shards on the
@@ -32,7 +32,6 @@
 
 pub mod id;
 pub mod error;
-pub mod metrics;
 pub mod shard;
 pub mod manifest;
 pub mod store;
@@ -43,6 +42,7 @@ pub mod io;
 pub mod staging;
 pub mod tier;
 pub mod read;
+pub mod metrics;
 #[cfg(feature = "policy")]
 pub mod policy;
 pub mod loader;

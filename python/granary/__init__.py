@@ -47,7 +47,9 @@ __version__ = _native.__version__
 
 # A fork while another thread scrapes or registers would leave the child's metrics registry
 # locked for good; and the child's registry must not hold the parent's loaders.
-if hasattr(os, "register_at_fork"):
+# Once per process, however often this module is imported or reloaded.
+if hasattr(os, "register_at_fork") and not getattr(_native, "_fork_hooks_registered", False):
+    _native._fork_hooks_registered = True
     os.register_at_fork(
         before=_native._metrics_before_fork,
         after_in_parent=_native._metrics_after_fork_in_parent,

@@ -49,11 +49,15 @@ impl MetricsEndpoint {
 
 impl Drop for MetricsEndpoint {
     fn drop(&mut self) {
-        if let Some(endpoint) = self.endpoint.take()
-            && self.pid != std::process::id()
-        {
+        let Some(endpoint) = self.endpoint.take() else { return };
+        if self.pid != std::process::id() {
             std::mem::forget(endpoint);
+            return;
         }
+        // Dropped by the garbage collector, with the GIL held: stopping joins the endpoint's
+        // thread, which may be finishing a scrape, so it happens on a thread of its own.
+        // (If no thread can be started, the closure, endpoint and all, is dropped here.)
+        let _ = std::thread::Builder::new().name("granary-metrics-stop".into()).spawn(move || drop(endpoint));
     }
 }
 

@@ -571,6 +571,32 @@ def test_a_forked_child_has_its_own_metrics_and_never_the_parent_s_loaders(token
         scraper.join()
 
 
+def _wait_in_child(started, release):
+    started.put(granary.metrics_text())
+    release.get(timeout=60)
+
+
+def test_a_forked_child_does_not_keep_the_parent_s_metrics_port(tokens):
+    endpoint = granary.serve_metrics(0, "127.0.0.1")
+    port = endpoint.port
+    context = multiprocessing.get_context("fork")
+    started, release = context.Queue(), context.Queue()
+    child = context.Process(target=_wait_in_child, args=(started, release))
+    child.start()
+    try:
+        started.get(timeout=60)
+        endpoint.close()
+        # The child is alive; its copy of the listening socket was closed at the fork, so the
+        # port is free again.
+        again = granary.serve_metrics(port, "127.0.0.1", offset_by_local_rank=False)
+        assert again.port == port
+        again.close()
+    finally:
+        release.put(None)
+        child.join(timeout=60)
+    assert child.exitcode == 0
+
+
 def test_drain_reads_the_epoch_as_iteration_does(tokens):
     # The benchmark's baseline: the engine loader drained in Rust covers the same epoch.
     store, _ = tokens

@@ -19,6 +19,9 @@
 mod aligned;
 pub mod bare;
 mod fault;
+// Only the metrics endpoint's sockets need it.
+#[cfg(feature = "metrics-http")]
+mod fork;
 mod lazy;
 mod mapped;
 mod pread;
@@ -30,6 +33,8 @@ use std::path::{Path, PathBuf};
 
 pub use aligned::AlignedBuf;
 pub use fault::{Fault, FaultIo};
+#[cfg(feature = "metrics-http")]
+pub(crate) use fork::close_in_forked_child;
 pub use lazy::{BuildIo, LazyIo};
 pub use mapped::{MappedFile, WritableMap, flock, fs_space, open_files_limit};
 pub use pread::PreadIo;

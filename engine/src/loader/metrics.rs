@@ -362,10 +362,24 @@ pub(crate) fn derive_skew(samples: &mut Samples) {
             "Most bytes a rank read this epoch over the mean of the process's ranks.",
         ),
     ] {
+        // Ranks are compared within an epoch: those of each dataset in its latest one (a rank
+        // that finished an epoch before the others starts the next one at zero).
+        let epochs: std::collections::BTreeMap<&crate::metrics::Labels, f64> =
+            samples.values("granary_loader_epoch").collect();
+        let dataset_of = |labels: &crate::metrics::Labels| {
+            labels.iter().find(|(k, _)| *k == "dataset").map_or(String::new(), |(_, v)| v.clone())
+        };
+        let mut latest: std::collections::BTreeMap<String, f64> = std::collections::BTreeMap::new();
+        for (labels, &epoch) in &epochs {
+            let entry = latest.entry(dataset_of(labels)).or_insert(epoch);
+            *entry = entry.max(epoch);
+        }
         let mut by_dataset: std::collections::BTreeMap<String, Vec<f64>> = std::collections::BTreeMap::new();
         for (labels, value) in samples.values(from) {
-            let dataset = labels.iter().find(|(k, _)| *k == "dataset").map_or("", |(_, v)| v.as_str());
-            by_dataset.entry(dataset.to_owned()).or_default().push(value);
+            let dataset = dataset_of(labels);
+            if epochs.get(labels).copied() == latest.get(&dataset).copied() {
+                by_dataset.entry(dataset).or_default().push(value);
+            }
         }
         for (dataset, values) in by_dataset {
             let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;

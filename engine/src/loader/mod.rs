@@ -592,6 +592,8 @@ impl Loader {
             }
         };
         if let (Some(registry), Some(source)) = (&registry, &metrics) {
+            static FORK_HOOK: std::sync::Once = std::sync::Once::new();
+            FORK_HOOK.call_once(|| crate::metrics::on_fork_in_child(crate::read::forget_shard_reads));
             registry.register(Arc::clone(source) as Arc<dyn crate::metrics::Source>);
             registry.derive("skew", metrics::derive_skew);
             if let (key, Some(heat)) = heat {
@@ -670,7 +672,10 @@ impl Loader {
         self.stats.records += loaded.len() as u64;
         self.stats.bytes += loaded.data().len() as u64;
         if let Some(metrics) = &self.metrics {
-            metrics.handed_out(position.epoch, loaded.len() as u64, loaded.data().len() as u64, stall, ready);
+            // The position is the one after the batch: the last batch of an epoch is followed by
+            // the next epoch's start.
+            let epoch = if position.cursor == 0 { position.epoch.saturating_sub(1) } else { position.epoch };
+            metrics.handed_out(epoch, loaded.len() as u64, loaded.data().len() as u64, stall, ready);
         }
         Some(Ok(loaded))
     }

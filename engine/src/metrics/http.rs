@@ -7,9 +7,13 @@
 //! answered; a request body is never read. Never: parses HTTP itself, or serves anything but
 //! the registry's text.
 
+use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener as StdListener, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -31,6 +35,83 @@ const HEAD_BYTES_MAX: usize = 8192;
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one connection is kept, scrapes included (a scraper reconnects).
 const CONNECTION_TIME_MAX: Duration = Duration::from_secs(300);
+
+/// The descriptors of every endpoint's listener and connections in this process, for a forked
+/// child to close its copies of (`super::after_fork_in_child`). A descriptor leaves the set
+/// before it is closed, never after.
+static SOCKETS: Mutex<BTreeSet<RawFd>> = Mutex::new(BTreeSet::new());
+
+fn sockets() -> MutexGuard<'static, BTreeSet<RawFd>> {
+    SOCKETS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The socket list, held across a fork.
+pub(super) struct HeldForFork(MutexGuard<'static, BTreeSet<RawFd>>);
+
+pub(super) fn hold_for_fork() -> HeldForFork {
+    HeldForFork(sockets())
+}
+
+/// In a forked child: closes the child's copies of the endpoints' sockets.
+pub(super) fn close_in_child(mut held: HeldForFork) {
+    let fds: Vec<RawFd> = std::mem::take(&mut *held.0).into_iter().collect();
+    crate::io::close_in_forked_child(&fds);
+}
+
+/// A socket in `SOCKETS` while it lives.
+struct Tracked<S: AsRawFd> {
+    socket: S,
+}
+
+impl<S: AsRawFd> Tracked<S> {
+    fn new(socket: S) -> Self {
+        sockets().insert(socket.as_raw_fd());
+        Self { socket }
+    }
+}
+
+impl<S: AsRawFd> Drop for Tracked<S> {
+    fn drop(&mut self) {
+        // Out of the set first: the socket closes after this, as the field drops.
+        sockets().remove(&self.socket.as_raw_fd());
+    }
+}
+
+impl tokio::io::AsyncRead for Tracked<tokio::net::TcpStream> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.socket).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Tracked<tokio::net::TcpStream> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.socket).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.socket).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.socket).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.socket).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.socket.is_write_vectored()
+    }
+}
 
 /// A running endpoint; dropping it stops it (connections being served are cut).
 pub struct Endpoint {
@@ -70,7 +151,8 @@ impl Endpoint {
                 let _entered = handle.enter();
                 let listener = tokio::net::TcpListener::from_std(listener)
                     .map_err(|e| Error::io("metrics endpoint: listen", at(), e))?;
-                handle.spawn(accept(listener, registry, stop.clone()));
+                // Tracked from here, before this returns: a fork right after sees it.
+                handle.spawn(accept(Tracked::new(listener), registry, stop.clone()));
                 None
             }
             None => {
@@ -80,13 +162,19 @@ impl Endpoint {
                     .map_err(|e| Error::io("metrics endpoint: start the runtime", "tokio", e))?;
                 let listener = {
                     let _entered = runtime.enter();
-                    tokio::net::TcpListener::from_std(listener)
-                        .map_err(|e| Error::io("metrics endpoint: listen", at(), e))?
+                    Tracked::new(
+                        tokio::net::TcpListener::from_std(listener)
+                            .map_err(|e| Error::io("metrics endpoint: listen", at(), e))?,
+                    )
                 };
                 let stop = stop.clone();
                 let thread = std::thread::Builder::new()
                     .name("granary-metrics".into())
-                    .spawn(move || runtime.block_on(accept(listener, registry, stop)))
+                    .spawn(move || {
+                        runtime.block_on(accept(listener, registry, stop));
+                        // An encoding under way on the blocking pool is not waited for long.
+                        runtime.shutdown_timeout(Duration::from_secs(1));
+                    })
                     .map_err(|e| Error::io("metrics endpoint: start the thread", at(), e))?;
                 Some(thread)
             }
@@ -134,7 +222,7 @@ fn bind(addr: impl ToSocketAddrs) -> Result<StdListener> {
     })
 }
 
-async fn accept(listener: tokio::net::TcpListener, registry: Registry, stop: Arc<Notify>) {
+async fn accept(listener: Tracked<tokio::net::TcpListener>, registry: Registry, stop: Arc<Notify>) {
     let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     // One scrape is encoded at a time, off the runtime's workers (a node's runtime also runs
     // its heartbeats); the others wait their turn without holding a worker.
@@ -143,7 +231,7 @@ async fn accept(listener: tokio::net::TcpListener, registry: Registry, stop: Arc
     loop {
         let stream = tokio::select! {
             _ = stop.notified() => break,
-            accepted = listener.accept() => match accepted {
+            accepted = listener.socket.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 // Out of descriptors or a connection reset before accept: try the next one
                 // after a pause, so a full table does not spin.
@@ -169,7 +257,7 @@ async fn accept(listener: tokio::net::TcpListener, registry: Registry, stop: Arc
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT).max_buf_size(HEAD_BYTES_MAX);
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            let connection = builder.serve_connection(TokioIo::new(Tracked::new(stream)), service);
             let _ = tokio::time::timeout(CONNECTION_TIME_MAX, connection).await;
             drop(slot);
         });
@@ -194,13 +282,19 @@ async fn respond(registry: Registry, encoding: Arc<Semaphore>, request: &Request
                 .iter()
                 .any(|value| value.to_str().is_ok_and(|v| v.contains("application/openmetrics-text")));
             let format = if asks_openmetrics { Format::OpenMetrics } else { Format::Prometheus };
-            let body = if head {
-                String::new()
-            } else {
-                let Ok(_turn) = encoding.acquire().await else {
+            // HEAD too: hyper sends the length of the body it leaves out.
+            let body = {
+                // The turn goes with the encoding: a client that gives up does not let the next
+                // encoding start while this one runs.
+                let Ok(turn) = encoding.acquire_owned().await else {
                     return text(StatusCode::SERVICE_UNAVAILABLE, "the endpoint is stopping\n");
                 };
-                match tokio::task::spawn_blocking(move || registry.encode(format)).await {
+                let encode = move || {
+                    let body = registry.encode(format);
+                    drop(turn);
+                    body
+                };
+                match tokio::task::spawn_blocking(encode).await {
                     Ok(body) => body,
                     Err(_) => return text(StatusCode::INTERNAL_SERVER_ERROR, "encoding the metrics failed\n"),
                 }

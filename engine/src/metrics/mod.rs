@@ -24,11 +24,14 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use parking_lot::Mutex;
+// std's mutex, not parking_lot's: a child forked while another thread waits for it gets it
+// unlocked (`before_fork`), where parking_lot's would be handed to the waiter, a thread the child
+// does not have.
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 #[cfg(feature = "metrics-http")]
 pub use http::{Endpoint, serve};
@@ -66,11 +69,13 @@ struct Inner {
     derived: BTreeMap<&'static str, fn(&mut Samples)>,
     /// The counters and histograms of sources that have ended.
     retired: Samples,
+    /// Run in a child after a fork (`on_fork_in_child`): the process's registry only.
+    child_hooks: Vec<fn()>,
 }
 
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registry").field("sources", &self.inner.lock().sources.len()).finish()
+        f.debug_struct("Registry").field("sources", &self.lock().sources.len()).finish()
     }
 }
 
@@ -110,9 +115,15 @@ pub fn global() -> &'static Registry {
 }
 
 impl Registry {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Every change to `Inner` is whole before the lock is let go: a panic elsewhere while
+        // holding it leaves nothing half done.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Adds a source; it is asked at every scrape until it says it has ended.
     pub fn register(&self, source: Arc<dyn Source>) {
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock();
         // Sources that ended are folded in here too, so a process that makes many loaders and
         // is never scraped keeps only the live ones.
         inner.retire_ended();
@@ -122,7 +133,7 @@ impl Registry {
     /// Adds the source `make` builds unless a live source was registered under `key` (one
     /// source of a dataset's hot shards, however many loaders read it); returns whether it did.
     pub fn register_once(&self, key: &str, make: impl FnOnce() -> Arc<dyn Source>) -> bool {
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock();
         inner.retire_ended();
         if inner.sources.iter().any(|(have, _)| have.as_deref() == Some(key)) {
             return false;
@@ -134,9 +145,9 @@ impl Registry {
     /// The samples of every source, with those of ended sources folded into the retired
     /// totals first.
     pub fn gather(&self) -> Samples {
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock();
         inner.retire_ended();
-        let Inner { sources, derived, retired } = &*inner;
+        let Inner { sources, derived, retired, .. } = &*inner;
         let mut out = retired.clone();
         for (_, source) in sources.iter() {
             source.collect(&mut out);
@@ -150,7 +161,7 @@ impl Registry {
     /// Adds a series computed from the samples of all sources (the skew across ranks, say),
     /// once per `name` however often it is asked for.
     pub fn derive(&self, name: &'static str, derive: fn(&mut Samples)) {
-        self.inner.lock().derived.entry(name).or_insert(derive);
+        self.lock().derived.entry(name).or_insert(derive);
     }
 
     /// The exposition in `format`.
@@ -430,6 +441,14 @@ impl AtomicHistogram {
         Self { bounds, counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(), sum_nanos: AtomicU64::new(0) }
     }
 
+    /// Starts over from no observation.
+    pub fn reset(&self) {
+        for count in self.counts.iter() {
+            count.store(0, Ordering::Relaxed);
+        }
+        self.sum_nanos.store(0, Ordering::Relaxed);
+    }
+
     /// Counts one observation.
     pub fn observe(&self, value: f64) {
         let bucket = self.bounds.iter().position(|bound| value <= *bound).unwrap_or(self.bounds.len());
@@ -451,34 +470,64 @@ impl AtomicHistogram {
 }
 
 thread_local! {
-    /// The process's registry, locked by the thread that is about to fork (see `before_fork`).
-    static HELD_FOR_FORK: std::cell::RefCell<Option<parking_lot::MutexGuard<'static, Inner>>> =
-        const { std::cell::RefCell::new(None) };
+    /// What the thread about to fork holds across the fork (see `before_fork`).
+    static HELD_FOR_FORK: std::cell::RefCell<Option<HeldForFork>> = const { std::cell::RefCell::new(None) };
+}
+
+struct HeldForFork {
+    registry: MutexGuard<'static, Inner>,
+    #[cfg(feature = "metrics-http")]
+    endpoints: http::HeldForFork,
+}
+
+/// Runs `hook` in a child forked from this process, after the parent's sources are gone (a
+/// module that counts for the whole process, the plugins' table say, starts the child at zero).
+/// Hooks must not take the registry.
+pub fn on_fork_in_child(hook: fn()) {
+    global().lock().child_hooks.push(hook);
 }
 
 /// To be called by the thread about to `fork` (Python's `os.register_at_fork` does): takes the
-/// process's registry, so that no scrape or registration holds it across the fork (a child
-/// would inherit it locked, with no thread to unlock it). `after_fork_in_parent` or
-/// `after_fork_in_child`, on the same thread, lets it go.
+/// process's registry and the endpoints' list of sockets, so that no scrape, registration or
+/// connection holds them across the fork (a child would inherit them locked, with no thread to
+/// unlock them). `after_fork_in_parent` or `after_fork_in_child`, on the same thread, lets them
+/// go. A second call before either does nothing.
 pub fn before_fork() {
-    let guard = global().inner.lock();
-    HELD_FOR_FORK.with(|held| *held.borrow_mut() = Some(guard));
+    if HELD_FOR_FORK.with(|held| held.borrow().is_some()) {
+        return;
+    }
+    let registry = global().lock();
+    #[cfg(feature = "metrics-http")]
+    let endpoints = http::hold_for_fork();
+    let held = HeldForFork {
+        registry,
+        #[cfg(feature = "metrics-http")]
+        endpoints,
+    };
+    HELD_FOR_FORK.with(|slot| *slot.borrow_mut() = Some(held));
 }
 
-/// After a `fork`, in the parent: lets the registry go.
+/// After a `fork`, in the parent (or after a fork that failed): lets go what `before_fork` took.
 pub fn after_fork_in_parent() {
     HELD_FOR_FORK.with(|held| drop(held.borrow_mut().take()));
 }
 
 /// After a `fork`, in the child: forgets the parent's sources (their loaders and nodes run in
-/// the parent; the child's own register afresh) and their retired totals, then lets the
-/// registry go.
+/// the parent; the child's own register afresh) and their retired totals, runs the hooks of
+/// `on_fork_in_child`, closes the child's copies of the endpoints' sockets (the parent's
+/// endpoints serve on; a copy held here would keep a port bound and a closed connection
+/// open), then lets go what `before_fork` took. Only for a child that never drops the parent's
+/// `Endpoint`s (Python's binding leaks them).
 pub fn after_fork_in_child() {
     HELD_FOR_FORK.with(|held| {
-        if let Some(mut inner) = held.borrow_mut().take() {
-            inner.sources.retain(|(_, source)| source.survives_fork());
-            inner.retired = Samples::default();
+        let Some(mut held) = held.borrow_mut().take() else { return };
+        held.registry.sources.retain(|(_, source)| source.survives_fork());
+        held.registry.retired = Samples::default();
+        for hook in held.registry.child_hooks.clone() {
+            hook();
         }
+        #[cfg(feature = "metrics-http")]
+        http::close_in_child(held.endpoints);
     });
 }
 

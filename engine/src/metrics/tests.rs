@@ -58,7 +58,7 @@ fn counters_of_one_label_set_add_up_and_survive_their_source() {
     assert_eq!(samples.value("granary_test_depth", &[("rank", "0")]), Some(3.0), "only the live gauge");
     // Asked once more: the retired counts are not added twice.
     assert_eq!(registry.gather().value("granary_test_reads", &[("rank", "0")]), Some(9.0));
-    assert_eq!(registry.inner.lock().sources.len(), 2);
+    assert_eq!(registry.lock().sources.len(), 2);
 }
 
 #[test]

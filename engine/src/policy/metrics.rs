@@ -82,8 +82,25 @@ fn table() -> &'static Arc<Table> {
     TABLE.get_or_init(|| {
         let table = Arc::new(Table::default());
         crate::metrics::global().register(table.clone());
+        crate::metrics::on_fork_in_child(start_child_at_zero);
         table
     })
+}
+
+/// In a forked child: the parent's counts are the parent's (a sum over parent and children
+/// would count them twice). A table the fork caught locked is left as it is.
+fn start_child_at_zero() {
+    if let Some(table) = table().0.try_lock() {
+        for counters in table.values() {
+            counters.calls.store(0, Ordering::Relaxed);
+            counters.latency.reset();
+            for count in &counters.failures {
+                count.store(0, Ordering::Relaxed);
+            }
+            counters.fallback_calls.store(0, Ordering::Relaxed);
+            counters.quarantines.store(0, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Registers the table with the process's registry, if not yet done: called where no lock of

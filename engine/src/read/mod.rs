@@ -52,12 +52,26 @@ pub struct Dataset {
     shard_reads: Arc<[std::sync::atomic::AtomicU64]>,
 }
 
-/// The per-shard read counts of each manifest open in this process, so that every `Dataset`
-/// of one version counts into the same ones.
+type ShardReadsTable = std::collections::HashMap<ManifestId, std::sync::Weak<[std::sync::atomic::AtomicU64]>>;
+
+/// The per-shard read counts of every manifest open in this process.
+static SHARD_READS: OnceLock<parking_lot::Mutex<ShardReadsTable>> = OnceLock::new();
+
+/// In a forked child: the reads counted so far were the parent's. (A table the fork caught
+/// locked is left as it is.)
+pub(crate) fn forget_shard_reads() {
+    let Some(table) = SHARD_READS.get().and_then(|table| table.try_lock()) else { return };
+    for counts in table.values().filter_map(std::sync::Weak::upgrade) {
+        for count in counts.iter() {
+            count.store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+/// The per-shard read counts of manifest `manifest`, so that every `Dataset` of one version in
+/// the process counts into the same ones.
 fn shard_reads_of(manifest: ManifestId, shards: usize) -> Arc<[std::sync::atomic::AtomicU64]> {
-    type Table = std::collections::HashMap<ManifestId, std::sync::Weak<[std::sync::atomic::AtomicU64]>>;
-    static TABLE: OnceLock<parking_lot::Mutex<Table>> = OnceLock::new();
-    let mut table = TABLE.get_or_init(Default::default).lock();
+    let mut table = SHARD_READS.get_or_init(Default::default).lock();
     table.retain(|_, counts| counts.strong_count() > 0);
     if let Some(counts) = table.get(&manifest).and_then(std::sync::Weak::upgrade)
         && counts.len() == shards

@@ -238,10 +238,27 @@ impl View {
         let cache_hit = (!hits.is_empty()).then(|| hits.iter().sum::<f64>() / hits.len() as f64);
         // The skew over every rank scraped (all of a node's, when `top` is given each rank's
         // endpoint), from their reads this epoch.
-        let reads: Vec<f64> =
-            last.samples.iter().filter(|s| s.name == "granary_loader_epoch_records").map(|s| s.value).collect();
-        let mean = reads.iter().sum::<f64>() / reads.len().max(1) as f64;
-        let skew = (mean > 0.0).then(|| reads.iter().copied().fold(0.0, f64::max) / mean);
+        // Ranks are compared within an epoch: those of each dataset in its latest one. The
+        // screen shows the largest skew of any dataset.
+        let epoch_of = |s: &Sample| last.sum("granary_loader_epoch", |e| e.labels == s.labels);
+        let mut groups: BTreeMap<String, (f64, Vec<f64>)> = BTreeMap::new();
+        for sample in last.samples.iter().filter(|s| s.name == "granary_loader_epoch_records") {
+            let epoch = epoch_of(sample).unwrap_or(0.0);
+            let group = groups.entry(sample.label("dataset").unwrap_or("").to_owned()).or_insert((epoch, Vec::new()));
+            if epoch > group.0 {
+                *group = (epoch, Vec::new());
+            }
+            if epoch == group.0 {
+                group.1.push(sample.value);
+            }
+        }
+        let skew = groups
+            .values()
+            .filter_map(|(_, reads)| {
+                let mean = reads.iter().sum::<f64>() / reads.len().max(1) as f64;
+                (mean > 0.0).then(|| reads.iter().copied().fold(0.0, f64::max) / mean)
+            })
+            .reduce(f64::max);
         let mut hot: BTreeMap<String, f64> = BTreeMap::new();
         for sample in last.samples.iter().filter(|s| s.name == "granary_shard_reads") {
             *hot.entry(sample.label("shard").unwrap_or("?").to_owned()).or_default() += sample.value;
@@ -314,7 +331,7 @@ pub(super) fn draw(frame: &mut Frame<'_>, view: &View, title: &str, clock: Durat
     let area = frame.area();
     let [head, ranks, bottom] = Layout::vertical([
         Constraint::Length(1),
-        Constraint::Length(view.ranks.len().max(1) as u16 + 3),
+        Constraint::Length(u16::try_from(view.ranks.len().max(1)).unwrap_or(u16::MAX).saturating_add(3)),
         Constraint::Min(4),
     ])
     .areas(area);
@@ -341,7 +358,7 @@ fn draw_ranks(frame: &mut Frame<'_>, view: &View, area: Rect) {
     let text_width = 52;
     let rows = Layout::vertical(std::iter::repeat_n(Constraint::Length(1), view.ranks.len() + 1)).split(inner);
     let heading = format!(
-        "{:<5} {:>10} {:>6} {:>6} {:>10} {:>6}  throughput, last minute",
+        "{:<5} {:>10} {:>6} {:>6} {:>10} {:>6}  throughput, a bar per scrape",
         "rank", "now", "stall", "epoch", "records", "queue"
     );
     frame.render_widget(Paragraph::new(heading).style(Style::new().add_modifier(Modifier::BOLD)), rows[0]);
