@@ -362,8 +362,9 @@ pub(crate) fn derive_skew(samples: &mut Samples) {
             "Most bytes a rank read this epoch over the mean of the process's ranks.",
         ),
     ] {
-        // Ranks are compared within an epoch: those of each dataset in its latest one (a rank
-        // that finished an epoch before the others starts the next one at zero).
+        // Ranks are compared within an epoch, and only when all of a dataset's are in the same
+        // one (a rank that finished an epoch before the others starts the next one at zero:
+        // compared then, it would look slow, and alone, it would hide the others).
         let epochs: std::collections::BTreeMap<&crate::metrics::Labels, f64> =
             samples.values("granary_loader_epoch").collect();
         let dataset_of = |labels: &crate::metrics::Labels| {
@@ -375,12 +376,16 @@ pub(crate) fn derive_skew(samples: &mut Samples) {
             *entry = entry.max(epoch);
         }
         let mut by_dataset: std::collections::BTreeMap<String, Vec<f64>> = std::collections::BTreeMap::new();
+        let mut behind: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
         for (labels, value) in samples.values(from) {
             let dataset = dataset_of(labels);
             if epochs.get(labels).copied() == latest.get(&dataset).copied() {
                 by_dataset.entry(dataset).or_default().push(value);
+            } else {
+                behind.insert(dataset);
             }
         }
+        by_dataset.retain(|dataset, _| !behind.contains(dataset));
         for (dataset, values) in by_dataset {
             let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
             if mean > 0.0 {
@@ -477,5 +482,34 @@ impl Source for DatasetHeat {
                 shards as f64,
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rank(out: &mut Samples, rank: &str, epoch: f64, records: f64) {
+        let labels = || vec![("rank", rank.to_owned()), ("dataset", "d@1".to_owned())];
+        out.gauge("granary_loader_epoch", "", Unit::None, labels(), epoch);
+        out.gauge("granary_loader_epoch_records", "", Unit::None, labels(), records);
+        out.gauge("granary_loader_epoch_read", "", Unit::Bytes, labels(), records * 4096.0);
+    }
+
+    #[test]
+    fn skew_compares_ranks_in_one_epoch_only() {
+        let mut same = Samples::default();
+        rank(&mut same, "0", 2.0, 120.0);
+        rank(&mut same, "1", 2.0, 80.0);
+        derive_skew(&mut same);
+        assert_eq!(same.value("granary_skew_records", &[("dataset", "d@1")]), Some(1.2));
+        assert_eq!(same.value("granary_skew_bytes", &[("dataset", "d@1")]), Some(1.2));
+
+        // Rank 0 has started epoch 3: no comparison until rank 1 has too.
+        let mut apart = Samples::default();
+        rank(&mut apart, "0", 3.0, 10.0);
+        rank(&mut apart, "1", 2.0, 190.0);
+        derive_skew(&mut apart);
+        assert_eq!(apart.value("granary_skew_records", &[("dataset", "d@1")]), None);
     }
 }

@@ -592,8 +592,7 @@ impl Loader {
             }
         };
         if let (Some(registry), Some(source)) = (&registry, &metrics) {
-            static FORK_HOOK: std::sync::Once = std::sync::Once::new();
-            FORK_HOOK.call_once(|| crate::metrics::on_fork_in_child(crate::read::forget_shard_reads));
+            crate::metrics::on_fork_in_child(crate::read::forget_shard_reads);
             registry.register(Arc::clone(source) as Arc<dyn crate::metrics::Source>);
             registry.derive("skew", metrics::derive_skew);
             if let (key, Some(heat)) = heat {

@@ -58,22 +58,33 @@ pub(super) fn close_in_child(mut held: HeldForFork) {
     crate::io::close_in_forked_child(&fds);
 }
 
-/// A socket in `SOCKETS` while it lives.
+/// A socket in `SOCKETS` from the moment it exists until it is closed: it is inserted under
+/// the same hold of the set as its creation (`bind`, the accept step), and removed under the
+/// same hold as its closing, so a fork never finds it open and unlisted.
 struct Tracked<S: AsRawFd> {
-    socket: S,
+    /// `None` only while it is being dropped.
+    socket: Option<S>,
 }
 
 impl<S: AsRawFd> Tracked<S> {
-    fn new(socket: S) -> Self {
-        sockets().insert(socket.as_raw_fd());
-        Self { socket }
+    /// A socket the caller created and inserted under `set`, the one hold of `SOCKETS`.
+    fn adopt(socket: S, set: &mut BTreeSet<RawFd>) -> Self {
+        set.insert(socket.as_raw_fd());
+        Self { socket: Some(socket) }
+    }
+
+    fn socket(&mut self) -> std::io::Result<&mut S> {
+        self.socket.as_mut().ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotConnected))
     }
 }
 
 impl<S: AsRawFd> Drop for Tracked<S> {
     fn drop(&mut self) {
-        // Out of the set first: the socket closes after this, as the field drops.
-        sockets().remove(&self.socket.as_raw_fd());
+        let mut set = sockets();
+        if let Some(socket) = self.socket.take() {
+            set.remove(&socket.as_raw_fd());
+            drop(socket);
+        }
     }
 }
 
@@ -83,21 +94,33 @@ impl tokio::io::AsyncRead for Tracked<tokio::net::TcpStream> {
         cx: &mut Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.socket).poll_read(cx, buf)
+        match self.socket() {
+            Ok(socket) => Pin::new(socket).poll_read(cx, buf),
+            Err(e) => Poll::Ready(Err(e)),
+        }
     }
 }
 
 impl tokio::io::AsyncWrite for Tracked<tokio::net::TcpStream> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.socket).poll_write(cx, buf)
+        match self.socket() {
+            Ok(socket) => Pin::new(socket).poll_write(cx, buf),
+            Err(e) => Poll::Ready(Err(e)),
+        }
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.socket).poll_flush(cx)
+        match self.socket() {
+            Ok(socket) => Pin::new(socket).poll_flush(cx),
+            Err(e) => Poll::Ready(Err(e)),
+        }
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.socket).poll_shutdown(cx)
+        match self.socket() {
+            Ok(socket) => Pin::new(socket).poll_shutdown(cx),
+            Err(e) => Poll::Ready(Err(e)),
+        }
     }
 
     fn poll_write_vectored(
@@ -105,11 +128,14 @@ impl tokio::io::AsyncWrite for Tracked<tokio::net::TcpStream> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.socket).poll_write_vectored(cx, bufs)
+        match self.socket() {
+            Ok(socket) => Pin::new(socket).poll_write_vectored(cx, bufs),
+            Err(e) => Poll::Ready(Err(e)),
+        }
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.socket.is_write_vectored()
+        self.socket.as_ref().is_some_and(tokio::io::AsyncWrite::is_write_vectored)
     }
 }
 
@@ -142,31 +168,39 @@ impl Endpoint {
         registry: Registry,
         runtime: Option<&tokio::runtime::Handle>,
     ) -> Result<Endpoint> {
-        let listener = bind(addr)?;
-        let addr = listener.local_addr().map_err(|e| Error::io("metrics endpoint: address of", "listener", e))?;
-        let at = || PathBuf::from(addr.to_string());
-        let stop = Arc::new(Notify::new());
-        let thread = match runtime {
-            Some(handle) => {
-                let _entered = handle.enter();
-                let listener = tokio::net::TcpListener::from_std(listener)
-                    .map_err(|e| Error::io("metrics endpoint: listen", at(), e))?;
-                // Tracked from here, before this returns: a fork right after sees it.
-                handle.spawn(accept(Tracked::new(listener), registry, stop.clone()));
-                None
-            }
-            None => {
-                let runtime = tokio::runtime::Builder::new_current_thread()
+        let addrs: Vec<SocketAddr> =
+            addr.to_socket_addrs().map_err(|e| Error::io("metrics endpoint: resolve", "address", e))?.collect();
+        // A runtime of its own is built first: it takes time, and no lock.
+        let own = match runtime {
+            Some(_) => None,
+            None => Some(
+                tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
-                    .map_err(|e| Error::io("metrics endpoint: start the runtime", "tokio", e))?;
-                let listener = {
-                    let _entered = runtime.enter();
-                    Tracked::new(
-                        tokio::net::TcpListener::from_std(listener)
-                            .map_err(|e| Error::io("metrics endpoint: listen", at(), e))?,
-                    )
-                };
+                    .map_err(|e| Error::io("metrics endpoint: start the runtime", "tokio", e))?,
+            ),
+        };
+        let handle = match (runtime, &own) {
+            (Some(handle), _) => handle.clone(),
+            (None, Some(own)) => own.handle().clone(),
+            (None, None) => return Err(Error::invalid_input("metrics endpoint: no runtime to run on")),
+        };
+        let listener = bind(&addrs, &handle)?;
+        let addr = listener
+            .socket
+            .as_ref()
+            .map(tokio::net::TcpListener::local_addr)
+            .transpose()
+            .map_err(|e| Error::io("metrics endpoint: address of", "listener", e))?
+            .ok_or_else(|| Error::invalid_input("metrics endpoint: no listener"))?;
+        let at = || PathBuf::from(addr.to_string());
+        let stop = Arc::new(Notify::new());
+        let thread = match own {
+            None => {
+                handle.spawn(accept(listener, registry, stop.clone()));
+                None
+            }
+            Some(runtime) => {
                 let stop = stop.clone();
                 let thread = std::thread::Builder::new()
                     .name("granary-metrics".into())
@@ -198,16 +232,20 @@ impl Drop for Endpoint {
     }
 }
 
-fn bind(addr: impl ToSocketAddrs) -> Result<StdListener> {
-    let addrs: Vec<SocketAddr> =
-        addr.to_socket_addrs().map_err(|e| Error::io("metrics endpoint: resolve", "address", e))?.collect();
+/// A listener on the first of `addrs` that binds, for `handle`'s runtime, in `SOCKETS` from
+/// its creation on.
+fn bind(addrs: &[SocketAddr], handle: &tokio::runtime::Handle) -> Result<Tracked<tokio::net::TcpListener>> {
+    let _entered = handle.enter();
     let mut last = None;
-    for addr in addrs {
+    for &addr in addrs {
         let at = PathBuf::from(addr.to_string());
+        let mut set = sockets();
         match StdListener::bind(addr) {
             Ok(listener) => {
-                listener.set_nonblocking(true).map_err(|e| Error::io("metrics endpoint: listen", at, e))?;
-                return Ok(listener);
+                listener.set_nonblocking(true).map_err(|e| Error::io("metrics endpoint: listen", at.clone(), e))?;
+                let listener = tokio::net::TcpListener::from_std(listener)
+                    .map_err(|e| Error::io("metrics endpoint: listen", at, e))?;
+                return Ok(Tracked::adopt(listener, &mut set));
             }
             Err(e) => last = Some((at, e)),
         }
@@ -222,7 +260,7 @@ fn bind(addr: impl ToSocketAddrs) -> Result<StdListener> {
     })
 }
 
-async fn accept(listener: Tracked<tokio::net::TcpListener>, registry: Registry, stop: Arc<Notify>) {
+async fn accept(mut listener: Tracked<tokio::net::TcpListener>, registry: Registry, stop: Arc<Notify>) {
     let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     // One scrape is encoded at a time, off the runtime's workers (a node's runtime also runs
     // its heartbeats); the others wait their turn without holding a worker.
@@ -231,8 +269,19 @@ async fn accept(listener: Tracked<tokio::net::TcpListener>, registry: Registry, 
     loop {
         let stream = tokio::select! {
             _ = stop.notified() => break,
-            accepted = listener.socket.accept() => match accepted {
-                Ok((stream, _)) => stream,
+            // The accepted socket goes into `SOCKETS` under the hold of the accept itself.
+            accepted = std::future::poll_fn(|cx| {
+                let mut set = sockets();
+                match listener.socket() {
+                    Ok(socket) => match socket.poll_accept(cx) {
+                        Poll::Ready(Ok((stream, _))) => Poll::Ready(Ok(Tracked::adopt(stream, &mut set))),
+                        Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                        Poll::Pending => Poll::Pending,
+                    },
+                    Err(e) => Poll::Ready(Err(e)),
+                }
+            }) => match accepted {
+                Ok(stream) => stream,
                 // Out of descriptors or a connection reset before accept: try the next one
                 // after a pause, so a full table does not spin.
                 Err(_) => {
@@ -257,7 +306,7 @@ async fn accept(listener: Tracked<tokio::net::TcpListener>, registry: Registry, 
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT).max_buf_size(HEAD_BYTES_MAX);
-            let connection = builder.serve_connection(TokioIo::new(Tracked::new(stream)), service);
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
             let _ = tokio::time::timeout(CONNECTION_TIME_MAX, connection).await;
             drop(slot);
         });

@@ -481,10 +481,13 @@ struct HeldForFork {
 }
 
 /// Runs `hook` in a child forked from this process, after the parent's sources are gone (a
-/// module that counts for the whole process, the plugins' table say, starts the child at zero).
-/// Hooks must not take the registry.
+/// module that counts for the whole process, the plugins' table say, starts the child at zero);
+/// a hook given again is kept once. Hooks must not take the registry or wait for a lock.
 pub fn on_fork_in_child(hook: fn()) {
-    global().lock().child_hooks.push(hook);
+    let mut inner = global().lock();
+    if !inner.child_hooks.iter().any(|have| std::ptr::fn_addr_eq(*have, hook)) {
+        inner.child_hooks.push(hook);
+    }
 }
 
 /// To be called by the thread about to `fork` (Python's `os.register_at_fork` does): takes the
@@ -517,17 +520,17 @@ pub fn after_fork_in_parent() {
 /// `on_fork_in_child`, closes the child's copies of the endpoints' sockets (the parent's
 /// endpoints serve on; a copy held here would keep a port bound and a closed connection
 /// open), then lets go what `before_fork` took. Only for a child that never drops the parent's
-/// `Endpoint`s (Python's binding leaks them).
+/// `Endpoint`s nor the runtimes they run on (Python's binding leaks them, and runs no node).
 pub fn after_fork_in_child() {
     HELD_FOR_FORK.with(|held| {
         let Some(mut held) = held.borrow_mut().take() else { return };
+        #[cfg(feature = "metrics-http")]
+        http::close_in_child(held.endpoints);
         held.registry.sources.retain(|(_, source)| source.survives_fork());
         held.registry.retired = Samples::default();
         for hook in held.registry.child_hooks.clone() {
             hook();
         }
-        #[cfg(feature = "metrics-http")]
-        http::close_in_child(held.endpoints);
     });
 }
 

@@ -77,20 +77,18 @@ impl PluginCounters {
 #[derive(Default)]
 struct Table(Mutex<BTreeMap<String, Arc<PluginCounters>>>);
 
+static TABLE: OnceLock<Arc<Table>> = OnceLock::new();
+
+/// The table. Its initialisation takes no lock: a fork that catches it half done leaves the
+/// child nothing to wait for.
 fn table() -> &'static Arc<Table> {
-    static TABLE: OnceLock<Arc<Table>> = OnceLock::new();
-    TABLE.get_or_init(|| {
-        let table = Arc::new(Table::default());
-        crate::metrics::global().register(table.clone());
-        crate::metrics::on_fork_in_child(start_child_at_zero);
-        table
-    })
+    TABLE.get_or_init(Default::default)
 }
 
 /// In a forked child: the parent's counts are the parent's (a sum over parent and children
 /// would count them twice). A table the fork caught locked is left as it is.
 fn start_child_at_zero() {
-    if let Some(table) = table().0.try_lock() {
+    if let Some(table) = TABLE.get().and_then(|table| table.0.try_lock()) {
         for counters in table.values() {
             counters.calls.store(0, Ordering::Relaxed);
             counters.latency.reset();
@@ -107,7 +105,9 @@ fn start_child_at_zero() {
 /// the caller's is held (`PolicyHost::new`), so that registering never waits on a scrape
 /// while holding a lock a scrape needs.
 pub(crate) fn init() {
-    let _ = table();
+    let table = table();
+    crate::metrics::global().register_once("granary-plugins", || Arc::clone(table) as Arc<dyn Source>);
+    crate::metrics::on_fork_in_child(start_child_at_zero);
 }
 
 /// The counters of plugin `name`.

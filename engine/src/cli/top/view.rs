@@ -238,23 +238,29 @@ impl View {
         let cache_hit = (!hits.is_empty()).then(|| hits.iter().sum::<f64>() / hits.len() as f64);
         // The skew over every rank scraped (all of a node's, when `top` is given each rank's
         // endpoint), from their reads this epoch.
-        // Ranks are compared within an epoch: those of each dataset in its latest one. The
-        // screen shows the largest skew of any dataset.
-        let epoch_of = |s: &Sample| last.sum("granary_loader_epoch", |e| e.labels == s.labels);
-        let mut groups: BTreeMap<String, (f64, Vec<f64>)> = BTreeMap::new();
+        // Ranks are compared within an epoch, when all of a dataset's are in the same one (see
+        // the engine's `granary_skew_*`). The screen shows the largest skew of any dataset.
+        let epochs: BTreeMap<&[(String, String)], f64> = last
+            .samples
+            .iter()
+            .filter(|s| s.name == "granary_loader_epoch")
+            .map(|s| (s.labels.as_slice(), s.value))
+            .collect();
+        let mut groups: BTreeMap<String, (Option<f64>, bool, Vec<f64>)> = BTreeMap::new();
         for sample in last.samples.iter().filter(|s| s.name == "granary_loader_epoch_records") {
-            let epoch = epoch_of(sample).unwrap_or(0.0);
-            let group = groups.entry(sample.label("dataset").unwrap_or("").to_owned()).or_insert((epoch, Vec::new()));
-            if epoch > group.0 {
-                *group = (epoch, Vec::new());
+            let epoch = epochs.get(sample.labels.as_slice()).copied().unwrap_or(0.0);
+            let group =
+                groups.entry(sample.label("dataset").unwrap_or("").to_owned()).or_insert((None, true, Vec::new()));
+            if group.0.is_some_and(|e| e != epoch) {
+                group.1 = false;
             }
-            if epoch == group.0 {
-                group.1.push(sample.value);
-            }
+            group.0 = Some(epoch);
+            group.2.push(sample.value);
         }
         let skew = groups
             .values()
-            .filter_map(|(_, reads)| {
+            .filter(|(_, same_epoch, _)| *same_epoch)
+            .filter_map(|(_, _, reads)| {
                 let mean = reads.iter().sum::<f64>() / reads.len().max(1) as f64;
                 (mean > 0.0).then(|| reads.iter().copied().fold(0.0, f64::max) / mean)
             })
