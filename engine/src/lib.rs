@@ -1,17 +1,17 @@
 //! granary: an embedded storage engine that keeps a trainer's GPU fed from local disk.
 //!
-//! Modules follow a sample's path (after `id` and `error`): `shard` (the file format) -> `manifest` (dataset versions) ->
-//! `store` (files on disk, crash-safe publishing) -> `catalog` (sled cache of what the files say)
-//! -> `ingest` (sources into shards) -> `plan` (which record each rank reads, in which order) ->
-//! `io` (io_uring and pread backends) -> `staging` (the bounded pool of page-aligned buffers,
-//! page-locked through CUDA when present) -> `tier` (verified extents in memory, shared by the
-//! node's processes, filled and emptied by the plan) -> `read` (batch planning, verification, assembly) -> `metrics` (the registry the parts after it
-//! report to, and its `/metrics` endpoint) ->
-//! `policy` (partitioning, eviction and replication as WebAssembly plugins) -> `loader` (one
-//! rank's batches, prefetched, verified, copied to the GPU). `engine` wires the write side
-//! together (store, catalog, ingest); `replication` (a side path) keeps copies of shards on the
-//! other nodes of a job and repairs reads from them. A module uses only the modules before it in
-//! this order, never one after it.
+//! Modules follow a sample's path (after `id` and `error`): `shard` (the file format) ->
+//! `manifest` (dataset versions) -> `store` (files on disk, crash-safe publishing) -> `catalog`
+//! (sled cache of what the files say) -> `ingest` (sources into shards) -> `plan` (which record
+//! each rank reads, in which order) -> `io` (io_uring and pread backends) -> `staging` (the
+//! bounded pool of page-aligned buffers, page-locked through CUDA when present) -> `tier`
+//! (verified extents in memory, shared by the node's processes, filled and emptied by the plan)
+//! -> `read` (batch planning, verification, assembly) -> `metrics` (the registry the parts after
+//! it report to, and its `/metrics` endpoint) -> `policy` (partitioning, eviction and
+//! replication as WebAssembly plugins) -> `loader` (one rank's batches, prefetched, verified,
+//! copied to the GPU). `engine` wires the write side together (store, catalog, ingest);
+//! `replication` (a side path) keeps copies of shards on the other nodes of a job and repairs
+//! reads from them. A module uses only the modules before it in this order, never one after it.
 //!
 //! ```no_run
 //! use granary::{Granary, IngestOptions, Layout, Dtype, FixedLayout, DatasetName, VersionSpec};
