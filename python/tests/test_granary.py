@@ -16,24 +16,7 @@ import pytest
 
 import granary
 
-RECORD = 64  # u16 tokens per record
-
-
-def records(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 65535, RECORD, dtype=np.uint16) for _ in range(n)]
-
-
-@pytest.fixture
-def store(tmp_path):
-    return granary.Store(tmp_path / "store", create=True)
-
-
-@pytest.fixture
-def tokens(store):
-    data = records(1000)
-    store.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=16 << 10)
-    return store, data
+from conftest import RECORD, records
 
 
 def read_epoch(loader):
@@ -503,98 +486,6 @@ def test_metrics_count_what_was_delivered(tokens):
     assert m["blocks_verified"] > 0 and m["verify_failures"] == 0
     assert 0.0 <= m["cache_hit_ratio"] <= 1.0 and 0.0 <= m["stall_fraction"] <= 1.0
     assert m["stall_seconds"] >= 0.0
-
-
-def _scraped(port, name):
-    """The sum of `name`'s samples in a scrape of the endpoint on `port` (0 when absent)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
-def test_a_scrape_of_the_process_counts_what_its_loaders_delivered(tokens, monkeypatch):
-    store, _ = tokens
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    endpoint = granary.serve_metrics(0, "127.0.0.1")
-    try:
-        assert endpoint.port > 0 and endpoint.host == "127.0.0.1"
-        # Other tests' loaders ran in this process too: what this epoch adds is measured.
-        before = _scraped(endpoint.port, "granary_loader_delivered_bytes_total")
-        batches_before = _scraped(endpoint.port, "granary_loader_batches_total")
-        loader = store.loader("tokens", batch_size=100, output="numpy")
-        for _ in loader:
-            pass
-        assert _scraped(endpoint.port, "granary_loader_delivered_bytes_total") - before == 1000 * RECORD * 2
-        assert _scraped(endpoint.port, "granary_loader_batches_total") - batches_before == 10
-        assert "granary_loader_step_stall_seconds_bucket" in granary.metrics_text()
-    finally:
-        endpoint.close()
-    with pytest.raises(OSError):
-        _scraped(endpoint.port, "granary_loader_batches_total")
-
-
-def _metrics_in_child(queue):
-    queue.put(granary.metrics_text())
-
-
-def test_a_forked_child_has_its_own_metrics_and_never_the_parent_s_loaders(tokens):
-    store, _ = tokens
-    loader = store.loader("tokens", batch_size=100, output="numpy")
-    for _ in loader:
-        pass
-    assert "granary_loader_batches_total" in granary.metrics_text()
-    # A scrape running in another thread while the fork happens must not leave the child's
-    # registry locked.
-    stop = threading.Event()
-
-    def scrape():
-        while not stop.is_set():
-            granary.metrics_text()
-
-    scraper = threading.Thread(target=scrape)
-    scraper.start()
-    try:
-        context = multiprocessing.get_context("fork")
-        for _ in range(3):
-            queue = context.Queue()
-            child = context.Process(target=_metrics_in_child, args=(queue,))
-            child.start()
-            text = queue.get(timeout=60)
-            child.join(timeout=60)
-            assert child.exitcode == 0
-            assert "granary_loader_batches_total" not in text, "the parent's loaders are not the child's"
-    finally:
-        stop.set()
-        scraper.join()
-
-
-def _wait_in_child(started, release):
-    started.put(granary.metrics_text())
-    release.get(timeout=60)
-
-
-def test_a_forked_child_does_not_keep_the_parent_s_metrics_port(tokens):
-    endpoint = granary.serve_metrics(0, "127.0.0.1")
-    port = endpoint.port
-    context = multiprocessing.get_context("fork")
-    started, release = context.Queue(), context.Queue()
-    child = context.Process(target=_wait_in_child, args=(started, release))
-    child.start()
-    try:
-        started.get(timeout=60)
-        endpoint.close()
-        # The child is alive; its copy of the listening socket was closed at the fork, so the
-        # port is free again.
-        again = granary.serve_metrics(port, "127.0.0.1", offset_by_local_rank=False)
-        assert again.port == port
-        again.close()
-    finally:
-        release.put(None)
-        child.join(timeout=60)
-    assert child.exitcode == 0
 
 
 def test_drain_reads_the_epoch_as_iteration_does(tokens):

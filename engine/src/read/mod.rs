@@ -21,12 +21,14 @@
 //! share a store with one writer).
 
 mod batch;
+mod stats;
 mod verify;
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 pub use batch::Batch;
+pub use stats::{PublishedStats, ReadStats};
 pub use verify::{VERIFY_THREADS_MAX, default_verify_threads};
 
 use crate::error::{Error, FormatError, Result};
@@ -37,6 +39,7 @@ use crate::shard::{Layout, ShardMeta};
 use crate::staging::StagingPool;
 use crate::store::{DatasetName, StorePaths, VersionSpec};
 use crate::tier::TierReader;
+use stats::publish;
 
 /// An opened, immutable dataset version. Shared between readers.
 pub struct Dataset {
@@ -404,98 +407,6 @@ fn opens_before_reset() -> usize {
             crate::io::open_files_limit().map_or(usize::MAX, |limit| usize::try_from(limit).unwrap_or(usize::MAX));
         (soft / 4).clamp(16, 1024)
     })
-}
-
-/// Counters of one reader.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ReadStats {
-    /// Records delivered.
-    pub records: u64,
-    /// Record bytes delivered.
-    pub bytes_delivered: u64,
-    /// Bytes read from files (whole blocks).
-    pub bytes_read: u64,
-    /// Ops issued.
-    pub ops: u64,
-    /// Blocks whose checksum was checked on reads from disk (the memory tier's fills check
-    /// theirs too, counted in `TierStats::bytes_loaded`).
-    pub blocks_verified: u64,
-    /// Shards replaced through the repair hook.
-    pub shards_repaired: u64,
-    /// Reads that found damaged bytes (a block's CRC32C, a shard's BLAKE3 or its metadata did
-    /// not check out): each was repaired (see `shards_repaired`) or ended the read with an error.
-    pub verify_failures: u64,
-    /// Records copied from the memory tier (the rest of `records` came from disk).
-    pub tier_records: u64,
-    /// Record bytes copied from the memory tier.
-    pub tier_bytes: u64,
-    /// Ops read straight into the batch's memory and checked there (no copy); the rest of
-    /// `ops` went through the backend's buffers.
-    pub ops_direct: u64,
-    /// Ops checked by a verify worker rather than the thread that reaps the disk.
-    pub ops_offloaded: u64,
-}
-
-impl ReadStats {
-    /// Every counter, in declaration order: named one by one, so a new counter cannot be left
-    /// out of a sum or a copy.
-    fn to_array(self) -> [u64; 11] {
-        let ReadStats {
-            records,
-            bytes_delivered,
-            bytes_read,
-            ops,
-            blocks_verified,
-            shards_repaired,
-            verify_failures,
-            tier_records,
-            tier_bytes,
-            ops_direct,
-            ops_offloaded,
-        } = self;
-        [
-            records,
-            bytes_delivered,
-            bytes_read,
-            ops,
-            blocks_verified,
-            shards_repaired,
-            verify_failures,
-            tier_records,
-            tier_bytes,
-            ops_direct,
-            ops_offloaded,
-        ]
-    }
-
-    /// The counters `to_array` gave.
-    fn from_array(values: [u64; 11]) -> Self {
-        let [a, b, c, d, e, f, g, h, i, j, k] = values;
-        ReadStats {
-            records: a,
-            bytes_delivered: b,
-            bytes_read: c,
-            ops: d,
-            blocks_verified: e,
-            shards_repaired: f,
-            verify_failures: g,
-            tier_records: h,
-            tier_bytes: i,
-            ops_direct: j,
-            ops_offloaded: k,
-        }
-    }
-}
-
-impl std::ops::AddAssign<&ReadStats> for ReadStats {
-    /// Adds another reader's (or another run's) counters, every one of them.
-    fn add_assign(&mut self, more: &ReadStats) {
-        let mut sum = self.to_array();
-        for (have, add) in sum.iter_mut().zip(more.to_array()) {
-            *have += add;
-        }
-        *self = ReadStats::from_array(sum);
-    }
 }
 
 /// Reads records of one dataset version through one backend. Not shared between threads: each
@@ -972,37 +883,6 @@ impl<I> Drop for Pipeline<'_, I> {
 }
 
 /// Copies `stats` to the counters another thread reads, if there are any.
-fn publish(to: Option<&PublishedStats>, stats: &ReadStats) {
-    if let Some(to) = to {
-        to.set(stats);
-    }
-}
-
-/// A reader's counters as another thread sees them while the reader runs
-/// (`Reader::publish_stats`): relaxed atomics, so publishing after a batch takes no lock and a
-/// scrape of the metrics never waits on the reader (fields may be a batch apart).
-#[derive(Debug, Default)]
-pub struct PublishedStats([std::sync::atomic::AtomicU64; 11], std::sync::atomic::AtomicU64);
-
-impl PublishedStats {
-    /// Ops issued whose batch was not delivered yet, as of the last delivered batch (the reads
-    /// in flight, and those done but waiting for an earlier batch).
-    pub fn pending_ops(&self) -> u64 {
-        self.1.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// The counters as of the reader's last delivered batch or repair.
-    pub fn get(&self) -> ReadStats {
-        ReadStats::from_array(self.0.each_ref().map(|v| v.load(std::sync::atomic::Ordering::Relaxed)))
-    }
-
-    fn set(&self, stats: &ReadStats) {
-        for (to, value) in self.0.iter().zip(stats.to_array()) {
-            to.store(value, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-}
-
 /// Batches to read again after a repair, then the caller's.
 struct Replay<'a, I> {
     replay: &'a mut std::collections::VecDeque<Vec<u64>>,
@@ -1056,7 +936,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
             self.delivered_ops += slot.planner.n_extents() as u64;
             publish(self.published, self.stats);
             if let Some(published) = self.published {
-                published.1.store(self.issued.saturating_sub(self.delivered_ops), std::sync::atomic::Ordering::Relaxed);
+                published.set_pending_ops(self.issued.saturating_sub(self.delivered_ops));
             }
             if let Some(hook) = self.hook {
                 self.touched.clear();
