@@ -834,7 +834,8 @@ fn measure_pinned_copy(batch_bytes: u64, batches: u64) -> Result<Sample> {
 }
 
 /// The bare reader's ops for `records`: each record's blocks cut at `op_bytes`; with `coalesce`,
-/// consecutive records' blocks merge as the engine's planner merges them.
+/// consecutive records' blocks merge as the engine's planner merges them (a block two records
+/// share, when records are not whole blocks, is read once).
 fn bare_ops(dataset: &Dataset, records: &[u64], op_bytes: usize, coalesce: bool) -> Result<Vec<BareOp>> {
     let op_blocks = (op_bytes as u64 / BLOCK_BYTES_U64).max(1);
     let mut ops: Vec<BareOp> = Vec::with_capacity(records.len());
@@ -846,6 +847,10 @@ fn bare_ops(dataset: &Dataset, records: &[u64], op_bytes: usize, coalesce: bool)
         while block < end {
             if let Some(last) = ops.last_mut().filter(|last| coalesce && last.file == file) {
                 let last_end = (last.offset - DATA_OFFSET) / BLOCK_BYTES_U64 + u64::from(last.len) / BLOCK_BYTES_U64;
+                if block < last_end {
+                    block = last_end;
+                    continue;
+                }
                 let room = op_blocks - u64::from(last.len) / BLOCK_BYTES_U64;
                 if last_end == block && room > 0 {
                     let n = room.min(end - block);
