@@ -219,3 +219,55 @@ fn a_bit_flipped_under_a_verify_worker_is_caught_and_nothing_damaged_is_delivere
         assert_eq!(n, 32);
     }
 }
+
+/// The same for records that are not whole blocks: a long op is read into the reader's scratch
+/// memory, and a worker checks it and copies its records into the batch. A bit flipped there is
+/// caught before anything is copied, and no batch holding a byte of the op is delivered.
+#[test]
+fn a_bit_flipped_in_an_op_a_worker_copies_from_is_caught_and_nothing_damaged_is_delivered() {
+    let dir = tempdir();
+    let records: Vec<Vec<u8>> = (0..1000).map(|i| bytes(i + 13, 1000)).collect();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    ingest(&mut granary, "v", granary::Layout::Bytes, small_shards(8 << 20), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("v").unwrap()).unwrap();
+    // Batches of 131 records (about 32 blocks): two 64 KiB ops each, and a short one where a
+    // batch ends inside a block the next one starts in.
+    let batches: Vec<Vec<u64>> = (0..7).map(|b| (b * 131..b * 131 + 131).collect()).collect();
+    for backend in [Backend::Pread, Backend::Uring] {
+        let inner = IoConfig { backend, queue_depth: 8, op_bytes_max: 64 << 10, direct: true }.build().unwrap();
+        // Op 12 is batch 4's or 5's, block 3 of the op: damaged in flight. With three batches in
+        // flight, batch 1 or 2 was delivered before it was read; a batch's ops are counted when
+        // it is delivered.
+        let faults = vec![Fault::FlipBit { op: 12, bit: 3 * 4096 * 8 + 5 }];
+        let mut reader = Reader::new(dataset.clone(), Box::new(FaultIo::new(inner, faults)));
+        reader.set_verify_threads(1);
+        let mut delivered = Vec::new();
+        let error = reader
+            .read_batches(&batches, 3, &mut |batch| {
+                delivered.push((batch.indices().to_vec(), batch.data().to_vec()));
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(matches!(error, Error::ChecksumMismatch { .. }), "{backend:?}: {error}");
+        assert!((1..=5).contains(&delivered.len()), "{backend:?}: {} batches delivered", delivered.len());
+        for (indices, data) in &delivered {
+            let expected: Vec<u8> = indices.iter().flat_map(|&i| records[i as usize].clone()).collect();
+            assert!(data == &expected, "{backend:?}: a delivered batch is not the input");
+        }
+        let stats = reader.stats();
+        // Batch 0's first op happens to be its first 64 KiB, read straight into it; the others
+        // went through the scratch memory.
+        assert!(stats.ops_offloaded > stats.ops_direct, "{backend:?}: no copy was made by a worker: {stats:?}");
+        // The damage was in flight only: read again, everything is whole.
+        let mut n = 0;
+        reader
+            .read_batches(&batches, 3, &mut |batch| {
+                let expected: Vec<u8> = batches[n].iter().flat_map(|&i| records[i as usize].clone()).collect();
+                assert!(batch.data() == &expected[..], "{backend:?}: batch {n} differs");
+                n += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(n, 7);
+    }
+}

@@ -1,7 +1,8 @@
 //! Model-based test of the read path: any records, any shard size, any batches (repeats,
 //! shared blocks, empty records, records spanning ops), any op size, queue depth and pipeline
 //! depth return exactly what a plain `Vec<Vec<u8>>` holds, with or without the memory tier
-//! holding some of the extents.
+//! holding some of the extents, and with or without verify workers checking long ops and copying
+//! their records into the batch.
 
 mod common;
 
@@ -26,14 +27,15 @@ proptest! {
     #[test]
     fn batches_read_exactly_what_the_model_holds(
         records in records(),
-        shard_kib in 1u64..64,
+        shard_kib in prop_oneof![1u64..64, 64u64..600],
         batches in prop::collection::vec(prop::collection::vec(any::<prop::sample::Index>(), 0..40), 1..8),
-        op_blocks in 1usize..6,
+        op_blocks in prop_oneof![1usize..6, 16usize..40],
         queue_depth in 1u32..9,
         depth in 1usize..4,
         uring: bool,
         tier_extent_blocks in prop::option::of(1u64..4),
         tier_mask: u64,
+        threads in 0usize..3,
     ) {
         let dir = tempdir();
         let root = dir.path().join("store");
@@ -43,6 +45,7 @@ proptest! {
         let backend = if uring { Backend::Uring } else { Backend::Pread };
         let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
         let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
+        reader.set_verify_threads(threads);
         // With the memory tier: some extents in memory (records may span one that is and one
         // that is not), the rest read from disk.
         let _tier_dir = tier_extent_blocks.map(|blocks| {
@@ -79,6 +82,10 @@ proptest! {
             reader.read_batch(wanted, &mut batch).unwrap();
             let expected: Vec<u8> = wanted.iter().flat_map(|&i| records[i as usize].clone()).collect();
             prop_assert_eq!(batch.data(), &expected[..]);
+        }
+        let stats = reader.stats();
+        if threads == 0 || op_blocks < 16 {
+            prop_assert_eq!(stats.ops_offloaded, 0);
         }
     }
 }
@@ -187,7 +194,62 @@ proptest! {
         if threads == 0 || op_blocks < 16 {
             prop_assert_eq!(stats.ops_offloaded, 0);
         }
-        prop_assert!(stats.ops_offloaded <= stats.ops_direct);
+        prop_assert!(stats.ops_offloaded <= stats.ops);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Records that are not whole blocks, read in runs (a sequential or block-shuffled plan over
+    /// variable-length documents) with verify workers: long ops are read into scratch memory and
+    /// checked and copied into the batch by a worker, short ones on the reading thread; the
+    /// batches are the model's whatever the plan, op size, queue, pipeline depth and workers.
+    #[test]
+    fn records_copied_into_the_batch_by_workers_match_the_model(
+        sizes in prop::collection::vec(prop_oneof![0usize..100, 100usize..5000, 5000usize..20000], 20..150),
+        shard_kib in 64u64..600,
+        batches in prop::collection::vec(
+            prop::collection::vec((any::<prop::sample::Index>(), 1usize..60), 1..5), 1..6),
+        op_blocks in 16usize..40,
+        queue_depth in 1u32..9,
+        depth in 1usize..4,
+        uring: bool,
+        threads in 1usize..3,
+    ) {
+        let records: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| bytes(i as u64 + 17, n)).collect();
+        let n = records.len();
+        let dir = tempdir();
+        let mut granary = Granary::create(dir.path().join("store")).unwrap();
+        ingest(&mut granary, "g", Layout::Bytes, small_shards(shard_kib << 10), &records);
+        let dataset = granary.open_dataset(&VersionSpec::parse("g").unwrap()).unwrap();
+        let backend = if uring { Backend::Uring } else { Backend::Pread };
+        let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
+        let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
+        reader.set_verify_threads(threads);
+        let batches: Vec<Vec<u64>> = batches
+            .iter()
+            .map(|runs| {
+                runs.iter()
+                    .flat_map(|(start, len)| {
+                        let start = start.index(n);
+                        (start..(start + len).min(n)).map(|i| i as u64)
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut delivered = Vec::new();
+        reader.read_batches(&batches, depth, &mut |batch| {
+            delivered.push(batch.records().map(<[u8]>::to_vec).collect::<Vec<_>>());
+            Ok(())
+        }).unwrap();
+        prop_assert_eq!(delivered.len(), batches.len());
+        for (got, wanted) in delivered.iter().zip(&batches) {
+            let expected: Vec<Vec<u8>> = wanted.iter().map(|&i| records[i as usize].clone()).collect();
+            prop_assert!(got == &expected, "a batch differs from the model");
+        }
+        let stats = reader.stats();
+        prop_assert!(stats.ops_offloaded <= stats.ops);
     }
 }
 
@@ -219,5 +281,39 @@ fn long_ops_read_into_the_batch_are_checked_by_a_worker() {
         assert_eq!(stats.ops_direct, stats.ops, "{backend:?}: {stats:?}");
         assert_eq!(stats.ops_offloaded, stats.ops, "{backend:?}: {stats:?}");
         assert_eq!(stats.blocks_verified, 256, "{backend:?}: {stats:?}");
+    }
+}
+
+/// Records that are not whole blocks (a token corpus of variable-length documents) cannot be
+/// read straight into the batch; with verify workers, their long ops are read into the reader's
+/// scratch memory and checked and copied into the batch by a worker, and the short ones on the
+/// reading thread: every op is counted once, and the bytes are the model's.
+#[test]
+fn long_ops_of_records_that_are_not_whole_blocks_are_checked_and_copied_by_a_worker() {
+    let records: Vec<Vec<u8>> = (0..300).map(|i| bytes(i + 5, 1000 + (i as usize * 37) % 3000)).collect();
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    ingest(&mut granary, "v", Layout::Bytes, small_shards(256 << 10), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("v").unwrap()).unwrap();
+    for backend in [Backend::Pread, Backend::Uring] {
+        let io = IoConfig { backend, queue_depth: 4, op_bytes_max: 128 << 10, direct: true }.build().unwrap();
+        let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
+        reader.set_verify_threads(2);
+        let batches: Vec<Vec<u64>> = (0..10).map(|b| (b * 30..b * 30 + 30).collect()).collect();
+        let mut n = 0;
+        reader
+            .read_batches(&batches, 3, &mut |batch| {
+                let expected: Vec<u8> = batches[n].iter().flat_map(|&i| records[i as usize].clone()).collect();
+                assert!(batch.data() == &expected[..], "{backend:?}: batch {n} differs");
+                n += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(n, 10);
+        let stats = reader.stats();
+        assert_eq!(stats.ops_direct, 0, "{backend:?}: {stats:?}");
+        // Batches of about 75 KiB: the ops of 64 KiB or more went to a worker (7 of 12 here);
+        // shards' ends make shorter ones.
+        assert!(stats.ops_offloaded * 2 >= stats.ops && stats.ops_offloaded <= stats.ops, "{backend:?}: {stats:?}");
     }
 }

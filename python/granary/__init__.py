@@ -283,8 +283,8 @@ class Loader:
     `local_world_size`: ranks per node, numbered node by node as torchrun numbers them (default:
     `LOCAL_WORLD_SIZE`, which torchrun sets); the tier then plans for all of the node's ranks,
     so they fill it together and keep the same extents when it cannot hold the whole dataset.
-    `verify_threads`: threads that check the CRC32C of long reads landed straight in a batch, so
-    the reading thread only reaps the disk (default `GRANARY_VERIFY_THREADS`, else one per 8
+    `verify_threads`: threads that check the CRC32C of long reads (64 KiB or more) and copy their
+    records into the batch, so the reading thread only reaps the disk (default `GRANARY_VERIFY_THREADS`, else one per 8
     cores, at most 8, none below 8 cores; `0` checks on the reading thread).
 
     Batches are the loader's own memory, read-only (NumPy's `writeable` is False; torch warns

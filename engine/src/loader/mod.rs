@@ -146,7 +146,8 @@ pub struct LoaderConfig {
     pub hold_max: usize,
     /// The read backend.
     pub io: IoConfig,
-    /// Threads that check ops read straight into a batch, so the reading thread only reaps;
+    /// Threads that check long ops (64 KiB or more) and copy their records into the batch, so the
+    /// reading thread only reaps;
     /// `None`: [`crate::read::default_verify_threads`] (`GRANARY_VERIFY_THREADS`, else none below
     /// 8 cores); 0: checks on the reading thread.
     pub verify_threads: Option<usize>,

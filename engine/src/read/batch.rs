@@ -4,9 +4,12 @@
 //! An extent whose blocks are exactly a run of the batch's bytes (whole, block-aligned records
 //! back to back: fixed records of 4 KiB multiples in a sequential or block-shuffled plan), 64 KiB
 //! or longer, is read straight into the batch's memory and checked there; the others are
-//! read into the backend's buffers, checked, and their records' bytes copied out. While a batch's
-//! ops are in flight its memory is written and read only through raw pointers to the disjoint
-//! ranges each op owns (`BatchMemory`): the kernel, verify workers and copies work on it at once.
+//! read into a buffer, checked, and their records' bytes copied out: long ones (64 KiB or more,
+//! when the reader has verify workers) into the batch slot's own scratch memory, which a worker
+//! checks and gathers from, the rest into the backend's buffers, on the reaping thread. While a
+//! batch's ops are in flight its memory is written and read only through raw pointers to the
+//! disjoint ranges each op owns (`BatchMemory`): the kernel, verify workers and copies work on
+//! it at once.
 //!
 //! Everything here reuses its vectors from batch to batch: after warm-up, planning a batch
 //! allocates nothing.
@@ -254,7 +257,7 @@ impl Extent {
 
 /// A copy from an extent's bytes into the batch.
 #[derive(Clone, Copy, Debug)]
-struct Piece {
+pub(super) struct Piece {
     extent: u32,
     src: u32,
     dst: u64,
@@ -284,6 +287,10 @@ pub(super) struct Planner {
     /// Per extent: where in the batch it is read straight into, when its blocks are exactly a run
     /// of the batch's bytes (its pieces back to back from its first byte, block-aligned).
     direct: Vec<Option<u64>>,
+    /// Per extent: where in the slot's scratch memory it is read, for a worker to check and
+    /// gather (`plan_scratch`); `None` for extents read straight into the batch or into the
+    /// backend's buffers.
+    scratch: Vec<Option<u64>>,
     /// Records and bytes of the plan served by the memory tier.
     pub(super) tier_records: u64,
     pub(super) tier_bytes: u64,
@@ -370,6 +377,8 @@ impl Planner {
         self.plan_extents(op_blocks_max);
         self.plan_pieces();
         self.plan_direct();
+        self.scratch.clear();
+        self.scratch.resize(self.extents.len(), None);
         self.shards.clear();
         self.shards.extend(self.extents.iter().map(|e| e.shard as usize));
         self.shards.dedup();
@@ -478,6 +487,32 @@ impl Planner {
         self.direct[e]
     }
 
+    /// Gives every extent that is not read straight into the batch and is at least `min_bytes`
+    /// long a place in scratch memory, back to back (block-aligned: extents are whole blocks);
+    /// returns the scratch bytes the plan needs. Without a call, no extent has one.
+    pub(super) fn plan_scratch(&mut self, min_bytes: usize) -> u64 {
+        let mut total = 0;
+        for (e, extent) in self.extents.iter().enumerate() {
+            let len = u64::from(extent.n_blocks) * BLOCK_BYTES_U64;
+            self.scratch[e] = None;
+            if self.direct[e].is_none() && len >= min_bytes as u64 {
+                self.scratch[e] = Some(total);
+                total += len;
+            }
+        }
+        total
+    }
+
+    /// Where extent `e` is read in the slot's scratch memory, if it is.
+    pub(super) fn scratch(&self, e: usize) -> Option<u64> {
+        self.scratch[e]
+    }
+
+    /// Extent `e`'s copies into the batch. The slice stays as it is until the plan is made again.
+    pub(super) fn pieces(&self, e: usize) -> &[Piece] {
+        &self.pieces[self.piece_starts[e] as usize..self.piece_starts[e + 1] as usize]
+    }
+
     /// Extents of the plan read straight into the batch.
     pub(super) fn n_direct(&self) -> usize {
         self.direct.iter().filter(|d| d.is_some()).count()
@@ -546,15 +581,29 @@ impl Planner {
     #[allow(unsafe_code, reason = "copies into a batch that others work on")]
     pub(super) unsafe fn deliver(&self, dataset: &Dataset, e: usize, bytes: &[u8], memory: BatchMemory) -> Result<()> {
         self.check(dataset, e, bytes)?;
-        let pieces = &self.pieces[self.piece_starts[e] as usize..self.piece_starts[e + 1] as usize];
-        for piece in pieces {
-            let src = &bytes[piece.src as usize..piece.src as usize + piece.len as usize];
-            // SAFETY: the caller's promise; the pieces of one request do not overlap in the
-            // batch, and each request lies in one range of it.
-            unsafe { memory.write(piece.dst, src)? };
-        }
-        Ok(())
+        // SAFETY: the caller's promise.
+        unsafe { gather(self.pieces(e), bytes, memory) }
     }
+}
+
+/// Copies each of an extent's pieces from `bytes` (its checked blocks) into the batch.
+///
+/// # Safety
+///
+/// `memory` is the memory of the batch the pieces were planned for, and no op in flight, worker
+/// or other copy works on the pieces' ranges of it while this runs.
+#[allow(unsafe_code, reason = "copies into a batch that others work on")]
+pub(super) unsafe fn gather(pieces: &[Piece], bytes: &[u8], memory: BatchMemory) -> Result<()> {
+    for piece in pieces {
+        let (start, len) = (piece.src as usize, piece.len as usize);
+        let src = bytes.get(start..start + len).ok_or_else(|| {
+            Error::invalid_input(format!("a piece at {start}..+{len} lies past an op of {} bytes", bytes.len()))
+        })?;
+        // SAFETY: the caller's promise; the pieces of one request do not overlap in the batch,
+        // and each request lies in one range of it.
+        unsafe { memory.write(piece.dst, src)? };
+    }
+    Ok(())
 }
 
 /// The error of block `block` of shard `shard` not matching its checksum.

@@ -5,9 +5,11 @@
 //! reusable planning scratch). A batch read maps indices to shard byte ranges, reads each block
 //! that any record touches exactly once, coalescing adjacent blocks into ops of up to the
 //! backend's op size, reads ops of whole block-aligned records straight into the batch's memory
-//! and the rest into the backend's buffers, checks every block's CRC32C as its op completes (long
-//! ops on verify workers, `verify.rs`), and copies the other records into the batch in request
-//! order. Records whose extents the memory tier holds (`Reader::set_tier`)
+//! and the rest into a buffer, checks every block's CRC32C as its op completes, and copies the
+//! other records into the batch in request order. With verify workers (`verify.rs`), long ops are
+//! checked, and those not read into the batch are read into the slot's scratch memory and copied
+//! out, on the workers: the reaping thread only reaps and resubmits; short ops are read into the
+//! backend's buffers and checked and copied on the reaping thread. Records whose extents the memory tier holds (`Reader::set_tier`)
 //! are copied from it while the batch is planned and read from disk not at all. Invariant: no
 //! batch is delivered holding a byte of a block whose checksum has not matched (on its way into
 //! the tier, or as its op completed: bytes read straight into a batch are checked there before
@@ -457,6 +459,27 @@ struct BatchSlot {
     awaiting_verdicts: usize,
     /// Per extent: completed already (a backend that completes an op twice is refused).
     completed: Vec<bool>,
+    /// Where long ops that are not read straight into the batch are read, for a verify worker
+    /// to check and copy into it (`Planner::plan_scratch`); grown as plans need, kept.
+    scratch: Option<crate::io::AlignedBuf>,
+}
+
+impl BatchSlot {
+    /// The address of `len` bytes at `at` in the scratch memory, which holds them.
+    fn scratch_range(&self, at: u64, len: usize) -> Result<std::ptr::NonNull<u8>> {
+        let scratch =
+            self.scratch.as_ref().ok_or_else(|| Error::invalid_input("an op into scratch memory the slot lacks"))?;
+        let at = usize::try_from(at).unwrap_or(usize::MAX);
+        if at.checked_add(len).is_none_or(|end| end > scratch.len()) || len == 0 {
+            return Err(Error::invalid_input(format!(
+                "bytes {at}..+{len} are not inside scratch memory of {} bytes",
+                scratch.len()
+            )));
+        }
+        // Inside the mapping (checked above): plain address arithmetic, no dereference here.
+        std::ptr::NonNull::new(scratch.base_ptr().wrapping_add(at))
+            .ok_or_else(|| Error::invalid_input("scratch memory at address 0"))
+    }
 }
 
 impl BatchSlot {
@@ -496,9 +519,9 @@ impl Reader {
         self.count_shard_reads = count;
     }
 
-    /// Checks ops of at least 64 KiB read straight into a batch on `threads` worker threads (0:
-    /// on the reading thread); the default is [`default_verify_threads`]. Takes effect at the
-    /// next read.
+    /// Checks ops of at least 64 KiB on `threads` worker threads (0: on the reading thread),
+    /// which also copy the records of those not read straight into the batch; the default is
+    /// [`default_verify_threads`]. Takes effect at the next read.
     pub fn set_verify_threads(&mut self, threads: usize) {
         let threads = threads.min(VERIFY_THREADS_MAX);
         if threads != self.verify_threads {
@@ -990,6 +1013,10 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
                 "the check of extent {extent} of shard {} panicked",
                 self.dataset.shard_id(shard)
             )),
+            verify::Failure::Copy(why) => Error::invalid_input(format!(
+                "copying extent {extent} of shard {} into its batch: {why}",
+                self.dataset.shard_id(shard)
+            )),
         })
     }
 
@@ -1031,8 +1058,8 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                 if slot.issued < slot.planner.n_extents() {
                     let e = slot.issued;
                     let op = slot.planner.op(e, self.files);
-                    let next = match slot.planner.direct(e) {
-                        Some(dst) => {
+                    let next = match (slot.planner.direct(e), slot.planner.scratch(e)) {
+                        (Some(dst), _) => {
                             let at = slot.batch.memory().range(dst, op.len as usize)?;
                             #[allow(unsafe_code, reason = "an op into the batch's own memory")]
                             // SAFETY: `at` is a block-aligned range of the batch's page-aligned
@@ -1043,7 +1070,19 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                             let dest = unsafe { Dest::new(at) };
                             Next::Into(op, dest)
                         }
-                        None => Next::Op(op),
+                        (None, Some(scratch)) => {
+                            let at = slot.scratch_range(scratch, op.len as usize)?;
+                            #[allow(unsafe_code, reason = "an op into the slot's scratch memory")]
+                            // SAFETY: `at` is a block-aligned range (extents are whole blocks, back
+                            // to back from offset 0) of the slot's page-aligned scratch memory
+                            // that only this extent covers (`plan_scratch`). The scratch is not
+                            // grown or dropped while the op is in flight: it is replaced only
+                            // when the slot is planned again, after every extent completed, and
+                            // after a failure the backend returns only once no op is in flight.
+                            let dest = unsafe { Dest::new(at) };
+                            Next::Into(op, dest)
+                        }
+                        (None, None) => Next::Op(op),
                     };
                     slot.issued += 1;
                     self.issued += 1;
@@ -1124,6 +1163,16 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             }
             self.free.pop();
             let slot = &mut self.slots[free];
+            if self.verify_threads > 0 {
+                // Long ops not read straight into the batch go to the slot's scratch memory, for
+                // a worker to check and copy from. The slot is free: nothing works on its scratch.
+                let needed = usize::try_from(slot.planner.plan_scratch(verify::OFFLOAD_BYTES_MIN))
+                    .map_err(|_| Error::invalid_input("a batch larger than memory"))?;
+                if slot.scratch.as_ref().is_none_or(|scratch| scratch.len() < needed) {
+                    slot.scratch = None;
+                    slot.scratch = Some(crate::io::AlignedBuf::new(needed.next_power_of_two())?);
+                }
+            }
             slot.first_seq = self.issued;
             slot.issued = 0;
             slot.remaining = slot.planner.n_extents();
@@ -1141,8 +1190,10 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
         let (owner, extent) = self.owner(seq)?;
         self.mark_completed(seq, owner, extent)?;
         let slot = &mut self.slots[owner];
-        if slot.planner.direct(extent).is_some() {
-            return Err(Error::invalid_input(format!("op {seq} was to be read into the batch, not a buffer")));
+        if slot.planner.direct(extent).is_some() || slot.planner.scratch(extent).is_some() {
+            return Err(Error::invalid_input(format!(
+                "op {seq} was to be read into the reader's memory, not a buffer"
+            )));
         }
         let memory = slot.batch.memory();
         #[allow(unsafe_code, reason = "copies into a batch others may work on")]
@@ -1162,9 +1213,11 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
         let (owner, extent) = self.owner(seq)?;
         self.mark_completed(seq, owner, extent)?;
         let slot = &mut self.slots[owner];
-        let expected = match slot.planner.direct(extent) {
-            Some(dst) => slot.batch.memory().range(dst, slot.planner.extent_len(extent))?,
-            None => return Err(Error::invalid_input(format!("op {seq} was to be read into a buffer"))),
+        let len = slot.planner.extent_len(extent);
+        let (expected, scratch) = match (slot.planner.direct(extent), slot.planner.scratch(extent)) {
+            (Some(dst), _) => (slot.batch.memory().range(dst, len)?, false),
+            (None, Some(at)) => (slot.scratch_range(at, len)?, true),
+            (None, None) => return Err(Error::invalid_input(format!("op {seq} was to be read into a buffer"))),
         };
         if bytes.as_ptr() != expected.as_ptr().cast_const() || bytes.len() != slot.planner.extent_len(extent) {
             return Err(Error::invalid_input(format!(
@@ -1182,16 +1235,32 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             let meta = Arc::clone(self.dataset.shard_meta(shard)?);
             let pool = self.verify.as_mut().expect("started above");
             let tag = (u64::try_from(owner).expect("a slot index") << 32) | extent as u64;
-            #[allow(unsafe_code, reason = "a worker checks the batch's memory")]
-            // SAFETY: the bytes are this extent's range of the batch, which is neither written
-            // (the read completed; no other op or copy covers the range) nor let go (the slot
-            // waits for this verdict before it is delivered, and `Pipeline::drop` waits for all
-            // verdicts) until the verdict is taken. The pointer comes from `bytes`.
+            let gather = scratch.then(|| {
+                let pieces = slot.planner.pieces(extent);
+                verify::Gather { pieces: pieces.as_ptr(), n: pieces.len(), memory: slot.batch.memory() }
+            });
+            #[allow(unsafe_code, reason = "a worker checks the reader's memory and copies into the batch")]
+            // SAFETY: the bytes are this extent's range of the batch or of the slot's scratch,
+            // which is neither written (the read completed; no other op or copy covers the range)
+            // nor let go until the verdict is taken: the slot waits for this verdict before it is
+            // delivered or planned again (which is when its plan, its scratch or its batch could
+            // change), and `Pipeline::drop` waits for all verdicts. The same holds for the plan's
+            // pieces and for their ranges of the batch, which no other op, copy or job covers.
+            // The pointer comes from `bytes`.
             unsafe {
-                pool.submit(meta, first_block, bytes.as_ptr(), bytes.len(), tag)
+                pool.submit(meta, first_block, (bytes.as_ptr(), bytes.len()), gather, tag)
             };
             slot.offloaded += 1;
             slot.awaiting_verdicts += 1;
+        } else if scratch {
+            let memory = slot.batch.memory();
+            #[allow(unsafe_code, reason = "copies into a batch others may work on")]
+            // SAFETY: `memory` is this slot's batch, planned for this plan; no op or worker works
+            // on the ranges of this extent's pieces, which are its own.
+            unsafe {
+                slot.planner.deliver(self.dataset, extent, bytes, memory)?
+            };
+            slot.remaining -= 1;
         } else {
             slot.planner.check(self.dataset, extent, bytes)?;
             slot.remaining -= 1;

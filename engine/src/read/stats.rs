@@ -27,9 +27,10 @@ pub struct ReadStats {
     /// Record bytes copied from the memory tier.
     pub tier_bytes: u64,
     /// Ops read straight into the batch's memory and checked there (no copy); the rest of
-    /// `ops` went through the backend's buffers.
+    /// `ops` were read into a buffer and their records copied out.
     pub ops_direct: u64,
-    /// Ops checked by a verify worker rather than the thread that reaps the disk.
+    /// Ops checked by a verify worker rather than the thread that reaps the disk (and, for
+    /// those not read straight into the batch, copied into it by the worker).
     pub ops_offloaded: u64,
 }
 

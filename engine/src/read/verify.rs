@@ -1,10 +1,12 @@
-//! Verify workers: threads that check the CRC32C of blocks read straight into a batch's memory,
-//! so that the thread reaping the disk's completions only reaps and resubmits.
+//! Verify workers: threads that check the CRC32C of long ops' blocks, and copy the records of
+//! those not read straight into the batch from the reader's scratch memory into it, so that the
+//! thread reaping the disk's completions only reaps and resubmits.
 //!
 //! Owns: the worker threads of one reader and the two queues between them and it (jobs out,
 //! verdicts back, each job answered exactly once, a panicking check answered as a failure).
-//! Never: reads files, writes the memory it checks, or decides anything about a batch: the reader
-//! counts the verdicts and delivers a batch only when every one of its ops has checked out.
+//! Never: reads files, writes the memory it checks, copies a byte of an op whose check failed,
+//! or decides anything about a batch: the reader counts the verdicts and delivers a batch only
+//! when every one of its ops has checked out.
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
@@ -12,6 +14,7 @@ use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
 
+use super::batch::{BatchMemory, Piece};
 use crate::error::{Error, Result};
 use crate::shard::ShardMeta;
 
@@ -35,18 +38,30 @@ pub fn default_verify_threads() -> usize {
     (cores / 8).min(8)
 }
 
-/// One check: `len` bytes at `ptr`, blocks of `meta` from `first_block`.
+/// One check: `len` bytes at `ptr`, blocks of `meta` from `first_block`; then, for an op read
+/// into scratch memory, its copies into the batch.
 struct Job {
     meta: Arc<ShardMeta>,
     first_block: u64,
     ptr: *const u8,
     len: usize,
+    gather: Option<Gather>,
     /// The reader's name for the op (its batch slot and extent).
     tag: u64,
 }
 
-// SAFETY: the bytes at `ptr` are a range of a batch that the reader keeps, unwritten, until the
-// job's verdict is back (`VerifyPool::submit`); the worker only reads them.
+/// An op's copies into its batch, made once its blocks checked out: `n` pieces at `pieces` (the
+/// plan's), into `memory`.
+pub(super) struct Gather {
+    pub(super) pieces: *const Piece,
+    pub(super) n: usize,
+    pub(super) memory: BatchMemory,
+}
+
+// SAFETY: the bytes at `ptr`, the pieces and the batch ranges they name are kept by the reader
+// (unwritten, unread, not let go: the pieces' ranges are this job's alone) until the job's
+// verdict is back (`VerifyPool::submit`); the worker reads the bytes and pieces and writes only
+// the pieces' ranges of the batch.
 #[allow(unsafe_code, reason = "a job names memory the reader keeps for it")]
 unsafe impl Send for Job {}
 
@@ -60,8 +75,11 @@ pub(super) struct Verdict {
 pub(super) enum Failure {
     /// Block `0` holds CRC32C `2`; its metadata says `1`.
     Mismatch(u64, u32, u32),
-    /// The check itself panicked (a bug): the op counts as unverified.
+    /// The check or the copy panicked (a bug): the op counts as unverified.
     Panicked,
+    /// The copy found a piece that does not fit the op (a bug in the plan): nothing past it
+    /// was copied.
+    Copy(String),
 }
 
 /// The workers of one reader.
@@ -100,23 +118,25 @@ impl VerifyPool {
     }
 
     /// Hands `len` bytes at `ptr` to a worker to check against `meta`'s blocks from
-    /// `first_block`.
+    /// `first_block`, and with `gather`, to copy into the batch once they checked out.
     ///
     /// # Safety
     ///
     /// The `len` bytes at `ptr` stay valid and unwritten until this job's verdict has been taken
-    /// (`try_take` or `take`); a caller that owns them waits for every pending verdict before it
-    /// lets them go, on every path (`take` until `pending` is 0).
+    /// (`try_take` or `take`); so do `gather`'s pieces, and its pieces' ranges of the batch stay
+    /// valid and are read or written by nothing else until then. A caller that owns them waits
+    /// for every pending verdict before it lets them go, on every path (`take` until `pending`
+    /// is 0).
     #[allow(unsafe_code, reason = "the caller keeps the memory for the worker")]
     pub(super) unsafe fn submit(
         &mut self,
         meta: Arc<ShardMeta>,
         first_block: u64,
-        ptr: *const u8,
-        len: usize,
+        (ptr, len): (*const u8, usize),
+        gather: Option<Gather>,
         tag: u64,
     ) {
-        let job = Job { meta, first_block, ptr, len, tag };
+        let job = Job { meta, first_block, ptr, len, gather, tag };
         let unsent = match &self.jobs {
             Some(jobs) => jobs.send(job).err().map(|std::sync::mpsc::SendError(job)| job),
             None => Some(job),
@@ -202,11 +222,21 @@ fn check(job: &Job) -> Verdict {
         // SAFETY: `submit`'s caller keeps the `len` bytes at `ptr` valid and unwritten until this
         // verdict is taken; the slice does not outlive this check.
         let bytes = unsafe { std::slice::from_raw_parts(job.ptr, job.len) };
-        job.meta.check_blocks(job.first_block, bytes)
+        if let Err((block, expected, actual)) = job.meta.check_blocks(job.first_block, bytes) {
+            return Err(Failure::Mismatch(block, expected, actual));
+        }
+        let Some(gather) = &job.gather else { return Ok(()) };
+        #[allow(unsafe_code, reason = "the plan's pieces, kept for this job")]
+        // SAFETY: `submit`'s caller keeps the `n` pieces at `pieces` as they are until this
+        // verdict is taken.
+        let pieces = unsafe { std::slice::from_raw_parts(gather.pieces, gather.n) };
+        #[allow(unsafe_code, reason = "copies into ranges of a batch this job owns")]
+        // SAFETY: the pieces' ranges of the batch are this job's alone until its verdict is
+        // taken (`submit`'s caller); the bytes checked out above.
+        unsafe { super::batch::gather(pieces, bytes, gather.memory) }.map_err(|e| Failure::Copy(e.to_string()))
     }));
     let outcome = match outcome {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err((block, expected, actual))) => Err(Failure::Mismatch(block, expected, actual)),
+        Ok(outcome) => outcome,
         Err(_) => Err(Failure::Panicked),
     };
     Verdict { tag: job.tag, outcome }
