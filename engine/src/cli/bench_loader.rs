@@ -847,7 +847,8 @@ fn bare_ops(dataset: &Dataset, records: &[u64], op_bytes: usize, coalesce: bool)
         while block < end {
             if let Some(last) = ops.last_mut().filter(|last| coalesce && last.file == file) {
                 let last_end = (last.offset - DATA_OFFSET) / BLOCK_BYTES_U64 + u64::from(last.len) / BLOCK_BYTES_U64;
-                if block < last_end {
+                let last_start = (last.offset - DATA_OFFSET) / BLOCK_BYTES_U64;
+                if block >= last_start && block < last_end {
                     block = last_end;
                     continue;
                 }

@@ -7,8 +7,8 @@
 //! the others are still in flight, so planning, checking and copying overlap the disk. The bytes
 //! live in the backend's own buffers (for io_uring: page-aligned memory registered with the ring
 //! as fixed buffers) and are valid only during the callback, or, for an op the stream issues
-//! as `Next::Into`, in the stream's own memory (a batch's staging buffer), read there by DMA
-//! with no copy. A stream that checks bytes on other threads says `Wait` while they work and
+//! as `Next::Into`, in the stream's own memory (a batch's staging buffer, or the reader's scratch
+//! memory that a verify worker copies from), read there by DMA. A stream that checks bytes on other threads says `Wait` while they work and
 //! is asked to block (`ReadStream::idle`) when nothing is in flight. Invariants: every op is block-aligned (O_DIRECT-legal) and no longer than
 //! `op_bytes_max`; a backend never returns from `read_stream` with an op still in flight, also
 //! when the stream fails, unless the ring itself breaks (then it refuses further reads and leaks

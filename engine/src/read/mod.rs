@@ -8,8 +8,9 @@
 //! and the rest into a buffer, checks every block's CRC32C as its op completes, and copies the
 //! other records into the batch in request order. With verify workers (`verify.rs`), long ops are
 //! checked, and those not read into the batch are read into the slot's scratch memory and copied
-//! out, on the workers: the reaping thread only reaps and resubmits; short ops are read into the
-//! backend's buffers and checked and copied on the reaping thread. Records whose extents the memory tier holds (`Reader::set_tier`)
+//! out, on the workers, in any order: the reaping thread only reaps and resubmits; short ops are
+//! read into the backend's buffers and checked and copied on the reaping thread. A slot's scratch
+//! is about its batch's read bytes, kept for the reader's life, outside the staging pool. Records whose extents the memory tier holds (`Reader::set_tier`)
 //! are copied from it while the batch is planned and read from disk not at all. Invariant: no
 //! batch is delivered holding a byte of a block whose checksum has not matched (on its way into
 //! the tier, or as its op completed: bytes read straight into a batch are checked there before
@@ -1156,6 +1157,20 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                     }
                 }
             }
+            if planned.is_ok() && self.verify_threads > 0 {
+                // Long ops not read straight into the batch go to the slot's scratch memory, for
+                // a worker to check and copy from. The slot is free: nothing works on its scratch.
+                let slot = &mut self.slots[free];
+                planned = usize::try_from(slot.planner.plan_scratch(verify::OFFLOAD_BYTES_MIN))
+                    .map_err(|_| Error::invalid_input("a batch larger than memory"))
+                    .and_then(|needed| {
+                        if needed > 0 && slot.scratch.as_ref().is_none_or(|scratch| scratch.len() < needed) {
+                            slot.scratch = None;
+                            slot.scratch = Some(crate::io::AlignedBuf::new(needed.next_power_of_two())?);
+                        }
+                        Ok(())
+                    });
+            }
             if let Err(e) = planned {
                 // Kept so that the batch can be read again after a repair.
                 self.unplanned = Some(indices.as_ref().to_vec());
@@ -1163,16 +1178,6 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             }
             self.free.pop();
             let slot = &mut self.slots[free];
-            if self.verify_threads > 0 {
-                // Long ops not read straight into the batch go to the slot's scratch memory, for
-                // a worker to check and copy from. The slot is free: nothing works on its scratch.
-                let needed = usize::try_from(slot.planner.plan_scratch(verify::OFFLOAD_BYTES_MIN))
-                    .map_err(|_| Error::invalid_input("a batch larger than memory"))?;
-                if slot.scratch.as_ref().is_none_or(|scratch| scratch.len() < needed) {
-                    slot.scratch = None;
-                    slot.scratch = Some(crate::io::AlignedBuf::new(needed.next_power_of_two())?);
-                }
-            }
             slot.first_seq = self.issued;
             slot.issued = 0;
             slot.remaining = slot.planner.n_extents();
@@ -1253,6 +1258,8 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             slot.offloaded += 1;
             slot.awaiting_verdicts += 1;
         } else if scratch {
+            // Not taken while scratch is planned only with workers, for ops of the same minimum
+            // length; kept so that an op read into scratch is never left unchecked or uncopied.
             let memory = slot.batch.memory();
             #[allow(unsafe_code, reason = "copies into a batch others may work on")]
             // SAFETY: `memory` is this slot's batch, planned for this plan; no op or worker works
