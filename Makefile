@@ -110,6 +110,7 @@ fuzz-smoke: fuzz-seeds
 	cd fuzz && $(CARGO) +nightly fuzz run object_decode corpus/object_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 	cd fuzz && $(CARGO) +nightly fuzz run frame_decode corpus/frame_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 	cd fuzz && $(CARGO) +nightly fuzz run tar_decode corpus/tar_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
+	cd fuzz && $(CARGO) +nightly fuzz run fragment_decode corpus/fragment_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 
 fuzz-seeds:
 	scripts/fuzz-seeds.sh

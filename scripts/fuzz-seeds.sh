@@ -34,4 +34,6 @@ cat "$work/wds.tar" "$work/wds.tar" > fuzz/corpus/tar_decode/concatenated.tar
 cp "$work/odd.tar" fuzz/corpus/tar_decode/odd.tar
 # One replication frame of every kind, from the frame codec's own samples.
 GRANARY_FRAME_SEEDS="$PWD/fuzz/corpus/frame_decode" cargo test -q -p granary --lib --locked write_frame_fuzz_seeds -- --ignored >/dev/null
-echo "fuzz seeds: $(ls fuzz/corpus/shard_decode | wc -l) shards, $(ls fuzz/corpus/object_decode | wc -l) manifests and refs, $(ls fuzz/corpus/frame_decode | wc -l) frames, $(ls fuzz/corpus/tar_decode | wc -l) tars"
+# Fragments of a shard in three codings, from the coder's own test.
+GRANARY_FRAGMENT_SEEDS="$PWD/fuzz/corpus/fragment_decode" cargo test -q -p granary --lib --locked write_fragment_fuzz_seeds -- --ignored >/dev/null
+echo "fuzz seeds: $(ls fuzz/corpus/shard_decode | wc -l) shards, $(ls fuzz/corpus/object_decode | wc -l) manifests and refs, $(ls fuzz/corpus/frame_decode | wc -l) frames, $(ls fuzz/corpus/tar_decode | wc -l) tars, $(ls fuzz/corpus/fragment_decode | wc -l) fragments"

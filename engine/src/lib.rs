@@ -1,7 +1,7 @@
 //! granary: an embedded storage engine that keeps a trainer's GPU fed from local disk.
 //!
-//! Modules follow a sample's path (after `id` and `error`): `shard` (the file format) ->
-//! `manifest` (dataset versions) -> `store` (files on disk, crash-safe publishing) -> `catalog`
+//! Modules follow a sample's path (after `id` and `error`): `shard` (the file format; beside
+//! it `erasure`, a shard coded into fragments) -> `manifest` (dataset versions) -> `store` (files on disk, crash-safe publishing) -> `catalog`
 //! (sled cache of what the files say) -> `ingest` (sources into shards) -> `plan` (which record
 //! each rank reads, in which order) -> `io` (io_uring and pread backends) -> `staging` (the
 //! bounded pool of page-aligned buffers, page-locked through CUDA when present) -> `tier`
@@ -33,6 +33,7 @@
 pub mod id;
 pub mod error;
 pub mod shard;
+pub mod erasure;
 pub mod manifest;
 pub mod store;
 pub mod catalog;

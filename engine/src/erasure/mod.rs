@@ -1,0 +1,392 @@
+//! Erasure coding: a shard file cut into `k` data fragments and `m` parity fragments
+//! (Reed-Solomon, `reed-solomon-simd`), any `k` of which give the shard back.
+//!
+//! Owns: the fragment file format (docs/format.md, "Fragment file"): a header block naming the
+//! shard's id and length, `k`, `m` and the fragment's index, then the fragment's bytes in 4 KiB
+//! blocks, each with its CRC32C in a checksum table, as a shard's data blocks have; `encode`
+//! (shard bytes to fragment files) and `reconstruct` (any `k` checked fragments to the shard's
+//! bytes, checked against the shard's BLAKE3 id before they are returned).
+//! Never: reads or writes files, picks nodes, or returns bytes that were not checked: a fragment
+//! is used only once its header and every block checked out, and a reconstructed shard only when
+//! its BLAKE3 is the id the fragments name.
+
+use crate::error::{Error, FormatError, Result};
+use crate::id::{ObjectId, ShardId};
+use crate::shard::{BLOCK_BYTES, BLOCK_BYTES_U64, block_crc, crc32c, padded};
+
+/// The magic bytes that open a fragment file.
+pub const MAGIC: [u8; 8] = *b"GRNFRAGM";
+/// The fragment format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// The most data fragments, and the most parity fragments, a shard is cut into: a fragment
+/// lives on a node of its own, and jobs with more nodes than this code within groups.
+pub const FRAGMENTS_MAX: u8 = 64;
+/// Fragments are cut at multiples of this many bytes (the coder works in 64-byte units).
+const FRAGMENT_ALIGN: u64 = 64;
+/// The largest shard a fragment may name: 1 TiB, as for a shard file.
+const SHARD_BYTES_MAX: u64 = crate::shard::FILE_BYTES_MAX;
+
+/// A coding: `k` data fragments and `m` parity fragments; any `k` of the `k + m` rebuild the
+/// shard, so it survives the loss of any `m`, at `(k + m) / k` of its size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Coding {
+    /// Data fragments.
+    pub k: u8,
+    /// Parity fragments.
+    pub m: u8,
+}
+
+impl Coding {
+    /// `k + m`, checked: `k` and `m` each from 1 to [`FRAGMENTS_MAX`].
+    pub fn new(k: u8, m: u8) -> Result<Self> {
+        if !(1..=FRAGMENTS_MAX).contains(&k) || !(1..=FRAGMENTS_MAX).contains(&m) {
+            return Err(Error::invalid_input(format!(
+                "an erasure coding of {k}+{m}: k and m must each be from 1 to {FRAGMENTS_MAX}"
+            )));
+        }
+        Ok(Self { k, m })
+    }
+
+    /// Parses `K+M` (`4+2`).
+    pub fn parse(text: &str) -> Result<Self> {
+        let bad = || Error::invalid_input(format!("{text:?} is not an erasure coding: write K+M, such as 4+2"));
+        let (k, m) = text.trim().split_once('+').ok_or_else(bad)?;
+        Self::new(k.trim().parse().map_err(|_| bad())?, m.trim().parse().map_err(|_| bad())?)
+    }
+
+    /// Fragments in all.
+    pub fn n(self) -> usize {
+        usize::from(self.k) + usize::from(self.m)
+    }
+
+    /// Bytes of each fragment's payload for a shard of `shard_bytes`: a `k`th of it, rounded up
+    /// to the coder's unit (the last data fragment is zero-padded).
+    pub fn fragment_bytes(self, shard_bytes: u64) -> u64 {
+        shard_bytes.div_ceil(u64::from(self.k)).div_ceil(FRAGMENT_ALIGN) * FRAGMENT_ALIGN
+    }
+
+    /// Bytes of each fragment file for a shard of `shard_bytes`.
+    pub fn file_bytes(self, shard_bytes: u64) -> u64 {
+        let payload = self.fragment_bytes(shard_bytes);
+        BLOCK_BYTES_U64 + padded(payload) + padded(4 * payload.div_ceil(BLOCK_BYTES_U64))
+    }
+}
+
+impl std::fmt::Display for Coding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}+{}", self.k, self.m)
+    }
+}
+
+/// What a fragment's header says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FragmentHeader {
+    /// The shard the fragment is of.
+    pub shard: ShardId,
+    /// The shard file's length.
+    pub shard_bytes: u64,
+    /// The coding the shard was cut with.
+    pub coding: Coding,
+    /// The fragment's place: `0..k` data, `k..k + m` parity.
+    pub index: u8,
+}
+
+impl FragmentHeader {
+    /// Payload bytes (before the last block's padding).
+    pub fn fragment_bytes(&self) -> u64 {
+        self.coding.fragment_bytes(self.shard_bytes)
+    }
+
+    /// Data blocks.
+    pub fn n_blocks(&self) -> u64 {
+        self.fragment_bytes().div_ceil(BLOCK_BYTES_U64)
+    }
+
+    /// Where the checksum table starts.
+    pub fn crc_table_offset(&self) -> u64 {
+        BLOCK_BYTES_U64 + self.n_blocks() * BLOCK_BYTES_U64
+    }
+
+    /// The fragment file's length.
+    pub fn file_bytes(&self) -> u64 {
+        self.coding.file_bytes(self.shard_bytes)
+    }
+
+    /// The header block, its checksum table's CRC32C given.
+    fn encode(&self, crc_table_crc: u32) -> [u8; BLOCK_BYTES] {
+        let mut block = [0u8; BLOCK_BYTES];
+        block[0..8].copy_from_slice(&MAGIC);
+        block[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        block[12..16].copy_from_slice(&(BLOCK_BYTES as u32).to_le_bytes());
+        block[16..48].copy_from_slice(self.shard.0.as_bytes());
+        block[48..56].copy_from_slice(&self.shard_bytes.to_le_bytes());
+        block[56] = self.coding.k;
+        block[57] = self.coding.m;
+        block[58] = self.index;
+        block[64..72].copy_from_slice(&self.fragment_bytes().to_le_bytes());
+        block[72..76].copy_from_slice(&crc_table_crc.to_le_bytes());
+        let crc = crc32c(&block[..BLOCK_BYTES - 4]);
+        block[BLOCK_BYTES - 4..].copy_from_slice(&crc.to_le_bytes());
+        block
+    }
+
+    /// Decodes a header block: magic, version (before the CRC, so a newer format reads as
+    /// unsupported, not corrupt), CRC, block size, coding, index, the shard's length, the
+    /// payload's length against the coding, reserved bytes. Returns the header and the checksum
+    /// table's CRC32C. Never panics, whatever the bytes (the fuzz target calls it).
+    pub fn decode(block: &[u8]) -> std::result::Result<(Self, u32), FormatError> {
+        const REGION: &str = "fragment header";
+        if block.len() != BLOCK_BYTES {
+            return Err(FormatError::Truncated {
+                region: REGION,
+                detail: format!("{} bytes, not {BLOCK_BYTES}", block.len()),
+            });
+        }
+        if block[0..8] != MAGIC {
+            return Err(FormatError::BadMagic { region: REGION });
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(block[at..at + 4].try_into().expect("4 bytes"));
+        let u64_at = |at: usize| u64::from_le_bytes(block[at..at + 8].try_into().expect("8 bytes"));
+        let version = u32_at(8);
+        if version != FORMAT_VERSION {
+            return Err(FormatError::UnsupportedVersion { region: REGION, found: version, supported: FORMAT_VERSION });
+        }
+        let (expected, actual) = (u32_at(BLOCK_BYTES - 4), crc32c(&block[..BLOCK_BYTES - 4]));
+        if expected != actual {
+            return Err(FormatError::ChecksumMismatch { region: REGION, expected, actual });
+        }
+        let invalid = |detail: String| FormatError::Inconsistent { field: REGION, detail };
+        if u32_at(12) != BLOCK_BYTES as u32 {
+            return Err(invalid(format!("block size {}, not {BLOCK_BYTES}", u32_at(12))));
+        }
+        let coding = Coding::new(block[56], block[57])
+            .map_err(|_| invalid(format!("coding {}+{} out of range", block[56], block[57])))?;
+        let index = block[58];
+        if usize::from(index) >= coding.n() {
+            return Err(invalid(format!("fragment {index} of a {coding} coding")));
+        }
+        let shard_bytes = u64_at(48);
+        if shard_bytes < 2 * BLOCK_BYTES_U64
+            || !shard_bytes.is_multiple_of(BLOCK_BYTES_U64)
+            || shard_bytes > SHARD_BYTES_MAX
+        {
+            return Err(invalid(format!("a shard of {shard_bytes} bytes")));
+        }
+        if u64_at(64) != coding.fragment_bytes(shard_bytes) {
+            return Err(invalid(format!(
+                "{} payload bytes, not the {} a {coding} coding of {shard_bytes} bytes gives",
+                u64_at(64),
+                coding.fragment_bytes(shard_bytes)
+            )));
+        }
+        if block[59..64].iter().chain(&block[76..BLOCK_BYTES - 4]).any(|&b| b != 0) {
+            return Err(invalid("reserved bytes are not zero".to_owned()));
+        }
+        let shard = ShardId(ObjectId::from_bytes(block[16..48].try_into().expect("32 bytes")));
+        Ok((Self { shard, shard_bytes, coding, index }, u32_at(72)))
+    }
+}
+
+/// A fragment whose header and every block checked out.
+#[derive(Clone, Debug)]
+pub struct Fragment {
+    header: FragmentHeader,
+    /// The fragment file.
+    file: Vec<u8>,
+}
+
+impl Fragment {
+    /// Checks a fragment file: its header, its length, its checksum table's CRC32C, every data
+    /// block's CRC32C and the payload's zero padding. Never panics, whatever the bytes.
+    pub fn decode(file: Vec<u8>) -> std::result::Result<Self, FormatError> {
+        const REGION: &str = "fragment";
+        let head = file.get(..BLOCK_BYTES).ok_or_else(|| FormatError::Truncated {
+            region: REGION,
+            detail: format!("{} bytes, shorter than its header block", file.len()),
+        })?;
+        let (header, table_crc) = FragmentHeader::decode(head)?;
+        if file.len() as u64 != header.file_bytes() {
+            return Err(FormatError::Truncated {
+                region: REGION,
+                detail: format!("{} bytes, not the {} its header gives", file.len(), header.file_bytes()),
+            });
+        }
+        let table_at = usize::try_from(header.crc_table_offset()).expect("the file is in memory");
+        let table = &file[table_at..];
+        let actual = crc32c(table);
+        if actual != table_crc {
+            return Err(FormatError::ChecksumMismatch {
+                region: "fragment checksum table",
+                expected: table_crc,
+                actual,
+            });
+        }
+        let n_blocks = usize::try_from(header.n_blocks()).expect("the file is in memory");
+        if table[4 * n_blocks..].iter().any(|&b| b != 0) {
+            return Err(FormatError::Inconsistent {
+                field: REGION,
+                detail: "checksum table padding is not zero".to_owned(),
+            });
+        }
+        for (b, block) in file[BLOCK_BYTES..table_at].chunks_exact(BLOCK_BYTES).enumerate() {
+            let expected = u32::from_le_bytes(table[4 * b..4 * b + 4].try_into().expect("4 bytes"));
+            let actual = block_crc(b as u64, block);
+            if actual != expected {
+                return Err(FormatError::BlockChecksum { block: b as u64, expected, actual });
+            }
+        }
+        let payload_end = BLOCK_BYTES + usize::try_from(header.fragment_bytes()).expect("the file is in memory");
+        if file[payload_end..table_at].iter().any(|&b| b != 0) {
+            return Err(FormatError::Inconsistent { field: REGION, detail: "payload padding is not zero".to_owned() });
+        }
+        Ok(Self { header, file })
+    }
+
+    /// What the header says.
+    pub fn header(&self) -> &FragmentHeader {
+        &self.header
+    }
+
+    /// The fragment's id: the BLAKE3 of its file.
+    pub fn id(&self) -> ObjectId {
+        ObjectId::of(&self.file)
+    }
+
+    /// The fragment file.
+    pub fn file(&self) -> &[u8] {
+        &self.file
+    }
+
+    /// The payload (what the coder works on).
+    fn payload(&self) -> &[u8] {
+        let len = usize::try_from(self.header.fragment_bytes()).expect("the file is in memory");
+        &self.file[BLOCK_BYTES..BLOCK_BYTES + len]
+    }
+}
+
+/// Cuts `shard` (a whole shard file, named by its BLAKE3) into `coding.k` data fragments and
+/// `coding.m` parity fragments, returned as fragment files in index order.
+pub fn encode(shard: &[u8], coding: Coding) -> Result<Vec<Vec<u8>>> {
+    let shard_bytes = shard.len() as u64;
+    if shard_bytes < 2 * BLOCK_BYTES_U64 || !shard_bytes.is_multiple_of(BLOCK_BYTES_U64) {
+        return Err(Error::invalid_input(format!("{shard_bytes} bytes are not a shard file's length")));
+    }
+    let id = ShardId(ObjectId::of(shard));
+    let fragment_bytes = usize::try_from(coding.fragment_bytes(shard_bytes))
+        .map_err(|_| Error::invalid_input("a fragment larger than memory"))?;
+    let mut data = Vec::with_capacity(usize::from(coding.k));
+    for i in 0..usize::from(coding.k) {
+        let start = (i * fragment_bytes).min(shard.len());
+        let end = (start + fragment_bytes).min(shard.len());
+        let mut fragment = vec![0u8; fragment_bytes];
+        fragment[..end - start].copy_from_slice(&shard[start..end]);
+        data.push(fragment);
+    }
+    let parity = reed_solomon_simd::encode(usize::from(coding.k), usize::from(coding.m), &data)
+        .map_err(|e| Error::invalid_input(format!("erasure coding {coding}: {e}")))?;
+    let files = data
+        .iter()
+        .chain(&parity)
+        .enumerate()
+        .map(|(index, payload)| {
+            let header = FragmentHeader {
+                shard: id,
+                shard_bytes,
+                coding,
+                index: u8::try_from(index).expect("at most 128 fragments"),
+            };
+            fragment_file(&header, payload)
+        })
+        .collect();
+    Ok(files)
+}
+
+/// A fragment file: header, payload in checked blocks, checksum table.
+fn fragment_file(header: &FragmentHeader, payload: &[u8]) -> Vec<u8> {
+    let table_at = usize::try_from(header.crc_table_offset()).expect("the payload is in memory");
+    let mut file = vec![0u8; usize::try_from(header.file_bytes()).expect("the payload is in memory")];
+    file[BLOCK_BYTES..BLOCK_BYTES + payload.len()].copy_from_slice(payload);
+    let (blocks, table) = file.split_at_mut(table_at);
+    for (b, block) in blocks[BLOCK_BYTES..].chunks_exact(BLOCK_BYTES).enumerate() {
+        table[4 * b..4 * b + 4].copy_from_slice(&block_crc(b as u64, block).to_le_bytes());
+    }
+    let table_crc = crc32c(table);
+    file[..BLOCK_BYTES].copy_from_slice(&header.encode(table_crc));
+    file
+}
+
+/// The shard the fragments are of, rebuilt from any `k` of them (data fragments are used as
+/// they are; missing ones are decoded from parity), and returned only when its BLAKE3 is the
+/// shard's id. Fragments of another shard or coding, and repeats of an index, are refused.
+pub fn reconstruct(fragments: &[Fragment]) -> Result<Vec<u8>> {
+    let first = fragments.first().ok_or_else(|| Error::invalid_input("no fragments to rebuild a shard from"))?.header;
+    let coding = first.coding;
+    let mut by_index: Vec<Option<&Fragment>> = vec![None; coding.n()];
+    for fragment in fragments {
+        let h = fragment.header;
+        if h.shard != first.shard || h.coding != coding || h.shard_bytes != first.shard_bytes {
+            return Err(Error::invalid_input(format!(
+                "fragment {} is of shard {} ({} coding, {} bytes), not of shard {} ({coding}, {} bytes)",
+                h.index, h.shard, h.coding, h.shard_bytes, first.shard, first.shard_bytes
+            )));
+        }
+        let place = &mut by_index[usize::from(h.index)];
+        if place.is_some() {
+            return Err(Error::invalid_input(format!("fragment {} of shard {} given twice", h.index, h.shard)));
+        }
+        *place = Some(fragment);
+    }
+    let k = usize::from(coding.k);
+    let present = by_index.iter().filter(|f| f.is_some()).count();
+    if present < k {
+        return Err(Error::invalid_input(format!(
+            "shard {} cannot be rebuilt: {present} of its {} fragments at hand, {k} needed",
+            first.shard,
+            coding.n()
+        )));
+    }
+    let restored = if by_index[..k].iter().all(Option::is_some) {
+        std::collections::BTreeMap::new()
+    } else {
+        let originals = (0..k).filter_map(|i| by_index[i].map(|f| (i, f.payload())));
+        let recovery = (k..coding.n()).filter_map(|i| by_index[i].map(|f| (i - k, f.payload())));
+        reed_solomon_simd::decode(k, usize::from(coding.m), originals, recovery)
+            .map_err(|e| Error::invalid_input(format!("decoding shard {}: {e}", first.shard)))?
+    };
+    let shard_bytes =
+        usize::try_from(first.shard_bytes).map_err(|_| Error::invalid_input("a shard larger than memory"))?;
+    let mut shard = Vec::with_capacity(shard_bytes);
+    for (i, fragment) in by_index[..k].iter().enumerate() {
+        let payload = match fragment {
+            Some(fragment) => fragment.payload(),
+            None => restored
+                .get(&i)
+                .map(Vec::as_slice)
+                .ok_or_else(|| Error::invalid_input(format!("decoding shard {} gave no fragment {i}", first.shard)))?,
+        };
+        let take = payload.len().min(shard_bytes - shard.len());
+        shard.extend_from_slice(&payload[..take]);
+    }
+    let actual = ObjectId::of(&shard);
+    if actual != first.shard.0 {
+        return Err(Error::invalid_input(format!(
+            "the shard rebuilt from {present} fragments hashes to {actual}, not its id {}",
+            first.shard
+        )));
+    }
+    Ok(shard)
+}
+
+/// Checks arbitrary bytes presented as a fragment file, as a node does before it uses one; when
+/// they pass, checks that the header encodes back to the same block. Never panics, whatever the
+/// bytes; the fuzz target calls it.
+pub fn fuzz_decode(bytes: &[u8]) {
+    if let Ok(fragment) = Fragment::decode(bytes.to_vec()) {
+        let (header, table_crc) = FragmentHeader::decode(&bytes[..BLOCK_BYTES]).expect("decoded once already");
+        assert_eq!(header, *fragment.header());
+        assert_eq!(header.encode(table_crc)[..], bytes[..BLOCK_BYTES], "a header that does not round-trip");
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,174 @@
+//! The fragment format and the coder: round trips, and every kind of damage refused.
+
+use super::*;
+
+/// A shard-like file of `blocks` blocks of made-up bytes (the coder does not parse shards).
+fn shard(blocks: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..blocks * BLOCK_BYTES)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+fn decoded(files: &[Vec<u8>]) -> Vec<Fragment> {
+    files.iter().map(|f| Fragment::decode(f.clone()).expect("a fragment")).collect()
+}
+
+#[test]
+fn any_k_fragments_rebuild_the_shard() {
+    let coding = Coding::new(4, 2).expect("4+2");
+    let bytes = shard(13, 1);
+    let files = encode(&bytes, coding).expect("encode");
+    assert_eq!(files.len(), 6);
+    let fragments = decoded(&files);
+    for a in 0..6 {
+        for b in a + 1..6 {
+            let kept: Vec<Fragment> =
+                fragments.iter().enumerate().filter(|(i, _)| *i != a && *i != b).map(|(_, f)| f.clone()).collect();
+            assert_eq!(reconstruct(&kept).expect("rebuilt"), bytes, "without fragments {a} and {b}");
+        }
+    }
+    let three: Vec<Fragment> = fragments[..3].to_vec();
+    let err = reconstruct(&three).expect_err("3 of 4+2");
+    assert!(err.to_string().contains("3 of its 6 fragments at hand, 4 needed"), "{err}");
+}
+
+#[test]
+fn damaged_fragments_are_refused_with_the_reason() {
+    let coding = Coding::new(2, 1).expect("2+1");
+    let bytes = shard(5, 2);
+    let files = encode(&bytes, coding).expect("encode");
+    // A flipped bit in a data block.
+    let mut flipped = files[1].clone();
+    flipped[BLOCK_BYTES + 100] ^= 4;
+    assert!(matches!(Fragment::decode(flipped), Err(FormatError::BlockChecksum { block: 0, .. })));
+    // Truncated.
+    let mut short = files[0].clone();
+    short.truncate(short.len() - BLOCK_BYTES);
+    assert!(matches!(Fragment::decode(short), Err(FormatError::Truncated { .. })));
+    assert!(matches!(Fragment::decode(files[0][..100].to_vec()), Err(FormatError::Truncated { .. })));
+    // A header bit.
+    let mut header = files[0].clone();
+    header[57] ^= 1;
+    assert!(matches!(Fragment::decode(header), Err(FormatError::ChecksumMismatch { .. })));
+    // A newer version reads as unsupported, not as damage.
+    let mut newer = files[0].clone();
+    newer[8] = 2;
+    assert!(matches!(Fragment::decode(newer), Err(FormatError::UnsupportedVersion { found: 2, .. })));
+    // A checksum table entry.
+    let mut table = files[2].clone();
+    let at = table.len() - BLOCK_BYTES;
+    table[at] ^= 1;
+    assert!(matches!(Fragment::decode(table), Err(FormatError::ChecksumMismatch { .. })));
+}
+
+#[test]
+fn fragments_of_another_shard_or_a_repeat_are_not_used() {
+    let coding = Coding::new(2, 2).expect("2+2");
+    let a = decoded(&encode(&shard(4, 3), coding).expect("encode"));
+    let b = decoded(&encode(&shard(4, 4), coding).expect("encode"));
+    let err = reconstruct(&[a[0].clone(), b[1].clone()]).expect_err("mixed shards");
+    assert!(err.to_string().contains("not of shard"), "{err}");
+    let err = reconstruct(&[a[0].clone(), a[0].clone()]).expect_err("a repeat");
+    assert!(err.to_string().contains("given twice"), "{err}");
+    // Another coding of the same shard.
+    let other = decoded(&encode(&shard(4, 3), Coding::new(3, 1).expect("3+1")).expect("encode"));
+    let err = reconstruct(&[a[0].clone(), other[1].clone()]).expect_err("mixed codings");
+    assert!(err.to_string().contains("not of shard"), "{err}");
+}
+
+/// A fragment whose checks pass but whose payload is not the shard's (a coder bug, or a forged
+/// fragment with its checksums redone): the rebuilt bytes do not hash to the id, and nothing
+/// is returned.
+#[test]
+fn a_rebuilt_shard_that_does_not_hash_to_its_id_is_refused() {
+    let coding = Coding::new(2, 1).expect("2+1");
+    let files = encode(&shard(4, 5), coding).expect("encode");
+    let fragments = decoded(&files);
+    let forged_header = *fragments[0].header();
+    let mut payload = fragments[0].payload().to_vec();
+    payload[7] ^= 0x80;
+    let forged = Fragment::decode(fragment_file(&forged_header, &payload)).expect("its checks pass");
+    let err = reconstruct(&[forged, fragments[1].clone()]).expect_err("forged");
+    assert!(err.to_string().contains("not its id"), "{err}");
+}
+
+#[test]
+fn codings_parse_and_sizes_add_up() {
+    assert_eq!(Coding::parse("4+2").expect("4+2"), Coding { k: 4, m: 2 });
+    assert_eq!(Coding::parse(" 10 + 4 ").expect("10+4").to_string(), "10+4");
+    for bad in ["4", "4+0", "0+2", "4+x", "65+1", "+"] {
+        assert!(Coding::parse(bad).is_err(), "{bad}");
+    }
+    // A 64 MiB shard in 4+2: 1.5 x plus, per fragment, a header block and a checksum table
+    // (16 KiB for 16 MiB): 1.5018, under the 1.51.
+    let coding = Coding::new(4, 2).expect("4+2");
+    let shard_bytes = 64u64 << 20;
+    let stored = coding.file_bytes(shard_bytes) * coding.n() as u64;
+    assert_eq!(stored, 6 * (4096 + (16 << 20) + (16 << 10)));
+    let ratio = stored as f64 / shard_bytes as f64;
+    assert!((1.5..=1.51).contains(&ratio), "{ratio}");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..proptest::prelude::ProptestConfig::default() })]
+
+    /// Encode, drop any `m` fragments (and shuffle the rest), decode: the shard comes back, for
+    /// random codings and lengths.
+    #[test]
+    fn encode_then_drop_any_m_then_decode_gives_the_shard_back(
+        k in 1u8..12,
+        m in 1u8..6,
+        blocks in 2usize..40,
+        seed: u64,
+        drop_seed: u64,
+    ) {
+        let coding = Coding::new(k, m).expect("in range");
+        let bytes = shard(blocks, seed);
+        let files = encode(&bytes, coding).expect("encode");
+        proptest::prop_assert_eq!(files.len(), coding.n());
+        let mut fragments = decoded(&files);
+        // A Fisher-Yates shuffle from the seed, then the first m dropped.
+        let mut state = drop_seed | 1;
+        for i in (1..fragments.len()).rev() {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            fragments.swap(i, (state % (i as u64 + 1)) as usize);
+        }
+        let kept = &fragments[usize::from(m)..];
+        proptest::prop_assert_eq!(reconstruct(kept).expect("rebuilt"), bytes);
+        for file in &files {
+            proptest::prop_assert_eq!(file.len() as u64, coding.file_bytes(blocks as u64 * 4096));
+        }
+    }
+
+    /// Whatever bytes a header block holds, decoding it never panics, and what it accepts
+    /// encodes back to the same block.
+    #[test]
+    fn header_decoding_never_panics(block in proptest::collection::vec(proptest::prelude::any::<u8>(), 4096)) {
+        if let Ok((header, table_crc)) = FragmentHeader::decode(&block) {
+            proptest::prop_assert_eq!(&header.encode(table_crc)[..], &block[..]);
+        }
+    }
+}
+
+/// Writes the fragments of a small shard in a few codings to `$GRANARY_FRAGMENT_SEEDS`, the
+/// fuzz target's corpus (`scripts/fuzz-seeds.sh`).
+#[test]
+#[ignore = "writes fuzz seeds; run by scripts/fuzz-seeds.sh"]
+fn write_fragment_fuzz_seeds() {
+    let dir = std::path::PathBuf::from(std::env::var("GRANARY_FRAGMENT_SEEDS").expect("GRANARY_FRAGMENT_SEEDS is set"));
+    std::fs::create_dir_all(&dir).expect("the seed directory");
+    for (k, m) in [(1, 1), (2, 1), (4, 2)] {
+        let coding = Coding::new(k, m).expect("in range");
+        for (i, file) in encode(&shard(3, 9), coding).expect("encode").iter().enumerate() {
+            std::fs::write(dir.join(format!("{k}+{m}-{i}")), file).expect("a seed file");
+        }
+    }
+}
