@@ -199,6 +199,12 @@ impl Fragment {
     /// Checks a fragment file: its header, its length, its checksum table's CRC32C, every data
     /// block's CRC32C and the payload's zero padding. Never panics, whatever the bytes.
     pub fn decode(file: Vec<u8>) -> std::result::Result<Self, FormatError> {
+        let header = Self::check(&file)?;
+        Ok(Self { header, file })
+    }
+
+    /// The checks of [`Fragment::decode`] on borrowed bytes: the header, when they all pass.
+    pub fn check(file: &[u8]) -> std::result::Result<FragmentHeader, FormatError> {
         const REGION: &str = "fragment";
         let head = file.get(..BLOCK_BYTES).ok_or_else(|| FormatError::Truncated {
             region: REGION,
@@ -239,7 +245,7 @@ impl Fragment {
         if file[payload_end..table_at].iter().any(|&b| b != 0) {
             return Err(FormatError::Inconsistent { field: REGION, detail: "payload padding is not zero".to_owned() });
         }
-        Ok(Self { header, file })
+        Ok(header)
     }
 
     /// What the header says.
