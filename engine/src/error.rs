@@ -321,6 +321,16 @@ pub enum Error {
         /// The CRC32C of the bytes as read.
         actual: u32,
     },
+    /// Fragments that do not rebuild their shard: they disagree with one another or with the
+    /// shard asked for, or the bytes they rebuild do not hash to its id. No rebuilt byte was
+    /// returned.
+    #[error("shard {shard}: its fragments do not rebuild it: {detail}")]
+    BadFragments {
+        /// The shard asked for.
+        shard: ShardId,
+        /// What does not check out.
+        detail: String,
+    },
     /// A file's BLAKE3 hash is not the id it is stored under.
     #[error("{}: content hash {actual} does not match its id {expected}", path.display())]
     HashMismatch {
@@ -532,7 +542,10 @@ impl Error {
     pub fn is_corruption(&self) -> bool {
         match self {
             Self::Format { source: FormatError::UnsupportedVersion { .. }, .. } => false,
-            Self::Format { .. } | Self::ChecksumMismatch { .. } | Self::HashMismatch { .. } => true,
+            Self::Format { .. }
+            | Self::ChecksumMismatch { .. }
+            | Self::HashMismatch { .. }
+            | Self::BadFragments { .. } => true,
             _ => false,
         }
     }
