@@ -207,16 +207,7 @@ fn a_bit_flipped_under_a_verify_worker_is_caught_and_nothing_damaged_is_delivere
         assert!(stats.ops_offloaded >= 1, "{backend:?}: no check ran on a worker: {stats:?}");
         assert_eq!(stats.verify_failures, 1, "{backend:?}");
         // The damage was in flight only: read again, everything is whole.
-        let mut n = 0;
-        reader
-            .read_batches(&batches, 4, &mut |batch| {
-                let expected: Vec<u8> = batches[n].iter().flat_map(|&i| records[i as usize].clone()).collect();
-                assert!(batch.data() == &expected[..], "{backend:?}: batch {n} differs");
-                n += 1;
-                Ok(())
-            })
-            .unwrap();
-        assert_eq!(n, 32);
+        read_as_the_model(&mut reader, &batches, 4, &records, &format!("{backend:?}"));
     }
 }
 
@@ -259,15 +250,6 @@ fn a_bit_flipped_in_an_op_a_worker_copies_from_is_caught_and_nothing_damaged_is_
         // went through the scratch memory.
         assert!(stats.ops_offloaded > stats.ops_direct, "{backend:?}: no copy was made by a worker: {stats:?}");
         // The damage was in flight only: read again, everything is whole.
-        let mut n = 0;
-        reader
-            .read_batches(&batches, 3, &mut |batch| {
-                let expected: Vec<u8> = batches[n].iter().flat_map(|&i| records[i as usize].clone()).collect();
-                assert!(batch.data() == &expected[..], "{backend:?}: batch {n} differs");
-                n += 1;
-                Ok(())
-            })
-            .unwrap();
-        assert_eq!(n, 7);
+        read_as_the_model(&mut reader, &batches, 3, &records, &format!("{backend:?}"));
     }
 }

@@ -111,6 +111,21 @@ fn fill_some(tier: &granary::MemoryTier, dataset: &granary::Dataset, mask: u64) 
     }
 }
 
+/// Batches made of runs of consecutive records from random starts, as block-shuffled chunks are.
+fn batches_of_runs(batches: &[Vec<(prop::sample::Index, usize)>], n: usize) -> Vec<Vec<u64>> {
+    batches
+        .iter()
+        .map(|runs| {
+            runs.iter()
+                .flat_map(|(start, len)| {
+                    let start = start.index(n);
+                    (start..(start + len).min(n)).map(|i| i as u64)
+                })
+                .collect()
+        })
+        .collect()
+}
+
 #[test]
 fn a_failing_sink_stops_the_pipeline_with_its_error() {
     let dir = tempdir();
@@ -163,18 +178,7 @@ proptest! {
         let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
         let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
         reader.set_verify_threads(threads);
-        // Each batch: runs of consecutive records from random starts (block-shuffled chunks).
-        let batches: Vec<Vec<u64>> = batches
-            .iter()
-            .map(|runs| {
-                runs.iter()
-                    .flat_map(|(start, len)| {
-                        let start = start.index(n);
-                        (start..(start + len).min(n)).map(|i| i as u64)
-                    })
-                    .collect()
-            })
-            .collect();
+        let batches = batches_of_runs(&batches, n);
         let mut delivered = Vec::new();
         reader.read_batches(&batches, depth, &mut |batch| {
             delivered.push(batch.data().to_vec());
@@ -227,17 +231,7 @@ proptest! {
         let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
         let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
         reader.set_verify_threads(threads);
-        let batches: Vec<Vec<u64>> = batches
-            .iter()
-            .map(|runs| {
-                runs.iter()
-                    .flat_map(|(start, len)| {
-                        let start = start.index(n);
-                        (start..(start + len).min(n)).map(|i| i as u64)
-                    })
-                    .collect()
-            })
-            .collect();
+        let batches = batches_of_runs(&batches, n);
         let mut delivered = Vec::new();
         reader.read_batches(&batches, depth, &mut |batch| {
             delivered.push(batch.records().map(<[u8]>::to_vec).collect::<Vec<_>>());
@@ -267,16 +261,7 @@ fn long_ops_read_into_the_batch_are_checked_by_a_worker() {
         let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
         reader.set_verify_threads(2);
         let batches: Vec<Vec<u64>> = (0..8).map(|b| (b * 32..b * 32 + 32).collect()).collect();
-        let mut n = 0;
-        reader
-            .read_batches(&batches, 3, &mut |batch| {
-                let expected: Vec<u8> = batches[n].iter().flat_map(|&i| records[i as usize].clone()).collect();
-                assert!(batch.data() == &expected[..], "{backend:?}: batch {n} differs");
-                n += 1;
-                Ok(())
-            })
-            .unwrap();
-        assert_eq!(n, 8);
+        read_as_the_model(&mut reader, &batches, 3, &records, &format!("{backend:?}"));
         let stats = reader.stats();
         assert_eq!(stats.ops_direct, stats.ops, "{backend:?}: {stats:?}");
         assert_eq!(stats.ops_offloaded, stats.ops, "{backend:?}: {stats:?}");
@@ -300,16 +285,7 @@ fn long_ops_of_records_that_are_not_whole_blocks_are_checked_and_copied_by_a_wor
         let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
         reader.set_verify_threads(2);
         let batches: Vec<Vec<u64>> = (0..10).map(|b| (b * 30..b * 30 + 30).collect()).collect();
-        let mut n = 0;
-        reader
-            .read_batches(&batches, 3, &mut |batch| {
-                let expected: Vec<u8> = batches[n].iter().flat_map(|&i| records[i as usize].clone()).collect();
-                assert!(batch.data() == &expected[..], "{backend:?}: batch {n} differs");
-                n += 1;
-                Ok(())
-            })
-            .unwrap();
-        assert_eq!(n, 10);
+        read_as_the_model(&mut reader, &batches, 3, &records, &format!("{backend:?}"));
         let stats = reader.stats();
         assert_eq!(stats.ops_direct, 0, "{backend:?}: {stats:?}");
         // Batches of about 75 KiB: the ops of 64 KiB or more went to a worker (7 of 12 here);

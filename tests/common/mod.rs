@@ -25,6 +25,27 @@ pub(crate) fn bytes(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Reads `batches` through `reader`, `depth` in flight, and checks each delivered batch's bytes
+/// against `records` (the model); `what` names the case in a failure.
+pub(crate) fn read_as_the_model(
+    reader: &mut granary::Reader,
+    batches: &[Vec<u64>],
+    depth: usize,
+    records: &[Vec<u8>],
+    what: &str,
+) {
+    let mut n = 0;
+    reader
+        .read_batches(batches, depth, &mut |batch| {
+            let expected: Vec<u8> = batches[n].iter().flat_map(|&i| records[i as usize].clone()).collect();
+            assert!(batch.data() == &expected[..], "{what}: batch {n} differs");
+            n += 1;
+            Ok(())
+        })
+        .expect("the read");
+    assert_eq!(n, batches.len(), "{what}");
+}
+
 /// A little-endian u16 token layout of `tokens` per record.
 pub(crate) fn tokens_layout(tokens: u64) -> Layout {
     Layout::Fixed(FixedLayout::new(Dtype::U16, &[tokens]).expect("a valid shape"))

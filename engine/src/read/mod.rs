@@ -10,8 +10,9 @@
 //! checked, and those not read into the batch are read into the slot's scratch memory and copied
 //! out, on the workers, in any order: the reaping thread only reaps and resubmits; short ops are
 //! read into the backend's buffers and checked and copied on the reaping thread. A slot's scratch
-//! is about its batch's read bytes, kept for the reader's life, outside the staging pool. Records whose extents the memory tier holds (`Reader::set_tier`)
-//! are copied from it while the batch is planned and read from disk not at all. Invariant: no
+//! is about its batch's read bytes, kept for the reader's life, outside the staging pool. Records
+//! whose extents the memory tier holds (`Reader::set_tier`) are copied from it while the batch
+//! is planned and read from disk not at all. Invariant: no
 //! batch is delivered holding a byte of a block whose checksum has not matched (on its way into
 //! the tier, or as its op completed: bytes read straight into a batch are checked there before
 //! the batch is handed out); a failed read leaves the batch empty. Files stay open from read to
