@@ -9,17 +9,9 @@
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use granary::erasure::{Coding, Fragment, encode, reconstruct};
 
-fn data(len: usize) -> Vec<u8> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
-}
+mod common;
+
+use common::data;
 
 fn erasure(c: &mut Criterion) {
     let shard = data(64 << 20);

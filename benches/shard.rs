@@ -8,17 +8,9 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use granary::shard::{ShardWriter, block_crc, blocks_match};
 use granary::{Dtype, FixedLayout, Layout};
 
-fn data(len: usize) -> Vec<u8> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
-}
+mod common;
+
+use common::data;
 
 /// `shard_block_crc32c`: CRC32C of 4 KiB blocks, seeded with the block index, over 64 MiB.
 /// Budget: over 10 GB/s per core (SSE4.2 three-way interleaved), 5x the disk. `64MiB` computes

@@ -38,14 +38,8 @@ proptest! {
         threads in 0usize..3,
     ) {
         let dir = tempdir();
-        let root = dir.path().join("store");
-        let mut granary = Granary::create(&root).unwrap();
-        ingest(&mut granary, "m", Layout::Bytes, small_shards(shard_kib << 10), &records);
-        let dataset = granary.open_dataset(&VersionSpec::parse("m").unwrap()).unwrap();
-        let backend = if uring { Backend::Uring } else { Backend::Pread };
-        let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
-        let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
-        reader.set_verify_threads(threads);
+        let (dataset, mut reader) =
+            reader_of(dir.path(), Layout::Bytes, shard_kib << 10, &records, (uring, queue_depth, op_blocks), threads);
         // With the memory tier: some extents in memory (records may span one that is and one
         // that is not), the rest read from disk.
         let _tier_dir = tier_extent_blocks.map(|blocks| {
@@ -111,6 +105,27 @@ fn fill_some(tier: &granary::MemoryTier, dataset: &granary::Dataset, mask: u64) 
     }
 }
 
+/// A reader of `records`, ingested as one dataset in shards of about `shard_bytes` under `dir`,
+/// through io_uring (or pread) with `queue_depth` ops of `op_blocks` blocks at most, and
+/// `threads` verify workers.
+fn reader_of(
+    dir: &std::path::Path,
+    layout: Layout,
+    shard_bytes: u64,
+    records: &[Vec<u8>],
+    (uring, queue_depth, op_blocks): (bool, u32, usize),
+    threads: usize,
+) -> (std::sync::Arc<granary::Dataset>, Reader) {
+    let mut granary = Granary::create(dir.join("store")).unwrap();
+    ingest(&mut granary, "d", layout, small_shards(shard_bytes), records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("d").unwrap()).unwrap();
+    let backend = if uring { Backend::Uring } else { Backend::Pread };
+    let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
+    let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
+    reader.set_verify_threads(threads);
+    (dataset, reader)
+}
+
 /// Batches made of runs of consecutive records from random starts, as block-shuffled chunks are.
 fn batches_of_runs(batches: &[Vec<(prop::sample::Index, usize)>], n: usize) -> Vec<Vec<u64>> {
     batches
@@ -171,13 +186,9 @@ proptest! {
     ) {
         let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 7, 4096)).collect();
         let dir = tempdir();
-        let mut granary = Granary::create(dir.path().join("store")).unwrap();
-        ingest(&mut granary, "w", tokens_layout(2048), small_shards(shard_kib << 10), &records);
-        let dataset = granary.open_dataset(&VersionSpec::parse("w").unwrap()).unwrap();
-        let backend = if uring { Backend::Uring } else { Backend::Pread };
-        let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
-        let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
-        reader.set_verify_threads(threads);
+        let layout = tokens_layout(2048);
+        let (_, mut reader) =
+            reader_of(dir.path(), layout, shard_kib << 10, &records, (uring, queue_depth, op_blocks), threads);
         let batches = batches_of_runs(&batches, n);
         let mut delivered = Vec::new();
         reader.read_batches(&batches, depth, &mut |batch| {
@@ -224,13 +235,8 @@ proptest! {
         let records: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| bytes(i as u64 + 17, n)).collect();
         let n = records.len();
         let dir = tempdir();
-        let mut granary = Granary::create(dir.path().join("store")).unwrap();
-        ingest(&mut granary, "g", Layout::Bytes, small_shards(shard_kib << 10), &records);
-        let dataset = granary.open_dataset(&VersionSpec::parse("g").unwrap()).unwrap();
-        let backend = if uring { Backend::Uring } else { Backend::Pread };
-        let io = IoConfig { backend, queue_depth, op_bytes_max: op_blocks * 4096, direct: true }.build().unwrap();
-        let mut reader = Reader::new(std::sync::Arc::clone(&dataset), io);
-        reader.set_verify_threads(threads);
+        let (_, mut reader) =
+            reader_of(dir.path(), Layout::Bytes, shard_kib << 10, &records, (uring, queue_depth, op_blocks), threads);
         let batches = batches_of_runs(&batches, n);
         let mut delivered = Vec::new();
         reader.read_batches(&batches, depth, &mut |batch| {

@@ -4,15 +4,7 @@ use super::*;
 
 /// A shard-like file of `blocks` blocks of made-up bytes (the coder does not parse shards).
 fn shard(blocks: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..blocks * BLOCK_BYTES)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    crate::shard::tests::noise(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15), blocks * BLOCK_BYTES)
 }
 
 fn id(bytes: &[u8]) -> ShardId {

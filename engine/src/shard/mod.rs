@@ -17,7 +17,7 @@ mod sample;
 mod writer;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use format::{
     BLOCK_BYTES, BLOCK_BYTES_U64, CHECK_RUN_BLOCKS, DATA_OFFSET, FILE_BYTES_MAX, FOOTER_MAGIC, FORMAT_VERSION, Footer,

@@ -187,8 +187,8 @@ fn a_future_format_version_is_reported_as_such() {
     ));
 }
 
-/// Pseudo-random bytes, the same for the same seed.
-fn noise(seed: u64, len: usize) -> Vec<u8> {
+/// Pseudo-random bytes, the same for the same seed (xorshift; the erasure tests use it too).
+pub(crate) fn noise(seed: u64, len: usize) -> Vec<u8> {
     let mut state = seed | 1;
     (0..len)
         .map(|_| {
