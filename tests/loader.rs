@@ -201,6 +201,48 @@ fn a_slow_trainer_makes_the_loader_wait_not_allocate() {
 }
 
 #[test]
+fn variable_length_records_keep_the_queue_full_not_two_batches_in_flight() {
+    let _serial = serial();
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    // Documents of 1-2000 bytes: a batch of 64 is about 64 KiB, so a queue of 32 ops of 1 MiB
+    // wants all 64 batches in flight; the buffers stay 64 MiB each, the largest batch allowed.
+    let records: Vec<Vec<u8>> = (0..2000).map(|i| bytes(i, 1 + (i as usize * 7919) % 2000)).collect();
+    ingest(&mut granary, "docs", granary::Layout::Bytes, small_shards(256 << 10), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("docs").unwrap()).unwrap();
+    let mut config = config(PlanSource::Native(Order::Sequential), World::single());
+    config.batch_size = 64;
+    // Read from disk: a loader served from the memory tier copies from memory at the depth asked.
+    config.tier = granary::TierSetting::Off;
+    config.io = IoConfig { backend: Backend::Auto, queue_depth: 32, op_bytes_max: 1 << 20, direct: true };
+    let in_flight = |config: LoaderConfig| {
+        let extra = config.prefetch + config.hold_max + 1;
+        let mut loader = Loader::new(Arc::clone(&dataset), config, Position::default()).unwrap();
+        let mut seen = Vec::new();
+        while let Some(batch) = loader.next() {
+            let batch = batch.unwrap();
+            for (i, &index) in batch.indices().iter().enumerate() {
+                assert_eq!(batch.record(i), &records[index as usize][..], "record {index}");
+            }
+            seen.extend_from_slice(batch.indices());
+        }
+        assert_eq!(seen, (0..2000).chain(0..2000).collect::<Vec<u64>>(), "two epochs in order");
+        let pool = loader.stats().pool;
+        (pool.buffers - extra, pool.buffer_bytes)
+    };
+    assert_eq!(in_flight(config.clone()), (64, 64 << 20));
+    // Batches of about 1 MiB: as many in flight as fill the queue's 32 MiB, no more.
+    config.batch_size = 1024;
+    let mean_batch = dataset.manifest().file_bytes() as f64 / 2000.0 * 1024.0;
+    let (depth, _) = in_flight(config.clone());
+    assert!(depth as f64 * mean_batch >= f64::from(32 << 20), "{depth} batches of {mean_batch} bytes");
+    assert!((depth - 1) as f64 * mean_batch < f64::from(32 << 20), "{depth} batches of {mean_batch} bytes");
+    // The largest batch given: buffers of that size, the depth unchanged.
+    config.batch_bytes_max = Some(2 << 20);
+    assert_eq!(in_flight(config), (depth, 2 << 20));
+}
+
+#[test]
 fn a_trainer_holding_too_many_batches_gets_an_error_not_a_hang() {
     let _serial = serial();
     let fx = fixture(200);

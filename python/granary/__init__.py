@@ -261,7 +261,9 @@ class Loader:
     `"cpu"` (host memory), or `None` (`"cuda"` when torch sees a GPU, `"cpu"` otherwise).
     `prefetch`: batches read ahead; `hold`: batches the trainer may keep at once (a batch is
     held while any tensor made from it lives; asking for one more raises instead of waiting
-    forever). `order`: `"shuffled"` or `"sequential"` (the native plan; default shuffled, and for
+    forever); `read_depth`: batches read from disk at once, at least (more when batches are
+    small: enough to keep the read queue's 32 MiB in flight, sized for variable-length records
+    from their mean). `order`: `"shuffled"` or `"sequential"` (the native plan; default shuffled, and for
     an attached dataset that its store's cache cannot hold, the default partitioner's plan
     windowed to the cache, recorded in the saved state); `partitioner`: a
     partitioner plugin by name (`"default"`, the built-in elastic one) or `.wasm` path instead,

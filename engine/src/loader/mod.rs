@@ -138,7 +138,8 @@ pub struct LoaderConfig {
     /// Batches the reader keeps in flight at once, at least: reading from disk (the memory tier
     /// off), more when batches are small, so that `io.queue_depth` ops of `io.op_bytes_max` can
     /// be in flight whatever the batch size and plan (a block-shuffled batch of 256 KiB chunks is
-    /// a few ops; at most 64 batches, and no more than those bytes' worth).
+    /// a few ops; at most 64 batches, and no more than those bytes' worth; page-locked, at most
+    /// 1 GiB of staging buffers).
     pub read_depth: usize,
     /// Verified batches queued ahead of the trainer.
     pub prefetch: usize,
@@ -154,7 +155,9 @@ pub struct LoaderConfig {
     /// Where batches go.
     pub target: Target,
     /// Bytes per staging buffer (the largest batch); `None`: exact for fixed-size records,
-    /// 64 MiB otherwise.
+    /// 64 MiB otherwise (the reader's depth then follows the batches' mean size from the
+    /// manifest; with CUDA its buffers are page-locked whole, so the largest batch given here
+    /// lets more of them be in flight).
     pub batch_bytes_max: Option<usize>,
     /// Faults injected into the reads (tests and drills). A loader with faults reads every
     /// record from disk (no memory tier), where the faults act.
@@ -495,15 +498,27 @@ impl Loader {
             (Some(bytes), _) => bytes,
             (None, Some(record)) => usize::try_from(record.saturating_mul(config.batch_size))
                 .map_err(|_| Error::invalid_input("a batch larger than memory"))?,
-            (None, None) => 64 << 20,
+            (None, None) => BATCH_BYTES_VARIABLE,
         };
+        // What a batch is expected to take, for the depth: exact for fixed-size records; for
+        // variable-length ones the manifest's mean record (shard file bytes over records, a
+        // slight over-estimate) times the batch, not the buffer's bound, so that a corpus of
+        // documents in 1 MiB batches keeps as many bytes in flight as one of fixed records.
+        let expected_batch_bytes = match dataset.layout().record_bytes() {
+            Some(record) => record.saturating_mul(config.batch_size),
+            None => {
+                dataset.manifest().file_bytes().div_ceil(dataset.n_records().max(1)).saturating_mul(config.batch_size)
+            }
+        };
+        let expected_batch_bytes =
+            usize::try_from(expected_batch_bytes).unwrap_or(usize::MAX).clamp(1, batch_bytes.max(1));
         // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
         let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
         // Reading from disk, enough batches in flight to keep the queue of large ops full; a
         // loader served from the tier copies from memory and keeps the depth asked for (each
         // batch in flight is a staging buffer).
         if coordinator.is_none() {
-            config.read_depth = reader_depth(&config, batch_bytes);
+            config.read_depth = reader_depth(&config, expected_batch_bytes, batch_bytes, cuda.is_some());
         }
         // Buffers: the reader's batches in flight, the queue to the trainer, what the device
         // stage holds (one being copied, two queued), what the trainer holds, and one spare.
@@ -785,16 +800,28 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
     std::thread::Builder::new().name(name.to_owned()).spawn(f).map_err(|e| Error::io("spawn", name, e))
 }
 
-/// Batches of `batch_bytes` in flight enough for the backend's queue of large ops
+/// Batches of `expected_bytes` in flight enough for the backend's queue of large ops
 /// (`queue_depth` x `op_bytes_max` bytes: a sequential or block-shuffled plan reads a batch in a
-/// few such ops), at least `read_depth` and at most `READ_DEPTH_MAX`.
-fn reader_depth(config: &LoaderConfig, batch_bytes: usize) -> usize {
+/// few such ops), at least `read_depth` and at most `READ_DEPTH_MAX`. Each batch in flight is a
+/// staging buffer of `buffer_bytes`; page-locked (`pinned`), the reader's buffers take at most
+/// `PINNED_READ_BYTES` unless `read_depth` asks for more.
+fn reader_depth(config: &LoaderConfig, expected_bytes: usize, buffer_bytes: usize, pinned: bool) -> usize {
     let queue_bytes = (config.io.queue_depth as usize).saturating_mul(config.io.op_bytes_max);
-    queue_bytes.div_ceil(batch_bytes.max(1)).clamp(config.read_depth, READ_DEPTH_MAX.max(config.read_depth))
+    let most = if pinned { READ_DEPTH_MAX.min(PINNED_READ_BYTES / buffer_bytes.max(1)) } else { READ_DEPTH_MAX };
+    queue_bytes.div_ceil(expected_bytes.max(1)).clamp(config.read_depth, most.max(config.read_depth))
 }
 
 /// The most batches `reader_depth` keeps in flight unless asked for more.
 const READ_DEPTH_MAX: usize = 64;
+
+/// The most page-locked memory the reader's staging buffers take unless asked for more: with
+/// variable-length records and no `batch_bytes_max`, 16 buffers of `BATCH_BYTES_VARIABLE`.
+const PINNED_READ_BYTES: usize = 1 << 30;
+
+/// A staging buffer's bytes for variable-length records when `batch_bytes_max` is not given:
+/// the largest batch such a loader takes. Host memory is touched only as far as batches fill it;
+/// page-locked memory is locked whole.
+const BATCH_BYTES_VARIABLE: usize = 64 << 20;
 
 /// The read backend: io_uring reading into slots from a staging pool (page-locked with CUDA,
 /// registered as fixed buffers), or what `config.io` builds.
@@ -1268,5 +1295,27 @@ impl DeviceStage {
         // (and should the upload fail, it waits for them before the buffer goes).
         let buffer = free.after_fences_on(&self.stream)?;
         self.stream.upload(lease, buffer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_depth_fills_the_queue_within_the_page_locked_bound_unless_asked_for_more() {
+        let io = IoConfig { queue_depth: 32, op_bytes_max: 1 << 20, ..IoConfig::default() };
+        let config = LoaderConfig { io, ..LoaderConfig::default() };
+        // 1 MiB batches in 64 MiB buffers (variable-length records): 32 fill the queue; locked,
+        // 16 buffers are the 1 GiB bound.
+        assert_eq!(reader_depth(&config, 1 << 20, 64 << 20, false), 32);
+        assert_eq!(reader_depth(&config, 1 << 20, 64 << 20, true), 16);
+        // Buffers the batches' size: no bound reached.
+        assert_eq!(reader_depth(&config, 1 << 20, 1 << 20, true), 32);
+        // Small batches: at most 64; large ones: at least the depth asked for.
+        assert_eq!(reader_depth(&config, 4 << 10, 4 << 10, false), READ_DEPTH_MAX);
+        assert_eq!(reader_depth(&config, 64 << 20, 64 << 20, false), 2);
+        let asked = LoaderConfig { read_depth: 40, ..config };
+        assert_eq!(reader_depth(&asked, 1 << 20, 64 << 20, true), 40);
     }
 }
