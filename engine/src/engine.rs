@@ -214,31 +214,38 @@ impl Granary {
     /// Publishes `file` (a synced file on the store's filesystem, outside `shards/` and
     /// `manifests/`) as object `id` of `kind`, and catalogs it. The caller has hashed the file's
     /// bytes to `id` (replication streams and hashes them as they arrive); this checks that they
-    /// decode as what they claim to be (a shard's metadata, a manifest), so a well-formed id
+    /// decode as what they claim to be (a shard's metadata, a manifest, a fragment whose header
+    /// and blocks check out and name the fragment `id` is), so a well-formed id
     /// cannot smuggle in bytes the read path would refuse later. Returns false when an intact
     /// copy was already there (the file is then removed).
     pub fn adopt_object(&mut self, kind: ObjectKind, id: ObjectId, file: &Path) -> Result<bool> {
         let entry = match kind {
             ObjectKind::Shard => {
                 let meta = ShardMeta::read(file)?;
-                ObjectEntry {
+                Some(ObjectEntry {
                     n_records: meta.n_records(),
                     n_shards: 1,
                     file_bytes: meta.file_bytes(),
                     layout: meta.layout().clone(),
-                }
+                })
             }
             ObjectKind::Manifest => {
                 let bytes = std::fs::read(file).map_err(|e| Error::io("read", file, e))?;
                 let manifest = crate::manifest::Manifest::decode(&bytes)
                     .map_err(|source| Error::Format { path: file.to_owned(), source })?;
-                manifest_entry(&manifest)
+                Some(manifest_entry(&manifest))
+            }
+            ObjectKind::Fragment => {
+                check_fragment_file(id, file)?;
+                None
             }
         };
         let published = self.store.publish(kind, id, file)?;
-        match kind {
-            ObjectKind::Shard => self.catalog.put_shard(ShardId(id), &entry)?,
-            ObjectKind::Manifest => self.catalog.put_manifest(ManifestId(id), &entry)?,
+        match (kind, entry) {
+            (ObjectKind::Shard, Some(entry)) => self.catalog.put_shard(ShardId(id), &entry)?,
+            (ObjectKind::Manifest, Some(entry)) => self.catalog.put_manifest(ManifestId(id), &entry)?,
+            // Fragments are not cataloged: the store's directory lists them.
+            _ => {}
         }
         self.catalog.flush()?;
         Ok(published)
@@ -270,6 +277,7 @@ impl Granary {
         match kind {
             ObjectKind::Shard => self.catalog.remove_shard(ShardId(id))?,
             ObjectKind::Manifest => self.catalog.remove_manifest(ManifestId(id))?,
+            ObjectKind::Fragment => return Ok(()),
         }
         self.catalog.flush()
     }
@@ -353,4 +361,28 @@ fn catalog_unreadable(dir: &Path, error: Error) -> Error {
 
 fn file_len(path: &Path) -> Result<u64> {
     Ok(std::fs::metadata(path).map_err(|e| Error::io("stat", path, e))?.len())
+}
+
+/// Checks fragment file `file` whole (`Fragment::check`) and that its header names fragment `id`.
+pub(crate) fn check_fragment_file(id: ObjectId, file: &Path) -> Result<crate::erasure::FragmentHeader> {
+    let bytes = std::fs::read(file).map_err(|e| Error::io("read", file, e))?;
+    let header =
+        crate::erasure::Fragment::check(&bytes).map_err(|source| Error::Format { path: file.to_owned(), source })?;
+    let named = crate::erasure::fragment_id(header.shard, header.coding, header.index);
+    if named != id {
+        return Err(Error::Format {
+            path: file.to_owned(),
+            source: crate::error::FormatError::Inconsistent {
+                field: "fragment header",
+                detail: format!(
+                    "names fragment {} of shard {} ({}), whose id is {}, not {id}",
+                    header.index,
+                    header.shard.0.short(12),
+                    header.coding,
+                    named.short(12)
+                ),
+            },
+        });
+    }
+    Ok(header)
 }

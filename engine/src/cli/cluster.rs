@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use granary::erasure::Coding;
 use granary::policy::{Limits, PolicyHost};
-use granary::replication::frame::ReplicateMode;
+use granary::replication::frame::{Goal, ReplicateMode};
 use granary::replication::{ClusterKey, Faults, Membership, Node, NodeClient, NodeConfig};
 
 use super::parse_size;
@@ -152,11 +153,16 @@ pub(crate) struct ReplicateArgs {
     /// The dataset: NAME or NAME@N.
     dataset: String,
     /// Copies wanted of each shard.
-    #[arg(long)]
-    replicas: u32,
-    /// For this call: `sync` returns once every copy is verified on its node, `async` once the
-    /// copies are scheduled (default: the node's replicator setting, `serve --replicator-options
-    /// mode=...`).
+    #[arg(long, required_unless_present = "ec", conflicts_with = "ec")]
+    replicas: Option<u32>,
+    /// Instead of copies: each shard cut into K data and M parity fragments (Reed-Solomon), one
+    /// per node, any K of which rebuild it: the shards survive any M lost nodes at (K+M)/K their
+    /// size (`4+2`: 1.5 x). Fragment i goes to the i-th node the replicator places the shard on.
+    #[arg(long, value_name = "K+M")]
+    ec: Option<String>,
+    /// For this call: `sync` returns once every copy (or fragment) is verified on its node,
+    /// `async` once they are scheduled (default: the node's replicator setting, `serve
+    /// --replicator-options mode=...`).
     #[arg(long, value_enum)]
     mode: Option<ModeArg>,
     /// The node to ask (default: the one serving --root).
@@ -190,7 +196,13 @@ pub(crate) fn replicate(root: &Path, args: &ReplicateArgs) -> Result<()> {
         Some(ModeArg::Sync) => ReplicateMode::Synchronous,
         Some(ModeArg::Async) => ReplicateMode::Asynchronous,
     };
-    let report = client.replicate(&args.dataset, args.replicas, mode, move |done, total| {
+    let goal = match (&args.ec, args.replicas) {
+        (Some(coding), _) => Goal::Coded(Coding::parse(coding)?),
+        (None, Some(0)) => bail!("--replicas must be at least 1"),
+        (None, Some(replicas)) => Goal::Replicas(replicas),
+        (None, None) => bail!("replicate needs --replicas R or --ec K+M"),
+    };
+    let report = client.replicate(&args.dataset, goal, mode, move |done, total| {
         if tty {
             err!("\rreplicating: {done}/{total} shards confirmed");
             if done == total {

@@ -481,7 +481,8 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     }
     if let Some((replicas, client)) = replicate_with {
         let spec = format!("{}@{}", committed.name, committed.version);
-        let report = client.replicate(&spec, replicas, granary::replication::frame::ReplicateMode::Node, |_, _| {}).with_context(|| {
+        let goal = granary::replication::frame::Goal::Replicas(replicas);
+        let report = client.replicate(&spec, goal, granary::replication::frame::ReplicateMode::Node, |_, _| {}).with_context(|| {
             format!(
                 "{spec} is committed here, but not replicated: `granary replicate {spec} --replicas {replicas}` retries"
             )

@@ -149,9 +149,10 @@ pub(super) fn inspect(paths: &StorePaths, target: &str, n_records: u64) -> Resul
         && target.len() >= granary::store::ID_PREFIX_MIN
         && target.bytes().all(|b| b.is_ascii_hexdigit())
     {
-        match paths.expand_prefix(&[ObjectKind::Shard, ObjectKind::Manifest], target)? {
+        match paths.expand_prefix(&[ObjectKind::Shard, ObjectKind::Manifest, ObjectKind::Fragment], target)? {
             (ObjectKind::Shard, id) => return inspect_shard(paths.shard(ShardId(id)), n_records),
             (ObjectKind::Manifest, id) => VersionSpec::Manifest(granary::ManifestId(id)),
+            (ObjectKind::Fragment, id) => return inspect_fragment(paths.object(ObjectKind::Fragment, id)),
         }
     } else {
         VersionSpec::parse(target)?
@@ -175,6 +176,32 @@ pub(super) fn inspect(paths: &StorePaths, target: &str, n_records: u64) -> Resul
         outln!("  {}  records {first}..{}  {}", entry.shard, first + entry.n_records, bytes(entry.file_bytes))?;
         first += entry.n_records;
     }
+    Ok(())
+}
+
+/// A fragment file: what its header names, once the whole file checked out.
+fn inspect_fragment(path: PathBuf) -> Result<()> {
+    let file = std::fs::read(&path).map_err(|e| Error::io("read", &path, e))?;
+    let header =
+        granary::erasure::Fragment::check(&file).map_err(|source| Error::Format { path: path.clone(), source })?;
+    outln!("fragment: {}", path.file_stem().map(|s| s.to_string_lossy()).unwrap_or_default())?;
+    outln!("path:     {}", path.display())?;
+    outln!(
+        "of:       shard {}, fragment {} of {} ({}: {} data, {} parity)",
+        header.shard,
+        header.index,
+        header.coding.n(),
+        header.coding,
+        header.coding.k(),
+        header.coding.m()
+    )?;
+    outln!(
+        "bytes:    {} of the shard's {}, in {} blocks; {} file bytes; every block checks out",
+        header.fragment_bytes(),
+        header.shard_bytes,
+        header.n_blocks(),
+        file.len()
+    )?;
     Ok(())
 }
 
@@ -227,8 +254,10 @@ pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode>
     } else {
         String::new()
     };
+    let fragments =
+        if report.fragments_ok > 0 { format!(", {} fragments", report.fragments_ok) } else { String::new() };
     outln!(
-        "verified {} shards, {} manifests, {} refs ({}){versions}: {} failures",
+        "verified {} shards, {} manifests, {} refs{fragments} ({}){versions}: {} failures",
         report.shards_ok,
         report.manifests_ok,
         report.refs_ok,
@@ -302,6 +331,20 @@ pub(super) fn gc(root: PathBuf, prune_now: bool) -> Result<()> {
     } else {
         String::new()
     };
-    outln!("removed {} shards and {} manifests ({}){kept}", report.shards, report.manifests, bytes(report.bytes))?;
+    let fragments = if report.fragments > 0 { format!(", {} fragments", report.fragments) } else { String::new() };
+    let damaged = if report.kept_damaged > 0 {
+        format!(
+            "; kept {} fragment files whose header does not check out (`granary verify` names them)",
+            report.kept_damaged
+        )
+    } else {
+        String::new()
+    };
+    outln!(
+        "removed {} shards and {} manifests{fragments} ({}){kept}{damaged}",
+        report.shards,
+        report.manifests,
+        bytes(report.bytes)
+    )?;
     Ok(())
 }

@@ -8,8 +8,10 @@
 //! changed by mistake can be put back while its data is still there). `--prune-now` sets the
 //! grace to zero: then only live versions keep objects. Invariant: gc never runs over damage it
 //! cannot see through: a damaged ref or an unreadable manifest of a live version stops it before
-//! anything is removed. Never: removes a ref, a quarantined file or anything outside `shards/`,
-//! `manifests/` and the histories of removed datasets.
+//! anything is removed. A fragment is kept as its shard would be (by the shard its header
+//! names), and kept when that header does not check out. Never: removes a ref, a quarantined file
+//! or anything outside `shards/`, `manifests/`, `fragments/` and the histories of removed
+//! datasets.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -53,6 +55,10 @@ pub struct GcReport {
     pub shards: u64,
     /// Manifest files removed.
     pub manifests: u64,
+    /// Fragment files removed (a fragment goes with its shard).
+    pub fragments: u64,
+    /// Fragment files kept because their header does not check out (`verify` names them).
+    pub kept_damaged: u64,
     /// Bytes freed.
     pub bytes: u64,
     /// Objects no live version reaches, kept for the grace period.
@@ -73,8 +79,19 @@ impl Keep {
         match kind {
             ObjectKind::Manifest => self.manifests.contains(&id),
             ObjectKind::Shard => self.shards.contains(&id),
+            // A fragment goes with its shard (`fragment_shard`).
+            ObjectKind::Fragment => false,
         }
     }
+}
+
+/// The shard a fragment file's header names; `None` when the header cannot be read or does not
+/// check out (gc keeps such a file: `verify` reports it and `repair` quarantines it).
+fn fragment_shard(path: &Path) -> Option<ObjectId> {
+    use std::io::Read;
+    let mut block = vec![0u8; crate::shard::BLOCK_BYTES];
+    fs::File::open(path).and_then(|mut file| file.read_exact(&mut block)).ok()?;
+    crate::erasure::FragmentHeader::decode(&block).ok().map(|(header, _)| header.shard.0)
 }
 
 impl Granary {
@@ -87,12 +104,23 @@ impl Granary {
         let paths = self.store.paths().clone();
         let (live, recent) = objects_to_keep(&paths, cutoff_unix_secs, options.grace > Duration::ZERO)?;
         let mut report = GcReport::default();
-        for kind in [ObjectKind::Manifest, ObjectKind::Shard] {
+        for kind in [ObjectKind::Manifest, ObjectKind::Shard, ObjectKind::Fragment] {
             for (id, path) in paths.list_objects(kind)? {
-                if live.contains(kind, id) {
+                // A fragment is kept as its shard is.
+                let (keep_as, of) = match kind {
+                    ObjectKind::Fragment => match fragment_shard(&path) {
+                        Some(shard) => (ObjectKind::Shard, shard),
+                        None => {
+                            report.kept_damaged += 1;
+                            continue;
+                        }
+                    },
+                    _ => (kind, id),
+                };
+                if live.contains(keep_as, of) {
                     continue;
                 }
-                if recent.contains(kind, id) || (options.grace > Duration::ZERO && modified(&path)? >= cutoff) {
+                if recent.contains(keep_as, of) || (options.grace > Duration::ZERO && modified(&path)? >= cutoff) {
                     report.kept_in_grace += 1;
                     continue;
                 }
@@ -107,6 +135,7 @@ impl Granary {
                         self.catalog.remove_shard(ShardId(id))?;
                         report.shards += 1;
                     }
+                    ObjectKind::Fragment => report.fragments += 1,
                 }
             }
         }

@@ -29,6 +29,8 @@ pub struct RepairReport {
     pub shards: u64,
     /// Manifests cataloged.
     pub manifests: u64,
+    /// Fragment files that checked out (they are not cataloged).
+    pub fragments: u64,
     /// Datasets cataloged.
     pub datasets: u64,
     /// Temp files of dead writers removed (when the store was opened, or by the repair).
@@ -137,6 +139,17 @@ impl Granary {
                     shards.insert(id);
                     report.shards += 1;
                 }
+                Err(e) if e.is_corruption() => {
+                    self.store.quarantine(&path)?;
+                    report.quarantined.push((path, e.to_string()));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        // Fragments are not cataloged: a damaged one is quarantined (the node rebuilds it).
+        for (id, path) in paths.list_objects(ObjectKind::Fragment)? {
+            match crate::erasure::FragmentFile::open(&path, id).and_then(crate::erasure::FragmentFile::read_whole) {
+                Ok(_) => report.fragments += 1,
                 Err(e) if e.is_corruption() => {
                     self.store.quarantine(&path)?;
                     report.quarantined.push((path, e.to_string()));

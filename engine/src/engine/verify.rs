@@ -2,7 +2,7 @@
 //!
 //! Owns `verify` (what `granary verify` runs) and `verify_shard` (one shard file, completely). A
 //! whole-store scrub checks each file (BLAKE3 and every CRC32C of each shard, the id of each
-//! manifest, each ref and ref history), then walks every live version, from its ref, or from its
+//! manifest, each fragment whole against its id, each ref and ref history), then walks every live version, from its ref, or from its
 //! history where the ref is damaged or lost, and names each version some record of which
 //! cannot be read: a file can be sound while the version that needs it is not, because another
 //! file it lists is gone. Needs no lock, so readers can run it. Never: changes a file (repair
@@ -92,6 +92,9 @@ pub struct VerifyReport {
     pub shards_ok: u64,
     /// Manifest files whose id matched.
     pub manifests_ok: u64,
+    /// Fragment files (erasure coding) that checked out whole against their id (whole-store
+    /// scrub only).
+    pub fragments_ok: u64,
     /// Ref files that decoded.
     pub refs_ok: u64,
     /// Shards of live versions that are not here but at the origin of an attached dataset
@@ -194,6 +197,17 @@ pub fn verify_through(
         }
     }
     if spec.is_none() {
+        for (id, path) in paths.list_objects(ObjectKind::Fragment)? {
+            match crate::erasure::FragmentFile::open(&path, id).and_then(crate::erasure::FragmentFile::read_whole) {
+                Ok(fragment) => {
+                    report.fragments_ok += 1;
+                    report.bytes += fragment.file().len() as u64;
+                }
+                // Removed (a node dropped it) between the listing and the check.
+                Err(Error::NotFound { .. }) => {}
+                Err(error) => report.failures.push(Failure { path, error }),
+            }
+        }
         let checked = Checks { manifests: &checked_manifests, shards: &checked_shards, fetcher };
         for name in paths.list_names()? {
             check_dataset(paths, &name, &checked, &mut report)?;

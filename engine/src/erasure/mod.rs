@@ -6,9 +6,14 @@
 //! blocks, each with its CRC32C in a checksum table, as a shard's data blocks have; `encode`
 //! (shard bytes to fragment files) and `reconstruct` (any `k` checked fragments to the shard's
 //! bytes, checked against the shard's BLAKE3 id before they are returned).
-//! Never: reads or writes files, picks nodes, or returns bytes that were not checked: a fragment
+//! `file.rs` reads fragment files (`FragmentFile`), checking them as they are read.
+//! Never: writes files, picks nodes, or returns bytes that were not checked: a fragment
 //! is used only once its header and every block checked out, and a reconstructed shard only when
 //! its BLAKE3 is the id the fragments name.
+
+mod file;
+
+pub use file::FragmentFile;
 
 use crate::error::{Error, FormatError, Result};
 use crate::id::{ObjectId, ShardId};
@@ -29,7 +34,7 @@ const SHARD_BYTES_MAX: u64 = crate::shard::FILE_BYTES_MAX;
 /// A coding: `k` data fragments and `m` parity fragments; any `k` of the `k + m` rebuild the
 /// shard, so it survives the loss of any `m`, at `(k + m) / k` of its size. Made only through
 /// [`Coding::new`], so `k` and `m` are always in range.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Coding {
     k: u8,
     m: u8,
@@ -270,9 +275,9 @@ impl Fragment {
         &self.header
     }
 
-    /// The fragment's id: the BLAKE3 of its file.
+    /// The fragment's id ([`fragment_id`] of what its header names).
     pub fn id(&self) -> ObjectId {
-        ObjectId::of(&self.file)
+        fragment_id(self.header.shard, self.header.coding, self.header.index)
     }
 
     /// The fragment file.
@@ -285,6 +290,20 @@ impl Fragment {
         let len = usize::try_from(self.header.fragment_bytes()).expect("the file is in memory");
         &self.file[BLOCK_BYTES..BLOCK_BYTES + len]
     }
+}
+
+/// The id of fragment `index` of `shard` cut with `coding`: the BLAKE3 hash of a domain tag and
+/// of those three, which fix the fragment's bytes (the shard's bytes are its id's preimage; the
+/// coder is deterministic and pinned, with a known-answer test). So any node names every fragment
+/// of a shard from the manifest alone, and a fragment's file is checked against its id by its
+/// header (which must name the same three) and its blocks' CRC32C; the shard rebuilt from
+/// fragments is checked against the shard's BLAKE3 before it is used.
+pub fn fragment_id(shard: ShardId, coding: Coding, index: u8) -> ObjectId {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(b"granary fragment 1\0");
+    hasher.update(shard.0.as_bytes());
+    hasher.update(&[coding.k, coding.m, index]);
+    ObjectId::from_hash(hasher.finalize())
 }
 
 /// Bytes of each fragment the coder works on at once: the coder's transform is the same at every

@@ -191,6 +191,7 @@ impl Origin {
         let (dir, suffix) = match kind {
             ObjectKind::Shard => ("shards", "shard"),
             ObjectKind::Manifest => ("manifests", "manifest"),
+            ObjectKind::Fragment => ("fragments", "fragment"),
         };
         self.prefix.clone().join(dir).join(&hex[..2]).join(format!("{hex}.{suffix}"))
     }

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::path::Path;
 
-use super::frame::{Frame, ReplicateMode, ReplyCode, Role};
+use super::frame::{Frame, Goal, ReplicateMode, ReplyCode, Role};
 use super::secure::{Channel, ClusterKey, Deadlines, Hello};
 use super::status::NodeStatus;
 use crate::error::{Error, Result, TransportError};
@@ -98,13 +98,13 @@ impl NodeClient {
         })
     }
 
-    /// Asks the node to replicate `spec` with `replicas` copies, waiting for them as `mode` says
-    /// (`ReplicateMode::Node`: as the node's replicator says); `progress(done, total)` is called
-    /// as shards are confirmed. Returns the node's report.
+    /// Asks the node to replicate `spec` as `goal` says (copies, or coded fragments), waiting
+    /// for them as `mode` says (`ReplicateMode::Node`: as the node's replicator says);
+    /// `progress(done, total)` is called as shards are confirmed. Returns the node's report.
     pub fn replicate(
         &self,
         spec: &str,
-        replicas: u32,
+        goal: Goal,
         mode: ReplicateMode,
         mut progress: impl FnMut(u64, u64) + Send + 'static,
     ) -> Result<String> {
@@ -113,7 +113,7 @@ impl NodeClient {
         self.run(move |mut channel| {
             Box::pin(async move {
                 let transport = |source| Error::Transport { peer: format!("node at {peer}"), source };
-                channel.send(&Frame::Replicate { request: 1, replicas, mode, spec: &spec }).await.map_err(transport)?;
+                channel.send(&Frame::Replicate { request: 1, goal, mode, spec: &spec }).await.map_err(transport)?;
                 loop {
                     // Copies of large datasets take a while: wait for progress without a short
                     // deadline (each frame still has the per-record one once it starts).

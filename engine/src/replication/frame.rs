@@ -17,6 +17,7 @@
 
 use std::fmt;
 
+use crate::erasure::Coding;
 use crate::error::FrameError;
 use crate::id::{ID_BYTES, ObjectId};
 use crate::store::ObjectKind;
@@ -292,6 +293,69 @@ impl ReplicateMode {
     }
 }
 
+/// What a dataset's shards are kept as across the job's nodes: whole copies, or erasure-coded
+/// fragments (`k + m` of them on as many nodes, any `k` of which rebuild the shard).
+///
+/// On the wire (`PutRef`, `Replicate`): `replicas u32` then, in two bytes that older frames kept
+/// zero, `k u8 | m u8`; zero for copies, else the coding, with `replicas` its `k + m`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Goal {
+    /// This many copies of each shard, on as many nodes.
+    Replicas(u32),
+    /// The shards cut into fragments with this coding, one per node.
+    Coded(Coding),
+}
+
+impl Goal {
+    /// Nodes each shard spans: its copies, or its fragments.
+    pub fn nodes(self) -> u32 {
+        match self {
+            Goal::Replicas(replicas) => replicas,
+            Goal::Coded(coding) => coding.n() as u32,
+        }
+    }
+
+    /// Parses the text form: `replicas R` or `ec K+M`.
+    pub fn parse(text: &str) -> Option<Goal> {
+        if let Some(rest) = text.strip_prefix("replicas ") {
+            return rest.parse::<u32>().ok().filter(|&r| r >= 1).map(Goal::Replicas);
+        }
+        text.strip_prefix("ec ").and_then(|rest| Coding::parse(rest).ok()).map(Goal::Coded)
+    }
+
+    fn wire(self) -> (u32, [u8; 2]) {
+        match self {
+            Goal::Replicas(replicas) => (replicas, [0, 0]),
+            Goal::Coded(coding) => (coding.n() as u32, [coding.k(), coding.m()]),
+        }
+    }
+
+    fn from_wire(replicas: u32, km: [u8; 2], kind: Kind) -> Result<Goal, FrameError> {
+        let bad = |detail: String| FrameError::BadField { kind: kind.name(), field: "goal", detail };
+        match km {
+            [0, 0] if replicas >= 1 => Ok(Goal::Replicas(replicas)),
+            [0, 0] => Err(bad("0 copies".to_owned())),
+            [k, m] => {
+                let coding = Coding::new(k, m).map_err(|_| bad(format!("coding {k}+{m} is out of range")))?;
+                if replicas as usize != coding.n() {
+                    return Err(bad(format!("coding {coding} spans {} nodes, not {replicas}", coding.n())));
+                }
+                Ok(Goal::Coded(coding))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Goal {
+    /// The text form `Goal::parse` reads.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Goal::Replicas(replicas) => write!(f, "replicas {replicas}"),
+            Goal::Coded(coding) => write!(f, "ec {coding}"),
+        }
+    }
+}
+
 /// An object kind as it travels: [`ObjectKind`] with a total order and a wire code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum WireKind {
@@ -299,6 +363,8 @@ pub enum WireKind {
     Shard,
     /// A manifest file.
     Manifest,
+    /// A fragment of an erasure-coded shard.
+    Fragment,
 }
 
 impl WireKind {
@@ -306,6 +372,7 @@ impl WireKind {
         match self {
             WireKind::Shard => 1,
             WireKind::Manifest => 2,
+            WireKind::Fragment => 3,
         }
     }
 
@@ -313,6 +380,7 @@ impl WireKind {
         match code {
             1 => Some(WireKind::Shard),
             2 => Some(WireKind::Manifest),
+            3 => Some(WireKind::Fragment),
             _ => None,
         }
     }
@@ -322,6 +390,7 @@ impl WireKind {
         match self {
             WireKind::Shard => ObjectKind::Shard,
             WireKind::Manifest => ObjectKind::Manifest,
+            WireKind::Fragment => ObjectKind::Fragment,
         }
     }
 }
@@ -331,6 +400,7 @@ impl From<ObjectKind> for WireKind {
         match kind {
             ObjectKind::Shard => WireKind::Shard,
             ObjectKind::Manifest => WireKind::Manifest,
+            ObjectKind::Fragment => WireKind::Fragment,
         }
     }
 }
@@ -438,24 +508,24 @@ pub enum Frame<'a> {
         /// Nodes that hold it, preferred first (the sender, usually).
         sources: Vec<u32>,
     },
-    /// Adopt this ref file of dataset `name` (if it is newer than the local one) and replicate
-    /// its versions with `replicas` copies.
+    /// Adopt this ref file of dataset `name` (if it is newer than the local one) and keep its
+    /// versions as `goal` says.
     PutRef {
         /// The request.
         request: u32,
-        /// Copies wanted of each shard.
-        replicas: u32,
+        /// Copies or fragments of each shard.
+        goal: Goal,
         /// The dataset's name.
         name: &'a str,
         /// The ref file's bytes (`docs/format.md`).
         log: &'a [u8],
     },
-    /// Replicate dataset version `spec` with `replicas` copies of each shard.
+    /// Replicate dataset version `spec` as `goal` says: copies, or coded fragments.
     Replicate {
         /// The request.
         request: u32,
-        /// Copies wanted.
-        replicas: u32,
+        /// Copies or fragments wanted.
+        goal: Goal,
         /// Whether to wait for the copies.
         mode: ReplicateMode,
         /// NAME, NAME@N or a manifest id.
@@ -791,14 +861,14 @@ impl<'a> Frame<'a> {
                 let request = c.u32()?;
                 let replicas = c.u32()?;
                 let name_len = usize::from(c.u16()?);
-                c.zeros(2, kind)?;
+                let goal = Goal::from_wire(replicas, [c.u8()?, c.u8()?], kind)?;
                 let log_len = c.u32()? as usize;
                 let name = text(c.take(name_len)?, kind, "name", NAME_BYTES_MAX)?;
                 if log_len > REF_BYTES_MAX {
                     return Err(FrameError::TooLarge { what: "ref file", bytes: log_len, max: REF_BYTES_MAX });
                 }
                 let log = c.take(log_len)?;
-                Frame::PutRef { request, replicas, name, log }
+                Frame::PutRef { request, goal, name, log }
             }
             Kind::Replicate => {
                 let request = c.u32()?;
@@ -810,9 +880,10 @@ impl<'a> Frame<'a> {
                     field: "mode",
                     detail: format!("{code} is not 0 (the node's), 1 (sync) or 2 (async)"),
                 })?;
-                c.zeros(5, kind)?;
+                let goal = Goal::from_wire(replicas, [c.u8()?, c.u8()?], kind)?;
+                c.zeros(3, kind)?;
                 let spec = text(c.take(len)?, kind, "spec", NAME_BYTES_MAX)?;
-                Frame::Replicate { request, replicas, mode, spec }
+                Frame::Replicate { request, goal, mode, spec }
             }
             Kind::Progress => {
                 let request = c.u32()?;
@@ -965,24 +1036,27 @@ impl<'a> Frame<'a> {
                     out.extend_from_slice(&source.to_le_bytes());
                 }
             }
-            Frame::PutRef { request, replicas, name, log } => {
+            Frame::PutRef { request, goal, name, log } => {
                 checked("name", name.len(), NAME_BYTES_MAX)?;
                 checked("ref file", log.len(), REF_BYTES_MAX)?;
+                let (replicas, km) = goal.wire();
                 out.extend_from_slice(&request.to_le_bytes());
                 out.extend_from_slice(&replicas.to_le_bytes());
                 out.extend_from_slice(&(name.len() as u16).to_le_bytes());
-                out.extend_from_slice(&[0; 2]);
+                out.extend_from_slice(&km);
                 out.extend_from_slice(&(log.len() as u32).to_le_bytes());
                 out.extend_from_slice(name.as_bytes());
                 out.extend_from_slice(log);
             }
-            Frame::Replicate { request, replicas, mode, spec } => {
+            Frame::Replicate { request, goal, mode, spec } => {
                 checked("spec", spec.len(), NAME_BYTES_MAX)?;
+                let (replicas, km) = goal.wire();
                 out.extend_from_slice(&request.to_le_bytes());
                 out.extend_from_slice(&replicas.to_le_bytes());
                 out.extend_from_slice(&(spec.len() as u16).to_le_bytes());
                 out.push(mode.code());
-                out.extend_from_slice(&[0; 5]);
+                out.extend_from_slice(&km);
+                out.extend_from_slice(&[0; 3]);
                 out.extend_from_slice(spec.as_bytes());
             }
             Frame::Progress { request, done, total, last, code, message } => {
@@ -1060,6 +1134,10 @@ pub fn fuzz_decode(bytes: &[u8]) {
 mod tests {
     use super::*;
 
+    fn coding(k: u8, m: u8) -> Coding {
+        Coding::new(k, m).expect("a valid coding")
+    }
+
     fn samples() -> Vec<Frame<'static>> {
         let id = ObjectId::of(b"a shard");
         let entries = (0..INVENTORY_ENTRIES_MAX as u64)
@@ -1100,10 +1178,12 @@ mod tests {
             Frame::End { transfer: 3, total_bytes: 1 << 26 },
             Frame::Reply { request: 9, code: ReplyCode::Corrupt, message: "block 3 checksum mismatch" },
             Frame::Fetch { request: 1, kind: WireKind::Manifest, id, bytes: 196, sources: vec![2, 0, 1] },
-            Frame::PutRef { request: 2, replicas: 3, name: "tokens", log: b"granary-ref 1\n" },
-            Frame::Replicate { request: 4, replicas: 2, mode: ReplicateMode::Node, spec: "tokens@3" },
-            Frame::Replicate { request: 8, replicas: 3, mode: ReplicateMode::Synchronous, spec: "tokens" },
-            Frame::Replicate { request: 9, replicas: 1, mode: ReplicateMode::Asynchronous, spec: "t@1" },
+            Frame::PutRef { request: 2, goal: Goal::Replicas(3), name: "tokens", log: b"granary-ref 1\n" },
+            Frame::PutRef { request: 3, goal: Goal::Coded(coding(4, 2)), name: "tokens", log: b"granary-ref 1\n" },
+            Frame::Replicate { request: 4, goal: Goal::Replicas(2), mode: ReplicateMode::Node, spec: "tokens@3" },
+            Frame::Replicate { request: 8, goal: Goal::Replicas(3), mode: ReplicateMode::Synchronous, spec: "tokens" },
+            Frame::Replicate { request: 9, goal: Goal::Replicas(1), mode: ReplicateMode::Asynchronous, spec: "t@1" },
+            Frame::Replicate { request: 10, goal: Goal::Coded(coding(10, 4)), mode: ReplicateMode::Node, spec: "t" },
             Frame::Progress { request: 4, done: 5, total: 16, last: false, code: ReplyCode::Ok, message: "" },
             Frame::StatusRequest { request: 5 },
             Frame::Status { request: 5, text: "node 1\npeer 2 up\n" },
@@ -1195,6 +1275,38 @@ mod tests {
         chunk.pop();
         chunk[4..8].copy_from_slice(&16u32.to_le_bytes());
         assert!(matches!(Frame::decode(&chunk), Err(FrameError::BadField { field: "data", .. })));
+    }
+
+    #[test]
+    fn goals_read_back_and_bad_codings_are_refused() {
+        for text in ["replicas 3", "ec 4+2", "ec 10+4"] {
+            assert_eq!(Goal::parse(text).expect(text).to_string(), text);
+        }
+        for text in ["replicas 0", "replicas", "ec 0+2", "ec 4+0", "ec 65+1", "ec 4-2", "copies 3"] {
+            assert_eq!(Goal::parse(text), None, "{text}");
+        }
+        assert_eq!(Goal::Coded(coding(4, 2)).nodes(), 6);
+        // On the wire: a coding whose k + m is not the node count, or out of range, or no
+        // copies at all.
+        let encoded = |goal: Goal| {
+            let mut bytes = Vec::new();
+            Frame::Replicate { request: 1, goal, mode: ReplicateMode::Node, spec: "t" }
+                .encode(1, 1, &mut bytes)
+                .expect("encodes");
+            bytes
+        };
+        let mut bytes = encoded(Goal::Coded(coding(4, 2)));
+        bytes[HEADER_BYTES + 4..HEADER_BYTES + 8].copy_from_slice(&5u32.to_le_bytes());
+        assert!(matches!(Frame::decode(&bytes), Err(FrameError::BadField { field: "goal", .. })));
+        let mut bytes = encoded(Goal::Coded(coding(4, 2)));
+        bytes[HEADER_BYTES + 11] = 65;
+        assert!(matches!(Frame::decode(&bytes), Err(FrameError::BadField { field: "goal", .. })));
+        let mut bytes = encoded(Goal::Replicas(2));
+        bytes[HEADER_BYTES + 4..HEADER_BYTES + 8].copy_from_slice(&0u32.to_le_bytes());
+        assert!(matches!(Frame::decode(&bytes), Err(FrameError::BadField { field: "goal", .. })));
+        // What older nodes sent (zeros there) still reads as copies.
+        let bytes = encoded(Goal::Replicas(2));
+        assert_eq!(&bytes[HEADER_BYTES + 11..HEADER_BYTES + 16], &[0; 5]);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
-use super::frame::{InventoryEntry, WireKind};
+use super::frame::{Goal, InventoryEntry, WireKind};
 use crate::engine::Granary;
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
@@ -115,6 +115,7 @@ impl LocalStore {
             let kind = match kind {
                 "shard" => WireKind::Shard,
                 "manifest" => WireKind::Manifest,
+                "fragment" => WireKind::Fragment,
                 _ => continue,
             };
             let stale = entry
@@ -168,7 +169,11 @@ impl LocalStore {
     /// inventory changed.
     pub(crate) fn rescan(&self) -> Result<bool> {
         let mut fresh = BTreeMap::new();
-        for (kind, wire) in [(ObjectKind::Shard, WireKind::Shard), (ObjectKind::Manifest, WireKind::Manifest)] {
+        for (kind, wire) in [
+            (ObjectKind::Shard, WireKind::Shard),
+            (ObjectKind::Manifest, WireKind::Manifest),
+            (ObjectKind::Fragment, WireKind::Fragment),
+        ] {
             for (id, path) in self.paths.list_objects(kind)? {
                 // A file removed between the listing and the stat is simply not held.
                 if let Ok(meta) = fs::metadata(&path) {
@@ -306,6 +311,7 @@ impl LocalStore {
         let suffix = match kind {
             WireKind::Shard => "shard",
             WireKind::Manifest => "manifest",
+            WireKind::Fragment => "fragment",
         };
         self.incoming.join(format!("{id}.{suffix}.part"))
     }
@@ -394,8 +400,9 @@ impl LocalStore {
         }
     }
 
-    /// The replication goal of every dataset that has one: copies wanted of each shard.
-    pub(crate) fn goals(&self) -> Result<BTreeMap<DatasetName, u32>> {
+    /// The replication goal of every dataset that has one: copies or coded fragments of each
+    /// shard.
+    pub(crate) fn goals(&self) -> Result<BTreeMap<DatasetName, Goal>> {
         let mut goals = BTreeMap::new();
         let entries = match fs::read_dir(&self.goals_dir) {
             Ok(entries) => entries,
@@ -407,26 +414,24 @@ impl LocalStore {
             let Some(name) = entry.file_name().to_str().and_then(|n| DatasetName::new(n).ok()) else { continue };
             let path = entry.path();
             let text = fs::read_to_string(&path).map_err(|e| Error::io("read", &path, e))?;
-            let replicas = text
-                .strip_prefix("replicas ")
-                .and_then(|rest| rest.trim_end().parse::<u32>().ok())
-                .filter(|&r| r >= 1)
+            let goal = Goal::parse(text.trim_end())
                 .ok_or_else(|| Error::invalid_input(format!("{}: not a replication goal: {text:?}", path.display())))?;
-            goals.insert(name, replicas);
+            goals.insert(name, goal);
         }
         Ok(goals)
     }
 
-    /// Sets the goal of dataset `name` to `replicas` copies, durably.
-    pub(crate) fn set_goal(&self, name: &DatasetName, replicas: u32) -> Result<()> {
-        if replicas == 0 {
+    /// Sets the goal of dataset `name`, durably.
+    pub(crate) fn set_goal(&self, name: &DatasetName, goal: Goal) -> Result<()> {
+        if goal == Goal::Replicas(0) {
             return Err(Error::invalid_input("a replication factor is at least 1"));
         }
         let target = self.goals_dir.join(name.as_str());
-        if fs::read_to_string(&target).ok().as_deref() == Some(format!("replicas {replicas}\n").as_str()) {
+        let text = format!("{goal}\n");
+        if fs::read_to_string(&target).ok().as_deref() == Some(text.as_str()) {
             return Ok(());
         }
-        write_atomically(&self.goals_dir, &target, format!("replicas {replicas}\n").as_bytes())
+        write_atomically(&self.goals_dir, &target, text.as_bytes())
     }
 }
 

@@ -19,6 +19,8 @@ mod admission;
 #[cfg(feature = "replication")]
 mod client;
 #[cfg(feature = "replication")]
+mod coded;
+#[cfg(feature = "replication")]
 mod config;
 #[cfg(feature = "replication")]
 mod flight;
@@ -55,6 +57,6 @@ pub use client::NodeClient;
 #[cfg(feature = "replication")]
 pub use membership::Membership;
 #[cfg(feature = "replication")]
-pub use node::{Faults, GoalStatus, Node, NodeConfig, NodeStatus, PeerStatus, ReplicateReport};
+pub use node::{CodedVersionStatus, Faults, GoalStatus, Node, NodeConfig, NodeStatus, PeerStatus, ReplicateReport};
 #[cfg(feature = "replication")]
 pub use secure::{ClusterKey, Deadlines};

@@ -19,13 +19,13 @@ use tokio::sync::{Notify, Semaphore, watch};
 use super::admission::Handshakes;
 pub use super::config::{Faults, NodeConfig};
 use super::flight::InFlight;
-use super::frame::{ReplicateMode, Role};
+use super::frame::{Goal, ReplicateMode, Role};
 use super::local::LocalStore;
 use super::peers::PeerTable;
 pub use super::replicate::ReplicateReport;
 use super::secure::Hello;
 use super::shared::{FETCHES_MAX, Lag, PULLS_MAX, Shared, Stats};
-pub use super::status::{GoalStatus, NodeStatus, PeerStatus};
+pub use super::status::{CodedVersionStatus, GoalStatus, NodeStatus, PeerStatus};
 use crate::error::{Error, Result};
 use crate::id::ShardId;
 use crate::policy::{PolicyHost, ShardCache};
@@ -98,6 +98,8 @@ impl Node {
             fetch_slots: Arc::new(Semaphore::new(FETCHES_MAX)),
             fetching: InFlight::new(),
             pushing: Mutex::new(std::collections::HashSet::new()),
+            coding_work: Mutex::new(std::collections::HashSet::new()),
+            outgoing: Mutex::new(std::collections::HashMap::new()),
             connection_slots: Arc::new(Semaphore::new(super::server::CONNECTIONS_MAX)),
             handshakes: Arc::new(Handshakes::default()),
             wake: Notify::new(),
@@ -169,15 +171,16 @@ impl Node {
     /// In synchronous mode (the replicator decides) this returns once every copy is verified on
     /// its node; in asynchronous mode once the copies are scheduled.
     pub fn replicate(&self, spec: &str, replicas: u32) -> Result<ReplicateReport> {
-        self.replicate_in(spec, replicas, ReplicateMode::Node)
+        self.replicate_in(spec, Goal::Replicas(replicas), ReplicateMode::Node)
     }
 
-    /// [`Node::replicate`], waiting for the copies or not as `mode` says for this call (the
-    /// replicator's setting stays the default of other calls).
-    pub fn replicate_in(&self, spec: &str, replicas: u32, mode: ReplicateMode) -> Result<ReplicateReport> {
+    /// [`Node::replicate`] as `goal` says (copies, or fragments of a coding), waiting for them
+    /// or not as `mode` says for this call (the replicator's setting stays the default of other
+    /// calls).
+    pub fn replicate_in(&self, spec: &str, goal: Goal, mode: ReplicateMode) -> Result<ReplicateReport> {
         let shared = Arc::clone(&self.shared);
         let spec = spec.to_owned();
-        self.block_on(async move { shared.replicate(&spec, replicas, mode, None).await })
+        self.block_on(async move { shared.replicate(&spec, goal, mode, None).await })
     }
 
     /// Replaces shard `id` (damaged or missing here) with a verified copy from a peer.

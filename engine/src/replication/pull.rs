@@ -4,7 +4,8 @@
 //! `incoming/<id>.<kind>.part` and hashes it on a writer thread, so the network thread only
 //! receives and decrypts. An interrupted transfer keeps its partial file and the next source
 //! resumes it where it stopped, with the prefix re-hashed from disk. When the bytes are complete
-//! the file is synced and its BLAKE3 hash compared with the id: a match is published
+//! the file is synced and its BLAKE3 hash compared with the id (a fragment, whose id names its
+//! shard, coding and index, is checked whole against its header instead): a match is published
 //! (`LocalStore::adopt`, which also checks that the bytes decode as what they claim to be); a
 //! mismatch deletes the partial file, demotes the source when it alone sent the bytes, and starts
 //! over from the next source. Concurrent pulls of one object share one transfer.
@@ -157,9 +158,27 @@ async fn run(shared: &Arc<Shared>, kind: WireKind, id: ObjectId, length: Length,
                     continue;
                 }
             }
-            // Every byte is here: verify, then publish.
+            // Every byte is here: verify, then publish. A shard or manifest hashes to its id; a
+            // fragment's id names its shard, coding and index, which its header must name, with
+            // every block's CRC32C right (`check_fragment_file`).
             let digest = writer.finish().await?;
-            if digest == id {
+            let wrong = match kind {
+                WireKind::Shard | WireKind::Manifest => {
+                    (digest != id).then(|| format!("the bytes hash to {digest}, not to the id"))
+                }
+                WireKind::Fragment => {
+                    let file = path.clone();
+                    match tokio::task::spawn_blocking(move || crate::engine::check_fragment_file(id, &file))
+                        .await
+                        .map_err(|e| Error::invalid_input(format!("checking {id} failed: {e}")))?
+                    {
+                        Ok(_) => None,
+                        Err(e) if e.is_corruption() => Some(e.to_string()),
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+            if wrong.is_none() {
                 let file = path.clone();
                 let local = Arc::clone(shared);
                 tokio::task::spawn_blocking(move || local.local.adopt(kind, id, &file))
@@ -169,7 +188,7 @@ async fn run(shared: &Arc<Shared>, kind: WireKind, id: ObjectId, length: Length,
                 return Ok(Pulled::Published { bytes: received });
             }
             shared.stats.verify_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let why = format!("the bytes hash to {digest}, not to the id");
+            let why = wrong.unwrap_or_default();
             if contributors.len() == 1 && !anonymous_prefix {
                 shared.demote(source, &format!("sent wrong bytes for {id}"));
                 failures.push(format!("node {source} (demoted): {why}"));
@@ -422,4 +441,46 @@ fn open_partial(path: &Path) -> Result<(File, blake3::Hasher, u64)> {
     }
     file.seek(SeekFrom::Start(len)).map_err(|e| Error::io("seek", path, e))?;
     Ok((file, hasher, len))
+}
+
+/// Reads object `id` (exactly `bytes` long) from the peer at `addr` into memory, unchecked: the
+/// caller checks it before any use (a fragment gathered for a rebuild is checked whole). For
+/// objects a node does not keep (fragments read to rebuild a shard); `Err` says why, for the
+/// caller to try another holder.
+pub(super) async fn fetch_into_memory(
+    shared: &Arc<Shared>,
+    addr: std::net::SocketAddr,
+    kind: WireKind,
+    id: ObjectId,
+    bytes: u64,
+) -> std::result::Result<Vec<u8>, String> {
+    let (mut channel, _) = shared.connect(addr).await.map_err(|e| e.to_string())?;
+    let transfer = shared.next_request_id();
+    channel.send(&Frame::Get { transfer, kind, id, offset: 0 }).await.map_err(|e| e.to_string())?;
+    let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes do not fit in memory"))?;
+    let mut out = Vec::with_capacity(len);
+    let started = std::time::Instant::now();
+    loop {
+        let elapsed = started.elapsed();
+        if elapsed > SLOW_AFTER && (out.len() as u64) < BYTES_PER_SECOND_MIN * elapsed.as_secs() {
+            return Err(format!("{} bytes in {} s: too slow", out.len(), elapsed.as_secs()));
+        }
+        match channel.recv().await.map_err(|e| e.to_string())? {
+            Frame::Chunk { transfer: t, offset, data } if t == transfer => {
+                if offset != out.len() as u64 || out.len() + data.len() > len {
+                    return Err(format!("a chunk of {} bytes at {offset} of {bytes}", data.len()));
+                }
+                out.extend_from_slice(data);
+                shared.stats.bytes_received.fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+            Frame::End { transfer: t, total_bytes } if t == transfer => {
+                if total_bytes != bytes || out.len() != len {
+                    return Err(format!("ended at {total_bytes} bytes, {bytes} expected"));
+                }
+                return Ok(out);
+            }
+            Frame::Reply { request, code, message } if request == transfer => return Err(format!("{code}: {message}")),
+            other => return Err(format!("sent {:?} during transfer {transfer}", other.kind())),
+        }
+    }
 }

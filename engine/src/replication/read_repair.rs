@@ -2,7 +2,8 @@
 //!
 //! A reader that found a shard damaged or missing asks the node (`ShardRepair`, or a `Repair`
 //! frame): a damaged local copy is quarantined, then a verified copy is pulled from a peer that
-//! lists it. A shard fetched for a read and not placed here by the replicator is a cache entry:
+//! lists it, or, for a coded shard no node that is up holds whole, rebuilt from `k` of its
+//! fragments (`coded.rs`). A shard fetched for a read and not placed here by the replicator is a cache entry:
 //! the evictor plugin (`ShardCache`) proposes victims as readers touch shards, and a victim is
 //! deleted only when a node that is up holds a copy that is not itself a cache entry.
 //!
@@ -77,7 +78,12 @@ impl Shared {
         if as_cache {
             self.local.set_cached(id.0, true);
         }
-        let pulled = self.pull_for_read(id, !origin_cached).await;
+        // A coded shard that no node that is up holds whole is rebuilt from its fragments.
+        let coded = if origin_cached || !self.peers.holders(kind, id.0).is_empty() { None } else { self.coding_of(id) };
+        let pulled = match coded {
+            Some((coding, bytes)) => self.rebuild_for_read(id, bytes, coding).await,
+            None => self.pull_for_read(id, !origin_cached).await,
+        };
         let pulled = match pulled {
             Ok(pulled) => pulled,
             Err(e) => {
@@ -163,18 +169,26 @@ impl Shared {
         }
     }
 
+    /// Whether `shard` is coded and more than `k` of its fragments are on nodes that are up: its
+    /// whole copies may go, and the loss of one more node would still leave it readable.
+    fn fragments_spare(&self, shard: ShardId) -> bool {
+        self.coding_of(shard)
+            .is_some_and(|(coding, _)| self.fragment_holders(shard, coding).present() > usize::from(coding.k()))
+    }
+
     /// Deletes cache victims, except a copy that may be the last: a victim is deleted only when
-    /// a node that is up holds it as a copy that is not cached (such copies are never evicted,
+    /// a node that is up holds it as a copy that is not cached, or it is coded with more than
+    /// `k` fragments up (such copies are never evicted,
     /// so two caches evicting at once cannot both count on each other). Kept victims become
     /// ordinary copies, no longer cached.
-    async fn evict(self: &Arc<Self>, victims: Vec<(ShardId, u64)>) {
+    pub(super) async fn evict(self: &Arc<Self>, victims: Vec<(ShardId, u64)>) {
         for (id, _) in victims {
             if self.is_placed_here(id).await {
                 // Placement moved it here since it was cached: it stays, as a placed copy.
                 self.local.set_cached(id.0, false);
                 continue;
             }
-            if !self.peers.durable_copy_up(id.0) {
+            if !self.peers.durable_copy_up(id.0) && !self.fragments_spare(id) {
                 self.local.set_cached(id.0, false);
                 self.stats.kept_last_copy.fetch_add(1, Ordering::Relaxed);
                 self.event(format!(

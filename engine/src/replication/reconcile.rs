@@ -4,8 +4,9 @@
 //! Every tick, or when woken (a peer up or down, a new inventory, a goal, a published object),
 //! it reads the goals, asks the replicator plugin for the repair plan of each goal's shards over
 //! the nodes that are up, and asks each target of a transfer whose source is this node to pull
-//! the shard (`Fetch`, through `replicate.rs`). It brings refs and manifests to peers that lack
-//! them, and measures the replication lag. Never: starts more than `FETCHES_PER_PASS_MAX`
+//! the shard (`Fetch`, through `replicate.rs`); coded goals' lost fragments are rebuilt by
+//! `coded.rs`. It brings refs and manifests to peers that lack them, and measures the
+//! replication lag. Never: starts more than `FETCHES_PER_PASS_MAX`
 //! fetch requests in one pass, or a second request for a (shard, target) already asked.
 
 use std::collections::{BTreeMap, HashMap};
@@ -14,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::frame::WireKind;
+use super::frame::{Goal, WireKind};
 use super::shared::{FETCHES_MAX, Shared};
+use crate::erasure::Coding;
 use crate::error::{Error, Result};
 use crate::id::ShardId;
 use crate::policy::{Holding, shard_key};
@@ -38,10 +40,12 @@ impl Shared {
         let nodes = self.node_infos();
         let n_up = nodes.iter().filter(|n| n.up).count();
         let mut by_factor: BTreeMap<u32, BTreeMap<ShardId, u64>> = BTreeMap::new();
-        for (name, &replicas) in &goals {
-            match self.shards_of(name) {
-                Ok(shards) => by_factor.entry(replicas).or_default().extend(shards),
-                Err(e) => self.event(format!("goal {name}: {e}")),
+        let mut coded: BTreeMap<Coding, BTreeMap<ShardId, u64>> = BTreeMap::new();
+        for (name, &goal) in &goals {
+            match (self.shards_of(name), goal) {
+                (Ok(shards), Goal::Replicas(replicas)) => by_factor.entry(replicas).or_default().extend(shards),
+                (Ok(shards), Goal::Coded(coding)) => coded.entry(coding).or_default().extend(shards),
+                (Err(e), _) => self.event(format!("goal {name}: {e}")),
             }
             // Peers that lack this dataset's manifests get them, then the ref.
             for (peer, _) in self.peers.up() {
@@ -53,7 +57,7 @@ impl Shared {
                     let shared = Arc::clone(self);
                     let name = name.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = shared.push_ref(peer, &name, replicas).await {
+                        if let Err(e) = shared.push_ref(peer, &name, goal).await {
                             shared.event(format!("could not bring {name} to node {peer}: {e}"));
                         }
                         shared.pushing.lock().remove(&(peer, name));
@@ -106,6 +110,15 @@ impl Shared {
                 tokio::spawn(async move {
                     let _ = shared.fetch_once(t.target, WireKind::Shard, shard.0, bytes, others).await;
                 });
+            }
+        }
+        // Coded goals: lost fragments rebuilt, within what this pass may still start.
+        let (coded_under, coded_unreadable) =
+            self.reconcile_coded(&coded, FETCHES_PER_PASS_MAX.saturating_sub(started)).await;
+        unavailable += coded_unreadable;
+        for (shard, bytes) in coded_under {
+            if under.insert(shard, now).is_none() {
+                under_bytes += bytes;
             }
         }
         let mut lag = self.lag.lock();

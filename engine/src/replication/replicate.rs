@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use super::flight::Flight;
-use super::frame::{Frame, ReplicateMode, ReplyCode, WireKind};
+use super::frame::{Frame, Goal, ReplicateMode, ReplyCode, WireKind};
 use super::pull;
 use super::shared::{Pulled, Shared};
+use crate::erasure::Coding;
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
 use crate::policy::{NodeInfo, ReplicationMode};
@@ -161,7 +162,7 @@ impl Shared {
     }
 
     /// Brings `name`'s manifests and ref (and its goal) to peer `target`.
-    pub(super) async fn push_ref(self: &Arc<Self>, target: u32, name: &DatasetName, replicas: u32) -> Result<()> {
+    pub(super) async fn push_ref(self: &Arc<Self>, target: u32, name: &DatasetName, goal: Goal) -> Result<()> {
         let paths = self.local.paths().clone();
         let log = paths.read_ref(name)?;
         for version in log.versions() {
@@ -180,7 +181,7 @@ impl Shared {
         let request = self.next_request_id();
         let text = log.encode();
         channel
-            .send(&Frame::PutRef { request, replicas, name: name.as_str(), log: text.as_bytes() })
+            .send(&Frame::PutRef { request, goal, name: name.as_str(), log: text.as_bytes() })
             .await
             .map_err(transport)?;
         match channel.recv().await.map_err(transport)? {
@@ -197,16 +198,18 @@ impl Shared {
         }
     }
 
-    /// Replicates `spec` with `replicas` copies per shard, waiting for them as `mode` says (or
-    /// the replicator); reports (shards done, shards) to `progress` as copies are confirmed.
+    /// Replicates `spec` as `goal` says (copies of each shard, or its coded fragments), waiting
+    /// for them as `mode` says (or the replicator); reports (shards done, shards) to `progress`
+    /// as copies are confirmed.
     pub(crate) async fn replicate(
         self: &Arc<Self>,
         spec: &str,
-        replicas: u32,
+        goal: Goal,
         mode: ReplicateMode,
         progress: Option<mpsc::Sender<(u64, u64)>>,
     ) -> Result<ReplicateReport> {
         let started = Instant::now();
+        let replicas = goal.nodes();
         if replicas == 0 {
             return Err(Error::invalid_input("--replicas must be at least 1"));
         }
@@ -230,17 +233,17 @@ impl Shared {
         // A node holds at most one copy of a shard: a factor above the nodes of the job cannot
         // be met, and is refused before a goal is saved or a ref pushed. (One above the nodes
         // up now can, once they are back: a goal, kept by the reconciler.)
-        check_replicas_possible(&self.node_infos(), self.peers.not_heard_from(), replicas)?;
+        check_replicas_possible(&self.node_infos(), self.peers.not_heard_from(), goal)?;
         {
             let shared = Arc::clone(self);
             let name = name.clone();
-            tokio::task::spawn_blocking(move || shared.local.set_goal(&name, replicas))
+            tokio::task::spawn_blocking(move || shared.local.set_goal(&name, goal))
                 .await
                 .map_err(|e| Error::invalid_input(format!("saving the goal failed: {e}")))??;
         }
         let mut failures = Vec::new();
         for (peer, _) in self.peers.up() {
-            if let Err(e) = self.push_ref(peer, &name, replicas).await {
+            if let Err(e) = self.push_ref(peer, &name, goal).await {
                 failures.push(format!("ref to node {peer}: {e}"));
             }
         }
@@ -262,6 +265,10 @@ impl Shared {
         let mut report = ReplicateReport {
             name: name.to_string(),
             replicas,
+            coding: match goal {
+                Goal::Coded(coding) => Some(coding),
+                Goal::Replicas(_) => None,
+            },
             mode,
             shards: total,
             shards_done: 0,
@@ -269,6 +276,9 @@ impl Shared {
             failures: Vec::new(),
             elapsed: Duration::ZERO,
         };
+        if report.coding.is_some() {
+            return self.replicate_coded(report, shards, failures, progress, started).await;
+        }
         let up: BTreeSet<u32> = self.peers.up().into_iter().map(|(id, _)| id).collect();
         let mut jobs = Vec::new();
         for (shard, bytes) in &shards {
@@ -355,7 +365,8 @@ impl Shared {
 /// Refuses a replication factor above the nodes of the job that may take copies (`nodes` with
 /// a weight, up or not, and the peers not heard from yet): each holds at most one copy of a
 /// shard, so such a goal is never met.
-fn check_replicas_possible(nodes: &[NodeInfo], n_unheard: usize, replicas: u32) -> Result<()> {
+fn check_replicas_possible(nodes: &[NodeInfo], n_unheard: usize, goal: Goal) -> Result<()> {
+    let replicas = goal.nodes();
     let holding: Vec<&NodeInfo> = nodes.iter().filter(|n| n.weight > 0).collect();
     let n_job = holding.len() + n_unheard;
     if replicas as usize <= n_job {
@@ -364,6 +375,12 @@ fn check_replicas_possible(nodes: &[NodeInfo], n_unheard: usize, replicas: u32) 
     let n_up = holding.iter().filter(|n| n.up).count();
     let domains: BTreeSet<u32> = holding.iter().map(|n| n.failure_domain).collect();
     let unheard = if n_unheard > 0 { format!(", {n_unheard} not heard from") } else { String::new() };
+    if let Goal::Coded(coding) = goal {
+        return Err(Error::invalid_input(format!(
+            "a {coding} coding puts each shard's {replicas} fragments on {replicas} nodes, but the job has {n_job} nodes ({n_up} up{unheard}) in {} failure domains",
+            domains.len()
+        )));
+    }
     Err(Error::invalid_input(format!(
         "{replicas} copies of each shard asked, but the job has {n_job} nodes ({n_up} up{unheard}) in {} failure domains, and a node holds at most one copy",
         domains.len()
@@ -375,8 +392,10 @@ fn check_replicas_possible(nodes: &[NodeInfo], n_unheard: usize, replicas: u32) 
 pub struct ReplicateReport {
     /// The dataset.
     pub name: String,
-    /// Copies wanted per shard.
+    /// Copies wanted per shard (for a coding, its fragments).
     pub replicas: u32,
+    /// The coding, when the goal is coded fragments rather than copies.
+    pub coding: Option<Coding>,
     /// Whether the copies were waited for.
     pub mode: ReplicationMode,
     /// Shards in the version.
@@ -393,6 +412,25 @@ pub struct ReplicateReport {
 
 impl fmt::Display for ReplicateReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(coding) = self.coding {
+            return match self.mode {
+                ReplicationMode::Synchronous => write!(
+                    f,
+                    "{}: {} shards as {coding} fragments, synchronous: {} of {} shards have every fragment placed, {} fragments placed, verified on their nodes, in {:.2} s",
+                    self.name,
+                    self.shards,
+                    self.shards_done,
+                    self.shards,
+                    self.copies_made,
+                    self.elapsed.as_secs_f64()
+                ),
+                ReplicationMode::Asynchronous => write!(
+                    f,
+                    "{}: {} shards as {coding} fragments, asynchronous: fragments are placed in the background (`granary status` shows them)",
+                    self.name, self.shards
+                ),
+            };
+        }
         match self.mode {
             ReplicationMode::Synchronous => write!(
                 f,

@@ -17,9 +17,12 @@ use std::sync::atomic::Ordering;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
-use super::frame::{CHUNK_BYTES_MAX, Frame, INVENTORY_ENTRIES_MAX, Kind, ReplicateMode, ReplyCode, Role, WireKind};
+use super::frame::{
+    CHUNK_BYTES_MAX, Frame, Goal, INVENTORY_ENTRIES_MAX, Kind, ReplicateMode, ReplyCode, Role, WireKind,
+};
 use super::secure::Channel;
 use super::shared::{Shared, reply_code_of};
+use crate::erasure::FragmentFile;
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
 use crate::shard::{BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET, ShardMeta};
@@ -67,8 +70,8 @@ enum Request {
     Inventory(Option<(WireKind, ObjectId)>),
     Get { transfer: u32, kind: WireKind, id: ObjectId, offset: u64 },
     Fetch { request: u32, kind: WireKind, id: ObjectId, bytes: u64, sources: Vec<u32> },
-    PutRef { request: u32, replicas: u32, name: String, log: Vec<u8> },
-    Replicate { request: u32, replicas: u32, mode: ReplicateMode, spec: String },
+    PutRef { request: u32, goal: Goal, name: String, log: Vec<u8> },
+    Replicate { request: u32, goal: Goal, mode: ReplicateMode, spec: String },
     Status { request: u32 },
     Repair { request: u32, id: ObjectId },
     Members { request: u32 },
@@ -81,11 +84,11 @@ fn to_request(frame: Frame<'_>) -> Request {
         Frame::InventoryRequest { after } => Request::Inventory(after),
         Frame::Get { transfer, kind, id, offset } => Request::Get { transfer, kind, id, offset },
         Frame::Fetch { request, kind, id, bytes, sources } => Request::Fetch { request, kind, id, bytes, sources },
-        Frame::PutRef { request, replicas, name, log } => {
-            Request::PutRef { request, replicas, name: name.to_owned(), log: log.to_vec() }
+        Frame::PutRef { request, goal, name, log } => {
+            Request::PutRef { request, goal, name: name.to_owned(), log: log.to_vec() }
         }
-        Frame::Replicate { request, replicas, mode, spec } => {
-            Request::Replicate { request, replicas, mode, spec: spec.to_owned() }
+        Frame::Replicate { request, goal, mode, spec } => {
+            Request::Replicate { request, goal, mode, spec: spec.to_owned() }
         }
         Frame::StatusRequest { request } => Request::Status { request },
         Frame::Repair { request, id } => Request::Repair { request, id },
@@ -184,17 +187,17 @@ async fn answer(
                 Err(e) => reply(channel, request, reply_code_of(&e), &e.to_string()).await,
             }
         }
-        Request::PutRef { request, replicas, name, log } => {
-            let outcome = put_ref(shared, replicas, &name, &log).await;
+        Request::PutRef { request, goal, name, log } => {
+            let outcome = put_ref(shared, goal, &name, &log).await;
             match outcome {
                 Ok(message) => reply(channel, request, ReplyCode::Ok, &message).await,
                 Err(e) => reply(channel, request, reply_code_of(&e), &e.to_string()).await,
             }
         }
-        Request::Replicate { request, replicas, mode, spec } => {
+        Request::Replicate { request, goal, mode, spec } => {
             let (tx, mut rx) = mpsc::channel::<(u64, u64)>(16);
             let node = Arc::clone(shared);
-            let work = tokio::spawn(async move { node.replicate(&spec, replicas, mode, Some(tx)).await });
+            let work = tokio::spawn(async move { node.replicate(&spec, goal, mode, Some(tx)).await });
             while let Some((done, total)) = rx.recv().await {
                 channel
                     .send(&Frame::Progress { request, done, total, last: false, code: ReplyCode::Ok, message: "" })
@@ -213,7 +216,12 @@ async fn answer(
             channel.send(&Frame::Status { request, text: &text }).await
         }
         Request::Repair { request, id } => {
-            let outcome = shared.repair_shard(ShardId(id)).await;
+            // A fragment of this node's that a peer found damaged, or a reader's shard.
+            let outcome = if shared.local.holds(WireKind::Fragment, id).is_some() {
+                shared.check_fragment(id).await
+            } else {
+                shared.repair_shard(ShardId(id)).await
+            };
             match outcome {
                 Ok(message) => reply(channel, request, ReplyCode::Ok, &message).await,
                 Err(e) => reply(channel, request, reply_code_of(&e), &e.to_string()).await,
@@ -233,7 +241,7 @@ async fn answer(
 }
 
 /// Adopts a peer's ref (when newer) and its replication goal.
-async fn put_ref(shared: &Arc<Shared>, replicas: u32, name: &str, log: &[u8]) -> Result<String> {
+async fn put_ref(shared: &Arc<Shared>, goal: Goal, name: &str, log: &[u8]) -> Result<String> {
     let name = DatasetName::new(name)?;
     let log =
         RefLog::decode(log).map_err(|source| Error::Format { path: PathBuf::from(format!("ref {name}")), source })?;
@@ -249,7 +257,7 @@ async fn put_ref(shared: &Arc<Shared>, replicas: u32, name: &str, log: &[u8]) ->
         let name = name.clone();
         tokio::task::spawn_blocking(move || -> Result<bool> {
             let adopted = node.local.adopt_ref(&name, &log)?;
-            node.local.set_goal(&name, replicas)?;
+            node.local.set_goal(&name, goal)?;
             Ok(adopted)
         })
         .await
@@ -280,7 +288,12 @@ async fn send_object(
     let (tx, mut rx) = mpsc::channel::<Result<Piece>>(READ_AHEAD_MAX);
     let (spare_tx, spare_rx) = mpsc::channel::<Vec<u8>>(READ_AHEAD_MAX + 1);
     let reader_path = path.clone();
-    let reader = tokio::task::spawn_blocking(move || read_verified(kind, id, &reader_path, offset, &tx, spare_rx));
+    // A fragment this node encoded for a peer to pull is served from memory (`coded.rs`).
+    let outgoing = if kind == WireKind::Fragment { shared.outgoing.lock().get(&id).cloned() } else { None };
+    let reader = tokio::task::spawn_blocking(move || match outgoing {
+        Some(file) => send_outgoing(id, &file, offset, &tx),
+        None => read_verified(kind, id, &reader_path, offset, &tx, spare_rx),
+    });
     let faults = shared.config.faults;
     let mut sent = offset;
     let mut failure: Option<Error> = None;
@@ -329,8 +342,39 @@ async fn send_object(
     }
 }
 
+/// The reader thread for a fragment held in memory: checks it whole, then queues it from the
+/// block holding `offset` in pieces.
+fn send_outgoing(id: ObjectId, file: &[u8], offset: u64, out: &mpsc::Sender<Result<Piece>>) {
+    let send = |piece: Result<Piece>| out.blocking_send(piece).is_ok();
+    let checked = crate::erasure::Fragment::check(file)
+        .map_err(|source| Error::Format { path: PathBuf::from(format!("fragment {id} (in memory)")), source });
+    match checked {
+        Ok(header) if crate::erasure::fragment_id(header.shard, header.coding, header.index) == id => {}
+        Ok(_) => {
+            send(Err(Error::invalid_input(format!("the fragment held for {id} is another one"))));
+            return;
+        }
+        Err(e) => {
+            send(Err(e));
+            return;
+        }
+    }
+    if offset > file.len() as u64 {
+        send(Err(Error::invalid_input(format!("offset {offset} is past the end ({})", file.len()))));
+        return;
+    }
+    let mut at = (offset - offset % BLOCK_BYTES_U64) as usize;
+    while at < file.len() {
+        let end = (at + PIECE_BYTES).min(file.len());
+        if !send(Ok(Piece { offset: at as u64, bytes: file[at..end].to_vec() })) {
+            return;
+        }
+        at = end;
+    }
+}
+
 /// The reader thread: checks the object, then reads it from the block holding `offset` in
-/// pieces, CRC-checking every data block of a shard, and queues the pieces.
+/// pieces, CRC-checking every data block of a shard or a fragment, and queues the pieces.
 fn read_verified(
     kind: WireKind,
     id: ObjectId,
@@ -407,6 +451,34 @@ fn read_verified(
                         send(Err(Error::ChecksumMismatch { shard: ShardId(id), block, expected, actual }));
                         return;
                     }
+                }
+                if !send(Ok(Piece { offset: at, bytes })) {
+                    return;
+                }
+                at += len as u64;
+            }
+        }
+        WireKind::Fragment => {
+            let fragment = match FragmentFile::open(path, id) {
+                Ok(fragment) => fragment,
+                Err(e) => {
+                    send(Err(e));
+                    return;
+                }
+            };
+            let file_bytes = fragment.file_bytes();
+            if offset > file_bytes {
+                send(Err(Error::invalid_input(format!("offset {offset} is past the end ({file_bytes})"))));
+                return;
+            }
+            let mut at = offset - offset % BLOCK_BYTES_U64;
+            while at < file_bytes {
+                let len = ((file_bytes - at) as usize).min(PIECE_BYTES);
+                let mut bytes = spare.try_recv().unwrap_or_default();
+                bytes.resize(len, 0);
+                if let Err(e) = fragment.read_at(&mut bytes, at).and_then(|()| fragment.check_piece(at, &bytes)) {
+                    send(Err(e));
+                    return;
                 }
                 if !send(Ok(Piece { offset: at, bytes })) {
                     return;

@@ -38,7 +38,7 @@ pub(super) const FETCHES_MAX: usize = 8;
 const EVENTS_MAX: usize = 32;
 /// A read or a fetch request that needs an object from a peer waits at most this long for one
 /// that is up and can serve it (right after a start, no heartbeat has answered yet).
-const PEER_WAIT_FOR_SOURCE: Duration = Duration::from_secs(10);
+pub(super) const PEER_WAIT_FOR_SOURCE: Duration = Duration::from_secs(10);
 
 /// How a pull (`pull.rs`) ended well: the outcome its in-flight table shares with joiners.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,6 +100,11 @@ pub(crate) struct Shared {
     pub(super) fetching: InFlight<(ObjectId, u32), ()>,
     /// Refs being brought to peers, by (peer, dataset): one at a time each.
     pub(super) pushing: Mutex<HashSet<(u32, DatasetName)>>,
+    /// Coded shards whose lost fragments this node is rebuilding: one rebuild at a time each.
+    pub(super) coding_work: Mutex<HashSet<ShardId>>,
+    /// Fragments this node encoded for peers to pull, served from memory and never listed (a
+    /// node holds at most one fragment of a shard; these are in transit, not held).
+    pub(super) outgoing: Mutex<std::collections::HashMap<ObjectId, Arc<Vec<u8>>>>,
     pub(crate) connection_slots: Arc<Semaphore>,
     /// Handshakes in progress.
     pub(super) handshakes: Arc<Handshakes>,
@@ -262,7 +267,9 @@ impl Shared {
     /// that cannot be told (a goal or the plugin fails), the answer is yes: the copy is kept.
     pub(super) async fn is_placed_here(self: &Arc<Self>, id: ShardId) -> bool {
         let Ok(goals) = self.local.goals() else { return true };
-        for (name, replicas) in goals {
+        for (name, goal) in goals {
+            // A coded goal places fragments, not whole copies.
+            let super::frame::Goal::Replicas(replicas) = goal else { continue };
             match self.shards_of(&name) {
                 Ok(shards) if shards.contains_key(&id) => {}
                 Ok(_) => continue,

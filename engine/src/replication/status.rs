@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::frame::STATUS_BYTES_MAX;
+use super::frame::{Goal, STATUS_BYTES_MAX, WireKind};
 use super::shared::Shared;
 use crate::error::{Error, Result};
 
@@ -24,8 +24,42 @@ use crate::error::{Error, Result};
 pub struct GoalStatus {
     /// The dataset.
     pub dataset: String,
-    /// Copies wanted of each of its shards.
+    /// Copies wanted of each of its shards (for a coding: its fragments, one per node).
     pub replicas: u32,
+    /// The coding (`"4+2"`) when the goal is coded fragments rather than copies (absent from
+    /// the JSON otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coding: Option<String>,
+    /// For a coded goal, each live version's fragments on the nodes that are up.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub versions: Vec<CodedVersionStatus>,
+}
+
+/// How one version of a coded dataset stands, from the inventories of the nodes that are up.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CodedVersionStatus {
+    /// The version's number.
+    pub version: u64,
+    /// Its shards.
+    pub shards: u64,
+    /// `k`: fragments that rebuild a shard.
+    pub k: u32,
+    /// `k + m`: fragments of each shard.
+    pub n: u32,
+    /// The fewest distinct fragments of any of its shards on nodes that are up.
+    pub fragments_min: u32,
+    /// Shards with every fragment up.
+    pub shards_complete: u64,
+    /// Shards with fewer than `k + 1` fragments up: one more lost node can make them unreadable.
+    pub shards_at_risk: u64,
+    /// Shards with fewer than `k` fragments up (and no whole copy): unreadable now.
+    pub shards_unreadable: u64,
+    /// Bytes of the version's shard files.
+    pub data_bytes: u64,
+    /// Bytes of its fragment files on nodes that are up.
+    pub fragment_bytes: u64,
+    /// What copies with the same tolerance (`m` lost nodes: `m + 1` copies) would take.
+    pub replicated_bytes: u64,
 }
 
 /// One peer in a status report.
@@ -134,6 +168,48 @@ pub struct NodeStatus {
 }
 
 impl Shared {
+    /// Each live version of coded dataset `name`: its fragments on the nodes that are up.
+    fn coded_versions(
+        &self,
+        name: &crate::store::DatasetName,
+        coding: crate::erasure::Coding,
+    ) -> Vec<CodedVersionStatus> {
+        let paths = self.local.paths();
+        let Ok(log) = paths.read_ref(name) else { return Vec::new() };
+        let (k, n) = (u32::from(coding.k()), coding.n() as u32);
+        let mut out = Vec::new();
+        for version in log.versions() {
+            let Ok(manifest) = paths.read_manifest(version.manifest) else { continue };
+            let mut v = CodedVersionStatus { version: version.number, k, n, fragments_min: n, ..Default::default() };
+            let shards: std::collections::BTreeMap<_, _> =
+                manifest.entries().iter().map(|e| (e.shard, e.file_bytes)).collect();
+            for (&shard, &shard_bytes) in &shards {
+                let holders = self.fragment_holders(shard, coding);
+                let present = holders.present() as u32;
+                let copies: u64 = holders.by_index.iter().map(|h| h.len() as u64).sum();
+                v.shards += 1;
+                v.data_bytes += shard_bytes;
+                v.fragment_bytes += copies * coding.file_bytes(shard_bytes);
+                v.fragments_min = v.fragments_min.min(present);
+                if present == n {
+                    v.shards_complete += 1;
+                }
+                if present < k + 1 {
+                    v.shards_at_risk += 1;
+                }
+                if present < k && self.holders(WireKind::Shard, shard.0).is_empty() {
+                    v.shards_unreadable += 1;
+                }
+            }
+            if v.shards == 0 {
+                v.fragments_min = 0;
+            }
+            v.replicated_bytes = v.data_bytes * u64::from(n - k + 1);
+            out.push(v);
+        }
+        out
+    }
+
     /// The status report.
     pub(crate) fn status(&self) -> NodeStatus {
         let now = Instant::now();
@@ -182,7 +258,17 @@ impl Shared {
             peers,
             goals: goals
                 .into_iter()
-                .map(|(name, replicas)| GoalStatus { dataset: name.to_string(), replicas })
+                .map(|(name, goal)| match goal {
+                    Goal::Replicas(replicas) => {
+                        GoalStatus { dataset: name.to_string(), replicas, coding: None, versions: Vec::new() }
+                    }
+                    Goal::Coded(coding) => GoalStatus {
+                        dataset: name.to_string(),
+                        replicas: goal.nodes(),
+                        coding: Some(coding.to_string()),
+                        versions: self.coded_versions(&name, coding),
+                    },
+                })
                 .collect(),
             under_replicated,
             under_replicated_bytes,
@@ -329,12 +415,36 @@ impl fmt::Display for NodeStatus {
         } else {
             writeln!(f, "replication: {}", count(self.goals.len() as u64, "goal"))?;
             for goal in &self.goals {
-                writeln!(
-                    f,
-                    "  {} at {} of each shard",
-                    goal.dataset,
-                    counted(u64::from(goal.replicas), "copy", "copies")
-                )?;
+                let Some(coding) = &goal.coding else {
+                    writeln!(
+                        f,
+                        "  {} at {} of each shard",
+                        goal.dataset,
+                        counted(u64::from(goal.replicas), "copy", "copies")
+                    )?;
+                    continue;
+                };
+                writeln!(f, "  {} as {coding} fragments of each shard, one per node", goal.dataset)?;
+                for v in &goal.versions {
+                    writeln!(
+                        f,
+                        "    @{}: {} shards, {} with all {} fragments up, fewest {} (k = {}); {} at risk, {} unreadable; {} of fragments for {} of data = {:.3} x, against {} ({}x) as {} copies",
+                        v.version,
+                        v.shards,
+                        v.shards_complete,
+                        v.n,
+                        v.fragments_min,
+                        v.k,
+                        v.shards_at_risk,
+                        v.shards_unreadable,
+                        size(v.fragment_bytes),
+                        size(v.data_bytes),
+                        v.fragment_bytes as f64 / v.data_bytes.max(1) as f64,
+                        size(v.replicated_bytes),
+                        v.n - v.k + 1,
+                        v.n - v.k + 1
+                    )?;
+                }
             }
             if self.under_replicated == 0 {
                 writeln!(f, "  every shard at its goal on the nodes that are up")?;

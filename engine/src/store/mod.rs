@@ -1,12 +1,15 @@
 //! The store: where shard, manifest and ref files live, and how they are published crash-safely.
 //!
 //! Layout under the root: `granary-store` (marker), `shards/ab/<id>.shard`,
-//! `manifests/ab/<id>.manifest` (fan-out by the first two hex digits of the id), `refs/<name>`,
+//! `manifests/ab/<id>.manifest`, `fragments/ab/<id>.fragment` (erasure-coded pieces of shards,
+//! `erasure`; fan-out by the first two hex digits of the id), `refs/<name>`,
 //! `history/<name>` (each ref's append-only history, its second record), `tmp/` (files being
 //! written), `quarantine/` (files that failed verification), `catalog/` (sled), and `LOCK`.
 //! Publishing is: write to `tmp/`, fsync, rename into place, fsync the directory. Only then does
 //! a caller record the object in the catalog. Invariants: a file under `shards/` or `manifests/`
-//! is complete and is named by the BLAKE3 hash of its bytes; a ref names only published
+//! is complete and is named by the BLAKE3 hash of its bytes; a file under `fragments/` is
+//! complete, checked (`Fragment::check`) and named by its fragment id (`erasure::fragment_id`:
+//! the hash of its shard's id, coding and index, which fix its bytes); a ref names only published
 //! manifests; every version a ref names is live in its history (an addition is appended before
 //! the ref names it, a removal after it stops). Never: decides what to publish (ingest does) or
 //! caches anything.
@@ -35,6 +38,7 @@ const MARKER_FILE: &str = "granary-store";
 const MARKER_TEXT: &str = "granary store 1\n";
 const SHARD_SUFFIX: &str = ".shard";
 const MANIFEST_SUFFIX: &str = ".manifest";
+const FRAGMENT_SUFFIX: &str = ".fragment";
 
 /// The kinds of content-addressed object in a store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +47,8 @@ pub enum ObjectKind {
     Shard,
     /// A manifest file.
     Manifest,
+    /// A fragment file: a piece of an erasure-coded shard.
+    Fragment,
 }
 
 impl ObjectKind {
@@ -50,6 +56,7 @@ impl ObjectKind {
         match self {
             Self::Shard => "shards",
             Self::Manifest => "manifests",
+            Self::Fragment => "fragments",
         }
     }
 
@@ -57,14 +64,16 @@ impl ObjectKind {
         match self {
             Self::Shard => SHARD_SUFFIX,
             Self::Manifest => MANIFEST_SUFFIX,
+            Self::Fragment => FRAGMENT_SUFFIX,
         }
     }
 
-    /// "shard" or "manifest".
+    /// "shard", "manifest" or "fragment".
     pub fn noun(self) -> &'static str {
         match self {
             Self::Shard => "shard",
             Self::Manifest => "manifest",
+            Self::Fragment => "fragment",
         }
     }
 }
@@ -425,7 +434,18 @@ impl Store {
         let fan = target.parent().expect("objects live in a fan-out directory");
         let kind_dir = fan.parent().expect("fan-out directories have a parent");
         if target.exists() {
-            if hash_file(&target)? == id {
+            // Intact: a shard or manifest hashes to its id; a fragment checks out whole.
+            let intact = match kind {
+                ObjectKind::Shard | ObjectKind::Manifest => hash_file(&target)? == id,
+                ObjectKind::Fragment => match crate::erasure::FragmentFile::open(&target, id)
+                    .and_then(crate::erasure::FragmentFile::read_whole)
+                {
+                    Ok(_) => true,
+                    Err(e) if e.is_corruption() => false,
+                    Err(e) => return Err(e),
+                },
+            };
+            if intact {
                 fs::remove_file(tmp).map_err(|e| Error::io("remove", tmp, e))?;
                 // The copy found may be one a killed writer renamed but never made durable:
                 // make it durable now, before a manifest that names it is.
