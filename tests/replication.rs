@@ -1350,3 +1350,37 @@ fn coded_fragments_survive_two_lost_nodes_are_rebuilt_and_a_third_loss_is_named(
     let status = cluster.status_json(7);
     assert_eq!(status["goals"][0]["versions"][0]["shards_unreadable"], shards.len() as u64, "{status}");
 }
+
+#[test]
+fn leaving_a_coding_rebuilds_the_whole_shards_from_fragments_first() {
+    let mut cluster = Cluster::new(6);
+    let records = ingest_tokens(cluster.root(0), "tokens", 12, 512, 512 << 10);
+    let shards = shards_of(cluster.root(0), "tokens");
+    for i in 0..6 {
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(20), |c| (0..6).all(|i| c.peers_up(i) >= 5));
+    let out = cluster.cli(0, &["replicate", "tokens", "--ec", "4+2", "--mode", "sync"]);
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), cluster.logs());
+    // The node with the only whole copies goes: the shards live in their fragments alone.
+    cluster.kill(0);
+    cluster.wait("the loss seen", Duration::from_secs(20), |c| c.peers_up(1) == 4);
+    assert!((1..6).all(|i| cluster.verified_shards(i).is_empty()));
+    // Back to copies: the node asked rebuilds each shard from four fragments before the goal
+    // changes, then the copies are made from those.
+    let started = Instant::now();
+    let out = cluster.cli(1, &["replicate", "tokens", "--replicas", "2", "--mode", "sync"]);
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), cluster.logs());
+    let holdings: Vec<BTreeSet<ShardId>> = (1..6).map(|i| cluster.verified_shards(i)).collect();
+    for shard in &shards {
+        let copies = holdings.iter().filter(|h| h.contains(shard)).count();
+        assert!(copies >= 2, "shard {shard} has {copies} verified copies");
+    }
+    assert_eq!(cluster.status_json(1)["goals"][0]["replicas"], 2);
+    read_all_through_node(&cluster, 4, "tokens", &records).unwrap();
+    report(
+        "from 4+2 fragments back to 2 copies, the coding node lost",
+        cluster.lost("tokens", &[1, 2, 3, 4, 5]),
+        started.elapsed(),
+    );
+}

@@ -211,8 +211,8 @@ impl Granary {
         verify(self.store.paths(), spec)
     }
 
-    /// Publishes `file` (a synced file on the store's filesystem, outside `shards/` and
-    /// `manifests/`) as object `id` of `kind`, and catalogs it. The caller has hashed the file's
+    /// Publishes `file` (a synced file on the store's filesystem, outside `shards/`,
+    /// `manifests/` and `fragments/`) as object `id` of `kind`, and catalogs it. The caller has hashed the file's
     /// bytes to `id` (replication streams and hashes them as they arrive); this checks that they
     /// decode as what they claim to be (a shard's metadata, a manifest, a fragment whose header
     /// and blocks check out and name the fragment `id` is), so a well-formed id
@@ -363,26 +363,9 @@ fn file_len(path: &Path) -> Result<u64> {
     Ok(std::fs::metadata(path).map_err(|e| Error::io("stat", path, e))?.len())
 }
 
-/// Checks fragment file `file` whole (`Fragment::check`) and that its header names fragment `id`.
+/// Checks fragment file `file` whole against fragment `id` (`FragmentFile`: the header, which
+/// must name `id`'s shard, coding and index, and the length first, then every block a piece at
+/// a time, so a file is never read whole into memory).
 pub(crate) fn check_fragment_file(id: ObjectId, file: &Path) -> Result<crate::erasure::FragmentHeader> {
-    let bytes = std::fs::read(file).map_err(|e| Error::io("read", file, e))?;
-    let header =
-        crate::erasure::Fragment::check(&bytes).map_err(|source| Error::Format { path: file.to_owned(), source })?;
-    let named = crate::erasure::fragment_id(header.shard, header.coding, header.index);
-    if named != id {
-        return Err(Error::Format {
-            path: file.to_owned(),
-            source: crate::error::FormatError::Inconsistent {
-                field: "fragment header",
-                detail: format!(
-                    "names fragment {} of shard {} ({}), whose id is {}, not {id}",
-                    header.index,
-                    header.shard.0.short(12),
-                    header.coding,
-                    named.short(12)
-                ),
-            },
-        });
-    }
-    Ok(header)
+    crate::erasure::FragmentFile::open(file, id)?.check_all()
 }

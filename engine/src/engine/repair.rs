@@ -148,7 +148,7 @@ impl Granary {
         }
         // Fragments are not cataloged: a damaged one is quarantined (the node rebuilds it).
         for (id, path) in paths.list_objects(ObjectKind::Fragment)? {
-            match crate::erasure::FragmentFile::open(&path, id).and_then(crate::erasure::FragmentFile::read_whole) {
+            match crate::erasure::FragmentFile::open(&path, id).and_then(|fragment| fragment.check_all()) {
                 Ok(_) => report.fragments += 1,
                 Err(e) if e.is_corruption() => {
                     self.store.quarantine(&path)?;

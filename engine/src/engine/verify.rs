@@ -198,10 +198,10 @@ pub fn verify_through(
     }
     if spec.is_none() {
         for (id, path) in paths.list_objects(ObjectKind::Fragment)? {
-            match crate::erasure::FragmentFile::open(&path, id).and_then(crate::erasure::FragmentFile::read_whole) {
-                Ok(fragment) => {
+            match crate::erasure::FragmentFile::open(&path, id).and_then(|fragment| fragment.check_all()) {
+                Ok(header) => {
                     report.fragments_ok += 1;
-                    report.bytes += fragment.file().len() as u64;
+                    report.bytes += header.file_bytes();
                 }
                 // Removed (a node dropped it) between the listing and the check.
                 Err(Error::NotFound { .. }) => {}

@@ -1,5 +1,6 @@
-//! Fragment files on disk: opened with their header, id and checksum table checked, then read in
-//! pieces whose blocks are checked as they come, so a large fragment is never held whole.
+//! Fragment files on disk: opened with their header, id and checksum table checked, then checked
+//! (`check_all`) or sent in pieces whose blocks are checked as they come, so a large fragment is
+//! not held whole to be checked; `read_whole` reads one whole, for a rebuild.
 //!
 //! Owns `FragmentFile`. Never: writes, or hands out a block it has not checked (the caller
 //! checks each piece with `check_blocks` before using it; `read_whole` checks everything).
@@ -122,6 +123,37 @@ impl FragmentFile {
             }
         }
         Ok(())
+    }
+
+    /// Checks every data block and the payload's zero padding, a piece of at most 1 MiB at a
+    /// time: the file checks out whole without being held whole.
+    pub fn check_all(&self) -> Result<FragmentHeader> {
+        const PIECE: usize = 1 << 20;
+        let end = self.header.crc_table_offset();
+        let payload_end = BLOCK_BYTES_U64 + self.header.fragment_bytes();
+        let mut piece = vec![0u8; PIECE.min(usize::try_from(end).unwrap_or(PIECE))];
+        let mut at = BLOCK_BYTES_U64;
+        while at < end {
+            let len = usize::try_from((end - at).min(PIECE as u64)).expect("at most a piece");
+            let bytes = &mut piece[..len];
+            self.read_at(bytes, at)?;
+            self.check_piece(at, bytes)?;
+            // The payload's padding, in the last block(s).
+            if at + len as u64 > payload_end {
+                let from = payload_end.saturating_sub(at) as usize;
+                if bytes[from..].iter().any(|&b| b != 0) {
+                    return Err(Error::Format {
+                        path: self.path.clone(),
+                        source: FormatError::Inconsistent {
+                            field: "fragment",
+                            detail: "payload padding is not zero".to_owned(),
+                        },
+                    });
+                }
+            }
+            at += len as u64;
+        }
+        Ok(self.header)
     }
 
     /// The whole fragment, every block checked (`Fragment::decode`).

@@ -31,9 +31,14 @@ use crate::error::{Error, Result};
 use crate::id::{ObjectId, ShardId};
 use crate::policy::{Placement, ReplicationMode};
 
-/// Shards encoded at once by one node: each holds the shard and its fragments in memory
-/// (`(2k + m) / k` times the shard's bytes).
-const ENCODES_MAX: usize = 2;
+/// Shards encoded (or rebuilt and encoded) at once by one node (`Shared::encode_slots`): each
+/// holds the shard and its fragments in memory (`(2k + m) / k` times the shard's bytes).
+pub(super) const ENCODES_MAX: usize = 2;
+
+/// A fragment fetch that has not answered for this long, while the rebuild still lacks some of
+/// its `k`, gets a stand-in: the next fragment is asked for too, and the first `k` that check
+/// out are used.
+const HEDGE_AFTER: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// How a shard's fragments stand: for each index, the nodes that are up and hold it.
 pub(crate) struct FragmentHolders {
@@ -112,8 +117,8 @@ impl Shared {
     }
 
     /// Rebuilds `shard` (`bytes` long) from `k` of its fragments: those here, then peers', `k`
-    /// asked at once (the next holder of an index when one fails or sends a fragment that does
-    /// not check out). When the `k` rebuild bytes that do not hash to the shard's id (a fragment
+    /// asked at once (the next fragment when one fails or sends a fragment that does not check
+    /// out, or is slow: `HEDGE_AFTER`). When the `k` rebuild bytes that do not hash to the shard's id (a fragment
     /// whose blocks check out but whose bytes are wrong), every other fragment is fetched and
     /// the sets that leave one out are tried; the one whose absence rebuilds the shard is named.
     /// Fails, naming the shard and what was found, when fewer than `k` good fragments are up.
@@ -144,7 +149,18 @@ impl Shared {
         for index in next.by_ref().take(k) {
             spawn(&mut tasks, index);
         }
-        while let Some(joined) = tasks.join_next().await {
+        while good.len() < k {
+            let joined = match tokio::time::timeout(HEDGE_AFTER, tasks.join_next()).await {
+                Ok(Some(joined)) => joined,
+                Ok(None) => break,
+                // A slow holder: ask for one more fragment beside it.
+                Err(_) => {
+                    if let Some(index) = next.next() {
+                        spawn(&mut tasks, index);
+                    }
+                    continue;
+                }
+            };
             let (index, outcome) = joined.map_err(|e| Error::invalid_input(format!("a fragment fetch failed: {e}")))?;
             match outcome {
                 Ok(fragment) => {
@@ -158,6 +174,8 @@ impl Shared {
                 }
             }
         }
+        // The fetches still running (stand-ins no longer needed) end here.
+        tasks.abort_all();
         if good.len() < k {
             return Err(Error::Unavailable {
                 what: format!("shard {shard}"),
@@ -177,7 +195,8 @@ impl Shared {
             Err(e) => return Err(e),
         }
         // Some fragment checks out but is wrong: fetch the rest, try the sets that leave one out.
-        for index in next {
+        let rest: Vec<u8> = order.iter().copied().filter(|i| !good.contains_key(i)).collect();
+        for index in rest {
             let nodes = holders.by_index[usize::from(index)].clone();
             if let Ok(fragment) = self.fetch_fragment(shard, bytes, coding, index, &nodes).await {
                 good.insert(index, fragment);
@@ -304,12 +323,7 @@ impl Shared {
         let shared = Arc::clone(self);
         tokio::task::spawn_blocking(move || -> Result<()> {
             let path = shared.local.incoming_path(WireKind::Fragment, id).with_extension(unique("new"));
-            let mut out = std::fs::File::create(&path).map_err(|e| Error::io("create", &path, e))?;
-            out.write_all(&file).and_then(|()| out.sync_all()).map_err(|e| Error::io("write", &path, e))?;
-            drop(out);
-            let adopted = shared.local.adopt(WireKind::Fragment, id, &path);
-            let _ = std::fs::remove_file(&path);
-            adopted
+            write_then_adopt(&shared, WireKind::Fragment, id, &path, &file)
         })
         .await
         .map_err(|e| Error::invalid_input(format!("publishing fragment {id} failed: {e}")))?
@@ -327,17 +341,21 @@ impl Shared {
         coding: Coding,
         targets: &[Option<u32>],
     ) -> (u64, Vec<String>) {
-        // One placement of a shard at a time on this node (a `replicate` and the reconciler may
-        // both want it); the fragments still missing are read once it is this one's turn.
+        // At most `ENCODES_MAX` shards in memory at once on this node, and one placement of a
+        // shard at a time (a `replicate` and the reconciler may both want it); the fragments
+        // still missing are read once it is this one's turn.
+        let _slot = self.encode_slots.acquire().await.expect("the encode semaphore is never closed");
         loop {
             if self.coding_work.lock().insert(shard) {
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
-        let outcome = self.place_missing(shard, bytes, coding, targets).await;
-        self.coding_work.lock().remove(&shard);
-        outcome
+        // Taken out of the table however this ends (a task aborted mid-way included).
+        let _working = Entry(self, shard, |shared: &Shared, shard: &ShardId| {
+            shared.coding_work.lock().remove(shard);
+        });
+        self.place_missing(shard, bytes, coding, targets).await
     }
 
     async fn place_missing(
@@ -386,8 +404,10 @@ impl Shared {
             self.outgoing.lock().insert(id, Arc::new(file));
             let shared = Arc::clone(self);
             asks.spawn(async move {
+                let _served = Entry(&shared, id, |shared: &Shared, id: &ObjectId| {
+                    shared.outgoing.lock().remove(id);
+                });
                 let outcome = shared.fetch_once(target, WireKind::Fragment, id, file_bytes, Vec::new()).await;
-                shared.outgoing.lock().remove(&id);
                 (index, target, outcome)
             });
         }
@@ -454,15 +474,12 @@ impl Shared {
         let placement = self.placement(self.node_infos(), n).await?;
         let up: BTreeSet<u32> =
             self.peers.up().into_iter().map(|(id, _)| id).chain(std::iter::once(self.hello.node_id)).collect();
-        let slots = Arc::new(tokio::sync::Semaphore::new(ENCODES_MAX));
         let mut tasks = tokio::task::JoinSet::new();
         for (shard, bytes) in shards {
             let holders = self.fragment_holders(shard, coding);
             let targets = self.fragment_targets(&placement, shard, &holders, &up);
             let shared = Arc::clone(self);
-            let slots = Arc::clone(&slots);
             tasks.spawn(async move {
-                let _slot = slots.acquire_owned().await.expect("never closed");
                 let (made, errors) = shared.place_fragments(shard, bytes, coding, &targets).await;
                 // Complete when every fragment is on a node that is up, whoever placed it.
                 let complete = errors.is_empty() && shared.fragment_holders(shard, coding).missing().is_empty();
@@ -541,8 +558,11 @@ impl Shared {
                     continue;
                 }
                 under.push((shard, bytes));
-                // A node with the whole shard encodes it; else one with a fragment rebuilds it.
-                let coordinator = whole.iter().copied().min().or_else(|| holders.nodes().first().copied());
+                // A node with the whole shard encodes it; else one with a fragment rebuilds it,
+                // chosen per shard by rendezvous hashing so the rebuilds spread over the nodes.
+                let candidates: Vec<u32> =
+                    if whole.is_empty() { holders.nodes().into_iter().collect() } else { whole.clone() };
+                let coordinator = candidates.into_iter().min_by_key(|&node| rendezvous(shard, node));
                 if coordinator != Some(own) || started >= budget || self.coding_work.lock().contains(&shard) {
                     continue;
                 }
@@ -568,28 +588,38 @@ impl Shared {
         (under, unreadable)
     }
 
-    /// Drops this node's copy of a fragment of `shard` that another node that is up also holds
-    /// when this node is not the one to keep it: the holder with the fewest fragments of the
-    /// shard keeps it (then the lowest-numbered), so a shard's fragments end on distinct nodes.
+    /// Drops this node's copy of a fragment of `shard` that another node that is up also holds,
+    /// when this node holds two or more of the shard's fragments (it knows its own holdings
+    /// for sure), or holds one and the rendezvous hash prefers another holder. Only while at
+    /// least `k + 2` fragments are up: should two nodes' views disagree and both drop their
+    /// copy, the shard keeps `k + 1`, and the lost index is rebuilt.
     async fn drop_duplicate_fragments(self: &Arc<Self>, shard: ShardId, holders: &FragmentHolders) {
         let own = self.hello.node_id;
-        let held_by = |node: u32| holders.by_index.iter().filter(|h| h.contains(&node)).count();
+        let coding = holders.coding;
+        if holders.present() < usize::from(coding.k()) + 2 {
+            return;
+        }
+        let mut own_count = (0..coding.n())
+            .filter(|&i| self.local.holds(WireKind::Fragment, fragment_id(shard, coding, i as u8)).is_some())
+            .count();
         for (index, nodes) in holders.by_index.iter().enumerate() {
             if nodes.len() < 2 || !nodes.contains(&own) {
                 continue;
             }
-            let keeper = nodes.iter().copied().min_by_key(|&node| (held_by(node), node));
-            if keeper == Some(own) {
+            let keeper = nodes.iter().copied().min_by_key(|&node| rendezvous_of(shard, index as u8, node));
+            if own_count < 2 && keeper == Some(own) {
                 continue;
             }
-            let id = fragment_id(shard, holders.coding, index as u8);
+            let id = fragment_id(shard, coding, index as u8);
             let shared = Arc::clone(self);
             match tokio::task::spawn_blocking(move || shared.local.remove(WireKind::Fragment, id)).await {
-                Ok(Ok(())) => self.event(format!(
-                    "dropped a second copy of fragment {index} of shard {} (node {} keeps it)",
-                    shard.0.short(12),
-                    keeper.unwrap_or(own)
-                )),
+                Ok(Ok(())) => {
+                    own_count -= 1;
+                    self.event(format!(
+                        "dropped a second copy of fragment {index} of shard {} (another node holds it)",
+                        shard.0.short(12)
+                    ));
+                }
                 Ok(Err(e)) => self.event(format!("could not drop fragment {}: {e}", id.short(12))),
                 Err(e) => self.event(format!("could not drop fragment {}: {e}", id.short(12))),
             }
@@ -600,12 +630,17 @@ impl Shared {
     /// on (it serves reads until the read cache needs its room).
     fn keep_as_cache_entry(self: &Arc<Self>, shard: ShardId) {
         let Some(bytes) = self.local.holds(WireKind::Shard, shard.0) else { return };
+        if self.declined.lock().contains(&shard) {
+            return;
+        }
         self.local.set_cached(shard.0, true);
         let admitted = self.cache.lock().admit(shard, bytes);
         match admitted {
             Ok((victims, cached)) => {
                 if !cached {
+                    // Larger than the whole cache: kept as a copy, and not offered again.
                     self.local.set_cached(shard.0, false);
+                    self.declined.lock().insert(shard);
                 }
                 if !victims.is_empty() {
                     let shared = Arc::clone(self);
@@ -621,6 +656,33 @@ impl Shared {
 }
 
 impl Shared {
+    /// Before dataset `name`'s coded goal (`old`) changes: each shard of its live versions that
+    /// no node that is up holds whole is rebuilt here from its fragments and kept as a copy, so
+    /// the new goal (copies, or another coding) starts from whole shards. Fails, naming the
+    /// shards that could not be rebuilt, before the goal changes. (The old fragments stay, kept
+    /// by gc while their shards are live.)
+    pub(super) async fn unfold_coded(self: &Arc<Self>, name: &crate::store::DatasetName, old: Coding) -> Result<()> {
+        let mut failed = Vec::new();
+        for (shard, bytes) in self.shards_of(name)? {
+            if !self.holders(WireKind::Shard, shard.0).is_empty() {
+                continue;
+            }
+            match self.rebuild_for_read(shard, bytes, old).await {
+                Ok(_) => self.local.set_cached(shard.0, false),
+                Err(e) => failed.push(format!("shard {}: {e}", shard.0.short(12))),
+            }
+        }
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Unavailable {
+            what: format!(
+                "whole copies of {name}'s shards, rebuilt from their {old} fragments before its goal changes"
+            ),
+            detail: format!("the goal stays ec {old}: {}", failed.join("; ")),
+        })
+    }
+
     /// A reader's shard that no node that is up holds whole, rebuilt from `k` of its fragments
     /// (`gather`: checked against the shard's id) and published here, once however many readers
     /// ask at the same time. Right after a start, waits a little for the peers' inventories.
@@ -640,17 +702,14 @@ impl Shared {
             tokio::time::sleep(self.config.heartbeat.min(std::time::Duration::from_millis(100))).await;
         }
         let work = async {
+            // As a pull: at most `PULLS_MAX` at once, each holding a shard in memory.
+            let _slot = self.pull_slots.acquire().await.expect("the pull semaphore is never closed");
             let data = self.gather(shard, bytes, coding).await?;
             let received = data.len() as u64;
             let shared = Arc::clone(self);
             tokio::task::spawn_blocking(move || -> Result<()> {
                 let path = shared.local.incoming_path(WireKind::Shard, shard.0).with_extension(unique("rebuilt"));
-                let mut out = std::fs::File::create(&path).map_err(|e| Error::io("create", &path, e))?;
-                out.write_all(&data).and_then(|()| out.sync_all()).map_err(|e| Error::io("write", &path, e))?;
-                drop(out);
-                let adopted = shared.local.adopt(WireKind::Shard, shard.0, &path);
-                let _ = std::fs::remove_file(&path);
-                adopted
+                write_then_adopt(&shared, WireKind::Shard, shard.0, &path, &data)
             })
             .await
             .map_err(|e| Error::invalid_input(format!("publishing the rebuilt shard {shard} failed: {e}")))??;
@@ -664,6 +723,42 @@ impl Shared {
                 .map_err(|detail| Error::Unavailable { what: format!("shard {shard}"), detail }),
         }
     }
+}
+
+/// An entry of one of `Shared`'s tables, removed (by the function) when this is dropped.
+struct Entry<'a, K>(&'a Shared, K, fn(&Shared, &K));
+
+impl<K> Drop for Entry<'_, K> {
+    fn drop(&mut self) {
+        (self.2)(self.0, &self.1);
+    }
+}
+
+/// The rank of `node` for `shard`'s coordination: every node computes the same.
+fn rendezvous(shard: ShardId, node: u32) -> [u8; 8] {
+    rendezvous_of(shard, u8::MAX, node)
+}
+
+/// The rank of `node` for fragment `index` of `shard` (`u8::MAX`: the shard itself).
+fn rendezvous_of(shard: ShardId, index: u8, node: u32) -> [u8; 8] {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(shard.0.as_bytes());
+    hasher.update(&[index]);
+    hasher.update(&node.to_le_bytes());
+    let mut rank = [0u8; 8];
+    rank.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+    rank
+}
+
+/// Writes `bytes` to `path` (in `incoming/`), syncs it and publishes it as object `id`
+/// (`LocalStore::adopt` checks it); the file is gone afterwards whatever happened.
+fn write_then_adopt(shared: &Shared, kind: WireKind, id: ObjectId, path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    let written = std::fs::File::create(path)
+        .and_then(|mut out| out.write_all(bytes).and_then(|()| out.sync_all()))
+        .map_err(|e| Error::io("write", path, e));
+    let adopted = written.and_then(|()| shared.local.adopt(kind, id, path));
+    let _ = std::fs::remove_file(path);
+    adopted
 }
 
 /// A file name extension no other write of this process uses: `<what>-<n>`.

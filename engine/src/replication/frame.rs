@@ -324,6 +324,7 @@ impl Goal {
     }
 
     fn wire(self) -> (u32, [u8; 2]) {
+        // `Replicas(0)` is refused before it is encoded (`encode`).
         match self {
             Goal::Replicas(replicas) => (replicas, [0, 0]),
             Goal::Coded(coding) => (coding.n() as u32, [coding.k(), coding.m()]),
@@ -962,6 +963,12 @@ impl<'a> Frame<'a> {
                 Ok(())
             }
         };
+        let no_copies = |goal: &Goal| match goal {
+            Goal::Replicas(0) => {
+                Err(FrameError::BadField { kind: kind.name(), field: "goal", detail: "0 copies".to_owned() })
+            }
+            _ => Ok(()),
+        };
         match self {
             Frame::Hello { version, node_id, role, weight, failure_domain, listen } => {
                 checked("listen address", listen.len(), ADDRESS_BYTES_MAX)?;
@@ -1038,6 +1045,7 @@ impl<'a> Frame<'a> {
             }
             Frame::PutRef { request, goal, name, log } => {
                 checked("name", name.len(), NAME_BYTES_MAX)?;
+                no_copies(goal)?;
                 checked("ref file", log.len(), REF_BYTES_MAX)?;
                 let (replicas, km) = goal.wire();
                 out.extend_from_slice(&request.to_le_bytes());
@@ -1050,6 +1058,7 @@ impl<'a> Frame<'a> {
             }
             Frame::Replicate { request, goal, mode, spec } => {
                 checked("spec", spec.len(), NAME_BYTES_MAX)?;
+                no_copies(goal)?;
                 let (replicas, km) = goal.wire();
                 out.extend_from_slice(&request.to_le_bytes());
                 out.extend_from_slice(&replicas.to_le_bytes());

@@ -111,7 +111,16 @@ impl LocalStore {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
             let mut parts = name.splitn(3, '.');
-            let (Some(hex), Some(kind), Some("part")) = (parts.next(), parts.next(), parts.next()) else { continue };
+            let (Some(hex), Some(kind), Some(last)) = (parts.next(), parts.next(), parts.next()) else { continue };
+            // A fragment or rebuilt shard a killed node was publishing: never resumed.
+            if last.starts_with("new-") || last.starts_with("rebuilt-") {
+                let path = entry.path();
+                fs::remove_file(&path).map_err(|e| Error::io("remove", &path, e))?;
+                continue;
+            }
+            if last != "part" {
+                continue;
+            }
             let kind = match kind {
                 "shard" => WireKind::Shard,
                 "manifest" => WireKind::Manifest,

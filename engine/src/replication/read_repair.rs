@@ -82,7 +82,15 @@ impl Shared {
         let coded = if origin_cached || !self.peers.holders(kind, id.0).is_empty() { None } else { self.coding_of(id) };
         let pulled = match coded {
             Some((coding, bytes)) => self.rebuild_for_read(id, bytes, coding).await,
-            None => self.pull_for_read(id, !origin_cached).await,
+            None => match self.pull_for_read(id, !origin_cached).await {
+                // The whole copy listed could not be had (evicted meanwhile, or damaged): a coded
+                // shard is rebuilt from its fragments instead.
+                Err(e) if !origin_cached => match self.coding_of(id) {
+                    Some((coding, bytes)) => self.rebuild_for_read(id, bytes, coding).await,
+                    None => Err(e),
+                },
+                other => other,
+            },
         };
         let pulled = match pulled {
             Ok(pulled) => pulled,

@@ -5,9 +5,11 @@
 //! it reads the goals, asks the replicator plugin for the repair plan of each goal's shards over
 //! the nodes that are up, and asks each target of a transfer whose source is this node to pull
 //! the shard (`Fetch`, through `replicate.rs`); coded goals' lost fragments are rebuilt by
-//! `coded.rs`. It brings refs and manifests to peers that lack them, and measures the
-//! replication lag. Never: starts more than `FETCHES_PER_PASS_MAX`
-//! fetch requests in one pass, or a second request for a (shard, target) already asked.
+//! `coded.rs`. It brings refs and manifests to peers that lack them (and a goal set here to
+//! peers it has not reached), and measures the replication lag. Never: starts more than
+//! `FETCHES_PER_PASS_MAX` fetch requests and coded rebuilds together in one pass (counting the
+//! rebuilds still running; each asks up to `m` targets), or a second request for a (shard,
+//! target) already asked.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -47,13 +49,15 @@ impl Shared {
                 (Ok(shards), Goal::Coded(coding)) => coded.entry(coding).or_default().extend(shards),
                 (Err(e), _) => self.event(format!("goal {name}: {e}")),
             }
-            // Peers that lack this dataset's manifests get them, then the ref.
+            // Peers that lack this dataset's manifests get them, then the ref; a peer that has
+            // not been told this goal (since its start) is told it with the ref.
             for (peer, _) in self.peers.up() {
                 let missing = match self.local.paths().read_ref(name) {
                     Ok(log) => log.versions().iter().any(|v| !self.node_holds(peer, WireKind::Manifest, v.manifest.0)),
                     Err(_) => false,
                 };
-                if missing && self.pushing.lock().insert((peer, name.clone())) {
+                let untold = self.goals_pending.lock().contains(&(peer, name.clone()));
+                if (missing || untold) && self.pushing.lock().insert((peer, name.clone())) {
                     let shared = Arc::clone(self);
                     let name = name.clone();
                     tokio::spawn(async move {
@@ -113,8 +117,10 @@ impl Shared {
             }
         }
         // Coded goals: lost fragments rebuilt, within what this pass may still start.
-        let (coded_under, coded_unreadable) =
-            self.reconcile_coded(&coded, FETCHES_PER_PASS_MAX.saturating_sub(started)).await;
+        let (coded_under, coded_unreadable) = {
+            let busy = self.coding_work.lock().len();
+            self.reconcile_coded(&coded, FETCHES_PER_PASS_MAX.saturating_sub(started + busy)).await
+        };
         unavailable += coded_unreadable;
         for (shard, bytes) in coded_under {
             if under.insert(shard, now).is_none() {

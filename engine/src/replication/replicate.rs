@@ -185,7 +185,10 @@ impl Shared {
             .await
             .map_err(transport)?;
         match channel.recv().await.map_err(transport)? {
-            Frame::Reply { request: r, code: ReplyCode::Ok, .. } if r == request => Ok(()),
+            Frame::Reply { request: r, code: ReplyCode::Ok, .. } if r == request => {
+                self.goals_pending.lock().remove(&(target, name.clone()));
+                Ok(())
+            }
             Frame::Reply { code, message, .. } => Err(Error::PeerRefused {
                 peer: format!("node {target}"),
                 request: "put-ref",
@@ -234,6 +237,13 @@ impl Shared {
         // be met, and is refused before a goal is saved or a ref pushed. (One above the nodes
         // up now can, once they are back: a goal, kept by the reconciler.)
         check_replicas_possible(&self.node_infos(), self.peers.not_heard_from(), goal)?;
+        // Leaving a coding: the shards no node holds whole come back from their fragments first.
+        let before = self.local.goals()?.get(&name).copied();
+        if let Some(Goal::Coded(old)) = before
+            && goal != Goal::Coded(old)
+        {
+            self.unfold_coded(&name, old).await?;
+        }
         {
             let shared = Arc::clone(self);
             let name = name.clone();
@@ -242,6 +252,9 @@ impl Shared {
                 .map_err(|e| Error::invalid_input(format!("saving the goal failed: {e}")))??;
         }
         let mut failures = Vec::new();
+        // Every peer learns the goal: those that are down, or fail now, once they are up.
+        let known: Vec<u32> = self.peers.map(|p| p.id()).into_iter().flatten().collect();
+        self.goals_pending.lock().extend(known.into_iter().map(|peer| (peer, name.clone())));
         for (peer, _) in self.peers.up() {
             if let Err(e) = self.push_ref(peer, &name, goal).await {
                 failures.push(format!("ref to node {peer}: {e}"));

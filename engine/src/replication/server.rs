@@ -219,6 +219,10 @@ async fn answer(
             // A fragment of this node's that a peer found damaged, or a reader's shard.
             let outcome = if shared.local.holds(WireKind::Fragment, id).is_some() {
                 shared.check_fragment(id).await
+            } else if shared.local.holds(WireKind::Shard, id).is_none() && shared.manifest_bytes(ShardId(id)).is_none()
+            {
+                // A fragment dropped or quarantined since, or nothing this node knows.
+                Err(Error::NotFound { what: format!("a shard or fragment {id} on node {}", shared.hello.node_id) })
             } else {
                 shared.repair_shard(ShardId(id)).await
             };

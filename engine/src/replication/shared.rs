@@ -102,6 +102,14 @@ pub(crate) struct Shared {
     pub(super) pushing: Mutex<HashSet<(u32, DatasetName)>>,
     /// Coded shards whose lost fragments this node is rebuilding: one rebuild at a time each.
     pub(super) coding_work: Mutex<HashSet<ShardId>>,
+    /// Shards encoded at once (`coded.rs`, `ENCODES_MAX`): each is in memory with its fragments.
+    pub(super) encode_slots: Semaphore,
+    /// Peers a goal set here (by `replicate`) has not reached yet, by (peer, dataset): the
+    /// reconciler brings them the ref and goal once they are up. Only the node a goal was set
+    /// on brings it, so two nodes never echo a goal back and forth.
+    pub(super) goals_pending: Mutex<HashSet<(u32, DatasetName)>>,
+    /// Whole copies of coded shards the read cache declined: kept as copies, not offered again.
+    pub(super) declined: Mutex<HashSet<ShardId>>,
     /// Fragments this node encoded for peers to pull, served from memory and never listed (a
     /// node holds at most one fragment of a shard; these are in transit, not held).
     pub(super) outgoing: Mutex<std::collections::HashMap<ObjectId, Arc<Vec<u8>>>>,

@@ -30,9 +30,21 @@ pub struct GoalStatus {
     /// the JSON otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coding: Option<String>,
-    /// For a coded goal, each live version's fragments on the nodes that are up.
+    /// For a coded goal, its latest live versions' fragments on the nodes that are up (at most
+    /// `CODED_VERSIONS_SHOWN`, newest last).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub versions: Vec<CodedVersionStatus>,
+    /// Older live versions left out of `versions`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub versions_omitted: u64,
+}
+
+/// Versions of a coded dataset a status report details (the rest are counted): the report must
+/// fit a `Status` frame.
+pub(crate) const CODED_VERSIONS_SHOWN: usize = 8;
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// How one version of a coded dataset stands, from the inventories of the nodes that are up.
@@ -168,17 +180,20 @@ pub struct NodeStatus {
 }
 
 impl Shared {
-    /// Each live version of coded dataset `name`: its fragments on the nodes that are up.
+    /// The latest live versions of coded dataset `name` (`CODED_VERSIONS_SHOWN`): their
+    /// fragments on the nodes that are up; and how many older ones were left out.
     fn coded_versions(
         &self,
         name: &crate::store::DatasetName,
         coding: crate::erasure::Coding,
-    ) -> Vec<CodedVersionStatus> {
+    ) -> (Vec<CodedVersionStatus>, u64) {
         let paths = self.local.paths();
-        let Ok(log) = paths.read_ref(name) else { return Vec::new() };
+        let Ok(log) = paths.read_ref(name) else { return (Vec::new(), 0) };
         let (k, n) = (u32::from(coding.k()), coding.n() as u32);
         let mut out = Vec::new();
-        for version in log.versions() {
+        let versions = log.versions();
+        let omitted = versions.len().saturating_sub(CODED_VERSIONS_SHOWN);
+        for version in &versions[omitted..] {
             let Ok(manifest) = paths.read_manifest(version.manifest) else { continue };
             let mut v = CodedVersionStatus { version: version.number, k, n, fragments_min: n, ..Default::default() };
             let shards: std::collections::BTreeMap<_, _> =
@@ -207,7 +222,7 @@ impl Shared {
             v.replicated_bytes = v.data_bytes * u64::from(n - k + 1);
             out.push(v);
         }
-        out
+        (out, omitted as u64)
     }
 
     /// The status report.
@@ -259,15 +274,23 @@ impl Shared {
             goals: goals
                 .into_iter()
                 .map(|(name, goal)| match goal {
-                    Goal::Replicas(replicas) => {
-                        GoalStatus { dataset: name.to_string(), replicas, coding: None, versions: Vec::new() }
-                    }
-                    Goal::Coded(coding) => GoalStatus {
+                    Goal::Replicas(replicas) => GoalStatus {
                         dataset: name.to_string(),
-                        replicas: goal.nodes(),
-                        coding: Some(coding.to_string()),
-                        versions: self.coded_versions(&name, coding),
+                        replicas,
+                        coding: None,
+                        versions: Vec::new(),
+                        versions_omitted: 0,
                     },
+                    Goal::Coded(coding) => {
+                        let (versions, versions_omitted) = self.coded_versions(&name, coding);
+                        GoalStatus {
+                            dataset: name.to_string(),
+                            replicas: goal.nodes(),
+                            coding: Some(coding.to_string()),
+                            versions,
+                            versions_omitted,
+                        }
+                    }
                 })
                 .collect(),
             under_replicated,
@@ -314,7 +337,8 @@ impl NodeStatus {
         let mut status = self.clone();
         loop {
             let json = serde_json::to_string(&status).expect("a status report always serializes");
-            // Without events and peers the report is a few hundred bytes.
+            // Without events and peers the report is a few hundred bytes, and 250 per detailed
+            // version of a coded goal (`CODED_VERSIONS_SHOWN` of each).
             if json.len() <= STATUS_BYTES_MAX || (status.events.is_empty() && status.peers.is_empty()) {
                 return json;
             }
@@ -444,6 +468,9 @@ impl fmt::Display for NodeStatus {
                         v.n - v.k + 1,
                         v.n - v.k + 1
                     )?;
+                }
+                if goal.versions_omitted > 0 {
+                    writeln!(f, "    ({} older live versions not shown)", goal.versions_omitted)?;
                 }
             }
             if self.under_replicated == 0 {

@@ -437,13 +437,13 @@ impl Store {
             // Intact: a shard or manifest hashes to its id; a fragment checks out whole.
             let intact = match kind {
                 ObjectKind::Shard | ObjectKind::Manifest => hash_file(&target)? == id,
-                ObjectKind::Fragment => match crate::erasure::FragmentFile::open(&target, id)
-                    .and_then(crate::erasure::FragmentFile::read_whole)
-                {
-                    Ok(_) => true,
-                    Err(e) if e.is_corruption() => false,
-                    Err(e) => return Err(e),
-                },
+                ObjectKind::Fragment => {
+                    match crate::erasure::FragmentFile::open(&target, id).and_then(|fragment| fragment.check_all()) {
+                        Ok(_) => true,
+                        Err(e) if e.is_corruption() => false,
+                        Err(e) => return Err(e),
+                    }
+                }
             };
             if intact {
                 fs::remove_file(tmp).map_err(|e| Error::io("remove", tmp, e))?;
