@@ -1377,6 +1377,10 @@ fn leaving_a_coding_rebuilds_the_whole_shards_from_fragments_first() {
         assert!(copies >= 2, "shard {shard} has {copies} verified copies");
     }
     assert_eq!(cluster.status_json(1)["goals"][0]["replicas"], 2);
+    // The fragments of the old coding go once the copies are there.
+    cluster.wait("the old fragments dropped", Duration::from_secs(30), |c| {
+        (1..6).all(|i| verified_fragments(c, i).is_empty())
+    });
     read_all_through_node(&cluster, 4, "tokens", &records).unwrap();
     report(
         "from 4+2 fragments back to 2 copies, the coding node lost",

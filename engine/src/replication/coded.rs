@@ -9,9 +9,12 @@
 //! its target pulls it), `gather` (a shard rebuilt from peers' fragments, for a
 //! reader or a rebuild) and the reconciler's coded pass (`reconcile_coded`: missing fragments
 //! rebuilt and placed by the shard's coordinator, whole copies turned into cache entries once
-//! every fragment is placed). Never: keeps a fragment it fetched to rebuild a shard (fragments
-//! live where placement puts them; a shard rebuilt for a read is a cache entry), places two
-//! fragments of a shard on one node, or uses a byte that was not checked: fragments are
+//! every fragment is placed; `drop_stale_fragments`: the fragments of a coding no goal names,
+//! once the goal that replaced it is met); `unfold_coded`, whole shards rebuilt before a
+//! dataset leaves its coding. Never: keeps a fragment it fetched to rebuild a shard (fragments
+//! live where placement puts them; a shard rebuilt for a read is a cache entry), targets a node
+//! that holds a fragment of the shard (two that views put on one node meanwhile are undone by
+//! `drop_duplicate_fragments`), or uses a byte that was not checked: fragments are
 //! checked whole (header, id, every block's CRC32C), a rebuilt shard against its BLAKE3 id.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -423,8 +426,9 @@ impl Shared {
 
     /// The nodes `shard`'s fragments go on, in index order: the replicator's placement for
     /// `k + m` copies. The nodes that already hold a fragment of it keep theirs (a fragment is
-    /// never moved to make room); a lost fragment goes to the first placed node, then any node
-    /// that is up, that holds none of the shard's fragments; `None` when no such node is left.
+    /// never moved to make room); a lost fragment goes to a node that is up and holds none of the
+    /// shard's fragments, in the failure domain holding the fewest of them (the replicator's
+    /// placed nodes first among equals); `None` when no such node is left.
     fn fragment_targets(
         &self,
         placement: &Placement,
@@ -440,11 +444,30 @@ impl Shared {
         if taken.is_empty() && placed.len() >= n && placed[..n].iter().all(|node| up.contains(node)) {
             return placed[..n].iter().copied().map(Some).collect();
         }
-        let mut candidates = placed.iter().copied().chain(up.iter().copied()).filter(|node| up.contains(node));
+        // A lost fragment goes to a node whose failure domain holds the fewest of the shard's
+        // fragments, the replicator's placed nodes first, then the others that are up.
+        let domain_of: std::collections::HashMap<u32, u32> =
+            self.node_infos().iter().map(|n| (n.id, n.failure_domain)).collect();
+        let mut in_domain: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        for node in &taken {
+            *in_domain.entry(domain_of.get(node).copied().unwrap_or(*node)).or_default() += 1;
+        }
+        let mut candidates: Vec<u32> = Vec::new();
+        for node in placed.iter().copied().chain(up.iter().copied()) {
+            if up.contains(&node) && !candidates.contains(&node) {
+                candidates.push(node);
+            }
+        }
         for target in targets.iter_mut().filter(|t| t.is_none()) {
             // None left: the fragment waits for a node (status counts the shard under its goal).
-            let Some(node) = candidates.by_ref().find(|node| !taken.contains(node)) else { break };
+            let free = candidates.iter().copied().filter(|node| !taken.contains(node));
+            let Some(node) = free
+                .min_by_key(|node| in_domain.get(&domain_of.get(node).copied().unwrap_or(*node)).copied().unwrap_or(0))
+            else {
+                break;
+            };
             taken.insert(node);
+            *in_domain.entry(domain_of.get(&node).copied().unwrap_or(node)).or_default() += 1;
             *target = Some(node);
         }
         targets
@@ -617,6 +640,72 @@ impl Shared {
                     own_count -= 1;
                     self.event(format!(
                         "dropped a second copy of fragment {index} of shard {} (another node holds it)",
+                        shard.0.short(12)
+                    ));
+                }
+                Ok(Err(e)) => self.event(format!("could not drop fragment {}: {e}", id.short(12))),
+                Err(e) => self.event(format!("could not drop fragment {}: {e}", id.short(12))),
+            }
+        }
+    }
+
+    /// Drops the fragments held here of a coding no goal names for their shard any more (the
+    /// dataset went back to copies, or to another coding) once the goal that replaced it is met
+    /// on the nodes that are up: `R` copies that are not cache entries, or every fragment of the
+    /// new coding. Fragments of shards no goal names are left to gc.
+    pub(super) async fn drop_stale_fragments(
+        self: &Arc<Self>,
+        goals: &BTreeMap<crate::store::DatasetName, super::frame::Goal>,
+    ) {
+        let ids = self.local.fragment_ids();
+        if ids.is_empty() {
+            return;
+        }
+        // A shard two datasets share answers to both goals.
+        let mut goals_of: BTreeMap<ShardId, Vec<super::frame::Goal>> = BTreeMap::new();
+        for (name, &goal) in goals {
+            if let Ok(shards) = self.shards_of(name) {
+                for shard in shards.into_keys() {
+                    goals_of.entry(shard).or_default().push(goal);
+                }
+            }
+        }
+        for id in ids {
+            let known = self.fragment_headers.lock().get(&id).copied();
+            let (shard, coding) = match known {
+                Some(known) => known,
+                None => {
+                    let path = self.local.object_path(WireKind::Fragment, id);
+                    let opened =
+                        tokio::task::spawn_blocking(move || crate::erasure::FragmentFile::open(&path, id)).await;
+                    let Ok(Ok(file)) = opened else { continue };
+                    let known = (file.header().shard, file.header().coding);
+                    self.fragment_headers.lock().insert(id, known);
+                    known
+                }
+            };
+            let Some(goals) = goals_of.get(&shard) else { continue };
+            let met = |goal: &super::frame::Goal| match *goal {
+                super::frame::Goal::Coded(current) => {
+                    current != coding && self.fragment_holders(shard, current).missing().is_empty()
+                }
+                super::frame::Goal::Replicas(replicas) => {
+                    let here = usize::from(
+                        self.local.holds(WireKind::Shard, shard.0).is_some() && !self.local.is_cached(shard.0),
+                    );
+                    here + self.peers.durable_holders(shard.0) >= replicas as usize
+                }
+            };
+            if !goals.iter().all(met) {
+                continue;
+            }
+            let shared = Arc::clone(self);
+            match tokio::task::spawn_blocking(move || shared.local.remove(WireKind::Fragment, id)).await {
+                Ok(Ok(())) => {
+                    self.fragment_headers.lock().remove(&id);
+                    self.event(format!(
+                        "dropped fragment {} of shard {} ({coding}): its dataset's goal changed and is met",
+                        id.short(12),
                         shard.0.short(12)
                     ));
                 }

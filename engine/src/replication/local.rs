@@ -274,6 +274,12 @@ impl LocalStore {
         }
     }
 
+    /// The ids of the fragments held here.
+    pub(crate) fn fragment_ids(&self) -> Vec<ObjectId> {
+        let inventory = self.inventory.read();
+        inventory.keys().filter(|(kind, _)| *kind == WireKind::Fragment).map(|&(_, id)| id).collect()
+    }
+
     /// The shards held as this node's cache entries, with their lengths (at start, to rebuild
     /// the cache; the origin cache's are not among them).
     pub(crate) fn cached_entries(&self) -> Vec<(ObjectId, u64)> {

@@ -102,6 +102,7 @@ impl Node {
             encode_slots: tokio::sync::Semaphore::new(super::coded::ENCODES_MAX),
             goals_pending: Mutex::new(std::collections::HashSet::new()),
             declined: Mutex::new(std::collections::HashSet::new()),
+            fragment_headers: Mutex::new(std::collections::HashMap::new()),
             outgoing: Mutex::new(std::collections::HashMap::new()),
             connection_slots: Arc::new(Semaphore::new(super::server::CONNECTIONS_MAX)),
             handshakes: Arc::new(Handshakes::default()),

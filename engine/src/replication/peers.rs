@@ -197,6 +197,15 @@ impl PeerTable {
         self.lock().iter().find_map(|p| p.inventory.get(&(kind, id)).map(|&(bytes, _)| bytes)).unwrap_or(0)
     }
 
+    /// Peers that are up and hold shard `id` as a copy that is not a cache entry.
+    pub(super) fn durable_holders(&self, id: ObjectId) -> usize {
+        let peers = self.lock();
+        peers
+            .iter()
+            .filter(|p| p.up && p.inventory.get(&(WireKind::Shard, id)).is_some_and(|&(_, cached)| !cached))
+            .count()
+    }
+
     /// Whether a peer that is up holds shard `id` as a copy that is not a cache entry.
     pub(super) fn durable_copy_up(&self, id: ObjectId) -> bool {
         self.lock().iter().any(|p| p.up && p.inventory.get(&(WireKind::Shard, id)).is_some_and(|&(_, cached)| !cached))

@@ -122,6 +122,8 @@ impl Shared {
             self.reconcile_coded(&coded, FETCHES_PER_PASS_MAX.saturating_sub(started + busy)).await
         };
         unavailable += coded_unreadable;
+        // Fragments of a coding no goal names any more, once the goal that replaced it is met.
+        self.drop_stale_fragments(&goals).await;
         for (shard, bytes) in coded_under {
             if under.insert(shard, now).is_none() {
                 under_bytes += bytes;

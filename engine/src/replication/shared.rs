@@ -110,6 +110,8 @@ pub(crate) struct Shared {
     pub(super) goals_pending: Mutex<HashSet<(u32, DatasetName)>>,
     /// Whole copies of coded shards the read cache declined: kept as copies, not offered again.
     pub(super) declined: Mutex<HashSet<ShardId>>,
+    /// What the header of each fragment held here names (its shard and coding), read once.
+    pub(super) fragment_headers: Mutex<std::collections::HashMap<ObjectId, (ShardId, crate::erasure::Coding)>>,
     /// Fragments this node encoded for peers to pull, served from memory and never listed (a
     /// node holds at most one fragment of a shard; these are in transit, not held).
     pub(super) outgoing: Mutex<std::collections::HashMap<ObjectId, Arc<Vec<u8>>>>,
