@@ -207,6 +207,43 @@ pub(crate) fn replication(root: &Path, args: &ReplicationArgs) -> Result<()> {
     Ok(())
 }
 
+/// Nodes on `roots` (the first holds the dataset `data` of `args.restore_bytes`), each with
+/// the ones before it as peers, heartbeat 0.1 s, down after 1 s, the replicator's `options`;
+/// returns once every node sees all the others up.
+fn start_cluster(
+    host: &PolicyHost,
+    roots: &[PathBuf],
+    args: &ReplicationArgs,
+    options: &[(&str, &str)],
+) -> Result<Vec<Option<Node>>> {
+    make_dataset(&roots[0], "data", args.restore_bytes, args.shard_bytes, 7)?;
+    for root in &roots[1..] {
+        drop(Granary::create(root)?);
+    }
+    let key = ClusterKey::from_secret(SECRET)?;
+    let mut nodes: Vec<Option<Node>> = Vec::new();
+    let mut addrs = Vec::new();
+    for root in roots {
+        let listen: SocketAddr = "127.0.0.1:0".parse().expect("a valid address");
+        let mut config = NodeConfig::new(root, listen, Membership::Peers(addrs.clone()), key.clone());
+        config.heartbeat = Duration::from_millis(100);
+        config.down_after = Duration::from_millis(1000);
+        config.replicator_options = options.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        let node = Node::start(config, host)?;
+        addrs.push(node.listen_addr());
+        nodes.push(Some(node));
+    }
+    let started = Instant::now();
+    let n = roots.len();
+    while (0..n).any(|i| running(&nodes, i).status().peers.iter().filter(|p| p.up).count() < n - 1) {
+        if started.elapsed() > Duration::from_secs(30) {
+            bail!("the {n} nodes did not see each other within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(nodes)
+}
+
 fn running(nodes: &[Option<Node>], i: usize) -> &Node {
     nodes[i].as_ref().expect("a node that runs")
 }
@@ -215,30 +252,7 @@ fn running(nodes: &[Option<Node>], i: usize) -> &Node {
 /// every shard has two copies on the nodes left.
 fn restore(host: &PolicyHost, work: &Path, args: &ReplicationArgs) -> Result<()> {
     let roots: Vec<PathBuf> = (0..3).map(|i| work.join(format!("r{i}"))).collect();
-    make_dataset(&roots[0], "data", args.restore_bytes, args.shard_bytes, 7)?;
-    for root in &roots[1..] {
-        drop(Granary::create(root)?);
-    }
-    let key = ClusterKey::from_secret(SECRET)?;
-    let mut nodes: Vec<Option<Node>> = Vec::new();
-    let mut addrs = Vec::new();
-    for root in &roots {
-        let listen: SocketAddr = "127.0.0.1:0".parse().expect("a valid address");
-        let mut config = NodeConfig::new(root, listen, Membership::Peers(addrs.clone()), key.clone());
-        config.heartbeat = Duration::from_millis(100);
-        config.down_after = Duration::from_millis(1000);
-        config.replicator_options = vec![("mode".to_owned(), "sync".to_owned())];
-        let node = Node::start(config, host)?;
-        addrs.push(node.listen_addr());
-        nodes.push(Some(node));
-    }
-    let started = Instant::now();
-    while (0..3).any(|i| running(&nodes, i).status().peers.iter().filter(|p| p.up).count() < 2) {
-        if started.elapsed() > Duration::from_secs(30) {
-            bail!("the three nodes did not see each other within 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut nodes = start_cluster(host, &roots, args, &[("mode", "sync")])?;
     let replicated = Instant::now();
     let report = running(&nodes, 0).replicate("data", 2)?;
     let replicate_time = replicated.elapsed();
@@ -299,29 +313,7 @@ fn restore_coded(host: &PolicyHost, work: &Path, args: &ReplicationArgs) -> Resu
     use granary::replication::frame::{Goal, ReplicateMode};
     const NODES: usize = 7;
     let roots: Vec<PathBuf> = (0..NODES).map(|i| work.join(format!("e{i}"))).collect();
-    make_dataset(&roots[0], "data", args.restore_bytes, args.shard_bytes, 7)?;
-    for root in &roots[1..] {
-        drop(Granary::create(root)?);
-    }
-    let key = ClusterKey::from_secret(SECRET)?;
-    let mut nodes: Vec<Option<Node>> = Vec::new();
-    let mut addrs = Vec::new();
-    for root in &roots {
-        let listen: SocketAddr = "127.0.0.1:0".parse().expect("a valid address");
-        let mut config = NodeConfig::new(root, listen, Membership::Peers(addrs.clone()), key.clone());
-        config.heartbeat = Duration::from_millis(100);
-        config.down_after = Duration::from_millis(1000);
-        let node = Node::start(config, host)?;
-        addrs.push(node.listen_addr());
-        nodes.push(Some(node));
-    }
-    let started = Instant::now();
-    while (0..NODES).any(|i| running(&nodes, i).status().peers.iter().filter(|p| p.up).count() < NODES - 1) {
-        if started.elapsed() > Duration::from_secs(30) {
-            bail!("the seven nodes did not see each other within 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut nodes = start_cluster(host, &roots, args, &[])?;
     let coding = Coding::new(4, 2)?;
     let coded = Instant::now();
     let report = running(&nodes, 0).replicate_in("data", Goal::Coded(coding), ReplicateMode::Synchronous)?;
