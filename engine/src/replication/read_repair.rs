@@ -3,9 +3,10 @@
 //! A reader that found a shard damaged or missing asks the node (`ShardRepair`, or a `Repair`
 //! frame): a damaged local copy is quarantined, then a verified copy is pulled from a peer that
 //! lists it, or, for a coded shard no node that is up holds whole, rebuilt from `k` of its
-//! fragments (`coded.rs`). A shard fetched for a read and not placed here by the replicator is a cache entry:
-//! the evictor plugin (`ShardCache`) proposes victims as readers touch shards, and a victim is
-//! deleted only when a node that is up holds a copy that is not itself a cache entry.
+//! fragments (`coded.rs`). A shard fetched for a read and not placed here by the replicator is
+//! a cache entry: the evictor plugin (`ShardCache`) proposes victims as readers touch shards,
+//! and a victim is deleted only when a node that is up holds a copy that is not itself a cache
+//! entry, or the shard is coded (and no goal wants it copied) with more than `k` fragments up.
 //!
 //! Owns the read cache's entries and evictions, and quarantine. Never: evicts what may be the
 //! last copy, or a copy the replicator places here; never takes a shard of an attached dataset
@@ -177,11 +178,20 @@ impl Shared {
         }
     }
 
-    /// Whether `shard` is coded and more than `k` of its fragments are on nodes that are up: its
-    /// whole copies may go, and the loss of one more node would still leave it readable.
+    /// Whether `shard` is coded, no goal wants it copied, and more than `k` of its fragments are
+    /// on nodes that are up: its whole copies may go, and the loss of one more node would still
+    /// leave it readable.
     fn fragments_spare(&self, shard: ShardId) -> bool {
-        self.coding_of(shard)
-            .is_some_and(|(coding, _)| self.fragment_holders(shard, coding).present() > usize::from(coding.k()))
+        let copied = self.local.goals().map_or(true, |goals| {
+            goals.iter().any(|(name, goal)| {
+                matches!(goal, super::frame::Goal::Replicas(_))
+                    && self.shards_of(name).map_or(true, |shards| shards.contains_key(&shard))
+            })
+        });
+        !copied
+            && self
+                .coding_of(shard)
+                .is_some_and(|(coding, _)| self.fragment_holders(shard, coding).present() > usize::from(coding.k()))
     }
 
     /// Deletes cache victims, except a copy that may be the last: a victim is deleted only when

@@ -49,8 +49,8 @@ impl Shared {
                 (Ok(shards), Goal::Coded(coding)) => coded.entry(coding).or_default().extend(shards),
                 (Err(e), _) => self.event(format!("goal {name}: {e}")),
             }
-            // Peers that lack this dataset's manifests get them, then the ref; a peer that has
-            // not been told this goal (since its start) is told it with the ref.
+            // Peers that lack this dataset's manifests get them, then the ref; a peer that a goal
+            // set here has not reached yet gets the ref with it.
             for (peer, _) in self.peers.up() {
                 let missing = match self.local.paths().read_ref(name) {
                     Ok(log) => log.versions().iter().any(|v| !self.node_holds(peer, WireKind::Manifest, v.manifest.0)),
