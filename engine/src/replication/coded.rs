@@ -541,9 +541,9 @@ impl Shared {
 
     /// The reconciler's pass over coded goals: for each shard, a second copy of a fragment here
     /// is dropped when another node keeps it; the fragments no node that is up holds are
-    /// rebuilt and placed by the shard's coordinator (the lowest-numbered node that is up and
-    /// holds the whole shard, else one that holds a fragment of it), at most `budget` shards per
-    /// pass; a whole copy here of a shard whose every fragment is placed becomes a cache entry.
+    /// rebuilt and placed by the shard's coordinator (among the nodes that are up and hold the
+    /// whole shard, else a fragment of it, the first by rendezvous hash), at most `budget`
+    /// shards per pass; a whole copy here of a shard whose every fragment is placed becomes a cache entry.
     /// Returns (shards below their goal with their bytes, shards that cannot be read).
     pub(super) async fn reconcile_coded(
         self: &Arc<Self>,
