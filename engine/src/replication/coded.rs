@@ -358,16 +358,6 @@ impl Shared {
         let _working = Entry(self, shard, |shared: &Shared, shard: &ShardId| {
             shared.coding_work.lock().remove(shard);
         });
-        self.place_missing(shard, bytes, coding, targets).await
-    }
-
-    async fn place_missing(
-        self: &Arc<Self>,
-        shard: ShardId,
-        bytes: u64,
-        coding: Coding,
-        targets: &[Option<u32>],
-    ) -> (u64, Vec<String>) {
         let indices = self.fragment_holders(shard, coding).missing();
         if indices.is_empty() {
             return (0, Vec::new());
