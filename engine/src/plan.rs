@@ -98,6 +98,16 @@ impl EpochPlan {
         full.min(self.n_records.saturating_sub(cursor))
     }
 
+    /// The global positions `world.rank()` reads in the step that starts at `cursor` when the
+    /// ranks' weights are `weights` (one per rank of the world; see [`step_shares`]).
+    pub fn weighted_rank_positions(&self, cursor: u64, world: World, batch_size: u64, weights: &[u32]) -> Range<u64> {
+        let step = self.step_len(cursor, world.size, batch_size);
+        let shares = step_shares(step, weights);
+        let rank = world.rank as usize;
+        let start = cursor + shares.iter().take(rank).sum::<u64>();
+        start..start + shares.get(rank).copied().unwrap_or(0)
+    }
+
     /// The global positions `world.rank()` reads in the step that starts at `cursor`.
     pub fn rank_positions(&self, cursor: u64, world: World, batch_size: u64) -> Range<u64> {
         assert!(batch_size > 0);
@@ -112,6 +122,33 @@ impl EpochPlan {
         let start = cursor + rank * base + rank.min(extra);
         start..start + base + u64::from(rank < extra)
     }
+}
+
+/// How a step of `step` positions is split among ranks of `weights` (in rank order): each
+/// takes `floor(step * w / W)` and the positions left over go one each to the ranks of largest
+/// remainder `step * w mod W`, ties to the lower rank; equal weights (all 0 included) split as
+/// evenly as possible, the first ranks one more. The rule of the WIT's `plan` (and of the
+/// plugin SDK's `step_shares`), by which a weighted plan is cut into batches.
+pub fn step_shares(step: u64, weights: &[u32]) -> Vec<u64> {
+    if weights.iter().all(|&w| w == weights[0]) {
+        let n = weights.len().max(1) as u64;
+        return (0..weights.len() as u64).map(|i| step / n + u64::from(i < step % n)).collect();
+    }
+    let total: u128 = weights.iter().map(|&w| u128::from(w)).sum();
+    let mut shares = Vec::with_capacity(weights.len());
+    let mut remainders = Vec::with_capacity(weights.len());
+    for (i, &w) in weights.iter().enumerate() {
+        let product = u128::from(step) * u128::from(w);
+        // At most `step`: the quotient fits.
+        shares.push(u64::try_from(product / total).unwrap_or(step));
+        remainders.push((product % total, i));
+    }
+    let left = step - shares.iter().sum::<u64>();
+    remainders.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    for &(_, i) in remainders.iter().take(usize::try_from(left).unwrap_or(usize::MAX)) {
+        shares[i] += 1;
+    }
+    shares
 }
 
 /// One rank's walk through an epoch plan, batch by batch.
@@ -294,5 +331,34 @@ mod tests {
         assert!(fixed_points < 20, "{fixed_points} fixed points");
         let plan = EpochPlan::new(10, 1, 0, Order::Sequential);
         assert_eq!((0..10).map(|p| plan.record_at(p)).collect::<Vec<_>>(), (0..10).collect::<Vec<_>>());
+    }
+    #[test]
+    fn weighted_steps_split_by_weight_and_equal_weights_cut_as_before() {
+        assert_eq!(step_shares(12, &[2, 1, 1]), [6, 3, 3]);
+        assert_eq!(step_shares(10, &[3, 1]), [8, 2]);
+        assert_eq!(step_shares(7, &[1, 1, 5]), [1, 1, 5]);
+        assert_eq!(step_shares(5, &[0, 1]), [0, 5]);
+        let plan = EpochPlan::new(1000, 7, 0, Order::Shuffled);
+        for size in 1..6u32 {
+            for batch in [1u64, 3, 8] {
+                let mut cursor = 0;
+                while cursor < plan.n_records() {
+                    let step = plan.step_len(cursor, size, batch);
+                    let mut next = cursor;
+                    for rank in 0..size {
+                        let world = World::new(rank, size).unwrap();
+                        let equal = plan.rank_positions(cursor, world, batch);
+                        assert_eq!(plan.weighted_rank_positions(cursor, world, batch, &vec![4; size as usize]), equal);
+                        // Unequal weights: the slices still tile the step, in rank order.
+                        let weights: Vec<u32> = (1..=size).collect();
+                        let weighted = plan.weighted_rank_positions(cursor, world, batch, &weights);
+                        assert_eq!(weighted.start, next);
+                        next = weighted.end;
+                    }
+                    assert_eq!(next, cursor + step);
+                    cursor += step;
+                }
+            }
+        }
     }
 }

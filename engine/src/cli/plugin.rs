@@ -80,6 +80,36 @@ pub(crate) enum SimCommand {
         #[arg(long, value_delimiter = ',')]
         weights: Vec<u32>,
     },
+    /// Simulate one epoch of a synchronous job with a slow rank, rebalanced every N steps by the
+    /// partitioner, and print its time against the ideal proportional split.
+    Rebalance {
+        #[command(flatten)]
+        plugin: PluginArgs,
+        /// Shards in the synthetic dataset.
+        #[arg(long)]
+        shards: u64,
+        /// Records per shard.
+        #[arg(long, default_value_t = 1000)]
+        records_per_shard: u64,
+        /// Ranks of the job.
+        #[arg(long)]
+        ranks: u32,
+        /// Records per rank per step.
+        #[arg(long, default_value_t = 32)]
+        batch: u64,
+        /// Steps between rebalance points (0: never rebalance).
+        #[arg(long, default_value_t = 50)]
+        every: u64,
+        /// A slow rank: RANK:FACTOR@STEP (rank 3 reads 3 times slower from step 100: 3:3@100).
+        #[arg(long, value_parser = parse_straggler)]
+        straggler: Option<sim::Straggler>,
+        /// Also save at this step and resume, and check the resumed run reads the same order.
+        #[arg(long)]
+        resume_at: Option<u64>,
+        /// The resumed run's ranks (default: the same).
+        #[arg(long, requires = "resume_at")]
+        resume_ranks: Option<u32>,
+    },
     /// Place copies on N nodes, then on N+1 and N-1, and print balance and movement.
     Replicate {
         #[command(flatten)]
@@ -139,6 +169,21 @@ pub(crate) enum TraceCommand {
 fn parse_option(text: &str) -> Result<(String, String), String> {
     let (key, value) = text.split_once('=').ok_or_else(|| format!("option {text:?} is not key=value"))?;
     Ok((key.to_owned(), value.to_owned()))
+}
+
+fn parse_straggler(text: &str) -> Result<sim::Straggler, String> {
+    let bad = || format!("straggler {text:?} is not RANK:FACTOR@STEP (such as 3:3@100)");
+    let (rank, rest) = text.split_once(':').ok_or_else(bad)?;
+    let (factor, step) = rest.split_once('@').ok_or_else(bad)?;
+    let straggler = sim::Straggler {
+        rank: rank.trim().parse().map_err(|_| bad())?,
+        factor: factor.trim().parse().map_err(|_| bad())?,
+        from_step: step.trim().parse().map_err(|_| bad())?,
+    };
+    if !(straggler.factor >= 1.0 && straggler.factor.is_finite()) {
+        return Err(format!("straggler {text:?}: the factor must be 1 or more"));
+    }
+    Ok(straggler)
 }
 
 fn host() -> Result<PolicyHost> {
@@ -243,6 +288,60 @@ pub(crate) fn run(command: PluginCommand) -> Result<bool> {
                 )?;
             }
             Ok(true)
+        }
+        PluginCommand::Sim(SimCommand::Rebalance {
+            plugin,
+            shards,
+            records_per_shard,
+            ranks,
+            batch,
+            every,
+            straggler,
+            resume_at,
+            resume_ranks,
+        }) => {
+            let host = host()?;
+            let loaded = host.load(&plugin.plugin)?;
+            let dataset = sim::synthetic_shards(shards, records_per_shard)?;
+            let config = sim::RebalanceSim { ranks, batch, every, straggler, resume_at, resume_ranks };
+            let outcome = sim::rebalance(&loaded, &plugin.options, &dataset, &config)?;
+            let slow = match straggler {
+                Some(s) => format!("rank {} {} x slower from step {}", s.rank, s.factor, s.from_step),
+                None => "no straggler".to_owned(),
+            };
+            outln!(
+                "plugin {} on {shards} shards x {records_per_shard} records, {ranks} ranks, batch {batch}, {slow}",
+                loaded.name()
+            )?;
+            let run = &outcome.rebalanced;
+            if every > 0 {
+                outln!("rebalance every {every} steps: {} points in {} steps", run.points, run.steps)?;
+                let total: f64 = run.last_weights.iter().map(|&w| f64::from(w)).sum();
+                let shares: Vec<String> = run
+                    .last_weights
+                    .iter()
+                    .enumerate()
+                    .map(|(rank, &w)| format!("{rank}:{:.3}", f64::from(w) / total.max(1.0)))
+                    .collect();
+                outln!("shares at the end: {}", shares.join(" "))?;
+                outln!(
+                    "records per rank: {}",
+                    run.records_per_rank.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
+                )?;
+            }
+            outln!("epoch time vs ideal: {:.3} x", run.vs_ideal())?;
+            outln!("without rebalancing: {:.3} x", outcome.fixed.vs_ideal())?;
+            let once = run.exactly_once && outcome.fixed.exactly_once;
+            outln!("every record read exactly once: {}", if once { "yes" } else { "NO" })?;
+            if let Some(same) = outcome.resumed_same_order {
+                outln!(
+                    "saved at step {} and resumed on {} ranks: {}",
+                    resume_at.unwrap_or(0),
+                    resume_ranks.unwrap_or(ranks),
+                    if same { "the same global order, every record exactly once" } else { "A DIFFERENT ORDER" }
+                )?;
+            }
+            Ok(once && outcome.resumed_same_order != Some(false))
         }
         PluginCommand::Sim(SimCommand::Replicate { plugin, nodes, replicas, weights, domains }) => {
             let host = host()?;

@@ -15,7 +15,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use wasmtime::component::ResourceAny;
 
 use super::bindings::evictor::EvictorPlugin;
-use super::bindings::evictor::exports::granary::policy::evictor as wit;
+use super::bindings::v1::evictor::EvictorPlugin as EvictorPluginV1;
 use super::supervise::{PolicyStatus, Supervisor, SwapHandle};
 use super::{Instance, Plugin, PolicyKind, invalid, rejected};
 use crate::error::{Error, PluginError};
@@ -46,8 +46,42 @@ pub struct EvictorStats {
 }
 
 struct Live {
-    instance: Instance<EvictorPlugin>,
+    instance: Instance<Bindings>,
     policy: ResourceAny,
+}
+
+/// An evictor instance's bindings, of the version its plugin was built against (the evictor
+/// interface is the same in both).
+enum Bindings {
+    V2(EvictorPlugin),
+    V1(EvictorPluginV1),
+}
+
+/// A policy error of either version as the current version's.
+fn policy_error(error: impl Into<super::bindings::WitPolicyError>) -> super::bindings::WitPolicyError {
+    error.into()
+}
+
+/// Runs `$body` with `$guest` the instance's `policy` resource functions and `$wit` the module
+/// of the interface's types, whichever version the instance is; a policy error comes back as
+/// the current version's.
+macro_rules! with_guest {
+    ($bindings:expr, |$guest:ident, $wit:ident| $body:expr) => {
+        match $bindings {
+            Bindings::V2(bindings) => {
+                #[allow(unused_imports, reason = "a call without types of its own")]
+                use super::bindings::evictor::exports::granary::policy::evictor as $wit;
+                let $guest = bindings.granary_policy_evictor().policy();
+                $body
+            }
+            Bindings::V1(bindings) => {
+                #[allow(unused_imports, reason = "a call without types of its own")]
+                use super::bindings::v1::evictor::exports::granary::policy::evictor as $wit;
+                let $guest = bindings.granary_policy_evictor().policy();
+                $body
+            }
+        }
+    };
 }
 
 /// The last snapshot: the order (and state) to restore a new instance with.
@@ -109,18 +143,22 @@ impl Evictor {
             return Err(Error::invalid_input("keys, sizes and next uses must be lists of one length"));
         }
         self.apply_pending_swap()?;
-        let batch = wit::Accesses { keys: keys.to_vec(), sizes: sizes.to_vec(), next_uses: next_uses.to_vec() };
         let outcome = self.run(&mut |this, live, plugin| {
             let deadline = plugin.host().limits().deadline_evict;
             let policy = live.policy;
-            let answer = live
+            let outcome = live
                 .instance
-                .call("access", deadline, |b, s| b.granary_policy_evictor().policy().call_access(s, policy, &batch))?
+                .call("access", deadline, |b, s| {
+                    with_guest!(b, |guest, wit| {
+                        let batch =
+                            wit::Accesses { keys: keys.to_vec(), sizes: sizes.to_vec(), next_uses: next_uses.to_vec() };
+                        Ok(guest.call_access(s, policy, &batch)?.map_err(policy_error).map(|answer| AccessOutcome {
+                            hits: answer.hits,
+                            evictions: answer.evictions.into_iter().map(|e| (e.before, e.key)).collect(),
+                        }))
+                    })
+                })?
                 .map_err(|e| rejected(plugin, "access", e))?;
-            let outcome = AccessOutcome {
-                hits: answer.hits,
-                evictions: answer.evictions.into_iter().map(|e| (e.before, e.key)).collect(),
-            };
             this.resident.apply(keys, sizes, &outcome).map_err(|detail| invalid(plugin, "access", detail))?;
             Ok(outcome)
         })?;
@@ -148,7 +186,7 @@ impl Evictor {
             let policy = live.policy;
             let victims = live
                 .instance
-                .call("evict", deadline, |b, s| b.granary_policy_evictor().policy().call_evict(s, policy, bytes))?;
+                .call("evict", deadline, |b, s| with_guest!(b, |guest, _wit| guest.call_evict(s, policy, bytes)))?;
             let mut freed = 0u64;
             let mut seen = HashSet::with_capacity(victims.len());
             for key in &victims {
@@ -187,7 +225,7 @@ impl Evictor {
             let deadline = plugin.host().limits().deadline_evict;
             let policy = live.policy;
             live.instance
-                .call("remove", deadline, |b, s| b.granary_policy_evictor().policy().call_remove(s, policy, &keys))
+                .call("remove", deadline, |b, s| with_guest!(b, |guest, _wit| guest.call_remove(s, policy, &keys)))
         })
     }
 
@@ -284,30 +322,30 @@ impl Evictor {
         let plugin = live.instance.plugin.clone();
         let deadline = plugin.host().limits().deadline_setup;
         let policy = live.policy;
-        let taken = live
-            .instance
-            .call("snapshot", deadline, |b, s| b.granary_policy_evictor().policy().call_snapshot(s, policy));
+        let taken = live.instance.call("snapshot", deadline, |b, s| {
+            with_guest!(b, |guest, _wit| guest.call_snapshot(s, policy).map(|snapshot| Snapshot {
+                policy: snapshot.policy,
+                order: snapshot.resident.into_iter().map(|e| (e.key, e.size)).collect(),
+                state: snapshot.state,
+            }))
+        });
         state.stats.fuel = live.instance.fuel_used;
         let snapshot = taken.map_err(Error::Plugin)?;
         // A snapshot that disagrees with the host's resident set is not used for order or state.
-        if snapshot.resident.len() != state.resident.len()
-            || !snapshot.resident.iter().all(|e| state.resident.size_of(e.key) == Some(e.size))
+        if snapshot.order.len() != state.resident.len()
+            || !snapshot.order.iter().all(|&(key, size)| state.resident.size_of(key) == Some(size))
         {
             return Err(Error::Plugin(super::invalid(
                 &plugin,
                 "snapshot",
                 format!(
                     "its snapshot lists {} objects, not the {} resident ones with their sizes",
-                    snapshot.resident.len(),
+                    snapshot.order.len(),
                     state.resident.len()
                 ),
             )));
         }
-        state.snapshot = Snapshot {
-            policy: snapshot.policy,
-            order: snapshot.resident.into_iter().map(|e| (e.key, e.size)).collect(),
-            state: snapshot.state,
-        };
+        state.snapshot = snapshot;
         state.changed_since_snapshot = false;
         Ok(())
     }
@@ -316,11 +354,11 @@ impl Evictor {
 impl State {
     /// Brings `live` to the host's resident set.
     fn restore(&self, live: &mut Live, plugin: &Plugin) -> Result<(), PluginError> {
-        let mut order: Vec<wit::Entry> = Vec::with_capacity(self.resident.len());
+        let mut order: Vec<(u64, u32)> = Vec::with_capacity(self.resident.len());
         let mut listed = HashSet::with_capacity(self.resident.len());
         for &(key, size) in &self.snapshot.order {
             if self.resident.contains(key) && listed.insert(key) {
-                order.push(wit::Entry { key, size });
+                order.push((key, size));
             }
         }
         let mut rest: Vec<(u64, u32)> = self
@@ -331,17 +369,21 @@ impl State {
             .map(|(&key, &size)| (key, size))
             .collect();
         rest.sort_unstable();
-        order.extend(rest.into_iter().map(|(key, size)| wit::Entry { key, size }));
+        order.extend(rest);
         let exact = !self.changed_since_snapshot;
-        let snapshot = wit::Snapshot {
-            policy: if exact { self.snapshot.policy.clone() } else { String::new() },
-            resident: order,
-            state: if exact { self.snapshot.state.clone() } else { Vec::new() },
-        };
         let deadline = plugin.host().limits().deadline_setup;
         let policy = live.policy;
         live.instance
-            .call("restore", deadline, |b, s| b.granary_policy_evictor().policy().call_restore(s, policy, &snapshot))?
+            .call("restore", deadline, |b, s| {
+                with_guest!(b, |guest, wit| {
+                    let snapshot = wit::Snapshot {
+                        policy: if exact { self.snapshot.policy.clone() } else { String::new() },
+                        resident: order.iter().map(|&(key, size)| wit::Entry { key, size }).collect(),
+                        state: if exact { self.snapshot.state.clone() } else { Vec::new() },
+                    };
+                    Ok(guest.call_restore(s, policy, &snapshot)?.map_err(policy_error))
+                })
+            })?
             .map_err(|e| rejected(plugin, "restore", e))
     }
 }
@@ -478,16 +520,26 @@ fn plugin_error(error: Error) -> PluginError {
 
 /// A new instance of `plugin` with an empty policy for `capacity`.
 fn instantiate(plugin: &Plugin, capacity: u64, options: &Vec<(String, String)>) -> Result<Live, Error> {
-    let super::PluginPre::Evictor(pre) = &plugin.inner.pre else {
-        return Err(Error::Plugin(PluginError::Load {
-            plugin: plugin.name().to_owned(),
-            detail: "not an evictor".to_owned(),
-        }));
-    };
+    let mut instance = match &plugin.inner.pre {
+        super::PluginPre::Evictor(pre) => {
+            super::instantiate_with(plugin, |store| pre.instantiate(store).map(Bindings::V2))
+        }
+        super::PluginPre::EvictorV1(pre) => {
+            super::instantiate_with(plugin, |store| pre.instantiate(store).map(Bindings::V1))
+        }
+        _ => {
+            return Err(Error::Plugin(PluginError::Load {
+                plugin: plugin.name().to_owned(),
+                detail: "not an evictor".to_owned(),
+            }));
+        }
+    }
+    .map_err(Error::Plugin)?;
     let deadline = plugin.host().limits().deadline_setup;
-    let mut instance = super::instantiate_with(plugin, |store| pre.instantiate(store)).map_err(Error::Plugin)?;
     let policy = instance
-        .call("create", deadline, |b, s| b.granary_policy_evictor().policy().call_create(s, capacity, options))?
+        .call("create", deadline, |b, s| {
+            with_guest!(b, |guest, _wit| Ok(guest.call_create(s, capacity, options)?.map_err(policy_error)))
+        })?
         .map_err(|e| rejected(plugin, "create", e))?;
     Ok(Live { instance, policy })
 }

@@ -38,8 +38,12 @@ pub use evictor::{AccessOutcome, Evictor, EvictorStats, ResidentSet};
 #[cfg(feature = "replication")]
 pub(crate) use keyed_cache::ShardCache;
 pub(crate) use keyed_cache::{CacheKey, KeyedCache};
-pub use partitioner::{EpochSpec, NodeInfo, Partitioner, RankInfo, RankPlan, ShardInfo};
-pub use replicator::{Holding, Placement, ReplicationMode, Replicator, Transfer, shard_key};
+pub use partitioner::{
+    EpochSpec, NodeInfo, Partitioner, RankInfo, RankMeasure, RankPlan, RebalancePoint, ShardInfo, WEIGHT_MAX,
+};
+pub use replicator::{
+    Holding, NodeSpace, Placement, ReplicationMode, Replicator, ShardGoal, ShardHeat, Transfer, shard_key,
+};
 pub use supervise::{PolicyStatus, SwapHandle};
 
 use crate::error::{Error, PluginError};
@@ -106,12 +110,8 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
-    fn export(self) -> &'static str {
-        match self {
-            Self::Partitioner => "granary:policy/partitioner@0.1.0",
-            Self::Evictor => "granary:policy/evictor@0.1.0",
-            Self::Replicator => "granary:policy/replicator@0.1.0",
-        }
+    fn export(self, version: WitVersion) -> String {
+        format!("granary:policy/{}@{}", self.name(), version.name())
     }
 
     /// The lowercase name.
@@ -120,6 +120,25 @@ impl PolicyKind {
             Self::Partitioner => "partitioner",
             Self::Evictor => "evictor",
             Self::Replicator => "replicator",
+        }
+    }
+}
+
+/// The version of the `granary:policy` package a plugin was built against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WitVersion {
+    /// `@0.1.0`: decisions from static inputs only (no `rebalance`, no `adapt`).
+    V0_1,
+    /// `@0.2.0`: adds the measured inputs (`rebalance`, `adapt`).
+    V0_2,
+}
+
+impl WitVersion {
+    /// "0.1.0" or "0.2.0".
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::V0_1 => "0.1.0",
+            Self::V0_2 => "0.2.0",
         }
     }
 }
@@ -249,13 +268,22 @@ impl PolicyHost {
             self.inner.cache.get(&self.inner.engine, bytes).map_err(|e| refuse(format!("{e:#}")))?;
         let exports: Vec<String> =
             component.component_type().exports(&self.inner.engine).map(|(name, _)| name.to_owned()).collect();
-        let kinds: Vec<PolicyKind> = [PolicyKind::Partitioner, PolicyKind::Evictor, PolicyKind::Replicator]
-            .into_iter()
-            .filter(|kind| exports.iter().any(|e| e == kind.export()))
-            .collect();
-        let kind = match kinds.as_slice() {
-            [kind] => *kind,
-            [] => return Err(refuse(format!("exports no granary policy interface (exports: {})", exports.join(", ")))),
+        let mut kinds: Vec<(PolicyKind, WitVersion)> = Vec::new();
+        for kind in [PolicyKind::Partitioner, PolicyKind::Evictor, PolicyKind::Replicator] {
+            for version in [WitVersion::V0_2, WitVersion::V0_1] {
+                if exports.iter().any(|e| *e == kind.export(version)) {
+                    kinds.push((kind, version));
+                }
+            }
+        }
+        let (kind, version) = match kinds.as_slice() {
+            [found] => *found,
+            [] => {
+                return Err(refuse(format!(
+                    "exports no granary policy interface of a version this host runs (0.1.0 or 0.2.0; exports: {})",
+                    exports.join(", ")
+                )));
+            }
             _ => return Err(refuse("exports more than one policy interface".to_owned())),
         };
         // Imports the sandbox does not offer (files, sockets, ...) fail here, before any call,
@@ -277,22 +305,33 @@ impl PolicyHost {
                 refused.join(", ")
             ))
         })?;
-        let pre = match kind {
-            PolicyKind::Partitioner => PluginPre::Partitioner(
-                bindings::partitioner::PartitionerPluginPre::new(pre).map_err(|e| refuse(format!("{e:#}")))?,
-            ),
-            PolicyKind::Evictor => {
-                PluginPre::Evictor(bindings::evictor::EvictorPluginPre::new(pre).map_err(|e| refuse(format!("{e:#}")))?)
+        let typed = |e: wasmtime::Error| refuse(format!("{e:#}"));
+        let pre = match (kind, version) {
+            (PolicyKind::Partitioner, WitVersion::V0_2) => {
+                PluginPre::Partitioner(bindings::partitioner::PartitionerPluginPre::new(pre).map_err(typed)?)
             }
-            PolicyKind::Replicator => PluginPre::Replicator(
-                bindings::replicator::ReplicatorPluginPre::new(pre).map_err(|e| refuse(format!("{e:#}")))?,
-            ),
+            (PolicyKind::Partitioner, WitVersion::V0_1) => {
+                PluginPre::PartitionerV1(bindings::v1::partitioner::PartitionerPluginPre::new(pre).map_err(typed)?)
+            }
+            (PolicyKind::Evictor, WitVersion::V0_2) => {
+                PluginPre::Evictor(bindings::evictor::EvictorPluginPre::new(pre).map_err(typed)?)
+            }
+            (PolicyKind::Evictor, WitVersion::V0_1) => {
+                PluginPre::EvictorV1(bindings::v1::evictor::EvictorPluginPre::new(pre).map_err(typed)?)
+            }
+            (PolicyKind::Replicator, WitVersion::V0_2) => {
+                PluginPre::Replicator(bindings::replicator::ReplicatorPluginPre::new(pre).map_err(typed)?)
+            }
+            (PolicyKind::Replicator, WitVersion::V0_1) => {
+                PluginPre::ReplicatorV1(bindings::v1::replicator::ReplicatorPluginPre::new(pre).map_err(typed)?)
+            }
         };
         Ok(Plugin {
             inner: Arc::new(PluginInner {
                 name: name.to_owned(),
                 id,
                 kind,
+                version,
                 pre,
                 host: self.clone(),
                 from,
@@ -319,8 +358,11 @@ fn host_error(error: &wasmtime::Error) -> Error {
 
 enum PluginPre {
     Partitioner(bindings::partitioner::PartitionerPluginPre<Sandbox>),
+    PartitionerV1(bindings::v1::partitioner::PartitionerPluginPre<Sandbox>),
     Evictor(bindings::evictor::EvictorPluginPre<Sandbox>),
+    EvictorV1(bindings::v1::evictor::EvictorPluginPre<Sandbox>),
     Replicator(bindings::replicator::ReplicatorPluginPre<Sandbox>),
+    ReplicatorV1(bindings::v1::replicator::ReplicatorPluginPre<Sandbox>),
 }
 
 /// A loaded (compiled, linked, type-checked) plugin, ready to be instantiated. Cheap to clone.
@@ -333,6 +375,7 @@ struct PluginInner {
     name: String,
     id: ObjectId,
     kind: PolicyKind,
+    version: WitVersion,
     pre: PluginPre,
     host: PolicyHost,
     from: CompiledFrom,
@@ -353,6 +396,11 @@ impl Plugin {
     /// Which policy it implements.
     pub fn kind(&self) -> PolicyKind {
         self.inner.kind
+    }
+
+    /// The version of `granary:policy` it was built against.
+    pub fn wit_version(&self) -> WitVersion {
+        self.inner.version
     }
 
     /// Whether this load compiled the plugin or found it compiled.
@@ -383,7 +431,8 @@ impl Plugin {
 
 impl std::fmt::Debug for Plugin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Plugin({} {}, {})", self.inner.kind.name(), self.inner.name, self.inner.id.short(12))
+        let (kind, name, version) = (self.inner.kind.name(), &self.inner.name, self.inner.version.name());
+        write!(f, "Plugin({kind} {name}@{version}, {})", self.inner.id.short(12))
     }
 }
 

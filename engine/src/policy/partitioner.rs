@@ -1,11 +1,55 @@
-//! The partitioner host: one call per epoch (or membership change) returns every rank's reads,
-//! checked to be a permutation of the records left in the epoch before it is used.
+//! The partitioner host: one call per epoch (or membership change, or rebalance point) returns
+//! every rank's reads, checked to be a permutation of the records left in the epoch before it
+//! is used; one call per rebalance point turns the ranks' measurements into new rank weights,
+//! checked to be one bounded weight per rank. Plugins built against `@0.1.0` plan as they did
+//! and cannot rebalance.
 
 use super::bindings::partitioner::PartitionerPlugin;
 use super::bindings::partitioner::exports::granary::policy::partitioner as wit;
+use super::bindings::v1::partitioner::PartitionerPlugin as PartitionerPluginV1;
+use super::bindings::v1::partitioner::exports::granary::policy::partitioner as wit_v1;
 use super::supervise::{PolicyStatus, Supervisor, SwapHandle};
-use super::{Instance, Plugin, PolicyKind, invalid, rejected};
+use super::{Instance, Plugin, PolicyKind, WitVersion, invalid, rejected};
 use crate::error::{Error, PluginError};
+
+/// The largest rank weight a plugin may answer (`rebalance`).
+pub const WEIGHT_MAX: u32 = 1 << 20;
+
+/// What one rank measured over the window before a rebalance point.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankMeasure {
+    /// The rank.
+    pub rank: u32,
+    /// Records its trainer took in the window.
+    pub records: u64,
+    /// Nanoseconds the trainer spent on them.
+    pub busy_nanos: u64,
+}
+
+impl RankMeasure {
+    /// Records per second (0 when nothing was measured).
+    pub fn records_per_second(&self) -> f64 {
+        if self.busy_nanos == 0 { 0.0 } else { self.records as f64 * 1e9 / self.busy_nanos as f64 }
+    }
+}
+
+/// A rebalance point: the step the new weights apply from, the weights until then (rank,
+/// weight) and each rank's measure.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RebalancePoint {
+    /// The global step.
+    pub step: u64,
+    /// (rank, weight), one per rank that is up.
+    pub weights: Vec<(u32, u32)>,
+    /// One per rank of `weights`.
+    pub measured: Vec<RankMeasure>,
+}
+
+/// A partitioner instance's bindings, of the version its plugin was built against.
+enum Bindings {
+    V2(PartitionerPlugin),
+    V1(PartitionerPluginV1),
+}
 
 /// A shard as a partitioner sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,7 +126,7 @@ impl RankPlan {
 
 /// A supervised partitioner plugin.
 pub struct Partitioner {
-    supervisor: Supervisor<Instance<PartitionerPlugin>>,
+    supervisor: Supervisor<Instance<Bindings>>,
 }
 
 impl Partitioner {
@@ -135,17 +179,83 @@ impl Partitioner {
             let options = options.to_vec();
             let plugin = instance.plugin.clone();
             let deadline = plugin.host().limits().deadline_plan;
-            let plans = instance
-                .call("plan", deadline, |b, s| {
-                    b.granary_policy_partitioner().call_plan(s, &shards, &membership, wit_epoch, &options)
+            let plans: Vec<RankPlan> = instance
+                .call("plan", deadline, |b, s| match b {
+                    Bindings::V2(b) => Ok(b
+                        .granary_policy_partitioner()
+                        .call_plan(s, &shards, &membership, wit_epoch, &options)?
+                        .map(|plans| {
+                            plans
+                                .into_iter()
+                                .map(|p| RankPlan {
+                                    rank: p.rank,
+                                    ranges: p.ranges.iter().map(|r| r.start..r.end).collect(),
+                                })
+                                .collect()
+                        })),
+                    Bindings::V1(b) => {
+                        let (shards, membership, epoch) = v1_inputs(&shards, &membership, wit_epoch);
+                        Ok(b.granary_policy_partitioner()
+                            .call_plan(s, &shards, &membership, epoch, &options)?
+                            .map_or_else(
+                                |e| Err(e.into()),
+                                |plans| {
+                                    Ok(plans
+                                        .into_iter()
+                                        .map(|p| RankPlan {
+                                            rank: p.rank,
+                                            ranges: p.ranges.iter().map(|r| r.start..r.end).collect(),
+                                        })
+                                        .collect())
+                                },
+                            ))
+                    }
                 })?
                 .map_err(|e| rejected(&plugin, "plan", e))?;
-            let plans: Vec<RankPlan> = plans
-                .into_iter()
-                .map(|p| RankPlan { rank: p.rank, ranges: p.ranges.into_iter().map(|r| r.start..r.end).collect() })
-                .collect();
             check_plan(&plans, ranks, total, epoch.start).map_err(|detail| invalid(&plugin, "plan", detail))?;
             Ok(plans)
+        })
+    }
+
+    /// Whether the plugin answering now can rebalance (it was built against `@0.2.0` or later).
+    pub fn can_rebalance(&self) -> bool {
+        self.supervisor.active_plugin().wit_version() != WitVersion::V0_1
+    }
+
+    /// New rank weights at a rebalance point, from the ranks' measures: one per rank of
+    /// `point.weights`, each in `1..=WEIGHT_MAX`, checked before they are returned. A plugin
+    /// built against `@0.1.0` has no `rebalance`: the call fails, naming it.
+    pub fn rebalance(&mut self, point: &RebalancePoint) -> Result<Vec<(u32, u32)>, Error> {
+        check_point(point)?;
+        if let Some((plugin, options)) = self.supervisor.take_pending() {
+            self.swap(plugin, &options)?;
+        }
+        let wit_point = wit::RebalancePoint {
+            step: point.step,
+            weights: point.weights.iter().map(|&(rank, weight)| wit::RankWeight { rank, weight }).collect(),
+            measured: point
+                .measured
+                .iter()
+                .map(|m| wit::RankMeasure { rank: m.rank, records: m.records, busy_nanos: m.busy_nanos })
+                .collect(),
+        };
+        self.supervisor.run(&mut |plugin, _| instantiate(plugin), &mut |instance, _, options| {
+            let options = options.to_vec();
+            let plugin = instance.plugin.clone();
+            let deadline = plugin.host().limits().deadline_plan;
+            let weights = instance
+                .call("rebalance", deadline, |b, s| match b {
+                    Bindings::V2(b) => b.granary_policy_partitioner().call_rebalance(s, &wit_point, &options),
+                    // Callers ask `can_rebalance` first; this answer is for one that did not.
+                    Bindings::V1(_) => Ok(Err(super::bindings::WitPolicyError::Unsupported(
+                        "it is built against granary:policy@0.1.0, which has no rebalance; rebuild it against 0.2.0"
+                            .to_owned(),
+                    ))),
+                })?
+                .map_err(|e| rejected(&plugin, "rebalance", e))?;
+            let weights: Vec<(u32, u32)> = weights.into_iter().map(|w| (w.rank, w.weight)).collect();
+            check_weights(&weights, point).map_err(|detail| invalid(&plugin, "rebalance", detail))?;
+            Ok(weights)
         })
     }
 
@@ -167,6 +277,63 @@ impl Partitioner {
     pub fn status(&self) -> PolicyStatus {
         self.supervisor.status()
     }
+}
+
+fn v1_inputs(
+    shards: &[wit::Shard],
+    membership: &wit::Membership,
+    epoch: wit::Epoch,
+) -> (Vec<wit_v1::Shard>, wit_v1::Membership, wit_v1::Epoch) {
+    let shards = shards
+        .iter()
+        .map(|s| wit_v1::Shard { id: s.id.clone(), bytes: s.bytes, records: s.records, replicas: s.replicas.clone() })
+        .collect();
+    let membership = wit_v1::Membership {
+        ranks: membership
+            .ranks
+            .iter()
+            .map(|r| wit_v1::Rank { id: r.id, node: r.node, weight: r.weight, up: r.up })
+            .collect(),
+        nodes: membership.nodes.iter().map(Into::into).collect(),
+    };
+    let epoch =
+        wit_v1::Epoch { seed: epoch.seed, epoch: epoch.epoch, batch_size: epoch.batch_size, start: epoch.start };
+    (shards, membership, epoch)
+}
+
+fn check_point(point: &RebalancePoint) -> Result<(), Error> {
+    let mut ranks: Vec<u32> = point.weights.iter().map(|&(rank, _)| rank).collect();
+    ranks.sort_unstable();
+    if ranks.is_empty() || ranks.windows(2).any(|w| w[0] == w[1]) {
+        return Err(Error::invalid_input("a rebalance point needs one weight per rank, each rank once"));
+    }
+    let mut measured: Vec<u32> = point.measured.iter().map(|m| m.rank).collect();
+    measured.sort_unstable();
+    if measured != ranks {
+        return Err(Error::invalid_input("a rebalance point needs one measure per rank of its weights"));
+    }
+    Ok(())
+}
+
+/// One weight per rank of the point, each in `1..=WEIGHT_MAX`.
+fn check_weights(weights: &[(u32, u32)], point: &RebalancePoint) -> Result<(), String> {
+    if weights.len() != point.weights.len() {
+        return Err(format!("{} weights for {} ranks", weights.len(), point.weights.len()));
+    }
+    for &(rank, weight) in weights {
+        if !point.weights.iter().any(|&(r, _)| r == rank) {
+            return Err(format!("rank {rank} is not one of the point's ranks"));
+        }
+        if weight == 0 || weight > WEIGHT_MAX {
+            return Err(format!("rank {rank}: weight {weight} is not in 1..={WEIGHT_MAX}"));
+        }
+    }
+    let mut ranks: Vec<u32> = weights.iter().map(|&(rank, _)| rank).collect();
+    ranks.sort_unstable();
+    if ranks.windows(2).any(|w| w[0] == w[1]) {
+        return Err("a rank has two weights".to_owned());
+    }
+    Ok(())
 }
 
 fn check_input(ranks: &[RankInfo]) -> Result<(), Error> {
@@ -223,9 +390,14 @@ pub(crate) fn check_plan(plans: &[RankPlan], ranks: &[RankInfo], total: u64, sta
     Ok(())
 }
 
-fn instantiate(plugin: &Plugin) -> Result<Instance<PartitionerPlugin>, PluginError> {
-    let super::PluginPre::Partitioner(pre) = &plugin.inner.pre else {
-        return Err(PluginError::Load { plugin: plugin.name().to_owned(), detail: "not a partitioner".to_owned() });
-    };
-    super::instantiate_with(plugin, |store| pre.instantiate(store))
+fn instantiate(plugin: &Plugin) -> Result<Instance<Bindings>, PluginError> {
+    match &plugin.inner.pre {
+        super::PluginPre::Partitioner(pre) => {
+            super::instantiate_with(plugin, |store| pre.instantiate(store).map(Bindings::V2))
+        }
+        super::PluginPre::PartitionerV1(pre) => {
+            super::instantiate_with(plugin, |store| pre.instantiate(store).map(Bindings::V1))
+        }
+        _ => Err(PluginError::Load { plugin: plugin.name().to_owned(), detail: "not a partitioner".to_owned() }),
+    }
 }

@@ -1,14 +1,57 @@
 //! The replicator host: a placement table per topology (the host looks shards up in it
-//! natively), and repair plans after membership changes, both checked before use.
+//! natively), repair plans after membership changes, and per-shard goals from measured reads
+//! and space (`adapt`), all checked before use. A plugin built against `@0.1.0` has no `adapt`:
+//! it answers no goals, and every shard keeps the table's placement.
 
 use std::collections::{HashMap, HashSet};
 
 use super::bindings::replicator::ReplicatorPlugin;
 use super::bindings::replicator::exports::granary::policy::replicator as wit;
+use super::bindings::v1::replicator::ReplicatorPlugin as ReplicatorPluginV1;
+use super::bindings::v1::replicator::exports::granary::policy::replicator as wit_v1;
 use super::partitioner::NodeInfo;
 use super::supervise::{PolicyStatus, Supervisor, SwapHandle};
 use super::{Instance, Plugin, PolicyKind, invalid, rejected};
 use crate::error::{Error, PluginError};
+
+/// A replicator instance's bindings, of the version its plugin was built against.
+enum Bindings {
+    V2(ReplicatorPlugin),
+    V1(ReplicatorPluginV1),
+}
+
+/// A shard as the job reads it: the input of `adapt`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardHeat {
+    /// The shard key.
+    pub key: u64,
+    /// Bytes of the shard file.
+    pub bytes: u64,
+    /// Reads of its records over the window, summed over the nodes.
+    pub reads: u64,
+    /// Nodes holding a copy now.
+    pub holders: Vec<u32>,
+}
+
+/// A node's free space, as it last reported it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeSpace {
+    /// The node.
+    pub id: u32,
+    /// Bytes its store may still take.
+    pub free_bytes: u64,
+}
+
+/// Where one shard's copies should be, when not where the table puts them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardGoal {
+    /// The shard key.
+    pub key: u64,
+    /// The nodes that should hold a copy, most preferred first (distinct, up).
+    pub nodes: Vec<u32>,
+    /// How its copies are confirmed.
+    pub mode: ReplicationMode,
+}
 
 /// Whether an ingest waits for its copies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +112,7 @@ pub struct Transfer {
 
 /// A supervised replicator plugin.
 pub struct Replicator {
-    supervisor: Supervisor<Instance<ReplicatorPlugin>>,
+    supervisor: Supervisor<Instance<Bindings>>,
 }
 
 fn wit_nodes(nodes: &[NodeInfo]) -> Vec<super::bindings::WitNode> {
@@ -105,16 +148,28 @@ impl Replicator {
             let plugin = instance.plugin.clone();
             let deadline = plugin.host().limits().deadline_replicate;
             let placement = instance
-                .call("place", deadline, |b, s| {
-                    b.granary_policy_replicator().call_place(s, &wit_nodes, replicas, &options)
+                .call("place", deadline, |b, s| match b {
+                    Bindings::V2(b) => Ok(b
+                        .granary_policy_replicator()
+                        .call_place(s, &wit_nodes, replicas, &options)?
+                        .map(|p| Placement { mode: p.mode.into(), buckets: p.buckets })),
+                    Bindings::V1(b) => {
+                        let nodes: Vec<_> = wit_nodes.iter().map(Into::into).collect();
+                        Ok(b.granary_policy_replicator().call_place(s, &nodes, replicas, &options)?.map_or_else(
+                            |e| Err(e.into()),
+                            |p| {
+                                let mode = match p.mode {
+                                    wit_v1::Mode::Synchronous => ReplicationMode::Synchronous,
+                                    wit_v1::Mode::Asynchronous => ReplicationMode::Asynchronous,
+                                };
+                                Ok(Placement { mode, buckets: p.buckets })
+                            },
+                        ))
+                    }
                 })?
                 .map_err(|e| rejected(&plugin, "place", e))?;
             check_placement(&placement.buckets, nodes, replicas).map_err(|detail| invalid(&plugin, "place", detail))?;
-            let mode = match placement.mode {
-                wit::Mode::Synchronous => ReplicationMode::Synchronous,
-                wit::Mode::Asynchronous => ReplicationMode::Asynchronous,
-            };
-            Ok(Placement { mode, buckets: placement.buckets })
+            Ok(placement)
         })
     }
 
@@ -124,21 +179,88 @@ impl Replicator {
     pub fn repair(&mut self, nodes: &[NodeInfo], replicas: u32, holdings: &[Holding]) -> Result<Vec<Transfer>, Error> {
         check_nodes(nodes)?;
         let wit_nodes = wit_nodes(nodes);
-        let wit_holdings: Vec<wit::Holding> =
-            holdings.iter().map(|h| wit::Holding { key: h.key, nodes: h.nodes.clone() }).collect();
         self.supervisor.run(&mut |plugin, _| instantiate(plugin), &mut |instance, _, options| {
             let options = options.to_vec();
             let plugin = instance.plugin.clone();
             let deadline = plugin.host().limits().deadline_replicate;
             let transfers = instance
-                .call("repair", deadline, |b, s| {
-                    b.granary_policy_replicator().call_repair(s, &wit_nodes, replicas, &wit_holdings, &options)
+                .call("repair", deadline, |b, s| match b {
+                    Bindings::V2(b) => {
+                        let holdings: Vec<wit::Holding> =
+                            holdings.iter().map(|h| wit::Holding { key: h.key, nodes: h.nodes.clone() }).collect();
+                        Ok(b.granary_policy_replicator()
+                            .call_repair(s, &wit_nodes, replicas, &holdings, &options)?
+                            .map(|transfers| {
+                                transfers
+                                    .into_iter()
+                                    .map(|t| Transfer { key: t.key, source: t.source, target: t.target })
+                                    .collect::<Vec<_>>()
+                            }))
+                    }
+                    Bindings::V1(b) => {
+                        let nodes: Vec<_> = wit_nodes.iter().map(Into::into).collect();
+                        let holdings: Vec<wit_v1::Holding> =
+                            holdings.iter().map(|h| wit_v1::Holding { key: h.key, nodes: h.nodes.clone() }).collect();
+                        Ok(b.granary_policy_replicator()
+                            .call_repair(s, &nodes, replicas, &holdings, &options)?
+                            .map_or_else(
+                                |e| Err(e.into()),
+                                |transfers| {
+                                    Ok(transfers
+                                        .into_iter()
+                                        .map(|t| Transfer { key: t.key, source: t.source, target: t.target })
+                                        .collect())
+                                },
+                            ))
+                    }
                 })?
                 .map_err(|e| rejected(&plugin, "repair", e))?;
-            let transfers: Vec<Transfer> =
-                transfers.into_iter().map(|t| Transfer { key: t.key, source: t.source, target: t.target }).collect();
             check_transfers(&transfers, nodes, holdings).map_err(|detail| invalid(&plugin, "repair", detail))?;
             Ok(transfers)
+        })
+    }
+
+    /// Per-shard goals from the shards' reads over a window and the nodes' space; checked: each
+    /// names a shard it was told about, once, and distinct nodes that are up. A plugin built
+    /// against `@0.1.0` answers none.
+    pub fn adapt(
+        &mut self,
+        nodes: &[NodeInfo],
+        space: &[NodeSpace],
+        replicas: u32,
+        shards: &[ShardHeat],
+    ) -> Result<Vec<ShardGoal>, Error> {
+        check_nodes(nodes)?;
+        if let Some((plugin, options)) = self.supervisor.take_pending() {
+            self.swap(plugin, &options)?;
+        }
+        let wit_nodes = wit_nodes(nodes);
+        let wit_space: Vec<wit::NodeSpace> =
+            space.iter().map(|n| wit::NodeSpace { id: n.id, free_bytes: n.free_bytes }).collect();
+        let wit_shards: Vec<wit::ShardHeat> = shards
+            .iter()
+            .map(|h| wit::ShardHeat { key: h.key, bytes: h.bytes, reads: h.reads, holders: h.holders.clone() })
+            .collect();
+        self.supervisor.run(&mut |plugin, _| instantiate(plugin), &mut |instance, _, options| {
+            let options = options.to_vec();
+            let plugin = instance.plugin.clone();
+            let deadline = plugin.host().limits().deadline_replicate;
+            let goals = instance
+                .call("adapt", deadline, |b, s| match b {
+                    Bindings::V2(b) => Ok(b
+                        .granary_policy_replicator()
+                        .call_adapt(s, &wit_nodes, &wit_space, replicas, &wit_shards, &options)?
+                        .map(|goals| {
+                            goals
+                                .into_iter()
+                                .map(|g| ShardGoal { key: g.key, nodes: g.nodes, mode: g.mode.into() })
+                                .collect::<Vec<_>>()
+                        })),
+                    Bindings::V1(_) => Ok(Ok(Vec::new())),
+                })?
+                .map_err(|e| rejected(&plugin, "adapt", e))?;
+            check_goals(&goals, nodes, shards).map_err(|detail| invalid(&plugin, "adapt", detail))?;
+            Ok(goals)
         })
     }
 
@@ -210,9 +332,48 @@ pub(crate) fn check_transfers(transfers: &[Transfer], nodes: &[NodeInfo], holdin
     Ok(())
 }
 
-fn instantiate(plugin: &Plugin) -> Result<Instance<ReplicatorPlugin>, PluginError> {
-    let super::PluginPre::Replicator(pre) = &plugin.inner.pre else {
-        return Err(PluginError::Load { plugin: plugin.name().to_owned(), detail: "not a replicator".to_owned() });
-    };
-    super::instantiate_with(plugin, |store| pre.instantiate(store))
+pub(crate) fn check_goals(goals: &[ShardGoal], nodes: &[NodeInfo], shards: &[ShardHeat]) -> Result<(), String> {
+    let up: HashSet<u32> = nodes.iter().filter(|n| n.up).map(|n| n.id).collect();
+    let known: HashSet<u64> = shards.iter().map(|h| h.key).collect();
+    let mut seen = HashSet::new();
+    for goal in goals {
+        if !known.contains(&goal.key) {
+            return Err(format!("shard {:#x} is not one of the shards asked about", goal.key));
+        }
+        if !seen.insert(goal.key) {
+            return Err(format!("shard {:#x} has two goals", goal.key));
+        }
+        if goal.nodes.is_empty() || goal.nodes.len() > nodes.len() {
+            return Err(format!("shard {:#x}: {} nodes named", goal.key, goal.nodes.len()));
+        }
+        let distinct: HashSet<&u32> = goal.nodes.iter().collect();
+        if distinct.len() != goal.nodes.len() {
+            return Err(format!("shard {:#x} names a node twice", goal.key));
+        }
+        if let Some(node) = goal.nodes.iter().find(|n| !up.contains(n)) {
+            return Err(format!("shard {:#x} names node {node}, which is not up", goal.key));
+        }
+    }
+    Ok(())
+}
+
+impl From<wit::Mode> for ReplicationMode {
+    fn from(mode: wit::Mode) -> Self {
+        match mode {
+            wit::Mode::Synchronous => Self::Synchronous,
+            wit::Mode::Asynchronous => Self::Asynchronous,
+        }
+    }
+}
+
+fn instantiate(plugin: &Plugin) -> Result<Instance<Bindings>, PluginError> {
+    match &plugin.inner.pre {
+        super::PluginPre::Replicator(pre) => {
+            super::instantiate_with(plugin, |store| pre.instantiate(store).map(Bindings::V2))
+        }
+        super::PluginPre::ReplicatorV1(pre) => {
+            super::instantiate_with(plugin, |store| pre.instantiate(store).map(Bindings::V1))
+        }
+        _ => Err(PluginError::Load { plugin: plugin.name().to_owned(), detail: "not a replicator".to_owned() }),
+    }
 }

@@ -1,5 +1,8 @@
 //! The plugin kit's simulations: what `granary plugin sim` runs and prints.
 
+mod rebalance;
+pub use rebalance::{EpochRun, RECORDS_MAX, RebalanceOutcome, RebalanceSim, Straggler, rebalance};
+
 use std::collections::HashSet;
 use std::ops::Range;
 use std::time::{Duration, Instant};

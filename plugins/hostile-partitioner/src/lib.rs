@@ -2,7 +2,9 @@
 //! twice), `out-of-range` (past the last record), `missing` (drops a record), `down-rank`
 //! (gives records to a rank that is down), `unknown-rank`, `empty-range`, `valid` (every record
 //! to the first rank that is up, in order). Without the option it drops a record, so it fails
-//! `plugin check`.
+//! `plugin check`. Its `rebalance` answers by option `rebalance`: `zero` (a weight of 0),
+//! `huge` (a weight above 2^20), `missing` (a rank left out), `twice` (a rank twice), `loop`;
+//! otherwise the weights it was given.
 #![cfg(target_arch = "wasm32")]
 
 use granary_policy_sdk::partitioner_bindings::exports::granary::policy::partitioner as wit;
@@ -37,6 +39,30 @@ impl wit::Guest for Plugin {
             "empty-range" => vec![plan(first_up, vec![range(epoch.start, epoch.start), range(epoch.start, total)])],
             _ => vec![plan(first_up, vec![range(epoch.start, total)])],
         })
+    }
+
+    fn rebalance(
+        point: wit::RebalancePoint,
+        options: Vec<(String, String)>,
+    ) -> Result<Vec<wit::RankWeight>, PolicyError> {
+        let behave = options.iter().find(|(k, _)| k == "rebalance").map_or("same", |(_, v)| v.as_str());
+        let mut weights = point.weights;
+        match behave {
+            "loop" => loop {
+                std::hint::black_box(());
+            },
+            "zero" => weights[0].weight = 0,
+            "huge" => weights[0].weight = (1 << 20) + 1,
+            "missing" => {
+                weights.pop();
+            }
+            "twice" => {
+                let first = weights[0];
+                weights.push(first);
+            }
+            _ => {}
+        }
+        Ok(weights)
     }
 }
 

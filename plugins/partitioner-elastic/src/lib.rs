@@ -7,9 +7,11 @@
 //! - `mode=global` (default): the chunks are put in a seeded order that depends only on the
 //!   dataset, the seed and the epoch, never on the world. Steps of `ranks x batch-size`
 //!   positions of that order are cut into one contiguous slice per rank that is up, in rank
-//!   order (a short last step is split as evenly as possible), so concatenating the ranks' reads
-//!   step by step gives the global order for any world size, and planning from a global
-//!   position `start` covers exactly the rest of the epoch. Rank weights are not used.
+//!   order, so concatenating the ranks' reads step by step gives the global order for any world
+//!   size and any weights, and planning from a global position `start` covers exactly the rest
+//!   of the epoch. A step is split by the ranks' weights (`step_shares`: equal weights give each
+//!   rank `batch-size`, and a short last step as evenly as possible); the order itself never
+//!   depends on them.
 //!   With `window-shards=W` (W >= 1; default 0, off) the order is windowed for a cache that
 //!   holds about W shards: the shards are put in a seeded order, and each chunk of the shard at
 //!   position `p` of it gets a seeded key in `[p, p + W)`; the chunks are read in key order. A
@@ -21,9 +23,16 @@
 //!   so shares follow the rank weights and a change of membership moves only the chunks of the
 //!   ranks that came or went. With `locality=true`, a chunk goes to a rank whose node holds a
 //!   replica of its shard when one is up. Each rank reads its chunks in a seeded order.
+//!
+//! `rebalance` (global mode) turns each rank's measured throughput (records over busy time)
+//! into weights proportional to it, bounded: a rank's share of a step changes by at most the
+//! factor `max-change` (default 2) per rebalance point, so one bad window cannot starve a rank.
+//! A rank that measured nothing keeps its share.
 
 use granary_policy_sdk::hash::{Permutation, key_of, mix, rendezvous_score};
-use granary_policy_sdk::partition::{Epoch, Node, Partitioner, Rank, RankPlan, Shard};
+use granary_policy_sdk::partition::{
+    Epoch, Node, Partitioner, Rank, RankPlan, RebalancePoint, Shard, WEIGHT_MAX, step_shares,
+};
 use granary_policy_sdk::{Error, Options};
 
 /// The elastic partitioner.
@@ -64,7 +73,7 @@ impl Partitioner for Elastic {
         epoch: Epoch,
         options: &Options,
     ) -> Result<Vec<RankPlan>, Error> {
-        options.allow_only(&["mode", "chunk-records", "locality", "window-shards"])?;
+        options.allow_only(OPTIONS)?;
         let chunk_records: u64 = options.parse("chunk-records", 1)?;
         let locality: bool = options.parse("locality", false)?;
         let window: u64 = options.parse("window-shards", 0)?;
@@ -86,6 +95,72 @@ impl Partitioner for Elastic {
             "affinity" => affinity(&chunks, shards, &up, nodes, epoch, locality),
             other => Err(Error::InvalidInput(format!("unknown mode {other:?} (global or affinity)"))),
         }
+    }
+
+    fn rebalance(point: &RebalancePoint, options: &Options) -> Result<Vec<(u32, u32)>, Error> {
+        Self::rebalance_weights(point, options)
+    }
+}
+
+const OPTIONS: &[&str] = &["mode", "chunk-records", "locality", "window-shards", "max-change"];
+
+/// The weight of the heaviest rank after a rebalance: weights are relative, and this scale
+/// leaves room for a 2^16 : 1 spread with integer weights.
+const WEIGHT_SCALE: f64 = 65_536.0;
+
+impl Elastic {
+    /// See the module documentation.
+    fn rebalance_weights(point: &RebalancePoint, options: &Options) -> Result<Vec<(u32, u32)>, Error> {
+        options.allow_only(OPTIONS)?;
+        if options.get("mode").unwrap_or("global") != "global" {
+            return Err(Error::Unsupported("rebalancing splits the steps of mode=global by weight".into()));
+        }
+        let max_change: f64 = options.parse("max-change", 2.0)?;
+        if !(1.0..=1e6).contains(&max_change) {
+            return Err(Error::InvalidInput("max-change must be a factor in 1..=1000000".into()));
+        }
+        let total: f64 = point.weights.iter().map(|&(_, w)| f64::from(w)).sum();
+        if total <= 0.0 {
+            return Err(Error::InvalidInput("every weight is 0".into()));
+        }
+        let rate = |rank: u32| {
+            point
+                .measured
+                .iter()
+                .find(|m| m.rank == rank && m.records > 0 && m.busy_nanos > 0)
+                .map(|m| m.records as f64 / m.busy_nanos as f64)
+        };
+        // Shares now; the measured ranks' total share is spread over them by throughput.
+        let share: Vec<f64> = point.weights.iter().map(|&(_, w)| f64::from(w) / total).collect();
+        let (mut measured_share, mut measured_rate) = (0.0, 0.0);
+        for (i, &(rank, _)) in point.weights.iter().enumerate() {
+            if let Some(r) = rate(rank) {
+                measured_share += share[i];
+                measured_rate += r;
+            }
+        }
+        // Each weight moves by at most sqrt(max-change): after renormalising, a share moves by
+        // at most max-change.
+        let bound = max_change.sqrt();
+        let raw: Vec<f64> = point
+            .weights
+            .iter()
+            .enumerate()
+            .map(|(i, &(rank, _))| match rate(rank) {
+                Some(r) if measured_rate > 0.0 => {
+                    let target = measured_share * r / measured_rate;
+                    share[i] * (target / share[i]).clamp(1.0 / bound, bound)
+                }
+                _ => share[i],
+            })
+            .collect();
+        let heaviest = raw.iter().copied().fold(0.0, f64::max);
+        Ok(point
+            .weights
+            .iter()
+            .zip(raw)
+            .map(|(&(rank, _), w)| (rank, ((w / heaviest * WEIGHT_SCALE).round() as u32).clamp(1, WEIGHT_MAX)))
+            .collect())
     }
 }
 
@@ -134,14 +209,16 @@ fn global(order: &[Chunk], up: &[Rank], epoch: Epoch) -> Vec<RankPlan> {
     let mut plans: Vec<RankPlan> = up.iter().map(|r| RankPlan { rank: r.id, ranges: Vec::new() }).collect();
     let world = up.len() as u64;
     let batch = epoch.batch_size.max(1);
+    let weights: Vec<u32> = up.iter().map(|r| r.weight).collect();
+    let full_shares = step_shares(world * batch, &weights);
     let mut cursor = epoch.start.min(total);
     let mut j = ends.partition_point(|&end| end <= cursor);
     while cursor < total {
         let step = (world * batch).min(total - cursor);
-        let (base, extra) = if step == world * batch { (batch, 0) } else { (step / world, step % world) };
+        let short_shares = if step < world * batch { step_shares(step, &weights) } else { Vec::new() };
+        let shares = if step < world * batch { &short_shares } else { &full_shares };
         for (r, plan) in plans.iter_mut().enumerate() {
-            let r = r as u64;
-            let len = base + u64::from(r < extra);
+            let len = shares[r];
             let (mut from, to) = (cursor, cursor + len);
             cursor = to;
             while from < to {

@@ -21,7 +21,7 @@ mod partitioner {
     use std::marker::PhantomData;
 
     use super::*;
-    use crate::partition::{Epoch, Node, Partitioner, Rank, Shard};
+    use crate::partition::{Epoch, Node, Partitioner, Rank, RankMeasure, RebalancePoint, Shard};
     use crate::partitioner_bindings::exports::granary::policy::partitioner as wit;
     use crate::partitioner_bindings::granary::policy::types::PolicyError;
 
@@ -58,6 +58,23 @@ mod partitioner {
                     ranges: plan.ranges.into_iter().map(|(start, end)| wit::RecordRange { start, end }).collect(),
                 })
                 .collect())
+        }
+
+        fn rebalance(
+            point: wit::RebalancePoint,
+            options: Vec<(String, String)>,
+        ) -> Result<Vec<wit::RankWeight>, PolicyError> {
+            let point = RebalancePoint {
+                step: point.step,
+                weights: point.weights.iter().map(|w| (w.rank, w.weight)).collect(),
+                measured: point
+                    .measured
+                    .iter()
+                    .map(|m| RankMeasure { rank: m.rank, records: m.records, busy_nanos: m.busy_nanos })
+                    .collect(),
+            };
+            let weights = P::rebalance(&point, &Options(options))?;
+            Ok(weights.into_iter().map(|(rank, weight)| wit::RankWeight { rank, weight }).collect())
         }
     }
 }
@@ -134,7 +151,7 @@ mod replicator {
     use std::marker::PhantomData;
 
     use super::*;
-    use crate::replicate::{Holding, Mode, Node, Replicator};
+    use crate::replicate::{Holding, Mode, Node, NodeSpace, Replicator, ShardHeat};
     use crate::replicator_bindings::exports::granary::policy::replicator as wit;
     use crate::replicator_bindings::granary::policy::types::{Node as WitNode, PolicyError};
 
@@ -154,11 +171,7 @@ mod replicator {
             options: Vec<(String, String)>,
         ) -> Result<wit::Placement, PolicyError> {
             let placement = P::place(&nodes(&nodes_in), replicas, &Options(options))?;
-            let mode = match placement.mode {
-                Mode::Sync => wit::Mode::Synchronous,
-                Mode::Async => wit::Mode::Asynchronous,
-            };
-            Ok(wit::Placement { mode, buckets: placement.buckets })
+            Ok(wit::Placement { mode: mode(placement.mode), buckets: placement.buckets })
         }
 
         fn repair(
@@ -173,6 +186,30 @@ mod replicator {
                 .into_iter()
                 .map(|t| wit::Transfer { key: t.key, source: t.source, target: t.target })
                 .collect())
+        }
+
+        fn adapt(
+            nodes_in: Vec<WitNode>,
+            space: Vec<wit::NodeSpace>,
+            replicas: u32,
+            shards: Vec<wit::ShardHeat>,
+            options: Vec<(String, String)>,
+        ) -> Result<Vec<wit::ShardGoal>, PolicyError> {
+            let space: Vec<NodeSpace> =
+                space.iter().map(|n| NodeSpace { id: n.id, free_bytes: n.free_bytes }).collect();
+            let shards: Vec<ShardHeat> = shards
+                .into_iter()
+                .map(|h| ShardHeat { key: h.key, bytes: h.bytes, reads: h.reads, holders: h.holders })
+                .collect();
+            let goals = P::adapt(&nodes(&nodes_in), &space, replicas, &shards, &Options(options))?;
+            Ok(goals.into_iter().map(|g| wit::ShardGoal { key: g.key, nodes: g.nodes, mode: mode(g.mode) }).collect())
+        }
+    }
+
+    fn mode(mode: Mode) -> wit::Mode {
+        match mode {
+            Mode::Sync => wit::Mode::Synchronous,
+            Mode::Async => wit::Mode::Asynchronous,
         }
     }
 }

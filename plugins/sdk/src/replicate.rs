@@ -50,6 +50,39 @@ pub struct Transfer {
     pub target: u32,
 }
 
+/// A node's free space, as it last reported it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeSpace {
+    /// The node.
+    pub id: u32,
+    /// Bytes its store may still take.
+    pub free_bytes: u64,
+}
+
+/// A shard as the job reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardHeat {
+    /// The shard's key.
+    pub key: u64,
+    /// Bytes of the shard file.
+    pub bytes: u64,
+    /// Reads of its records over the last window, summed over the nodes.
+    pub reads: u64,
+    /// Nodes that hold a copy now.
+    pub holders: Vec<u32>,
+}
+
+/// Where one shard's copies should be, when not where the table puts them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardGoal {
+    /// The shard's key.
+    pub key: u64,
+    /// The nodes that should hold a copy, most preferred first.
+    pub nodes: Vec<u32>,
+    /// Sync for a core shard, async for the rest.
+    pub mode: Mode,
+}
+
 /// A replication policy.
 pub trait Replicator: 'static {
     /// The placement table for these nodes.
@@ -71,5 +104,18 @@ pub trait Replicator: 'static {
             }
         }
         Ok(transfers)
+    }
+
+    /// Per-shard goals from read counts and free space; by default none (every shard keeps the
+    /// table's placement).
+    fn adapt(
+        nodes: &[Node],
+        space: &[NodeSpace],
+        replicas: u32,
+        shards: &[ShardHeat],
+        options: &Options,
+    ) -> Result<Vec<ShardGoal>, Error> {
+        let _ = (nodes, space, replicas, shards, options);
+        Ok(Vec::new())
     }
 }
