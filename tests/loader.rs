@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use granary::io::{AlignedBuf, Fault};
-use granary::loader::{LoadedBatch, Loader, LoaderConfig, PlanSource, Target};
+use granary::loader::{LoadedBatch, Loader, LoaderConfig, PlanSource, RebalanceState, Target};
 use granary::{Backend, Dataset, EpochPlan, Granary, IoConfig, Order, Position, RankCursor, VersionSpec, World};
 
 /// Tests here count memory mappings process-wide: one at a time.
@@ -278,6 +278,27 @@ fn bad_configurations_are_errors() {
     let mut loader = Loader::new(Arc::clone(&fx.dataset), small, Position::default()).unwrap();
     let error = loader.next().unwrap().err().expect("a batch larger than the staging buffer");
     assert!(error.to_string().contains("staging buffer"), "{error}");
+    // Rebalancing needs a plugin's plan, an exchange for more than one rank, and a plugin that
+    // can rebalance (built against granary:policy@0.2.0).
+    let every = |exchange| Some(granary::loader::RebalanceConfig::every(10, exchange));
+    let native =
+        LoaderConfig { rebalance: every(None), ..config(PlanSource::Native(Order::Shuffled), World::single()) };
+    let elastic = || PlanSource::Partitioner { plugin: None, options: Vec::new() };
+    let alone = LoaderConfig { rebalance: every(None), ..config(elastic(), World::new(0, 2).unwrap()) };
+    let old_plugin =
+        env!("CARGO_MANIFEST_DIR").to_owned() + "/../tests/fixtures/plugins-0.1.0/partitioner_elastic.wasm";
+    let old = LoaderConfig {
+        rebalance: every(None),
+        ..config(PlanSource::Partitioner { plugin: Some(old_plugin), options: Vec::new() }, World::single())
+    };
+    for (config, expected) in [(native, "native order"), (alone, "exchange"), (old, "0.1.0")] {
+        // A refusal at construction or as the stream's first item.
+        let error = match Loader::new(Arc::clone(&fx.dataset), config, Position::default()) {
+            Err(error) => error,
+            Ok(mut loader) => loader.next().unwrap().err().expect("refused"),
+        };
+        assert!(error.to_string().contains(expected), "{error}");
+    }
 }
 
 #[test]
@@ -318,4 +339,144 @@ fn the_loader_bench_prints_its_table_at_a_small_scale() {
         !refused.status.success() && err.contains("possible values: random, sequential, block, warm, step"),
         "{err}"
     );
+}
+
+/// A job of `world` ranks rebalanced every `every` steps, rank `slow` taking `slow_us` per record.
+#[derive(Clone, Copy)]
+struct Job {
+    world: u32,
+    every: u64,
+    slow: u32,
+    slow_us: u64,
+}
+
+/// One rank's batches (indices, the position after, the weights) and its last state.
+type RankRun = (Vec<(Vec<u64>, Position, Vec<u32>)>, Option<RebalanceState>);
+
+/// Runs `world` ranks of a rebalancing loader as threads, rank `slow` sleeping `slow_us` per
+/// record of a batch (the others 40 us), each from `starts[rank]`; returns each rank's batches (indices, the
+/// position after, the weights it was cut with) and its loader's state after `stop_after`
+/// batches when given (the run stops there).
+fn run_ranks(
+    dataset: &Arc<Dataset>,
+    job: Job,
+    starts: &[(Position, Option<RebalanceState>)],
+    stop_after: Option<usize>,
+    registry: &granary::metrics::Registry,
+) -> Vec<RankRun> {
+    let Job { world, every, slow, slow_us } = job;
+    let exchange: Arc<dyn granary::loader::MeasureExchange> =
+        granary::loader::LocalExchange::new(world, Duration::from_secs(30));
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let dataset = Arc::clone(dataset);
+            let exchange = Arc::clone(&exchange);
+            let (start, resume) = starts[rank as usize].clone();
+            let registry = registry.clone();
+            std::thread::spawn(move || {
+                let mut rebalance = granary::loader::RebalanceConfig::every(every, Some(exchange));
+                rebalance.lead = 2;
+                rebalance.resume = resume;
+                let config = LoaderConfig {
+                    epochs: Some(1),
+                    rebalance: Some(rebalance),
+                    metrics: granary::metrics::Setting::Registry(registry),
+                    ..config(
+                        PlanSource::Partitioner { plugin: None, options: Vec::new() },
+                        World::new(rank, world).unwrap(),
+                    )
+                };
+                let mut loader = Loader::new(dataset, config, start).unwrap();
+                let mut batches = Vec::new();
+                while let Some(batch) = loader.next() {
+                    let batch = batch.unwrap();
+                    let weights = batch.weights().map(|w| w.weights.clone()).unwrap_or_default();
+                    let per_record = if rank == slow { slow_us } else { 40 };
+                    batches.push((batch.indices().to_vec(), batch.position(), weights));
+                    std::thread::sleep(Duration::from_micros(per_record * batch.len() as u64));
+                    drop(batch);
+                    if stop_after == Some(batches.len()) {
+                        return (batches, loader.rebalance_state());
+                    }
+                }
+                (batches, loader.rebalance_state())
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+#[test]
+fn a_slow_rank_gets_a_smaller_share_at_the_next_point_and_the_epoch_is_read_exactly_once() {
+    const TWO: Job = Job { world: 2, every: 10, slow: 1, slow_us: 400 };
+    let _serial = serial();
+    // 2 ranks x 16 records a step: 48 steps, points at 10, 20, 30, 40.
+    let fixture = fixture(32 * 48);
+    let start = (Position::default(), None);
+    let registry = granary::metrics::Registry::default();
+    let runs = run_ranks(&fixture.dataset, TWO, &[start.clone(), start.clone()], None, &registry);
+    let mut all: Vec<u64> = runs.iter().flat_map(|(batches, _)| batches.iter().flat_map(|b| b.0.clone())).collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..32 * 48).collect::<Vec<u64>>(), "the union of both ranks' records is the epoch, once");
+    let (fast, slow) = (&runs[0].0, &runs[1].0);
+    assert_eq!(fast.len(), 48);
+    assert_eq!(slow.len(), 48, "every rank reads in every step");
+    // Before the first point both take 16; from it on the slow rank takes less.
+    assert!(fast[..10].iter().chain(&slow[..10]).all(|b| b.0.len() == 16));
+    assert!(slow[10].0.len() < 16 && fast[10].0.len() > 16, "step 10: {} and {}", fast[10].0.len(), slow[10].0.len());
+    let lens: Vec<(usize, Vec<u32>)> = slow.iter().map(|b| (b.0.len(), b.2.clone())).collect();
+    assert!(slow[47].0.len() < 10, "the slow rank ends with a small share: {lens:?}");
+    for step in 0..48 {
+        // The ranks agree on the weights and the positions of every step.
+        assert_eq!(fast[step].2, slow[step].2, "step {step}");
+        assert_eq!(fast[step].1, slow[step].1, "step {step}");
+        assert_eq!(fast[step].0.len() + slow[step].0.len(), 32, "step {step}");
+    }
+    // Steps concatenated in rank order are the global order the default plan has for any world.
+    // The metrics count the points passed and the records of a step they moved (the loaders
+    // are dropped: their counters are kept, their gauges, such as the weight, are not).
+    let samples = registry.gather();
+    let of_rank = |name: &str| -> Vec<f64> {
+        samples
+            .values(name)
+            .filter(|(labels, _)| labels.iter().any(|(k, v)| *k == "rank" && v == "1"))
+            .map(|(_, v)| v)
+            .collect()
+    };
+    assert!(of_rank("granary_loader_rebalances").contains(&4.0), "{:?}", of_rank("granary_loader_rebalances"));
+    assert!(of_rank("granary_loader_rebalance_moved_records").iter().any(|&n| n >= 8.0));
+    let global: Vec<u64> = (0..48).flat_map(|s| fast[s].0.iter().chain(&slow[s].0).copied()).collect();
+    let single = run_ranks(
+        &fixture.dataset,
+        Job { world: 1, slow_us: 0, ..TWO },
+        &[(Position::default(), None)],
+        None,
+        &registry,
+    );
+    let single: Vec<u64> = single[0].0.iter().flat_map(|b| b.0.clone()).collect();
+    assert_eq!(global, single);
+
+    // Saved after step 8 (the ranks have exchanged their measures for point 10) and resumed:
+    // the same batches through step 19, from the recorded weights and measures.
+    let stopped = run_ranks(&fixture.dataset, TWO, &[start.clone(), start], Some(9), &registry);
+    let starts: Vec<_> = stopped
+        .iter()
+        .map(|(batches, state)| {
+            let state = state.clone().unwrap();
+            assert!(state.pending.as_ref().is_some_and(|(step, _)| *step == 10), "{state:?}");
+            (batches.last().unwrap().1, Some(state))
+        })
+        .collect();
+    let resumed = run_ranks(&fixture.dataset, TWO, &starts, Some(11), &registry);
+    for rank in 0..2 {
+        let stopped_weights = &stopped[rank].0[8].2;
+        let resumed = &resumed[rank].0;
+        assert_eq!(&resumed[0].2, stopped_weights, "rank {rank}: resumed with the saved weights");
+        // Steps 9..20 of the resumed run equal each other across ranks and split 32 records.
+        assert_eq!(resumed.len(), 11);
+        assert!(resumed[1].0.len() != 16, "rank {rank}: step 10 is rebalanced from the saved measures");
+    }
+    let resumed_global: Vec<u64> =
+        (0..11).flat_map(|s| resumed[0].0[s].0.iter().chain(&resumed[1].0[s].0).copied()).collect();
+    assert_eq!(resumed_global, single[9 * 32..20 * 32], "the resumed run reads the same global order");
 }

@@ -42,6 +42,13 @@ pub(crate) struct LoaderMetrics {
     epoch_bytes: AtomicU64,
     /// Batches the reader stage has queued (the queue's depth is this less `batches`).
     pub(super) queued: AtomicU64,
+    /// With rebalancing: this rank's weight and records of a full step in force, the points
+    /// passed, and the records of a step moved to or from this rank by them.
+    weight: AtomicU64,
+    step_share: AtomicU64,
+    rebalances: AtomicU64,
+    moved: AtomicU64,
+    rebalancing: AtomicBool,
     held: Arc<AtomicUsize>,
     read: Arc<PublishedStats>,
     live: Mutex<Option<Live>>,
@@ -81,6 +88,11 @@ impl LoaderMetrics {
             epoch_records: AtomicU64::new(0),
             epoch_bytes: AtomicU64::new(0),
             queued: AtomicU64::new(0),
+            weight: AtomicU64::new(0),
+            step_share: AtomicU64::new(0),
+            rebalances: AtomicU64::new(0),
+            moved: AtomicU64::new(0),
+            rebalancing: AtomicBool::new(false),
             held,
             read,
             live: Mutex::new(Some(live)),
@@ -104,6 +116,20 @@ impl LoaderMetrics {
         }
         self.epoch_records.fetch_add(records, Ordering::Relaxed);
         self.epoch_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// New weights are in force (rebalancing): this rank's `weight` and `share` of a full
+    /// step, `point` (false for the weights a run starts with), `moved` records of a step to or
+    /// from this rank.
+    #[cfg(feature = "policy")]
+    pub(super) fn weights_changed(&self, weight: u32, share: u64, point: bool, moved: u64) {
+        self.rebalancing.store(true, Ordering::Relaxed);
+        self.weight.store(u64::from(weight), Ordering::Relaxed);
+        self.step_share.store(share, Ordering::Relaxed);
+        if point {
+            self.rebalances.fetch_add(1, Ordering::Relaxed);
+            self.moved.fetch_add(moved, Ordering::Relaxed);
+        }
     }
 
     /// The loader is being dropped: keeps the last counters of what it owned and lets it go.
@@ -155,6 +181,36 @@ impl Source for LoaderMetrics {
             rank(),
             self.stall.value(),
         );
+        if self.rebalancing.load(Ordering::Relaxed) {
+            out.gauge(
+                "granary_loader_weight",
+                "This rank's weight in force (its share of a step is its weight over the ranks' total).",
+                Unit::None,
+                rank(),
+                get(&self.weight),
+            );
+            out.gauge(
+                "granary_loader_step_records",
+                "Records of a full step this rank reads under the weights in force.",
+                Unit::None,
+                rank(),
+                get(&self.step_share),
+            );
+            out.counter(
+                "granary_loader_rebalances",
+                "Rebalance points passed.",
+                Unit::None,
+                rank(),
+                get(&self.rebalances),
+            );
+            out.counter(
+                "granary_loader_rebalance_moved_records",
+                "Records of a step moved to or from this rank by rebalance points, summed over the points.",
+                Unit::None,
+                rank(),
+                get(&self.moved),
+            );
+        }
 
         let read = self.read.get();
         out.counter(

@@ -14,6 +14,9 @@
 //! The plan comes from the partitioner plugin (the built-in elastic one by default) or from the
 //! native `EpochPlan`. A `Position` (epoch, global cursor) after each batch resumes exactly:
 //! positions count steps of `world x batch_size` records, which is how both plans are cut.
+//! With rebalancing (`rebalance`), a plugin's steps are split by rank weights that change at
+//! deterministic steps from the ranks' measured speed; the batch carries the weights it was cut
+//! with and a `RebalanceState` saved beside the position replays them.
 //! Invariants: memory is bounded by configuration (a staging pool of fixed size; a consumer
 //! that holds batches makes the reader wait, never allocate); every byte of a batch passed its
 //! block checksum before the batch was queued; batches come in plan order; `next` never waits
@@ -23,9 +26,13 @@
 
 mod metrics;
 mod node_plan;
+#[cfg(feature = "policy")]
+mod rebalance;
 mod schedule;
 
 use metrics::{DatasetHeat, Live, LoaderMetrics};
+#[cfg(feature = "policy")]
+pub use rebalance::{LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, WeightsAt};
 use schedule::{ScheduleRequest, Scheduler};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -178,6 +185,10 @@ pub struct LoaderConfig {
     /// Where the loader's metrics are registered (labelled by rank): by default the process's
     /// registry, which `metrics::serve` exposes.
     pub metrics: crate::metrics::Setting,
+    /// Rebalance the ranks' shares of each step from their measured speed (the partitioner
+    /// plugin's `rebalance`, `@0.2.0`); `None`: fixed equal shares.
+    #[cfg(feature = "policy")]
+    pub rebalance: Option<RebalanceConfig>,
 }
 
 impl Default for LoaderConfig {
@@ -200,6 +211,8 @@ impl Default for LoaderConfig {
             tier: TierSetting::default(),
             local_world_size: None,
             metrics: crate::metrics::Setting::Process,
+            #[cfg(feature = "policy")]
+            rebalance: None,
         }
     }
 }
@@ -260,6 +273,9 @@ impl DeviceBatch<'_> {
 pub struct LoadedBatch {
     batch: Batch,
     upload: Option<Upload>,
+    /// The rank weights the batch's step was cut with (rebalancing only).
+    #[cfg(feature = "policy")]
+    weights: Option<Arc<WeightsAt>>,
     position: Position,
     stall: Duration,
     returns: Option<Sender<Returned>>,
@@ -357,6 +373,12 @@ impl LoadedBatch {
         self.position
     }
 
+    /// The rank weights this batch's step was cut with, when the loader rebalances.
+    #[cfg(feature = "policy")]
+    pub fn weights(&self) -> Option<&WeightsAt> {
+        self.weights.as_deref()
+    }
+
     /// How long `next` waited for this batch.
     pub fn stall(&self) -> Duration {
         self.stall
@@ -447,11 +469,19 @@ impl LoaderStats {
 }
 
 enum Message {
-    Batch(Box<Batch>, Position),
-    Uploaded(Box<Batch>, Upload, Position),
+    Batch(Box<Batch>, Tag),
+    Uploaded(Box<Batch>, Upload, Tag),
     Failed(Error),
     /// The last epoch is done: a queue that closes without it means a stage died.
     End,
+}
+
+/// What travels with a batch: the position after it, and the weights its step was cut with.
+#[derive(Clone, Debug)]
+struct Tag {
+    after: Position,
+    #[cfg(feature = "policy")]
+    weights: Option<Arc<WeightsAt>>,
 }
 
 /// One rank's batch stream. See the module documentation.
@@ -474,6 +504,16 @@ pub struct Loader {
     repair: Option<Arc<dyn crate::read::ShardRepair>>,
     /// `None` with the metrics off.
     metrics: Option<Arc<LoaderMetrics>>,
+    /// Measures the trainer's time per batch for rebalancing.
+    #[cfg(feature = "policy")]
+    meter: Option<rebalance::Meter>,
+    /// The weights of the last batch handed out (or those resumed with).
+    #[cfg(feature = "policy")]
+    weights: Option<Arc<WeightsAt>>,
+    #[cfg(feature = "policy")]
+    world: World,
+    #[cfg(feature = "policy")]
+    batch_size: u64,
 }
 
 impl Loader {
@@ -527,6 +567,21 @@ impl Loader {
         let pinning = if cuda.is_some() { Pinning::Auto } else { Pinning::Off };
         let pool = StagingPool::new(StagingConfig { buffers, buffer_bytes: batch_bytes.max(1), pinning })?;
 
+        #[cfg(feature = "policy")]
+        let (meter, from_meter) = match &config.rebalance {
+            Some(rebalancing) => {
+                rebalancing.check(config.world.size())?;
+                let (to_reader, from_meter) = std::sync::mpsc::channel();
+                let step_len = u64::from(config.world.size()).saturating_mul(config.batch_size);
+                let meter =
+                    rebalance::Meter::new(config.world.rank(), rebalancing, step_len, dataset.n_records(), to_reader);
+                (Some(meter), Some(from_meter))
+            }
+            None => (None, None),
+        };
+        #[cfg(feature = "policy")]
+        let resumed_weights =
+            config.rebalance.as_ref().and_then(|r| r.resume.as_ref()).map(|r| Arc::new(r.weights.clone()));
         let stop = Arc::new(AtomicBool::new(false));
         let read_stats = Arc::new(PublishedStats::default());
         let held = Arc::new(AtomicUsize::new(0));
@@ -578,6 +633,8 @@ impl Loader {
             config: config.clone(),
             peers,
             start,
+            #[cfg(feature = "policy")]
+            from_meter,
             out: to_next,
             stop: Arc::clone(&stop),
             stats: Arc::clone(&read_stats),
@@ -632,6 +689,14 @@ impl Loader {
             device: cuda.map(|cuda| cuda.name().to_owned()),
             coordinator,
             repair,
+            #[cfg(feature = "policy")]
+            meter,
+            #[cfg(feature = "policy")]
+            weights: resumed_weights,
+            #[cfg(feature = "policy")]
+            world: config.world,
+            #[cfg(feature = "policy")]
+            batch_size: config.batch_size,
         })
     }
 
@@ -658,9 +723,9 @@ impl Loader {
         self.stats.stall += stall;
         self.stats.stall_max = self.stats.stall_max.max(stall);
         self.stats.elapsed = first.elapsed();
-        let (batch, upload, position) = match message {
-            Message::Batch(batch, position) => (batch, None, position),
-            Message::Uploaded(batch, upload, position) => (batch, Some(upload), position),
+        let (batch, upload, tag) = match message {
+            Message::Batch(batch, tag) => (batch, None, tag),
+            Message::Uploaded(batch, upload, tag) => (batch, Some(upload), tag),
             Message::Failed(error) => {
                 self.finished = true;
                 return Some(Err(error));
@@ -670,10 +735,40 @@ impl Loader {
                 return None;
             }
         };
+        let position = tag.after;
+        #[cfg(feature = "policy")]
+        if let Some(meter) = &mut self.meter
+            && let Err(error) = meter.handing_out(position, batch.len() as u64, now)
+        {
+            // The ranks could not agree on their measures: the stream ends with the error.
+            self.finished = true;
+            self.stop.store(true, Ordering::Release);
+            return Some(Err(error));
+        }
+        #[cfg(feature = "policy")]
+        if let Some(weights) = &tag.weights
+            && self.weights.as_ref().is_none_or(|w| !Arc::ptr_eq(w, weights))
+        {
+            if let Some(metrics) = &self.metrics {
+                let step_len = u64::from(self.world.size()).saturating_mul(self.batch_size);
+                let rank = self.world.rank() as usize;
+                let share =
+                    |w: &WeightsAt| crate::plan::step_shares(step_len, &w.weights).get(rank).copied().unwrap_or(0);
+                let now = share(weights);
+                let before = self.weights.as_deref().map_or(now, share);
+                let weight = weights.weights.get(rank).copied().unwrap_or(0);
+                let point = weights.step > 0
+                    && self.weights.as_ref().is_none_or(|w| (w.epoch, w.step) != (weights.epoch, weights.step));
+                metrics.weights_changed(weight, now, point, now.abs_diff(before));
+            }
+            self.weights = Some(Arc::clone(weights));
+        }
         self.held.fetch_add(1, Ordering::AcqRel);
         let loaded = LoadedBatch {
             batch: *batch,
             upload,
+            #[cfg(feature = "policy")]
+            weights: tag.weights,
             position,
             stall,
             returns: self.returns.clone(),
@@ -704,6 +799,29 @@ impl Loader {
     /// Where the run is: after the last batch handed out (the start, before the first).
     pub fn position(&self) -> Position {
         self.position
+    }
+
+    /// The trainer's own time on the last batch handed out (its forward and backward, say,
+    /// without the all-reduce's wait for other ranks), for rebalancing: without it, the time
+    /// from one `next` to the next is taken, which a synchronous step makes equal on every rank.
+    /// Ignored when the loader does not rebalance.
+    #[cfg(feature = "policy")]
+    pub fn report_busy(&mut self, busy: Duration) {
+        if let Some(meter) = &mut self.meter {
+            meter.report_busy(busy);
+        }
+    }
+
+    /// What to save beside the position to resume the rebalancing exactly: the weights in force
+    /// and the measures already exchanged for the next point. `None` without rebalancing.
+    #[cfg(feature = "policy")]
+    pub fn rebalance_state(&self) -> Option<RebalanceState> {
+        let meter = self.meter.as_ref()?;
+        let weights = match &self.weights {
+            Some(weights) => (**weights).clone(),
+            None => WeightsAt { epoch: self.position.epoch, step: 0, weights: Vec::new() },
+        };
+        Some(RebalanceState { weights, pending: meter.pending(self.position) })
     }
 
     /// Counters so far.
@@ -859,6 +977,9 @@ struct ReaderStage {
     /// The other ranks of this node, whose reads the tier's schedule includes.
     peers: Vec<World>,
     start: Position,
+    /// The measures of each rebalance point, from the trainer side.
+    #[cfg(feature = "policy")]
+    from_meter: Option<Receiver<rebalance::PointMeasures>>,
     out: SyncSender<Message>,
     stop: Arc<AtomicBool>,
     stats: Arc<PublishedStats>,
@@ -936,6 +1057,10 @@ pub fn plan_for_store(_: &Dataset, plan: PlanSource) -> Result<PlanSource> {
 
 impl ReaderStage {
     fn run(self) {
+        #[cfg(feature = "policy")]
+        let ReaderStage { coordinator, dataset, io, pool, config, peers, start, from_meter, out, stop, stats, metrics } =
+            self;
+        #[cfg(not(feature = "policy"))]
         let ReaderStage { coordinator, dataset, io, pool, config, peers, start, out, stop, stats, metrics } = self;
         let mut reader = Reader::new(Arc::clone(&dataset), io);
         if let Some(threads) = config.verify_threads {
@@ -949,7 +1074,12 @@ impl ReaderStage {
         if let Some(hook) = &config.repair {
             reader.set_repair(Arc::clone(hook));
         }
-        let node = Node { coordinator: coordinator.as_ref(), peers };
+        let node = Node {
+            coordinator: coordinator.as_ref(),
+            peers,
+            #[cfg(feature = "policy")]
+            from_meter: from_meter.as_ref(),
+        };
         reader.set_count_shard_reads(metrics.is_some());
         let queue = Queue { sender: &out, queued: metrics.as_ref().map(|m| &m.queued) };
         let outcome = run_epochs(&mut reader, &dataset, &config, start, queue, &stop, node);
@@ -977,6 +1107,9 @@ struct Node<'a> {
     /// The node's other ranks (whose reads the tier's schedule and an origin cache's plan
     /// include); empty when this rank is alone or the node is not known.
     peers: Vec<World>,
+    /// The trainer side's measures of each rebalance point, when the loader rebalances.
+    #[cfg(feature = "policy")]
+    from_meter: Option<&'a Receiver<rebalance::PointMeasures>>,
 }
 
 /// Reads epochs from `start`; `Err(None)` when stopped, `Err(Some(e))` on a failure.
@@ -989,10 +1122,20 @@ fn run_epochs(
     stop: &AtomicBool,
     node: Node<'_>,
 ) -> std::result::Result<(), Option<Error>> {
+    #[cfg(feature = "policy")]
+    let Node { coordinator, peers: node_peers, from_meter } = node;
+    #[cfg(not(feature = "policy"))]
     let Node { coordinator, peers: node_peers } = node;
     let n_records = dataset.n_records();
     let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
     let mut position = if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
+    #[cfg(feature = "policy")]
+    let mut rebalancing = match (&config.rebalance, from_meter) {
+        (Some(rebalance), Some(from_meter)) => {
+            Some(Rebalancing::start(rebalance, from_meter, &mut planner, config, position))
+        }
+        _ => None,
+    };
     let end_epoch = config.epochs.map(|epochs| start.epoch.saturating_add(epochs));
     // Steps count this loader's batches across epochs: the tier's schedule is in them.
     let mut step = 0u64;
@@ -1045,38 +1188,169 @@ fn run_epochs(
                 next: next_epoch.as_ref().map(|next| (following, Arc::clone(next))),
             });
         }
-        let positions = std::cell::RefCell::new(std::collections::VecDeque::new());
-        let mut stopped = false;
-        let planned = batches.iter().inspect(|(_, after)| {
-            positions.borrow_mut().push_back(*after);
-            if let Some(coordinator) = coordinator {
-                coordinator.advance(step);
-            }
-            step += 1;
-        });
-        let outcome = reader.read_batches(planned.map(|(records, _)| records), config.read_depth, &mut |batch| {
-            let after = positions.borrow_mut().pop_front().expect("one position per planned batch");
-            if stop.load(Ordering::Acquire) {
-                stopped = true;
-                return Err(Error::invalid_input("stopped"));
-            }
-            let batch = Box::new(std::mem::take(batch));
-            if out.sender.send(Message::Batch(batch, after)).is_err() {
-                stopped = true;
-                return Err(Error::invalid_input("stopped"));
-            }
-            if let Some(queued) = out.queued {
-                queued.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(())
-        });
-        if stopped {
-            return Err(None);
+        #[cfg(feature = "policy")]
+        if let Some(rebalancing) = &mut rebalancing {
+            rebalancing.new_epoch(position.epoch);
         }
-        outcome.map_err(Some)?;
+        #[cfg_attr(not(feature = "policy"), allow(unused_mut, reason = "moved only by rebalance points"))]
+        let mut segment = batches;
+        #[cfg_attr(not(feature = "policy"), allow(unused_mut, reason = "moved only by rebalance points"))]
+        let mut from = position;
+        loop {
+            // With rebalancing, the batches up to the next point; then the point's new weights
+            // and the rest of the epoch planned with them.
+            #[cfg(feature = "policy")]
+            let point = rebalancing.as_ref().and_then(|r| r.next_point(from, n_records));
+            #[cfg(not(feature = "policy"))]
+            let point: Option<u64> = None;
+            let step_len = u64::from(config.world.size()).saturating_mul(config.batch_size).max(1);
+            let take = match point {
+                Some(point) => segment
+                    .iter()
+                    .take_while(|(_, after)| {
+                        after.epoch == from.epoch && after.cursor != 0 && (after.cursor - 1) / step_len < point
+                    })
+                    .count(),
+                None => segment.len(),
+            };
+            #[cfg(feature = "policy")]
+            let weights = rebalancing.as_ref().map(|r| Arc::clone(&r.current));
+            let tag = |after: Position| Tag {
+                after,
+                #[cfg(feature = "policy")]
+                weights: weights.clone(),
+            };
+            read_segment(reader, &segment[..take], config, &out, stop, coordinator, &mut step, &tag)?;
+            #[cfg_attr(not(feature = "policy"), allow(unused_variables, reason = "no points without policies"))]
+            let Some(point) = point else { break };
+            #[cfg(feature = "policy")]
+            if let Some(rebalancing) = &mut rebalancing {
+                rebalancing.apply(&mut planner, from.epoch, point, stop)?;
+                from = Position { epoch: from.epoch, cursor: point.saturating_mul(step_len).min(n_records) };
+                segment = Arc::new(planner.epoch(from).map_err(Some)?);
+            }
+        }
         position = Position { epoch: position.epoch + 1, cursor: 0 };
     }
     Ok(())
+}
+
+/// Reads `batches` and queues them, each tagged by `tag` with the position after it; `step`
+/// counts this loader's batches (the tier's schedule is in them).
+#[allow(clippy::too_many_arguments, reason = "the reader's state, lent for one segment")]
+fn read_segment(
+    reader: &mut Reader,
+    batches: &[(Vec<u64>, Position)],
+    config: &LoaderConfig,
+    out: &Queue<'_>,
+    stop: &AtomicBool,
+    coordinator: Option<&Arc<Coordinator>>,
+    step: &mut u64,
+    tag: &dyn Fn(Position) -> Tag,
+) -> std::result::Result<(), Option<Error>> {
+    let positions = std::cell::RefCell::new(std::collections::VecDeque::new());
+    let mut stopped = false;
+    let planned = batches.iter().inspect(|(_, after)| {
+        positions.borrow_mut().push_back(*after);
+        if let Some(coordinator) = coordinator {
+            coordinator.advance(*step);
+        }
+        *step += 1;
+    });
+    let outcome = reader.read_batches(planned.map(|(records, _)| records), config.read_depth, &mut |batch| {
+        let Some(after) = positions.borrow_mut().pop_front() else {
+            return Err(Error::invalid_input("a batch read that was not planned"));
+        };
+        if stop.load(Ordering::Acquire) {
+            stopped = true;
+            return Err(Error::invalid_input("stopped"));
+        }
+        let batch = Box::new(std::mem::take(batch));
+        if out.sender.send(Message::Batch(batch, tag(after))).is_err() {
+            stopped = true;
+            return Err(Error::invalid_input("stopped"));
+        }
+        if let Some(queued) = out.queued {
+            queued.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    });
+    if stopped {
+        return Err(None);
+    }
+    outcome.map_err(Some)
+}
+
+/// The reader side of rebalancing: the weights in force, and where the next ones come from.
+#[cfg(feature = "policy")]
+struct Rebalancing<'a> {
+    every: u64,
+    /// Records of a full step (`world x batch_size`).
+    step_len: u64,
+    from_meter: &'a Receiver<rebalance::PointMeasures>,
+    /// A resumed run's measures of a point already exchanged: (epoch, step, measures).
+    resumed: Option<(u64, u64, Vec<crate::policy::RankMeasure>)>,
+    current: Arc<WeightsAt>,
+}
+
+#[cfg(feature = "policy")]
+impl<'a> Rebalancing<'a> {
+    /// Starts at `position` with the resumed weights (when saved on this world size) or equal
+    /// ones.
+    fn start(
+        config: &RebalanceConfig,
+        from_meter: &'a Receiver<rebalance::PointMeasures>,
+        planner: &mut EpochPlanner,
+        loader: &LoaderConfig,
+        position: Position,
+    ) -> Self {
+        let size = loader.world.size() as usize;
+        let resumed = config.resume.as_ref().filter(|state| state.weights.weights.len() == size);
+        let weights = resumed.map_or_else(|| vec![1; size], |state| state.weights.weights.clone());
+        planner.set_weights(weights.clone());
+        let step = resumed.map_or(0, |state| state.weights.step);
+        Self {
+            every: config.every,
+            step_len: u64::from(loader.world.size()).saturating_mul(loader.batch_size).max(1),
+            from_meter,
+            resumed: resumed
+                .filter(|state| state.weights.epoch == position.epoch)
+                .and_then(|state| state.pending.clone().map(|(step, measured)| (position.epoch, step, measured))),
+            current: Arc::new(WeightsAt { epoch: position.epoch, step, weights }),
+        }
+    }
+
+    /// The weights carry over into a new epoch, from its step 0.
+    fn new_epoch(&mut self, epoch: u64) {
+        if self.current.epoch != epoch {
+            self.current = Arc::new(WeightsAt { epoch, step: 0, weights: self.current.weights.clone() });
+        }
+    }
+
+    /// The next rebalance point after `from`, when the epoch has one.
+    fn next_point(&self, from: Position, n_records: u64) -> Option<u64> {
+        let steps = n_records.div_ceil(self.step_len);
+        let step = from.cursor / self.step_len;
+        let point = (step / self.every + 1) * self.every;
+        (point < steps).then_some(point)
+    }
+
+    /// Waits for the point's measures, asks for the new weights and plans with them.
+    fn apply(
+        &mut self,
+        planner: &mut EpochPlanner,
+        epoch: u64,
+        point: u64,
+        stop: &AtomicBool,
+    ) -> std::result::Result<(), Option<Error>> {
+        let measured = match self.resumed.take() {
+            Some((e, step, measured)) if e == epoch && step == point => measured,
+            _ => rebalance::wait_for_point(self.from_meter, epoch, point, stop)?,
+        };
+        let weights = planner.rebalance(point, &self.current.weights, measured).map_err(Some)?;
+        self.current = Arc::new(WeightsAt { epoch, step: point, weights });
+        Ok(())
+    }
 }
 
 /// One epoch's batches of this rank, each with the position after it.
@@ -1115,6 +1389,9 @@ struct EpochPlanner {
     world: World,
     batch_size: u64,
     source: Source,
+    /// Each rank's weight (a plugin's steps are split by them); equal unless rebalanced.
+    #[cfg_attr(not(feature = "policy"), allow(dead_code, reason = "only plugins' steps are weighted"))]
+    weights: Vec<u32>,
 }
 
 enum Source {
@@ -1131,12 +1408,26 @@ enum Source {
 impl EpochPlanner {
     fn new(config: &LoaderConfig, dataset: &Dataset) -> Result<Self> {
         let source = match &config.plan {
+            #[cfg(feature = "policy")]
+            PlanSource::Native(_) if config.rebalance.is_some() => {
+                return Err(Error::invalid_input(
+                    "rebalancing splits a partitioner plugin's steps: give a partitioner (the built-in elastic), \
+                     not a native order",
+                ));
+            }
             PlanSource::Native(order) => Source::Native(*order),
             #[cfg(feature = "policy")]
             PlanSource::Partitioner { plugin, options } => {
                 use crate::policy::{Limits, NodeInfo, PolicyHost, RankInfo, ShardInfo};
                 let host = PolicyHost::new(Limits::default(), None)?;
                 let partitioner = host.partitioner(plugin.as_deref(), options)?;
+                if config.rebalance.is_some() && !partitioner.can_rebalance() {
+                    return Err(Error::invalid_input(format!(
+                        "partitioner {} is built against granary:policy@0.1.0, which cannot rebalance; rebuild it \
+                         against 0.2.0",
+                        plugin.as_deref().unwrap_or("(default)")
+                    )));
+                }
                 let shards = dataset
                     .manifest()
                     .entries()
@@ -1159,7 +1450,49 @@ impl EpochPlanner {
             world: config.world,
             batch_size: config.batch_size,
             source,
+            weights: vec![1; config.world.size() as usize],
         })
+    }
+
+    /// Splits the following steps by `weights` (one per rank).
+    #[cfg(feature = "policy")]
+    fn set_weights(&mut self, weights: Vec<u32>) {
+        if let Source::Plugin { ranks, .. } = &mut self.source {
+            for rank in ranks.iter_mut() {
+                rank.weight = weights.get(rank.id as usize).copied().unwrap_or(1);
+            }
+        }
+        self.weights = weights;
+    }
+
+    /// The weights from rebalance point `step` on, from the ranks' measures: the plugin's
+    /// answer, refused when it would leave a rank no record of a full step (its trainer would
+    /// wait for a batch that never comes); then planned with.
+    #[cfg(feature = "policy")]
+    fn rebalance(&mut self, step: u64, current: &[u32], measured: Vec<crate::policy::RankMeasure>) -> Result<Vec<u32>> {
+        let Source::Plugin { partitioner, .. } = &mut self.source else {
+            return Err(Error::invalid_input("rebalancing needs a partitioner plugin"));
+        };
+        let point = crate::policy::RebalancePoint {
+            step,
+            weights: current.iter().enumerate().map(|(rank, &w)| (rank as u32, w)).collect(),
+            measured,
+        };
+        let answer = partitioner.rebalance(&point)?;
+        let mut weights = current.to_vec();
+        for (rank, weight) in answer {
+            if let Some(slot) = weights.get_mut(rank as usize) {
+                *slot = weight;
+            }
+        }
+        let step_len = u64::from(self.world.size()).saturating_mul(self.batch_size);
+        if let Some(rank) = crate::plan::step_shares(step_len, &weights).iter().position(|&share| share == 0) {
+            return Err(Error::invalid_input(format!(
+                "the rebalanced weights {weights:?} leave rank {rank} no record of a step of {step_len}"
+            )));
+        }
+        self.set_weights(weights.clone());
+        Ok(weights)
     }
 
     /// This rank's batches from `from` to the end of its epoch, each with the position after
@@ -1217,7 +1550,7 @@ impl EpochPlanner {
                     let mut cursor = from.cursor;
                     let mut planned = 0u64;
                     while cursor < n {
-                        let take = steps.rank_positions(cursor, world, batch_size);
+                        let take = steps.weighted_rank_positions(cursor, world, batch_size, &self.weights);
                         let batch: Vec<u64> = records.by_ref().take((take.end - take.start) as usize).collect();
                         planned += batch.len() as u64;
                         if batch.len() as u64 != take.end - take.start {
@@ -1263,8 +1596,8 @@ impl DeviceStage {
     fn run(mut self) {
         while let Ok(message) = self.input.recv() {
             let message = match message {
-                Message::Batch(mut batch, position) => match self.upload(&mut batch) {
-                    Ok(upload) => Message::Uploaded(batch, upload, position),
+                Message::Batch(mut batch, tag) => match self.upload(&mut batch) {
+                    Ok(upload) => Message::Uploaded(batch, upload, tag),
                     Err(error) => Message::Failed(error),
                 },
                 other => other,

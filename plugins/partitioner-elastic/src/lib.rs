@@ -27,7 +27,8 @@
 //! `rebalance` (global mode) turns each rank's measured throughput (records over busy time)
 //! into weights proportional to it, bounded: a rank's share of a step changes by at most the
 //! factor `max-change` (default 2) per rebalance point, so one bad window cannot starve a rank.
-//! A rank that measured nothing keeps its share.
+//! A rank that measured nothing keeps its share. No rank's share falls below `min-share`
+//! (default 0.1) of an equal share, so every rank keeps reading in every step.
 
 use granary_policy_sdk::hash::{Permutation, key_of, mix, rendezvous_score};
 use granary_policy_sdk::partition::{
@@ -102,7 +103,7 @@ impl Partitioner for Elastic {
     }
 }
 
-const OPTIONS: &[&str] = &["mode", "chunk-records", "locality", "window-shards", "max-change"];
+const OPTIONS: &[&str] = &["mode", "chunk-records", "locality", "window-shards", "max-change", "min-share"];
 
 /// The weight of the heaviest rank after a rebalance: weights are relative, and this scale
 /// leaves room for a 2^16 : 1 spread with integer weights.
@@ -118,6 +119,10 @@ impl Elastic {
         let max_change: f64 = options.parse("max-change", 2.0)?;
         if !(1.0..=1e6).contains(&max_change) {
             return Err(Error::InvalidInput("max-change must be a factor in 1..=1000000".into()));
+        }
+        let min_share: f64 = options.parse("min-share", 0.1)?;
+        if !(0.0..=1.0).contains(&min_share) {
+            return Err(Error::InvalidInput("min-share must be a fraction of an equal share in 0..=1".into()));
         }
         let total: f64 = point.weights.iter().map(|&(_, w)| f64::from(w)).sum();
         if total <= 0.0 {
@@ -154,6 +159,18 @@ impl Elastic {
                 _ => share[i],
             })
             .collect();
+        // The floor: shares below it are raised to it, the others scaled down to make room.
+        let floor = min_share / raw.len() as f64;
+        let sum: f64 = raw.iter().sum();
+        let mut raw: Vec<f64> = raw.iter().map(|w| w / sum).collect();
+        let low: f64 = raw.iter().filter(|&&w| w < floor).count() as f64 * floor;
+        let high: f64 = raw.iter().filter(|&&w| w >= floor).sum();
+        if low > 0.0 && high > 0.0 {
+            let scale = (1.0 - low) / high;
+            for w in &mut raw {
+                *w = if *w < floor { floor } else { *w * scale };
+            }
+        }
         let heaviest = raw.iter().copied().fold(0.0, f64::max);
         Ok(point
             .weights
@@ -290,3 +307,63 @@ fn affinity(
 
 #[cfg(target_arch = "wasm32")]
 granary_policy_sdk::export_partitioner!(Elastic);
+
+#[cfg(test)]
+mod tests {
+    use granary_policy_sdk::partition::RankMeasure;
+
+    use super::*;
+
+    fn point(weights: &[u32], nanos_per_record: &[u64]) -> RebalancePoint {
+        RebalancePoint {
+            step: 10,
+            weights: weights.iter().enumerate().map(|(r, &w)| (r as u32, w)).collect(),
+            measured: nanos_per_record
+                .iter()
+                .enumerate()
+                .map(|(r, &n)| RankMeasure { rank: r as u32, records: 100, busy_nanos: 100 * n })
+                .collect(),
+        }
+    }
+
+    fn shares(weights: &[(u32, u32)]) -> Vec<f64> {
+        let total: f64 = weights.iter().map(|&(_, w)| f64::from(w)).sum();
+        weights.iter().map(|&(_, w)| f64::from(w) / total).collect()
+    }
+
+    #[test]
+    fn weights_follow_throughput_within_the_bound_and_above_the_floor() {
+        let options = Options::default();
+        // Already proportional: unchanged shares.
+        let same = Elastic::rebalance_weights(&point(&[1, 1, 1], &[10, 10, 10]), &options).unwrap();
+        assert_eq!(shares(&same), vec![1.0 / 3.0; 3]);
+        // A rank 3 x slower moves towards a share of 1/7 in steps of at most 2 x.
+        let mut weights: Vec<u32> = vec![1, 1, 1];
+        let mut previous = shares(&[(0, 1), (1, 1), (2, 1)]);
+        for _ in 0..6 {
+            let answer = Elastic::rebalance_weights(&point(&weights, &[10, 10, 30]), &options).unwrap();
+            let now = shares(&answer);
+            for (a, b) in now.iter().zip(&previous) {
+                assert!(a / b <= 2.0001 && b / a <= 2.0001, "{now:?} after {previous:?}");
+            }
+            weights = answer.iter().map(|&(_, w)| w).collect();
+            previous = now;
+        }
+        assert!((previous[2] - 1.0 / 7.0).abs() < 0.01, "{previous:?}");
+        // A rank a million times slower stops at the floor, a tenth of an equal share.
+        let mut weights: Vec<u32> = vec![1, 1];
+        for _ in 0..40 {
+            let answer = Elastic::rebalance_weights(&point(&weights, &[1, 1_000_000]), &options).unwrap();
+            weights = answer.iter().map(|&(_, w)| w).collect();
+        }
+        let last = shares(&[(0, weights[0]), (1, weights[1])]);
+        assert!((last[1] - 0.05).abs() < 0.001, "{last:?}");
+        // A rank that measured nothing keeps its share; bad options are refused.
+        let mut unmeasured = point(&[1, 3], &[10, 10]);
+        unmeasured.measured[1].records = 0;
+        let kept = Elastic::rebalance_weights(&unmeasured, &options).unwrap();
+        assert!((shares(&kept)[1] - 0.75).abs() < 1e-3);
+        let bad = Options(vec![("max-change".into(), "0.5".into())]);
+        assert!(Elastic::rebalance_weights(&point(&[1, 1], &[1, 1]), &bad).is_err());
+    }
+}

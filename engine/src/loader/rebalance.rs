@@ -1,0 +1,310 @@
+//! Rebalancing a loader's share of each step: rank weights that follow the ranks' measured
+//! speed, switched at deterministic steps, recorded so that a resumed run replays them.
+//!
+//! Owns: the trainer-side `Meter` (each batch's busy time, the window's measure, the exchange
+//! with the other ranks at `lead` steps before each rebalance point), the channel that hands the
+//! gathered measures to the reader, the `MeasureExchange` trait and its in-process
+//! `LocalExchange`, and `RebalanceState` (what a checkpoint saves). A rebalance point is a step
+//! of an epoch that is a multiple of `every` (never the first); the reader reads up to it,
+//! waits for the point's measures, asks the partitioner for the new weights (every rank asks
+//! with the same measures, so every rank gets the same weights) and plans the rest of the epoch
+//! with them. Weights change how a step is split among ranks, never the global order.
+//! Never: measures the reader (the busy time is the trainer's, from one `next` to the next), or
+//! lets a rank pass a point the others have not measured (the exchange waits for all).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::policy::RankMeasure;
+
+/// How the ranks of a job agree on their measures at a rebalance point: every rank calls
+/// `all_gather` with the same `(epoch, step)` and gets every rank's measure, in rank order.
+/// Implementations: [`LocalExchange`] for ranks in one process; the Python bindings' one over
+/// `torch.distributed`.
+pub trait MeasureExchange: Send + Sync {
+    /// Every rank's measure of the window before the point `step` of `epoch` (blocking until
+    /// every rank has given its own).
+    fn all_gather(&self, epoch: u64, step: u64, mine: RankMeasure) -> Result<Vec<RankMeasure>>;
+}
+
+/// The exchange of ranks that are threads of one process (tests, a single-node job driven from
+/// Rust): a table of the points being gathered, with a bound on how long a rank waits.
+pub struct LocalExchange {
+    world: u32,
+    timeout: Duration,
+    points: Mutex<HashMap<(u64, u64), Gathering>>,
+    changed: Condvar,
+}
+
+struct Gathering {
+    measures: Vec<Option<RankMeasure>>,
+    /// Ranks that have taken the result; the entry goes when all have.
+    taken: u32,
+}
+
+impl LocalExchange {
+    /// An exchange for `world` ranks; a rank waits at most `timeout` for the others.
+    pub fn new(world: u32, timeout: Duration) -> Arc<Self> {
+        Arc::new(Self { world, timeout, points: Mutex::new(HashMap::new()), changed: Condvar::new() })
+    }
+}
+
+impl MeasureExchange for LocalExchange {
+    fn all_gather(&self, epoch: u64, step: u64, mine: RankMeasure) -> Result<Vec<RankMeasure>> {
+        if mine.rank >= self.world {
+            return Err(Error::invalid_input(format!("rank {} in an exchange of {} ranks", mine.rank, self.world)));
+        }
+        let deadline = Instant::now() + self.timeout;
+        let mut points = self.points.lock();
+        let key = (epoch, step);
+        let entry =
+            points.entry(key).or_insert_with(|| Gathering { measures: vec![None; self.world as usize], taken: 0 });
+        entry.measures[mine.rank as usize] = Some(mine);
+        self.changed.notify_all();
+        loop {
+            let entry = points.get_mut(&key).ok_or_else(|| Error::invalid_input("the exchange lost a point"))?;
+            if entry.measures.iter().all(Option::is_some) {
+                let measures: Vec<RankMeasure> = entry.measures.iter().flatten().copied().collect();
+                entry.taken += 1;
+                if entry.taken == self.world {
+                    points.remove(&key);
+                }
+                return Ok(measures);
+            }
+            if self.changed.wait_until(&mut points, deadline).timed_out() {
+                let missing: Vec<String> = points
+                    .get(&key)
+                    .map(|e| {
+                        e.measures.iter().enumerate().filter(|(_, m)| m.is_none()).map(|(r, _)| r.to_string()).collect()
+                    })
+                    .unwrap_or_default();
+                return Err(Error::invalid_input(format!(
+                    "rebalance point {step} of epoch {epoch}: ranks {} gave no measure within {:?}",
+                    missing.join(", "),
+                    self.timeout
+                )));
+            }
+        }
+    }
+}
+
+/// How a loader rebalances.
+#[derive(Clone)]
+pub struct RebalanceConfig {
+    /// Steps between rebalance points (a point at every multiple of it in an epoch but 0).
+    pub every: u64,
+    /// Steps before a point at which the ranks exchange their measures (so the reader, which
+    /// waits for them at the point, keeps reading meanwhile); at least 1, less than `every`.
+    pub lead: u64,
+    /// How the ranks agree on their measures; `None` for a world of one rank.
+    pub exchange: Option<Arc<dyn MeasureExchange>>,
+    /// The state a checkpoint saved, to resume with (its weights apply when its world size is
+    /// this one's; the global order is the same either way).
+    pub resume: Option<RebalanceState>,
+}
+
+impl std::fmt::Debug for RebalanceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RebalanceConfig")
+            .field("every", &self.every)
+            .field("lead", &self.lead)
+            .field("exchange", &self.exchange.as_ref().map(|_| "..."))
+            .field("resume", &self.resume)
+            .finish()
+    }
+}
+
+impl RebalanceConfig {
+    /// Rebalance every `every` steps, exchanging `lead` steps ahead (a quarter of `every`, at
+    /// least 1), through `exchange`.
+    pub fn every(every: u64, exchange: Option<Arc<dyn MeasureExchange>>) -> Self {
+        Self { every, lead: (every / 4).max(1), exchange, resume: None }
+    }
+
+    pub(super) fn check(&self, world: u32) -> Result<()> {
+        if self.every < 2 {
+            return Err(Error::invalid_input("rebalance every 2 steps or more"));
+        }
+        if self.lead == 0 || self.lead >= self.every {
+            return Err(Error::invalid_input(format!(
+                "the rebalance lead ({} steps) must be at least 1 and less than every ({})",
+                self.lead, self.every
+            )));
+        }
+        if world > 1 && self.exchange.is_none() {
+            return Err(Error::invalid_input(
+                "rebalancing a world of more than one rank needs an exchange of the ranks' measures",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The weights in force from a step of an epoch on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WeightsAt {
+    /// The epoch.
+    pub epoch: u64,
+    /// The step of the epoch they apply from (0: carried over from the previous epoch).
+    pub step: u64,
+    /// One weight per rank.
+    pub weights: Vec<u32>,
+}
+
+/// What a checkpoint saves of the rebalancing, beside the `Position`: the weights in force at
+/// the position and, when the ranks have already exchanged their measures for the next point,
+/// those measures (a resumed run computes the same weights from them instead of measuring
+/// again).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RebalanceState {
+    /// The weights in force.
+    pub weights: WeightsAt,
+    /// The next point's gathered measures: (step, every rank's measure).
+    pub pending: Option<(u64, Vec<RankMeasure>)>,
+}
+
+/// A point's measures, from the trainer side to the reader.
+pub(super) struct PointMeasures {
+    pub(super) epoch: u64,
+    pub(super) step: u64,
+    pub(super) measured: Vec<RankMeasure>,
+}
+
+/// The trainer side: busy time per batch, the window's measure, the exchange.
+pub(super) struct Meter {
+    rank: u32,
+    every: u64,
+    lead: u64,
+    step_len: u64,
+    n_records: u64,
+    exchange: Option<Arc<dyn MeasureExchange>>,
+    to_reader: Sender<PointMeasures>,
+    window: RankMeasure,
+    /// The last batch handed out: when, and its records.
+    last: Option<(Instant, u64)>,
+    /// The trainer's own account of its time on the last batch, when it gives one.
+    reported: Option<Duration>,
+    /// The (epoch, step) of the last point exchanged.
+    exchanged: Option<(u64, u64)>,
+    pending: Option<(u64, u64, Vec<RankMeasure>)>,
+}
+
+impl Meter {
+    pub(super) fn new(
+        rank: u32,
+        config: &RebalanceConfig,
+        step_len: u64,
+        n_records: u64,
+        to_reader: Sender<PointMeasures>,
+    ) -> Self {
+        Self {
+            rank,
+            every: config.every,
+            lead: config.lead,
+            step_len: step_len.max(1),
+            n_records,
+            exchange: config.exchange.clone(),
+            to_reader,
+            window: RankMeasure { rank, ..RankMeasure::default() },
+            last: None,
+            reported: None,
+            exchanged: config
+                .resume
+                .as_ref()
+                .and_then(|s| s.pending.as_ref().map(|(step, _)| (s.weights.epoch, *step))),
+            pending: config
+                .resume
+                .as_ref()
+                .and_then(|s| s.pending.as_ref().map(|(step, m)| (s.weights.epoch, *step, m.clone()))),
+        }
+    }
+
+    /// The step of the epoch a batch belongs to, from the position after it.
+    fn step_of(&self, after: crate::plan::Position) -> (u64, u64) {
+        if after.cursor == 0 {
+            (after.epoch.saturating_sub(1), self.n_records.saturating_sub(1) / self.step_len)
+        } else {
+            (after.epoch, (after.cursor - 1) / self.step_len)
+        }
+    }
+
+    /// A batch of `records` ending at `after` is being handed out by a `next` called at
+    /// `called`: the time from the previous hand-out to that call was the trainer's on the
+    /// previous batch (its wait for this one is not); when this batch is the first at or past
+    /// `lead` steps before a point, the window closes and the ranks exchange it.
+    pub(super) fn handing_out(&mut self, after: crate::plan::Position, records: u64, called: Instant) -> Result<()> {
+        if let Some((at, previous)) = self.last.take() {
+            let busy = self.reported.take().unwrap_or_else(|| called.saturating_duration_since(at));
+            self.window.records += previous;
+            self.window.busy_nanos += u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX);
+        }
+        let outcome = self.exchange_if_due(after);
+        // The trainer's time on this batch starts once it has it (after any wait for the others).
+        self.last = Some((Instant::now(), records));
+        outcome
+    }
+
+    /// Closes the window and exchanges it when the batch ending at `after` is the first at or
+    /// past `lead` steps before a point.
+    fn exchange_if_due(&mut self, after: crate::plan::Position) -> Result<()> {
+        let (epoch, step) = self.step_of(after);
+        let steps = self.n_records.div_ceil(self.step_len);
+        // The next point after this step.
+        let point = (step / self.every + 1) * self.every;
+        if point >= steps || step + self.lead + 1 < point || self.exchanged == Some((epoch, point)) {
+            return Ok(());
+        }
+        let mine = std::mem::replace(&mut self.window, RankMeasure { rank: self.rank, ..RankMeasure::default() });
+        let measured = match &self.exchange {
+            Some(exchange) => exchange.all_gather(epoch, point, mine)?,
+            None => vec![mine],
+        };
+        self.exchanged = Some((epoch, point));
+        self.pending = Some((epoch, point, measured.clone()));
+        // A reader that is gone has ended the stream; the trainer hears it from the queue.
+        let _ = self.to_reader.send(PointMeasures { epoch, step: point, measured });
+        Ok(())
+    }
+
+    /// The trainer's time on the last batch handed out, as it measured it (its compute, without
+    /// the waits for other ranks a synchronous step has): used instead of the time between
+    /// hand-outs.
+    pub(super) fn report_busy(&mut self, busy: Duration) {
+        self.reported = Some(self.reported.unwrap_or_default() + busy);
+    }
+
+    /// The measures exchanged for a point not yet passed by `after`.
+    pub(super) fn pending(&self, after: crate::plan::Position) -> Option<(u64, Vec<RankMeasure>)> {
+        let (epoch, step) = self.step_of(after);
+        match &self.pending {
+            Some((e, point, measured)) if *e == epoch && step + 1 < *point => Some((*point, measured.clone())),
+            _ => None,
+        }
+    }
+}
+
+/// The reader side: waits for a point's measures (checking `stop` while it waits).
+pub(super) fn wait_for_point(
+    from_meter: &Receiver<PointMeasures>,
+    epoch: u64,
+    step: u64,
+    stop: &std::sync::atomic::AtomicBool,
+) -> std::result::Result<Vec<RankMeasure>, Option<Error>> {
+    loop {
+        if stop.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(None);
+        }
+        match from_meter.recv_timeout(Duration::from_millis(50)) {
+            Ok(point) if point.epoch == epoch && point.step == step => return Ok(point.measured),
+            // A point of a position the reader has passed (a resume's, already applied).
+            Ok(_) => {}
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return Err(None),
+        }
+    }
+}
