@@ -288,6 +288,15 @@ class Loader:
     `verify_threads`: threads that check the CRC32C of long reads (64 KiB or more) and copy their
     records into the batch, so the reading thread only reaps the disk (default `GRANARY_VERIFY_THREADS`, else one per 8
     cores, at most 8, none below 8 cores; `0` checks on the reading thread).
+    `rebalance_every`: every this many steps the ranks exchange their measured speed and a slow
+    rank gets a smaller share of each step from then on (the partitioner's `rebalance`; with
+    neither `order` nor `partitioner` given, the default partitioner plans; its
+    `partitioner_options` `max-change` and `min-share` bound the moves). The global order is the
+    same and every record is read once per epoch; a rank's batches then vary in size around
+    `batch_size`. The ranks exchange through `rebalance_exchange`, a callable
+    `(epoch, step, (rank, records, busy_nanos)) -> [(rank, records, busy_nanos), ...]` for every
+    rank, by default `torch.distributed.all_gather_object` (initialise the process group first).
+    Under DDP report the trainer's own time per batch with `report_busy`.
 
     Batches are the loader's own memory, read-only (NumPy's `writeable` is False; torch warns
     that the tensor is not writable): copy one (`batch.copy()`, `batch.clone()`) to change it.
@@ -331,6 +340,8 @@ class Loader:
         dtype: Optional[Any] = None,
         local_world_size: Optional[int] = None,
         verify_threads: Optional[int] = None,
+        rebalance_every: Optional[int] = None,
+        rebalance_exchange: Optional[Callable[..., Any]] = None,
     ) -> None:
         env_rank, env_world = world_from_env()
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -366,6 +377,15 @@ class Loader:
             raise ValueError(f"verify_threads must be an integer from 0 to 64, not {verify_threads!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
+        if rebalance_every is not None:
+            if isinstance(rebalance_every, bool) or not isinstance(rebalance_every, int) or rebalance_every < 2:
+                raise ValueError(f"rebalance_every must be an integer of at least 2 steps, not {rebalance_every!r}")
+            if order is None and partitioner is None:
+                partitioner = "default"
+            if rebalance_exchange is None and world_size > 1:
+                rebalance_exchange = _torch_exchange
+        elif rebalance_exchange is not None:
+            raise ValueError("rebalance_exchange is for rebalancing: give rebalance_every too")
         if output is None:
             output = "torch" if _torch() is not None else "numpy"
         if output not in ("torch", "numpy"):
@@ -414,6 +434,8 @@ class Loader:
             else [(str(k), str(v)) for k, v in tier_evictor_options.items()],
             local_world_size=local_world_size,
             verify_threads=verify_threads,
+            rebalance_every=rebalance_every,
+            rebalance_exchange=rebalance_exchange,
         )
         source = store._native if isinstance(store, Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)
@@ -503,10 +525,18 @@ class Loader:
         """Moves to `(epoch, cursor)` (`cursor` records of the epoch consumed by all ranks)."""
         self._native.seek(epoch, cursor)
 
+    def report_busy(self, seconds: float) -> None:
+        """The trainer's own time on the last batch (its forward and backward, without the
+        all-reduce's wait for the other ranks), for rebalancing; without it the loader takes the
+        time from one batch to the next, which a synchronous step makes equal on every rank."""
+        self._native.report_busy(float(seconds))
+
     def state_dict(self) -> Dict[str, Any]:
-        """The exact position, to resume from (on any world size)."""
+        """The exact position, to resume from (on any world size); with rebalancing also the
+        rank weights in force and the measures already exchanged for the next point, so that
+        a resumed run on the same world size repeats the same decisions."""
         epoch, cursor = self._native.position
-        return {
+        state = {
             "format": 1,
             "epoch": epoch,
             "cursor": cursor,
@@ -514,6 +544,10 @@ class Loader:
             "plan": dict(self._plan),
             "manifest": self._native.manifest,
         }
+        rebalance = self._native.rebalance_state()
+        if rebalance is not None:
+            state["rebalance"] = rebalance
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resumes at `state`'s position: the next batches are exactly the samples not yet read,
@@ -531,6 +565,7 @@ class Loader:
                 "open the same version (pass the manifest id as the dataset) to resume"
             )
         self._native.seek(int(state["epoch"]), int(state["cursor"]))
+        self._native.set_rebalance_state(state.get("rebalance"))
 
     def metrics(self) -> Dict[str, Any]:
         """Counters since the loader was made: `batches`, `records`, `bytes`, `stall_seconds`
@@ -583,6 +618,23 @@ def _mode(mode: Optional[str], replace: bool) -> str:
     if replace and mode not in (None, "replace"):
         raise ValueError(f"replace=True and mode={mode!r} disagree: pass one of them")
     return "replace" if replace else (mode or "new")
+
+
+def _torch_exchange(epoch: int, step: int, mine: Tuple[int, int, int]) -> List[Tuple[int, int, int]]:
+    """Every rank's measure for a rebalance point, through `torch.distributed`."""
+    torch = _torch()
+    dist = None if torch is None else torch.distributed
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "rebalancing over more than one rank exchanges measures through torch.distributed: initialise the "
+            "process group first, or pass rebalance_exchange"
+        )
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (int(epoch), int(step), tuple(int(v) for v in mine)))
+    points = {(e, s) for e, s, _ in gathered}
+    if points != {(int(epoch), int(step))}:
+        raise RuntimeError(f"the ranks are at different rebalance points: {sorted(points)}")
+    return sorted(m for _, _, m in gathered)
 
 
 def _torch() -> Any:

@@ -17,6 +17,8 @@ use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use granary::loader::{MeasureExchange, RebalanceConfig, RebalanceState, WeightsAt};
+use granary::policy::RankMeasure;
 use granary::shard::Sample;
 use granary::staging::cuda::Cuda;
 use granary::{
@@ -70,6 +72,9 @@ struct State {
     running: Option<Running>,
     /// Counters of engine loaders already stopped (a restart starts new ones).
     before: LoaderStats,
+    /// The rank weights of the last batch handed out (rebalancing): the short last step of an
+    /// epoch is split by them.
+    weights: Option<Vec<u32>>,
 }
 
 /// An engine loader and the process that started its threads.
@@ -101,10 +106,15 @@ impl Drop for Running {
 }
 
 impl State {
-    /// Stops the engine loader, keeping its counters.
+    /// Stops the engine loader, keeping its counters and, when it rebalances, its weights (the
+    /// next engine loader resumes with them).
     fn stop(&mut self) {
         if let Some(running) = self.running.take() {
             add(&mut self.before, &running.stats());
+            let resumed = running.loader.as_ref().and_then(granary::Loader::rebalance_state);
+            if let (Some(rebalance), Some(resumed)) = (&mut self.config.rebalance, resumed) {
+                rebalance.resume = Some(resumed);
+            }
         }
     }
 
@@ -125,6 +135,7 @@ impl State {
             rank: u64::from(self.config.world.rank()),
             batch: self.config.batch_size,
             drop_last: self.drop_last,
+            weights: self.weights.clone(),
         })
     }
 
@@ -134,49 +145,61 @@ impl State {
 }
 
 /// The engine's cut of an epoch, as one rank sees it: steps of `size x batch` records, the short
-/// last step spread one record at a time over the first ranks.
-#[derive(Clone, Copy)]
+/// last step spread one record at a time over the first ranks (or, rebalancing, split by the
+/// ranks' weights).
+#[derive(Clone)]
 struct Cut {
     n: u64,
     size: u64,
     rank: u64,
     batch: u64,
     drop_last: bool,
+    weights: Option<Vec<u32>>,
 }
 
 impl Cut {
     /// `position`, or the next epoch's start when this rank reads nothing more in its epoch:
     /// at the end, in the short last step when it holds fewer records than ranks and this
     /// rank's share is empty, or with `drop_last` in that step at all.
-    fn normalized(self, position: Position) -> Position {
+    fn normalized(&self, position: Position) -> Position {
         if self.n == 0 {
             return position;
         }
         let step = self.size * self.batch;
         let end = if self.drop_last { self.n - self.n % step } else { self.n };
         let left = end.saturating_sub(position.cursor);
-        let more = left >= step || (left > 0 && (left >= self.size || self.rank < left));
+        let more = left >= step || (left > 0 && self.reads_in_short_step(left));
         if more { position } else { Position { epoch: position.epoch + 1, cursor: 0 } }
+    }
+
+    /// Whether this rank reads a record of a short step of `left` records.
+    fn reads_in_short_step(&self, left: u64) -> bool {
+        match &self.weights {
+            Some(weights) if weights.len() as u64 == self.size => {
+                granary::plan::step_shares(left, weights).get(self.rank as usize).is_some_and(|&share| share > 0)
+            }
+            _ => left >= self.size || self.rank < left,
+        }
     }
 
     /// Whether the batch that ends at `after` is one this rank drops: with `drop_last`, the
     /// short last step (the batch that ends an epoch, reported at the next one's start, when
     /// the epoch does not divide into whole steps).
-    fn dropped(self, after: Position) -> bool {
+    fn dropped(&self, after: Position) -> bool {
         self.drop_last && after.cursor == 0 && !self.n.is_multiple_of(self.size * self.batch)
     }
 
     /// Batches this rank reads per epoch.
-    fn batches_per_epoch(self) -> u64 {
+    fn batches_per_epoch(&self) -> u64 {
         self.batches_from(0)
     }
 
     /// Batches this rank reads from `cursor` (a step boundary) to the end of the epoch.
-    fn batches_from(self, cursor: u64) -> u64 {
+    fn batches_from(&self, cursor: u64) -> u64 {
         let step = self.size * self.batch;
         let left_records = self.n.saturating_sub(cursor);
         let (full, left) = (left_records / step, left_records % step);
-        let last = !self.drop_last && left > 0 && (left >= self.size || self.rank < left);
+        let last = !self.drop_last && left > 0 && self.reads_in_short_step(left);
         full + u64::from(last)
     }
 }
@@ -190,6 +213,7 @@ impl Loader {
         prefetch = 4, read_depth = 2, hold = 4, order = None, partitioner = None,
         partitioner_options = None, io = None, drop_last = false, tier_bytes = None,
         tier_evictor = None, tier_evictor_options = None, local_world_size = None, verify_threads = None,
+        rebalance_every = None, rebalance_exchange = None,
     ))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
@@ -214,6 +238,8 @@ impl Loader {
         tier_evictor_options: Option<Vec<(String, String)>>,
         local_world_size: Option<u32>,
         verify_threads: Option<usize>,
+        rebalance_every: Option<u64>,
+        rebalance_exchange: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let root = match store.cast::<Store>() {
             Ok(store) => store.get().root().to_path_buf(),
@@ -288,8 +314,17 @@ impl Loader {
             },
             local_world_size,
             verify_threads,
+            rebalance: rebalance_every.map(|every| {
+                let exchange =
+                    rebalance_exchange.map(|callable| Arc::new(PyExchange { callable }) as Arc<dyn MeasureExchange>);
+                RebalanceConfig::every(every, exchange)
+            }),
             ..LoaderConfig::default()
         };
+        if let Some(rebalance) = &config.rebalance {
+            // Refused here rather than at the first batch.
+            rebalance.check(world.size()).map_err(to_py)?;
+        }
         config.io.backend = match io {
             None | Some("auto") => granary::Backend::Auto,
             Some("uring") => granary::Backend::Uring,
@@ -311,6 +346,7 @@ impl Loader {
                 len_from: Position { epoch, cursor: 0 },
                 running: None,
                 before: LoaderStats::default(),
+                weights: None,
             }),
         })
     }
@@ -367,6 +403,10 @@ impl Loader {
                 // The short last step of an epoch (`drop_last`).
                 continue;
             }
+            if let Some(weights) = batch.weights() {
+                state.weights = Some(weights.weights.clone());
+            }
+            let cut = state.cut().map_err(to_py)?;
             state.position = cut.normalized(after);
             return NativeBatch::new(batch, &dataset, state.device).map(Some);
         }
@@ -382,6 +422,82 @@ impl Loader {
         }
         state.iterating = epoch;
         state.len_from = state.position;
+        Ok(())
+    }
+
+    /// The trainer's own time on the last batch (seconds), for rebalancing: see
+    /// `granary.Loader.report_busy`.
+    fn report_busy(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return Err(invalid(format!("report_busy takes seconds of 0 or more, not {seconds}")));
+        }
+        let mut state = self.lock(py)?;
+        if let Some(running) = &mut state.running {
+            running.loader().report_busy(std::time::Duration::from_secs_f64(seconds));
+        }
+        Ok(())
+    }
+
+    /// The rebalancing state to save with the position (see `granary.Loader.state_dict`):
+    /// `None` without rebalancing.
+    fn rebalance_state<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let state = self.lock(py)?;
+        let from_loader =
+            state.running.as_ref().and_then(|r| r.loader.as_ref()).and_then(granary::Loader::rebalance_state);
+        let Some(saved) = from_loader.or_else(|| state.config.rebalance.as_ref().and_then(|r| r.resume.clone())) else {
+            return Ok(None);
+        };
+        let out = PyDict::new(py);
+        out.set_item("epoch", saved.weights.epoch)?;
+        out.set_item("step", saved.weights.step)?;
+        out.set_item("weights", saved.weights.weights.clone())?;
+        match &saved.pending {
+            None => out.set_item("pending", py.None())?,
+            Some((step, measured)) => {
+                let measured: Vec<(u32, u64, u64)> =
+                    measured.iter().map(|m| (m.rank, m.records, m.busy_nanos)).collect();
+                out.set_item("pending", (step, measured))?;
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Resumes the rebalancing from a saved state (`rebalance_state`'s dict, or `None` for
+    /// equal weights); applies from the next batch (the engine loader restarts).
+    fn set_rebalance_state(&self, py: Python<'_>, saved: Option<Bound<'_, PyDict>>) -> PyResult<()> {
+        let mut state = self.lock(py)?;
+        if state.config.rebalance.is_none() {
+            return Ok(());
+        }
+        let resume = match saved {
+            None => None,
+            Some(saved) => {
+                let get = |key: &str| {
+                    saved.get_item(key)?.ok_or_else(|| invalid(format!("the rebalance state has no {key:?}")))
+                };
+                let weights = WeightsAt {
+                    epoch: get("epoch")?.extract()?,
+                    step: get("step")?.extract()?,
+                    weights: get("weights")?.extract()?,
+                };
+                let pending: Option<(u64, Vec<MeasureTuple>)> = get("pending")?.extract()?;
+                let pending = pending.map(|(step, measured)| {
+                    let measured = measured
+                        .into_iter()
+                        .map(|(rank, records, busy_nanos)| RankMeasure { rank, records, busy_nanos })
+                        .collect();
+                    (step, measured)
+                });
+                Some(RebalanceState { weights, pending })
+            }
+        };
+        state.stop();
+        self.started_in.store(0, Ordering::Release);
+        state.weights =
+            resume.as_ref().map(|r| r.weights.weights.clone()).filter(|w| w.len() as u32 == state.config.world.size());
+        if let Some(rebalance) = &mut state.config.rebalance {
+            rebalance.resume = resume;
+        }
         Ok(())
     }
 
@@ -566,7 +682,7 @@ impl Loader {
     /// bytes, seconds)`.
     fn drain(&self, py: Python<'_>, batches: u64) -> PyResult<(u64, u64, u64, f64)> {
         let mut state = self.lock(py)?;
-        let cut = state.cut().map_err(to_py)?;
+        let mut cut = state.cut().map_err(to_py)?;
         let iterating = state.iterating;
         if cut.batches_per_epoch() == 0 {
             state.position = Position { epoch: iterating + 1, cursor: 0 };
@@ -596,6 +712,9 @@ impl Loader {
                         n += 1;
                         records += batch.len() as u64;
                         bytes += batch.data().len() as u64;
+                        if let Some(weights) = batch.weights() {
+                            cut.weights = Some(weights.weights.clone());
+                        }
                         position = cut.normalized(after);
                     }
                 }
@@ -604,6 +723,7 @@ impl Loader {
         });
         let finished = loader.is_finished();
         state.position = position;
+        state.weights = cut.weights;
         match failed {
             None => Ok((n, records, bytes, seconds)),
             Some(e) => {
@@ -622,6 +742,33 @@ impl Loader {
         state.stop();
         self.started_in.store(0, Ordering::Release);
         Ok(())
+    }
+}
+
+/// A rank's measure as Python sees it: `(rank, records, busy_nanos)`.
+type MeasureTuple = (u32, u64, u64);
+
+/// The ranks' exchange of their measures through a Python callable (by default, in the Python
+/// layer, `torch.distributed.all_gather_object`): called with `(epoch, step, (rank, records,
+/// busy_nanos))`, it returns every rank's triple.
+struct PyExchange {
+    callable: Py<PyAny>,
+}
+
+impl MeasureExchange for PyExchange {
+    fn all_gather(&self, epoch: u64, step: u64, mine: RankMeasure) -> granary::Result<Vec<RankMeasure>> {
+        Python::attach(|py| {
+            let out = self.callable.call1(py, (epoch, step, (mine.rank, mine.records, mine.busy_nanos)))?;
+            out.extract::<Vec<MeasureTuple>>(py)
+        })
+        .map(|all| {
+            all.into_iter().map(|(rank, records, busy_nanos)| RankMeasure { rank, records, busy_nanos }).collect()
+        })
+        .map_err(|error| {
+            granary::Error::invalid_input(format!(
+                "the ranks' exchange of their measures at rebalance point {step} of epoch {epoch} failed: {error}"
+            ))
+        })
     }
 }
 

@@ -1332,7 +1332,7 @@ impl<'a> Rebalancing<'a> {
         let steps = n_records.div_ceil(self.step_len);
         let step = from.cursor / self.step_len;
         let point = (step / self.every + 1) * self.every;
-        (point < steps).then_some(point)
+        (point + 1 < steps).then_some(point)
     }
 
     /// Waits for the point's measures, asks for the new weights and plans with them.

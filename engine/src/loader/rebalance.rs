@@ -5,7 +5,8 @@
 //! with the other ranks at `lead` steps before each rebalance point), the channel that hands the
 //! gathered measures to the reader, the `MeasureExchange` trait and its in-process
 //! `LocalExchange`, and `RebalanceState` (what a checkpoint saves). A rebalance point is a step
-//! of an epoch that is a multiple of `every` (never the first); the reader reads up to it,
+//! of an epoch that is a multiple of `every` (never the first, nor the last: the short last
+//! step is split by the weights its epoch ran with before it); the reader reads up to it,
 //! waits for the point's measures, asks the partitioner for the new weights (every rank asks
 //! with the same measures, so every rank gets the same weights) and plans the rest of the epoch
 //! with them. Weights change how a step is split among ranks, never the global order.
@@ -126,7 +127,8 @@ impl RebalanceConfig {
         Self { every, lead: (every / 4).max(1), exchange, resume: None }
     }
 
-    pub(super) fn check(&self, world: u32) -> Result<()> {
+    /// Refuses a configuration that cannot run in a world of `world` ranks.
+    pub fn check(&self, world: u32) -> Result<()> {
         if self.every < 2 {
             return Err(Error::invalid_input("rebalance every 2 steps or more"));
         }
@@ -256,7 +258,7 @@ impl Meter {
         let steps = self.n_records.div_ceil(self.step_len);
         // The next point after this step.
         let point = (step / self.every + 1) * self.every;
-        if point >= steps || step + self.lead + 1 < point || self.exchanged == Some((epoch, point)) {
+        if point + 1 >= steps || step + self.lead + 1 < point || self.exchanged == Some((epoch, point)) {
             return Ok(());
         }
         let mine = std::mem::replace(&mut self.window, RankMeasure { rank: self.rank, ..RankMeasure::default() });
