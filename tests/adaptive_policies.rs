@@ -80,7 +80,7 @@ fn plugins_built_against_0_1_0_keep_working_as_they_did() {
     let mut old = Replicator::new(old_rendezvous, &[], None).unwrap();
     let mut new = Replicator::new(host.load("rendezvous").unwrap(), &[], None).unwrap();
     assert_eq!(old.place(&nodes(5), 2).unwrap(), new.place(&nodes(5), 2).unwrap());
-    let heat = vec![ShardHeat { key: 1, bytes: 10, reads: 1000, holders: vec![0, 1] }];
+    let heat = vec![ShardHeat { key: 1, bytes: 10, reads: 1000, holders: vec![0, 1], previous: Vec::new() }];
     assert!(old.adapt(&nodes(5), &[], 2, &heat).unwrap().is_empty());
 }
 
@@ -200,6 +200,7 @@ fn hot_shards_get_more_copies_and_cool_ones_drop_back_to_the_factor() {
                 bytes: 1 << 20,
                 reads: (100_000.0 / (i + 1) as f64) as u64,
                 holders: placement.nodes_of_key(key).to_vec(),
+                previous: Vec::new(),
             }
         })
         .collect();
@@ -214,12 +215,12 @@ fn hot_shards_get_more_copies_and_cool_ones_drop_back_to_the_factor() {
         assert_eq!(goal.nodes[0], placement.nodes_of_key(goal.key)[0], "the table's node stays first");
         assert_eq!(goal.mode, ReplicationMode::Synchronous);
     }
-    // A hot shard with its extra copies stays hot until it falls below half the line; then no
-    // goal (back to the factor).
+    // A shard hot at the previous answer stays hot until it falls below half the line; then no
+    // goal (back to the factor). One that was not hot needs the whole line.
     let first = goals[0].key;
     let with_extra = |reads: u64| {
         let mut heat = heat.clone();
-        heat[0] = ShardHeat { key: first, bytes: 1 << 20, reads, holders: vec![0, 1, 2] };
+        heat[0] = ShardHeat { key: first, bytes: 1 << 20, reads, holders: vec![0, 1, 2], previous: vec![0, 1, 2] };
         heat
     };
     let line = 4.0 * mean;
@@ -227,6 +228,9 @@ fn hot_shards_get_more_copies_and_cool_ones_drop_back_to_the_factor() {
     assert!(replicator.adapt(&nodes, &space, 1, &warm).unwrap().iter().any(|g| g.key == first));
     let cold = with_extra((line * 0.3) as u64);
     assert!(!replicator.adapt(&nodes, &space, 1, &cold).unwrap().iter().any(|g| g.key == first));
+    let mut warm_but_new = warm.clone();
+    warm_but_new[0].previous.clear();
+    assert!(!replicator.adapt(&nodes, &space, 1, &warm_but_new).unwrap().iter().any(|g| g.key == first));
     // No room on the other nodes: no extra copy.
     let full: Vec<NodeSpace> =
         (0..3).map(|id| NodeSpace { id, free_bytes: if id == 0 { 1 << 40 } else { 0 } }).collect();

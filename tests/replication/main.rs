@@ -3,7 +3,8 @@
 //! shard and another peer finishes, a partitioned node heals and converges, a damaged shard is
 //! repaired on read, a peer without the key is refused, a peer that sends wrong bytes is demoted,
 //! launcher (torchrun) membership, and the cache's last-copy rule (`copies.rs`); erasure-coded
-//! fragments placed, read back, rebuilt and left behind (`coded.rs`). Each scenario prints the
+//! fragments placed, read back, rebuilt and left behind (`coded.rs`); hot shards given more
+//! copies and letting them go (`hot.rs`). Each scenario prints the
 //! data lost (always 0, or the test fails) and its time to converge. This file is the harness:
 //! `Cluster` (the nodes, their command lines and status) and the helpers both use.
 
@@ -11,6 +12,7 @@
 mod common;
 mod coded;
 mod copies;
+mod hot;
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener};

@@ -82,6 +82,10 @@ pub(crate) struct ServeArgs {
     /// A peer silent for this long is down, in milliseconds.
     #[arg(long, default_value_t = 2000)]
     down_after_ms: u64,
+    /// The window shard reads are counted over for hot copies (the replicator's `adapt`,
+    /// with `--replicator-options hot-replicas=N`), in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    heat_window_ms: u64,
     /// Compiled plugins are cached here (default: ROOT/replication/plugin-cache).
     #[arg(long)]
     plugin_cache: Option<PathBuf>,
@@ -127,6 +131,7 @@ pub(crate) fn serve(root: &Path, args: &ServeArgs) -> Result<()> {
     config.replicator_options = options(&args.replicator_options)?;
     config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(10));
     config.down_after = Duration::from_millis(args.down_after_ms.max(args.heartbeat_ms));
+    config.heat_window = Duration::from_millis(args.heat_window_ms.max(100));
     config.faults = Faults::from_env();
     config.metrics_listen = args.metrics.as_deref().map(socket_addr).transpose()?;
     let cache_dir = args.plugin_cache.clone().unwrap_or_else(|| root.join("replication").join("plugin-cache"));

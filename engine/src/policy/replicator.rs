@@ -31,6 +31,8 @@ pub struct ShardHeat {
     pub reads: u64,
     /// Nodes holding a copy now.
     pub holders: Vec<u32>,
+    /// The nodes the previous answer named for it (empty: it had no goal).
+    pub previous: Vec<u32>,
 }
 
 /// A node's free space, as it last reported it.
@@ -239,7 +241,13 @@ impl Replicator {
             space.iter().map(|n| wit::NodeSpace { id: n.id, free_bytes: n.free_bytes }).collect();
         let wit_shards: Vec<wit::ShardHeat> = shards
             .iter()
-            .map(|h| wit::ShardHeat { key: h.key, bytes: h.bytes, reads: h.reads, holders: h.holders.clone() })
+            .map(|h| wit::ShardHeat {
+                key: h.key,
+                bytes: h.bytes,
+                reads: h.reads,
+                holders: h.holders.clone(),
+                previous: h.previous.clone(),
+            })
             .collect();
         self.supervisor.run(&mut |plugin, _| instantiate(plugin), &mut |instance, _, options| {
             let options = options.to_vec();

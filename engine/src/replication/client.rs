@@ -17,12 +17,18 @@ pub struct NodeClient {
     addr: SocketAddr,
     key: ClusterKey,
     deadlines: Deadlines,
+    /// Shard reads of a reader using this client as its repair hook, not yet reported, and when
+    /// they were last.
+    reads: parking_lot::Mutex<(Option<std::time::Instant>, std::collections::HashMap<ShardId, u64>)>,
 }
+
+/// How often a reader's shard reads are reported to its node.
+const READS_REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl NodeClient {
     /// A client of the node listening at `addr`.
     pub fn new(addr: SocketAddr, key: ClusterKey) -> Self {
-        Self { addr, key, deadlines: Deadlines::default() }
+        Self { addr, key, deadlines: Deadlines::default(), reads: parking_lot::Mutex::new((None, Default::default())) }
     }
 
     /// A client of the node serving the store at `root` (it records where it listens).
@@ -160,6 +166,44 @@ impl NodeClient {
         })
     }
 
+    /// Tells the node that a reader beside it read these shards (how many times each): they
+    /// count in the node's heat, from which the replicator gives the most read shards more
+    /// copies. Sent in frames of at most `HEAT_ENTRIES_MAX` shards.
+    pub fn report_reads(&self, reads: &[(ShardId, u64)]) -> Result<()> {
+        let peer = self.addr;
+        let mut merged: std::collections::BTreeMap<crate::id::ObjectId, u64> = std::collections::BTreeMap::new();
+        for &(shard, n) in reads {
+            let sum = merged.entry(shard.0).or_default();
+            *sum = sum.saturating_add(n);
+        }
+        let entries: Vec<(crate::id::ObjectId, u64)> = merged.into_iter().filter(|&(_, n)| n > 0).collect();
+        if entries.is_empty() {
+            return Ok(());
+        }
+        self.run(move |mut channel| {
+            Box::pin(async move {
+                let transport = |source| Error::Transport { peer: format!("node at {peer}"), source };
+                for (page, entries) in entries.chunks(super::frame::HEAT_ENTRIES_MAX).enumerate() {
+                    let request = page as u32 + 1;
+                    channel.send(&Frame::Accessed { request, entries: entries.to_vec() }).await.map_err(transport)?;
+                    match channel.recv().await.map_err(transport)? {
+                        Frame::Reply { code: ReplyCode::Ok, .. } => {}
+                        Frame::Reply { code, message, .. } => {
+                            return Err(Error::PeerRefused {
+                                peer: format!("node at {peer}"),
+                                request: "report reads",
+                                code: code.to_string(),
+                                message: message.to_owned(),
+                            });
+                        }
+                        other => return Err(unexpected(peer, other.kind())),
+                    }
+                }
+                Ok(())
+            })
+        })
+    }
+
     #[doc(hidden)]
     /// Connects and hands the raw channel to `work`, for tests of what a node does with bad
     /// frames.
@@ -183,5 +227,25 @@ fn unexpected(peer: SocketAddr, kind: super::frame::Kind) -> Error {
 impl ShardRepair for NodeClient {
     fn repair(&self, shard: ShardId, _cause: &Error) -> Result<()> {
         NodeClient::repair(self, shard).map(|_| ())
+    }
+
+    /// Counts the reads, and about once a second reports them to the node on a thread of its
+    /// own (the reader does not wait; a report that fails is lost, as heat may be).
+    fn accessed(&self, shards: &[ShardId]) {
+        let mut reads = self.reads.lock();
+        for &shard in shards {
+            *reads.1.entry(shard).or_default() += 1;
+        }
+        let now = std::time::Instant::now();
+        if reads.0.is_some_and(|at| now.saturating_duration_since(at) < READS_REPORT_EVERY) {
+            return;
+        }
+        reads.0 = Some(now);
+        let entries: Vec<(ShardId, u64)> = std::mem::take(&mut reads.1).into_iter().collect();
+        drop(reads);
+        let client = NodeClient::new(self.addr, self.key.clone());
+        let _ = std::thread::Builder::new().name("granary-report-reads".to_owned()).spawn(move || {
+            let _ = client.report_reads(&entries);
+        });
     }
 }

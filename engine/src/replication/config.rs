@@ -76,6 +76,9 @@ pub struct NodeConfig {
     pub replicator_options: Vec<(String, String)>,
     /// Options passed to the evictor.
     pub evictor_options: Vec<(String, String)>,
+    /// The window shard reads are counted over for hot copies (the reads of the last two
+    /// windows count); the hot pass runs every half window.
+    pub heat_window: Duration,
     /// Faults to inject (tests).
     pub faults: Faults,
     /// Where the node's metrics are registered: by default the process's registry.
@@ -108,6 +111,7 @@ impl NodeConfig {
             replicator: None,
             replicator_options: Vec::new(),
             evictor_options: Vec::new(),
+            heat_window: Duration::from_secs(30),
             faults: Faults::default(),
             metrics: crate::metrics::Setting::Process,
             metrics_listen: None,

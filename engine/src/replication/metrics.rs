@@ -111,6 +111,13 @@ impl Source for NodeMetrics {
             status.pending_fetches as f64,
         );
         gauge(out, "granary_node_cache_objects", "Shards in the cache of fetched shards.", status.cache_objects as f64);
+        gauge(
+            out,
+            "granary_node_hot_shards",
+            "Shards the replicator's last hot pass gave more copies.",
+            status.hot_shards_total as f64,
+        );
+        gauge(out, "granary_node_hot_copies", "Hot copies this node holds.", status.hot_copies_here as f64);
         out.gauge(
             "granary_node_under_replicated_oldest_age",
             "How long the oldest under-replicated shard has been so.",

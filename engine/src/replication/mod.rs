@@ -27,6 +27,8 @@ mod flight;
 #[cfg(feature = "replication")]
 mod heartbeat;
 #[cfg(feature = "replication")]
+mod heat;
+#[cfg(feature = "replication")]
 mod local;
 #[cfg(feature = "replication")]
 pub mod membership;

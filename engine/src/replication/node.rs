@@ -87,6 +87,7 @@ impl Node {
             epoch: local.incarnation(),
         };
         let (stop, shutdown) = watch::channel(false);
+        let (heat, hot) = (super::heat::HeatWindow::new(config.heat_window), super::heat::HotState::load(&config.root));
         let shared = Arc::new(Shared {
             config,
             local,
@@ -102,6 +103,8 @@ impl Node {
             encode_slots: tokio::sync::Semaphore::new(super::coded::ENCODES_MAX),
             goals_pending: Mutex::new(std::collections::HashSet::new()),
             declined: Mutex::new(std::collections::HashSet::new()),
+            heat: Mutex::new(heat),
+            hot: Mutex::new(hot),
             fragment_headers: Mutex::new(std::collections::HashMap::new()),
             outgoing: Mutex::new(std::collections::HashMap::new()),
             connection_slots: Arc::new(Semaphore::new(super::server::CONNECTIONS_MAX)),

@@ -165,6 +165,12 @@ impl Shared {
 
     /// A reader touched `shards`: tells the evictor, and deletes its victims on a task.
     pub(super) fn accessed(self: &Arc<Self>, shards: &[ShardId]) {
+        {
+            let mut heat = self.heat.lock();
+            for shard in shards {
+                heat.add(shard.0, 1);
+            }
+        }
         // On the reader's thread: the evictor call is short; a task is started only when
         // there is something to delete.
         let victims = self.cache.lock().touch(shards);

@@ -116,6 +116,10 @@ impl Shared {
                 });
             }
         }
+        // Hot shards: extra copies of the most read ones, and back to the factor once they cool.
+        if !by_factor.is_empty() {
+            self.adapt_hot(&by_factor).await;
+        }
         // Coded goals: lost fragments rebuilt, within what this pass may still start.
         let (coded_under, coded_unreadable) = {
             let busy = self.coding_work.lock().len();

@@ -75,6 +75,8 @@ enum Request {
     Status { request: u32 },
     Repair { request: u32, id: ObjectId },
     Members { request: u32 },
+    Heat { request: u32 },
+    Accessed { request: u32, entries: Vec<(ObjectId, u64)> },
     Unexpected(Kind),
 }
 
@@ -93,6 +95,8 @@ fn to_request(frame: Frame<'_>) -> Request {
         Frame::StatusRequest { request } => Request::Status { request },
         Frame::Repair { request, id } => Request::Repair { request, id },
         Frame::MembersRequest { request } => Request::Members { request },
+        Frame::HeatRequest { request } => Request::Heat { request },
+        Frame::Accessed { request, entries } => Request::Accessed { request, entries },
         other => Request::Unexpected(other.kind()),
     }
 }
@@ -235,6 +239,14 @@ async fn answer(
             let members = shared.rendezvous_members();
             let members: Vec<(u32, &str)> = members.iter().map(|(id, addr)| (*id, addr.as_str())).collect();
             channel.send(&Frame::Members { request, members }).await
+        }
+        Request::Heat { request } => {
+            let (free_bytes, entries) = shared.heat_report();
+            channel.send(&Frame::Heat { request, free_bytes, entries }).await
+        }
+        Request::Accessed { request, entries } => {
+            shared.count_reads(&entries);
+            reply(channel, request, ReplyCode::Ok, "").await
         }
         Request::Unexpected(kind) => {
             shared.stats.frames_rejected.fetch_add(1, Ordering::Relaxed);

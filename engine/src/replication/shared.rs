@@ -69,6 +69,8 @@ pub(crate) struct Stats {
     pub(crate) repairs: AtomicU64,
     pub(crate) evicted: AtomicU64,
     pub(crate) kept_last_copy: AtomicU64,
+    /// Peers' heat that could not be had (down meanwhile, or older than the heat frames).
+    pub(crate) heat_failures: AtomicU64,
 }
 
 /// The lag accounting of under-replicated shards (the reconciler writes it, the report reads
@@ -128,6 +130,10 @@ pub(crate) struct Shared {
     pub(super) started: Instant,
     /// The node's runtime, for tasks started from outside it.
     pub(super) runtime: tokio::runtime::Handle,
+    /// This node's reads per shard (`heat.rs`).
+    pub(crate) heat: Mutex<super::heat::HeatWindow>,
+    /// The hot pass's goals and the hot copies held here.
+    pub(crate) hot: Mutex<super::heat::HotState>,
 }
 
 /// The reply code that tells a peer what kind of failure `error` is.

@@ -102,6 +102,22 @@ pub struct PeerStatus {
     pub bytes_received: u64,
 }
 
+/// A hot shard: extra copies for its reads.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HotShardStatus {
+    /// The shard id's first 12 hex digits.
+    pub shard: String,
+    /// Its reads over the last window, summed over the nodes.
+    pub reads: u64,
+    /// Copies its goal wants.
+    pub copies_wanted: usize,
+    /// Copies on nodes that are up.
+    pub copies: usize,
+    /// Whether the replicator calls it core (synchronous mode). Hot copies are pulled in the
+    /// background either way: no ingest waits for them.
+    pub synchronous: bool,
+}
+
 /// What a node knows: peers, goals, lag, counters.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeStatus {
@@ -169,6 +185,15 @@ pub struct NodeStatus {
     pub evicted: u64,
     /// Victims kept because no other node holds them.
     pub kept_last_copy: u64,
+    /// Shards the replicator's last hot pass gave more copies (the most read 16).
+    #[serde(default)]
+    pub hot_shards: Vec<HotShardStatus>,
+    /// All such shards.
+    #[serde(default)]
+    pub hot_shards_total: usize,
+    /// Hot copies this node holds.
+    #[serde(default)]
+    pub hot_copies_here: usize,
     /// Recent events, oldest first.
     pub events: Vec<String>,
     /// Older events left out of the report (to fit a frame).
@@ -262,6 +287,7 @@ impl Shared {
             let cache = self.cache.lock();
             (cache.used_bytes(), cache.len())
         };
+        let (hot_shards, hot_shards_total, hot_copies_here) = self.hot_status();
         let stat = |c: &AtomicU64| c.load(Ordering::Relaxed);
         NodeStatus {
             id: self.hello.node_id,
@@ -316,6 +342,9 @@ impl Shared {
             cache_objects,
             evicted: stat(&self.stats.evicted),
             kept_last_copy: stat(&self.stats.kept_last_copy),
+            hot_shards,
+            hot_shards_total,
+            hot_copies_here,
             events: self.events.lock().iter().cloned().collect(),
             events_omitted: 0,
             peers_omitted: 0,
@@ -515,6 +544,25 @@ impl fmt::Display for NodeStatus {
             self.evicted,
             self.kept_last_copy
         )?;
+        if self.hot_shards_total > 0 || self.hot_copies_here > 0 {
+            let shown: Vec<String> = self
+                .hot_shards
+                .iter()
+                .map(|h| {
+                    let mode = if h.synchronous { ", sync" } else { "" };
+                    format!("{} ({} reads, {} of {} copies{mode})", h.shard, h.reads, h.copies, h.copies_wanted)
+                })
+                .collect();
+            let more = self.hot_shards_total.saturating_sub(self.hot_shards.len());
+            writeln!(
+                f,
+                "hot shards: {}; {} held here{}{}",
+                self.hot_shards_total,
+                count(self.hot_copies_here as u64, "hot copy"),
+                if shown.is_empty() { String::new() } else { format!(": {}", shown.join(", ")) },
+                if more > 0 { format!(" and {more} more") } else { String::new() }
+            )?;
+        }
         writeln!(
             f,
             "security: {} refused ({} told busy), {} dropped for a bad frame",

@@ -6,9 +6,10 @@
 //! Hot shards (`adapt`): with `hot-replicas=H` (H above the factor; default 0, off), a shard
 //! read more than `hot-factor` (default 4) times the mean of the shards asked about is hot: it
 //! gets H copies, on its table nodes and then the next nodes of its bucket's rendezvous order
-//! with room for it, and synchronous mode (it is the core of the job's reads). A shard that
-//! has extra copies stays hot until its reads fall below half that threshold, so a shard near
-//! the line does not flap; a cool shard gets no goal and drops back to the table's copies.
+//! with room for it, and synchronous mode (it is the core of the job's reads). A shard that was
+//! hot at the previous answer stays hot until its reads fall below half that threshold, so a
+//! shard near the line does not flap; a cool shard gets no goal and drops back to the table's
+//! copies.
 
 use granary_policy_sdk::hash::{mix, rendezvous_score};
 use granary_policy_sdk::replicate::{Mode, Node, NodeSpace, Placement, Replicator, ShardGoal, ShardHeat};
@@ -57,9 +58,9 @@ impl Replicator for Rendezvous {
         let mut goals = Vec::new();
         for shard in shards {
             let table = placement.nodes(shard.key);
-            let has_extra = shard.holders.iter().any(|id| !table.contains(id));
+            let was_hot = !shard.previous.is_empty();
             let reads = shard.reads as f64;
-            if !(reads > hot || (has_extra && reads >= stays_hot)) {
+            if !(reads > hot || (was_hot && reads > 0.0 && reads >= stays_hot)) {
                 continue;
             }
             let mut chosen: Vec<u32> = table.to_vec();

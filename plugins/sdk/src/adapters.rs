@@ -199,7 +199,13 @@ mod replicator {
                 space.iter().map(|n| NodeSpace { id: n.id, free_bytes: n.free_bytes }).collect();
             let shards: Vec<ShardHeat> = shards
                 .into_iter()
-                .map(|h| ShardHeat { key: h.key, bytes: h.bytes, reads: h.reads, holders: h.holders })
+                .map(|h| ShardHeat {
+                    key: h.key,
+                    bytes: h.bytes,
+                    reads: h.reads,
+                    holders: h.holders,
+                    previous: h.previous,
+                })
                 .collect();
             let goals = P::adapt(&nodes(&nodes_in), &space, replicas, &shards, &Options(options))?;
             Ok(goals.into_iter().map(|g| wit::ShardGoal { key: g.key, nodes: g.nodes, mode: mode(g.mode) }).collect())

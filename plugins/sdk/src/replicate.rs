@@ -70,6 +70,8 @@ pub struct ShardHeat {
     pub reads: u64,
     /// Nodes that hold a copy now.
     pub holders: Vec<u32>,
+    /// The nodes the previous answer named for it (empty: it had no goal).
+    pub previous: Vec<u32>,
 }
 
 /// Where one shard's copies should be, when not where the table puts them.

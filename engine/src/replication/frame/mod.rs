@@ -51,6 +51,9 @@ pub const SOURCES_MAX: usize = 64;
 pub const STATUS_BYTES_MAX: usize = 60 << 10;
 /// Largest membership list.
 pub const MEMBERS_MAX: usize = 256;
+/// Shards in a `Heat` or `Accessed` frame at most (the most read ones).
+pub const HEAT_ENTRIES_MAX: usize = 1024;
+const HEAT_ENTRY_BYTES: usize = ID_BYTES + 8;
 /// The protocol version a `Hello` announces.
 pub const PROTOCOL_VERSION: u16 = 1;
 
@@ -97,11 +100,19 @@ pub enum Kind {
     MembersRequest = 17,
     /// The members that have joined: node ids and listen addresses.
     Members = 18,
+    /// (Peer) asks for the node's shard reads over its last window and its free space.
+    HeatRequest = 19,
+    /// A node's shard reads over its last window (the most read first cut at the cap, listed
+    /// by id) and its free space: the replicator's measured inputs.
+    Heat = 20,
+    /// (Client) a reader beside the node read these shards (how many times each): counted in
+    /// the node's window.
+    Accessed = 21,
 }
 
 impl Kind {
     /// Every kind, for tests and the fuzzer's dictionary.
-    pub const ALL: [Kind; 18] = [
+    pub const ALL: [Kind; 21] = [
         Kind::Hello,
         Kind::Ping,
         Kind::Pong,
@@ -120,6 +131,9 @@ impl Kind {
         Kind::Repair,
         Kind::MembersRequest,
         Kind::Members,
+        Kind::HeatRequest,
+        Kind::Heat,
+        Kind::Accessed,
     ];
 
     fn from_code(code: u8) -> Option<Kind> {
@@ -147,6 +161,9 @@ impl Kind {
             Kind::Repair => "Repair",
             Kind::MembersRequest => "MembersRequest",
             Kind::Members => "Members",
+            Kind::HeatRequest => "HeatRequest",
+            Kind::Heat => "Heat",
+            Kind::Accessed => "Accessed",
         }
     }
 
@@ -171,6 +188,9 @@ impl Kind {
             Kind::Repair => 8 + ID_BYTES,
             Kind::MembersRequest => 8,
             Kind::Members => 8 + MEMBERS_MAX * (8 + ADDRESS_BYTES_MAX),
+            Kind::HeatRequest => 8,
+            Kind::Heat => 16 + HEAT_ENTRIES_MAX * HEAT_ENTRY_BYTES,
+            Kind::Accessed => 8 + HEAT_ENTRIES_MAX * HEAT_ENTRY_BYTES,
         }
     }
 
@@ -517,6 +537,27 @@ pub enum Frame<'a> {
         /// The members.
         members: Vec<(u32, &'a str)>,
     },
+    /// Asks for the node's heat.
+    HeatRequest {
+        /// The request.
+        request: u32,
+    },
+    /// The node's shard reads over its window and its free space.
+    Heat {
+        /// The request answered.
+        request: u32,
+        /// Bytes the node's store may still take.
+        free_bytes: u64,
+        /// (shard, reads), in strictly increasing id order.
+        entries: Vec<(ObjectId, u64)>,
+    },
+    /// Shards a reader beside the node read.
+    Accessed {
+        /// The request.
+        request: u32,
+        /// (shard, reads), in strictly increasing id order.
+        entries: Vec<(ObjectId, u64)>,
+    },
 }
 
 /// Reads little-endian fields from a body, failing on truncation.
@@ -644,6 +685,9 @@ impl<'a> Frame<'a> {
             Frame::Repair { .. } => Kind::Repair,
             Frame::MembersRequest { .. } => Kind::MembersRequest,
             Frame::Members { .. } => Kind::Members,
+            Frame::HeatRequest { .. } => Kind::HeatRequest,
+            Frame::Heat { .. } => Kind::Heat,
+            Frame::Accessed { .. } => Kind::Accessed,
         }
     }
 
@@ -880,6 +924,24 @@ impl<'a> Frame<'a> {
                 }
                 Frame::Members { request, members }
             }
+            Kind::HeatRequest => {
+                let request = c.u32()?;
+                c.zeros(4, kind)?;
+                Frame::HeatRequest { request }
+            }
+            Kind::Heat => {
+                let request = c.u32()?;
+                let n = usize::from(c.u16()?);
+                c.zeros(2, kind)?;
+                let free_bytes = c.u64()?;
+                Frame::Heat { request, free_bytes, entries: heat_entries(&mut c, n, kind)? }
+            }
+            Kind::Accessed => {
+                let request = c.u32()?;
+                let n = usize::from(c.u16()?);
+                c.zeros(2, kind)?;
+                Frame::Accessed { request, entries: heat_entries(&mut c, n, kind)? }
+            }
         };
         c.end(kind)?;
         Ok(frame)
@@ -1035,6 +1097,25 @@ impl<'a> Frame<'a> {
                 out.extend_from_slice(&request.to_le_bytes());
                 out.extend_from_slice(&[0; 4]);
             }
+            Frame::HeatRequest { request } => {
+                out.extend_from_slice(&request.to_le_bytes());
+                out.extend_from_slice(&[0; 4]);
+            }
+            Frame::Heat { request, free_bytes, entries } => {
+                checked("entries", entries.len(), HEAT_ENTRIES_MAX)?;
+                out.extend_from_slice(&request.to_le_bytes());
+                out.extend_from_slice(&(entries.len() as u16).to_le_bytes());
+                out.extend_from_slice(&[0; 2]);
+                out.extend_from_slice(&free_bytes.to_le_bytes());
+                encode_heat_entries(entries, out);
+            }
+            Frame::Accessed { request, entries } => {
+                checked("entries", entries.len(), HEAT_ENTRIES_MAX)?;
+                out.extend_from_slice(&request.to_le_bytes());
+                out.extend_from_slice(&(entries.len() as u16).to_le_bytes());
+                out.extend_from_slice(&[0; 2]);
+                encode_heat_entries(entries, out);
+            }
             Frame::Members { request, members } => {
                 checked("members", members.len(), MEMBERS_MAX)?;
                 out.extend_from_slice(&request.to_le_bytes());
@@ -1053,6 +1134,35 @@ impl<'a> Frame<'a> {
         debug_assert!(body_bytes <= kind.body_bytes_max(), "{kind:?} body of {body_bytes} bytes");
         out[start + 4..start + 8].copy_from_slice(&(body_bytes as u32).to_le_bytes());
         Ok(())
+    }
+}
+
+/// `n` (shard, reads) entries, checked against the cap and the bytes present before anything is
+/// allocated, in strictly increasing id order.
+fn heat_entries(c: &mut Cursor<'_>, n: usize, kind: Kind) -> Result<Vec<(ObjectId, u64)>, FrameError> {
+    if n > HEAT_ENTRIES_MAX {
+        return Err(FrameError::TooLarge { what: "heat entries", bytes: n, max: HEAT_ENTRIES_MAX });
+    }
+    let raw = c.take(n * HEAT_ENTRY_BYTES)?;
+    let mut entries = Vec::with_capacity(n);
+    for entry in raw.chunks_exact(HEAT_ENTRY_BYTES) {
+        let mut e = Cursor { bytes: entry, at: 0 };
+        entries.push((e.id()?, e.u64()?));
+    }
+    if entries.windows(2).any(|w| w[0].0 >= w[1].0) {
+        return Err(FrameError::BadField {
+            kind: kind.name(),
+            field: "entries",
+            detail: "not in strictly increasing id order".to_owned(),
+        });
+    }
+    Ok(entries)
+}
+
+fn encode_heat_entries(entries: &[(ObjectId, u64)], out: &mut Vec<u8>) {
+    for (id, reads) in entries {
+        out.extend_from_slice(id.as_bytes());
+        out.extend_from_slice(&reads.to_le_bytes());
     }
 }
 

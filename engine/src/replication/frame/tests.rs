@@ -19,6 +19,9 @@ fn samples() -> Vec<Frame<'static>> {
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
         .collect();
+    let mut heat: Vec<(ObjectId, u64)> =
+        (0..HEAT_ENTRIES_MAX as u64).map(|i| (ObjectId::of(&(i + 1_000_000).to_le_bytes()), i * 7)).collect();
+    heat.sort_unstable();
     vec![
         Frame::Hello {
             version: PROTOCOL_VERSION,
@@ -59,6 +62,10 @@ fn samples() -> Vec<Frame<'static>> {
         Frame::Repair { request: 6, id },
         Frame::MembersRequest { request: 7 },
         Frame::Members { request: 7, members: vec![(0, "10.0.0.1:7000"), (3, "[::1]:7003")] },
+        Frame::HeatRequest { request: 12 },
+        Frame::Heat { request: 12, free_bytes: 1 << 40, entries: heat.clone() },
+        Frame::Heat { request: 13, free_bytes: 0, entries: Vec::new() },
+        Frame::Accessed { request: 14, entries: heat },
     ]
 }
 
