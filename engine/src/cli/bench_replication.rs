@@ -1,7 +1,8 @@
 //! `granary bench replication`: one shard's transfer between two nodes on loopback (Noise,
 //! verified, published) against a plain TCP copy of the same file in the same run; then the
 //! time to restore the replication factor after a node is lost, and the time to rebuild a lost
-//! node's erasure-coded fragments (4+2) of the same data.
+//! node's erasure-coded fragments (4+2) of the same data; then a hot shard read by three loaders
+//! on three nodes, with one copy and with three (as `hot-replicas=3` places them).
 //!
 //! Budget: the transfer is CPU-bound on loopback. The plain copy costs a read from the page
 //! cache, two kernel copies and a write into the page cache per byte (and an fsync at the end,
@@ -38,6 +39,9 @@ pub(crate) struct ReplicationArgs {
     /// Bytes of the dataset whose replication factor is restored after a node loss (0: skip).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     restore_bytes: u64,
+    /// Bytes of the hot shard three loaders read, with one copy and with three (0: skip).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    hot_bytes: u64,
 }
 
 const RECORD_BYTES: u64 = 4096;
@@ -202,6 +206,9 @@ pub(crate) fn replication(root: &Path, args: &ReplicationArgs) -> Result<()> {
     if args.restore_bytes > 0 {
         restore(&host, &work, args)?;
         restore_coded(&host, &work, args)?;
+    }
+    if args.hot_bytes > 0 {
+        hot_shard(&host, &work, args)?;
     }
     std::fs::remove_dir_all(&work).ok();
     Ok(())
@@ -371,4 +378,125 @@ fn restore_coded(host: &PolicyHost, work: &Path, args: &ReplicationArgs) -> Resu
     )?;
     drop(nodes);
     Ok(())
+}
+
+/// A hot shard of `args.hot_bytes`, read whole by one loader on each of three nodes at once: with
+/// one copy (on one of the three: the other two loaders' reads pull it from that node first) and
+/// with a copy on every node (where `hot-replicas=3` puts them, pulled before the reads). Each
+/// arrangement `args.runs` times in alternation, fresh nodes each run.
+fn hot_shard(host: &PolicyHost, work: &Path, args: &ReplicationArgs) -> Result<()> {
+    let (mut one, mut three) = (Vec::new(), Vec::new());
+    for run in 0..args.runs.max(1) * 2 {
+        let copies = if run % 2 == 0 { 1 } else { 3 };
+        let dir = work.join(format!("hot{run}"));
+        let took = hot_run(host, &dir, args.hot_bytes, copies)?;
+        std::fs::remove_dir_all(&dir).ok();
+        if copies == 1 { one.push(took) } else { three.push(took) }
+    }
+    let gbps = |d: &Duration| 3.0 * args.hot_bytes as f64 / d.as_secs_f64() / 1e9;
+    let ratios: Vec<f64> = one.iter().zip(&three).map(|(o, t)| o.as_secs_f64() / t.as_secs_f64()).collect();
+    outln!()?;
+    outln!(
+        "hot shard: one shard of {} read whole by 3 loaders on 3 nodes at once, {} runs, medians",
+        bytes(args.hot_bytes),
+        one.len()
+    )?;
+    outln!("{:<58} {:>10}", "copies", "GB/s read")?;
+    outln!("{:<58} {:>10.2}", "1 copy (2 loaders pull it first)", median_f64(one.iter().map(gbps).collect()))?;
+    outln!("{:<58} {:>10.2}", "3 copies (hot-replicas=3)", median_f64(three.iter().map(gbps).collect()))?;
+    outln!("{:<58} {:>10.2}", "ratio 3 copies / 1 copy (median of per-run ratios)", median_f64(ratios.clone()))?;
+    outln!("per-run ratios: {}", ratios.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(" "))?;
+    Ok(())
+}
+
+/// One run of `hot_shard`: the time until all three loaders have read every record.
+fn hot_run(host: &PolicyHost, dir: &Path, hot_bytes: u64, copies: usize) -> Result<Duration> {
+    use granary::loader::{Loader, LoaderConfig, PlanSource, Target, TierSetting};
+    use std::sync::Arc;
+    // Node 3 (weight 0: the table gives it no copy) ingests the shard and places one copy on
+    // the three others, then leaves.
+    let roots: Vec<PathBuf> = (0..4).map(|i| dir.join(format!("n{i}"))).collect();
+    make_dataset(&roots[3], "hot", hot_bytes, hot_bytes + (1 << 20), 11)?;
+    for root in &roots[..3] {
+        drop(Granary::create(root)?);
+    }
+    let key = ClusterKey::from_secret(SECRET)?;
+    let mut nodes: Vec<Arc<Node>> = Vec::new();
+    let mut addrs = Vec::new();
+    for (i, root) in roots.iter().enumerate() {
+        let listen: SocketAddr = "127.0.0.1:0".parse().expect("a valid address");
+        let mut config = NodeConfig::new(root, listen, Membership::Peers(addrs.clone()), key.clone());
+        config.heartbeat = Duration::from_millis(100);
+        config.down_after = Duration::from_millis(500);
+        config.weight = u32::from(i < 3);
+        let node = Node::start(config, host)?;
+        addrs.push(node.listen_addr());
+        nodes.push(Arc::new(node));
+    }
+    let started = Instant::now();
+    while nodes.iter().any(|n| n.status().peers.iter().filter(|p| p.up).count() < 3) {
+        if started.elapsed() > Duration::from_secs(30) {
+            bail!("the 4 nodes did not see each other within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    nodes[3].replicate_in(
+        "hot",
+        granary::replication::frame::Goal::Replicas(1),
+        granary::replication::frame::ReplicateMode::Synchronous,
+    )?;
+    let shard = Dataset::open(&StorePaths::new(&roots[3]), &VersionSpec::parse("hot")?)?.shard_id(0);
+    drop(nodes.pop());
+    let holds = |i: usize| StorePaths::new(&roots[i]).shard(shard).exists();
+    let started = Instant::now();
+    let spec = VersionSpec::parse("hot")?;
+    // Every node has the dataset's ref (the replicate brought it), one holds the shard, and
+    // each sees node 3 down (no read asks it).
+    while (0..3).any(|i| Dataset::open(&StorePaths::new(&roots[i]), &spec).is_err())
+        || (0..3).filter(|&i| holds(i)).count() != 1
+        || nodes.iter().any(|n| n.status().peers.iter().filter(|p| p.up).count() != 2)
+    {
+        if started.elapsed() > Duration::from_secs(60) {
+            bail!("the shard did not settle on one of the three nodes within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if copies == 3 {
+        for (i, node) in nodes.iter().enumerate() {
+            if !holds(i) {
+                node.repair(shard)?;
+            }
+        }
+    }
+    let reading = Instant::now();
+    let readers: Vec<std::thread::JoinHandle<Result<u64>>> = (0..3)
+        .map(|i| {
+            let dataset = Dataset::open(&StorePaths::new(&roots[i]), &VersionSpec::parse("hot")?)?;
+            let node: Arc<dyn granary::ShardRepair> = Arc::clone(&nodes[i]) as Arc<dyn granary::ShardRepair>;
+            let config = LoaderConfig {
+                batch_size: 256,
+                plan: PlanSource::Native(granary::Order::Sequential),
+                target: Target::Host,
+                tier: TierSetting::Off,
+                repair: Some(node),
+                metrics: granary::metrics::Setting::Off,
+                ..LoaderConfig::default()
+            };
+            Ok(std::thread::spawn(move || -> Result<u64> {
+                let mut loader = Loader::new(dataset, config, granary::Position::default())?;
+                let mut records = 0u64;
+                while let Some(batch) = loader.next() {
+                    records += batch?.len() as u64;
+                }
+                Ok(records)
+            }))
+        })
+        .collect::<Result<_>>()?;
+    for reader in readers {
+        let records = reader.join().map_err(|_| anyhow::anyhow!("a reader panicked"))??;
+        if records != hot_bytes / RECORD_BYTES {
+            bail!("a loader read {records} records of {}", hot_bytes / RECORD_BYTES);
+        }
+    }
+    Ok(reading.elapsed())
 }
