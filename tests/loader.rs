@@ -341,13 +341,15 @@ fn the_loader_bench_prints_its_table_at_a_small_scale() {
     );
 }
 
-/// A job of `world` ranks rebalanced every `every` steps, rank `slow` taking `slow_us` per record.
+/// A job of `world` ranks rebalanced every `every` steps, rank `slow` taking `slow_us` per record,
+/// for `epochs` epochs.
 #[derive(Clone, Copy)]
 struct Job {
     world: u32,
     every: u64,
     slow: u32,
     slow_us: u64,
+    epochs: u64,
 }
 
 /// One rank's batches (indices, the position after, the weights) and its last state.
@@ -364,7 +366,7 @@ fn run_ranks(
     stop_after: Option<usize>,
     registry: &granary::metrics::Registry,
 ) -> Vec<RankRun> {
-    let Job { world, every, slow, slow_us } = job;
+    let Job { world, every, slow, slow_us, epochs } = job;
     let exchange: Arc<dyn granary::loader::MeasureExchange> =
         granary::loader::LocalExchange::new(world, Duration::from_secs(30));
     let threads: Vec<_> = (0..world)
@@ -378,7 +380,7 @@ fn run_ranks(
                 rebalance.lead = 2;
                 rebalance.resume = resume;
                 let config = LoaderConfig {
-                    epochs: Some(1),
+                    epochs: Some(epochs),
                     rebalance: Some(rebalance),
                     metrics: granary::metrics::Setting::Registry(registry),
                     ..config(
@@ -408,31 +410,38 @@ fn run_ranks(
 
 #[test]
 fn a_slow_rank_gets_a_smaller_share_at_the_next_point_and_the_epoch_is_read_exactly_once() {
-    const TWO: Job = Job { world: 2, every: 10, slow: 1, slow_us: 400 };
+    const TWO: Job = Job { world: 2, every: 10, slow: 1, slow_us: 400, epochs: 2 };
     let _serial = serial();
-    // 2 ranks x 16 records a step: 48 steps, points at 10, 20, 30, 40.
+    // 2 ranks x 16 records a step: 48 steps an epoch, points at 10, 20, 30, 40; two epochs.
     let fixture = fixture(32 * 48);
     let start = (Position::default(), None);
     let registry = granary::metrics::Registry::default();
     let runs = run_ranks(&fixture.dataset, TWO, &[start.clone(), start.clone()], None, &registry);
-    let mut all: Vec<u64> = runs.iter().flat_map(|(batches, _)| batches.iter().flat_map(|b| b.0.clone())).collect();
-    all.sort_unstable();
-    assert_eq!(all, (0..32 * 48).collect::<Vec<u64>>(), "the union of both ranks' records is the epoch, once");
     let (fast, slow) = (&runs[0].0, &runs[1].0);
-    assert_eq!(fast.len(), 48);
-    assert_eq!(slow.len(), 48, "every rank reads in every step");
+    assert_eq!(fast.len(), 96);
+    assert_eq!(slow.len(), 96, "every rank reads in every step");
+    for epoch in 0..2 {
+        let steps = epoch * 48..(epoch + 1) * 48;
+        let mut all: Vec<u64> = steps.clone().flat_map(|s| fast[s].0.iter().chain(&slow[s].0).copied()).collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..32 * 48).collect::<Vec<u64>>(), "epoch {epoch}: the union is the epoch, once");
+    }
     // Before the first point both take 16; from it on the slow rank takes less.
     assert!(fast[..10].iter().chain(&slow[..10]).all(|b| b.0.len() == 16));
     assert!(slow[10].0.len() < 16 && fast[10].0.len() > 16, "step 10: {} and {}", fast[10].0.len(), slow[10].0.len());
     let lens: Vec<(usize, Vec<u32>)> = slow.iter().map(|b| (b.0.len(), b.2.clone())).collect();
     assert!(slow[47].0.len() < 10, "the slow rank ends with a small share: {lens:?}");
-    for step in 0..48 {
+    // The second epoch starts with the weights the first ended with (not the ones its plan was
+    // first made with), and every batch is its rank's share of the step under its weights.
+    assert_eq!(slow[48].2, slow[47].2);
+    assert!(slow[48].0.len() < 10, "{lens:?}");
+    for step in 0..96 {
         // The ranks agree on the weights and the positions of every step.
         assert_eq!(fast[step].2, slow[step].2, "step {step}");
         assert_eq!(fast[step].1, slow[step].1, "step {step}");
-        assert_eq!(fast[step].0.len() + slow[step].0.len(), 32, "step {step}");
+        let shares = granary::plan::step_shares(32, &fast[step].2);
+        assert_eq!((fast[step].0.len() as u64, slow[step].0.len() as u64), (shares[0], shares[1]), "step {step}");
     }
-    // Steps concatenated in rank order are the global order the default plan has for any world.
     // The metrics count the points passed and the records of a step they moved (the loaders
     // are dropped: their counters are kept, their gauges, such as the weight, are not).
     let samples = registry.gather();
@@ -443,22 +452,19 @@ fn a_slow_rank_gets_a_smaller_share_at_the_next_point_and_the_epoch_is_read_exac
             .map(|(_, v)| v)
             .collect()
     };
-    assert!(of_rank("granary_loader_rebalances").contains(&4.0), "{:?}", of_rank("granary_loader_rebalances"));
+    assert!(of_rank("granary_loader_rebalances").contains(&8.0), "{:?}", of_rank("granary_loader_rebalances"));
     assert!(of_rank("granary_loader_rebalance_moved_records").iter().any(|&n| n >= 8.0));
-    let global: Vec<u64> = (0..48).flat_map(|s| fast[s].0.iter().chain(&slow[s].0).copied()).collect();
-    let single = run_ranks(
-        &fixture.dataset,
-        Job { world: 1, slow_us: 0, ..TWO },
-        &[(Position::default(), None)],
-        None,
-        &registry,
-    );
+    // Steps concatenated in rank order are the global order the default plan has for any world.
+    let global: Vec<u64> = (0..96).flat_map(|s| fast[s].0.iter().chain(&slow[s].0).copied()).collect();
+    let one = Job { world: 1, slow_us: 0, ..TWO };
+    let single = run_ranks(&fixture.dataset, one, &[(Position::default(), None)], None, &registry);
     let single: Vec<u64> = single[0].0.iter().flat_map(|b| b.0.clone()).collect();
     assert_eq!(global, single);
 
-    // Saved after step 8 (the ranks have exchanged their measures for point 10) and resumed:
-    // the same batches through step 19, from the recorded weights and measures.
-    let stopped = run_ranks(&fixture.dataset, TWO, &[start.clone(), start], Some(9), &registry);
+    // Saved after step 8 (the ranks have exchanged their measures for point 10, at step
+    // 10 - lead) and resumed: the same batches through step 19, from the recorded weights and
+    // measures.
+    let stopped = run_ranks(&fixture.dataset, TWO, &[start.clone(), start.clone()], Some(9), &registry);
     let starts: Vec<_> = stopped
         .iter()
         .map(|(batches, state)| {
@@ -479,4 +485,20 @@ fn a_slow_rank_gets_a_smaller_share_at_the_next_point_and_the_epoch_is_read_exac
     let resumed_global: Vec<u64> =
         (0..11).flat_map(|s| resumed[0].0[s].0.iter().chain(&resumed[1].0[s].0).copied()).collect();
     assert_eq!(resumed_global, single[9 * 32..20 * 32], "the resumed run reads the same global order");
+
+    // Saved after step 6 of the two-rank run and resumed on three ranks: its steps of 48
+    // records start between the saving run's (cursor 224), its points follow its own steps,
+    // and the rest of the epoch is read once, in the same global order.
+    let stopped = run_ranks(&fixture.dataset, TWO, &[start.clone(), start], Some(7), &registry);
+    let saved: Vec<_> = stopped.iter().map(|(b, state)| (b.last().unwrap().1, state.clone())).collect();
+    assert_eq!(saved[0].0, Position { epoch: 0, cursor: 224 });
+    let three = Job { world: 3, epochs: 1, every: 4, ..TWO };
+    let resumed =
+        run_ranks(&fixture.dataset, three, &[saved[0].clone(), saved[0].clone(), saved[0].clone()], None, &registry);
+    let steps = resumed[0].0.len();
+    assert!(resumed.iter().all(|(b, _)| b.len() == steps));
+    let by_rank = &resumed;
+    let rest: Vec<u64> = (0..steps).flat_map(|s| (0..3).flat_map(move |r| by_rank[r].0[s].0.clone())).collect();
+    assert_eq!(rest, single[224..32 * 48], "resumed on 3 ranks: the rest of the epoch, once, in order");
+    assert!(resumed[1].0.last().unwrap().0.len() < 16, "the slow rank is rebalanced on 3 ranks too");
 }

@@ -564,8 +564,9 @@ class Loader:
                 f"the state was saved reading dataset version {state['manifest']}, this loader reads {manifest}; "
                 "open the same version (pass the manifest id as the dataset) to resume"
             )
-        self._native.seek(int(state["epoch"]), int(state["cursor"]))
+        # The weights first: the position's place in the epoch's short last step depends on them.
         self._native.set_rebalance_state(state.get("rebalance"))
+        self._native.seek(int(state["epoch"]), int(state["cursor"]))
 
     def metrics(self) -> Dict[str, Any]:
         """Counters since the loader was made: `batches`, `records`, `bytes`, `stall_seconds`

@@ -534,9 +534,17 @@ impl Loader {
                 ),
             })?),
         };
+        // Rebalancing gives a rank up to `SHARE_MAX_BATCHES` batch sizes of a step.
+        #[cfg(feature = "policy")]
+        let batch_records = match config.rebalance {
+            Some(_) => config.batch_size.saturating_mul(rebalance::SHARE_MAX_BATCHES),
+            None => config.batch_size,
+        };
+        #[cfg(not(feature = "policy"))]
+        let batch_records = config.batch_size;
         let batch_bytes = match (config.batch_bytes_max, dataset.layout().record_bytes()) {
             (Some(bytes), _) => bytes,
-            (None, Some(record)) => usize::try_from(record.saturating_mul(config.batch_size))
+            (None, Some(record)) => usize::try_from(record.saturating_mul(batch_records))
                 .map_err(|_| Error::invalid_input("a batch larger than memory"))?,
             (None, None) => BATCH_BYTES_VARIABLE,
         };
@@ -568,13 +576,18 @@ impl Loader {
         let pool = StagingPool::new(StagingConfig { buffers, buffer_bytes: batch_bytes.max(1), pinning })?;
 
         #[cfg(feature = "policy")]
-        let (meter, from_meter) = match &config.rebalance {
+        let (meter, from_meter) = match &mut config.rebalance {
             Some(rebalancing) => {
                 rebalancing.check(config.world.size())?;
+                let grid = rebalance::Grid::new(
+                    u64::from(config.world.size()).saturating_mul(config.batch_size),
+                    dataset.n_records(),
+                    rebalancing.every,
+                    normalized(start, dataset.n_records()),
+                );
+                rebalancing.fit_resume(config.world.size(), &grid);
                 let (to_reader, from_meter) = std::sync::mpsc::channel();
-                let step_len = u64::from(config.world.size()).saturating_mul(config.batch_size);
-                let meter =
-                    rebalance::Meter::new(config.world.rank(), rebalancing, step_len, dataset.n_records(), to_reader);
+                let meter = rebalance::Meter::new(config.world.rank(), rebalancing, grid, to_reader);
                 (Some(meter), Some(from_meter))
             }
             None => (None, None),
@@ -1128,7 +1141,7 @@ fn run_epochs(
     let Node { coordinator, peers: node_peers } = node;
     let n_records = dataset.n_records();
     let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
-    let mut position = if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
+    let mut position = normalized(start, n_records);
     #[cfg(feature = "policy")]
     let mut rebalancing = match (&config.rebalance, from_meter) {
         (Some(rebalance), Some(from_meter)) => {
@@ -1152,9 +1165,15 @@ fn run_epochs(
         if n_records == 0 {
             return Ok(());
         }
+        #[cfg(feature = "policy")]
+        let fresh = rebalancing.is_some();
+        #[cfg(not(feature = "policy"))]
+        let fresh = false;
         let batches = match next_epoch.take() {
-            Some(batches) => batches,
-            None => Arc::new(planner.epoch(position).map_err(Some)?),
+            // With rebalancing the next epoch was planned before this one's points changed the
+            // weights: it is planned again with the weights now in force.
+            Some(batches) if !fresh => batches,
+            _ => Arc::new(planner.epoch(position).map_err(Some)?),
         };
         let hook = config.repair.as_ref().filter(|hook| hook.wants_plan());
         let following = Position { epoch: position.epoch + 1, cursor: 0 };
@@ -1188,31 +1207,35 @@ fn run_epochs(
                 next: next_epoch.as_ref().map(|next| (following, Arc::clone(next))),
             });
         }
+        #[cfg_attr(not(feature = "policy"), allow(unused_mut, reason = "moved only by rebalance points"))]
+        let mut segment = batches;
+        #[cfg_attr(
+            not(feature = "policy"),
+            allow(unused_mut, unused_variables, reason = "moved and read only at rebalance points")
+        )]
+        let mut from = position;
         #[cfg(feature = "policy")]
         if let Some(rebalancing) = &mut rebalancing {
             rebalancing.new_epoch(position.epoch);
+            // A run resumed right at a point whose measures were saved applies them first.
+            if rebalancing.apply_resumed_at(&mut planner, from, stop)? {
+                segment = Arc::new(planner.epoch(from).map_err(Some)?);
+            }
         }
-        #[cfg_attr(not(feature = "policy"), allow(unused_mut, reason = "moved only by rebalance points"))]
-        let mut segment = batches;
-        #[cfg_attr(not(feature = "policy"), allow(unused_mut, reason = "moved only by rebalance points"))]
-        let mut from = position;
         loop {
             // With rebalancing, the batches up to the next point; then the point's new weights
             // and the rest of the epoch planned with them.
             #[cfg(feature = "policy")]
-            let point = rebalancing.as_ref().and_then(|r| r.next_point(from, n_records));
+            let point = rebalancing.as_ref().and_then(|r| r.next_point(from));
             #[cfg(not(feature = "policy"))]
             let point: Option<u64> = None;
-            let step_len = u64::from(config.world.size()).saturating_mul(config.batch_size).max(1);
-            let take = match point {
-                Some(point) => segment
-                    .iter()
-                    .take_while(|(_, after)| {
-                        after.epoch == from.epoch && after.cursor != 0 && (after.cursor - 1) / step_len < point
-                    })
-                    .count(),
-                None => segment.len(),
+            #[cfg(feature = "policy")]
+            let take = match (point, &rebalancing) {
+                (Some(point), Some(r)) => r.before_point(&segment, from.epoch, point),
+                _ => segment.len(),
             };
+            #[cfg(not(feature = "policy"))]
+            let take = segment.len();
             #[cfg(feature = "policy")]
             let weights = rebalancing.as_ref().map(|r| Arc::clone(&r.current));
             let tag = |after: Position| Tag {
@@ -1226,13 +1249,18 @@ fn run_epochs(
             #[cfg(feature = "policy")]
             if let Some(rebalancing) = &mut rebalancing {
                 rebalancing.apply(&mut planner, from.epoch, point, stop)?;
-                from = Position { epoch: from.epoch, cursor: point.saturating_mul(step_len).min(n_records) };
+                from = Position { epoch: from.epoch, cursor: rebalancing.grid.cursor_of(from.epoch, point) };
                 segment = Arc::new(planner.epoch(from).map_err(Some)?);
             }
         }
         position = Position { epoch: position.epoch + 1, cursor: 0 };
     }
     Ok(())
+}
+
+/// `start`, or the next epoch's start when `start` is at the end of its epoch.
+fn normalized(start: Position, n_records: u64) -> Position {
+    if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start }
 }
 
 /// Reads `batches` and queues them, each tagged by `tag` with the position after it; `step`
@@ -1284,9 +1312,8 @@ fn read_segment(
 /// The reader side of rebalancing: the weights in force, and where the next ones come from.
 #[cfg(feature = "policy")]
 struct Rebalancing<'a> {
-    every: u64,
-    /// Records of a full step (`world x batch_size`).
-    step_len: u64,
+    /// The steps and points, as the trainer side counts them.
+    grid: rebalance::Grid,
     from_meter: &'a Receiver<rebalance::PointMeasures>,
     /// A resumed run's measures of a point already exchanged: (epoch, step, measures).
     resumed: Option<(u64, u64, Vec<crate::policy::RankMeasure>)>,
@@ -1295,8 +1322,8 @@ struct Rebalancing<'a> {
 
 #[cfg(feature = "policy")]
 impl<'a> Rebalancing<'a> {
-    /// Starts at `position` with the resumed weights (when saved on this world size) or equal
-    /// ones.
+    /// Starts at `position` (normalized) with the resumed weights (`config.resume`, already
+    /// fitted to this run; bounded as a point's are) or equal ones.
     fn start(
         config: &RebalanceConfig,
         from_meter: &'a Receiver<rebalance::PointMeasures>,
@@ -1305,19 +1332,50 @@ impl<'a> Rebalancing<'a> {
         position: Position,
     ) -> Self {
         let size = loader.world.size() as usize;
-        let resumed = config.resume.as_ref().filter(|state| state.weights.weights.len() == size);
-        let weights = resumed.map_or_else(|| vec![1; size], |state| state.weights.weights.clone());
+        let step_len = u64::from(loader.world.size()).saturating_mul(loader.batch_size);
+        let resumed = config.resume.as_ref();
+        // As records of a full step, as every point's weights are (equal ones cut as before).
+        let weights = resumed
+            .and_then(|state| planner.bounded(&state.weights.weights))
+            .or_else(|| planner.bounded(&vec![1; size]))
+            .unwrap_or_else(|| vec![1; size]);
         planner.set_weights(weights.clone());
         let step = resumed.map_or(0, |state| state.weights.step);
         Self {
-            every: config.every,
-            step_len: u64::from(loader.world.size()).saturating_mul(loader.batch_size).max(1),
+            grid: rebalance::Grid::new(step_len, planner.n_records, config.every, position),
             from_meter,
             resumed: resumed
-                .filter(|state| state.weights.epoch == position.epoch)
                 .and_then(|state| state.pending.clone().map(|(step, measured)| (position.epoch, step, measured))),
             current: Arc::new(WeightsAt { epoch: position.epoch, step, weights }),
         }
+    }
+
+    /// Applies the resumed measures of the point `from` starts at, if there are: whether it did.
+    fn apply_resumed_at(
+        &mut self,
+        planner: &mut EpochPlanner,
+        from: Position,
+        stop: &AtomicBool,
+    ) -> std::result::Result<bool, Option<Error>> {
+        let step = self.grid.step_at(from);
+        match &self.resumed {
+            Some((epoch, point, _)) if *epoch == from.epoch && *point == step => {
+                self.apply(planner, from.epoch, step, stop)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// How many of `segment`'s batches come before step `point` of `epoch`.
+    fn before_point(&self, segment: &[(Vec<u64>, Position)], epoch: u64, point: u64) -> usize {
+        segment
+            .iter()
+            .take_while(|(_, after)| {
+                let (e, step) = self.grid.step_of(*after);
+                e == epoch && step < point
+            })
+            .count()
     }
 
     /// The weights carry over into a new epoch, from its step 0.
@@ -1328,11 +1386,8 @@ impl<'a> Rebalancing<'a> {
     }
 
     /// The next rebalance point after `from`, when the epoch has one.
-    fn next_point(&self, from: Position, n_records: u64) -> Option<u64> {
-        let steps = n_records.div_ceil(self.step_len);
-        let step = from.cursor / self.step_len;
-        let point = (step / self.every + 1) * self.every;
-        (point + 1 < steps).then_some(point)
+    fn next_point(&self, from: Position) -> Option<u64> {
+        self.grid.next_point(from.epoch, self.grid.step_at(from))
     }
 
     /// Waits for the point's measures, asks for the new weights and plans with them.
@@ -1420,7 +1475,17 @@ impl EpochPlanner {
             PlanSource::Partitioner { plugin, options } => {
                 use crate::policy::{Limits, NodeInfo, PolicyHost, RankInfo, ShardInfo};
                 let host = PolicyHost::new(Limits::default(), None)?;
-                let partitioner = host.partitioner(plugin.as_deref(), options)?;
+                // Rebalancing ranks must all decide alike: a failing plugin fails the stream
+                // rather than let a fallback (with its default options) answer on one rank.
+                let partitioner = if config.rebalance.is_some() {
+                    let plugin = match plugin.as_deref() {
+                        Some(name) => host.load(name)?,
+                        None => host.load_builtin(crate::policy::builtin::DEFAULT_PARTITIONER)?,
+                    };
+                    crate::policy::Partitioner::new(plugin, options, None)?
+                } else {
+                    host.partitioner(plugin.as_deref(), options)?
+                };
                 if config.rebalance.is_some() && !partitioner.can_rebalance() {
                     return Err(Error::invalid_input(format!(
                         "partitioner {} is built against granary:policy@0.1.0, which cannot rebalance; rebuild it \
@@ -1465,9 +1530,20 @@ impl EpochPlanner {
         self.weights = weights;
     }
 
+    /// `weights` as the records of a full step each rank reads, at least 1 (a rank with none
+    /// would never reach the next point) and at most `SHARE_MAX_BATCHES` batch sizes (what its
+    /// staging buffers hold); `None` when no split fits.
+    #[cfg(feature = "policy")]
+    fn bounded(&self, weights: &[u32]) -> Option<Vec<u32>> {
+        if weights.len() != self.world.size() as usize {
+            return None;
+        }
+        let step_len = u64::from(self.world.size()).saturating_mul(self.batch_size);
+        rebalance::bounded_weights(weights, step_len, self.batch_size.saturating_mul(rebalance::SHARE_MAX_BATCHES))
+    }
+
     /// The weights from rebalance point `step` on, from the ranks' measures: the plugin's
-    /// answer, refused when it would leave a rank no record of a full step (its trainer would
-    /// wait for a batch that never comes); then planned with.
+    /// answer, bounded (`bounded`); then planned with.
     #[cfg(feature = "policy")]
     fn rebalance(&mut self, step: u64, current: &[u32], measured: Vec<crate::policy::RankMeasure>) -> Result<Vec<u32>> {
         let Source::Plugin { partitioner, .. } = &mut self.source else {
@@ -1485,12 +1561,13 @@ impl EpochPlanner {
                 *slot = weight;
             }
         }
-        let step_len = u64::from(self.world.size()).saturating_mul(self.batch_size);
-        if let Some(rank) = crate::plan::step_shares(step_len, &weights).iter().position(|&share| share == 0) {
-            return Err(Error::invalid_input(format!(
-                "the rebalanced weights {weights:?} leave rank {rank} no record of a step of {step_len}"
-            )));
-        }
+        let weights = self.bounded(&weights).ok_or_else(|| {
+            Error::invalid_input(format!(
+                "the rebalanced weights {weights:?} cannot give every rank 1 to {} records of a step of {}",
+                self.batch_size.saturating_mul(rebalance::SHARE_MAX_BATCHES),
+                u64::from(self.world.size()).saturating_mul(self.batch_size)
+            ))
+        })?;
         self.set_weights(weights.clone());
         Ok(weights)
     }

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
+use crate::plan::Position;
 use crate::policy::RankMeasure;
 
 /// How the ranks of a job agree on their measures at a rebalance point: every rank calls
@@ -84,6 +85,8 @@ impl MeasureExchange for LocalExchange {
                         e.measures.iter().enumerate().filter(|(_, m)| m.is_none()).map(|(r, _)| r.to_string()).collect()
                     })
                     .unwrap_or_default();
+                // The point is abandoned: its entry goes (a rank that comes later waits anew).
+                points.remove(&key);
                 return Err(Error::invalid_input(format!(
                     "rebalance point {step} of epoch {epoch}: ranks {} gave no measure within {:?}",
                     missing.join(", "),
@@ -94,13 +97,18 @@ impl MeasureExchange for LocalExchange {
     }
 }
 
+/// A rank reads at most this many batch sizes of a step when rebalanced (its staging buffers
+/// are sized for it).
+pub(super) const SHARE_MAX_BATCHES: u64 = 2;
+
 /// How a loader rebalances.
 #[derive(Clone)]
 pub struct RebalanceConfig {
     /// Steps between rebalance points (a point at every multiple of it in an epoch but 0).
     pub every: u64,
-    /// Steps before a point at which the ranks exchange their measures (so the reader, which
-    /// waits for them at the point, keeps reading meanwhile); at least 1, less than `every`.
+    /// Steps before a point at which the ranks exchange their measures (the hand-out of the
+    /// batch of step `point - lead`; the reader, which waits for them at the point, keeps
+    /// reading meanwhile); at least 1, less than `every`.
     pub lead: u64,
     /// How the ranks agree on their measures; `None` for a world of one rank.
     pub exchange: Option<Arc<dyn MeasureExchange>>,
@@ -125,6 +133,28 @@ impl RebalanceConfig {
     /// least 1), through `exchange`.
     pub fn every(every: u64, exchange: Option<Arc<dyn MeasureExchange>>) -> Self {
         Self { every, lead: (every / 4).max(1), exchange, resume: None }
+    }
+
+    /// Keeps of `resume` what fits this run (`world` ranks, on `grid`): the weights when saved on
+    /// this world size, the pending measures when they are for a point of the epoch the run
+    /// starts in, not yet passed, one per rank.
+    pub(super) fn fit_resume(&mut self, world: u32, grid: &Grid) {
+        let size = world as usize;
+        let Some(state) = &mut self.resume else { return };
+        if state.weights.weights.len() != size {
+            self.resume = None;
+            return;
+        }
+        let start = grid.start();
+        let fits = |(point, measured): &(u64, Vec<RankMeasure>)| {
+            state.weights.epoch == start.epoch
+                && grid.is_point(start.epoch, *point)
+                && *point >= grid.step_at(start)
+                && measured.len() == size
+        };
+        if !state.pending.as_ref().is_some_and(fits) {
+            state.pending = None;
+        }
     }
 
     /// Refuses a configuration that cannot run in a world of `world` ranks.
@@ -177,13 +207,122 @@ pub(super) struct PointMeasures {
     pub(super) measured: Vec<RankMeasure>,
 }
 
+/// The steps of epochs as rebalancing counts them: `step_len` positions each, from the start of
+/// an epoch, or in the epoch a run resumed in, from the resume cursor's place in its step (a
+/// state saved on another world size resumes between this world's steps). Points are the steps
+/// that are multiples of `every`, but the first and the last of an epoch.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Grid {
+    step_len: u64,
+    n_records: u64,
+    every: u64,
+    start: Position,
+}
+
+impl Grid {
+    /// The grid of a run from `start` (normalized: not at an epoch's end).
+    pub(super) fn new(step_len: u64, n_records: u64, every: u64, start: Position) -> Self {
+        Self { step_len: step_len.max(1), n_records, every: every.max(1), start }
+    }
+
+    /// Where the run starts.
+    pub(super) fn start(&self) -> Position {
+        self.start
+    }
+
+    fn offset(&self, epoch: u64) -> u64 {
+        if epoch == self.start.epoch { self.start.cursor % self.step_len } else { 0 }
+    }
+
+    /// Steps of `epoch` from its grid's origin.
+    fn steps(&self, epoch: u64) -> u64 {
+        self.n_records.saturating_sub(self.offset(epoch)).div_ceil(self.step_len)
+    }
+
+    /// The (epoch, step) of the batch that ends at `after`.
+    pub(super) fn step_of(&self, after: Position) -> (u64, u64) {
+        let (epoch, end) = if after.cursor == 0 {
+            (after.epoch.saturating_sub(1), self.n_records)
+        } else {
+            (after.epoch, after.cursor)
+        };
+        (epoch, end.saturating_sub(1).saturating_sub(self.offset(epoch)) / self.step_len)
+    }
+
+    /// The step that starts at `from`.
+    pub(super) fn step_at(&self, from: Position) -> u64 {
+        from.cursor.saturating_sub(self.offset(from.epoch)) / self.step_len
+    }
+
+    /// Where step `step` of `epoch` starts.
+    pub(super) fn cursor_of(&self, epoch: u64, step: u64) -> u64 {
+        self.offset(epoch).saturating_add(step.saturating_mul(self.step_len)).min(self.n_records)
+    }
+
+    /// The first point of `epoch` after step `step`, when there is one.
+    pub(super) fn next_point(&self, epoch: u64, step: u64) -> Option<u64> {
+        let point = (step / self.every + 1).saturating_mul(self.every);
+        (point.saturating_add(1) < self.steps(epoch)).then_some(point)
+    }
+
+    /// Whether step `step` of `epoch` is a point.
+    pub(super) fn is_point(&self, epoch: u64, step: u64) -> bool {
+        step > 0 && step.is_multiple_of(self.every) && step.saturating_add(1) < self.steps(epoch)
+    }
+}
+
+/// `weights` made the records of a full step of `step_len` each rank reads: every rank at least
+/// 1 and at most `cap` (what a staging buffer holds), the rest split as the weights say (the
+/// ranks at a bound keep it, the others share what is left by weight, until none crosses a
+/// bound). The same inputs give the same answer on every rank. `None` when no split fits
+/// (`cap` times the ranks below the step, more ranks than records, or a step above 2^32).
+pub(super) fn bounded_weights(weights: &[u32], step_len: u64, cap: u64) -> Option<Vec<u32>> {
+    let n = weights.len() as u64;
+    if n == 0 || n > step_len || cap.saturating_mul(n) < step_len || u32::try_from(step_len).is_err() {
+        return None;
+    }
+    let mut fixed: Vec<Option<u64>> = vec![None; weights.len()];
+    loop {
+        let free: Vec<usize> = (0..weights.len()).filter(|&i| fixed[i].is_none()).collect();
+        let left = step_len.checked_sub(fixed.iter().flatten().sum::<u64>())?;
+        if free.is_empty() {
+            // Every rank at a bound: they decide alone, when they add up.
+            return (left == 0).then(|| fixed.iter().flatten().map(|&r| r as u32).collect());
+        }
+        let free_weights: Vec<u32> = free.iter().map(|&i| weights[i]).collect();
+        let shares = crate::plan::step_shares(left, &free_weights);
+        // Ranks above the cap are held at it first (what they give up goes to the others), then
+        // ranks below one record are raised to it; one bound at a time, so equal weights stay
+        // equal.
+        let mut crossed = false;
+        for (&i, &share) in free.iter().zip(&shares) {
+            if share > cap {
+                fixed[i] = Some(cap);
+                crossed = true;
+            }
+        }
+        if !crossed {
+            for (&i, &share) in free.iter().zip(&shares) {
+                if share < 1 {
+                    fixed[i] = Some(1);
+                    crossed = true;
+                }
+            }
+        }
+        if !crossed {
+            for (&i, &share) in free.iter().zip(&shares) {
+                fixed[i] = Some(share);
+            }
+            return Some(fixed.iter().flatten().map(|&r| r as u32).collect());
+        }
+    }
+}
+
 /// The trainer side: busy time per batch, the window's measure, the exchange.
 pub(super) struct Meter {
     rank: u32,
-    every: u64,
     lead: u64,
-    step_len: u64,
-    n_records: u64,
+    grid: Grid,
     exchange: Option<Arc<dyn MeasureExchange>>,
     to_reader: Sender<PointMeasures>,
     window: RankMeasure,
@@ -197,41 +336,23 @@ pub(super) struct Meter {
 }
 
 impl Meter {
-    pub(super) fn new(
-        rank: u32,
-        config: &RebalanceConfig,
-        step_len: u64,
-        n_records: u64,
-        to_reader: Sender<PointMeasures>,
-    ) -> Self {
+    /// The meter of `rank` on `grid`; `config.resume` is already checked to fit this run.
+    pub(super) fn new(rank: u32, config: &RebalanceConfig, grid: Grid, to_reader: Sender<PointMeasures>) -> Self {
+        let pending = config
+            .resume
+            .as_ref()
+            .and_then(|s| s.pending.as_ref().map(|(step, m)| (s.weights.epoch, *step, m.clone())));
         Self {
             rank,
-            every: config.every,
             lead: config.lead,
-            step_len: step_len.max(1),
-            n_records,
+            grid,
             exchange: config.exchange.clone(),
             to_reader,
             window: RankMeasure { rank, ..RankMeasure::default() },
             last: None,
             reported: None,
-            exchanged: config
-                .resume
-                .as_ref()
-                .and_then(|s| s.pending.as_ref().map(|(step, _)| (s.weights.epoch, *step))),
-            pending: config
-                .resume
-                .as_ref()
-                .and_then(|s| s.pending.as_ref().map(|(step, m)| (s.weights.epoch, *step, m.clone()))),
-        }
-    }
-
-    /// The step of the epoch a batch belongs to, from the position after it.
-    fn step_of(&self, after: crate::plan::Position) -> (u64, u64) {
-        if after.cursor == 0 {
-            (after.epoch.saturating_sub(1), self.n_records.saturating_sub(1) / self.step_len)
-        } else {
-            (after.epoch, (after.cursor - 1) / self.step_len)
+            exchanged: pending.as_ref().map(|(epoch, step, _)| (*epoch, *step)),
+            pending,
         }
     }
 
@@ -239,7 +360,7 @@ impl Meter {
     /// `called`: the time from the previous hand-out to that call was the trainer's on the
     /// previous batch (its wait for this one is not); when this batch is the first at or past
     /// `lead` steps before a point, the window closes and the ranks exchange it.
-    pub(super) fn handing_out(&mut self, after: crate::plan::Position, records: u64, called: Instant) -> Result<()> {
+    pub(super) fn handing_out(&mut self, after: Position, records: u64, called: Instant) -> Result<()> {
         if let Some((at, previous)) = self.last.take() {
             let busy = self.reported.take().unwrap_or_else(|| called.saturating_duration_since(at));
             self.window.records += previous;
@@ -253,12 +374,10 @@ impl Meter {
 
     /// Closes the window and exchanges it when the batch ending at `after` is the first at or
     /// past `lead` steps before a point.
-    fn exchange_if_due(&mut self, after: crate::plan::Position) -> Result<()> {
-        let (epoch, step) = self.step_of(after);
-        let steps = self.n_records.div_ceil(self.step_len);
-        // The next point after this step.
-        let point = (step / self.every + 1) * self.every;
-        if point + 1 >= steps || step + self.lead + 1 < point || self.exchanged == Some((epoch, point)) {
+    fn exchange_if_due(&mut self, after: Position) -> Result<()> {
+        let (epoch, step) = self.grid.step_of(after);
+        let Some(point) = self.grid.next_point(epoch, step) else { return Ok(()) };
+        if step.saturating_add(self.lead) < point || self.exchanged == Some((epoch, point)) {
             return Ok(());
         }
         let mine = std::mem::replace(&mut self.window, RankMeasure { rank: self.rank, ..RankMeasure::default() });
@@ -280,11 +399,12 @@ impl Meter {
         self.reported = Some(self.reported.unwrap_or_default() + busy);
     }
 
-    /// The measures exchanged for a point not yet passed by `after`.
-    pub(super) fn pending(&self, after: crate::plan::Position) -> Option<(u64, Vec<RankMeasure>)> {
-        let (epoch, step) = self.step_of(after);
+    /// The measures exchanged for a point whose step the batch ending at `after` has not
+    /// reached (the point itself included: a run resumed there applies them first).
+    pub(super) fn pending(&self, after: Position) -> Option<(u64, Vec<RankMeasure>)> {
+        let (epoch, step) = self.grid.step_of(after);
         match &self.pending {
-            Some((e, point, measured)) if *e == epoch && step + 1 < *point => Some((*point, measured.clone())),
+            Some((e, point, measured)) if *e == epoch && step < *point => Some((*point, measured.clone())),
             _ => None,
         }
     }
@@ -308,5 +428,47 @@ pub(super) fn wait_for_point(
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return Err(None),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_weights_keep_every_rank_between_one_record_and_the_cap() {
+        // Equal weights: the equal split.
+        assert_eq!(bounded_weights(&[1, 1, 1, 1], 64, 32), Some(vec![16, 16, 16, 16]));
+        // A rank that would get nothing gets 1; one above the cap is held at it.
+        assert_eq!(bounded_weights(&[1, 100_000], 32, 32), Some(vec![1, 31]));
+        assert_eq!(bounded_weights(&[100, 1, 1], 48, 32), Some(vec![32, 8, 8]));
+        // The rest keeps its proportions, and the answer always adds up to the step.
+        for weights in [vec![7, 3, 1 << 20, 1], vec![0, 0, 5], vec![1 << 20; 3], vec![3, 1]] {
+            let out = bounded_weights(&weights, 64, 32).unwrap();
+            assert_eq!(out.iter().map(|&r| u64::from(r)).sum::<u64>(), 64, "{weights:?}");
+            assert!(out.iter().all(|&r| (1..=32).contains(&r)), "{weights:?} -> {out:?}");
+        }
+        // No split fits: a cap too small for the step, more ranks than records.
+        assert_eq!(bounded_weights(&[1, 1], 64, 31), None);
+        assert_eq!(bounded_weights(&[1, 1, 1], 2, 2), None);
+        assert_eq!(bounded_weights(&[], 2, 2), None);
+    }
+
+    #[test]
+    fn the_grid_counts_steps_from_the_resume_cursor_in_its_epoch_and_from_0_after() {
+        // Steps of 48 over 1536 records, resumed at 224 (a 32-record step's end).
+        let grid = Grid::new(48, 1536, 4, Position { epoch: 2, cursor: 224 });
+        assert_eq!(grid.step_at(Position { epoch: 2, cursor: 224 }), 4);
+        assert_eq!(grid.cursor_of(2, 4), 224);
+        assert_eq!(grid.cursor_of(2, 8), 32 + 8 * 48);
+        assert_eq!(grid.step_of(Position { epoch: 2, cursor: 272 }), (2, 4));
+        assert_eq!(grid.next_point(2, 4), Some(8));
+        // The last step (31 of steps 0..31 from offset 32) is never a point.
+        assert!(!grid.is_point(2, 31) && grid.is_point(2, 28));
+        // The next epoch starts at 0; its end is reported as the next epoch's start.
+        assert_eq!(grid.step_at(Position { epoch: 3, cursor: 0 }), 0);
+        assert_eq!(grid.step_of(Position { epoch: 4, cursor: 0 }), (3, 31));
+        assert_eq!(grid.next_point(3, 27), Some(28));
+        assert_eq!(grid.next_point(3, 28), None);
     }
 }

@@ -27,7 +27,8 @@ pub struct ShardHeat {
     pub key: u64,
     /// Bytes of the shard file.
     pub bytes: u64,
-    /// Reads of its records over the window, summed over the nodes.
+    /// How often it was read over the window, summed over the nodes (each batch of a node's
+    /// readers that reads its records counts once).
     pub reads: u64,
     /// Nodes holding a copy now.
     pub holders: Vec<u32>,
@@ -51,7 +52,8 @@ pub struct ShardGoal {
     pub key: u64,
     /// The nodes that should hold a copy, most preferred first (distinct, up).
     pub nodes: Vec<u32>,
-    /// How its copies are confirmed.
+    /// Whether the policy calls it core (synchronous); reported, hot copies are pulled in the
+    /// background either way.
     pub mode: ReplicationMode,
 }
 

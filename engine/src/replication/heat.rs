@@ -50,7 +50,11 @@ impl HeatWindow {
         let elapsed = now.saturating_duration_since(self.started);
         if elapsed >= self.window {
             // Two windows or more without a roll: the one before is empty too.
-            self.previous = if elapsed >= self.window * 2 { HashMap::new() } else { std::mem::take(&mut self.current) };
+            self.previous = if elapsed >= self.window.saturating_mul(2) {
+                HashMap::new()
+            } else {
+                std::mem::take(&mut self.current)
+            };
             self.current.clear();
             self.started = now;
         }
@@ -232,7 +236,13 @@ impl Shared {
                         }
                     }
                 }
-                Err(e) => self.event(format!("the replicator's adapt failed: {e}")),
+                Err(e) => {
+                    // The previous goals stand: a failed pass drops no hot copy.
+                    self.event(format!("the replicator's adapt failed: {e}"));
+                    for (shard, goal) in self.hot.lock().goals.iter().filter(|(shard, _)| shards.contains_key(*shard)) {
+                        goals.entry(*shard).or_insert_with(|| goal.clone());
+                    }
+                }
             }
         }
         self.act_on_hot(goals, by_factor).await;
@@ -257,6 +267,7 @@ impl Shared {
                     goal.nodes.contains(&me)
                         && self.local.holds(WireKind::Shard, shard.0).is_none()
                         && !hot.fetching.contains(*shard)
+                        && !self.declined.lock().contains(*shard)
                 })
                 .filter_map(|(shard, _)| bytes_of(shard).map(|bytes| (*shard, bytes)))
                 .take(HOT_FETCHES_MAX.saturating_sub(hot.fetching.len()))
@@ -305,27 +316,43 @@ impl Shared {
         }
     }
 
-    /// A hot copy was pulled: it is a read-cache entry, recorded as hot.
+    /// A hot copy was pulled: it is a read-cache entry, recorded as hot. One the read cache
+    /// cannot take (larger than its bound, or its evictor failed) is deleted again (it is an
+    /// extra copy: another node holds the shard) and not pulled again.
     fn keep_hot_copy(self: &Arc<Self>, shard: ShardId, bytes: u64) {
         self.local.set_cached(shard.0, true);
-        match self.cache.lock().admit(shard, bytes) {
+        let admitted = self.cache.lock().admit(shard, bytes);
+        let cached = match admitted {
             Ok((victims, cached)) => {
-                if !cached {
-                    self.local.set_cached(shard.0, false);
-                }
                 if !victims.is_empty() {
                     let shared = Arc::clone(self);
                     tokio::spawn(async move { shared.evict(victims).await });
                 }
+                cached
             }
             Err(e) => {
-                self.local.set_cached(shard.0, false);
                 self.event(format!("cache evictor failed: {e}"));
+                false
             }
+        };
+        if !cached {
+            self.declined.lock().insert(shard);
+            self.cache.lock().forget(shard);
+            let shared = Arc::clone(self);
+            tokio::spawn(async move { shared.evict(vec![(shard, bytes)]).await });
+            return;
         }
         let mut hot = self.hot.lock();
         hot.held.insert(shard);
         self.record_hot(&hot.held);
+    }
+
+    /// Shard `shard` left this node's disk: it is no hot copy any more.
+    pub(super) fn forget_hot(&self, shard: ShardId) {
+        let mut hot = self.hot.lock();
+        if hot.held.remove(&shard) {
+            self.record_hot(&hot.held);
+        }
     }
 
     /// Writes the hot copies held to `replication/hot` (not synced: losing it leaves the copies

@@ -225,6 +225,7 @@ impl Shared {
             match tokio::task::spawn_blocking(move || shared.local.remove(WireKind::Shard, id.0)).await {
                 Ok(Ok(())) => {
                     self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+                    self.forget_hot(id);
                 }
                 Ok(Err(e)) => self.event(format!("could not evict {}: {e}", id.0.short(12))),
                 Err(e) => self.event(format!("could not evict {}: {e}", id.0.short(12))),

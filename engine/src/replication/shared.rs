@@ -110,7 +110,8 @@ pub(crate) struct Shared {
     /// reconciler brings them the ref and goal once they are up. Only the node a goal was set
     /// on brings it, so two nodes never echo a goal back and forth.
     pub(super) goals_pending: Mutex<HashSet<(u32, DatasetName)>>,
-    /// Whole copies of coded shards the read cache declined: kept as copies, not offered again.
+    /// Whole copies of coded shards the read cache declined (kept as copies, not offered again),
+    /// and hot copies it declined (deleted again, not pulled again).
     pub(super) declined: Mutex<HashSet<ShardId>>,
     /// What the header of each fragment held here names (its shard and coding), read once.
     pub(super) fragment_headers: Mutex<std::collections::HashMap<ObjectId, (ShardId, crate::erasure::Coding)>>,

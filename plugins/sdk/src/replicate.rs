@@ -66,7 +66,8 @@ pub struct ShardHeat {
     pub key: u64,
     /// Bytes of the shard file.
     pub bytes: u64,
-    /// Reads of its records over the last window, summed over the nodes.
+    /// How often it was read over the last window, summed over the nodes (each batch of a
+    /// node's readers that reads its records counts once).
     pub reads: u64,
     /// Nodes that hold a copy now.
     pub holders: Vec<u32>,
@@ -81,7 +82,8 @@ pub struct ShardGoal {
     pub key: u64,
     /// The nodes that should hold a copy, most preferred first.
     pub nodes: Vec<u32>,
-    /// Sync for a core shard, async for the rest.
+    /// Sync for a core shard, async for the rest (the host reports it; hot copies are pulled
+    /// in the background either way).
     pub mode: Mode,
 }
 

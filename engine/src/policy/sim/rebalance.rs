@@ -99,9 +99,15 @@ pub fn rebalance(
     if total > RECORDS_MAX {
         return Err(Error::invalid_input(format!("{total} records; the simulation takes at most {RECORDS_MAX}")));
     }
-    if sim.ranks == 0 || sim.ranks > super::RANKS_MAX || sim.batch == 0 {
+    if sim.ranks == 0
+        || sim.ranks > super::RANKS_MAX
+        || sim.batch == 0
+        || u64::from(sim.ranks.max(sim.resume_ranks.unwrap_or(1)))
+            .checked_mul(sim.batch)
+            .is_none_or(|step| step > total.max(1))
+    {
         return Err(Error::invalid_input(format!(
-            "ranks must be in 1..={} and the batch at least 1",
+            "ranks must be in 1..={}, the batch at least 1, and a step (ranks x batch) at most the {total} records",
             super::RANKS_MAX
         )));
     }
