@@ -493,8 +493,13 @@ impl Loader {
         };
         state.stop();
         self.started_in.store(0, Ordering::Release);
-        state.weights =
-            resume.as_ref().map(|r| r.weights.weights.clone()).filter(|w| w.len() as u32 == state.config.world.size());
+        // The split the engine will cut the steps with (its bounds applied), so that the short
+        // last step is placed as the engine places it.
+        let (world, batch) = (state.config.world.size(), state.config.batch_size);
+        state.weights = resume
+            .as_ref()
+            .and_then(|r| granary::loader::rebalanced_step(&r.weights.weights, world, batch))
+            .or_else(|| granary::loader::rebalanced_step(&vec![1; world as usize], world, batch));
         if let Some(rebalance) = &mut state.config.rebalance {
             rebalance.resume = resume;
         }

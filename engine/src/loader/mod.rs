@@ -546,7 +546,8 @@ impl Loader {
             (Some(bytes), _) => bytes,
             (None, Some(record)) => usize::try_from(record.saturating_mul(batch_records))
                 .map_err(|_| Error::invalid_input("a batch larger than memory"))?,
-            (None, None) => BATCH_BYTES_VARIABLE,
+            (None, None) => BATCH_BYTES_VARIABLE
+                .saturating_mul(usize::try_from(batch_records / config.batch_size.max(1)).unwrap_or(1)),
         };
         // What a batch is expected to take, for the depth: exact for fixed-size records; for
         // variable-length ones the manifest's mean record (shard file bytes over records, a
@@ -1258,6 +1259,19 @@ fn run_epochs(
     Ok(())
 }
 
+/// The records of a full step each of `world_size` ranks reads under `weights` when a loader
+/// rebalances: at least 1 and at most twice `batch_size` each, the rest split by weight (the
+/// weights a rebalancing loader's batches carry are these). `None` when `weights` is not one per
+/// rank or no split fits.
+#[cfg(feature = "policy")]
+pub fn rebalanced_step(weights: &[u32], world_size: u32, batch_size: u64) -> Option<Vec<u32>> {
+    if weights.len() != world_size as usize {
+        return None;
+    }
+    let step_len = u64::from(world_size).saturating_mul(batch_size);
+    rebalance::bounded_weights(weights, step_len, batch_size.saturating_mul(rebalance::SHARE_MAX_BATCHES))
+}
+
 /// `start`, or the next epoch's start when `start` is at the end of its epoch.
 fn normalized(start: Position, n_records: u64) -> Position {
     if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start }
@@ -1340,7 +1354,8 @@ impl<'a> Rebalancing<'a> {
             .or_else(|| planner.bounded(&vec![1; size]))
             .unwrap_or_else(|| vec![1; size]);
         planner.set_weights(weights.clone());
-        let step = resumed.map_or(0, |state| state.weights.step);
+        // Weights saved in an earlier epoch are that epoch's: here they are in force from step 0.
+        let step = resumed.filter(|state| state.weights.epoch == position.epoch).map_or(0, |state| state.weights.step);
         Self {
             grid: rebalance::Grid::new(step_len, planner.n_records, config.every, position),
             from_meter,
@@ -1535,11 +1550,7 @@ impl EpochPlanner {
     /// staging buffers hold); `None` when no split fits.
     #[cfg(feature = "policy")]
     fn bounded(&self, weights: &[u32]) -> Option<Vec<u32>> {
-        if weights.len() != self.world.size() as usize {
-            return None;
-        }
-        let step_len = u64::from(self.world.size()).saturating_mul(self.batch_size);
-        rebalance::bounded_weights(weights, step_len, self.batch_size.saturating_mul(rebalance::SHARE_MAX_BATCHES))
+        rebalanced_step(weights, self.world.size(), self.batch_size)
     }
 
     /// The weights from rebalance point `step` on, from the ranks' measures: the plugin's

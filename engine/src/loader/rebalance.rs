@@ -69,7 +69,12 @@ impl MeasureExchange for LocalExchange {
         entry.measures[mine.rank as usize] = Some(mine);
         self.changed.notify_all();
         loop {
-            let entry = points.get_mut(&key).ok_or_else(|| Error::invalid_input("the exchange lost a point"))?;
+            let entry = points.get_mut(&key).ok_or_else(|| {
+                Error::invalid_input(format!(
+                    "rebalance point {step} of epoch {epoch} was abandoned: a rank gave no measure within {:?}",
+                    self.timeout
+                ))
+            })?;
             if entry.measures.iter().all(Option::is_some) {
                 let measures: Vec<RankMeasure> = entry.measures.iter().flatten().copied().collect();
                 entry.taken += 1;
@@ -78,15 +83,19 @@ impl MeasureExchange for LocalExchange {
                 }
                 return Ok(measures);
             }
-            if self.changed.wait_until(&mut points, deadline).timed_out() {
+            if self.changed.wait_until(&mut points, deadline).timed_out()
+                && points.get(&key).is_some_and(|e| e.measures.iter().any(Option::is_none))
+            {
                 let missing: Vec<String> = points
                     .get(&key)
                     .map(|e| {
                         e.measures.iter().enumerate().filter(|(_, m)| m.is_none()).map(|(r, _)| r.to_string()).collect()
                     })
                     .unwrap_or_default();
-                // The point is abandoned: its entry goes (a rank that comes later waits anew).
+                // The point is abandoned: its entry goes (a rank that comes later waits anew),
+                // and the other waiters hear it.
                 points.remove(&key);
+                self.changed.notify_all();
                 return Err(Error::invalid_input(format!(
                     "rebalance point {step} of epoch {epoch}: ranks {} gave no measure within {:?}",
                     missing.join(", "),
@@ -272,50 +281,62 @@ impl Grid {
 }
 
 /// `weights` made the records of a full step of `step_len` each rank reads: every rank at least
-/// 1 and at most `cap` (what a staging buffer holds), the rest split as the weights say (the
-/// ranks at a bound keep it, the others share what is left by weight, until none crosses a
-/// bound). The same inputs give the same answer on every rank. `None` when no split fits
-/// (`cap` times the ranks below the step, more ranks than records, or a step above 2^32).
+/// 1 and at most `cap` (what a staging buffer holds), in proportion to its weight where no bound
+/// holds it: the level `x` with `sum(clamp(x * w, 1, cap)) = step_len` is found by bisection,
+/// each rank takes the whole part of its `clamp(x * w, 1, cap)`, and the records left over go one
+/// each to the ranks of largest fraction (ties to the lower rank). Equal weights split as
+/// `step_shares` does. The same inputs give the same answer on every rank. `None` when no split
+/// fits (`cap` times the ranks below the step, more ranks than records, or a step above 2^32).
 pub(super) fn bounded_weights(weights: &[u32], step_len: u64, cap: u64) -> Option<Vec<u32>> {
     let n = weights.len() as u64;
-    if n == 0 || n > step_len || cap.saturating_mul(n) < step_len || u32::try_from(step_len).is_err() {
+    if n == 0 || cap == 0 || n > step_len || cap.saturating_mul(n) < step_len || u32::try_from(step_len).is_err() {
         return None;
     }
-    let mut fixed: Vec<Option<u64>> = vec![None; weights.len()];
-    loop {
-        let free: Vec<usize> = (0..weights.len()).filter(|&i| fixed[i].is_none()).collect();
-        let left = step_len.checked_sub(fixed.iter().flatten().sum::<u64>())?;
-        if free.is_empty() {
-            // Every rank at a bound: they decide alone, when they add up.
-            return (left == 0).then(|| fixed.iter().flatten().map(|&r| r as u32).collect());
+    let cap = cap.min(step_len);
+    let records: Vec<u64> = if weights.iter().all(|&w| w == weights[0]) {
+        crate::plan::step_shares(step_len, weights)
+    } else {
+        let (low, high) = (1.0, cap as f64);
+        // A weight of 0 counts as a millionth of the smallest other one: its rank takes more
+        // than 1 record only once every other rank is at the cap.
+        let smallest = weights.iter().copied().filter(|&w| w > 0).min().map_or(1.0, f64::from);
+        let real: Vec<f64> = weights.iter().map(|&w| if w == 0 { smallest * 1e-6 } else { f64::from(w) }).collect();
+        let level = |x: f64| -> f64 { real.iter().map(|&w| (x * w).clamp(low, high)).sum() };
+        // By this level every rank is at the cap.
+        let (mut below, mut above) = (0.0f64, step_len as f64 / (smallest * 1e-6) + 1.0);
+        for _ in 0..200 {
+            let middle = (below + above) / 2.0;
+            if level(middle) < step_len as f64 { below = middle } else { above = middle }
         }
-        let free_weights: Vec<u32> = free.iter().map(|&i| weights[i]).collect();
-        let shares = crate::plan::step_shares(left, &free_weights);
-        // Ranks above the cap are held at it first (what they give up goes to the others), then
-        // ranks below one record are raised to it; one bound at a time, so equal weights stay
-        // equal.
-        let mut crossed = false;
-        for (&i, &share) in free.iter().zip(&shares) {
-            if share > cap {
-                fixed[i] = Some(cap);
-                crossed = true;
+        let exact: Vec<f64> = real.iter().map(|&w| (above * w).clamp(low, high)).collect();
+        let mut records: Vec<u64> = exact.iter().map(|&r| r.floor() as u64).collect();
+        let mut by_fraction: Vec<usize> = (0..weights.len()).collect();
+        by_fraction
+            .sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b)));
+        // Integer fix-ups in that order: the sum and the bounds hold exactly whatever the
+        // rounding of the level.
+        let mut sum: u64 = records.iter().sum();
+        while sum < step_len {
+            let i = *by_fraction.iter().find(|&&i| records[i] < cap)?;
+            records[i] += 1;
+            sum += 1;
+            by_fraction.retain(|&j| j != i);
+            if by_fraction.is_empty() {
+                by_fraction = (0..weights.len()).collect();
             }
         }
-        if !crossed {
-            for (&i, &share) in free.iter().zip(&shares) {
-                if share < 1 {
-                    fixed[i] = Some(1);
-                    crossed = true;
-                }
+        while sum > step_len {
+            let i = *by_fraction.iter().rev().find(|&&i| records[i] > 1)?;
+            records[i] -= 1;
+            sum -= 1;
+            by_fraction.retain(|&j| j != i);
+            if by_fraction.is_empty() {
+                by_fraction = (0..weights.len()).collect();
             }
         }
-        if !crossed {
-            for (&i, &share) in free.iter().zip(&shares) {
-                fixed[i] = Some(share);
-            }
-            return Some(fixed.iter().flatten().map(|&r| r as u32).collect());
-        }
-    }
+        records
+    };
+    records.iter().map(|&r| u32::try_from(r).ok()).collect()
 }
 
 /// The trainer side: busy time per batch, the window's measure, the exchange.
@@ -447,6 +468,24 @@ mod tests {
             let out = bounded_weights(&weights, 64, 32).unwrap();
             assert_eq!(out.iter().map(|&r| u64::from(r)).sum::<u64>(), 64, "{weights:?}");
             assert!(out.iter().all(|&r| (1..=32).contains(&r)), "{weights:?} -> {out:?}");
+        }
+        // Small batches: every rank keeps at least 1 (the split always exists once the step fits).
+        assert_eq!(bounded_weights(&[1000, 1000, 1, 1, 1], 10, 4), Some(vec![4, 3, 1, 1, 1]));
+        // Where no bound holds, the split is the weights' (no record reserved first).
+        assert_eq!(bounded_weights(&[3, 3, 3, 1], 128, 64), Some(vec![39, 38, 38, 13]));
+        assert_eq!(bounded_weights(&[10, 1, 1, 1], 4, 2), Some(vec![1, 1, 1, 1]));
+        assert_eq!(bounded_weights(&[1000, 1, 1, 1], 8, 4), Some(vec![4, 2, 1, 1]));
+        let mut seed = 7u64;
+        for _ in 0..2000 {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let ranks = 1 + (seed >> 60) as usize;
+            let batch = 1 + (seed >> 56) % 5;
+            let weights: Vec<u32> =
+                (0..ranks).map(|i| ((seed >> (i % 12 * 5)) % 7) as u32 * ((seed >> 40) % 3000) as u32).collect();
+            let step = batch * ranks as u64;
+            let out = bounded_weights(&weights, step, 2 * batch).expect("a split always fits");
+            assert_eq!(out.iter().map(|&r| u64::from(r)).sum::<u64>(), step, "{weights:?}");
+            assert!(out.iter().all(|&r| (1..=2 * batch).contains(&u64::from(r))), "{weights:?} -> {out:?}");
         }
         // No split fits: a cap too small for the step, more ranks than records.
         assert_eq!(bounded_weights(&[1, 1], 64, 31), None);

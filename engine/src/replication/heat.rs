@@ -275,6 +275,14 @@ impl Shared {
             for (shard, _) in &to_pull {
                 hot.fetching.insert(*shard);
             }
+            // A recorded hot copy that is no longer a cache entry (a peer asked this node to hold
+            // it, or the cache kept it as a last copy) is a copy like any other now: forgotten,
+            // never dropped here.
+            let before = hot.held.len();
+            hot.held.retain(|shard| self.local.is_cached(shard.0));
+            if hot.held.len() != before {
+                self.record_hot(&hot.held);
+            }
             let to_drop: Vec<ShardId> = hot
                 .held
                 .iter()
@@ -317,30 +325,33 @@ impl Shared {
     }
 
     /// A hot copy was pulled: it is a read-cache entry, recorded as hot. One the read cache
-    /// cannot take (larger than its bound, or its evictor failed) is deleted again (it is an
-    /// extra copy: another node holds the shard) and not pulled again.
+    /// cannot take stays a copy like any other (never deleted here: the pull may have met a
+    /// copy that came otherwise meanwhile); one larger than the cache's bound is not pulled
+    /// again.
     fn keep_hot_copy(self: &Arc<Self>, shard: ShardId, bytes: u64) {
+        if self.local.is_cached(shard.0) {
+            // A reader's cache entry came first: it stays the cache's, not a hot copy.
+            return;
+        }
         self.local.set_cached(shard.0, true);
         let admitted = self.cache.lock().admit(shard, bytes);
-        let cached = match admitted {
+        match admitted {
             Ok((victims, cached)) => {
                 if !victims.is_empty() {
                     let shared = Arc::clone(self);
                     tokio::spawn(async move { shared.evict(victims).await });
                 }
-                cached
+                if !cached {
+                    self.local.set_cached(shard.0, false);
+                    self.declined.lock().insert(shard);
+                    return;
+                }
             }
             Err(e) => {
+                self.local.set_cached(shard.0, false);
                 self.event(format!("cache evictor failed: {e}"));
-                false
+                return;
             }
-        };
-        if !cached {
-            self.declined.lock().insert(shard);
-            self.cache.lock().forget(shard);
-            let shared = Arc::clone(self);
-            tokio::spawn(async move { shared.evict(vec![(shard, bytes)]).await });
-            return;
         }
         let mut hot = self.hot.lock();
         hot.held.insert(shard);

@@ -210,10 +210,12 @@ impl Shared {
             if self.is_placed_here(id).await {
                 // Placement moved it here since it was cached: it stays, as a placed copy.
                 self.local.set_cached(id.0, false);
+                self.forget_hot(id);
                 continue;
             }
             if !self.peers.durable_copy_up(id.0) && !self.fragments_spare(id) {
                 self.local.set_cached(id.0, false);
+                self.forget_hot(id);
                 self.stats.kept_last_copy.fetch_add(1, Ordering::Relaxed);
                 self.event(format!(
                     "kept shard {} although evicted: no node that is up holds a copy that is not cached",

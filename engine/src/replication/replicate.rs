@@ -50,6 +50,7 @@ impl Shared {
         if self.local.is_cached(id) {
             self.local.set_cached(id, false);
             self.cache.lock().forget(ShardId(id));
+            self.forget_hot(ShardId(id));
         }
         // The asking peer may not be up in this node's table yet (it just started, or its first
         // heartbeat has not been answered): give it a moment rather than refuse.

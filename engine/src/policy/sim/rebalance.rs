@@ -190,17 +190,27 @@ fn run(
 ) -> Result<EpochRun> {
     let total: u64 = shards.iter().map(|s| s.records).sum();
     let step_len = u64::from(n_ranks) * sim.batch;
-    let mut weights = if start.weights.len() == n_ranks as usize { start.weights } else { vec![1; n_ranks as usize] };
+    // As a loader: weights are the records of a full step each rank reads, bounded to 1..2 x
+    // the batch (equal ones when the saved ones do not fit this world).
+    let bounded = |weights: &[u32]| crate::loader::rebalanced_step(weights, n_ranks, sim.batch);
+    let mut weights = bounded(&start.weights)
+        .or_else(|| bounded(&vec![1; n_ranks as usize]))
+        .ok_or_else(|| Error::invalid_input("no split of a step fits the ranks"))?;
     let nodes = [NodeInfo { id: 0, weight: 1, failure_domain: 0, up: true }];
     let mut out = EpochRun { records_per_rank: vec![0; n_ranks as usize], ..EpochRun::default() };
     let mut seen = vec![false; total as usize];
     let mut duplicate = false;
     let mut cursor = start.cursor.min(total);
     let mut window = vec![RankMeasure::default(); n_ranks as usize];
-    let mut step = cursor / step_len;
+    // Steps count from the resume cursor's place in its step, as a loader's grid does; the last
+    // step is never a point.
+    let offset = cursor % step_len;
+    let steps = (total - offset).div_ceil(step_len);
+    let mut step = (cursor - offset) / step_len;
     while cursor < total {
         // A segment: from this step to the next rebalance point (or the epoch's end).
-        if every > 0 && step > 0 && step.is_multiple_of(every) && window.iter().any(|m| m.records > 0) {
+        let is_point = every > 0 && step > 0 && step.is_multiple_of(every) && step + 1 < steps;
+        if is_point && window.iter().any(|m| m.records > 0) {
             let point = RebalancePoint {
                 step,
                 weights: (0..n_ranks).map(|r| (r, weights[r as usize])).collect(),
@@ -210,6 +220,7 @@ fn run(
             for (rank, weight) in answer {
                 weights[rank as usize] = weight;
             }
+            weights = bounded(&weights).ok_or_else(|| Error::invalid_input("no split of a step fits the ranks"))?;
             out.points += 1;
             out.history.push((step, weights.clone()));
             window.fill(RankMeasure::default());
