@@ -369,7 +369,7 @@ impl Loader {
             state.len_from = state.position;
             return Ok(None);
         }
-        let cut = state.cut().map_err(to_py)?;
+        let mut cut = state.cut().map_err(to_py)?;
         if cut.batches_per_epoch() == 0 {
             // Nothing for this rank in any epoch (fewer records than ranks, or with
             // `drop_last` fewer than one step): each epoch ends at once.
@@ -403,10 +403,13 @@ impl Loader {
                 // The short last step of an epoch (`drop_last`).
                 continue;
             }
-            if let Some(weights) = batch.weights() {
+            if let Some(weights) = batch.weights()
+                && state.weights.as_deref() != Some(weights.weights.as_slice())
+            {
+                // The weights change at rebalance points only: copied then, not per batch.
                 state.weights = Some(weights.weights.clone());
+                cut.weights.clone_from(&state.weights);
             }
-            let cut = state.cut().map_err(to_py)?;
             state.position = cut.normalized(after);
             return NativeBatch::new(batch, &dataset, state.device).map(Some);
         }

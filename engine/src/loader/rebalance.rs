@@ -4,7 +4,9 @@
 //! Owns: the trainer-side `Meter` (each batch's busy time, the window's measure, the exchange
 //! with the other ranks at `lead` steps before each rebalance point), the channel that hands the
 //! gathered measures to the reader, the `MeasureExchange` trait and its in-process
-//! `LocalExchange`, and `RebalanceState` (what a checkpoint saves). A rebalance point is a step
+//! `LocalExchange`, `RebalanceState` (what a checkpoint saves), the reader-side `Rebalancing`
+//! (the weights in force, applied at each point), the `Grid` both sides count steps on, and
+//! `bounded_weights` (a point's weights as each rank's records of a step). A rebalance point is a step
 //! of an epoch that is a multiple of `every` (never the first, nor the last: the short last
 //! step is split by the weights its epoch ran with before it); the reader reads up to it,
 //! waits for the point's measures, asks the partitioner for the new weights (every rank asks
@@ -15,11 +17,14 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use super::LoaderConfig;
+use super::planner::EpochPlanner;
 use crate::error::{Error, Result};
 use crate::plan::Position;
 use crate::policy::RankMeasure;
@@ -449,6 +454,116 @@ pub(super) fn wait_for_point(
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return Err(None),
         }
+    }
+}
+
+/// The records of a full step each of `world_size` ranks reads under `weights` when a loader
+/// rebalances: at least 1 and at most twice `batch_size` each, the rest split by weight (the
+/// weights a rebalancing loader's batches carry are these). `None` when `weights` is not one per
+/// rank or no split fits.
+pub fn rebalanced_step(weights: &[u32], world_size: u32, batch_size: u64) -> Option<Vec<u32>> {
+    if weights.len() != world_size as usize {
+        return None;
+    }
+    let step_len = u64::from(world_size).saturating_mul(batch_size);
+    bounded_weights(weights, step_len, batch_size.saturating_mul(SHARE_MAX_BATCHES))
+}
+
+/// The reader side of rebalancing: the weights in force, and where the next ones come from.
+pub(super) struct Rebalancing<'a> {
+    /// The steps and points, as the trainer side counts them.
+    pub(super) grid: Grid,
+    from_meter: &'a Receiver<PointMeasures>,
+    /// A resumed run's measures of a point already exchanged: (epoch, step, measures).
+    resumed: Option<(u64, u64, Vec<crate::policy::RankMeasure>)>,
+    pub(super) current: Arc<WeightsAt>,
+}
+
+impl<'a> Rebalancing<'a> {
+    /// Starts at `position` (normalized) with the resumed weights (`config.resume`, already
+    /// fitted to this run; bounded as a point's are) or equal ones.
+    pub(super) fn start(
+        config: &RebalanceConfig,
+        from_meter: &'a Receiver<PointMeasures>,
+        planner: &mut EpochPlanner,
+        loader: &LoaderConfig,
+        position: Position,
+    ) -> Self {
+        let size = loader.world.size() as usize;
+        let step_len = u64::from(loader.world.size()).saturating_mul(loader.batch_size);
+        let resumed = config.resume.as_ref();
+        // As records of a full step, as every point's weights are (equal ones cut as before).
+        let weights = resumed
+            .and_then(|state| planner.bounded(&state.weights.weights))
+            .or_else(|| planner.bounded(&vec![1; size]))
+            .unwrap_or_else(|| vec![1; size]);
+        planner.set_weights(weights.clone());
+        // Weights saved in an earlier epoch are that epoch's: here they are in force from step 0.
+        let step = resumed.filter(|state| state.weights.epoch == position.epoch).map_or(0, |state| state.weights.step);
+        Self {
+            grid: Grid::new(step_len, planner.n_records, config.every, position),
+            from_meter,
+            resumed: resumed
+                .and_then(|state| state.pending.clone().map(|(step, measured)| (position.epoch, step, measured))),
+            current: Arc::new(WeightsAt { epoch: position.epoch, step, weights }),
+        }
+    }
+
+    /// Applies the resumed measures of the point `from` starts at, if there are: whether it did.
+    pub(super) fn apply_resumed_at(
+        &mut self,
+        planner: &mut EpochPlanner,
+        from: Position,
+        stop: &AtomicBool,
+    ) -> std::result::Result<bool, Option<Error>> {
+        let step = self.grid.step_at(from);
+        match &self.resumed {
+            Some((epoch, point, _)) if *epoch == from.epoch && *point == step => {
+                self.apply(planner, from.epoch, step, stop)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// How many of `segment`'s batches come before step `point` of `epoch`.
+    pub(super) fn before_point(&self, segment: &[(Vec<u64>, Position)], epoch: u64, point: u64) -> usize {
+        segment
+            .iter()
+            .take_while(|(_, after)| {
+                let (e, step) = self.grid.step_of(*after);
+                e == epoch && step < point
+            })
+            .count()
+    }
+
+    /// The weights carry over into a new epoch, from its step 0.
+    pub(super) fn new_epoch(&mut self, epoch: u64) {
+        if self.current.epoch != epoch {
+            self.current = Arc::new(WeightsAt { epoch, step: 0, weights: self.current.weights.clone() });
+        }
+    }
+
+    /// The next rebalance point after `from`, when the epoch has one.
+    pub(super) fn next_point(&self, from: Position) -> Option<u64> {
+        self.grid.next_point(from.epoch, self.grid.step_at(from))
+    }
+
+    /// Waits for the point's measures, asks for the new weights and plans with them.
+    pub(super) fn apply(
+        &mut self,
+        planner: &mut EpochPlanner,
+        epoch: u64,
+        point: u64,
+        stop: &AtomicBool,
+    ) -> std::result::Result<(), Option<Error>> {
+        let measured = match self.resumed.take() {
+            Some((e, step, measured)) if e == epoch && step == point => measured,
+            _ => wait_for_point(self.from_meter, epoch, point, stop)?,
+        };
+        let weights = planner.rebalance(point, &self.current.weights, measured).map_err(Some)?;
+        self.current = Arc::new(WeightsAt { epoch, step: point, weights });
+        Ok(())
     }
 }
 

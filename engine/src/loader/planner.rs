@@ -1,0 +1,264 @@
+//! The epoch planner: one rank's (or several ranks') batches of an epoch from the plan (the
+//! partitioner plugin's, or the native `EpochPlan`), each with the position after it, cut in
+//! steps of `world x batch_size` (split by the rank weights in force when the loader
+//! rebalances).
+//!
+//! Owns: `EpochPlanner` (the plan source, the weights, the cut), `planner_config` (what a
+//! planner of other ranks' epochs needs), `shards_by_step`. Never: reads data, or cuts a plugin's
+//! plan that is not step-cut (it names the rank and the record instead).
+
+use super::{LoaderConfig, PlanSource};
+use crate::error::{Error, Result};
+use crate::plan::{EpochPlan, Order, Position, RankCursor, World};
+use crate::read::Dataset;
+
+/// One epoch's batches of this rank, each with the position after it.
+pub(super) type EpochBatches = Vec<(Vec<u64>, Position)>;
+
+/// The shards each batch of `batches` reads, in order, each once per batch.
+pub(super) fn shards_by_step(dataset: &Dataset, batches: &EpochBatches) -> Vec<Vec<crate::id::ShardId>> {
+    batches
+        .iter()
+        .map(|(records, _)| {
+            let mut shards: Vec<usize> =
+                records.iter().filter_map(|&index| dataset.locate(index).ok().map(|(shard, _)| shard)).collect();
+            shards.sort_unstable();
+            shards.dedup();
+            shards.into_iter().map(|shard| dataset.shard_id(shard)).collect()
+        })
+        .collect()
+}
+
+/// What a planner of other ranks' epochs (the tier's schedule, an origin cache's node plan)
+/// needs of `config`: the world, seed, batch size and plan; nothing that reads.
+pub(super) fn planner_config(config: &LoaderConfig) -> LoaderConfig {
+    LoaderConfig {
+        world: config.world,
+        seed: config.seed,
+        batch_size: config.batch_size,
+        plan: config.plan.clone(),
+        ..LoaderConfig::default()
+    }
+}
+
+/// Cuts epochs into this rank's batches, each with the position after it.
+pub(super) struct EpochPlanner {
+    pub(super) n_records: u64,
+    seed: u64,
+    world: World,
+    batch_size: u64,
+    source: Source,
+    /// Each rank's weight (a plugin's steps are split by them); equal unless rebalanced.
+    #[cfg_attr(not(feature = "policy"), allow(dead_code, reason = "only plugins' steps are weighted"))]
+    weights: Vec<u32>,
+}
+
+enum Source {
+    Native(Order),
+    #[cfg(feature = "policy")]
+    Plugin {
+        partitioner: Box<crate::policy::Partitioner>,
+        shards: Vec<crate::policy::ShardInfo>,
+        ranks: Vec<crate::policy::RankInfo>,
+        nodes: Vec<crate::policy::NodeInfo>,
+    },
+}
+
+impl EpochPlanner {
+    pub(super) fn new(config: &LoaderConfig, dataset: &Dataset) -> Result<Self> {
+        let source = match &config.plan {
+            #[cfg(feature = "policy")]
+            PlanSource::Native(_) if config.rebalance.is_some() => {
+                return Err(Error::invalid_input(
+                    "rebalancing splits a partitioner plugin's steps: give a partitioner (the built-in elastic), \
+                     not a native order",
+                ));
+            }
+            PlanSource::Native(order) => Source::Native(*order),
+            #[cfg(feature = "policy")]
+            PlanSource::Partitioner { plugin, options } => {
+                use crate::policy::{Limits, NodeInfo, PolicyHost, RankInfo, ShardInfo};
+                let host = PolicyHost::new(Limits::default(), None)?;
+                // Rebalancing ranks must all decide alike: a failing plugin fails the stream
+                // rather than let a fallback (with its default options) answer on one rank.
+                let partitioner = if config.rebalance.is_some() {
+                    let plugin = match plugin.as_deref() {
+                        Some(name) => host.load(name)?,
+                        None => host.load_builtin(crate::policy::builtin::DEFAULT_PARTITIONER)?,
+                    };
+                    crate::policy::Partitioner::new(plugin, options, None)?
+                } else {
+                    host.partitioner(plugin.as_deref(), options)?
+                };
+                if config.rebalance.is_some() && !partitioner.can_rebalance() {
+                    return Err(Error::invalid_input(format!(
+                        "partitioner {} is built against granary:policy@0.1.0, which cannot rebalance; rebuild it \
+                         against 0.2.0",
+                        plugin.as_deref().unwrap_or("(default)")
+                    )));
+                }
+                let shards = dataset
+                    .manifest()
+                    .entries()
+                    .iter()
+                    .map(|entry| ShardInfo {
+                        id: *entry.shard.0.as_bytes(),
+                        bytes: entry.file_bytes,
+                        records: entry.n_records,
+                        replicas: Vec::new(),
+                    })
+                    .collect();
+                let ranks = (0..config.world.size()).map(|id| RankInfo { id, node: 0, weight: 1, up: true }).collect();
+                let nodes = vec![NodeInfo { id: 0, weight: 1, failure_domain: 0, up: true }];
+                Source::Plugin { partitioner: Box::new(partitioner), shards, ranks, nodes }
+            }
+        };
+        Ok(Self {
+            n_records: dataset.n_records(),
+            seed: config.seed,
+            world: config.world,
+            batch_size: config.batch_size,
+            source,
+            weights: vec![1; config.world.size() as usize],
+        })
+    }
+
+    /// Splits the following steps by `weights` (one per rank).
+    #[cfg(feature = "policy")]
+    pub(super) fn set_weights(&mut self, weights: Vec<u32>) {
+        if let Source::Plugin { ranks, .. } = &mut self.source {
+            for rank in ranks.iter_mut() {
+                rank.weight = weights.get(rank.id as usize).copied().unwrap_or(1);
+            }
+        }
+        self.weights = weights;
+    }
+
+    /// `weights` as the records of a full step each rank reads, at least 1 (a rank with none
+    /// would never reach the next point) and at most `SHARE_MAX_BATCHES` batch sizes (what its
+    /// staging buffers hold); `None` when no split fits.
+    #[cfg(feature = "policy")]
+    pub(super) fn bounded(&self, weights: &[u32]) -> Option<Vec<u32>> {
+        super::rebalance::rebalanced_step(weights, self.world.size(), self.batch_size)
+    }
+
+    /// The weights from rebalance point `step` on, from the ranks' measures: the plugin's
+    /// answer, bounded (`bounded`); then planned with.
+    #[cfg(feature = "policy")]
+    pub(super) fn rebalance(
+        &mut self,
+        step: u64,
+        current: &[u32],
+        measured: Vec<crate::policy::RankMeasure>,
+    ) -> Result<Vec<u32>> {
+        let Source::Plugin { partitioner, .. } = &mut self.source else {
+            return Err(Error::invalid_input("rebalancing needs a partitioner plugin"));
+        };
+        let point = crate::policy::RebalancePoint {
+            step,
+            weights: current.iter().enumerate().map(|(rank, &w)| (rank as u32, w)).collect(),
+            measured,
+        };
+        let answer = partitioner.rebalance(&point)?;
+        let mut weights = current.to_vec();
+        for (rank, weight) in answer {
+            if let Some(slot) = weights.get_mut(rank as usize) {
+                *slot = weight;
+            }
+        }
+        let weights = self.bounded(&weights).ok_or_else(|| {
+            Error::invalid_input(format!(
+                "the rebalanced weights {weights:?} cannot give every rank 1 to {} records of a step of {}",
+                self.batch_size.saturating_mul(super::rebalance::SHARE_MAX_BATCHES),
+                u64::from(self.world.size()).saturating_mul(self.batch_size)
+            ))
+        })?;
+        self.set_weights(weights.clone());
+        Ok(weights)
+    }
+
+    /// This rank's batches from `from` to the end of its epoch, each with the position after
+    /// it. Steps in which this rank reads nothing (a short last step) give no batch.
+    pub(super) fn epoch(&mut self, from: Position) -> Result<EpochBatches> {
+        let world = self.world;
+        let mut epochs = self.epochs(from, &[world])?;
+        epochs.pop().ok_or_else(|| Error::invalid_input("no plan for this rank"))
+    }
+
+    /// The batches of each of `worlds` (ranks of this planner's world size) from `from` to the
+    /// end of the epoch, as `epoch` gives them; a plugin plans once for all of them.
+    pub(super) fn epochs(&mut self, from: Position, worlds: &[World]) -> Result<Vec<EpochBatches>> {
+        let (n, batch_size) = (self.n_records, self.batch_size);
+        // Positions and step sizes follow the native plan's arithmetic, which the step-cut
+        // plugin plans share.
+        let steps = EpochPlan::new(n, self.seed, from.epoch, Order::Sequential);
+        let after = |cursor: u64, world: World| {
+            let next = cursor + steps.step_len(cursor, world.size(), batch_size);
+            if next >= n {
+                Position { epoch: from.epoch + 1, cursor: 0 }
+            } else {
+                Position { epoch: from.epoch, cursor: next }
+            }
+        };
+        let mut out = Vec::with_capacity(worlds.len());
+        match &mut self.source {
+            Source::Native(order) => {
+                for &world in worlds {
+                    let plan = EpochPlan::new(n, self.seed, from.epoch, *order);
+                    let mut cursor = RankCursor::new(plan, world, batch_size, from.cursor);
+                    let mut batches = Vec::new();
+                    loop {
+                        let at = cursor.cursor();
+                        let mut records = Vec::new();
+                        if !cursor.next_batch(&mut records) {
+                            break;
+                        }
+                        if !records.is_empty() {
+                            batches.push((records, after(at, world)));
+                        }
+                    }
+                    out.push(batches);
+                }
+            }
+            #[cfg(feature = "policy")]
+            Source::Plugin { partitioner, shards, ranks, nodes } => {
+                let spec =
+                    crate::policy::EpochSpec { seed: self.seed, epoch: from.epoch, batch_size, start: from.cursor };
+                let plans = partitioner.plan(shards, ranks, nodes, spec)?;
+                for &world in worlds {
+                    let mine = plans.iter().find(|plan| plan.rank == world.rank());
+                    let mut records = mine.map(|plan| plan.records()).into_iter().flatten();
+                    let mut batches = Vec::new();
+                    let mut cursor = from.cursor;
+                    let mut planned = 0u64;
+                    while cursor < n {
+                        let take = steps.weighted_rank_positions(cursor, world, batch_size, &self.weights);
+                        let batch: Vec<u64> = records.by_ref().take((take.end - take.start) as usize).collect();
+                        planned += batch.len() as u64;
+                        if batch.len() as u64 != take.end - take.start {
+                            return Err(step_mismatch(world, planned));
+                        }
+                        if !batch.is_empty() {
+                            batches.push((batch, after(cursor, world)));
+                        }
+                        cursor += steps.step_len(cursor, world.size(), batch_size);
+                    }
+                    if records.next().is_some() {
+                        return Err(step_mismatch(world, planned + 1));
+                    }
+                    out.push(batches);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(feature = "policy")]
+fn step_mismatch(world: World, planned: u64) -> Error {
+    Error::invalid_input(format!(
+        "the partitioner's plan for rank {} is not cut in steps of world x batch size (at its record {planned}); \
+         the loader needs a step-cut plan (the built-in elastic partitioner's mode=global) to resume exactly",
+        world.rank()
+    ))
+}
