@@ -1,0 +1,82 @@
+"""Rebalancing from Python: two rank threads of a loader whose slow rank reads less of each step,
+a `state_dict` that carries the weights and the measures already exchanged, and its resume."""
+
+import threading
+import time
+
+import pytest
+
+
+class _ThreadExchange:
+    """The ranks' exchange of their measures for ranks that are threads of this process."""
+
+    def __init__(self, world):
+        self.barrier = threading.Barrier(world, timeout=30)
+        self.lock = threading.Lock()
+        self.points = {}
+
+    def __call__(self, epoch, step, mine):
+        with self.lock:
+            self.points.setdefault((epoch, step), {})[mine[0]] = mine
+        self.barrier.wait()
+        return sorted(self.points[(epoch, step)].values())
+
+
+def _rebalanced_ranks(store, exchange, slow_seconds_per_record, stop_after=None, states=None):
+    """Two rank threads of a rebalancing loader (rank 1 slow); each rank's batches (indices,
+    the position after) and its last state."""
+    out = [None, None]
+
+    def rank_thread(rank):
+        loader = store.loader(
+            "tokens", batch_size=16, seed=5, rank=rank, world_size=2, output="numpy", with_indices=True,
+            rebalance_every=8, rebalance_exchange=exchange,
+        )
+        if states is not None:
+            loader.load_state_dict(states[rank])
+        batches = []
+        for indices, _ in loader:
+            batches.append((indices.tolist(), loader.position))
+            time.sleep((slow_seconds_per_record if rank == 1 else 0.00004) * len(indices))
+            if stop_after is not None and len(batches) == stop_after:
+                break
+        out[rank] = (batches, loader.state_dict())
+        loader.close()
+
+    threads = [threading.Thread(target=rank_thread, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(o is not None for o in out), "a rank did not finish"
+    return out
+
+
+def test_a_slow_rank_reads_less_of_each_step_and_a_resume_repeats_the_decisions(tokens):
+    store, data = tokens
+    # 1000 records, steps of 32: 32 steps (the last short), points at steps 8, 16 and 24.
+    runs = _rebalanced_ranks(store, _ThreadExchange(2), 0.0004)
+    fast, slow = runs[0][0], runs[1][0]
+    assert sorted(i for batches, _ in runs for indices, _ in batches for i in indices) == list(range(1000))
+    assert all(len(b[0]) == 16 for b in fast[:8] + slow[:8])
+    assert len(slow[8][0]) < 16 < len(fast[8][0]), (len(slow[8][0]), len(fast[8][0]))
+    assert len(slow[-2][0]) < 8, [len(b[0]) for b in slow]
+    # Both ranks agree on every step's position; the state carries the weights.
+    assert [p for _, p in fast] == [p for _, p in slow]
+    state = runs[1][1]
+    assert state["rebalance"]["weights"][1] < state["rebalance"]["weights"][0]
+    # A state saved after step 6 holds the measures exchanged for point 8: resumed, step 8 is
+    # split by the weights they give, as the uninterrupted run split it (the same measures).
+    stopped = _rebalanced_ranks(store, _ThreadExchange(2), 0.0004, stop_after=7)
+    states = [s for _, s in stopped]
+    assert states[0]["rebalance"]["pending"] is not None and states[0]["rebalance"]["pending"][0] == 8
+    resumed = _rebalanced_ranks(store, _ThreadExchange(2), 0.0004, stop_after=2, states=states)
+    sizes = [len(resumed[rank][0][1][0]) for rank in range(2)]
+    assert sum(sizes) == 32 and sizes[1] < 16, sizes
+    read = [i for rank in range(2) for batches in (stopped[rank][0], resumed[rank][0]) for indices, _ in batches for i in indices]
+    assert len(read) == len(set(read)), "a record read twice across the resume"
+    # Bad arguments are refused at once.
+    with pytest.raises(ValueError, match="rebalance_every"):
+        store.loader("tokens", batch_size=16, rebalance_every=1)
+    with pytest.raises(ValueError, match="rebalance_every too"):
+        store.loader("tokens", batch_size=16, rebalance_exchange=_ThreadExchange(1))
