@@ -199,6 +199,45 @@ fn a_bit_flipped_on_disk_after_its_extent_entered_the_tier_is_caught_by_verify_a
 }
 
 #[test]
+fn a_bit_flipped_in_a_tier_extent_is_never_delivered_and_the_record_comes_from_disk() {
+    // The tier's memory is a file any process of the user can write: a fill's check does not
+    // cover what happens to it later. Each copy out of the tier checks the blocks it touches.
+    let f = fixture(500);
+    let tier = MemoryTier::open(&tier_config(f.dir.path(), 64 << 20)).unwrap().unwrap();
+    let tiered = || config(World::single(), 1, TierSetting::Shared(Arc::clone(&tier)));
+    let mut loader = Loader::new(Arc::clone(&f.dataset), tiered(), Position::default()).unwrap();
+    drain(&mut loader, &f.records);
+    assert_eq!(loader.stats().read.verify_failures, 0);
+    drop(loader);
+
+    // Record 3 is the second half of data block 1 of shard 0; record 4 the first half of block 2.
+    // Flip a bit inside record 3, and one in record 4's block outside it (in record 5): both
+    // records' blocks then fail, whichever part of the block the flip is in.
+    let extent = tier.dir().join(format!("{}.64k.000000", f.dataset.shard_id(0)));
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&extent).unwrap();
+    for at in [3 * 2048 + 17, 5 * 2048 + 1] {
+        use std::os::unix::fs::FileExt;
+        let mut byte = [0u8];
+        file.read_exact_at(&mut byte, at).unwrap();
+        file.write_all_at(&[byte[0] ^ 0x10], at).unwrap();
+    }
+    drop(file);
+
+    let mut loader = Loader::new(Arc::clone(&f.dataset), tiered(), Position::default()).unwrap();
+    let seen = drain(&mut loader, &f.records);
+    assert_eq!(seen.len(), 500, "every record delivered, with its right bytes (drain checks them)");
+    let stats = loader.stats();
+    assert!(stats.read.verify_failures >= 1, "a record of a damaged block failed in the tier: {:?}", stats.read);
+    assert!(stats.read.tier_records < stats.read.records, "the damaged extent's records came from disk");
+    drop(loader);
+    // The damaged extent left the tier (a later fill may load it again from disk, checked).
+    if let Ok(bytes) = std::fs::read(&extent) {
+        let shard = std::fs::read(f.dataset.shard_path(0)).unwrap();
+        assert_eq!(&bytes[..], &shard[4096..4096 + bytes.len()], "an extent in the tier is the disk's bytes");
+    }
+}
+
+#[test]
 fn a_damaged_block_never_enters_the_tier_and_its_read_fails() {
     let f = fixture(500);
     let shard = f.dataset.shard_path(1);

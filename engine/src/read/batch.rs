@@ -291,9 +291,15 @@ pub(super) struct Planner {
     /// gather (`plan_scratch`); `None` for extents read straight into the batch or into the
     /// backend's buffers.
     scratch: Vec<Option<u64>>,
+    /// Per request copied from the tier: the first block whose check failed there.
+    tier_bad: Vec<Option<u64>>,
     /// Records and bytes of the plan served by the memory tier.
     pub(super) tier_records: u64,
     pub(super) tier_bytes: u64,
+    /// Records whose blocks in the tier failed their check (read from disk instead).
+    pub(super) tier_failures: u64,
+    /// Blocks the copies from the tier checked.
+    pub(super) tier_blocks_checked: u64,
     /// Whether `plan` counts the batch's reads per shard (`Dataset::shard_reads`).
     pub(super) count_reads: bool,
 }
@@ -346,11 +352,13 @@ impl Planner {
         batch.data.set_len(total, staging)?;
         debug_assert_eq!(batch.ends.len(), batch.indices.len());
 
-        // Records whose extents are in the memory tier are copied now (their blocks were checked
-        // on the way into the tier); the rest are read from disk.
+        // Records whose extents are in the memory tier are copied now, every block they touch
+        // checked as it is copied (the tier's memory can change after its fill checked it: a
+        // process of the user writes it, a bit flips); a record whose check fails is read from
+        // disk instead, and the extent leaves the tier.
         self.from_tier.clear();
         self.from_tier.resize(self.requests.len(), false);
-        (self.tier_records, self.tier_bytes) = (0, 0);
+        (self.tier_records, self.tier_bytes, self.tier_failures, self.tier_blocks_checked) = (0, 0, 0, 0);
         if let Some(tier) = tier {
             tier.revalidate();
             for (r, request) in self.requests.iter().enumerate() {
@@ -361,7 +369,29 @@ impl Planner {
                 }
             }
             if self.tier_records > 0 {
-                copy_from_tier(tier, &self.requests, &self.from_tier, batch.data.as_mut_slice(), 0);
+                self.tier_bad.clear();
+                self.tier_bad.resize(self.requests.len(), None);
+                let copy = TierCopy { tier, dataset, extent_bytes: tier.extent_bytes() };
+                copy.run(&self.requests, &self.from_tier, &mut self.tier_bad, batch.data.as_mut_slice(), 0);
+                // Blocks checked by the copies (a block two records share, twice).
+                self.tier_blocks_checked = self
+                    .requests
+                    .iter()
+                    .zip(&self.from_tier)
+                    .filter(|(_, hit)| **hit)
+                    .map(|(r, _)| r.end.div_ceil(BLOCK_BYTES_U64) - r.start / BLOCK_BYTES_U64)
+                    .sum();
+                for (r, bad) in self.tier_bad.iter().enumerate() {
+                    let Some(block) = *bad else { continue };
+                    let request = self.requests[r];
+                    self.from_tier[r] = false;
+                    self.tier_records -= 1;
+                    self.tier_bytes -= request.end - request.start;
+                    self.tier_failures += 1;
+                    let extent = u32::try_from(block * BLOCK_BYTES_U64 / tier.extent_bytes())
+                        .expect("tier_holds found the extent by a u32 index");
+                    tier.discard(request.shard, dataset.shard_id(request.shard as usize), extent);
+                }
             }
         }
 
@@ -631,31 +661,92 @@ fn tier_holds(tier: &mut TierReader, dataset: &Dataset, request: &Request) -> bo
 /// Batches at least this large have their copies from the tier split across the cores.
 const PARALLEL_COPY_BYTES: usize = 256 << 10;
 
-/// Copies the requests marked in `hits` from the tier into `data`, which holds the batch's bytes
-/// from offset `base` on. `tier_holds` checked every extent first. Large batches are split in two
-/// at a request boundary (requests lie back to back in `data`, in order) and the halves copied on
-/// two threads: a memory copy is what bounds a warm epoch.
-fn copy_from_tier(tier: &TierReader, requests: &[Request], hits: &[bool], data: &mut [u8], base: u64) {
-    if requests.len() > 1 && data.len() >= PARALLEL_COPY_BYTES {
-        let mid = requests.len() / 2;
-        let (left, right) = data.split_at_mut(to_usize(requests[mid].dst - base));
-        rayon::join(
-            || copy_from_tier(tier, &requests[..mid], &hits[..mid], left, base),
-            || copy_from_tier(tier, &requests[mid..], &hits[mid..], right, requests[mid].dst),
-        );
-        return;
-    }
-    let extent_bytes = tier.extent_bytes();
-    for (request, _) in requests.iter().zip(hits).filter(|(_, hit)| **hit) {
-        for extent in request.start / extent_bytes..=(request.end - 1) / extent_bytes {
-            let bytes = tier.mapped(request.shard, extent as u32).expect("checked by tier_holds");
-            let at = extent * extent_bytes;
-            let (start, end) = (request.start.max(at), request.end.min(at + extent_bytes));
-            let src = &bytes[to_usize(start - at)..to_usize(end - at)];
-            let dst = to_usize(request.dst + (start - request.start) - base);
-            data[dst..dst + src.len()].copy_from_slice(src);
+/// Copies from the tier into a batch, checking every block a record touches as it goes.
+struct TierCopy<'a> {
+    tier: &'a TierReader,
+    dataset: &'a Dataset,
+    extent_bytes: u64,
+}
+
+impl TierCopy<'_> {
+    /// Copies the requests marked in `hits` from the tier into `data`, which holds the batch's
+    /// bytes from offset `base` on, and marks in `bad` the first block of each whose check failed
+    /// (its bytes in the batch are then not to be used). `tier_holds` found every extent first.
+    /// Large batches are split in two at a request boundary (requests lie back to back in `data`,
+    /// in order) and the halves copied on two threads: a memory copy is what bounds a warm epoch.
+    fn run(&self, requests: &[Request], hits: &[bool], bad: &mut [Option<u64>], data: &mut [u8], base: u64) {
+        if requests.len() > 1 && data.len() >= PARALLEL_COPY_BYTES {
+            let mid = requests.len() / 2;
+            let (left, right) = data.split_at_mut(to_usize(requests[mid].dst - base));
+            let (bad_left, bad_right) = bad.split_at_mut(mid);
+            rayon::join(
+                || self.run(&requests[..mid], &hits[..mid], bad_left, left, base),
+                || self.run(&requests[mid..], &hits[mid..], bad_right, right, requests[mid].dst),
+            );
+            return;
+        }
+        let extent_bytes = self.extent_bytes;
+        for ((request, _), bad) in requests.iter().zip(hits).zip(bad.iter_mut()).filter(|((_, hit), _)| **hit) {
+            let Ok(meta) = self.dataset.shard_meta(request.shard as usize) else {
+                // tier_holds read the same metadata: not reached; the disk read reports it.
+                *bad = Some(request.start / BLOCK_BYTES_U64);
+                continue;
+            };
+            for extent in request.start / extent_bytes..=(request.end - 1) / extent_bytes {
+                let bytes = self.tier.mapped(request.shard, extent as u32).expect("checked by tier_holds");
+                let at = extent * extent_bytes;
+                let (start, end) = (request.start.max(at), request.end.min(at + extent_bytes));
+                let dst = to_usize(request.dst + (start - request.start) - base);
+                let dst = &mut data[dst..dst + to_usize(end - start)];
+                if let Err(block) = copy_checked(meta, bytes, at, start..end, dst) {
+                    *bad = Some(block);
+                    break;
+                }
+            }
         }
     }
+}
+
+/// Copies data-region bytes `range` from `extent` (the tier's bytes of the data region from
+/// offset `at`, whole blocks) into `dst`, and checks every block the range touches: the bytes
+/// that reach the batch are checked where they lie in it (read back while still in the cache),
+/// and a block's bytes outside the range where they came from. Runs of whole blocks are checked
+/// in one pass each (`ShardMeta::check_blocks`). Returns the first bad block.
+fn copy_checked(
+    meta: &crate::shard::ShardMeta,
+    extent: &[u8],
+    at: u64,
+    range: Range<u64>,
+    dst: &mut [u8],
+) -> std::result::Result<(), u64> {
+    debug_assert_eq!(dst.len() as u64, range.end - range.start);
+    dst.copy_from_slice(&extent[to_usize(range.start - at)..to_usize(range.end - at)]);
+    let mut pos = range.start;
+    while pos < range.end {
+        let block = pos / BLOCK_BYTES_U64;
+        let block_start = block * BLOCK_BYTES_U64;
+        let block_end = block_start + BLOCK_BYTES_U64;
+        let into = to_usize(pos - range.start);
+        if pos == block_start && range.end >= block_end {
+            // Whole blocks from here: all of them lie in the batch.
+            let run_end = range.end / BLOCK_BYTES_U64 * BLOCK_BYTES_U64;
+            let run = &dst[into..into + to_usize(run_end - pos)];
+            meta.check_blocks(block, run).map_err(|(bad, _, _)| bad)?;
+            pos = run_end;
+        } else {
+            // A block the range covers in part: the rest of it from the tier.
+            let end = range.end.min(block_end);
+            let Some(source) = extent.get(to_usize(block_start - at)..to_usize(block_end - at)) else {
+                return Err(block);
+            };
+            let head = &source[..to_usize(pos - block_start)];
+            let body = &dst[into..into + to_usize(end - pos)];
+            let tail = &source[to_usize(end - block_start)..];
+            meta.check_block_parts(block, [head, body, tail]).map_err(|_| block)?;
+            pos = end;
+        }
+    }
+    Ok(())
 }
 
 /// Cuts the run `(shard, first_block, end_block)` into extents of at most `op_blocks_max` blocks.
@@ -670,4 +761,67 @@ fn push_extents(extents: &mut Vec<Extent>, (shard, first, end): (u32, u64, u64),
 
 fn to_usize(offset: u64) -> usize {
     usize::try_from(offset).expect("batch offsets fit in memory: the batch was allocated")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::{Layout, ShardWriter, check_file_bytes};
+
+    /// A shard of variable-length records that start and end inside blocks and span several,
+    /// its data region, and its metadata.
+    fn shard() -> (Vec<u8>, crate::shard::ShardMeta, Vec<Range<u64>>) {
+        let records: Vec<Vec<u8>> =
+            [100usize, 3000, 9000, 4096, 50, 20000].iter().enumerate().map(|(i, &n)| vec![i as u8 + 1; n]).collect();
+        let mut writer = ShardWriter::new(Vec::new(), "memory".into(), Layout::Bytes).unwrap();
+        for record in &records {
+            writer.push(record).unwrap();
+        }
+        let (file, _) = writer.finish().unwrap();
+        let meta = check_file_bytes(&file).unwrap();
+        let data = file[to_usize(DATA_OFFSET)..to_usize(DATA_OFFSET + meta.n_data_blocks() * BLOCK_BYTES_U64)].to_vec();
+        let ranges = (0..meta.n_records()).map(|i| meta.record_range(i)).collect();
+        (data, meta, ranges)
+    }
+
+    #[test]
+    fn a_copy_from_the_tier_checks_every_block_the_record_touches_wherever_a_bit_flips() {
+        let (data, meta, ranges) = shard();
+        // Intact: every record copies and checks, as a whole and cut at a block inside it.
+        for range in &ranges {
+            let mut dst = vec![0u8; to_usize(range.end - range.start)];
+            assert_eq!(copy_checked(&meta, &data, 0, range.clone(), &mut dst), Ok(()));
+            assert_eq!(dst, data[to_usize(range.start)..to_usize(range.end)]);
+        }
+        // An "extent" that starts at block 2: offsets are the data region's.
+        let at = 2 * BLOCK_BYTES_U64;
+        let range = ranges.iter().find(|r| r.start >= at).unwrap().clone();
+        let mut dst = vec![0u8; to_usize(range.end - range.start)];
+        assert_eq!(copy_checked(&meta, &data[to_usize(at)..], at, range.clone(), &mut dst), Ok(()));
+        // One bit flipped anywhere in a block a record touches fails that record's copy, naming the
+        // block: inside the record, or in the same block outside it (another record's bytes).
+        for range in &ranges {
+            let touched = range.start / BLOCK_BYTES_U64..range.end.div_ceil(BLOCK_BYTES_U64);
+            for at_byte in [
+                range.start,
+                range.end - 1,
+                touched.start * BLOCK_BYTES_U64,
+                touched.end * BLOCK_BYTES_U64 - 1,
+                (range.start + range.end) / 2,
+            ] {
+                let mut damaged = data.clone();
+                damaged[to_usize(at_byte)] ^= 0x04;
+                let mut dst = vec![0u8; to_usize(range.end - range.start)];
+                let outcome = copy_checked(&meta, &damaged, 0, range.clone(), &mut dst);
+                assert_eq!(outcome, Err(at_byte / BLOCK_BYTES_U64), "record {range:?}, flip at {at_byte}");
+            }
+            // A flip in a block the record does not touch is not this copy's business.
+            if touched.end < meta.n_data_blocks() {
+                let mut damaged = data.clone();
+                damaged[to_usize(touched.end * BLOCK_BYTES_U64)] ^= 0x04;
+                let mut dst = vec![0u8; to_usize(range.end - range.start)];
+                assert_eq!(copy_checked(&meta, &damaged, 0, range.clone(), &mut dst), Ok(()));
+            }
+        }
+    }
 }

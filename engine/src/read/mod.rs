@@ -12,10 +12,12 @@
 //! read into the backend's buffers and checked and copied on the reaping thread. A slot's scratch
 //! is about its batch's read bytes, kept for the reader's life, outside the staging pool. Records
 //! whose extents the memory tier holds (`Reader::set_tier`) are copied from it while the batch
-//! is planned and read from disk not at all. Invariant: no
-//! batch is delivered holding a byte of a block whose checksum has not matched (on its way into
-//! the tier, or as its op completed: bytes read straight into a batch are checked there before
-//! the batch is handed out); a failed read leaves the batch empty. Files stay open from read to
+//! is planned, every block they touch checked as it is copied (the bytes in the batch, and the
+//! rest of the block in the tier); a record that fails is read from disk instead, counted as a
+//! verify failure, and its extent leaves the tier. Invariant: no batch is delivered holding a
+//! byte of a block whose checksum has not matched where that byte was copied from (the tier at
+//! the copy, or the op's buffer as it completed: bytes read straight into a batch are checked
+//! there before the batch is handed out); a failed read leaves the batch empty. Files stay open from read to
 //! read (a reader used a record at a time opens each shard once); one removed or replaced under
 //! its name (an evicted cache entry, a quarantined or repaired shard, by any process) is closed
 //! at the next read: an inotify watch on its directory tells the reader (looked at once a

@@ -14,13 +14,16 @@ pub struct ReadStats {
     pub bytes_read: u64,
     /// Ops issued.
     pub ops: u64,
-    /// Blocks whose checksum was checked on reads from disk (the memory tier's fills check
-    /// theirs too, counted in `TierStats::bytes_loaded`).
+    /// Blocks whose checksum was checked on reads from disk and on copies from the memory tier
+    /// (a block two records of a batch share, once per record); the tier's fills check theirs
+    /// too, counted in `TierStats::bytes_loaded`.
     pub blocks_verified: u64,
     /// Shards replaced through the repair hook.
     pub shards_repaired: u64,
     /// Reads that found damaged bytes (a block's CRC32C, a shard's BLAKE3 or its metadata did
-    /// not check out): each was repaired (see `shards_repaired`) or ended the read with an error.
+    /// not check out): each was repaired (see `shards_repaired`) or ended the read with an error;
+    /// and records whose blocks failed their check as they were copied from the memory tier
+    /// (each read from disk instead).
     pub verify_failures: u64,
     /// Records copied from the memory tier (the rest of `records` came from disk).
     pub tier_records: u64,

@@ -230,6 +230,16 @@ impl ShardMeta {
         if expected == actual { Ok(()) } else { Err((expected, actual)) }
     }
 
+    /// Checks data block `block` given as three consecutive parts that make it up (`head`, `body`,
+    /// `tail`): a record copied out of a block is checked where it now lies, with the rest of the
+    /// block from where it came. On a mismatch returns `(expected, actual)`.
+    pub fn check_block_parts(&self, block: u64, [head, body, tail]: [&[u8]; 3]) -> Result<(), (u32, u32)> {
+        debug_assert_eq!(head.len() + body.len() + tail.len(), BLOCK_BYTES);
+        let expected = self.expected_crc(block);
+        let actual = crc32c::crc32c_append(crc32c::crc32c_append(block_crc(block, head), body), tail);
+        if expected == actual { Ok(()) } else { Err((expected, actual)) }
+    }
+
     /// Checks consecutive data blocks starting at `first_block`; returns the first bad one as
     /// `(block, expected, actual)`. Runs of blocks are checked in one pass each (`blocks_match`);
     /// when one fails, the blocks are checked again one by one from `first_block`, to name the

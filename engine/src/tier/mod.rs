@@ -14,7 +14,9 @@
 //! own free space below a reserve) the tier shrinks.
 //!
 //! Invariants: an extent file under its final name is complete, exactly as long as its extent,
-//! and every block of it passed its checksum on the way in, because only the filler that wrote
+//! and every block of it passed its checksum on the way in (and is checked again as each record
+//! is copied out of it, `read/batch.rs`: memory any process of the user can write is not trusted
+//! to stay as it was checked), because only the filler that wrote
 //! and checked a private file ever names it (a reader never sees a half-filled extent, and no
 //! other process's clean-up can swap one in); a claim's lock goes with its filler, so a dead
 //! filler's claim is told apart from a live one and removed; a published extent is never written
@@ -1179,6 +1181,20 @@ impl TierReader {
     /// The bytes of an extent `extent` has already found (no look-up, no wait).
     pub fn mapped(&self, shard_idx: u32, extent: u32) -> Option<&[u8]> {
         self.mapped.get(&(u64::from(shard_idx) << 32 | u64::from(extent))).map(|m| m.as_slice())
+    }
+
+    /// Lets go of extent `extent` of shard `shard_idx` (id `shard`) after a block of it failed
+    /// its check as it was copied out: the mapping is dropped and the extent removed from the
+    /// tier, so the next read of it goes to disk (and a filler may load it again, checked).
+    pub fn discard(&mut self, shard_idx: u32, shard: ShardId, extent: u32) {
+        let slot = u64::from(shard_idx) << 32 | u64::from(extent);
+        self.mapped.remove(&slot);
+        let published = self.coordinator.as_ref().map_or(0, |c| c.published());
+        self.absent.insert(slot, (published, Instant::now()));
+        let name = self.tier.extent_name(&ExtentKey { shard, extent });
+        // A tier that cannot remove it (another user's file, a read-only directory) keeps it;
+        // every later copy of it is checked again and fails again, and goes to disk.
+        let _ = self.tier.evict(&name);
     }
 
     /// Drops the mappings of extents that were evicted (by any process), so their memory goes
