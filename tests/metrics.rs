@@ -305,3 +305,43 @@ fn prometheus_sees_the_bytes_of_an_epoch_a_repair_and_a_peer_going_down() {
     prom.wait_for(&format!("up{{instance=\"{}\"}}", metrics[1]), 0.0);
     drop(nodes);
 }
+
+#[test]
+fn connections_that_send_half_a_request_cannot_blind_the_endpoint() {
+    // 70 connections from this address, each sending half a request head and then nothing (each
+    // would hold its slot until the 10 s head timeout): a scraper arriving after them is
+    // answered at once, as each new connection makes room by closing the oldest that never
+    // sent a request.
+    let registry = Registry::default();
+    let endpoint = Endpoint::start("127.0.0.1:0", registry, None).unwrap();
+    let addr = endpoint.addr();
+    let mut idle: Vec<TcpStream> = (0..70)
+        .map(|_| {
+            let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).unwrap();
+            stream.write_all(b"GET /metrics HTTP/1.1\r\nHo").unwrap();
+            stream
+        })
+        .collect();
+    // Let the endpoint accept them all.
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    for _ in 0..3 {
+        let (code, _) = get(addr, "/metrics").expect("a scrape is answered past the idle connections");
+        assert_eq!(code, 200);
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "scraped in {:?}", started.elapsed());
+    // The oldest idle ones were closed to make the room: a read sees their end.
+    let closed = idle
+        .iter_mut()
+        .filter_map(|stream| {
+            stream.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+            let closed = match stream.read(&mut [0u8; 64]) {
+                Ok(0) => true,
+                Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+                Ok(_) => false,
+            };
+            closed.then_some(())
+        })
+        .count();
+    assert!(closed >= 70 - 32, "{closed} of 70 idle connections closed (32 per address at most stay)");
+}

@@ -1,9 +1,13 @@
 //! The `/metrics` endpoint: a registry's exposition over HTTP/1.1 (hyper), on a tokio runtime
 //! of its own or on one the caller already runs (a replication node's).
 //!
-//! Bounded like the replication port: at most `CONNECTIONS_MAX` connections at once (more are
-//! closed at once), request heads of at most `HEAD_BYTES_MAX` bytes that must arrive within
-//! `HEAD_TIMEOUT`, a connection kept at most `CONNECTION_TIME_MAX`. Only `GET` and `HEAD` are
+//! Bounded like the replication port: at most `CONNECTIONS_MAX` connections at once and
+//! `CONNECTIONS_PER_ADDRESS_MAX` from one address, request heads of at most `HEAD_BYTES_MAX`
+//! bytes that must arrive within `HEAD_TIMEOUT`, a connection kept at most
+//! `CONNECTION_TIME_MAX`. When a new connection finds no room, the oldest connection (of its
+//! address, when that address is the one full) that is not answering a request right now makes
+//! room, those that never sent a request first (`Admission`): clients that open connections
+//! and send nothing can hold the slots only until the next scraper arrives, never blind it. Only `GET` and `HEAD` are
 //! answered; a request body is never read. Never: parses HTTP itself, or serves anything but
 //! the registry's text.
 
@@ -12,6 +16,7 @@ use std::net::{SocketAddr, TcpListener as StdListener, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -29,6 +34,8 @@ use crate::error::{Error, Result};
 
 /// Connections served at once.
 const CONNECTIONS_MAX: usize = 64;
+/// Connections from one address at once (a node's ranks and its Prometheus share loopback).
+const CONNECTIONS_PER_ADDRESS_MAX: usize = 32;
 /// The most a request's head may take (hyper's smallest read buffer).
 const HEAD_BYTES_MAX: usize = 8192;
 /// How long a request's head may take to arrive.
@@ -260,28 +267,130 @@ fn bind(addrs: &[SocketAddr], handle: &tokio::runtime::Handle) -> Result<Tracked
     })
 }
 
+/// The connections being served, oldest first, and which of them may make room for a new one.
+/// Uses std's `Mutex`, as the rest of `metrics/` does (a fork never finds it held by a thread
+/// it did not copy: the lock is never held across an await or a call out).
+#[derive(Default)]
+struct Admission {
+    table: Mutex<AdmissionTable>,
+}
+
+#[derive(Default)]
+struct AdmissionTable {
+    next_id: u64,
+    connections: Vec<Admitted>,
+}
+
+struct Admitted {
+    id: u64,
+    ip: std::net::IpAddr,
+    /// Whether a request has arrived on it (a scraper's connection).
+    requested: Arc<AtomicBool>,
+    /// Whether it is answering a request right now (never cut).
+    answering: Arc<AtomicBool>,
+    evict: Arc<Notify>,
+}
+
+/// A connection's place in the table; leaves it on drop.
+struct Slot {
+    admission: Arc<Admission>,
+    id: u64,
+    requested: Arc<AtomicBool>,
+    answering: Arc<AtomicBool>,
+    evict: Arc<Notify>,
+}
+
+impl Admission {
+    fn table(&self) -> MutexGuard<'_, AdmissionTable> {
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A slot for a connection from `ip`, making room when the endpoint or the address is
+    /// full: the oldest connection there that never sent a request, else the oldest that is
+    /// not answering one. `None` (the connection is closed) only when every candidate is
+    /// answering a request.
+    fn admit(this: &Arc<Self>, ip: std::net::IpAddr) -> Option<Slot> {
+        let mut table = this.table();
+        assert!(table.connections.len() <= CONNECTIONS_MAX);
+        let address_full = table.connections.iter().filter(|c| c.ip == ip).count() >= CONNECTIONS_PER_ADDRESS_MAX;
+        if address_full || table.connections.len() >= CONNECTIONS_MAX {
+            let candidates = || {
+                table
+                    .connections
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| (!address_full || c.ip == ip) && !c.answering.load(Ordering::Acquire))
+            };
+            let at = candidates()
+                .find(|(_, c)| !c.requested.load(Ordering::Acquire))
+                .or_else(|| candidates().next())
+                .map(|(at, _)| at)?;
+            let evicted = table.connections.remove(at);
+            // A permit is stored if its task is not waiting yet: it finds it when it does.
+            evicted.evict.notify_one();
+        }
+        table.next_id += 1;
+        let id = table.next_id;
+        let (requested, answering, evict) =
+            (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)), Arc::new(Notify::new()));
+        table.connections.push(Admitted {
+            id,
+            ip,
+            requested: Arc::clone(&requested),
+            answering: Arc::clone(&answering),
+            evict: Arc::clone(&evict),
+        });
+        assert!(table.connections.len() <= CONNECTIONS_MAX);
+        assert!(table.connections.iter().filter(|c| c.ip == ip).count() <= CONNECTIONS_PER_ADDRESS_MAX);
+        Some(Slot { admission: Arc::clone(this), id, requested, answering, evict })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.admission.table().connections.retain(|c| c.id != self.id);
+    }
+}
+
+/// Marks a connection as answering a request for as long as it lives.
+struct Answering(Arc<AtomicBool>);
+
+impl Answering {
+    fn start(requested: &AtomicBool, answering: &Arc<AtomicBool>) -> Self {
+        requested.store(true, Ordering::Release);
+        answering.store(true, Ordering::Release);
+        Self(Arc::clone(answering))
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 async fn accept(mut listener: Tracked<tokio::net::TcpListener>, registry: Registry, stop: Arc<Notify>) {
-    let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+    let admission = Arc::new(Admission::default());
     // One scrape is encoded at a time, off the runtime's workers (a node's runtime also runs
     // its heartbeats); the others wait their turn without holding a worker.
     let encoding = Arc::new(Semaphore::new(1));
     let mut connections = tokio::task::JoinSet::new();
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = stop.notified() => break,
             // The accepted socket goes into `SOCKETS` under the hold of the accept itself.
             accepted = std::future::poll_fn(|cx| {
                 let mut set = sockets();
                 match listener.socket() {
                     Ok(socket) => match socket.poll_accept(cx) {
-                        Poll::Ready(Ok((stream, _))) => Poll::Ready(Ok(Tracked::adopt(stream, &mut set))),
+                        Poll::Ready(Ok((stream, peer))) => Poll::Ready(Ok((Tracked::adopt(stream, &mut set), peer))),
                         Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
                         Poll::Pending => Poll::Pending,
                     },
                     Err(e) => Poll::Ready(Err(e)),
                 }
             }) => match accepted {
-                Ok(stream) => stream,
+                Ok(accepted) => accepted,
                 // Out of descriptors or a connection reset before accept: try the next one
                 // after a pause, so a full table does not spin.
                 Err(_) => {
@@ -292,22 +401,31 @@ async fn accept(mut listener: Tracked<tokio::net::TcpListener>, registry: Regist
         };
         // Reap finished connections so the set does not grow.
         while connections.try_join_next().is_some() {}
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        let Some(slot) = Admission::admit(&admission, peer.ip()) else {
             drop(stream);
             continue;
         };
         let registry = registry.clone();
         let encoding = encoding.clone();
         connections.spawn(async move {
+            let (requested, answering) = (Arc::clone(&slot.requested), Arc::clone(&slot.answering));
             let service = hyper::service::service_fn(move |request| {
                 let registry = registry.clone();
                 let encoding = encoding.clone();
-                async move { Ok::<_, std::convert::Infallible>(respond(registry, encoding, &request).await) }
+                let answering = Answering::start(&requested, &answering);
+                async move {
+                    let response = respond(registry, encoding, &request).await;
+                    drop(answering);
+                    Ok::<_, std::convert::Infallible>(response)
+                }
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT).max_buf_size(HEAD_BYTES_MAX);
             let connection = builder.serve_connection(TokioIo::new(stream), service);
-            let _ = tokio::time::timeout(CONNECTION_TIME_MAX, connection).await;
+            tokio::select! {
+                _ = slot.evict.notified() => {}
+                _ = tokio::time::timeout(CONNECTION_TIME_MAX, connection) => {}
+            }
             drop(slot);
         });
     }
