@@ -80,6 +80,26 @@ fn a_damaged_ref_loses_no_data() {
     let manifest = manifest_files(&root).pop().unwrap();
     let manifest_id = manifest.file_stem().unwrap().to_str().unwrap().to_owned();
     assert_reads(&root, &manifest_id, &data, 1000);
+
+    // `--prune-now` keeps them too, and says why (before issue 40 it removed every shard of A
+    // right after repair had promised to keep them), until the user restores the ref or
+    // forgets A by name.
+    let gc = granary_ok(&root, &["gc", "--prune-now"]);
+    assert!(gc.contains("removed 0 shards and 0 manifests"), "{gc}");
+    assert!(gc.contains("kept 5 objects of A whose ref `repair` quarantined"), "{gc}");
+    assert_eq!(shard_files(&root), shards, "a quarantined ref's data outlives --prune-now");
+    let forgot = granary_ok(&root, &["rm", "A"]);
+    assert!(forgot.contains("forgot dataset A"), "{forgot}");
+    let gc = granary_ok(&root, &["gc", "--prune-now"]);
+    assert!(gc.contains("removed 4 shards and 1 manifests") && !gc.contains("quarantined"), "{gc}");
+    let quarantine: Vec<String> = std::fs::read_dir(root.join("quarantine"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(quarantine.iter().any(|name| name.starts_with("forgotten-ref-A.")), "{quarantine:?}");
+    // `rm` of a name with neither a ref nor a quarantined one is still "not found".
+    let out = granary(&root, &["rm", "A"]);
+    assert!(!out.status.success(), "nothing left to forget");
 }
 
 #[test]

@@ -16,6 +16,9 @@ use std::sync::Arc;
 
 pub use collect::{GC_GRACE_DEFAULT, GcOptions, GcReport};
 pub use repair::RepairReport;
+
+/// What `forget_quarantined` puts before the name of a quarantined ref or history it lets go of.
+pub const FORGOTTEN_PREFIX: &str = "forgotten-";
 pub use verify::{Failure, Hurt, ShardFetcher, Unreadable, VerifyReport, verify, verify_shard, verify_through};
 
 use crate::catalog::{Catalog, ObjectEntry};
@@ -202,6 +205,27 @@ impl Granary {
             }
         }
         self.catalog.flush()
+    }
+
+    /// Lets gc remove the data that quarantined refs and histories of dataset `name` name,
+    /// when `name` has no ref: they are renamed `forgotten-*` in `quarantine/` (kept for a person
+    /// to read, no longer pinning anything). Returns how many were marked.
+    pub fn forget_quarantined(&mut self, name: &DatasetName) -> Result<usize> {
+        let paths = self.store.paths().clone();
+        if paths.ref_file(name).exists() {
+            return Ok(0);
+        }
+        let mut n = 0;
+        for text in collect::quarantined_ref_texts(&paths)?.into_iter().filter(|t| &t.name == name) {
+            let file_name = text.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let target = paths.quarantine_dir().join(format!("{FORGOTTEN_PREFIX}{file_name}"));
+            std::fs::rename(&text.path, &target).map_err(|e| Error::io("rename", &text.path, e))?;
+            n += 1;
+        }
+        if n > 0 {
+            crate::store::sync_dir(&paths.quarantine_dir())?;
+        }
+        Ok(n)
     }
 
     /// Full scrub: BLAKE3 and every CRC of each shard, the id of each manifest, each ref. With a

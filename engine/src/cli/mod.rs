@@ -567,10 +567,15 @@ fn get(
 fn remove(root: PathBuf, spec: &str) -> Result<()> {
     let mut granary = open_writer(&root, false)?;
     match VersionSpec::parse(spec)? {
-        VersionSpec::Latest(name) => {
-            granary.remove(&name, None)?;
-            outln!("removed dataset {name}; `granary gc` deletes files no version uses")?;
-        }
+        VersionSpec::Latest(name) => match granary.remove(&name, None) {
+            Ok(()) => outln!("removed dataset {name}; `granary gc` deletes files no version uses")?,
+            // No ref: a dataset whose ref `repair` quarantined is forgotten by name.
+            Err(granary::Error::NotFound { .. }) if granary.forget_quarantined(&name)? > 0 => outln!(
+                "forgot dataset {name}: its quarantined ref is kept in quarantine/ as forgotten-*, and \
+                 `granary gc` may now delete its files"
+            )?,
+            Err(e) => return Err(e.into()),
+        },
         VersionSpec::Numbered(name, number) => {
             granary.remove(&name, Some(number))?;
             outln!("removed {name}@{number}; `granary gc` deletes files no version uses")?;

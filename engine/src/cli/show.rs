@@ -289,8 +289,8 @@ pub(super) fn repair(root: PathBuf) -> Result<()> {
     for name in &report.refs_lost {
         errln!(
             "granary: the ref of {name} was damaged and has no history: its versions are unknown; `gc` keeps \
-             its files for {} days",
-            engine::GC_GRACE_DEFAULT.as_secs() / 86_400
+             its files (`--prune-now` too) until its ref is restored from quarantine/ or `granary rm {name}` \
+             forgets it"
         );
     }
     for stray in &report.strays {
@@ -346,5 +346,14 @@ pub(super) fn gc(root: PathBuf, prune_now: bool) -> Result<()> {
         report.manifests,
         bytes(report.bytes)
     )?;
+    if !report.quarantined_datasets.is_empty() {
+        let names: Vec<&str> = report.quarantined_datasets.iter().map(String::as_str).collect();
+        outln!(
+            "kept {} objects of {} whose ref `repair` quarantined, whatever the grace: restore the ref from \
+             quarantine/, or forget the dataset with `granary rm NAME`",
+            report.kept_quarantined,
+            names.join(", ")
+        )?;
+    }
     Ok(())
 }

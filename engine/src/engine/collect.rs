@@ -6,7 +6,10 @@
 //! quarantined within the grace period names it, or when its file is younger than the grace
 //! period (git keeps unreachable objects two weeks for the same reasons: a ref damaged or
 //! changed by mistake can be put back while its data is still there). `--prune-now` sets the
-//! grace to zero: then only live versions keep objects. Invariant: gc never runs over damage it
+//! grace to zero: then only live versions keep objects, and what a quarantined ref or history
+//! names of a dataset that has no ref now: that dataset's data is kept by every gc, `--prune-now`
+//! included, until its ref is restored or the user forgets it by name (`granary rm NAME` marks
+//! its quarantined refs forgotten, `Granary::forget_quarantined`). Invariant: gc never runs over damage it
 //! cannot see through: a damaged ref or an unreadable manifest of a live version stops it before
 //! anything is removed. A fragment is kept as its shard would be (by the shard its header
 //! names), and kept when that header does not check out. Never: removes a ref, a quarantined file
@@ -65,6 +68,11 @@ pub struct GcReport {
     pub kept_in_grace: u64,
     /// Histories of removed datasets forgotten (their last change older than the grace period).
     pub histories: u64,
+    /// Objects kept, whatever the grace, because a quarantined ref or history of a dataset
+    /// without a ref names them.
+    pub kept_quarantined: u64,
+    /// Those datasets' names.
+    pub quarantined_datasets: BTreeSet<String>,
 }
 
 /// Objects to keep.
@@ -102,8 +110,8 @@ impl Granary {
         let cutoff = now.checked_sub(options.grace).unwrap_or(SystemTime::UNIX_EPOCH);
         let cutoff_unix_secs = cutoff.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let paths = self.store.paths().clone();
-        let (live, recent) = objects_to_keep(&paths, cutoff_unix_secs, options.grace > Duration::ZERO)?;
-        let mut report = GcReport::default();
+        let (live, recent, pinned) = objects_to_keep(&paths, cutoff_unix_secs, options.grace > Duration::ZERO)?;
+        let mut report = GcReport { quarantined_datasets: pinned.names.clone(), ..GcReport::default() };
         for kind in [ObjectKind::Manifest, ObjectKind::Shard, ObjectKind::Fragment] {
             for (id, path) in paths.list_objects(kind)? {
                 // A fragment is kept as its shard is.
@@ -118,6 +126,10 @@ impl Granary {
                     _ => (kind, id),
                 };
                 if live.contains(keep_as, of) {
+                    continue;
+                }
+                if pinned.keep.contains(keep_as, of) {
+                    report.kept_quarantined += 1;
                     continue;
                 }
                 if recent.contains(keep_as, of) || (options.grace > Duration::ZERO && modified(&path)? >= cutoff) {
@@ -155,10 +167,17 @@ impl Granary {
     }
 }
 
-/// What gc keeps: what live versions reach, and what only the grace period (or a lost ref's
-/// history) keeps; see the module doc. Fails, before anything is removed, on a damaged ref or
-/// history, or an unreadable manifest of a live version.
-fn objects_to_keep(paths: &StorePaths, cutoff_unix_secs: u64, grace: bool) -> Result<(Keep, Keep)> {
+/// What quarantined refs and histories of datasets without a ref keep, whatever the grace.
+#[derive(Default)]
+struct Pinned {
+    keep: Keep,
+    names: BTreeSet<String>,
+}
+
+/// What gc keeps: what live versions reach, what only the grace period (or a lost ref's
+/// history) keeps, and what quarantined refs pin; see the module doc. Fails, before anything is
+/// removed, on a damaged ref or history, or an unreadable manifest of a live version.
+fn objects_to_keep(paths: &StorePaths, cutoff_unix_secs: u64, grace: bool) -> Result<(Keep, Keep, Pinned)> {
     let needs_repair = |what: String, error: Error| Error::NeedsRepair { what, detail: error.to_string() };
     // Manifests that must be read (live versions), and those kept only if they are there.
     let mut live = BTreeSet::new();
@@ -188,8 +207,22 @@ fn objects_to_keep(paths: &StorePaths, cutoff_unix_secs: u64, grace: bool) -> Re
             Err(e) => return Err(e),
         }
     }
-    if grace {
-        recent.extend(quarantined_manifest_ids(paths, cutoff_unix_secs)?);
+    let mut pinned_ids = Vec::new();
+    let mut pinned = Pinned::default();
+    for quarantined in quarantined_ref_texts(paths)? {
+        if !paths.ref_file(&quarantined.name).exists() {
+            // Its dataset has no ref: kept until restored or forgotten, whatever the grace. A
+            // ref too damaged to name any manifest (cut short) could have named any of them:
+            // every manifest no live version reaches is kept, with its shards.
+            pinned.names.insert(quarantined.name.to_string());
+            let named = manifest_ids_in(&quarantined.path)?;
+            if named.is_empty() {
+                pinned_ids.extend(paths.list_objects(ObjectKind::Manifest)?.into_iter().map(|(id, _)| ManifestId(id)));
+            }
+            pinned_ids.extend(named);
+        } else if grace && quarantined.ctime_unix_secs >= cutoff_unix_secs {
+            recent.extend(manifest_ids_in(&quarantined.path)?);
+        }
     }
     let mut keep_live = Keep::default();
     for (id, version) in &live {
@@ -211,12 +244,29 @@ fn objects_to_keep(paths: &StorePaths, cutoff_unix_secs: u64, grace: bool) -> Re
             Err(e) => return Err(e),
         }
     }
-    Ok((keep_live, keep_recent))
+    for id in pinned_ids {
+        if keep_live.manifests.contains(&id.0) || !pinned.keep.manifests.insert(id.0) {
+            continue;
+        }
+        match paths.read_manifest(id) {
+            Ok(manifest) => pinned.keep.shards.extend(manifest.entries().iter().map(|e| e.shard.0)),
+            Err(e) if matches!(e, Error::NotFound { .. }) || e.is_corruption() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((keep_live, keep_recent, pinned))
 }
 
-/// Manifest ids named in the refs and histories moved to `quarantine/` since the cutoff (a
-/// move changes a file's ctime, not its mtime).
-fn quarantined_manifest_ids(paths: &StorePaths, cutoff_unix_secs: u64) -> Result<Vec<ManifestId>> {
+/// A ref or history that `repair` moved to `quarantine/` (`ref-NAME.*`, `history-NAME.*`).
+pub(crate) struct QuarantinedRefText {
+    pub(crate) name: crate::store::DatasetName,
+    pub(crate) path: std::path::PathBuf,
+    /// When it was moved (a move changes a file's ctime, not its mtime).
+    pub(crate) ctime_unix_secs: u64,
+}
+
+/// The refs and histories in `quarantine/` that are not marked forgotten.
+pub(crate) fn quarantined_ref_texts(paths: &StorePaths) -> Result<Vec<QuarantinedRefText>> {
     use std::os::unix::fs::MetadataExt;
     let dir = paths.quarantine_dir();
     let entries = match fs::read_dir(&dir) {
@@ -224,20 +274,29 @@ fn quarantined_manifest_ids(paths: &StorePaths, cutoff_unix_secs: u64) -> Result
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(Error::io("read directory", &dir, e)),
     };
-    let mut ids = Vec::new();
+    let mut texts = Vec::new();
     for entry in entries {
         let entry = entry.map_err(|e| Error::io("read directory", &dir, e))?;
         let path = entry.path();
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        let is_ref_text = name.starts_with(QUARANTINED_REF_PREFIX) || name.starts_with(QUARANTINED_HISTORY_PREFIX);
+        let file_name = entry.file_name();
+        let file_name = file_name.to_string_lossy();
+        let Some(rest) = file_name
+            .strip_prefix(QUARANTINED_REF_PREFIX)
+            .or_else(|| file_name.strip_prefix(QUARANTINED_HISTORY_PREFIX))
+        else {
+            continue;
+        };
+        // `NAME.PID-N`: the suffix the move added follows the last dot.
+        let Some(name) = rest.rsplit_once('.').and_then(|(name, _)| crate::store::DatasetName::new(name).ok()) else {
+            continue;
+        };
         let meta = fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
-        if !is_ref_text || !meta.is_file() || u64::try_from(meta.ctime()).unwrap_or(0) < cutoff_unix_secs {
+        if !meta.is_file() {
             continue;
         }
-        ids.extend(manifest_ids_in(&path)?);
+        texts.push(QuarantinedRefText { name, path, ctime_unix_secs: u64::try_from(meta.ctime()).unwrap_or(0) });
     }
-    Ok(ids)
+    Ok(texts)
 }
 
 /// Every 64-hex-digit word in a text file, read as a manifest id: what a damaged ref or history

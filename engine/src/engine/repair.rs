@@ -43,7 +43,7 @@ pub struct RepairReport {
     /// live versions.
     pub refs_rebuilt: Vec<(DatasetName, RefLog)>,
     /// Datasets whose damaged ref had no history to rebuild it from: their versions are
-    /// unknown (their files stay for the grace period of `gc`).
+    /// unknown (`gc` keeps their files until the ref is restored or the name forgotten).
     pub refs_lost: Vec<DatasetName>,
     /// Objects referenced but missing (a version that cannot be read until they return).
     pub missing: Vec<String>,
