@@ -31,9 +31,12 @@ pub(crate) fn run(command: TierCommand) -> Result<()> {
     if dir.is_some() {
         config.dir.clone_from(dir);
     }
-    // Opened with the configured budget, or one byte when it is off, only to look.
-    let budget = config.budget_bytes.filter(|&b| b > 0);
-    config.budget_bytes = Some(budget.unwrap_or(1));
+    // Opened with the budget a loader of this environment would get (the default one when the
+    // environment turns the tier off: the directory is looked at all the same).
+    let configured = config.budget_bytes;
+    if configured == Some(0) {
+        config.budget_bytes = None;
+    }
     // Keep what is there: this is a look, not a user's run that ends.
     config.keep = true;
     let tier = MemoryTier::open(&config)?.context("the tier opens with a budget")?;
@@ -42,11 +45,16 @@ pub(crate) fn run(command: TierCommand) -> Result<()> {
             let (extents, held) = tier.resident()?;
             outln!("directory  {}", tier.dir().display())?;
             outln!("holds      {} in {} extents of up to {}", bytes(held), extents.len(), bytes(tier.extent_bytes()))?;
-            match budget {
-                Some(budget) => outln!("budget     {} (GRANARY_TIER_BYTES)", bytes(budget))?,
+            let usable = tier.effective_budget(held);
+            match configured {
+                Some(0) => outln!("budget     none: GRANARY_TIER_BYTES=0 turns the tier off, loaders read from disk")?,
+                Some(budget) => {
+                    outln!("budget     {} (GRANARY_TIER_BYTES), {} usable now", bytes(budget), bytes(usable))?
+                }
                 None => outln!(
-                    "budget     set by each loader (default: half of MemAvailable, now {} after memory pressure)",
-                    bytes(tier.effective_budget(held))
+                    "budget     {} (a loader's default: half of MemAvailable when it opens), {} usable now",
+                    bytes(tier.budget_bytes()),
+                    bytes(usable)
                 )?,
             }
         }
