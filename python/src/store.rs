@@ -360,8 +360,11 @@ fn committed_dict<'py>(
     out.set_item("manifest", committed.manifest.to_string())?;
     out.set_item("records", committed.n_records)?;
     out.set_item("shards", committed.n_shards)?;
-    out.set_item("records_added", committed.stats.records)?;
-    out.set_item("bytes_added", committed.stats.bytes)?;
+    // An unchanged ingest read its records but added none: the version is the current one.
+    let (records_added, bytes_added) =
+        if committed.unchanged { (0, 0) } else { (committed.stats.records, committed.stats.bytes) };
+    out.set_item("records_added", records_added)?;
+    out.set_item("bytes_added", bytes_added)?;
     out.set_item("shards_published", committed.stats.shards_published)?;
     out.set_item("shards_deduplicated", committed.stats.shards_deduplicated)?;
     out.set_item("unchanged", committed.unchanged)?;
