@@ -341,22 +341,34 @@ fn the_loader_bench_prints_its_table_at_a_small_scale() {
     );
 }
 
-/// A job of `world` ranks rebalanced every `every` steps, rank `slow` taking `slow_us` per record,
-/// for `epochs` epochs.
+/// A job of `world` ranks rebalanced every `every` steps, rank `slow` taking `slow_us` per record
+/// and the others `fast_us`, for `epochs` epochs.
 #[derive(Clone, Copy)]
 struct Job {
     world: u32,
     every: u64,
     slow: u32,
     slow_us: u64,
+    /// What every other rank takes per record.
+    fast_us: u64,
     epochs: u64,
+    /// Whether the ranks meet at a barrier after each step's compute, as DDP's all-reduce makes
+    /// them, and whether each reports its compute time (`report_busy`).
+    sync: Sync,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Sync {
+    FreeRunning,
+    Barrier,
+    BarrierReportingBusy,
 }
 
 /// One rank's batches (indices, the position after, the weights) and its last state.
 type RankRun = (Vec<(Vec<u64>, Position, Vec<u32>)>, Option<RebalanceState>);
 
 /// Runs `world` ranks of a rebalancing loader as threads, rank `slow` sleeping `slow_us` per
-/// record of a batch (the others 40 us), each from `starts[rank]`; returns each rank's batches (indices, the
+/// record of a batch (the others `fast_us`), each from `starts[rank]`; returns each rank's batches (indices, the
 /// position after, the weights it was cut with) and its loader's state after `stop_after`
 /// batches when given (the run stops there).
 fn run_ranks(
@@ -366,15 +378,17 @@ fn run_ranks(
     stop_after: Option<usize>,
     registry: &granary::metrics::Registry,
 ) -> Vec<RankRun> {
-    let Job { world, every, slow, slow_us, epochs } = job;
+    let Job { world, every, slow, slow_us, fast_us, epochs, sync } = job;
     let exchange: Arc<dyn granary::loader::MeasureExchange> =
         granary::loader::LocalExchange::new(world, Duration::from_secs(30));
+    let barrier = Arc::new(std::sync::Barrier::new(world as usize));
     let threads: Vec<_> = (0..world)
         .map(|rank| {
             let dataset = Arc::clone(dataset);
             let exchange = Arc::clone(&exchange);
             let (start, resume) = starts[rank as usize].clone();
             let registry = registry.clone();
+            let barrier = Arc::clone(&barrier);
             std::thread::spawn(move || {
                 let mut rebalance = granary::loader::RebalanceConfig::every(every, Some(exchange));
                 rebalance.lead = 2;
@@ -393,10 +407,17 @@ fn run_ranks(
                 while let Some(batch) = loader.next() {
                     let batch = batch.unwrap();
                     let weights = batch.weights().map(|w| w.weights.clone()).unwrap_or_default();
-                    let per_record = if rank == slow { slow_us } else { 40 };
+                    let per_record = if rank == slow { slow_us } else { fast_us };
                     batches.push((batch.indices().to_vec(), batch.position(), weights));
-                    std::thread::sleep(Duration::from_micros(per_record * batch.len() as u64));
+                    let compute = Duration::from_micros(per_record * batch.len() as u64);
+                    std::thread::sleep(compute);
                     drop(batch);
+                    if sync != Sync::FreeRunning {
+                        barrier.wait();
+                    }
+                    if sync == Sync::BarrierReportingBusy {
+                        loader.report_busy(compute);
+                    }
                     if stop_after == Some(batches.len()) {
                         return (batches, loader.rebalance_state());
                     }
@@ -410,7 +431,8 @@ fn run_ranks(
 
 #[test]
 fn a_slow_rank_gets_a_smaller_share_at_the_next_point_and_the_epoch_is_read_exactly_once() {
-    const TWO: Job = Job { world: 2, every: 10, slow: 1, slow_us: 400, epochs: 2 };
+    const TWO: Job =
+        Job { world: 2, every: 10, slow: 1, slow_us: 400, fast_us: 40, epochs: 2, sync: Sync::FreeRunning };
     let _serial = serial();
     // 2 ranks x 16 records a step: 48 steps an epoch, points at 10, 20, 30, 40; two epochs.
     let fixture = fixture(32 * 48);
@@ -501,4 +523,97 @@ fn a_slow_rank_gets_a_smaller_share_at_the_next_point_and_the_epoch_is_read_exac
     let rest: Vec<u64> = (0..steps).flat_map(|s| (0..3).flat_map(move |r| by_rank[r].0[s].0.clone())).collect();
     assert_eq!(rest, single[224..32 * 48], "resumed on 3 ranks: the rest of the epoch, once, in order");
     assert!(resumed[1].0.last().unwrap().0.len() < 16, "the slow rank is rebalanced on 3 ranks too");
+}
+
+/// The samples of `name` for `rank` in `registry`.
+fn of_rank(registry: &granary::metrics::Registry, name: &str, rank: &str) -> Vec<f64> {
+    registry
+        .gather()
+        .values(name)
+        .filter(|(labels, _)| labels.iter().any(|(k, v)| *k == "rank" && v == rank))
+        .map(|(_, v)| v)
+        .collect()
+}
+
+#[test]
+fn under_a_per_step_barrier_without_report_busy_the_shares_stay_equal_and_the_points_say_why() {
+    // A synchronous trainer: each rank computes, then waits for the others (DDP's all-reduce).
+    // Every rank's time between batches is then the slowest's; before issue 40 the rank holding
+    // more records looked faster and was given still more (identical ranks drifted to 21/11).
+    let _serial = serial();
+    let fixture = fixture(32 * 48);
+    let start = (Position::default(), None);
+    // Steps of 6.4 ms (and 25.6 ms for the slow rank): a window of ten is long against a
+    // scheduler's jitter on a loaded 2-core machine.
+    for slow_us in [400, 1600] {
+        let job = Job { world: 2, every: 10, slow: 1, slow_us, fast_us: 400, epochs: 1, sync: Sync::Barrier };
+        let registry = granary::metrics::Registry::default();
+        let runs = run_ranks(&fixture.dataset, job, &[start.clone(), start.clone()], None, &registry);
+        for (rank, (batches, _)) in runs.iter().enumerate() {
+            let lens: Vec<usize> = batches.iter().map(|b| b.0.len()).collect();
+            assert!(lens.iter().all(|&n| n == 16), "slow_us {slow_us}, rank {rank}: {lens:?}");
+            assert!(batches.iter().all(|b| b.2 == [16, 16]), "slow_us {slow_us}, rank {rank}: weights moved");
+        }
+        // Four points in the epoch, each passed with the weights in force, each counted as held.
+        for rank in ["0", "1"] {
+            assert_eq!(of_rank(&registry, "granary_loader_rebalances_held", rank), [4.0], "rank {rank}");
+            assert_eq!(of_rank(&registry, "granary_loader_rebalance_moved_records", rank), [0.0], "rank {rank}");
+        }
+    }
+    // The same barrier with each rank's own compute reported: the slow rank is seen and gets less,
+    // and the moves stop once the ranks' compute is balanced (no drift back and forth).
+    let job =
+        Job { world: 2, every: 10, slow: 1, slow_us: 1600, fast_us: 400, epochs: 1, sync: Sync::BarrierReportingBusy };
+    let registry = granary::metrics::Registry::default();
+    let runs = run_ranks(&fixture.dataset, job, &[start.clone(), start], None, &registry);
+    let slow: Vec<usize> = runs[1].0.iter().map(|b| b.0.len()).collect();
+    assert!(slow[10] < 16 && slow[47] < 16, "the reported slow rank reads less: {slow:?}");
+    assert!(slow[47] >= 3, "a 4 x slow rank keeps about a fifth of a 32-record step: {slow:?}");
+}
+
+#[test]
+fn a_point_tells_ranks_apart_only_when_their_window_times_differ() {
+    use granary::loader::tells_ranks_apart;
+    use granary::policy::RankMeasure;
+    let m = |rank, records, busy_nanos| RankMeasure { rank, records, busy_nanos };
+    // Under a barrier the times match whatever the records: nothing to tell.
+    assert!(!tells_ranks_apart(&[m(0, 21, 1_000_000), m(1, 11, 1_020_000)]));
+    // A 4 x straggler running free shows it; so does a reported compute time.
+    assert!(tells_ranks_apart(&[m(0, 16, 1_000_000), m(1, 16, 4_000_000)]));
+    // One rank, or ranks that measured nothing, tell nothing.
+    assert!(!tells_ranks_apart(&[m(0, 16, 1_000_000)]));
+    assert!(!tells_ranks_apart(&[m(0, 16, 1_000_000), m(1, 0, 0), m(2, 16, 0)]));
+    assert!(!tells_ranks_apart(&[]));
+}
+
+#[test]
+fn a_named_partitioner_that_fails_is_replaced_by_the_default_unless_the_loader_asks_for_no_fallback() {
+    // A partitioner whose plan drops a record: by default the built-in plans the epoch instead
+    // (said on stderr, counted by the plugin metrics); with no fallback the stream ends with the
+    // plugin's error, naming it.
+    let fixture = fixture(200);
+    let path = granary::policy::builtin::built_plugin_path("hostile_partitioner");
+    let plan = || PlanSource::Partitioner {
+        plugin: Some(path.to_string_lossy().into_owned()),
+        options: vec![("behave".to_owned(), "missing".to_owned())],
+    };
+    let mut loader = Loader::new(
+        Arc::clone(&fixture.dataset),
+        LoaderConfig { epochs: Some(1), ..config(plan(), World::single()) },
+        Position::default(),
+    )
+    .unwrap();
+    let mut seen: Vec<u64> = drain(&mut loader, &fixture.records).into_iter().flat_map(|(i, _)| i).collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..200).collect::<Vec<u64>>(), "the fallback planned every record once");
+
+    let mut strict = Loader::new(
+        Arc::clone(&fixture.dataset),
+        LoaderConfig { epochs: Some(1), partitioner_fallback: false, ..config(plan(), World::single()) },
+        Position::default(),
+    )
+    .unwrap();
+    let error =
+        std::iter::from_fn(|| strict.next()).find_map(Result::err).expect("the plugin's failure ends the stream");
+    assert!(error.to_string().contains("hostile"), "{error}");
 }

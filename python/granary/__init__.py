@@ -268,6 +268,9 @@ class Loader:
     windowed to the cache, recorded in the saved state); `partitioner`: a
     partitioner plugin by name (`"default"`, the built-in elastic one) or `.wasm` path instead,
     with `partitioner_options` (given alone: the default partitioner's, as `window-shards`).
+    A named partitioner that fails to plan an epoch is replaced by the built-in default for it
+    (said once on stderr, counted in `granary_plugin_fallback_calls`);
+    `partitioner_fallback=False` makes that failure an error instead.
     `drop_last=True` ends each epoch before its short last step,
     so that every rank reads the same number of batches (DDP needs that; without it the last
     step gives some ranks one batch fewer when it holds fewer records than there are ranks).
@@ -296,7 +299,9 @@ class Loader:
     `batch_size`. The ranks exchange through `rebalance_exchange`, a callable
     `(epoch, step, (rank, records, busy_nanos)) -> [(rank, records, busy_nanos), ...]` for every
     rank, by default `torch.distributed.all_gather_object` (initialise the process group first).
-    Under DDP report the trainer's own time per batch with `report_busy`.
+    Under DDP report the trainer's own time per batch with `report_busy`: without it the
+    barrier makes every rank's step as long as the slowest's, and a point at which every rank
+    took the same time keeps the weights in force (counted as held, said once on stderr).
 
     Batches are the loader's own memory, read-only (NumPy's `writeable` is False; torch warns
     that the tensor is not writable): copy one (`batch.copy()`, `batch.clone()`) to change it.
@@ -342,6 +347,7 @@ class Loader:
         verify_threads: Optional[int] = None,
         rebalance_every: Optional[int] = None,
         rebalance_exchange: Optional[Callable[..., Any]] = None,
+        partitioner_fallback: bool = True,
     ) -> None:
         env_rank, env_world = world_from_env()
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -436,6 +442,7 @@ class Loader:
             verify_threads=verify_threads,
             rebalance_every=rebalance_every,
             rebalance_exchange=rebalance_exchange,
+            partitioner_fallback=partitioner_fallback,
         )
         source = store._native if isinstance(store, Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)

@@ -213,7 +213,7 @@ impl Loader {
         prefetch = 4, read_depth = 2, hold = 4, order = None, partitioner = None,
         partitioner_options = None, io = None, drop_last = false, tier_bytes = None,
         tier_evictor = None, tier_evictor_options = None, local_world_size = None, verify_threads = None,
-        rebalance_every = None, rebalance_exchange = None,
+        rebalance_every = None, rebalance_exchange = None, partitioner_fallback = true,
     ))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
@@ -240,6 +240,7 @@ impl Loader {
         verify_threads: Option<usize>,
         rebalance_every: Option<u64>,
         rebalance_exchange: Option<Py<PyAny>>,
+        partitioner_fallback: bool,
     ) -> PyResult<Self> {
         let root = match store.cast::<Store>() {
             Ok(store) => store.get().root().to_path_buf(),
@@ -293,6 +294,7 @@ impl Loader {
             world,
             seed,
             plan,
+            partitioner_fallback,
             epochs: None,
             read_depth,
             prefetch,

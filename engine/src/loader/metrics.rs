@@ -47,6 +47,7 @@ pub(crate) struct LoaderMetrics {
     weight: AtomicU64,
     step_share: AtomicU64,
     rebalances: AtomicU64,
+    rebalances_held: AtomicU64,
     moved: AtomicU64,
     rebalancing: AtomicBool,
     held: Arc<AtomicUsize>,
@@ -91,6 +92,7 @@ impl LoaderMetrics {
             weight: AtomicU64::new(0),
             step_share: AtomicU64::new(0),
             rebalances: AtomicU64::new(0),
+            rebalances_held: AtomicU64::new(0),
             moved: AtomicU64::new(0),
             rebalancing: AtomicBool::new(false),
             held,
@@ -130,6 +132,14 @@ impl LoaderMetrics {
             self.rebalances.fetch_add(1, Ordering::Relaxed);
             self.moved.fetch_add(moved, Ordering::Relaxed);
         }
+    }
+
+    /// `n` rebalance points kept the weights in force: their measures could not tell the ranks
+    /// apart (`rebalance::tells_ranks_apart`).
+    #[cfg(feature = "policy")]
+    pub(super) fn rebalances_held(&self, n: u64) {
+        self.rebalancing.store(true, Ordering::Relaxed);
+        self.rebalances_held.fetch_add(n, Ordering::Relaxed);
     }
 
     /// The loader is being dropped: keeps the last counters of what it owned and lets it go.
@@ -202,6 +212,14 @@ impl Source for LoaderMetrics {
                 Unit::None,
                 rank(),
                 get(&self.rebalances),
+            );
+            out.counter(
+                "granary_loader_rebalances_held",
+                "Rebalance points that kept the weights in force because every rank's window took the same time \
+                 (a per-step barrier hides the slow rank: report_busy tells it).",
+                Unit::None,
+                rank(),
+                get(&self.rebalances_held),
             );
             out.counter(
                 "granary_loader_rebalance_moved_records",

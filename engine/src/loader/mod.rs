@@ -36,7 +36,10 @@ use planner::{EpochBatches, EpochPlanner, planner_config, shards_by_step};
 #[cfg(feature = "policy")]
 use rebalance::Rebalancing;
 #[cfg(feature = "policy")]
-pub use rebalance::{LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, WeightsAt, rebalanced_step};
+pub use rebalance::{
+    LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, TIME_SPREAD_MIN, WeightsAt, rebalanced_step,
+    tells_ranks_apart,
+};
 use schedule::{ScheduleRequest, Scheduler};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -193,6 +196,11 @@ pub struct LoaderConfig {
     /// plugin's `rebalance`, `@0.2.0`); `None`: fixed equal shares.
     #[cfg(feature = "policy")]
     pub rebalance: Option<RebalanceConfig>,
+    /// Whether the built-in default partitioner plans an epoch that the named partitioner
+    /// plugin fails to plan (a trap, an invalid plan): the run goes on, and the loader says so
+    /// once on stderr. `false` makes such a failure end the stream. A rebalancing loader never
+    /// falls back (every rank must decide alike).
+    pub partitioner_fallback: bool,
 }
 
 impl Default for LoaderConfig {
@@ -217,6 +225,7 @@ impl Default for LoaderConfig {
             metrics: crate::metrics::Setting::Process,
             #[cfg(feature = "policy")]
             rebalance: None,
+            partitioner_fallback: true,
         }
     }
 }
@@ -762,6 +771,15 @@ impl Loader {
             self.finished = true;
             self.stop.store(true, Ordering::Release);
             return Some(Err(error));
+        }
+        #[cfg(feature = "policy")]
+        if let Some(meter) = &mut self.meter {
+            let held = meter.take_held();
+            if held > 0
+                && let Some(metrics) = &self.metrics
+            {
+                metrics.rebalances_held(held);
+            }
         }
         #[cfg(feature = "policy")]
         if let Some(weights) = &tag.weights

@@ -37,8 +37,28 @@ pub(super) fn planner_config(config: &LoaderConfig) -> LoaderConfig {
         seed: config.seed,
         batch_size: config.batch_size,
         plan: config.plan.clone(),
+        partitioner_fallback: config.partitioner_fallback,
         ..LoaderConfig::default()
     }
+}
+
+/// Says once per process that a named partitioner failed and the built-in default planned
+/// instead: a plugin the user chose, silently ignored for a whole run, would change the order
+/// of every epoch without a trace. Also counted in `granary_plugin_fallback_calls`.
+#[cfg(feature = "policy")]
+fn warn_fallback_once(status: &crate::policy::PolicyStatus, epoch: u64) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    let why = status.recent.last().map_or_else(|| "it failed".to_owned(), ToString::to_string);
+    eprintln!(
+        "granary: partitioner {} could not plan epoch {epoch} ({why}); the built-in default ({}) planned it \
+         instead, and will plan while it fails. Set partitioner_fallback=False (LoaderConfig::partitioner_fallback) \
+         to make this an error",
+        status.active,
+        status.fallback.as_deref().unwrap_or("default")
+    );
 }
 
 /// Cuts epochs into this rank's batches, each with the position after it.
@@ -81,7 +101,7 @@ impl EpochPlanner {
                 let host = PolicyHost::new(Limits::default(), None)?;
                 // Rebalancing ranks must all decide alike: a failing plugin fails the stream
                 // rather than let a fallback (with its default options) answer on one rank.
-                let partitioner = if config.rebalance.is_some() {
+                let partitioner = if config.rebalance.is_some() || !config.partitioner_fallback {
                     let plugin = match plugin.as_deref() {
                         Some(name) => host.load(name)?,
                         None => host.load_builtin(crate::policy::builtin::DEFAULT_PARTITIONER)?,
@@ -224,7 +244,12 @@ impl EpochPlanner {
             Source::Plugin { partitioner, shards, ranks, nodes } => {
                 let spec =
                     crate::policy::EpochSpec { seed: self.seed, epoch: from.epoch, batch_size, start: from.cursor };
+                let fallback_calls = partitioner.status().fallback_calls;
                 let plans = partitioner.plan(shards, ranks, nodes, spec)?;
+                let status = partitioner.status();
+                if status.fallback_calls > fallback_calls {
+                    warn_fallback_once(&status, from.epoch);
+                }
                 for &world in worlds {
                     let mine = plans.iter().find(|plan| plan.rank == world.rank());
                     let mut records = mine.map(|plan| plan.records()).into_iter().flatten();

@@ -11,7 +11,12 @@
 //! step is split by the weights its epoch ran with before it); the reader reads up to it,
 //! waits for the point's measures, asks the partitioner for the new weights (every rank asks
 //! with the same measures, so every rank gets the same weights) and plans the rest of the epoch
-//! with them. Weights change how a step is split among ranks, never the global order.
+//! with them. Weights change how a step is split among ranks, never the global order. A point
+//! whose measures cannot tell the ranks apart (`tells_ranks_apart`: every rank's window took
+//! the same time, as it does under a trainer's per-step barrier) keeps the weights in force:
+//! under a barrier each rank's time between hand-outs is the slowest rank's, so records per
+//! second would only favour the rank that already holds more (a feedback loop that made
+//! synchronous jobs slower).
 //! Never: measures the reader (the busy time is the trainer's, from one `next` to the next), or
 //! lets a rank pass a point the others have not measured (the exchange waits for all).
 
@@ -344,6 +349,23 @@ pub(super) fn bounded_weights(weights: &[u32], step_len: u64, cap: u64) -> Optio
     records.iter().map(|&r| u32::try_from(r).ok()).collect()
 }
 
+/// Window times closer than this ratio (the longest over the shortest) say nothing about which
+/// rank is slower: under a per-step barrier they are equal whatever the ranks' speeds, and two
+/// free-running ranks this close are balanced already. Measured under a barrier on the 2-core VM
+/// (issue 40) the spread stays within a few percent; a 4 x straggler without a barrier shows 4 x.
+pub const TIME_SPREAD_MIN: f64 = 1.10;
+
+/// Whether a point's measures tell the ranks apart: at least two ranks measured time, and their
+/// window times differ by `TIME_SPREAD_MIN` or more. A rank's window covers the same steps as
+/// every other rank's, so equal times mean either equal speeds or a barrier that hides them;
+/// in both cases moving records cannot shorten a step. A pure function of the measures, so every
+/// rank (and a run resumed with the saved measures) decides the same.
+pub fn tells_ranks_apart(measured: &[RankMeasure]) -> bool {
+    let times = measured.iter().filter(|m| m.records > 0 && m.busy_nanos > 0).map(|m| m.busy_nanos);
+    let (n, shortest, longest) = times.fold((0usize, u64::MAX, 0u64), |(n, lo, hi), t| (n + 1, lo.min(t), hi.max(t)));
+    n >= 2 && longest as f64 >= shortest as f64 * TIME_SPREAD_MIN
+}
+
 /// The trainer side: busy time per batch, the window's measure, the exchange.
 pub(super) struct Meter {
     rank: u32,
@@ -358,7 +380,16 @@ pub(super) struct Meter {
     reported: Option<Duration>,
     /// The (epoch, step) of the last point exchanged.
     exchanged: Option<(u64, u64)>,
+    /// Whether the trainer reported its busy time in the current window.
+    reported_in_window: bool,
     pending: Option<(u64, u64, Vec<RankMeasure>)>,
+    /// Points whose measures could not tell the ranks apart (the weights were kept).
+    pub(super) held_points: u64,
+    /// Of `held_points`, those already counted in the loader's metrics.
+    held_counted: u64,
+    /// Points of those at which no rank reported its own busy time (`report_busy`): the sign of
+    /// a synchronous trainer whose barrier hides the slow rank.
+    pub(super) held_unreported: u64,
 }
 
 impl Meter {
@@ -379,6 +410,10 @@ impl Meter {
             reported: None,
             exchanged: pending.as_ref().map(|(epoch, step, _)| (*epoch, *step)),
             pending,
+            held_points: 0,
+            held_unreported: 0,
+            held_counted: 0,
+            reported_in_window: false,
         }
     }
 
@@ -388,7 +423,9 @@ impl Meter {
     /// `lead` steps before a point, the window closes and the ranks exchange it.
     pub(super) fn handing_out(&mut self, after: Position, records: u64, called: Instant) -> Result<()> {
         if let Some((at, previous)) = self.last.take() {
-            let busy = self.reported.take().unwrap_or_else(|| called.saturating_duration_since(at));
+            let reported = self.reported.take();
+            self.reported_in_window |= reported.is_some();
+            let busy = reported.unwrap_or_else(|| called.saturating_duration_since(at));
             self.window.records += previous;
             self.window.busy_nanos += u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX);
         }
@@ -412,10 +449,34 @@ impl Meter {
             None => vec![mine],
         };
         self.exchanged = Some((epoch, point));
+        if !tells_ranks_apart(&measured) {
+            self.held_points += 1;
+            if !self.reported_in_window {
+                self.held_unreported += 1;
+                if self.held_unreported == 1 {
+                    // Once per loader: the default that keeps a job from getting slower, said
+                    // where a user of either binding sees it.
+                    eprintln!(
+                        "granary: rebalancing kept equal shares at step {point} of epoch {epoch}: every rank's \
+                         time between batches was the same, as under a synchronous trainer's per-step barrier, \
+                         which hides the slow rank; call report_busy(seconds) with each step's own compute time \
+                         to let rebalancing see it"
+                    );
+                }
+            }
+        }
+        self.reported_in_window = false;
         self.pending = Some((epoch, point, measured.clone()));
         // A reader that is gone has ended the stream; the trainer hears it from the queue.
         let _ = self.to_reader.send(PointMeasures { epoch, step: point, measured });
         Ok(())
+    }
+
+    /// Points held since the last call (for the loader's metrics).
+    pub(super) fn take_held(&mut self) -> u64 {
+        let new = self.held_points - self.held_counted;
+        self.held_counted = self.held_points;
+        new
     }
 
     /// The trainer's time on the last batch handed out, as it measured it (its compute, without
@@ -561,6 +622,12 @@ impl<'a> Rebalancing<'a> {
             Some((e, step, measured)) if e == epoch && step == point => measured,
             _ => wait_for_point(self.from_meter, epoch, point, stop)?,
         };
+        if !tells_ranks_apart(&measured) {
+            // Nothing tells the ranks apart: the point passes with the weights in force (the
+            // trainer side counts it as held and says why).
+            self.current = Arc::new(WeightsAt { epoch, step: point, weights: self.current.weights.clone() });
+            return Ok(());
+        }
         let weights = planner.rebalance(point, &self.current.weights, measured).map_err(Some)?;
         self.current = Arc::new(WeightsAt { epoch, step: point, weights });
         Ok(())
