@@ -92,10 +92,12 @@ pub struct OriginCache {
     /// goes, and the thread ends, when its last reader does).
     me: std::sync::Weak<Self>,
     prefetching: std::sync::Once,
-    /// Counts the reader's moves (steps, plans); idle prefetch threads wait on `moved` for it
-    /// to change, so a shard is fetched as soon as the reader's progress makes it worth it.
-    moves: Mutex<u64>,
-    moved: Condvar,
+    /// Counts the reader's moves (steps, plans); idle prefetch threads wait on it to change, so
+    /// a shard is fetched as soon as the reader's progress makes it worth it. Shared with the
+    /// threads apart from the cache: an idle thread holds only this, so the cache goes when its
+    /// last reader does (and its drop wakes the threads to end), not after one more round of
+    /// fetches for a plan nobody reads, evicting what another loader just fetched (issue 40).
+    signal: Arc<Signal>,
     /// The step at which the evictor last gave up a shard needed sooner than the one it made
     /// room for (an evictor that does not follow the plan, LRU say): for `REGRET_STEPS` steps
     /// from then, fetches ahead use free room only, so prefetch and eviction cannot chase each
@@ -207,8 +209,7 @@ impl OriginCache {
             step: AtomicU64::new(0),
             me: me.clone(),
             prefetching: std::sync::Once::new(),
-            moves: Mutex::new(0),
-            moved: Condvar::new(),
+            signal: Arc::new(Signal { moves: Mutex::new(0), moved: Condvar::new() }),
             regret_at: AtomicU64::new(u64::MAX),
             trace: Mutex::new(None),
             pinned: Mutex::new(HashMap::new()),
@@ -684,17 +685,22 @@ impl OriginCache {
         self.prefetching.call_once(|| {
             for _ in 0..PREFETCH_THREADS {
                 let me = self.me.clone();
+                let signal = Arc::clone(&self.signal);
                 let started = std::thread::Builder::new().name("granary-prefetch".into()).spawn(move || {
                     // Idle, a thread waits for the reader to move (or a fetch to land): a
                     // cache that holds what the plan needs costs next to nothing, and one that
-                    // can take the next shard fetches it at once.
+                    // can take the next shard fetches it at once. It holds the cache only while
+                    // it works.
                     loop {
-                        let Some(cache) = me.upgrade() else { return };
-                        let seen = *cache.moves.lock();
-                        if !cache.prefetch_one() {
-                            let mut moves = cache.moves.lock();
-                            if *moves == seen {
-                                let _ = cache.moved.wait_for(&mut moves, PREFETCH_IDLE);
+                        let seen = *signal.moves.lock();
+                        let worked = match me.upgrade() {
+                            Some(cache) => cache.prefetch_one(),
+                            None => return,
+                        };
+                        if !worked {
+                            let mut moves = signal.moves.lock();
+                            if *moves == seen && me.strong_count() > 0 {
+                                let _ = signal.moved.wait_for(&mut moves, PREFETCH_IDLE);
                             }
                         }
                     }
@@ -711,8 +717,8 @@ impl OriginCache {
     /// (one thread looks, and wakes the next when it found work: a step costs one look, not
     /// one per thread).
     fn moved(&self) {
-        *self.moves.lock() += 1;
-        self.moved.notify_one();
+        *self.signal.moves.lock() += 1;
+        self.signal.moved.notify_one();
     }
 
     /// Records the shards of every batch delivered from now on (benchmarks: the access trace
@@ -734,6 +740,20 @@ impl OriginCache {
     /// Where a shard of the attached datasets lives here (present or not).
     pub fn shard_path(&self, id: ShardId) -> PathBuf {
         self.paths.shard(id)
+    }
+}
+
+/// The reader's moves, counted, and the prefetch threads' wake-up (see `OriginCache::signal`).
+struct Signal {
+    moves: Mutex<u64>,
+    moved: Condvar,
+}
+
+impl Drop for OriginCache {
+    fn drop(&mut self) {
+        // Idle prefetch threads wake, find the cache gone, and end.
+        *self.signal.moves.lock() += 1;
+        self.signal.moved.notify_all();
     }
 }
 

@@ -332,6 +332,12 @@ impl CacheStats {
 /// Repairs beyond one per shard that a read may make without delivering a batch.
 const REPAIRS_WITHOUT_PROGRESS_SLACK: usize = 8;
 
+/// Repairs of one missing shard in a row a read may make: a shard fetched into a shared cache
+/// can be evicted again before this reader opens it (by another loader's or process's cache
+/// making room), and fetching it again is the way on; a damaged shard that fails again after
+/// its repair would fail the same way each time, so it gets one.
+const MISSING_REPAIRS_IN_A_ROW_MAX: u32 = 4;
+
 /// How often a reader without notifications looks whether the files it keeps open were removed
 /// or replaced (a stat of each): a removed file's space is freed within this, and a replaced one
 /// read afresh.
@@ -730,11 +736,12 @@ impl Reader {
         // read again, first, after the repair.
         let mut replay: std::collections::VecDeque<Vec<u64>> = std::collections::VecDeque::new();
         // A read gives up when repairs stop helping: the shard just repaired fails again before
-        // any batch is delivered, or more repairs than shards pass without one. However many
+        // any batch is delivered (a missing one, `MISSING_REPAIRS_IN_A_ROW_MAX` times), or more
+        // repairs than shards pass without one. However many
         // shards a long read (an epoch on a node that caches) repairs along the way, it goes on.
         let mut repairs = 0;
         let mut delivered = self.stats.records;
-        let mut last_repaired: Option<usize> = None;
+        let mut last_repaired: Option<(usize, u32)> = None;
         loop {
             let mut source = Replay { replay: &mut replay, rest: &mut batches };
             let mut pipeline = Pipeline {
@@ -787,11 +794,22 @@ impl Reader {
                 repairs = 0;
                 last_repaired = None;
             }
-            if last_repaired == Some(shard) || repairs >= self.dataset.n_shards() + REPAIRS_WITHOUT_PROGRESS_SLACK {
+            let in_a_row = match last_repaired {
+                Some((last, n)) if last == shard => n + 1,
+                _ => 1,
+            };
+            let in_a_row_max =
+                if matches!(error, Error::MissingShard { .. }) { MISSING_REPAIRS_IN_A_ROW_MAX } else { 1 };
+            if in_a_row > in_a_row_max || repairs >= self.dataset.n_shards() + REPAIRS_WITHOUT_PROGRESS_SLACK {
                 return Err(error);
             }
+            if in_a_row > 1 {
+                // Evicted again before it could be opened: give the cache that made room a
+                // moment to finish, then fetch it again.
+                std::thread::sleep(std::time::Duration::from_millis(10 << in_a_row));
+            }
             repairs += 1;
-            last_repaired = Some(shard);
+            last_repaired = Some((shard, in_a_row));
             if let Err(failed) = hook.repair(self.dataset.shard_id(shard), &error) {
                 // A missing shard that could not be had says why (the origin's answer, say);
                 // a damaged one keeps its own error, the stronger of the two.
