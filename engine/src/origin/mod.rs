@@ -120,6 +120,12 @@ impl Origin {
         let prefix = || Path::from_url_path(parsed.path()).map_err(|e| bad(e.into()));
         let (store, prefix): (Arc<dyn ObjectStore>, Path) = match parsed.scheme() {
             "s3" | "s3a" => {
+                let var = |name: &str| std::env::var(name).ok();
+                check_s3_endpoint(
+                    &shown,
+                    var("AWS_ENDPOINT_URL").or_else(|| var("AWS_ENDPOINT")).as_deref(),
+                    var("AWS_ALLOW_HTTP").as_deref(),
+                )?;
                 let store = object_store::aws::AmazonS3Builder::from_env()
                     .with_url(url)
                     // Refs are written with If-Match / If-None-Match.
@@ -557,6 +563,24 @@ const CREDENTIAL_VARIABLES: &[&str] = &[
 /// `text` with the value of every credential variable set here replaced, so that an error a
 /// server or client library wrote (a signature mismatch that echoes the request, say) cannot
 /// carry one into a message.
+/// Refuses, before any request, an S3 endpoint given as plain `http://` without `AWS_ALLOW_HTTP`:
+/// the client would refuse it at the first request with "HTTP error: builder error", which
+/// names neither the endpoint nor the setting.
+fn check_s3_endpoint(origin: &str, endpoint: Option<&str>, allow_http: Option<&str>) -> Result<()> {
+    let Some(endpoint) = endpoint.filter(|e| e.trim_start().to_ascii_lowercase().starts_with("http://")) else {
+        return Ok(());
+    };
+    if allow_http.is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1" | "yes")) {
+        return Ok(());
+    }
+    // The host alone: an endpoint URL may carry a user or a query.
+    let host = url::Url::parse(endpoint.trim()).ok().and_then(|u| u.host_str().map(str::to_owned)).unwrap_or_default();
+    Err(Error::invalid_input(format!(
+        "origin {origin}: the S3 endpoint (AWS_ENDPOINT) is plain HTTP (http://{host}...): set AWS_ALLOW_HTTP=true \
+         to use it without TLS (an S3-compatible server on a trusted network), or give an https:// endpoint"
+    )))
+}
+
 fn redact(text: &str) -> String {
     let values: Vec<String> = CREDENTIAL_VARIABLES.iter().filter_map(|variable| std::env::var(variable).ok()).collect();
     redact_values(text, &values)
@@ -586,6 +610,20 @@ pub fn install_tls_provider() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_plain_http_endpoint_without_allow_http_is_refused_naming_the_setting() {
+        let refused = check_s3_endpoint("s3://b/p", Some("http://user:pw@127.0.0.1:9000"), None).unwrap_err();
+        let text = refused.to_string();
+        assert!(text.contains("AWS_ALLOW_HTTP=true") && text.contains("127.0.0.1"), "{text}");
+        assert!(!text.contains("pw"), "the endpoint's credentials stay out: {text}");
+        assert!(check_s3_endpoint("s3://b/p", Some("http://127.0.0.1:9000"), Some("false")).is_err());
+        for allowed in ["true", "TRUE", "1"] {
+            assert!(check_s3_endpoint("s3://b/p", Some("http://127.0.0.1:9000"), Some(allowed)).is_ok());
+        }
+        assert!(check_s3_endpoint("s3://b/p", Some("https://s3.example"), None).is_ok());
+        assert!(check_s3_endpoint("s3://b/p", None, None).is_ok());
+    }
 
     #[test]
     fn credentials_in_an_error_text_are_replaced() {
