@@ -213,7 +213,9 @@ fn ids_are_taken_by_a_unique_prefix_and_ls_columns_fit_their_content() {
     let got = granary(&root, &["get", &manifest[..10], "3"]);
     assert!(got.status.success() && got.stdout.len() == 64);
     let err = granary_err(&root, &["inspect", &manifest[..7]]);
-    assert!(err.contains("not found"), "{err}");
+    assert!(err.contains("not found") && err.contains("at least 8 hex digits"), "{err}");
+    let err = granary_err(&root, &["get", &manifest[..4], "3"]);
+    assert!(err.contains("not found") && err.contains("at least 8 hex digits"), "{err}");
     // A shard by prefix too.
     let shard = shard_files(&root)[0].file_stem().unwrap().to_str().unwrap().to_owned();
     let out = granary_ok(&root, &["inspect", &shard[..9]]);

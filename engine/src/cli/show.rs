@@ -155,7 +155,7 @@ pub(super) fn inspect(paths: &StorePaths, target: &str, n_records: u64) -> Resul
             (ObjectKind::Fragment, id) => return inspect_fragment(paths.object(ObjectKind::Fragment, id)),
         }
     } else {
-        VersionSpec::parse(target)?
+        paths.parse_spec(target)?
     };
     let dataset = Dataset::open(paths, &spec)?;
     match dataset.version() {

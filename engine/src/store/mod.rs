@@ -286,6 +286,18 @@ impl StorePaths {
             })?;
             return Ok(VersionSpec::Manifest(ManifestId(id)));
         }
+        if let VersionSpec::Latest(name) = &spec
+            && text.len() < ID_PREFIX_MIN
+            && text.bytes().all(|b| b.is_ascii_hexdigit())
+            && !self.ref_file(name).exists()
+        {
+            // Hex too short to be an id prefix: say so rather than a bare "not found".
+            return Err(Error::NotFound {
+                what: format!(
+                    "dataset {text} (an id prefix, as `ls` shows ids, needs at least {ID_PREFIX_MIN} hex digits)"
+                ),
+            });
+        }
         Ok(spec)
     }
 
