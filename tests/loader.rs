@@ -617,3 +617,17 @@ fn a_named_partitioner_that_fails_is_replaced_by_the_default_unless_the_loader_a
         std::iter::from_fn(|| strict.next()).find_map(Result::err).expect("the plugin's failure ends the stream");
     assert!(error.to_string().contains("hostile"), "{error}");
 }
+
+#[test]
+fn the_window_for_a_cache_is_about_the_shards_it_holds() {
+    use granary::loader::window_for_cache;
+    // A quarter-size cache of 16 shards holds 4: a window of 3 (each batch mixes about 3).
+    assert_eq!(window_for_cache(4 << 20, 1 << 20), 3);
+    assert_eq!(window_for_cache((4 << 20) - 1, 1 << 20), 2);
+    // A cache of one or two shards still reads a window of one.
+    assert_eq!(window_for_cache(1 << 20, 1 << 20), 1);
+    assert_eq!(window_for_cache(2 << 20, 1 << 20), 1);
+    // Larger caches keep an eighth for the prefetch: 16 shards, a window of 13.
+    assert_eq!(window_for_cache(16 << 20, 1 << 20), 13);
+    assert_eq!(window_for_cache(100, 0), 87);
+}

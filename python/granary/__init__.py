@@ -250,6 +250,10 @@ class Store:
         return f"granary.Store({self.path!r})"
 
 
+# Shards a batch should mix at least: below this a cache-forced window warns.
+_MIXED_SHARDS_MIN = 4
+
+
 class Loader:
     """One rank's batches of a dataset, verified, prefetched, one epoch per iteration.
 
@@ -389,6 +393,9 @@ class Loader:
             if order is None and partitioner is None:
                 partitioner = "default"
             if rebalance_exchange is None and world_size > 1:
+                # Said now, not at the first rebalance point an epoch into the run.
+                if _process_group() is None:
+                    raise ValueError(_NO_PROCESS_GROUP)
                 rebalance_exchange = _torch_exchange
         elif rebalance_exchange is not None:
             raise ValueError("rebalance_exchange is for rebalancing: give rebalance_every too")
@@ -396,6 +403,8 @@ class Loader:
             output = "torch" if _torch() is not None else "numpy"
         if output not in ("torch", "numpy"):
             raise ValueError(f"output {output!r}: expected 'torch' or 'numpy'")
+        if output == "torch" and _torch() is None:
+            raise ImportError("output='torch' needs torch, which cannot be imported here: install it, or use output='numpy'")
         device_chosen = device is not None
         if device is None:
             torch = _torch() if output == "torch" else None
@@ -446,6 +455,7 @@ class Loader:
         )
         source = store._native if isinstance(store, Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)
+        window_given = "window-shards" in {str(k) for k in (partitioner_options or {})}
         if partitioner is not None or partitioner_options is not None:
             # The options it reads with, a window the cache of an attached dataset asks for
             # included: a state saved here resumes only under the same order.
@@ -457,6 +467,19 @@ class Loader:
             windowed = self._native.plan_options
             if windowed is not None:
                 self._plan = {"partitioner": "default", "options": {k: v for k, v in windowed}}
+        window = self._plan.get("options", {}).get("window-shards")
+        if window is not None and not window_given and int(window) < _MIXED_SHARDS_MIN:
+            # The cache chose a window that thins the shuffle: say so once, with the fix.
+            import warnings
+
+            shard_bytes = self._native.shard_bytes_max
+            warnings.warn(
+                f"the cache of this store reads {dataset!r} through a window of {window} shard(s), so each batch "
+                f"mixes at most {window}; a cache of at least {(_MIXED_SHARDS_MIN + 1) * shard_bytes} bytes "
+                f"(attach with cache_bytes=...) mixes {_MIXED_SHARDS_MIN}. loader.metrics()['shards_per_batch'] "
+                "says how many it drew from",
+                stacklevel=2,
+            )
         if self._native.layout == "samples" and device != "cpu":
             if device_chosen:
                 raise ValueError(
@@ -535,7 +558,8 @@ class Loader:
     def report_busy(self, seconds: float) -> None:
         """The trainer's own time on the last batch (its forward and backward, without the
         all-reduce's wait for the other ranks), for rebalancing; without it the loader takes the
-        time from one batch to the next, which a synchronous step makes equal on every rank."""
+        time from one batch to the next, which a synchronous step makes equal on every rank (and
+        rebalancing then keeps the shares in force)."""
         self._native.report_busy(float(seconds))
 
     def state_dict(self) -> Dict[str, Any]:
@@ -630,19 +654,30 @@ def _mode(mode: Optional[str], replace: bool) -> str:
 
 def _torch_exchange(epoch: int, step: int, mine: Tuple[int, int, int]) -> List[Tuple[int, int, int]]:
     """Every rank's measure for a rebalance point, through `torch.distributed`."""
-    torch = _torch()
-    dist = None if torch is None else torch.distributed
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "rebalancing over more than one rank exchanges measures through torch.distributed: initialise the "
-            "process group first, or pass rebalance_exchange"
-        )
+    dist = _process_group()
+    if dist is None:
+        raise RuntimeError(_NO_PROCESS_GROUP)
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (int(epoch), int(step), tuple(int(v) for v in mine)))
     points = {(e, s) for e, s, _ in gathered}
     if points != {(int(epoch), int(step))}:
         raise RuntimeError(f"the ranks are at different rebalance points: {sorted(points)}")
     return sorted(m for _, _, m in gathered)
+
+
+_NO_PROCESS_GROUP = (
+    "rebalance_every over more than one rank exchanges the ranks' measures through torch.distributed: "
+    "initialise the process group first (init_process_group), or pass rebalance_exchange"
+)
+
+
+def _process_group() -> Any:
+    """`torch.distributed` when its process group is initialised here, else None."""
+    torch = _torch()
+    dist = None if torch is None else torch.distributed
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
 
 
 def _torch() -> Any:

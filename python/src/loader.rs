@@ -553,6 +553,14 @@ impl Loader {
         })
     }
 
+    /// The largest shard file of the dataset version, in bytes (what a cache must hold per
+    /// shard of a window).
+    #[getter]
+    fn shard_bytes_max(&self, py: Python<'_>) -> PyResult<u64> {
+        let mut state = self.lock(py)?;
+        Ok(state.dataset().map_err(to_py)?.manifest().entries().iter().map(|e| e.file_bytes).max().unwrap_or(0))
+    }
+
     /// The manifest id of the dataset version being read.
     #[getter]
     fn manifest(&self, py: Python<'_>) -> PyResult<String> {
@@ -643,6 +651,8 @@ impl Loader {
         out.set_item("ops_offloaded", stats.read.ops_offloaded)?;
         out.set_item("shards_repaired", stats.read.shards_repaired)?;
         out.set_item("pinned", stats.pool.pinned)?;
+        // How well the plan mixes: the shards a batch drew from, on average.
+        out.set_item("shards_per_batch", stats.read.shards_per_batch())?;
         out.set_item("tier_records", stats.read.tier_records)?;
         out.set_item("tier_bytes", stats.read.tier_bytes)?;
         let tier_hit =

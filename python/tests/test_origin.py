@@ -101,12 +101,25 @@ def test_a_loader_reads_an_attached_dataset_whole_through_a_quarter_cache(s3, tm
         here.detach("tokens")
 
 
-def _attached_quarter(s3, tmp_path, prefix, seed):
-    """1024 records pushed to `prefix` and attached to a new store with a cache a quarter
-    their size: (records, their bytes, the source store, the attached store)."""
+def _drain_checked(loader, data):
+    """Reads the loader's epoch, checking every record against `data`: the indices, in order,
+    once each."""
+    seen = []
+    for indices, batch in loader:
+        for index, row in zip(indices.tolist(), batch):
+            assert np.array_equal(row, data[index]), f"record {index}"
+            seen.append(index)
+    assert sorted(seen) == list(range(len(data)))
+    return seen
+
+
+def _attached_quarter(s3, tmp_path, prefix, seed, shard_bytes=64 << 10):
+    """1024 records pushed to `prefix` (in shards of `shard_bytes`: 64 by default) and attached
+    to a new store with a cache a quarter their size: (records, their bytes, the source store,
+    the attached store)."""
     data = np.random.default_rng(seed).integers(0, 65535, size=(1024, RECORD), dtype=np.uint16)
     source = granary.Store(tmp_path / "source", create=True)
-    source.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=64 << 10)
+    source.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=shard_bytes)
     dataset_bytes = _cached_bytes(tmp_path / "source")
     source.push("tokens", f"{s3}/{prefix}")
     here = granary.Store(tmp_path / "here", create=True)
@@ -142,12 +155,7 @@ def test_the_default_order_over_a_dataset_the_cache_cannot_hold_is_windowed(s3, 
     loader = here.loader("tokens", batch_size=32, seed=3, output="numpy", with_indices=True)
     plan = loader.state_dict()["plan"]
     assert plan["partitioner"] == "default" and int(plan["options"]["window-shards"]) >= 1, plan
-    seen = []
-    for indices, batch in loader:
-        for index, row in zip(indices.tolist(), batch):
-            assert np.array_equal(row, data[index]), f"record {index}"
-            seen.append(index)
-    assert sorted(seen) == list(range(len(data)))
+    seen = _drain_checked(loader, data)
     assert seen != sorted(seen), "shuffled"
     assert loader.metrics()["origin_bytes"] <= 1.10 * dataset_bytes, loader.metrics()
     loader.close()
@@ -162,3 +170,32 @@ def test_an_origin_url_with_credentials_is_refused(tmp_path):
         store.attach("tokens", "s3://KEY:hunter2@bucket/x")
     assert "hunter2" not in str(caught.value)
     assert caught.value.kind == "invalid_input"
+
+
+def test_the_default_window_mixes_as_many_shards_as_the_cache_holds_and_a_second_loader_starts(s3, tmp_path):
+    # 16 shards and a cache of 4: the window is 3 shards, each batch mixes about 3 (before
+    # issue 40 a window of 1: every batch from one shard), and the loader says that a larger
+    # cache would mix more.
+    data, dataset_bytes, source, here = _attached_quarter(s3, tmp_path, "mix", 17, shard_bytes=256 << 10)
+    assert here.datasets()[0]["shards"] == 16
+    with pytest.warns(UserWarning, match=r"window of 3 shard\(s\), so each batch mixes at most 3; a cache of at least"):
+        loader = here.loader("tokens", batch_size=64, seed=3, output="numpy", with_indices=True)
+    assert loader.state_dict()["plan"]["options"]["window-shards"] == "3"
+    seen = _drain_checked(loader, data)
+    metrics = loader.metrics()
+    assert metrics["shards_per_batch"] >= 2.8, metrics
+    loader.close()
+    # A window given by the caller is theirs: no warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        here.loader("tokens", batch_size=64, partitioner_options={"window-shards": 2}).close()
+    # A second loader in the same process, with the record-level shuffle (every shard in every
+    # batch, four times what the cache holds): it starts, and reads right, every time.
+    for _ in range(3):
+        other = here.loader("tokens", batch_size=64, seed=5, order="shuffled", output="numpy", with_indices=True)
+        indices, batch = next(iter(other))
+        for index, row in zip(indices.tolist(), batch):
+            assert np.array_equal(row, data[index]), f"record {index}"
+        other.close()

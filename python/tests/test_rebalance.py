@@ -80,3 +80,13 @@ def test_a_slow_rank_reads_less_of_each_step_and_a_resume_repeats_the_decisions(
         store.loader("tokens", batch_size=16, rebalance_every=1)
     with pytest.raises(ValueError, match="rebalance_every too"):
         store.loader("tokens", batch_size=16, rebalance_exchange=_ThreadExchange(1))
+    # Two ranks, no exchange given and no process group: refused when the loader is made (it
+    # failed at the first rebalance point, an epoch's fraction into the run).
+    with pytest.raises(ValueError, match="init_process_group"):
+        store.loader("tokens", batch_size=16, rank=0, world_size=2, rebalance_every=8)
+    # output="torch" without torch: refused when the loader is made, not at its first batch.
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="output='numpy'"):
+            store.loader("tokens", batch_size=16, output="torch")

@@ -50,7 +50,8 @@ pub(crate) struct CacheArgs {
     /// Epochs read.
     #[arg(long, default_value_t = 2)]
     epochs: u64,
-    /// Shards in the elastic partitioner's window (0: a quarter of the shards the cache holds).
+    /// Shards in the elastic partitioner's window (0: the loader's default, one less than the
+    /// shards the cache holds).
     #[arg(long, default_value_t = 0)]
     window_shards: u64,
     /// The evictors compared.
@@ -89,7 +90,8 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
     let shard_max = manifest.entries().iter().map(|e| e.file_bytes).max().unwrap_or(0);
     let bound = ((dataset_bytes as f64 * args.cache_fraction) as u64).max(shard_max);
     let cache_shards = (bound / shard_max.max(1)).max(1);
-    let window = if args.window_shards > 0 { args.window_shards } else { (cache_shards / 4).max(1) };
+    let window =
+        if args.window_shards > 0 { args.window_shards } else { granary::loader::window_for_cache(bound, shard_max) };
     // The origin: object_store's in-memory store behind its throttle (reads wait, writes do
     // not), so the push is quick and every fetch pays the latency and the bandwidth.
     let throttle = object_store::throttle::ThrottleConfig {

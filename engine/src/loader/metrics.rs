@@ -267,6 +267,14 @@ impl Source for LoaderMetrics {
             rank(),
             read.tier_bytes as f64,
         );
+        out.counter(
+            "granary_read_batch_shards",
+            "Distinct shards each batch drew its records from, summed over the batches (over granary_loader_batches: \
+             how well the plan mixes).",
+            Unit::None,
+            rank(),
+            read.batch_shards as f64,
+        );
 
         let (tier, cache, pool) = match &*self.live.lock() {
             Some(live) => (

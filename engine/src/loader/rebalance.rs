@@ -17,7 +17,8 @@
 //! under a barrier each rank's time between hand-outs is the slowest rank's, so records per
 //! second would only favour the rank that already holds more (a feedback loop that made
 //! synchronous jobs slower).
-//! Never: measures the reader (the busy time is the trainer's, from one `next` to the next), or
+//! Never: measures the reader apart from the trainer (a step's time is from one `next` call to
+//! the next, the trainer's hold and its wait for the batch together, or what it reports), or
 //! lets a rank pass a point the others have not measured (the exchange waits for all).
 
 use std::collections::HashMap;
@@ -350,9 +351,10 @@ pub(super) fn bounded_weights(weights: &[u32], step_len: u64, cap: u64) -> Optio
 }
 
 /// Window times closer than this ratio (the longest over the shortest) say nothing about which
-/// rank is slower: under a per-step barrier they are equal whatever the ranks' speeds, and two
-/// free-running ranks this close are balanced already. Measured under a barrier on the 2-core VM
-/// (issue 40) the spread stays within a few percent; a 4 x straggler without a barrier shows 4 x.
+/// rank is slower: under a per-step barrier they are equal whatever the ranks' speeds (a step's
+/// time includes the wait for the batch and the barrier both), and two free-running ranks this
+/// close are balanced already. `python/bench/rebalance_barrier.py` (BENCHMARKS.md) runs the
+/// barrier case in processes.
 pub const TIME_SPREAD_MIN: f64 = 1.10;
 
 /// Whether a point's measures tell the ranks apart: at least two ranks measured time, and their
@@ -374,8 +376,10 @@ pub(super) struct Meter {
     exchange: Option<Arc<dyn MeasureExchange>>,
     to_reader: Sender<PointMeasures>,
     window: RankMeasure,
-    /// The last batch handed out: when, and its records.
+    /// The last batch handed out: when its `next` was called, and its records.
     last: Option<(Instant, u64)>,
+    /// How long the last hand-out waited for the other ranks' measures (not a step's time).
+    exchanging: Duration,
     /// The trainer's own account of its time on the last batch, when it gives one.
     reported: Option<Duration>,
     /// The (epoch, step) of the last point exchanged.
@@ -407,6 +411,7 @@ impl Meter {
             to_reader,
             window: RankMeasure { rank, ..RankMeasure::default() },
             last: None,
+            exchanging: Duration::ZERO,
             reported: None,
             exchanged: pending.as_ref().map(|(epoch, step, _)| (*epoch, *step)),
             pending,
@@ -418,20 +423,27 @@ impl Meter {
     }
 
     /// A batch of `records` ending at `after` is being handed out by a `next` called at
-    /// `called`: the time from the previous hand-out to that call was the trainer's on the
-    /// previous batch (its wait for this one is not); when this batch is the first at or past
-    /// `lead` steps before a point, the window closes and the ranks exchange it.
+    /// `called`. Unless the trainer reported its own time (`report_busy`), the time from the
+    /// previous `next` call to this one is the previous batch's: the trainer's hold of it and
+    /// its wait for it, less any exchange of measures in between. The wait counts: under a
+    /// per-step barrier every rank's step is then as long as every other's, whatever the ranks'
+    /// speeds, and nothing moves (`tells_ranks_apart`); without it a rank that waited for its
+    /// loader looked faster and was given more to read, so it waited longer (the feedback loop
+    /// of issue 40). When this batch is the first at or past `lead` steps before a point, the
+    /// window closes and the ranks exchange it.
     pub(super) fn handing_out(&mut self, after: Position, records: u64, called: Instant) -> Result<()> {
-        if let Some((at, previous)) = self.last.take() {
+        if let Some((previous_call, previous)) = self.last.take() {
             let reported = self.reported.take();
             self.reported_in_window |= reported.is_some();
-            let busy = reported.unwrap_or_else(|| called.saturating_duration_since(at));
+            let step = called.saturating_duration_since(previous_call).saturating_sub(self.exchanging);
+            let busy = reported.unwrap_or(step);
             self.window.records += previous;
             self.window.busy_nanos += u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX);
         }
+        let exchange_started = Instant::now();
         let outcome = self.exchange_if_due(after);
-        // The trainer's time on this batch starts once it has it (after any wait for the others).
-        self.last = Some((Instant::now(), records));
+        self.exchanging = exchange_started.elapsed();
+        self.last = Some((called, records));
         outcome
     }
 
@@ -457,10 +469,10 @@ impl Meter {
                     // Once per loader: the default that keeps a job from getting slower, said
                     // where a user of either binding sees it.
                     eprintln!(
-                        "granary: rebalancing kept equal shares at step {point} of epoch {epoch}: every rank's \
-                         time between batches was the same, as under a synchronous trainer's per-step barrier, \
-                         which hides the slow rank; call report_busy(seconds) with each step's own compute time \
-                         to let rebalancing see it"
+                        "granary: rebalancing kept the ranks' shares at step {point} of epoch {epoch}: every rank's \
+                         steps took the same time, as under a synchronous trainer's per-step barrier, which hides \
+                         the slow rank; call report_busy(seconds) with each step's own compute time to let \
+                         rebalancing see it"
                     );
                 }
             }
@@ -581,6 +593,8 @@ impl<'a> Rebalancing<'a> {
         match &self.resumed {
             Some((epoch, point, _)) if *epoch == from.epoch && *point == step => {
                 self.apply(planner, from.epoch, step, stop)?;
+                // Planned again whatever the answer: the segment in hand was planned before the
+                // resumed weights were set.
                 Ok(true)
             }
             _ => Ok(false),
@@ -610,14 +624,15 @@ impl<'a> Rebalancing<'a> {
         self.grid.next_point(from.epoch, self.grid.step_at(from))
     }
 
-    /// Waits for the point's measures, asks for the new weights and plans with them.
+    /// Waits for the point's measures, asks for the new weights and plans with them; whether
+    /// the weights changed (a point whose measures cannot tell the ranks apart keeps them).
     pub(super) fn apply(
         &mut self,
         planner: &mut EpochPlanner,
         epoch: u64,
         point: u64,
         stop: &AtomicBool,
-    ) -> std::result::Result<(), Option<Error>> {
+    ) -> std::result::Result<bool, Option<Error>> {
         let measured = match self.resumed.take() {
             Some((e, step, measured)) if e == epoch && step == point => measured,
             _ => wait_for_point(self.from_meter, epoch, point, stop)?,
@@ -626,11 +641,12 @@ impl<'a> Rebalancing<'a> {
             // Nothing tells the ranks apart: the point passes with the weights in force (the
             // trainer side counts it as held and says why).
             self.current = Arc::new(WeightsAt { epoch, step: point, weights: self.current.weights.clone() });
-            return Ok(());
+            return Ok(false);
         }
         let weights = planner.rebalance(point, &self.current.weights, measured).map_err(Some)?;
+        let moved = weights != self.current.weights;
         self.current = Arc::new(WeightsAt { epoch, step: point, weights });
-        Ok(())
+        Ok(moved)
     }
 }
 

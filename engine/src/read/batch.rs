@@ -293,6 +293,8 @@ pub(super) struct Planner {
     scratch: Vec<Option<u64>>,
     /// Per request copied from the tier: the first block whose check failed there.
     tier_bad: Vec<Option<u64>>,
+    /// The distinct shards of the batch's records.
+    batch_shards: Vec<u32>,
     /// Records and bytes of the plan served by the memory tier.
     pub(super) tier_records: u64,
     pub(super) tier_bytes: u64,
@@ -305,6 +307,11 @@ pub(super) struct Planner {
 }
 
 impl Planner {
+    /// Shards the planned batch draws its records from.
+    pub(super) fn n_batch_shards(&self) -> u64 {
+        self.batch_shards.len() as u64
+    }
+
     /// Plans reading `indices`; sizes `batch` for them (indices and ends final, data to be filled).
     pub(super) fn plan(
         &mut self,
@@ -347,6 +354,11 @@ impl Planner {
         {
             dataset.count_reads(shard, n);
         }
+        // How many shards the batch draws from (a plan's mixing, `ReadStats::batch_shards`).
+        self.batch_shards.clear();
+        self.batch_shards.extend(self.requests.iter().map(|r| r.shard));
+        self.batch_shards.sort_unstable();
+        self.batch_shards.dedup();
         batch.indices.extend_from_slice(indices);
         let total = usize::try_from(dst).map_err(|_| Error::invalid_input("a batch larger than memory"))?;
         batch.data.set_len(total, staging)?;

@@ -106,6 +106,8 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
             }
             let read_bytes = slot.planner.read_bytes();
             self.stats.records += slot.batch.len() as u64;
+            self.stats.batches += 1;
+            self.stats.batch_shards += slot.planner.n_batch_shards();
             self.stats.bytes_delivered += slot.batch.data().len() as u64;
             self.stats.ops += slot.planner.n_extents() as u64;
             self.stats.bytes_read += read_bytes;

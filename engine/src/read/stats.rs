@@ -35,12 +35,25 @@ pub struct ReadStats {
     /// Ops checked by a verify worker rather than the thread that reaps the disk (and, for
     /// those not read straight into the batch, copied into it by the worker).
     pub ops_offloaded: u64,
+    /// Batches delivered.
+    pub batches: u64,
+    /// Distinct shards each delivered batch drew its records from, summed over the batches: over
+    /// `batches`, how well the plan mixes (a record-level shuffle draws nearly every shard; a
+    /// window of W shards about W).
+    pub batch_shards: u64,
+}
+
+impl ReadStats {
+    /// Shards a batch drew from, on average (0 before any batch).
+    pub fn shards_per_batch(&self) -> f64 {
+        if self.batches == 0 { 0.0 } else { self.batch_shards as f64 / self.batches as f64 }
+    }
 }
 
 impl ReadStats {
     /// Every counter, in declaration order: named one by one, so a new counter cannot be left
     /// out of a sum or a copy.
-    fn to_array(self) -> [u64; 11] {
+    fn to_array(self) -> [u64; 13] {
         let ReadStats {
             records,
             bytes_delivered,
@@ -53,6 +66,8 @@ impl ReadStats {
             tier_bytes,
             ops_direct,
             ops_offloaded,
+            batches,
+            batch_shards,
         } = self;
         [
             records,
@@ -66,12 +81,14 @@ impl ReadStats {
             tier_bytes,
             ops_direct,
             ops_offloaded,
+            batches,
+            batch_shards,
         ]
     }
 
     /// The counters `to_array` gave.
-    fn from_array(values: [u64; 11]) -> Self {
-        let [a, b, c, d, e, f, g, h, i, j, k] = values;
+    fn from_array(values: [u64; 13]) -> Self {
+        let [a, b, c, d, e, f, g, h, i, j, k, l, m] = values;
         ReadStats {
             records: a,
             bytes_delivered: b,
@@ -84,6 +101,8 @@ impl ReadStats {
             tier_bytes: i,
             ops_direct: j,
             ops_offloaded: k,
+            batches: l,
+            batch_shards: m,
         }
     }
 }
@@ -109,7 +128,7 @@ pub(super) fn publish(to: Option<&PublishedStats>, stats: &ReadStats) {
 /// (`Reader::publish_stats`): relaxed atomics, so publishing after a batch takes no lock and a
 /// scrape of the metrics never waits on the reader (fields may be a batch apart).
 #[derive(Debug, Default)]
-pub struct PublishedStats([std::sync::atomic::AtomicU64; 11], std::sync::atomic::AtomicU64);
+pub struct PublishedStats([std::sync::atomic::AtomicU64; 13], std::sync::atomic::AtomicU64);
 
 impl PublishedStats {
     /// Ops issued whose batch was not delivered yet, as of the last delivered batch (the reads
