@@ -58,7 +58,8 @@ plugins:
 	cd plugins && $(CARGO) clippy --workspace --release --locked --target-dir $(TARGET_DIR)/plugins -- -D warnings
 	cd plugins && $(CARGO) test --workspace --locked --target $$(rustc -vV | sed -n 's/^host: //p') --target-dir $(TARGET_DIR)/plugins-native
 
-## The Python bindings' pytest suite (NumPy only; the torch tests skip without torch), run on
+## The Python bindings' pytest suite (NumPy only; the torch tests skip without torch; the
+## replication test runs the `granary` binary the build makes for the Rust tests), run on
 ## the package assembled in target/py-test around the extension as cargo builds it beside the
 ## tests: `--lib --tests` unifies features as `cargo test` does, so after `unit` only the
 ## extension itself is compiled (maturin builds the one package alone, with other features,
@@ -69,7 +70,8 @@ python: python-env moto
 	rm -rf $(TARGET_DIR)/py-test && mkdir -p $(TARGET_DIR)/py-test/granary
 	cp python/granary/*.py $(TARGET_DIR)/py-test/granary/
 	cp $(TARGET_DIR)/debug/lib_native.so $(TARGET_DIR)/py-test/granary/_native.abi3.so
-	cd $(TARGET_DIR)/py-test && PYTHONPATH=$(TARGET_DIR)/py-test $(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests
+	cd $(TARGET_DIR)/py-test && PYTHONPATH=$(TARGET_DIR)/py-test GRANARY_BIN=$(TARGET_DIR)/debug/granary \
+		$(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests
 
 python-env:
 	@test -x $(PYVENV)/bin/pytest || { python3 -m venv $(PYVENV) && \

@@ -258,7 +258,9 @@ class Loader:
     """One rank's batches of a dataset, verified, prefetched, one epoch per iteration.
 
     `dataset`: a name (its version current when the loader is made: a missing one is
-    `NotFoundError` here), `name@version`, or a manifest id. `rank` and `world_size` default to
+    `NotFoundError` here), `name@version`, or a manifest id. On a replicated store (a `granary
+    serve` serving it, `GRANARY_CLUSTER_KEY` set in the environment), a damaged or missing shard
+    is fetched from a peer through that node, or rebuilt from fragments, in the same order. `rank` and `world_size` default to
     torchrun's `RANK` and `WORLD_SIZE`; one without the other is refused unless the launcher set
     both. Every count is checked here, naming the argument (`ValueError`). `device`: `"cuda"` (torch's current device once torch
     has initialised CUDA, else `LOCAL_RANK` when that device exists, else 0), `"cuda:N"`,
@@ -603,8 +605,11 @@ class Loader:
         """Counters since the loader was made: `batches`, `records`, `bytes`, `stall_seconds`
         (time the trainer waited for data), `stall_max_seconds`, `stall_fraction`,
         `cache_hit_ratio` (batches already prefetched when asked for), `bytes_read`,
-        `blocks_verified`, `verify_failures`, `shards_repaired`, `pinned`; the memory tier's
-        `tier_records`, `tier_bytes` and `tier_hit_ratio` (records served from memory) and, when
+        `blocks_verified`, `verify_failures`, `shards_repaired`, `pinned`, `shards_per_batch` (how
+        many shards a batch drew from, on average: how well the plan mixes); the memory tier's
+        `tier_records`, `tier_bytes` and `tier_hit_ratio` (records served from memory; like
+        `bytes_read`, these count what the reader read, the batches it read ahead of the trainer
+        included, so `tier_records` can pass `records`) and, when
         the tier is on, `tier_bytes_held` (node-wide), `tier_budget_bytes`, `tier_extents_loaded`,
         `tier_extents_evicted`, and of those evictions `tier_evictor_chosen` (the evictor plugin's
         choices taken), `tier_evictor_refused` (its choices kept because the plan needs them) and

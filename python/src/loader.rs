@@ -204,6 +204,20 @@ impl Cut {
     }
 }
 
+/// The `granary serve` beside the store at `root`, as the loader's repair hook (Rust's
+/// `LoaderConfig::repair`): when `GRANARY_CLUSTER_KEY` is set and a node records where it
+/// listens there (`replication/listen`). For an attached dataset the engine puts it behind the
+/// origin cache, which asks it before the origin.
+fn node_beside(root: &std::path::Path) -> granary::Result<Option<Arc<dyn granary::read::ShardRepair>>> {
+    let Some(key) = granary::replication::ClusterKey::from_env()? else { return Ok(None) };
+    match granary::replication::NodeClient::for_store(root, key) {
+        Ok(client) => Ok(Some(Arc::new(client))),
+        // No node serves this store: reads go without a hook, as before.
+        Err(granary::Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 #[pymethods]
 impl Loader {
     /// See `granary.Loader` for the arguments.
@@ -301,7 +315,11 @@ impl Loader {
             hold_max: hold,
             target,
             tier: match (tier_bytes, tier_evictor.is_some() || tier_evictor_options.is_some()) {
-                (None, false) => TierSetting::Auto,
+                (None, false) => {
+                    // A bad GRANARY_TIER_BYTES is refused now, not at the first batch.
+                    TierConfig::from_env().map_err(to_py)?;
+                    TierSetting::Auto
+                }
                 (Some(0), _) => TierSetting::Off,
                 // The budget and evictor given; the rest from the environment, as by default.
                 (bytes, _) => {
@@ -316,6 +334,9 @@ impl Loader {
             },
             local_world_size,
             verify_threads,
+            // A damaged or missing shard is fetched from a peer (or rebuilt from fragments) by
+            // the node serving this store, as `granary get --cluster-key` does.
+            repair: node_beside(&root).map_err(to_py)?,
             rebalance: rebalance_every.map(|every| {
                 let exchange =
                     rebalance_exchange.map(|callable| Arc::new(PyExchange { callable }) as Arc<dyn MeasureExchange>);

@@ -867,3 +867,9 @@ def test_ingest_arguments_speak_python(store, tmp_path):
     with pytest.raises(granary.Error, match="drop_remainder=True"):
         store.ingest_files("c", tmp_path / "odd.bin", dtype="uint8", shape=[RECORD])
 
+
+def test_a_bad_tier_setting_in_the_environment_is_refused_when_the_loader_is_made(tokens, monkeypatch):
+    store, _ = tokens
+    monkeypatch.setenv("GRANARY_TIER_BYTES", "lots")
+    with pytest.raises(granary.Error, match="GRANARY_TIER_BYTES"):
+        store.loader("tokens", batch_size=16)

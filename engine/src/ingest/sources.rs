@@ -157,6 +157,21 @@ pub type SampleSink<'a> = dyn FnMut(&str, &[(String, Vec<u8>)]) -> Result<()> + 
 /// The largest tar member taken as a sample part.
 const PART_BYTES_MAX: u64 = 1 << 30;
 
+/// `text` as it may go into a message: the tar reader quotes the bytes of a bad header, which
+/// for a file that is no tar at all are raw binary; control characters and undecodable bytes
+/// become `?`, and the text stops at 200 characters.
+fn printable(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .take(200)
+        .map(|c| if c.is_control() || c == char::REPLACEMENT_CHARACTER { '?' } else { c })
+        .collect();
+    if text.chars().nth(200).is_some() {
+        out.push_str("...");
+    }
+    out
+}
+
 /// Reads the WebDataset samples of one tar stream, plain or gzip-compressed (told by its
 /// first bytes), past end-of-archive blocks (concatenated tars), as `webdataset.WebDataset`
 /// 1.0 groups them: a regular member `dir/KEY.EXT` is part `EXT` (lowercased) of sample
@@ -173,7 +188,9 @@ pub fn tar_samples(
     skipped: &mut dyn FnMut(&str, &str),
     advance: &mut dyn FnMut(u64),
 ) -> Result<u64> {
-    let bad_tar = |e: std::io::Error| Error::invalid_input(format!("not a readable tar file: {e}"));
+    let bad_tar = |e: std::io::Error| {
+        Error::invalid_input(format!("not a readable tar or gzip-compressed tar file: {}", printable(&e.to_string())))
+    };
     let mut input = BufReader::new(input);
     let gzip = input.fill_buf().map_err(bad_tar)?.starts_with(&[0x1f, 0x8b]);
     let input: Box<dyn Read> = if gzip { Box::new(flate2::read::MultiGzDecoder::new(input)) } else { Box::new(input) };
@@ -441,7 +458,7 @@ fn name_source(error: Error, path: &Path) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{expand_braces, split_key};
+    use super::{Result, expand_braces, split_key, tar_samples};
 
     #[test]
     fn webdataset_keys_split_at_the_first_dot_of_the_file_name() {
@@ -462,5 +479,22 @@ mod tests {
         assert_eq!(expand_braces("{a,b}-{1..2}").unwrap(), ["a-1", "a-2", "b-1", "b-2"]);
         assert_eq!(expand_braces("plain{x}.tar").unwrap(), ["plain{x}.tar"]);
         assert!(expand_braces("s-{5..1}.tar").is_err());
+    }
+
+    #[test]
+    fn random_bytes_given_as_a_tar_are_refused_in_printable_words() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let noise: Vec<u8> = (0..4096)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 24) as u8
+            })
+            .collect();
+        let mut sink = |_: &str, _: &[(String, Vec<u8>)]| -> Result<()> { Ok(()) };
+        let error = tar_samples(&noise[..], &mut sink, &mut |_, _| {}, &mut |_| {}).unwrap_err().to_string();
+        assert!(error.contains("not a readable tar or gzip-compressed tar file"), "{error}");
+        assert!(error.chars().all(|c| !c.is_control()) && error.len() < 400, "{error:?}");
     }
 }

@@ -376,6 +376,7 @@ impl MemoryTier {
             }
         };
         prepare_dir(&dir)?;
+        warn_if_not_in_memory(&dir);
         let most = EXTENTS_MAX * config.extent_bytes;
         let budget_bytes = match config.budget_bytes {
             Some(bytes) if bytes > most => {
@@ -906,6 +907,43 @@ fn nonce() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
+/// File systems whose files live in memory.
+const MEMORY_FILE_SYSTEMS: &[&str] = &["tmpfs", "ramfs", "hugetlbfs"];
+
+/// Says once per process when the tier's directory is not in a memory file system: its extents
+/// are then disk files, read from disk into the page cache and copied from there, slower than
+/// reading the shards themselves (issue 40: a `GRANARY_TIER_DIR` on a disk was taken in silence).
+fn warn_if_not_in_memory(dir: &Path) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let Ok(mounts) = std::fs::read_to_string("/proc/self/mounts") else { return };
+    let Ok(dir) = dir.canonicalize() else { return };
+    let Some(kind) = fs_type_of(&mounts, &dir) else { return };
+    if !MEMORY_FILE_SYSTEMS.contains(&kind) && !WARNED.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "granary: the memory tier's directory {} is on a {kind} file system, not in memory: its extents are \
+             files on that disk; point GRANARY_TIER_DIR at a tmpfs (/dev/shm), or set GRANARY_TIER_BYTES=0",
+            dir.display()
+        );
+    }
+}
+
+/// The type of the file system `path` (absolute, resolved) is on, from `/proc/self/mounts`
+/// text: that of the longest mount point that holds it (the last such line, for stacked mounts).
+fn fs_type_of<'m>(mounts: &'m str, path: &Path) -> Option<&'m str> {
+    let mut best: Option<(usize, &str)> = None;
+    for line in mounts.lines() {
+        let mut fields = line.split(' ');
+        let (Some(_), Some(point), Some(kind)) = (fields.next(), fields.next(), fields.next()) else { continue };
+        // Spaces and the like are octal escapes there (`\040`).
+        let point = point.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\");
+        let point = Path::new(&point);
+        if path.starts_with(point) && best.is_none_or(|(depth, _)| point.components().count() >= depth) {
+            best = Some((point.components().count(), kind));
+        }
+    }
+    best.map(|(_, kind)| kind)
+}
+
 fn current_uid() -> u32 {
     std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0)
 }
@@ -1217,6 +1255,20 @@ impl std::fmt::Debug for TierReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_file_system_of_a_directory_is_its_deepest_mount_point() {
+        let mounts = "/dev/vda / ext4 rw 0 0\n\
+                      tmpfs /dev/shm tmpfs rw,nosuid 0 0\n\
+                      /dev/vdb /data xfs rw 0 0\n\
+                      tmpfs /data/fast\\040dir tmpfs rw 0 0\n";
+        assert_eq!(fs_type_of(mounts, Path::new("/dev/shm/granary-tier-0")), Some("tmpfs"));
+        assert_eq!(fs_type_of(mounts, Path::new("/data/tier")), Some("xfs"));
+        assert_eq!(fs_type_of(mounts, Path::new("/data/fast dir/tier")), Some("tmpfs"));
+        // Component-wise: /data-other is not under /data.
+        assert_eq!(fs_type_of(mounts, Path::new("/data-other/tier")), Some("ext4"));
+        assert_eq!(fs_type_of("", Path::new("/x")), None);
+    }
 
     #[test]
     fn sizes_parse() {
