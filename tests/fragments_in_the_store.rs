@@ -111,3 +111,43 @@ fn gc_keeps_fragments_as_it_keeps_their_shards_and_verify_and_repair_check_them(
     assert_eq!(repaired.quarantined.len(), 1, "{repaired:?}");
     assert!(paths.list_objects(ObjectKind::Fragment).unwrap().is_empty());
 }
+
+#[test]
+fn a_node_that_holds_only_fragments_verifies_and_repairs_clean_saying_so() {
+    // A node of a coded dataset: its ref and manifest, and one fragment of each shard (the others
+    // on other nodes), no whole shard. verify said "0 live versions readable, 1 unreadable" and
+    // exited 1, repair "N referenced objects are missing" (issue 40, item 3).
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let mut store = Granary::create(&root).unwrap();
+    let shards = dataset(&mut store, "tokens", 3);
+    for (shard, data) in &shards {
+        let ids = adopt_fragments(&mut store, dir.path(), *shard, data);
+        // One fragment stays: the node's share.
+        for id in &ids[1..] {
+            store.forget_object(ObjectKind::Fragment, *id).unwrap();
+        }
+        store.forget_object(ObjectKind::Shard, shard.0).unwrap();
+    }
+    drop(store);
+    let verify = granary_ok(&root, &["verify"]);
+    assert!(verify.contains("1 live versions readable"), "{verify}");
+    assert!(
+        verify.contains(&format!("({} of their shards held here as erasure-coded fragments", shards.len())),
+        "{verify}"
+    );
+    assert!(verify.contains(": 0 failures"), "{verify}");
+    let repair = granary_ok(&root, &["repair"]);
+    assert!(repair.contains(", 0 missing,"), "{repair}");
+    assert!(
+        repair.contains(&format!("{} listed shards are held here as erasure-coded fragments", shards.len())),
+        "{repair}"
+    );
+    // A shard with neither its file nor a fragment here is still missing, and says so.
+    let paths = StorePaths::new(&root);
+    let (fragment, _) = paths.list_objects(ObjectKind::Fragment).unwrap().remove(0);
+    std::fs::remove_file(paths.object(ObjectKind::Fragment, fragment)).unwrap();
+    let out = granary(&root, &["verify"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is missing"), "{}", String::from_utf8_lossy(&out.stderr));
+}

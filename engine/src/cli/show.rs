@@ -246,10 +246,17 @@ pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode>
         errln!("granary: UNREADABLE {unreadable}");
     }
     let versions = if spec.is_none() {
-        let at_origin = match report.shards_at_origin {
+        let mut at_origin = match report.shards_at_origin {
             0 => String::new(),
             n => format!(" ({n} of their shards at an origin, not here: `verify NAME` fetches and checks them)"),
         };
+        if report.shards_as_fragments > 0 {
+            at_origin.push_str(&format!(
+                " ({} of their shards held here as erasure-coded fragments, the rest of each on other nodes: \
+                 `granary get --cluster-key` rebuilds one, `status --cluster-key` shows their placement)",
+                report.shards_as_fragments
+            ));
+        }
         format!(", {} live versions readable{at_origin}, {} unreadable", report.versions_ok, versions_hurt(&report))
     } else {
         String::new()
@@ -310,6 +317,13 @@ pub(super) fn repair(root: PathBuf) -> Result<()> {
         report.tmp_removed,
         report.refs_rebuilt.len()
     )?;
+    if report.shards_as_fragments > 0 {
+        outln!(
+            "{} listed shards are held here as erasure-coded fragments (the rest of each on other nodes; \
+             `granary get --cluster-key` rebuilds one)",
+            report.shards_as_fragments
+        )?;
+    }
     if !report.refs_lost.is_empty() {
         bail!("{} datasets lost their ref", report.refs_lost.len());
     }

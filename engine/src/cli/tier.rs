@@ -44,6 +44,10 @@ pub(crate) fn run(command: TierCommand) -> Result<()> {
         TierCommand::Status { .. } => {
             let (extents, held) = tier.resident()?;
             outln!("directory  {}", tier.dir().display())?;
+            if let Some((kind, in_memory)) = granary::tier::file_system_of(tier.dir()) {
+                let note = if in_memory { "in memory" } else { "not in memory: its extents are files on that disk" };
+                outln!("on         {kind} ({note})")?;
+            }
             outln!("holds      {} in {} extents of up to {}", bytes(held), extents.len(), bytes(tier.extent_bytes()))?;
             let usable = tier.effective_budget(held);
             match configured {

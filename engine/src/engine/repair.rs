@@ -47,6 +47,9 @@ pub struct RepairReport {
     pub refs_lost: Vec<DatasetName>,
     /// Objects referenced but missing (a version that cannot be read until they return).
     pub missing: Vec<String>,
+    /// Shards that manifests list that are here only as erasure-coded fragments (the other
+    /// fragments on other nodes): not missing.
+    pub shards_as_fragments: u64,
     /// Entries of `tmp/`, `refs/` and `history/` the store did not write, left alone (see
     /// `StorePaths::strays`).
     pub strays: Vec<PathBuf>,
@@ -147,9 +150,13 @@ impl Granary {
             }
         }
         // Fragments are not cataloged: a damaged one is quarantined (the node rebuilds it).
+        let mut fragment_shards = BTreeSet::new();
         for (id, path) in paths.list_objects(ObjectKind::Fragment)? {
             match crate::erasure::FragmentFile::open(&path, id).and_then(|fragment| fragment.check_all()) {
-                Ok(_) => report.fragments += 1,
+                Ok(header) => {
+                    report.fragments += 1;
+                    fragment_shards.insert(header.shard.0);
+                }
                 Err(e) if e.is_corruption() => {
                     self.store.quarantine(&path)?;
                     report.quarantined.push((path, e.to_string()));
@@ -162,7 +169,10 @@ impl Granary {
             match paths.read_manifest(ManifestId(id)) {
                 Ok(manifest) => {
                     for entry in manifest.entries() {
-                        if !shards.contains(&entry.shard.0) {
+                        if fragment_shards.contains(&entry.shard.0) && !shards.contains(&entry.shard.0) {
+                            // Erasure-coded: a fragment here, the others on other nodes.
+                            report.shards_as_fragments += 1;
+                        } else if !shards.contains(&entry.shard.0) {
                             report.missing.push(format!("shard {} (listed by manifest {id})", entry.shard));
                         }
                     }

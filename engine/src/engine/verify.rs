@@ -5,10 +5,12 @@
 //! manifest, each fragment whole against its id, each ref and ref history), then walks every live version, from its ref, or from its
 //! history where the ref is damaged or lost, and names each version some record of which
 //! cannot be read: a file can be sound while the version that needs it is not, because another
-//! file it lists is gone. Needs no lock, so readers can run it. Never: changes a file (repair
+//! file it lists is gone. A shard held here only as erasure-coded fragments (a node of a coded
+//! dataset) is counted as such, not as missing: its other fragments are on other nodes, which
+//! the scrub does not reach. Needs no lock, so readers can run it. Never: changes a file (repair
 //! does).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::fs::File;
 use std::io::Read;
@@ -100,7 +102,13 @@ pub struct VerifyReport {
     /// Shards of live versions that are not here but at the origin of an attached dataset
     /// (whole-store scrub only; a version's scrub fetches and checks them), once per version.
     pub shards_at_origin: u64,
-    /// Live versions every record of which can be read (whole-store scrub only).
+    /// Shards of live versions that are not here whole but as erasure-coded fragments that
+    /// checked out (whole-store scrub only), once per version: the rest of each shard's
+    /// fragments are on other nodes, which this scrub does not reach (`granary get
+    /// --cluster-key` rebuilds a shard from any `k`).
+    pub shards_as_fragments: u64,
+    /// Live versions every record of which can be read, here or from fragments (whole-store
+    /// scrub only).
     pub versions_ok: u64,
     /// Bytes read.
     pub bytes: u64,
@@ -196,19 +204,23 @@ pub fn verify_through(
             }
         }
     }
+    // Shards of which a fragment here checked out.
+    let mut fragment_shards = BTreeSet::new();
     if spec.is_none() {
         for (id, path) in paths.list_objects(ObjectKind::Fragment)? {
             match crate::erasure::FragmentFile::open(&path, id).and_then(|fragment| fragment.check_all()) {
                 Ok(header) => {
                     report.fragments_ok += 1;
                     report.bytes += header.file_bytes();
+                    fragment_shards.insert(header.shard.0);
                 }
                 // Removed (a node dropped it) between the listing and the check.
                 Err(Error::NotFound { .. }) => {}
                 Err(error) => report.failures.push(Failure { path, error }),
             }
         }
-        let checked = Checks { manifests: &checked_manifests, shards: &checked_shards, fetcher };
+        let checked =
+            Checks { manifests: &checked_manifests, shards: &checked_shards, fragments: &fragment_shards, fetcher };
         for name in paths.list_names()? {
             check_dataset(paths, &name, &checked, &mut report)?;
         }
@@ -220,6 +232,8 @@ pub fn verify_through(
 struct Checks<'a> {
     manifests: &'a BTreeMap<ObjectId, Checked>,
     shards: &'a BTreeMap<ObjectId, Checked>,
+    /// Shards not here whole of which a fragment here checked out.
+    fragments: &'a BTreeSet<ObjectId>,
     fetcher: Option<&'a dyn ShardFetcher>,
 }
 
@@ -281,6 +295,8 @@ fn check_dataset(
                         None if checked.fetcher.is_some_and(|f| f.can_fetch(entry.shard)) => {
                             report.shards_at_origin += 1;
                         }
+                        // Erasure-coded: this node holds a fragment; the others are elsewhere.
+                        None if checked.fragments.contains(&entry.shard.0) => report.shards_as_fragments += 1,
                         None => report.unreadable.push(unreadable(Hurt::ShardMissing(entry.shard))),
                     }
                 }

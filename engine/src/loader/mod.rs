@@ -576,6 +576,9 @@ impl Loader {
             usize::try_from(expected_batch_bytes).unwrap_or(usize::MAX).clamp(1, batch_bytes.max(1));
         // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
         let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
+        if let Some(coordinator) = &coordinator {
+            coordinator.tier().warn_if_not_in_memory();
+        }
         // Reading from disk, enough batches in flight to keep the queue of large ops full; a
         // loader served from the tier copies from memory and keeps the depth asked for (each
         // batch in flight is a staging buffer).

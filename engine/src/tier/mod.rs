@@ -376,7 +376,6 @@ impl MemoryTier {
             }
         };
         prepare_dir(&dir)?;
-        warn_if_not_in_memory(&dir);
         let most = EXTENTS_MAX * config.extent_bytes;
         let budget_bytes = match config.budget_bytes {
             Some(bytes) if bytes > most => {
@@ -431,6 +430,22 @@ impl MemoryTier {
         }
         flock(&tier.users, libc::LOCK_SH).map_err(|e| Error::io("flock", &users_path, e))?;
         Ok(Some(Arc::new(tier)))
+    }
+
+    /// Says once per process when the tier's directory is not in a memory file system: its
+    /// extents are then disk files, read from disk into the page cache and copied from there
+    /// (issue 40: a `GRANARY_TIER_DIR` on a disk was taken in silence). Loaders call it.
+    pub fn warn_if_not_in_memory(&self) {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if let Some((kind, false)) = file_system_of(&self.dir)
+            && !WARNED.swap(true, Ordering::Relaxed)
+        {
+            eprintln!(
+                "granary: the memory tier's directory {} is on a {kind} file system, not in memory: its extents \
+                 are files on that disk; point GRANARY_TIER_DIR at a tmpfs (/dev/shm), or set GRANARY_TIER_BYTES=0",
+                self.dir.display()
+            );
+        }
     }
 
     /// The directory.
@@ -910,21 +925,13 @@ fn nonce() -> u64 {
 /// File systems whose files live in memory.
 const MEMORY_FILE_SYSTEMS: &[&str] = &["tmpfs", "ramfs", "hugetlbfs"];
 
-/// Says once per process when the tier's directory is not in a memory file system: its extents
-/// are then disk files, read from disk into the page cache and copied from there, slower than
-/// reading the shards themselves (issue 40: a `GRANARY_TIER_DIR` on a disk was taken in silence).
-fn warn_if_not_in_memory(dir: &Path) {
-    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    let Ok(mounts) = std::fs::read_to_string("/proc/self/mounts") else { return };
-    let Ok(dir) = dir.canonicalize() else { return };
-    let Some(kind) = fs_type_of(&mounts, &dir) else { return };
-    if !MEMORY_FILE_SYSTEMS.contains(&kind) && !WARNED.swap(true, Ordering::Relaxed) {
-        eprintln!(
-            "granary: the memory tier's directory {} is on a {kind} file system, not in memory: its extents are \
-             files on that disk; point GRANARY_TIER_DIR at a tmpfs (/dev/shm), or set GRANARY_TIER_BYTES=0",
-            dir.display()
-        );
-    }
+/// The type of the file system a directory is on, and whether it keeps its files in memory
+/// (`None` when `/proc/self/mounts` does not say).
+pub fn file_system_of(dir: &Path) -> Option<(String, bool)> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    let dir = dir.canonicalize().ok()?;
+    let kind = fs_type_of(&mounts, &dir)?;
+    Some((kind.to_owned(), MEMORY_FILE_SYSTEMS.contains(&kind)))
 }
 
 /// The type of the file system `path` (absolute, resolved) is on, from `/proc/self/mounts`
