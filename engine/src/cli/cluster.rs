@@ -163,8 +163,8 @@ pub(crate) struct ReplicateArgs {
     /// Instead of copies: each shard cut into K data and M parity fragments (Reed-Solomon), one
     /// per node, any K of which rebuild it: the shards survive any M lost nodes at (K+M)/K their
     /// size (`4+2`: 1.5 x). Fragment i goes to the i-th node the replicator places the shard on.
-    /// Whole copies become read-cache entries once every fragment is placed: a node's cache bound
-    /// (`serve --cache-bytes`) is what evicts them (none by default).
+    /// Whole copies go once every fragment is placed (unless a copies goal places them); a node
+    /// with a read cache (`serve --cache-bytes`) keeps them as cache entries until it needs room.
     #[arg(long, value_name = "K+M")]
     ec: Option<String>,
     /// For this call: `sync` returns once every copy (or fragment) is verified on its node,

@@ -430,7 +430,7 @@ impl fmt::Display for ReplicateReport {
             return match self.mode {
                 ReplicationMode::Synchronous => write!(
                     f,
-                    "{}: {} shards as {coding} fragments, synchronous: {} of {} shards have every fragment placed, {} fragments placed, verified on their nodes, in {:.2} s",
+                    "{}: {} shards as {coding} fragments, synchronous: {} of {} shards have every fragment placed, verified on their nodes ({} placed by this call, the others already were), in {:.2} s",
                     self.name,
                     self.shards,
                     self.shards_done,

@@ -72,6 +72,10 @@ pub struct CodedVersionStatus {
     pub fragment_bytes: u64,
     /// What copies with the same tolerance (`m` lost nodes: `m + 1` copies) would take.
     pub replicated_bytes: u64,
+    /// Bytes of whole copies of its shards on nodes that are up (read-cache entries included):
+    /// with `fragment_bytes`, what the version takes on disk.
+    #[serde(default)]
+    pub whole_bytes: u64,
 }
 
 /// One peer in a status report.
@@ -230,6 +234,7 @@ impl Shared {
                 v.shards += 1;
                 v.data_bytes += shard_bytes;
                 v.fragment_bytes += copies * coding.file_bytes(shard_bytes);
+                v.whole_bytes += self.holders(WireKind::Shard, shard.0).len() as u64 * shard_bytes;
                 v.fragments_min = v.fragments_min.min(present);
                 if present == n {
                     v.shards_complete += 1;
@@ -481,7 +486,7 @@ impl fmt::Display for NodeStatus {
                 for v in &goal.versions {
                     writeln!(
                         f,
-                        "    @{}: {} shards, {} with all {} fragments up, fewest {} (k = {}); {} at risk, {} unreadable; {} of fragments for {} of data = {:.3} x, against {} ({}x) as {} copies",
+                        "    @{}: {} shards, {} with all {} fragments up, fewest {} (k = {}); {} at risk, {} unreadable; {} of fragments for {} of data = {:.3} x, against {} ({}x) as {} copies; on disk with whole copies: {} ({:.3} x)",
                         v.version,
                         v.shards,
                         v.shards_complete,
@@ -495,7 +500,9 @@ impl fmt::Display for NodeStatus {
                         v.fragment_bytes as f64 / v.data_bytes.max(1) as f64,
                         size(v.replicated_bytes),
                         v.n - v.k + 1,
-                        v.n - v.k + 1
+                        v.n - v.k + 1,
+                        size(v.fragment_bytes + v.whole_bytes),
+                        (v.fragment_bytes + v.whole_bytes) as f64 / v.data_bytes.max(1) as f64
                     )?;
                 }
                 if goal.versions_omitted > 0 {
