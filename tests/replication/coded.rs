@@ -122,6 +122,11 @@ fn coded_fragments_survive_two_lost_nodes_are_rebuilt_and_a_third_loss_is_named(
             .sum()
     };
     cluster.wait("the whole copies dropped", Duration::from_secs(20), |c| on_disk(c) * 10 <= data_bytes * 17);
+    let stored = on_disk(&cluster);
+    println!(
+        "4+2 on six nodes: {stored} bytes on disk for {data_bytes} of data, {:.3} x",
+        stored as f64 / data_bytes as f64
+    );
     cluster.wait("the status to count them gone", Duration::from_secs(10), |c| {
         c.status_json(3)["goals"][0]["versions"][0]["whole_bytes"] == 0
     });
