@@ -421,8 +421,9 @@ pub enum Error {
     /// without saying whether they are added to it or replace it.
     #[error(
         "dataset {name} exists ({name}@{version}{}) and this input differs ({incoming} records): append to add \
-         its records to the current version's, or replace to make them the new version",
-        records.map(|n| format!(": {n} records")).unwrap_or_default()
+         its records to the current version's, or replace to make them the new version{}",
+        records.map(|n| format!(": {n} records")).unwrap_or_default(),
+        same_count_hint(*same_count_shard_bytes)
     )]
     IngestIntent {
         /// The dataset.
@@ -433,6 +434,10 @@ pub enum Error {
         records: Option<u64>,
         /// Records this ingest would have made the version.
         incoming: u64,
+        /// When the input has as many records of the same layout as the current version: the
+        /// largest shard file of that version (the input may be the same records cut into
+        /// shards of another size).
+        same_count_shard_bytes: Option<u64>,
     },
     /// The trainer asked for a batch while it holds as many as the loader allows (waiting would
     /// never end: the loader has no buffer free until one comes back).
@@ -514,6 +519,18 @@ pub enum Error {
         /// What each source said.
         detail: String,
     },
+}
+
+/// The end of an `IngestIntent` message when the input has as many records as the current
+/// version: a re-ingest that changed only the shard size looks like this.
+pub fn same_count_hint(shard_bytes: Option<u64>) -> String {
+    match shard_bytes {
+        Some(bytes) => format!(
+            " (it has as many records as the current version: if only the shard size differs, its records are \
+             already stored, in shards of up to {bytes} bytes)"
+        ),
+        None => String::new(),
+    }
 }
 
 impl Error {

@@ -590,7 +590,16 @@ class Loader:
         if state["seed"] != self._seed:
             raise ValueError(f"the state was saved with seed {state['seed']}, this loader has seed {self._seed}")
         if state.get("plan") != self._plan:
-            raise ValueError(f"the state was saved with plan {state.get('plan')}, this loader has {self._plan}")
+            saved, mine = state.get("plan") or {}, self._plan
+            hint = ""
+            saved_window = (saved.get("options") or {}).get("window-shards")
+            if saved_window is not None and saved_window != (mine.get("options") or {}).get("window-shards"):
+                # The window follows the store's cache bound: the same order needs the same one.
+                hint = (
+                    f": the window follows the cache's bound; attach with the cache_bytes the saving run had, or "
+                    f"make this loader with partitioner_options={{'window-shards': {saved_window}}}"
+                )
+            raise ValueError(f"the state was saved with plan {saved}, this loader has {mine}{hint}")
         manifest = self._native.manifest
         if state["manifest"] != manifest:
             raise ValueError(

@@ -81,11 +81,12 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
              while any array or tensor made from it lives; drop one, or make the loader with a larger \
              hold= (list(loader) keeps every batch: iterate instead)"
         ),
-        E::IngestIntent { name, version, records, incoming } => format!(
+        E::IngestIntent { name, version, records, incoming, same_count_shard_bytes } => format!(
             "dataset {name} exists ({name}@{version}{}) and this input differs ({incoming} records): pass \
              mode='append' to add them to the current version's records, or mode='replace' to make them \
-             the new version",
-            records.map(|n| format!(": {n} records")).unwrap_or_default()
+             the new version{}",
+            records.map(|n| format!(": {n} records")).unwrap_or_default(),
+            granary::error::same_count_hint(*same_count_shard_bytes)
         ),
         _ => error.to_string(),
     };

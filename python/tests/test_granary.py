@@ -811,6 +811,9 @@ def test_the_same_ingest_twice_changes_nothing_and_a_different_one_asks_for_inte
     again = store.ingest("t", data, dtype="uint16", shape=[RECORD])
     assert again["version"] == 1 and again["unchanged"] and again["records"] == 100
     assert again["records_added"] == 0 and again["bytes_added"] == 0, again
+    # The same records cut into other shards: refused, saying that they may already be there.
+    with pytest.raises(granary.IngestIntentError, match="if only the shard size differs, its records are already"):
+        store.ingest("t", data, dtype="uint16", shape=[RECORD], shard_bytes=4096)
     more = records(10, seed=3)
     with pytest.raises(granary.IngestIntentError, match="mode='append'.*mode='replace'") as caught:
         store.ingest("t", more, dtype="uint16", shape=[RECORD])

@@ -132,8 +132,8 @@ def test_a_saved_state_names_the_window_the_cache_chose(s3, tmp_path):
 
     # The default partitioner over a dataset the cache cannot hold: windowed, and the state
     # says with which window.
-    def loader():
-        return here.loader("tokens", batch_size=32, seed=3, output="numpy", partitioner="default")
+    def loader(**options):
+        return here.loader("tokens", batch_size=32, seed=3, output="numpy", partitioner="default", **options)
 
     state = loader().state_dict()
     window = int(state["plan"]["options"]["window-shards"])
@@ -143,8 +143,10 @@ def test_a_saved_state_names_the_window_the_cache_chose(s3, tmp_path):
     here.attach("tokens", f"{s3}/window", cache_bytes=dataset_bytes // 2)
     other = loader()
     assert int(other.state_dict()["plan"]["options"]["window-shards"]) != window
-    with pytest.raises(ValueError, match="plan"):
+    with pytest.raises(ValueError, match="plan.*window-shards': " + str(window)):
         other.load_state_dict(state)
+    # Given the saved window, the state resumes.
+    loader(partitioner_options={"window-shards": window}).load_state_dict(state)
 
 
 def test_the_default_order_over_a_dataset_the_cache_cannot_hold_is_windowed(s3, tmp_path):

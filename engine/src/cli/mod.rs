@@ -435,10 +435,11 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     }
     let committed = session.commit().map_err(|e| match e {
         // In the command line's terms.
-        granary::Error::IngestIntent { name, version, records, incoming } => anyhow::anyhow!(
+        granary::Error::IngestIntent { name, version, records, incoming, same_count_shard_bytes } => anyhow::anyhow!(
             "dataset {name} exists ({name}@{version}{}) and this input differs ({incoming} records): --append adds \
-             them to the current version's records, --replace makes them the new version",
-            records.map(|n| format!(": {n} records")).unwrap_or_default()
+             them to the current version's records, --replace makes them the new version{}",
+            records.map(|n| format!(": {n} records")).unwrap_or_default(),
+            granary::error::same_count_hint(same_count_shard_bytes)
         ),
         other => other.into(),
     })?;

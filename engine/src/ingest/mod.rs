@@ -219,11 +219,18 @@ impl<'g> Ingest<'g> {
         {
             // Dropped on return: the shards only this session wrote go with it.
             let held = self.catalog.manifest(latest.manifest).ok().flatten().map(|entry| entry.n_records);
+            let same_count_shard_bytes = match self.store.paths().read_manifest(latest.manifest) {
+                Ok(current) if current.n_records() == manifest.n_records() && current.layout() == manifest.layout() => {
+                    current.entries().iter().map(|e| e.file_bytes).max()
+                }
+                _ => None,
+            };
             return Err(Error::IngestIntent {
                 name: self.name.to_string(),
                 version: latest.number,
                 records: held,
                 incoming: manifest.n_records(),
+                same_count_shard_bytes,
             });
         }
         // From here on the shards are referenced (by the current version when nothing changed,
