@@ -387,13 +387,13 @@ pub(super) struct Meter {
     /// Whether the trainer reported its busy time in the current window.
     reported_in_window: bool,
     pending: Option<(u64, u64, Vec<RankMeasure>)>,
-    /// Points whose measures could not tell the ranks apart (the weights were kept).
-    pub(super) held_points: u64,
-    /// Of `held_points`, those already counted in the loader's metrics.
-    held_counted: u64,
-    /// Points of those at which no rank reported its own busy time (`report_busy`): the sign of
-    /// a synchronous trainer whose barrier hides the slow rank.
-    pub(super) held_unreported: u64,
+    /// Points whose measures could not tell the ranks apart (the weights were kept), not yet
+    /// counted in the loader's metrics (`take_held`).
+    held: u64,
+    /// Whether a held point was said on stderr (once per loader: one at which this rank did
+    /// not report its own busy time, the sign of a synchronous trainer whose barrier hides the
+    /// slow rank).
+    said: bool,
 }
 
 impl Meter {
@@ -415,9 +415,8 @@ impl Meter {
             reported: None,
             exchanged: pending.as_ref().map(|(epoch, step, _)| (*epoch, *step)),
             pending,
-            held_points: 0,
-            held_unreported: 0,
-            held_counted: 0,
+            held: 0,
+            said: false,
             reported_in_window: false,
         }
     }
@@ -462,19 +461,16 @@ impl Meter {
         };
         self.exchanged = Some((epoch, point));
         if !tells_ranks_apart(&measured) {
-            self.held_points += 1;
-            if !self.reported_in_window {
-                self.held_unreported += 1;
-                if self.held_unreported == 1 {
-                    // Once per loader: the default that keeps a job from getting slower, said
-                    // where a user of either binding sees it.
-                    eprintln!(
-                        "granary: rebalancing kept the ranks' shares at step {point} of epoch {epoch}: every rank's \
+            self.held += 1;
+            if !self.reported_in_window && !std::mem::replace(&mut self.said, true) {
+                // Once per loader: the default that keeps a job from getting slower, said where
+                // a user of either binding sees it.
+                eprintln!(
+                    "granary: rebalancing kept the ranks' shares at step {point} of epoch {epoch}: every rank's \
                          steps took the same time, as under a synchronous trainer's per-step barrier, which hides \
                          the slow rank; call report_busy(seconds) with each step's own compute time to let \
                          rebalancing see it"
-                    );
-                }
+                );
             }
         }
         self.reported_in_window = false;
@@ -486,9 +482,7 @@ impl Meter {
 
     /// Points held since the last call (for the loader's metrics).
     pub(super) fn take_held(&mut self) -> u64 {
-        let new = self.held_points - self.held_counted;
-        self.held_counted = self.held_points;
-        new
+        std::mem::take(&mut self.held)
     }
 
     /// The trainer's time on the last batch handed out, as it measured it (its compute, without
