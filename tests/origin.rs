@@ -1036,3 +1036,14 @@ fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
     assert!(paths.shard(c).exists());
     assert!(shard_bytes_here(&here) <= bound);
 }
+
+#[test]
+fn a_push_to_a_missing_bucket_says_so_in_one_line_without_the_xml() {
+    let moto = Moto::start();
+    let dir = tempdir();
+    let source = dir.path().join("source");
+    store_with(&source, 16, 9);
+    let err = moto.err(&source, &["push", "tok", "s3://granary-no-such-bucket/x"]);
+    assert!(err.contains("NoSuchBucket") && err.contains("create the bucket first"), "{err}");
+    assert!(!err.contains("<?xml") && !err.contains("<Error>") && err.lines().count() == 1, "{err}");
+}

@@ -583,7 +583,33 @@ fn check_s3_endpoint(origin: &str, endpoint: Option<&str>, allow_http: Option<&s
 
 fn redact(text: &str) -> String {
     let values: Vec<String> = CREDENTIAL_VARIABLES.iter().filter_map(|variable| std::env::var(variable).ok()).collect();
-    redact_values(text, &values)
+    without_xml_body(&redact_values(text, &values))
+}
+
+/// `text` with an S3 error's XML body (what a server answered a failed request with, quoted
+/// whole by the client) cut down to its code and message, and what to do where the code says
+/// (issue 40: a missing bucket printed a long XML document).
+fn without_xml_body(text: &str) -> String {
+    let Some(at) = text.find("<?xml").or_else(|| text.find("<Error>")) else { return text.to_owned() };
+    let body = &text[at..];
+    let element = |name: &str| {
+        let open = format!("<{name}>");
+        let start = body.find(&open)? + open.len();
+        let end = body[start..].find("</")? + start;
+        Some(body[start..end].trim().to_owned())
+    };
+    let code = element("Code").unwrap_or_else(|| "an error".to_owned());
+    let mut out = text[..at].trim_end().to_owned();
+    out.push(' ');
+    out.push_str(&code);
+    if let Some(message) = element("Message") {
+        out.push_str(": ");
+        out.push_str(&message);
+    }
+    if code == "NoSuchBucket" {
+        out.push_str(" (create the bucket first, or check the bucket name in the URL)");
+    }
+    out
 }
 
 /// `text` with each of `values` (those of 4 bytes or more) replaced by `[redacted]`.
@@ -610,6 +636,21 @@ pub fn install_tls_provider() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_s3_error_body_is_cut_to_its_code_and_message() {
+        let text = "upload: PUT http://h/b/x - Server returned non-2xx status code: 404 Not Found: <?xml \
+                    version=\"1.0\" encoding=\"utf-8\"?> <Error><Code>NoSuchBucket</Code><Message>The specified \
+                    bucket does not exist</Message><BucketName>b</BucketName><RequestId>r</RequestId></Error>";
+        let short = without_xml_body(text);
+        assert_eq!(
+            short,
+            "upload: PUT http://h/b/x - Server returned non-2xx status code: 404 Not Found: NoSuchBucket: The \
+             specified bucket does not exist (create the bucket first, or check the bucket name in the URL)"
+        );
+        assert_eq!(without_xml_body("no body here"), "no body here");
+        assert_eq!(without_xml_body("x: <Error><Code>SlowDown</Code></Error>"), "x: SlowDown");
+    }
 
     #[test]
     fn a_plain_http_endpoint_without_allow_http_is_refused_naming_the_setting() {
