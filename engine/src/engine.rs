@@ -16,10 +16,10 @@ use std::sync::Arc;
 
 pub use collect::{GC_GRACE_DEFAULT, GcOptions, GcReport};
 pub use repair::RepairReport;
+pub use verify::{Failure, Hurt, ShardFetcher, Unreadable, VerifyReport, verify, verify_shard, verify_through};
 
 /// What `forget_quarantined` puts before the name of a quarantined ref or history it lets go of.
 pub const FORGOTTEN_PREFIX: &str = "forgotten-";
-pub use verify::{Failure, Hurt, ShardFetcher, Unreadable, VerifyReport, verify, verify_shard, verify_through};
 
 use crate::catalog::{Catalog, ObjectEntry};
 use crate::error::{Error, Result};

@@ -111,7 +111,7 @@ impl Granary {
         let cutoff_unix_secs = cutoff.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let paths = self.store.paths().clone();
         let (live, recent, pinned) = objects_to_keep(&paths, cutoff_unix_secs, options.grace > Duration::ZERO)?;
-        let mut report = GcReport { quarantined_datasets: pinned.names.clone(), ..GcReport::default() };
+        let mut report = GcReport { quarantined_datasets: pinned.names, ..GcReport::default() };
         for kind in [ObjectKind::Manifest, ObjectKind::Shard, ObjectKind::Fragment] {
             for (id, path) in paths.list_objects(kind)? {
                 // A fragment is kept as its shard is.
@@ -233,28 +233,30 @@ fn objects_to_keep(paths: &StorePaths, cutoff_unix_secs: u64, grace: bool) -> Re
         keep_live.shards.extend(manifest.entries().iter().map(|e| e.shard.0));
     }
     let mut keep_recent = Keep::default();
-    for id in recent {
-        if keep_live.manifests.contains(&id.0) || !keep_recent.manifests.insert(id.0) {
-            continue;
-        }
-        // A version no ref names any more: keep what of it is still there.
-        match paths.read_manifest(id) {
-            Ok(manifest) => keep_recent.shards.extend(manifest.entries().iter().map(|e| e.shard.0)),
-            Err(e) if matches!(e, Error::NotFound { .. }) || e.is_corruption() => {}
-            Err(e) => return Err(e),
-        }
-    }
-    for id in pinned_ids {
-        if keep_live.manifests.contains(&id.0) || !pinned.keep.manifests.insert(id.0) {
-            continue;
-        }
-        match paths.read_manifest(id) {
-            Ok(manifest) => pinned.keep.shards.extend(manifest.entries().iter().map(|e| e.shard.0)),
-            Err(e) if matches!(e, Error::NotFound { .. }) || e.is_corruption() => {}
-            Err(e) => return Err(e),
-        }
-    }
+    keep_what_is_there(paths, recent, &keep_live, &mut keep_recent)?;
+    keep_what_is_there(paths, pinned_ids, &keep_live, &mut pinned.keep)?;
     Ok((keep_live, keep_recent, pinned))
+}
+
+/// Adds to `keep` the manifests `ids` that `live` does not keep already, and the shards those
+/// still here list: versions no ref names any more keep what of them is still there.
+fn keep_what_is_there(
+    paths: &StorePaths,
+    ids: impl IntoIterator<Item = ManifestId>,
+    live: &Keep,
+    keep: &mut Keep,
+) -> Result<()> {
+    for id in ids {
+        if live.manifests.contains(&id.0) || !keep.manifests.insert(id.0) {
+            continue;
+        }
+        match paths.read_manifest(id) {
+            Ok(manifest) => keep.shards.extend(manifest.entries().iter().map(|e| e.shard.0)),
+            Err(e) if matches!(e, Error::NotFound { .. }) || e.is_corruption() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// A ref or history that `repair` moved to `quarantine/` (`ref-NAME.*`, `history-NAME.*`).

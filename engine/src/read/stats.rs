@@ -48,9 +48,7 @@ impl ReadStats {
     pub fn shards_per_batch(&self) -> f64 {
         if self.batches == 0 { 0.0 } else { self.batch_shards as f64 / self.batches as f64 }
     }
-}
 
-impl ReadStats {
     /// Every counter, in declaration order: named one by one, so a new counter cannot be left
     /// out of a sum or a copy.
     fn to_array(self) -> [u64; 13] {
