@@ -1,12 +1,17 @@
-//! Read-only shared mappings of whole files: how the memory tier's extents (files in a tmpfs
-//! that every process of the node maps) are read without a system call per record; and the
-//! other file system calls the tier makes that std lacks (`flock`, `fs_space`), and the
-//! process's limit on open files (`open_files_limit`), from which a reader sizes how many files
-//! it keeps open across reads.
+//! Read-only shared mappings of whole files: how the tier's memory is read without a system
+//! call per record (a memory tier's extent files in a tmpfs, or shard files whose pages the page
+//! cache holds, either one mapped by every process of the node); which of their pages are in
+//! memory (`mincore`), reading pages in ahead (`MADV_POPULATE_READ`, `posix_fadvise`) and
+//! letting them go; and the other file system calls the tier makes that std lacks (`flock`,
+//! `fs_space`), and the process's limit on open files (`open_files_limit`), from which a reader
+//! sizes how many files it keeps open across reads.
 //!
-//! Invariant: a `MappedFile` maps its file read-only and shared, whole, once; the file is never
-//! truncated or written while mapped (the memory tier publishes an extent file complete, by
-//! link, and removes it only by unlink, which keeps the pages of existing mappings valid).
+//! Invariant: a `MappedFile` maps its file read-only and shared, whole, once; the engine never
+//! truncates or writes a file while it is mapped (the memory tier publishes an extent file
+//! complete, by link, and removes it only by unlink; a shard file is complete under its name and
+//! only ever unlinked; either way the pages of existing mappings stay valid). A file another
+//! program truncates under a mapping raises SIGBUS at the next touch past its new end: the page
+//! cache tier touches only ranges `mincore` has just found in memory, which a truncation empties.
 //! Never: maps for writing, maps a file it was handed the length of (the length is the file's
 //! own, read with fstat on the descriptor that is mapped), or keeps the descriptor open (the
 //! mapping holds the file; a tier of thousands of extents would otherwise run out of them).
@@ -99,6 +104,123 @@ impl MappedFile {
     pub fn ino(&self) -> u64 {
         self.ino
     }
+
+    /// The pages of bytes `offset..offset + len` of the mapping (cut to it, widened to whole
+    /// pages), as an address and a length `madvise` and `mincore` take; `None` for an empty range.
+    fn pages(&self, offset: usize, len: usize) -> Option<(*mut libc::c_void, usize)> {
+        let end = offset.saturating_add(len).min(self.len);
+        if offset >= end {
+            return None;
+        }
+        let start = offset - offset % PAGE_BYTES;
+        let end = end.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+        // The mapping's base is page-aligned and its last page whole (mmap maps whole pages).
+        Some((self.ptr.as_ptr().wrapping_add(start).cast(), end - start))
+    }
+
+    /// Bytes of `offset..offset + len` whose pages are in memory now (`mincore(2)`): a page the
+    /// kernel holds for the file, whether or not this process touched it. A page the kernel
+    /// drops later is read again from the file when touched (a fault, not an error).
+    pub fn resident_bytes(&self, offset: usize, len: usize) -> u64 {
+        self.count_resident(offset, len, false)
+    }
+
+    /// Whether every page of `offset..offset + len` is in memory now (see `resident_bytes`);
+    /// stops at the first page that is not (its first and last pages are looked at first: a
+    /// range not read in is told in two small calls).
+    pub fn is_resident(&self, offset: usize, len: usize) -> bool {
+        let Some((_, bytes)) = self.pages(offset, len) else { return false };
+        let last = offset.saturating_add(len).min(self.len) - 1;
+        self.count_resident(offset, 1, true) > 0
+            && self.count_resident(last, 1, true) > 0
+            && self.count_resident(offset, len, true) == bytes as u64
+    }
+
+    /// Bytes of the pages of `offset..offset + len` in memory; with `whole`, 0 as soon as one is
+    /// not.
+    fn count_resident(&self, offset: usize, len: usize, whole: bool) -> u64 {
+        let Some((base, len)) = self.pages(offset, len) else { return 0 };
+        let mut vec = [0u8; 512];
+        let mut resident = 0;
+        let mut done = 0;
+        while done < len {
+            let chunk = (len - done).min(vec.len() * PAGE_BYTES);
+            // SAFETY: `base + done .. + chunk` lies within this mapping (`pages` cut it to it),
+            // and `vec` has one byte for each of the chunk's pages.
+            let rc = unsafe { libc::mincore(base.cast::<u8>().add(done).cast(), chunk, vec.as_mut_ptr()) };
+            if rc != 0 {
+                return if whole { 0 } else { resident };
+            }
+            let pages = chunk / PAGE_BYTES;
+            let here = vec[..pages].iter().filter(|&&v| v & 1 == 1).count();
+            if whole && here < pages {
+                return 0;
+            }
+            resident += here as u64 * PAGE_BYTES as u64;
+            done += chunk;
+        }
+        resident
+    }
+
+    /// Reads the pages of `offset..offset + len` into memory and enters them in this mapping
+    /// (`MADV_POPULATE_READ`, Linux 5.14): returns once they are in, or with the read's error.
+    pub fn populate(&self, offset: usize, len: usize) -> std::io::Result<()> {
+        let Some((base, len)) = self.pages(offset, len) else { return Ok(()) };
+        loop {
+            // SAFETY: the range lies within this mapping; MADV_POPULATE_READ only faults its
+            // pages in (read-only, as mapped) and changes no byte of it.
+            let rc = unsafe { libc::madvise(base, len, libc::MADV_POPULATE_READ) };
+            if rc == 0 {
+                return Ok(());
+            }
+            let error = std::io::Error::last_os_error();
+            if error.kind() != std::io::ErrorKind::Interrupted {
+                return Err(error);
+            }
+        }
+    }
+
+    /// Takes this mapping's page-table entries for `offset..offset + len` away
+    /// (`MADV_DONTNEED` on a shared file mapping: the file's pages stay in the page cache; a
+    /// later touch maps them again). What lets `advise(.., DONTNEED)` drop them.
+    pub fn unmap_pages(&self, offset: usize, len: usize) {
+        let Some((base, len)) = self.pages(offset, len) else { return };
+        // SAFETY: the range lies within this mapping, which is read-only and shared: dropping
+        // its entries loses no data (the file's pages stay), and slices over it stay valid (a
+        // touch faults the page in again).
+        unsafe {
+            libc::madvise(base, len, libc::MADV_DONTNEED);
+        }
+    }
+}
+
+/// The bytes of a page (the tier's ranges are widened to whole pages).
+const PAGE_BYTES: usize = 4096;
+
+/// Advice to the kernel on how bytes of an open file will be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Advice {
+    /// Start reading them into the page cache now (`POSIX_FADV_WILLNEED`: asynchronous, in
+    /// large reads).
+    WillNeed,
+    /// Drop their clean pages from the page cache (`POSIX_FADV_DONTNEED`; pages a process maps
+    /// stay).
+    DontNeed,
+}
+
+/// `posix_fadvise(2)` on bytes `offset..offset + len` of `file`.
+pub fn advise(file: &std::fs::File, offset: u64, len: u64, advice: Advice) -> std::io::Result<()> {
+    let to_off = |v: u64| {
+        libc::off_t::try_from(v).map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "offset too large"))
+    };
+    let advice = match advice {
+        Advice::WillNeed => libc::POSIX_FADV_WILLNEED,
+        Advice::DontNeed => libc::POSIX_FADV_DONTNEED,
+    };
+    // SAFETY: posix_fadvise takes a descriptor `file` keeps open for the call and integers; no
+    // memory is shared with the kernel.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), to_off(offset)?, to_off(len)?, advice) };
+    if rc == 0 { Ok(()) } else { Err(std::io::Error::from_raw_os_error(rc)) }
 }
 
 /// A new file's bytes mapped shared and writable: the memory tier reads an extent from disk
@@ -278,6 +400,29 @@ mod tests {
         let (size, free) = fs_space(dir.path()).expect("statvfs");
         assert!(size > 0 && free <= size, "{free} of {size}");
         assert!(fs_space(&dir.path().join("nosuch")).is_err());
+    }
+
+    #[test]
+    fn residency_is_seen_populated_and_given_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f");
+        std::fs::write(&path, vec![7u8; 64 << 10]).expect("write");
+        let file = std::fs::File::open(&path).expect("open");
+        let mapped = MappedFile::open_lazy(&path).expect("map");
+        mapped.populate(0, 64 << 10).expect("populate");
+        assert!(mapped.is_resident(4096, 8192), "populated pages are in memory");
+        assert_eq!(mapped.resident_bytes(0, 64 << 10), 64 << 10);
+        // Ranges are cut to the mapping and widened to whole pages.
+        assert_eq!(mapped.resident_bytes(100, 10), 4096);
+        assert_eq!(mapped.resident_bytes(1 << 20, 10), 0);
+        assert!(!mapped.is_resident(1 << 20, 10), "nothing past the end");
+        mapped.unmap_pages(0, 64 << 10);
+        // A written file's pages may be dirty (not droppable yet): write them back first.
+        file.sync_all().expect("fsync");
+        advise(&file, 0, 64 << 10, Advice::DontNeed).expect("fadvise");
+        assert!(mapped.resident_bytes(0, 64 << 10) < 64 << 10, "dropped pages leave the page cache");
+        assert_eq!(mapped.as_slice()[5000], 7, "a dropped page is read again when touched");
+        advise(&file, 0, 64 << 10, Advice::WillNeed).expect("fadvise");
     }
 
     #[test]

@@ -36,7 +36,7 @@ pub use fault::{Fault, FaultIo};
 #[cfg(feature = "metrics-http")]
 pub(crate) use fork::close_in_forked_child;
 pub use lazy::{BuildIo, LazyIo};
-pub use mapped::{MappedFile, WritableMap, flock, fs_space, open_files_limit};
+pub use mapped::{Advice, MappedFile, WritableMap, advise, flock, fs_space, open_files_limit};
 pub use pread::PreadIo;
 #[cfg(target_os = "linux")]
 pub use uring::UringIo;
