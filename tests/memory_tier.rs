@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use common::*;
 use granary::loader::{Loader, LoaderConfig, PlanSource, Target, TierSetting};
-use granary::tier::TierReader;
+use granary::tier::{TierKind, TierReader};
 use granary::{
     Backend, Dataset, Granary, IoConfig, Layout, MemoryTier, Order, Position, StorePaths, TierConfig, VersionSpec,
     World,
@@ -22,6 +22,9 @@ use granary::{
 
 const TOKENS: u64 = 1024;
 const EXTENT: u64 = 64 << 10;
+/// Batches a loader plans before its first is delivered (`LoaderConfig::read_depth`'s default;
+/// one more may be planned as the first goes out).
+const READ_DEPTH: u64 = 2;
 
 struct Fixture {
     dir: tempfile::TempDir,
@@ -41,6 +44,7 @@ fn fixture(n: usize) -> Fixture {
 
 fn tier_config(dir: &Path, budget: u64) -> TierConfig {
     TierConfig {
+        kind: TierKind::Memory,
         budget_bytes: Some(budget),
         dir: Some(dir.join("tier")),
         extent_bytes: EXTENT,
@@ -89,7 +93,7 @@ fn n_extents(dataset: &Dataset) -> u64 {
 fn tier_dir_bytes(tier: &MemoryTier) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let mut files = std::collections::HashMap::new();
-    for entry in std::fs::read_dir(tier.dir()).unwrap().flatten() {
+    for entry in std::fs::read_dir(tier.dir().unwrap()).unwrap().flatten() {
         if let Ok(meta) = entry.metadata()
             && entry.file_name() != ".users"
             && entry.file_name() != ".granary-tier"
@@ -113,9 +117,12 @@ fn every_epoch_comes_from_memory_with_the_right_bytes_each_extent_loaded_once() 
     let seen = drain(&mut loader, &f.records);
     assert_eq!(seen.len(), 3 * 2000, "three whole epochs");
     let stats = loader.stats();
-    // The dataset fits: the reader waits for the fillers rather than read records from disk.
-    assert_eq!(stats.read.tier_records, stats.read.records, "every record from the tier");
-    assert_eq!(stats.read.bytes_read, 0, "no record read from disk");
+    // The dataset fits: after the batches planned before the first is out (the read depth's,
+    // read from disk while the fills start, issue 44) the reader waits for the fillers rather
+    // than read records from disk.
+    let first = (READ_DEPTH + 1) * 32;
+    assert!(stats.read.tier_records >= stats.read.records - first, "every record from the tier: {:?}", stats.read);
+    assert!(stats.read.bytes_read <= first * 2048 + (64 << 10), "only the first batches from disk: {:?}", stats.read);
     let tier_stats = stats.tier.unwrap();
     assert_eq!(tier_stats.extents_loaded, n_extents(&f.dataset), "each extent read from disk once");
     assert_eq!(tier_stats.extents_evicted, 0);
@@ -167,7 +174,8 @@ fn byte_records_that_span_extents_are_assembled_right() {
     let seen = drain(&mut loader, &records);
     assert_eq!(seen.len(), 2 * 600);
     let stats = loader.stats();
-    assert_eq!(stats.read.tier_records, stats.read.records);
+    // All but the first batches (read from disk while the fills start).
+    assert!(stats.read.tier_records >= stats.read.records - (READ_DEPTH + 1) * 32, "{:?}", stats.read);
 }
 
 #[test]
@@ -213,7 +221,7 @@ fn a_bit_flipped_in_a_tier_extent_is_never_delivered_and_the_record_comes_from_d
     // Record 3 is the second half of data block 1 of shard 0; record 4 the first half of block 2.
     // Flip a bit inside record 3, and one in record 4's block outside it (in record 5): both
     // records' blocks then fail, whichever part of the block the flip is in.
-    let extent = tier.dir().join(format!("{}.64k.000000", f.dataset.shard_id(0)));
+    let extent = tier.dir().unwrap().join(format!("{}.64k.000000", f.dataset.shard_id(0)));
     let file = std::fs::OpenOptions::new().read(true).write(true).open(&extent).unwrap();
     for at in [3 * 2048 + 17, 5 * 2048 + 1] {
         use std::os::unix::fs::FileExt;
@@ -266,7 +274,7 @@ fn a_damaged_block_never_enters_the_tier_and_its_read_fails() {
     assert!(error.is_corruption(), "{error}");
     assert!(loader.stats().tier.unwrap().fill_failures >= 1);
     let name = format!("{}.64k.000000", f.dataset.shard_id(1));
-    assert!(!tier.dir().join(name).exists(), "the damaged extent was not published");
+    assert!(!tier.dir().unwrap().join(name).exists(), "the damaged extent was not published");
 }
 
 #[test]
@@ -274,8 +282,8 @@ fn stray_files_in_the_tier_directory_are_not_trusted() {
     let f = fixture(300);
     let tier = MemoryTier::open(&tier_config(f.dir.path(), 64 << 20)).unwrap().unwrap();
     // A short file under an extent's name (not what a fill writes), and a claim nobody holds.
-    let short = tier.dir().join(format!("{}.64k.000000", f.dataset.shard_id(0)));
-    let claim = tier.dir().join(format!(".fill-{}.64k.000001", f.dataset.shard_id(0)));
+    let short = tier.dir().unwrap().join(format!("{}.64k.000000", f.dataset.shard_id(0)));
+    let claim = tier.dir().unwrap().join(format!(".fill-{}.64k.000001", f.dataset.shard_id(0)));
     std::fs::write(&short, b"short").unwrap();
     std::fs::write(&claim, b"junk").unwrap();
     let mut reader = granary::Reader::new(Arc::clone(&f.dataset), IoConfig::default().build().unwrap());
@@ -302,13 +310,13 @@ fn a_directory_holding_other_files_is_refused_and_clear_leaves_them_alone() {
     assert_eq!(std::fs::read(mine.join("notes.txt")).unwrap(), b"keep me");
     // A tier's own directory where a file was put later: the tier empties only its own files.
     let tier = MemoryTier::open(&tier_config(dir.path(), 64 << 20)).unwrap().unwrap();
-    std::fs::write(tier.dir().join("later.txt"), b"mine too").unwrap();
-    std::fs::write(tier.dir().join(format!("{}.64k.000000", "ab".repeat(32))), vec![0; 4096]).unwrap();
+    std::fs::write(tier.dir().unwrap().join("later.txt"), b"mine too").unwrap();
+    std::fs::write(tier.dir().unwrap().join(format!("{}.64k.000000", "ab".repeat(32))), vec![0; 4096]).unwrap();
     assert_eq!(tier.resident().unwrap().0.len(), 1, "only the extent counts");
     tier.clear().unwrap();
-    assert_eq!(std::fs::read(tier.dir().join("later.txt")).unwrap(), b"mine too");
+    assert_eq!(std::fs::read(tier.dir().unwrap().join("later.txt")).unwrap(), b"mine too");
     assert!(tier.resident().unwrap().0.is_empty());
-    let dir_path = tier.dir().to_owned();
+    let dir_path = tier.dir().unwrap().to_owned();
     drop(tier);
     assert!(dir_path.join("later.txt").exists(), "the last user's clear left it too");
 }
@@ -475,7 +483,7 @@ fn half_a_budget_evicting(
         .unwrap()
         .unwrap();
     // Named like a claim, but not of an extent: the fillers' listings leave it alone.
-    let notes = tier.dir().join(".fill-notes");
+    let notes = tier.dir().unwrap().join(".fill-notes");
     std::fs::write(&notes, b"not the tier's").unwrap();
     let mut config = config(World::single(), 3, TierSetting::Shared(Arc::clone(&tier)));
     config.plan = plan;
@@ -577,23 +585,28 @@ fn the_loader_bench_prints_the_tier_rows_at_a_small_scale() {
             tier.to_str().unwrap(),
         ],
     );
-    for label in [
-        "cold epoch: sequential read (limit)",
-        "cold epoch random: engine -> host",
-        "cold epoch random: mmap gather",
-        "warm random: engine -> host",
-        "warm random: mmap gather",
-    ] {
-        let line = out.lines().find(|line| line.starts_with(label)).unwrap_or_else(|| panic!("no {label}: {out}"));
+    let mut labels = vec![
+        "cold epoch: sequential read (limit)".to_owned(),
+        "cold epoch random: mmap gather".to_owned(),
+        "warm random: mmap gather".to_owned(),
+        "new loader, warm epoch: mmap gather".to_owned(),
+    ];
+    let mut ratios = Vec::new();
+    for tier in ["page-cache tier", "memory tier"] {
+        for pattern in ["cold epoch random", "warm random", "new loader, warm epoch"] {
+            labels.push(format!("{pattern}: {tier}"));
+            ratios.push(format!("{pattern}: {tier} / mmap gather"));
+        }
+        ratios.push(format!("warm random: {tier} CPU per byte / mmap's"));
+        ratios.push(format!("cold epoch random: sequential read time / {tier} time"));
+    }
+    for label in &labels {
+        let line = out.lines().find(|line| line.starts_with(&**label)).unwrap_or_else(|| panic!("no {label}: {out}"));
         let rate: f64 = line[label.len()..].split_whitespace().next().unwrap().parse().unwrap();
         assert!(rate > 0.0, "{label}: {out}");
     }
-    for ratio in [
-        "warm random: engine -> host / mmap gather",
-        "cold epoch random: engine -> host / mmap gather",
-        "cold epoch random: sequential read time / engine time",
-    ] {
-        let line = out.lines().find(|line| line.starts_with(ratio)).unwrap_or_else(|| panic!("no {ratio}: {out}"));
+    for ratio in &ratios {
+        let line = out.lines().find(|line| line.starts_with(&**ratio)).unwrap_or_else(|| panic!("no {ratio}: {out}"));
         assert!(!line.contains("n/a"), "{line}");
     }
     let partial: Vec<_> = out.lines().filter(|l| l.starts_with("tier at half the dataset")).collect();
@@ -614,7 +627,7 @@ fn the_loader_bench_prints_the_tier_rows_at_a_small_scale() {
     // directory, held open here as a job would) is never emptied under a running job.
     let shared =
         MemoryTier::open(&TierConfig { keep: true, dir: None, ..tier_config(dir.path(), 64 << 20) }).unwrap().unwrap();
-    let planted = shared.dir().join(format!("{}.64k.000000", "cd".repeat(32)));
+    let planted = shared.dir().unwrap().join(format!("{}.64k.000000", "cd".repeat(32)));
     std::fs::write(&planted, vec![0u8; 4096]).unwrap();
     let before: Vec<_> = std::fs::read_dir("/dev/shm").unwrap().flatten().map(|e| e.file_name()).collect();
     granary_ok(
@@ -727,7 +740,8 @@ fn versions_that_share_shards_share_their_extents() {
     assert_eq!(after_v1, n_extents(&v1));
     let mut loader = Loader::new(Arc::clone(&v2), config(World::single(), 1, shared()), Position::default()).unwrap();
     drain(&mut loader, &all);
-    assert_eq!(loader.stats().read.tier_records, 1200, "version 2 read from the tier too");
+    // All but its first batches (read from disk while the fills start).
+    assert!(loader.stats().read.tier_records >= 1200 - (READ_DEPTH + 1) * 32, "version 2 read from the tier too");
     // Version 2 appends: it shares version 1's shards, so only its own extents were loaded.
     assert_eq!(tier.stats().extents_loaded - after_v1, n_extents(&v2) - n_extents(&v1));
 }

@@ -45,6 +45,7 @@ proptest! {
         let _tier_dir = tier_extent_blocks.map(|blocks| {
             let tier_dir = tempdir();
             let config = granary::TierConfig {
+                kind: granary::TierKind::Memory,
                 // As many extents as a tier may hold, at the smallest extent size.
                 budget_bytes: Some(granary::tier::EXTENTS_MAX * blocks * 4096),
                 dir: Some(tier_dir.path().join("tier")),

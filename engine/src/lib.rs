@@ -68,4 +68,4 @@ pub use read::{Batch, CacheStats, Dataset, PublishedStats, Reader, ShardRepair};
 pub use shard::{Dtype, FixedLayout, Layout};
 pub use staging::{Lease, StagingConfig, StagingPool};
 pub use store::{DatasetName, StorePaths, VersionSpec};
-pub use tier::{MemoryTier, TierConfig, TierStats};
+pub use tier::{MemoryTier, TierConfig, TierKind, TierStats};

@@ -284,9 +284,13 @@ class Loader:
     yields `(indices, batch)`. `dtype`: `"int64"` or `"int32"` widens fixed-size integer
     records (u16 token ids, say, for `nn.Embedding`) in the same pass that hands the batch over,
     into memory of the batch's own (host batches; on a GPU, widen there with `batch.long()`);
-    a dtype that cannot hold every value of the records' is refused here. `tier_bytes`: the node's memory tier (verified extents in shared
-    memory that every process of the node reading the store uses, filled ahead of the reader
-    in plan order): its budget in bytes, `0` to read every record from disk, `None` for the
+    a dtype that cannot hold every value of the records' is refused here. `tier`: where the
+    node's tier of data in memory is, filled ahead of the reader in plan order and shared by
+    every process of the node reading the store, every block checked as it is copied out:
+    `"page-cache"` (the default, or `GRANARY_TIER`: the shard files' pages in the kernel's page
+    cache, kept across loaders, processes and restarts, taken back by the kernel as it needs) or
+    `"memory"` (extent files in `/dev/shm`, emptied when the last loader using it closes).
+    `tier_bytes`: its budget in bytes, `0` to read every record from disk, `None` for the
     default (`GRANARY_TIER_BYTES`, else half of the memory available when it opens).
     `tier_evictor`: the evictor plugin (a built-in name or a `.wasm` file) that chooses which
     extents make room when the tier is full, among those the plan does not need sooner (default
@@ -345,6 +349,7 @@ class Loader:
         drop_last: bool = False,
         output: Optional[str] = None,
         with_indices: bool = False,
+        tier: Optional[str] = None,
         tier_bytes: Optional[int] = None,
         tier_evictor: Optional[str] = None,
         tier_evictor_options: Optional[Dict[str, Any]] = None,
@@ -444,6 +449,7 @@ class Loader:
             else [(str(k), str(v)) for k, v in partitioner_options.items()],
             io=io,
             drop_last=drop_last,
+            tier=tier,
             tier_bytes=tier_bytes,
             tier_evictor=None if tier_evictor is None else os.fspath(tier_evictor),
             tier_evictor_options=None

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use parking_lot::Mutex;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -23,7 +24,7 @@ use granary::shard::Sample;
 use granary::staging::cuda::Cuda;
 use granary::{
     Dataset, Dtype, Layout, LoaderConfig, LoaderStats, Order, PlanSource, Position, StorePaths, Target, TierConfig,
-    TierSetting, VersionSpec, World,
+    TierKind, TierSetting, VersionSpec, World,
 };
 
 use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DlDataType, Exported, HeldBatch, Owner};
@@ -225,7 +226,7 @@ impl Loader {
     #[pyo3(signature = (
         store, dataset, batch_size, *, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
         prefetch = 4, read_depth = 2, hold = 4, order = None, partitioner = None,
-        partitioner_options = None, io = None, drop_last = false, tier_bytes = None,
+        partitioner_options = None, io = None, drop_last = false, tier = None, tier_bytes = None,
         tier_evictor = None, tier_evictor_options = None, local_world_size = None, verify_threads = None,
         rebalance_every = None, rebalance_exchange = None, partitioner_fallback = true,
     ))]
@@ -247,6 +248,7 @@ impl Loader {
         partitioner_options: Option<Vec<(String, String)>>,
         io: Option<&str>,
         drop_last: bool,
+        tier: Option<&str>,
         tier_bytes: Option<u64>,
         tier_evictor: Option<String>,
         tier_evictor_options: Option<Vec<(String, String)>>,
@@ -279,6 +281,13 @@ impl Loader {
                 (Target::Gpu, Some(ordinal))
             }
         };
+        let tier_kind = tier
+            .map(|name| {
+                TierKind::parse(name).ok_or_else(|| {
+                    PyValueError::new_err(format!("tier must be \"page-cache\" or \"memory\", not {name:?}"))
+                })
+            })
+            .transpose()?;
         let plan = match (order, partitioner) {
             (_, Some(plugin)) => PlanSource::Partitioner {
                 plugin: if plugin == "default" { None } else { Some(plugin) },
@@ -314,18 +323,23 @@ impl Loader {
             prefetch,
             hold_max: hold,
             target,
-            tier: match (tier_bytes, tier_evictor.is_some() || tier_evictor_options.is_some()) {
+            tier: match (tier_bytes, tier_kind.is_some() || tier_evictor.is_some() || tier_evictor_options.is_some()) {
                 (None, false) => {
                     // A bad GRANARY_TIER_BYTES is refused now, not at the first batch.
                     TierConfig::from_env().map_err(to_py)?;
                     TierSetting::Auto
                 }
                 (Some(0), _) => TierSetting::Off,
-                // The budget and evictor given; the rest from the environment, as by default.
+                // The kind, budget and evictor given; the rest from the environment, as by default.
                 (bytes, _) => {
                     let from_env = TierConfig::from_env().map_err(to_py)?;
+                    let kind = tier_kind.unwrap_or(from_env.kind);
                     TierSetting::Config(TierConfig {
+                        kind,
                         budget_bytes: bytes.or(from_env.budget_bytes),
+                        // A directory in the environment is the memory tier's.
+                        dir: if kind == TierKind::Memory { from_env.dir.clone() } else { None },
+                        keep: kind == TierKind::Memory && from_env.keep,
                         evictor: tier_evictor.or(from_env.evictor.clone()),
                         evictor_options: tier_evictor_options.unwrap_or_default(),
                         ..from_env

@@ -555,6 +555,32 @@ def test_the_memory_tier_serves_every_epoch_and_can_be_turned_off(tokens, tmp_pa
     assert m["tier_records"] == 0 and m["bytes_read"] > 0 and "tier_bytes_held" not in m, m
 
 
+def test_the_page_cache_tier_is_the_default_and_a_new_loader_each_epoch_reads_from_memory(tokens, tmp_path, monkeypatch):
+    # As a trainer that rebuilds its loader each epoch (an evaluation pass between epochs, a
+    # framework's own loaders): the page cache keeps the data across loaders and processes.
+    for name in ("GRANARY_TIER", "GRANARY_TIER_DIR", "GRANARY_TIER_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    store, data = tokens
+    for _ in range(2):
+        loader = store.loader("tokens", batch_size=100, output="numpy", with_indices=True)
+        for index, row in read_epoch(loader):
+            assert (row == data[index]).all()
+        m = loader.metrics()
+        loader.close()
+    # The second loader's records all came from memory, checked, none read from disk.
+    assert m["tier_hit_ratio"] == 1.0 and m["bytes_read"] == 0 and m["verify_failures"] == 0, m
+    assert m["tier_extents_loaded"] == 0 and m["tier_bytes_held"] > 0, m
+    with pytest.raises(ValueError, match="page-cache"):
+        store.loader("tokens", batch_size=100, tier="tmpfs")
+    # The memory tier, asked for by name, in a directory of the test's.
+    monkeypatch.setenv("GRANARY_TIER_DIR", str(tmp_path / "tier"))
+    memory = store.loader("tokens", batch_size=100, output="numpy", with_indices=True, tier="memory")
+    for index, row in read_epoch(memory):
+        assert (row == data[index]).all()
+    assert memory.metrics()["tier_extents_loaded"] > 0
+    memory.close()
+
+
 def test_the_tier_evictor_plugin_makes_room_and_a_missing_one_is_refused(store, tmp_path, monkeypatch):
     # The plan's rules over the plugin are tested in Rust (tests/memory_tier.rs); here: the
     # option reaches the tier, and a window moving over the shards (the default partitioner's,

@@ -328,7 +328,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         return cluster::cluster_key(args).map(|()| ExitCode::SUCCESS);
     }
     if let Command::Tier(command) = cli.command {
-        return tier::run(command).map(|()| ExitCode::SUCCESS);
+        return tier::run(command, cli.root.as_deref()).map(|()| ExitCode::SUCCESS);
     }
     if let Command::Top(args) = &cli.command {
         return top::run(cli.root.as_deref(), args).map(|()| ExitCode::SUCCESS);

@@ -575,7 +575,15 @@ impl Loader {
         let expected_batch_bytes =
             usize::try_from(expected_batch_bytes).unwrap_or(usize::MAX).clamp(1, batch_bytes.max(1));
         // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
-        let coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
+        let mut coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
+        // A dataset read through an origin cache: its shard files come and go within the cache's
+        // bound on disk, and a mapping of the page cache tier would hold an evicted one's disk
+        // space. Those files were just written (their pages are in the page cache already).
+        if coordinator.as_ref().is_some_and(|c| c.tier().kind() == crate::tier::TierKind::PageCache)
+            && config.repair.as_ref().is_some_and(|hook| hook.cache_stats().is_some())
+        {
+            coordinator = None;
+        }
         if let Some(coordinator) = &coordinator {
             coordinator.tier().warn_if_not_in_memory();
         }
@@ -1342,6 +1350,9 @@ fn read_segment(
         if stop.load(Ordering::Acquire) {
             stopped = true;
             return Err(Error::invalid_input("stopped"));
+        }
+        if let Some(coordinator) = coordinator {
+            coordinator.delivered();
         }
         let batch = Box::new(std::mem::take(batch));
         if out.sender.send(Message::Batch(batch, tag(after))).is_err() {

@@ -666,7 +666,8 @@ fn tier_holds(tier: &mut TierReader, dataset: &Dataset, request: &Request) -> bo
         // The copy slices up to here: a record past its shard's data region is read from disk,
         // which reports it.
         let needed = request.end.min((extent + 1) * extent_bytes) - extent * extent_bytes;
-        tier.extent(request.shard, shard, index, n_data_blocks).is_some_and(|bytes| bytes.len() as u64 >= needed)
+        tier.extent(request.shard, shard, index, n_data_blocks, || dataset.shard_path(request.shard as usize))
+            .is_some_and(|bytes| bytes.len() as u64 >= needed)
     })
 }
 

@@ -1,34 +1,42 @@
-//! The memory tier: verified shard extents held in memory that every process of the node shares.
+//! The tier: shard extents held in memory that every process of the node shares, filled ahead of
+//! the plan. Two kinds behind one `MemoryTier` (`TierKind`): the kernel's page cache (the
+//! default, `page_cache.rs`: shard files mapped read-only, extents read in with `WILLNEED` and
+//! `MADV_POPULATE_READ`, found in memory with `mincore`), and a memory tier of extent files in a
+//! memory file system (this file). The plan's side (what to fill, in which order, what makes
+//! room) is the same for both (`fill.rs`).
 //!
-//! Owns: a directory in a memory file system (`/dev/shm/granary-tier-UID` by default, marked as the
-//! tier's by a `.granary-tier` file) holding one file per extent (a run of a shard's data blocks,
-//! `extent_bytes` long, the last of a shard shorter), named by the shard's content id, the extent
-//! size and the extent's index, so versions that share a shard share its extents and eight ranks of
-//! a node hold one copy. Readers map extent files read-only (`TierReader`) and keep no descriptor
-//! open; fillers (`fill.rs`, driven by the loader's plan) claim an extent with a flock'ed `.fill-`
-//! file, read it from disk in one large O_DIRECT read straight into a private file's mapping, check
-//! every block's CRC32C, and publish the private file by linking it under the extent's name (which
-//! fails if the name exists). The budget bounds the bytes held and being filled, node-wide: a
-//! filler makes room and takes its claim under a flock on the directory, with the directory listed
-//! afresh; under memory pressure (MemAvailable, the cgroup's headroom, or the memory file system's
-//! own free space below a reserve) the tier shrinks.
+//! Owns (the memory tier): a directory in a memory file system (`/dev/shm/granary-tier-UID` by
+//! default, marked as the tier's by a `.granary-tier` file) holding one file per extent (a run
+//! of a shard's data blocks, `extent_bytes` long, the last of a shard shorter), named by the
+//! shard's content id, the extent size and the extent's index, so versions that share a shard
+//! share its extents and eight ranks of a node hold one copy. Readers map extent files read-only
+//! (`TierReader`) and keep no descriptor open; fillers (`fill.rs`, driven by the loader's plan)
+//! claim an extent with a flock'ed `.fill-` file, read it from disk in one large O_DIRECT read
+//! straight into a private file's mapping, check every block's CRC32C, and publish the private
+//! file by linking it under the extent's name (which fails if the name exists). The budget
+//! bounds the bytes held and being filled, node-wide: a filler makes room and takes its claim
+//! under a flock on the directory, with the directory listed afresh; under memory pressure
+//! (MemAvailable, the cgroup's headroom, or the memory file system's own free space below a
+//! reserve) the tier shrinks. The page cache tier's budget bounds what this process's plan holds
+//! and reads ahead; the kernel may keep more, and takes it back as it needs.
 //!
-//! Invariants: an extent file under its final name is complete, exactly as long as its extent,
-//! and every block of it passed its checksum on the way in (and is checked again as each record
-//! is copied out of it, `read/batch.rs`: memory any process of the user can write is not trusted
-//! to stay as it was checked), because only the filler that wrote
-//! and checked a private file ever names it (a reader never sees a half-filled extent, and no
-//! other process's clean-up can swap one in); a claim's lock goes with its filler, so a dead
-//! filler's claim is told apart from a live one and removed; a published extent is never written
-//! again, only unlinked (mappings of it stay valid). Only names of the tier's own patterns are
-//! listed, counted or removed. The directory is emptied when its last user closes it (each user
-//! holds a shared flock on `.users`), so a job's memory goes back when it ends, also after a
-//! crash (the next first user empties it).
+//! Invariants: whatever the kind, every block a record touches is checked as it is copied out
+//! (`read/batch.rs`): memory any process of the user can write, or the kernel can read again
+//! from disk, is not trusted to stay as it was. An extent file under its final name is complete,
+//! exactly as long as its extent, and every block of it passed its checksum on the way in,
+//! because only the filler that wrote and checked a private file ever names it (a reader never
+//! sees a half-filled extent, and no other process's clean-up can swap one in); a claim's lock
+//! goes with its filler, so a dead filler's claim is told apart from a live one and removed; a
+//! published extent is never written again, only unlinked (mappings of it stay valid). Only
+//! names of the tier's own patterns are listed, counted or removed. The directory is emptied
+//! when its last user closes it (each user holds a shared flock on `.users`), so a job's memory
+//! goes back when it ends, also after a crash (the next first user empties it).
 //! Never: trusts a directory it does not own (another user's, a symlink, or one that holds
 //! other files and no marker), touches a file whose name is not the tier's, or touches disk
-//! shards except to read them.
+//! shards except to read them (and to advise the kernel on their pages).
 
 mod fill;
+mod page_cache;
 
 use std::collections::HashMap;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -80,13 +88,48 @@ const BUDGET_LOCK_WAIT: Duration = Duration::from_secs(1);
 /// evict too).
 const SCAN_TTL: Duration = Duration::from_millis(100);
 
-/// How the memory tier is set up.
+/// Where the tier's memory is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TierKind {
+    /// The kernel's page cache: shard files mapped read-only, extents read in ahead of the plan.
+    /// Shared by every process of the node, kept across loaders, processes and restarts,
+    /// reclaimed by the kernel under pressure (`page_cache.rs`).
+    #[default]
+    PageCache,
+    /// Extent files in a memory file system (`/dev/shm`), filled with O_DIRECT reads, emptied
+    /// when the last process using it closes it.
+    Memory,
+}
+
+impl TierKind {
+    /// The kind `GRANARY_TIER` names: `page-cache` or `memory`.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "page-cache" => Some(Self::PageCache),
+            "memory" => Some(Self::Memory),
+            _ => None,
+        }
+    }
+
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::PageCache => "page-cache",
+            Self::Memory => "memory",
+        }
+    }
+}
+
+/// How the tier is set up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TierConfig {
+    /// Where the tier's memory is (the page cache by default).
+    pub kind: TierKind,
     /// Bytes the tier may hold node-wide; `None`: half of MemAvailable (and of the cgroup's
     /// limit) when the tier opens. 0 turns the tier off.
     pub budget_bytes: Option<u64>,
-    /// The directory (in a memory file system); `None`: `/dev/shm/granary-tier-UID`.
+    /// The memory tier's directory (in a memory file system); `None`:
+    /// `/dev/shm/granary-tier-UID`. A page cache tier has none.
     pub dir: Option<PathBuf>,
     /// Bytes per extent, a multiple of 4 KiB (`default_extent_bytes`: 4 MiB, more on a node
     /// of more than 64 GiB). Processes share only extents of the same size.
@@ -109,6 +152,7 @@ pub struct TierConfig {
 impl Default for TierConfig {
     fn default() -> Self {
         Self {
+            kind: TierKind::default(),
             budget_bytes: None,
             dir: None,
             extent_bytes: default_extent_bytes(),
@@ -121,10 +165,19 @@ impl Default for TierConfig {
 }
 
 impl TierConfig {
-    /// The default, with `GRANARY_TIER_BYTES` (0 turns it off; size suffixes as `4GiB`),
+    /// The default, with `GRANARY_TIER` (`page-cache` or `memory`; a `GRANARY_TIER_DIR` alone
+    /// means `memory`), `GRANARY_TIER_BYTES` (0 turns it off; size suffixes as `4GiB`),
     /// `GRANARY_TIER_DIR`, `GRANARY_TIER_KEEP=1` and `GRANARY_TIER_EVICTOR` applied.
     pub fn from_env() -> Result<Self> {
         let mut config = Self::default();
+        if std::env::var_os("GRANARY_TIER_DIR").is_some() {
+            config.kind = TierKind::Memory;
+        }
+        if let Ok(kind) = std::env::var("GRANARY_TIER") {
+            config.kind = TierKind::parse(&kind).ok_or_else(|| {
+                Error::invalid_input(format!("GRANARY_TIER={kind:?} is not a tier (page-cache or memory)"))
+            })?;
+        }
         if let Ok(bytes) = std::env::var("GRANARY_TIER_BYTES") {
             config.budget_bytes = Some(parse_bytes(&bytes).ok_or_else(|| {
                 Error::invalid_input(format!("GRANARY_TIER_BYTES={bytes:?} is not a size (as 0, 512MiB or 8GiB)"))
@@ -152,6 +205,16 @@ impl TierConfig {
         }
         if self.fill_threads == 0 || self.fill_threads > 64 {
             return Err(Error::invalid_input(format!("tier fill threads {} is not in 1..=64", self.fill_threads)));
+        }
+        if self.kind == TierKind::PageCache && self.dir.is_some() {
+            return Err(Error::invalid_input(
+                "a tier directory is for the memory tier: the page cache tier has none (GRANARY_TIER=memory)",
+            ));
+        }
+        if self.kind == TierKind::PageCache && self.keep {
+            return Err(Error::invalid_input(
+                "keeping the tier is for the memory tier: the page cache tier is kept by the kernel",
+            ));
         }
         #[cfg(not(feature = "policy"))]
         if self.evictor.is_some() {
@@ -212,7 +275,6 @@ fn is_extent_name(name: &str) -> bool {
 
 /// The extent an extent's name (`<shard>.<K>k.<index>`) names, when it is cut in extents of
 /// `extent_bytes`.
-#[cfg(feature = "policy")]
 fn extent_key_of(name: &str, extent_bytes: u64) -> Option<ExtentKey> {
     let mut parts = name.split('.');
     let shard = ShardId(crate::id::ObjectId::parse_hex(parts.next()?)?);
@@ -272,18 +334,37 @@ struct Counters {
     evictor_failures: AtomicU64,
 }
 
-/// A resident extent as this process maps it.
+/// A resident extent as this process maps it: a memory tier's extent file, or an extent of a
+/// shard file whose pages the page cache holds.
 pub struct Mapped {
-    map: MappedFile,
+    map: Arc<MappedFile>,
+    offset: usize,
+    len: usize,
+    /// An extent of a shard file: the kernel may drop its pages at any moment.
+    paged: bool,
     /// Set once a listing no longer shows this file under its name (evicted, by any process):
     /// readers drop their mapping, so the memory can go back.
     gone: std::sync::atomic::AtomicBool,
 }
 
 impl Mapped {
-    /// The extent's verified bytes.
+    fn file(map: MappedFile) -> Self {
+        let len = map.len();
+        Self { map: Arc::new(map), offset: 0, len, paged: false, gone: false.into() }
+    }
+
+    fn paged(map: Arc<MappedFile>, offset: usize, len: usize) -> Self {
+        Self { map, offset, len, paged: true, gone: false.into() }
+    }
+
+    /// The extent's bytes (checked as they are copied out).
     pub fn as_slice(&self) -> &[u8] {
-        self.map.as_slice()
+        &self.map.as_slice()[self.offset..self.offset + self.len]
+    }
+
+    /// Whether every page of it is in memory (a memory tier's always are).
+    fn in_memory(&self) -> bool {
+        !self.paged || self.map.is_resident(self.offset, self.len)
     }
 
     /// Whether the extent has left the tier (its bytes stay valid for this mapping).
@@ -315,8 +396,12 @@ pub enum Filled {
     Elsewhere,
 }
 
-/// A node-wide memory tier, opened by one process. See the module documentation.
+/// A node-wide tier, opened by one process: the page cache, or a memory tier's directory. See
+/// the module documentation.
 pub struct MemoryTier {
+    /// The page cache tier's state; `None` for a memory tier.
+    page_cache: Option<page_cache::PageCache>,
+    /// The memory tier's directory (empty for the page cache tier).
     dir: PathBuf,
     budget_bytes: u64,
     extent_bytes: u64,
@@ -328,8 +413,8 @@ pub struct MemoryTier {
     /// belongs to the open file, not the process) and must never empty the tier under its
     /// parent.
     pid: u32,
-    /// Holds a shared flock while this tier is open.
-    users: std::fs::File,
+    /// Holds a shared flock while this memory tier is open.
+    users: Option<std::fs::File>,
     counters: Counters,
     listing: Mutex<Listing>,
     /// Extents this process has mapped, by name: every loader of the process shares them, so an
@@ -361,6 +446,38 @@ impl MemoryTier {
         config.validate()?;
         if config.budget_bytes == Some(0) {
             return Ok(None);
+        }
+        if config.kind == TierKind::PageCache {
+            // Extents are ranges of shard files here, not mappings of their own: no limit on
+            // their count. The budget bounds what is read ahead and held for the plan; the
+            // kernel may hold more, and takes it back as it needs.
+            let budget_bytes = config.budget_bytes.unwrap_or_else(|| {
+                let memory = Memory::read();
+                memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX)) / 2
+            });
+            #[cfg(feature = "policy")]
+            if let Some(name) = &config.evictor {
+                fill::evictor_host()?.evictor(
+                    Some(name),
+                    &config.evictor_options,
+                    (budget_bytes / BLOCK_BYTES_U64).max(1),
+                )?;
+            }
+            return Ok(Some(Arc::new(Self {
+                page_cache: Some(page_cache::PageCache::new(config.extent_bytes)),
+                dir: PathBuf::new(),
+                budget_bytes,
+                extent_bytes: config.extent_bytes,
+                fill_threads: config.fill_threads,
+                keep: false,
+                evictor: config.evictor.clone(),
+                evictor_options: config.evictor_options.clone(),
+                pid: std::process::id(),
+                users: None,
+                counters: Counters::default(),
+                listing: Mutex::new(Listing { at: None, extents: HashMap::new(), bytes: 0 }),
+                maps: Mutex::new(HashMap::new()),
+            })));
         }
         let dir = match &config.dir {
             Some(dir) => dir.clone(),
@@ -411,6 +528,7 @@ impl MemoryTier {
             .open(&users_path)
             .map_err(|e| Error::io("open", &users_path, e))?;
         let tier = Self {
+            page_cache: None,
             dir,
             budget_bytes,
             extent_bytes: config.extent_bytes,
@@ -419,16 +537,18 @@ impl MemoryTier {
             evictor: config.evictor.clone(),
             evictor_options: config.evictor_options.clone(),
             pid: std::process::id(),
-            users,
+            users: Some(users),
             counters: Counters::default(),
             listing: Mutex::new(Listing { at: None, extents: HashMap::new(), bytes: 0 }),
             maps: Mutex::new(HashMap::new()),
         };
         // The first user empties what a crashed job left behind, then shares the directory.
-        if flock(&tier.users, libc::LOCK_EX | libc::LOCK_NB).is_ok() && !tier.keep {
-            tier.clear()?;
+        if let Some(users) = &tier.users {
+            if flock(users, libc::LOCK_EX | libc::LOCK_NB).is_ok() && !tier.keep {
+                tier.clear()?;
+            }
+            flock(users, libc::LOCK_SH).map_err(|e| Error::io("flock", &users_path, e))?;
         }
-        flock(&tier.users, libc::LOCK_SH).map_err(|e| Error::io("flock", &users_path, e))?;
         Ok(Some(Arc::new(tier)))
     }
 
@@ -436,6 +556,9 @@ impl MemoryTier {
     /// extents are then disk files, read from disk into the page cache and copied from there
     /// (issue 40: a `GRANARY_TIER_DIR` on a disk was taken in silence). Loaders call it.
     pub fn warn_if_not_in_memory(&self) {
+        if self.page_cache.is_some() {
+            return;
+        }
         static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if let Some((kind, false)) = file_system_of(&self.dir)
             && !WARNED.swap(true, Ordering::Relaxed)
@@ -448,9 +571,14 @@ impl MemoryTier {
         }
     }
 
-    /// The directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// Where the tier's memory is.
+    pub fn kind(&self) -> TierKind {
+        if self.page_cache.is_some() { TierKind::PageCache } else { TierKind::Memory }
+    }
+
+    /// The memory tier's directory (`None` for the page cache tier).
+    pub fn dir(&self) -> Option<&Path> {
+        self.page_cache.is_none().then_some(self.dir.as_path())
     }
 
     /// Bytes per extent.
@@ -503,6 +631,10 @@ impl MemoryTier {
 
     /// Counters so far.
     pub fn stats(&self) -> TierStats {
+        // The page cache's holdings change without a fill of this process: looked at again.
+        if self.page_cache.is_some() {
+            let _ = self.list(&mut self.listing.lock());
+        }
         let bytes_held = self.listing.lock().bytes;
         TierStats {
             bytes_held,
@@ -526,6 +658,10 @@ impl MemoryTier {
         let headroom = memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX));
         let limit = memory.cgroup_limit.unwrap_or(memory.total);
         let reserve = RESERVE_BYTES_MIN.min(limit / 4).max(limit / 16);
+        if self.page_cache.is_some() {
+            // The page cache's pages count as available already (the kernel can drop them).
+            return self.budget_bytes.min(headroom.saturating_sub(reserve));
+        }
         let allowed = held.saturating_add(headroom).saturating_sub(reserve);
         let room = fs_space(&self.dir).map_or(u64::MAX, |(_, free)| held.saturating_add(free));
         self.budget_bytes.min(allowed).min(room)
@@ -534,7 +670,16 @@ impl MemoryTier {
     /// Looks `key` up, an extent of `len` bytes: mapped if resident, `Filling` if a live filler
     /// holds its claim. A file under its name of another length is not the extent (damaged, or
     /// written by hand): it is removed, so the extent can be filled again.
-    pub fn lookup(&self, key: &ExtentKey, len: u64) -> Result<Lookup> {
+    ///
+    /// In the page cache tier, `at` (the shard's file and its data blocks) maps a shard this
+    /// process has not mapped yet; an extent any of whose pages is not in memory is `Absent`.
+    pub fn lookup(&self, key: &ExtentKey, len: u64, at: Option<(&Path, u64)>) -> Result<Lookup> {
+        if let Some(page_cache) = &self.page_cache {
+            return Ok(match page_cache.lookup(key, at)? {
+                Some(mapped) if mapped.len as u64 == len => Lookup::Resident(mapped),
+                _ => Lookup::Absent,
+            });
+        }
         let name = self.extent_name(key);
         let mut maps = self.maps.lock();
         if let Some(mapped) = maps.get(&name) {
@@ -552,7 +697,7 @@ impl MemoryTier {
                     self.evict(&name)?;
                     return Ok(Lookup::Absent);
                 }
-                let mapped = Arc::new(Mapped { map: MappedFile::new(file, &path)?, gone: false.into() });
+                let mapped = Arc::new(Mapped::file(MappedFile::new(file, &path)?));
                 maps.insert(name, Arc::clone(&mapped));
                 return Ok(Lookup::Resident(mapped));
             }
@@ -565,6 +710,9 @@ impl MemoryTier {
 
     /// Whether extent `name` is in the tier now.
     pub fn is_resident(&self, key: &ExtentKey) -> bool {
+        if let Some(page_cache) = &self.page_cache {
+            return page_cache.is_resident(key);
+        }
         self.dir.join(self.extent_name(key)).exists()
     }
 
@@ -592,6 +740,9 @@ impl MemoryTier {
     /// private file's mapping, every block checked against `meta`, then the private file linked
     /// under the extent's name. The budget is the caller's affair (`fill_within_budget` keeps it).
     pub fn fill(&self, info: &ExtentInfo) -> Result<Filled> {
+        if self.page_cache.is_some() {
+            return self.fill_page_cache(info);
+        }
         let name = self.extent_name(&info.key);
         if self.dir.join(&name).exists() {
             return Ok(Filled::Elsewhere);
@@ -612,6 +763,16 @@ impl MemoryTier {
         info: &ExtentInfo,
         room: impl FnOnce(Holdings) -> Result<bool>,
     ) -> Result<Option<Filled>> {
+        if let Some(page_cache) = &self.page_cache {
+            // The page cache is the node's: fills of other processes need no claim (two reads
+            // of one page are one read), and the budget is this process's plan's to keep.
+            let (extents, held) = self.resident()?;
+            let holdings = Holdings { extents, held, filling: page_cache.filling() };
+            if !room(holdings)? {
+                return Ok(None);
+            }
+            return self.fill_page_cache(info).map(Some);
+        }
         let name = self.extent_name(&info.key);
         if self.dir.join(&name).exists() {
             return Ok(Some(Filled::Elsewhere));
@@ -635,6 +796,27 @@ impl MemoryTier {
             }
         };
         self.fill_under(claim, info, &name).map(Some)
+    }
+
+    fn fill_page_cache(&self, info: &ExtentInfo) -> Result<Filled> {
+        let Some(page_cache) = &self.page_cache else { return Err(Error::invalid_input("not a page cache tier")) };
+        let outcome = page_cache.fill(info);
+        match &outcome {
+            Ok(Filled::Loaded) => {
+                let bytes = info.n_blocks * BLOCK_BYTES_U64;
+                self.counters.extents_loaded.fetch_add(1, Ordering::Relaxed);
+                self.counters.bytes_loaded.fetch_add(bytes, Ordering::Relaxed);
+                let mut listing = self.listing.lock();
+                if listing.extents.insert(self.extent_name(&info.key), (bytes, 0)).is_none() {
+                    listing.bytes += bytes;
+                }
+            }
+            Ok(Filled::Elsewhere) => {}
+            Err(_) => {
+                self.counters.fill_failures.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        outcome
     }
 
     /// The budget lock (an exclusive flock on the directory), held until the file is dropped;
@@ -756,6 +938,17 @@ impl MemoryTier {
         if !is_extent_name(name) {
             return Err(Error::invalid_input(format!("{name:?} is not the name of a memory tier extent")));
         }
+        if let Some(page_cache) = &self.page_cache {
+            let key = extent_key_of(name, self.extent_bytes)
+                .ok_or_else(|| Error::invalid_input(format!("{name:?} is not an extent of this tier's size")))?;
+            page_cache.evict(&key)?;
+            self.counters.extents_evicted.fetch_add(1, Ordering::Relaxed);
+            let mut listing = self.listing.lock();
+            if let Some((bytes, _)) = listing.extents.remove(name) {
+                listing.bytes -= bytes;
+            }
+            return Ok(());
+        }
         let path = self.dir.join(name);
         match std::fs::remove_file(&path) {
             Ok(()) => {
@@ -787,6 +980,10 @@ impl MemoryTier {
     /// What the tier holds and is filling node-wide, listed now: the extents, and each fill under
     /// way at its claim's length (a live claim; a dead filler's is removed).
     fn holdings_now(&self) -> Result<Holdings> {
+        if let Some(page_cache) = &self.page_cache {
+            let (extents, held) = self.resident()?;
+            return Ok(Holdings { extents, held, filling: page_cache.filling() });
+        }
         let mut listing = self.listing.lock();
         let claims = self.list(&mut listing)?;
         let extents = listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect();
@@ -802,6 +999,12 @@ impl MemoryTier {
     /// keeps its size: extents are never written again) and returns the extents claimed.
     fn list(&self, listing: &mut Listing) -> Result<Vec<String>> {
         use std::os::unix::fs::DirEntryExt;
+        if let Some(page_cache) = &self.page_cache {
+            let (extents, bytes) = page_cache.resident(|key| self.extent_name(key));
+            let extents = extents.into_iter().map(|(name, bytes)| (name, (bytes, 0))).collect();
+            *listing = Listing { at: Some(Instant::now()), extents, bytes };
+            return Ok(Vec::new());
+        }
         let mut extents = HashMap::new();
         let mut claims = Vec::new();
         let mut bytes = 0;
@@ -842,7 +1045,15 @@ impl MemoryTier {
 
     /// Removes every extent, every stale claim and every private file of a filler that died;
     /// files of other names are left alone.
+    ///
+    /// A page cache tier forgets its mappings only: the kernel holds the pages, and takes them
+    /// back as it needs.
     pub fn clear(&self) -> Result<()> {
+        if let Some(page_cache) = &self.page_cache {
+            page_cache.forget();
+            *self.listing.lock() = Listing { at: None, extents: HashMap::new(), bytes: 0 };
+            return Ok(());
+        }
         let entries = std::fs::read_dir(&self.dir).map_err(|e| Error::io("list", &self.dir, e))?;
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -871,7 +1082,11 @@ impl Drop for MemoryTier {
     fn drop(&mut self) {
         // The last user empties the directory, so the job's memory goes back when it ends. A
         // forked child holds its parent's lock, not one of its own: it leaves the tier alone.
-        if !self.keep && std::process::id() == self.pid && flock(&self.users, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+        if let Some(users) = &self.users
+            && !self.keep
+            && std::process::id() == self.pid
+            && flock(users, libc::LOCK_EX | libc::LOCK_NB).is_ok()
+        {
             let _ = self.clear();
         }
     }
@@ -880,6 +1095,7 @@ impl Drop for MemoryTier {
 impl std::fmt::Debug for MemoryTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryTier")
+            .field("kind", &self.kind())
             .field("dir", &self.dir)
             .field("budget_bytes", &self.budget_bytes)
             .field("extent_bytes", &self.extent_bytes)
@@ -1169,10 +1385,17 @@ impl TierReader {
         self.tier.extent_bytes
     }
 
-    /// The verified bytes of extent `extent` of shard `shard_idx` (id `shard`, `n_data_blocks`
-    /// data blocks long), if the tier has it or a filler is about to; `None` sends the read to
-    /// disk.
-    pub fn extent(&mut self, shard_idx: u32, shard: ShardId, extent: u32, n_data_blocks: u64) -> Option<&[u8]> {
+    /// The bytes of extent `extent` of shard `shard_idx` (id `shard`, `n_data_blocks` data
+    /// blocks long, its file at `path()`), if the tier has it or a filler is about to; `None`
+    /// sends the read to disk.
+    pub fn extent(
+        &mut self,
+        shard_idx: u32,
+        shard: ShardId,
+        extent: u32,
+        n_data_blocks: u64,
+        path: impl FnOnce() -> PathBuf,
+    ) -> Option<&[u8]> {
         let slot = u64::from(shard_idx) << 32 | u64::from(extent);
         if !self.mapped.contains_key(&slot) {
             let key = ExtentKey { shard, extent };
@@ -1183,10 +1406,11 @@ impl TierReader {
             {
                 return None;
             }
+            let path = path();
             let deadline = Instant::now() + FILL_WAIT_MAX;
             let stopped = |c: &Option<Arc<Coordinator>>| c.as_ref().is_some_and(|c| c.is_stopped());
             let mapped = loop {
-                match self.tier.lookup(&key, len) {
+                match self.tier.lookup(&key, len, Some((&path, n_data_blocks))) {
                     Ok(Lookup::Resident(mapped)) => break Some(mapped),
                     Ok(Lookup::Filling) if Instant::now() < deadline && !stopped(&self.coordinator) => {
                         // A filler is at it (this process's, or another's, whose publish this
@@ -1240,16 +1464,23 @@ impl TierReader {
         // A tier that cannot remove it (another user's file, a read-only directory) keeps it;
         // every later copy of it is checked again and fails again, and goes to disk.
         let _ = self.tier.evict(&name);
+        if let Some(page_cache) = &self.tier.page_cache {
+            // Its file may be replaced by a repair: mapped again from its name when next read.
+            page_cache.forget_shard(shard);
+            self.mapped.retain(|slot, _| (slot >> 32) as u32 != shard_idx);
+        }
     }
 
     /// Drops the mappings of extents that were evicted (by any process), so their memory goes
-    /// back; cheap to call often, it does the work about once a second.
+    /// back, and of extents of the page cache some of whose pages the kernel dropped (their
+    /// records are read from disk until a fill brings them back, not page by page through
+    /// faults); cheap to call often, it does the work about once a second.
     pub fn revalidate(&mut self) {
         if self.revalidated.elapsed() < Duration::from_secs(1) {
             return;
         }
         self.revalidated = Instant::now();
-        self.mapped.retain(|_, mapped| !mapped.is_gone());
+        self.mapped.retain(|_, mapped| !mapped.is_gone() && mapped.in_memory());
     }
 }
 
@@ -1291,8 +1522,12 @@ mod tests {
     #[test]
     fn a_dead_fillers_claim_is_stale_and_a_live_one_is_not() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let config =
-            TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
+        let config = TierConfig {
+            kind: TierKind::Memory,
+            budget_bytes: Some(1 << 30),
+            dir: Some(dir.path().join("t")),
+            ..TierConfig::default()
+        };
         let tier = MemoryTier::open(&config).expect("open").expect("on");
         let name = format!("{}.4096k.000000", "ab".repeat(32));
         let claim = tier.claim(&name, 4 << 20).expect("claim").expect("free");
@@ -1306,8 +1541,12 @@ mod tests {
     #[test]
     fn a_claim_removes_only_its_own_file() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let config =
-            TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
+        let config = TierConfig {
+            kind: TierKind::Memory,
+            budget_bytes: Some(1 << 30),
+            dir: Some(dir.path().join("t")),
+            ..TierConfig::default()
+        };
         let tier = MemoryTier::open(&config).expect("open").expect("on");
         let name = format!("{}.4096k.000000", "cd".repeat(32));
         let claim = tier.claim(&name, 4 << 20).expect("claim").expect("free");
@@ -1337,6 +1576,7 @@ mod tests {
         assert!(extent >= EXTENT_BYTES_DEFAULT && extent.is_power_of_two());
         assert!(Memory::read().total.div_ceil(extent) <= EXTENTS_MAX);
         let config = TierConfig {
+            kind: TierKind::Memory,
             budget_bytes: Some(EXTENTS_MAX * (64 << 10) + 1),
             dir: Some(tempfile::tempdir().expect("tempdir").path().join("t")),
             extent_bytes: 64 << 10,
@@ -1348,8 +1588,12 @@ mod tests {
     #[test]
     fn the_last_user_empties_the_directory() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let config =
-            TierConfig { budget_bytes: Some(1 << 30), dir: Some(dir.path().join("t")), ..TierConfig::default() };
+        let config = TierConfig {
+            kind: TierKind::Memory,
+            budget_bytes: Some(1 << 30),
+            dir: Some(dir.path().join("t")),
+            ..TierConfig::default()
+        };
         let first = MemoryTier::open(&config).expect("open").expect("on");
         let second = MemoryTier::open(&config).expect("open").expect("on");
         let extent = dir.path().join(format!("t/{}.4096k.000000", "ab".repeat(32)));
@@ -1366,7 +1610,12 @@ mod tests {
         let open = dir.path().join("open");
         std::fs::create_dir(&open).expect("mkdir");
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
-        let config = TierConfig { budget_bytes: Some(1 << 30), dir: Some(open), ..TierConfig::default() };
+        let config = TierConfig {
+            kind: TierKind::Memory,
+            budget_bytes: Some(1 << 30),
+            dir: Some(open),
+            ..TierConfig::default()
+        };
         assert!(MemoryTier::open(&config).is_err(), "a world-writable directory could hold forged extents");
     }
 }

@@ -1,0 +1,195 @@
+//! The page cache as the tier, under the loader as a trainer uses it: a loader fills the page
+//! cache ahead of its plan and a new loader (a new tier opened, as a rebuilt loader or a restarted
+//! process does) finds it all in memory; a bit flipped in a shard file behind the engine's back,
+//! in the page cache or on disk, is never delivered; a budget smaller than the data still reads
+//! every record right; the tier leaves nothing in shared memory.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use granary::io::{Advice, advise};
+use granary::loader::{Loader, LoaderConfig, PlanSource, Target, TierSetting};
+use granary::{
+    Backend, Dataset, Granary, IoConfig, MemoryTier, Order, Position, TierConfig, TierKind, VersionSpec, World,
+};
+
+const TOKENS: u64 = 1024;
+const EXTENT: u64 = 64 << 10;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    dataset: Arc<Dataset>,
+    records: Vec<Vec<u8>>,
+}
+
+/// `n` records of 1024 u16 tokens (2 KiB) in shards of about 256 KiB.
+fn fixture(n: usize) -> Fixture {
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).unwrap();
+    let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 7, TOKENS as usize * 2)).collect();
+    ingest(&mut granary, "tokens", tokens_layout(TOKENS), small_shards(256 << 10), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
+    Fixture { _dir: dir, dataset, records }
+}
+
+/// Takes every shard's pages out of the page cache (they were written back when ingested).
+fn evict_from_page_cache(dataset: &Dataset) {
+    for s in 0..dataset.n_shards() {
+        let file = std::fs::File::open(dataset.shard_path(s)).unwrap();
+        file.sync_all().unwrap();
+        advise(&file, 0, 0, Advice::DontNeed).unwrap();
+    }
+}
+
+fn tier_config(budget: u64) -> TierConfig {
+    TierConfig { kind: TierKind::PageCache, budget_bytes: Some(budget), extent_bytes: EXTENT, ..TierConfig::default() }
+}
+
+fn config(epochs: u64, tier: TierSetting) -> LoaderConfig {
+    LoaderConfig {
+        batch_size: 32,
+        world: World::single(),
+        seed: 5,
+        plan: PlanSource::Native(Order::Shuffled),
+        epochs: Some(epochs),
+        io: IoConfig { backend: Backend::Auto, queue_depth: 16, op_bytes_max: 64 << 10, direct: true },
+        target: Target::Host,
+        tier,
+        ..LoaderConfig::default()
+    }
+}
+
+/// Reads the whole run, checking every record's bytes; returns how many were read.
+fn drain(loader: &mut Loader, records: &[Vec<u8>]) -> usize {
+    let mut seen = 0;
+    while let Some(batch) = loader.next() {
+        let batch = batch.unwrap();
+        for (i, &index) in batch.indices().iter().enumerate() {
+            assert_eq!(batch.record(i), &records[index as usize][..], "record {index}");
+        }
+        seen += batch.indices().len();
+    }
+    seen
+}
+
+fn n_extents(dataset: &Dataset) -> u64 {
+    (0..dataset.n_shards()).map(|s| dataset.shard_meta(s).unwrap().n_data_blocks().div_ceil(EXTENT / 4096)).sum()
+}
+
+#[test]
+fn a_loader_fills_the_page_cache_and_a_new_loader_finds_it_all_in_memory() {
+    let f = fixture(2000);
+    evict_from_page_cache(&f.dataset);
+    let own = || TierSetting::Config(tier_config(64 << 20));
+    let mut loader = Loader::new(Arc::clone(&f.dataset), config(1, own()), Position::default()).unwrap();
+    assert_eq!(drain(&mut loader, &f.records), 2000);
+    let stats = loader.stats();
+    let tier = stats.tier.unwrap();
+    // The dataset fits: the reader waits for the fills rather than read records from disk.
+    // Each extent read in once at most (the kernel's read-around of a fill may bring in the
+    // start of the next one, which is then found in memory).
+    assert!(tier.extents_loaded > 0 && tier.extents_loaded <= n_extents(&f.dataset), "{tier:?}");
+    assert_eq!(stats.read.tier_records, stats.read.records, "every record from the page cache: {:?}", stats.read);
+    drop(loader);
+
+    // A new loader opens the tier anew (a rebuilt loader, a restarted process): nothing to fill,
+    // nothing read from disk.
+    let mut loader = Loader::new(Arc::clone(&f.dataset), config(1, own()), Position::default()).unwrap();
+    assert_eq!(drain(&mut loader, &f.records), 2000);
+    let stats = loader.stats();
+    assert_eq!(stats.tier.unwrap().extents_loaded, 0, "found in memory");
+    assert_eq!(stats.read.tier_records, stats.read.records);
+    assert_eq!(stats.read.bytes_read, 0, "no record read from disk");
+    assert_eq!(stats.read.verify_failures, 0);
+}
+
+#[test]
+fn a_bit_flipped_in_a_shard_file_behind_the_engine_is_never_delivered() {
+    use std::os::unix::fs::FileExt;
+    let f = fixture(500);
+    let tier = MemoryTier::open(&tier_config(64 << 20)).unwrap().unwrap();
+    let tiered = || config(1, TierSetting::Shared(Arc::clone(&tier)));
+    let mut loader = Loader::new(Arc::clone(&f.dataset), tiered(), Position::default()).unwrap();
+    assert_eq!(drain(&mut loader, &f.records), 500);
+    drop(loader);
+
+    // Written through another path: the page cache's copy (which the tier maps) and the disk's
+    // both change. Record 3 is the second half of data block 1 of shard 0.
+    let path = f.dataset.shard_path(0);
+    let flip = |at: u64| {
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let mut byte = [0u8];
+        file.read_exact_at(&mut byte, at).unwrap();
+        file.write_all_at(&[byte[0] ^ 0x10], at).unwrap();
+        file.sync_all().unwrap();
+    };
+    let at = 4096 + 3 * 2048 + 17;
+    for dropped in [false, true] {
+        flip(at);
+        if dropped {
+            // The next fill reads the damaged block from disk.
+            evict_from_page_cache(&f.dataset);
+        }
+        let mut loader = Loader::new(Arc::clone(&f.dataset), tiered(), Position::default()).unwrap();
+        let mut failed = None;
+        while let Some(batch) = loader.next() {
+            match batch {
+                Ok(batch) => {
+                    for (i, &index) in batch.indices().iter().enumerate() {
+                        assert_eq!(batch.record(i), &f.records[index as usize][..], "record {index}");
+                    }
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let failed = failed.expect("the damaged record is refused, not delivered");
+        assert!(matches!(failed, granary::Error::ChecksumMismatch { block: 1, .. }), "dropped {dropped}: {failed}");
+        let stats = loader.stats();
+        if !dropped {
+            assert!(stats.read.verify_failures >= 1, "caught in the page cache first: {:?}", stats.read);
+        }
+        drop(loader);
+        // Mended: the tier serves the file as it is now.
+        flip(at);
+        let mut loader = Loader::new(Arc::clone(&f.dataset), tiered(), Position::default()).unwrap();
+        assert_eq!(drain(&mut loader, &f.records), 500);
+    }
+}
+
+#[test]
+fn a_budget_smaller_than_the_data_reads_every_record_right() {
+    let f = fixture(1000);
+    evict_from_page_cache(&f.dataset);
+    let tier = MemoryTier::open(&tier_config(3 * EXTENT)).unwrap().unwrap();
+    let mut loader =
+        Loader::new(Arc::clone(&f.dataset), config(2, TierSetting::Shared(Arc::clone(&tier))), Position::default())
+            .unwrap();
+    assert_eq!(drain(&mut loader, &f.records), 2000);
+    let stats = loader.stats();
+    assert!(stats.read.tier_records < stats.read.records, "most from disk: the budget holds 3 of 32 extents");
+    assert!(stats.tier.unwrap().extents_evicted > 0, "room was made: {:?}", stats.tier);
+    // The budget bounds what the plan holds (and fills under way); the kernel's read-around of
+    // a fill adds a little, the page cache's to take back.
+    let (_, held) = tier.resident().unwrap();
+    let slack = tier.fill_threads() as u64 * (EXTENT + (128 << 10));
+    assert!(held <= 3 * EXTENT + slack, "{held} bytes held for the plan");
+}
+
+#[test]
+fn the_page_cache_tier_is_the_default_and_leaves_nothing_in_shared_memory() {
+    let default = TierConfig::default();
+    assert_eq!(default.kind, TierKind::PageCache);
+    let tier = MemoryTier::open(&TierConfig { budget_bytes: Some(1 << 30), ..default }).unwrap().unwrap();
+    assert_eq!(tier.kind(), TierKind::PageCache);
+    assert!(tier.dir().is_none(), "no directory: the kernel holds its memory");
+    // A directory or `keep` belongs to the memory tier.
+    let with_dir = TierConfig { dir: Some("/dev/shm/x".into()), ..TierConfig::default() };
+    assert!(MemoryTier::open(&with_dir).unwrap_err().to_string().contains("GRANARY_TIER=memory"));
+    let kept = TierConfig { keep: true, ..TierConfig::default() };
+    assert!(MemoryTier::open(&kept).is_err());
+}
