@@ -89,6 +89,8 @@ impl Scheduler {
             // this rank's alone.
             let mut planner = if peers.is_empty() { None } else { EpochPlanner::new(&planner_config, &dataset).ok() };
             while let Ok(request) = receive.recv() {
+                // Not before the reader's first batch: it needs both cores to itself (issue 44).
+                for_thread.wait_until_started();
                 let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     let mut ranks =
                         vec![(Arc::clone(&request.batches), request.next.as_ref().map(|n| Arc::clone(&n.1)))];
@@ -114,8 +116,8 @@ impl Scheduler {
         Ok(Self { coordinator: Arc::clone(coordinator), send: Some(send), thread: Some(thread) })
     }
 
-    /// Asks for the schedule of an epoch; until it comes, the reader waits for it before it
-    /// decides between disk and tier.
+    /// Asks for the schedule of an epoch; until it comes, the reader reads from disk what the
+    /// tier does not hold.
     pub(super) fn request(&self, request: ScheduleRequest) {
         self.coordinator.expect_schedule();
         if self.send.as_ref().is_none_or(|send| send.send(request).is_err()) {

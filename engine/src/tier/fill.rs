@@ -55,6 +55,9 @@ const HORIZON_STEPS_MIN: u64 = 2 * REPLAN_STEPS;
 /// sliding over the shards) is followed.
 const LOAD_RECORDS_PER_MIB: u64 = 16;
 
+/// How long the fills wait for the reader's first batch before they start anyway.
+const FIRST_BATCH_HEAD_START: Duration = Duration::from_millis(200);
+
 /// How often an idle filler looks at memory pressure.
 const IDLE_CHECK: Duration = Duration::from_millis(100);
 
@@ -174,6 +177,10 @@ pub struct Coordinator {
     changed: Condvar,
     /// Fills finished (loaded, failed or found elsewhere) so far.
     published: AtomicU64,
+    /// The reader delivered its first batch: the fills may start (they do not compete with it
+    /// for the disk and the cores, issue 44).
+    started: std::sync::atomic::AtomicBool,
+    created: Instant,
     /// The evictor plugin, started before the first fill that may need room (most loaders never
     /// evict).
     #[cfg(feature = "policy")]
@@ -234,11 +241,11 @@ struct State {
     failed: Vec<bool>,
     queue: VecDeque<usize>,
     urgent: VecDeque<usize>,
-    /// A schedule is being computed: the reader waits for it before deciding disk or tier.
+    /// A schedule is being computed (the reader reads from disk meanwhile).
     pending: bool,
     /// Every extent the schedule reads fits the budget (all are admitted); otherwise the
     /// admitted ones are chosen within a horizon. Either way the reader waits for an admitted
-    /// extent rather than read its records from disk.
+    /// extent being filled rather than read its records from disk.
     fits: bool,
     stop: bool,
 }
@@ -251,9 +258,32 @@ impl Coordinator {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             published: AtomicU64::new(0),
+            started: false.into(),
+            created: Instant::now(),
             #[cfg(feature = "policy")]
             evictor: Mutex::new(PluginEvictor::default()),
         })
+    }
+
+    /// The reader delivered a batch: the fills start if they had not (once; cheap after).
+    pub fn delivered(&self) {
+        if !self.started.swap(true, Ordering::AcqRel) {
+            self.changed.notify_all();
+        }
+    }
+
+    /// Waits until the fills may run (`may_fill`), or the fillers are stopped.
+    pub fn wait_until_started(&self) {
+        let mut state = self.lock();
+        while !self.may_fill() && !state.stop {
+            let _ = self.changed.wait_for(&mut state, Duration::from_millis(5));
+        }
+    }
+
+    /// Whether the fills may run: the first batch was delivered, or is taking long (a reader
+    /// held up elsewhere does not hold the fills back for more than `FIRST_BATCH_HEAD_START`).
+    fn may_fill(&self) -> bool {
+        self.started.load(Ordering::Acquire) || self.created.elapsed() >= FIRST_BATCH_HEAD_START
     }
 
     /// The tier.
@@ -330,9 +360,18 @@ impl Coordinator {
 
     /// Waits for extent `key` when this loader's fillers have admitted it: it goes to the front
     /// of their queue. True once a fill of it finished (the caller looks it up again); false
-    /// when it is not admitted, its fill failed, or `deadline` passed.
+    /// when it is not admitted, its fill failed, or `deadline` passed. Until the reader has
+    /// delivered its first batch, and while the schedule is being worked out, only an extent a
+    /// filler is reading now is waited for: the first batch of a cold run needs an extent of
+    /// nearly every shard and would otherwise wait for all of them (issue 44); its records come
+    /// from disk while the fills start behind it.
     pub fn wait_for(&self, key: &ExtentKey, deadline: Instant) -> bool {
         let mut state = self.lock();
+        // Before the first batch is out, the schedule is not waited for (nothing is being
+        // filled yet); after, it is, as a fill that serves this record and later ones.
+        if state.pending && !self.started.load(Ordering::Acquire) {
+            return false;
+        }
         while state.pending && !state.stop && Instant::now() < deadline {
             let left = deadline.saturating_duration_since(Instant::now());
             self.changed.wait_for(&mut state, left);
@@ -345,11 +384,23 @@ impl Coordinator {
             return false;
         }
         // Loaded earlier but not there now: evicted by another process. Load it again.
-        state.loaded[extent] = false;
-        if !state.busy[extent] {
-            state.urgent.push_front(extent);
+        if state.loaded[extent] {
+            state.loaded[extent] = false;
+            if !state.busy[extent] {
+                state.urgent.push_front(extent);
+            }
+            self.changed.notify_all();
         }
-        self.changed.notify_all();
+        if !state.busy[extent] {
+            // Before the first batch is out, nothing is waited for that is not being read now.
+            if !self.started.load(Ordering::Acquire) {
+                return false;
+            }
+            // To the front of the queue, and waited for: one large read serves this record and
+            // the later reads of the extent.
+            state.urgent.push_front(extent);
+            self.changed.notify_all();
+        }
         loop {
             if state.loaded[extent] {
                 return true;
@@ -368,6 +419,10 @@ impl Coordinator {
         loop {
             if state.stop {
                 return None;
+            }
+            if !self.may_fill() {
+                let _ = self.changed.wait_for(&mut state, Duration::from_millis(5));
+                continue;
             }
             if state.planned_at.is_none() {
                 self.replan(&mut state);
