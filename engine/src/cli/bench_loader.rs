@@ -19,7 +19,7 @@ use granary::loader::{Loader, LoaderConfig, PlanSource, Target, TierSetting};
 use granary::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
 use granary::staging::cuda::Cuda;
 use granary::staging::{Pinning, StagingConfig, StagingPool};
-use granary::tier::{MemoryTier, TierConfig};
+use granary::tier::{MemoryTier, TierConfig, TierKind};
 use granary::{
     Backend, Dataset, DatasetName, EpochPlan, FixedLayout, Granary, IngestOptions, IoConfig, Layout, Order, Position,
     StorePaths, VersionSpec,
@@ -86,6 +86,13 @@ pub(crate) struct LoaderArgs {
     /// Shuffled epochs of the tier-partial row (a dataset twice the tier's budget).
     #[arg(long, default_value_t = 3)]
     partial_epochs: u64,
+    /// The tiers the tier rows measure (both by default): page-cache, memory.
+    #[arg(long, value_delimiter = ',', default_value = "page-cache,memory",
+          value_parser = |s: &str| TierKind::parse(s).ok_or("page-cache or memory"))]
+    tier_kinds: Vec<TierKind>,
+    /// The tier the tier-partial row measures: page-cache or memory.
+    #[arg(long, default_value = "page-cache", value_parser = |s: &str| TierKind::parse(s).ok_or("page-cache or memory"))]
+    partial_kind: TierKind,
 }
 
 /// A group of rows of the table.
@@ -208,8 +215,12 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         None => Some(PathBuf::from(format!("/dev/shm/granary-bench-{}", std::process::id()))),
     });
     let tier_dir = args.tier_dir.clone().or_else(|| own_dir.0.clone());
-    let tier_config =
-        |budget: u64| TierConfig { budget_bytes: Some(budget), dir: tier_dir.clone(), ..TierConfig::default() };
+    let tier_config = |kind: TierKind, budget: u64| match kind {
+        TierKind::Memory => {
+            TierConfig { kind, budget_bytes: Some(budget), dir: tier_dir.clone(), ..TierConfig::default() }
+        }
+        TierKind::PageCache => TierConfig { kind, budget_bytes: Some(budget), ..TierConfig::default() },
+    };
     let data_bytes: u64 =
         (0..dataset.n_shards()).map(|s| dataset.shard_meta(s).map(|m| m.data_bytes())).sum::<granary::Result<u64>>()?;
     let mut record = |label: &str, sample: Sample| match rows.iter_mut().find(|(l, _)| l == label) {
@@ -259,35 +270,72 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
             record("warm: engine -> target", measure_loader(&dataset, warm, args.batches, 0, cold)?);
         }
         if wants(Workload::Tier) {
-            // Budget: the whole dataset and a little (the tier's reserve for the trainer aside).
-            let tier = MemoryTier::open(&tier_config(data_bytes + (64 << 20)))?.context("a tier of >0 bytes")?;
             let epoch_batches = n / args.batch;
-            let tiered = |epochs| LoaderConfig {
+            let tiered = |epochs, tier: TierSetting| LoaderConfig {
                 plan: PlanSource::Native(Order::Shuffled),
                 seed: 1,
                 io: random_io,
                 read_depth: 4,
                 target: Target::Host,
                 epochs: Some(epochs),
-                tier: TierSetting::Shared(Arc::clone(&tier)),
+                tier,
                 ..base.clone()
             };
-            // Cold: page cache dropped, tier empty, one whole epoch each.
-            tier.clear()?;
             record("cold epoch: sequential read (limit)", measure_bare(&mut seq_bare, &all_seq_ops, data_bytes, cold)?);
-            record("cold epoch: tier memory only (floor)", measure_tier_memory(&tier, data_bytes)?);
-            tier.clear()?;
-            record("cold epoch random: engine -> host", measure_loader(&dataset, tiered(1), epoch_batches, 0, cold)?);
             // Mapped without MAP_POPULATE: `np.memmap` maps lazily (populating would read the
             // whole dataset before the first record).
-            let maps: Vec<MappedFile> = (0..dataset.n_shards())
-                .map(|s| MappedFile::open_lazy(&dataset.shard_path(s)))
-                .collect::<granary::Result<_>>()?;
+            let open_maps = || -> Result<Vec<MappedFile>> {
+                Ok((0..dataset.n_shards())
+                    .map(|s| MappedFile::open_lazy(&dataset.shard_path(s)))
+                    .collect::<granary::Result<_>>()?)
+            };
+            let maps = open_maps()?;
+            let first = &epoch_random[..usize::try_from(args.batch.min(n))?];
+            record("first batch, cold: mmap gather", measure_gather(&dataset, &maps, first, args.batch, cold)?);
             record("cold epoch random: mmap gather", measure_gather(&dataset, &maps, &epoch_random, args.batch, cold)?);
-            // Warm: the tier filled (and the map's pages cached) by the cold epochs above.
-            record("warm random: engine -> host", measure_warm_loader(&dataset, tiered(2), args.batches)?);
             record("warm random: mmap gather", measure_gather(&dataset, &maps, &random, args.batch, false)?);
-            tier.clear()?;
+            // A trainer that makes its loader anew maps the files anew: every page faults into
+            // the new mapping once.
+            drop(maps);
+            record(
+                "new loader, warm epoch: mmap gather",
+                measure_gather(&dataset, &open_maps()?, &epoch_random, args.batch, false)?,
+            );
+            record(
+                "cold epoch random: tier off",
+                measure_loader(&dataset, tiered(1, TierSetting::Off), epoch_batches, 0, cold)?,
+            );
+            for &kind in &args.tier_kinds {
+                let name = kind.name();
+                // Budget: the whole dataset and a little (the tier's reserve for the trainer aside).
+                let config = tier_config(kind, data_bytes + (64 << 20));
+                let tier = MemoryTier::open(&config)?.context("a tier of >0 bytes")?;
+                if kind == TierKind::Memory {
+                    tier.clear()?;
+                    record("cold epoch: memory tier's memory only (floor)", measure_tier_memory(&tier, data_bytes)?);
+                }
+                // Cold: page cache dropped, tier empty, one whole epoch.
+                tier.clear()?;
+                let shared = TierSetting::Shared(Arc::clone(&tier));
+                record(
+                    &format!("cold epoch random: {name} tier"),
+                    measure_loader(&dataset, tiered(1, shared.clone()), epoch_batches, 0, cold)?,
+                );
+                record(
+                    &format!("warm random: {name} tier"),
+                    measure_warm_loader(&dataset, tiered(2, shared), args.batches)?,
+                );
+                tier.clear()?;
+                drop(tier);
+                // A new loader for each epoch, each opening the tier itself (as a trainer that
+                // rebuilds its loaders does): the first fills it, the second is measured.
+                let own = TierSetting::Config(config);
+                measure_loader(&dataset, tiered(1, own.clone()), epoch_batches, 0, false)?;
+                record(
+                    &format!("new loader, warm epoch: {name} tier"),
+                    measure_loader(&dataset, tiered(1, own), epoch_batches, 0, false)?,
+                );
+            }
         }
         if wants(Workload::TierPartial) && run == 0 {
             for (label, plan) in partial_plans(&dataset) {
@@ -342,7 +390,7 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         }
     )?;
     outln!()?;
-    outln!("{:<34} {:>12} {:>14} {:>12} {:>16}", "row", "GB/s", "records/s", "cores", "cores per GB/s")?;
+    outln!("{:<44} {:>8} {:>14} {:>8} {:>16}", "row", "GB/s", "records/s", "cores", "cores per GB/s")?;
     let median_of = |samples: &[Sample], f: &dyn Fn(&Sample) -> f64| median(samples.iter().map(f).collect());
     for (label, samples) in &rows {
         let gbps = median_of(samples, &|s| s.gbps());
@@ -351,7 +399,7 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
             let stall = median_of(samples, &|s| s.cpu);
             let steady = median_of(samples, &|s| s.steady);
             outln!(
-                "{label:<34} {:>12} {:>14} {:>12} {:>16}   ({:.2}% after the first batch; target < 1%)",
+                "{label:<44} {:>8} {:>14} {:>8} {:>16}   ({:.2}% after the first batch; target < 1%)",
                 "",
                 "",
                 "",
@@ -361,7 +409,7 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
             continue;
         }
         outln!(
-            "{label:<34} {gbps:>12.3} {:>14.0} {cores:>12.2} {:>16.3}",
+            "{label:<44} {gbps:>8.3} {:>14.0} {cores:>8.2} {:>16.3}",
             gbps * 1e9 / record_bytes as f64,
             cores / gbps
         )?;
@@ -404,46 +452,73 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         ratio("metrics on: warm random", "metrics off: warm random"),
         ">= 0.99",
     )?;
-    show(
-        "warm random: engine -> host / mmap gather",
-        ratio("warm random: engine -> host", "warm random: mmap gather"),
-        ">= 1.0",
-    )?;
-    show(
-        "cold epoch random: engine -> host / mmap gather",
-        ratio("cold epoch random: engine -> host", "cold epoch random: mmap gather"),
-        ">= 1.0",
-    )?;
     // The cold epoch's time against one sequential read of the dataset's bytes, and against the
-    // tier's memory alone.
+    // memory tier's memory alone.
     let time_ratio = |engine: &str, limit: &str| -> Option<f64> {
         let (engine, limit) = (rows.iter().find(|(l, _)| l == engine)?, rows.iter().find(|(l, _)| l == limit)?);
         Some(median(engine.1.iter().zip(&limit.1).map(|(e, l)| l.seconds / e.seconds).collect()))
     };
-    let cold = "cold epoch random: engine -> host";
+    // CPU per byte delivered, the tier's over the map's.
+    let cpu_ratio = |a: &str, b: &str| -> Option<f64> {
+        let (a, b) = (rows.iter().find(|(l, _)| l == a)?, rows.iter().find(|(l, _)| l == b)?);
+        let per_byte = |s: &Sample| s.cpu / s.bytes.max(1) as f64;
+        Some(median(a.1.iter().zip(&b.1).map(|(x, y)| per_byte(x) / per_byte(y)).collect()))
+    };
+    for kind in [TierKind::PageCache, TierKind::Memory] {
+        let tier = format!("{} tier", kind.name());
+        for pattern in ["warm random", "cold epoch random", "new loader, warm epoch"] {
+            show(
+                &format!("{pattern}: {tier} / mmap gather"),
+                ratio(&format!("{pattern}: {tier}"), &format!("{pattern}: mmap gather")),
+                ">= 1.0",
+            )?;
+        }
+        show(
+            &format!("warm random: {tier} CPU per byte / mmap's"),
+            cpu_ratio(&format!("warm random: {tier}"), "warm random: mmap gather"),
+            "(target <= 1.2)",
+        )?;
+        show(
+            &format!("cold epoch random: sequential read time / {tier} time"),
+            time_ratio(&format!("cold epoch random: {tier}"), "cold epoch: sequential read (limit)"),
+            ">= 0.5",
+        )?;
+    }
     show(
-        "cold epoch random: sequential read time / engine time",
-        time_ratio(cold, "cold epoch: sequential read (limit)"),
-        ">= 0.5",
-    )?;
-    show(
-        "cold epoch random: tier memory time / engine time",
-        time_ratio(cold, "cold epoch: tier memory only (floor)"),
+        "cold epoch random: memory tier's memory time / its time",
+        time_ratio("cold epoch random: memory tier", "cold epoch: memory tier's memory only (floor)"),
         "(how close to this machine's floor)",
     )?;
     for note in &notes {
         outln!("{note}")?;
     }
-    // The disk rows time the loader from its first batch, as the bare reader's setup is not
-    // timed: its start is here.
+    // The time from building a loader to its first batch (the disk rows time the loader from
+    // its first batch, as the bare reader's setup is not timed; the tier rows include it).
     for (label, samples) in rows.iter().filter(|(_, samples)| samples.iter().any(|s| s.start > 0.0)) {
         let start = median_of(samples, &|s| s.start);
-        outln!(
-            "{:<48} {:>8.1}   ms: built, first batch delivered (not in its GB/s)",
-            format!("{label}: start"),
-            start * 1e3
+        outln!("{:<48} {:>8.1}   ms: built, first batch delivered", format!("{label}: start"), start * 1e3)?;
+    }
+    // The first batch of a cold epoch, with the tier against without, and against the memory
+    // map's gather of the same records (issue 44).
+    let first = |label: &str| rows.iter().find(|(l, _)| l == label).map(|(_, s)| median_of(s, &|s| s.start));
+    let mmap_first =
+        rows.iter().find(|(l, _)| l == "first batch, cold: mmap gather").map(|(_, s)| median_of(s, &|s| s.seconds));
+    for &kind in &[TierKind::PageCache, TierKind::Memory] {
+        let tier = first(&format!("cold epoch random: {} tier", kind.name()));
+        let off = first("cold epoch random: tier off");
+        let over = |a: Option<f64>, b: Option<f64>| Some(a? / b?);
+        show(&format!("first batch, cold: {} tier / tier off", kind.name()), over(tier, off), "(target <= 1.1)")?;
+        show(
+            &format!("first batch, cold: {} tier / mmap gather", kind.name()),
+            over(tier, mmap_first),
+            "(target <= 0.5)",
         )?;
     }
+    show(
+        "cold epoch random: page-cache tier / tier off",
+        ratio("cold epoch random: page-cache tier", "cold epoch random: tier off"),
+        ">= 1.0",
+    )?;
     show(
         "warm, engine -> GPU / pinned copy",
         ratio("warm: engine -> target", "pinned copy to GPU").filter(|_| cuda.is_some()),
@@ -565,10 +640,12 @@ fn measure_loader(
     let mut loader = Loader::new(Arc::clone(dataset), config, Position::default())?;
     let mut delivered = 0u64;
     let mut first_stall = Duration::ZERO;
+    let mut first_batch = 0.0;
     for i in 0..batches {
         let batch = loader.next().context("the epoch ended early")??;
         if i == 0 {
             first_stall = batch.stall();
+            first_batch = start.elapsed().as_secs_f64();
         }
         if let Some(device) = batch.device() {
             device.wait()?;
@@ -591,7 +668,7 @@ fn measure_loader(
         seconds,
         cpu: if step_us > 0 { stats.stall_fraction() } else { cpu },
         steady,
-        start: 0.0,
+        start: first_batch,
     })
 }
 
@@ -616,6 +693,7 @@ fn measure_warm_loader(dataset: &Arc<Dataset>, config: LoaderConfig, batches: u6
 /// machine where page allocation is slower than the disk this is the cold epoch's real floor.
 fn measure_tier_memory(tier: &MemoryTier, bytes: u64) -> Result<Sample> {
     let extent = tier.extent_bytes();
+    let dir = tier.dir().context("a memory tier's directory")?;
     let n = bytes.div_ceil(extent);
     let cpu = cpu_seconds();
     let start = Instant::now();
@@ -629,7 +707,7 @@ fn measure_tier_memory(tier: &MemoryTier, bytes: u64) -> Result<Sample> {
                         if i >= n {
                             return Ok(());
                         }
-                        let path = tier.dir().join(format!(".bench-floor-{i}"));
+                        let path = dir.join(format!(".bench-floor-{i}"));
                         let file = std::fs::OpenOptions::new()
                             .read(true)
                             .write(true)
@@ -650,7 +728,7 @@ fn measure_tier_memory(tier: &MemoryTier, bytes: u64) -> Result<Sample> {
     let seconds = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu;
     for i in 0..n {
-        let _ = std::fs::remove_file(tier.dir().join(format!(".bench-floor-{i}")));
+        let _ = std::fs::remove_file(dir.join(format!(".bench-floor-{i}")));
     }
     Ok(Sample { bytes, seconds, cpu, steady: 0.0, start: 0.0 })
 }
@@ -717,13 +795,13 @@ fn measure_partial(
     dataset: &Arc<Dataset>,
     base: &LoaderConfig,
     io: IoConfig,
-    tier_config: &dyn Fn(u64) -> TierConfig,
+    tier_config: &dyn Fn(TierKind, u64) -> TierConfig,
     data_bytes: u64,
     args: &LoaderArgs,
     label: &str,
     plan: PlanSource,
 ) -> Result<String> {
-    let config = tier_config(data_bytes / 2);
+    let config = tier_config(args.partial_kind, data_bytes / 2);
     let extent_bytes = config.extent_bytes;
     let tier = MemoryTier::open(&config)?.context("a tier of >0 bytes")?;
     tier.clear()?;
