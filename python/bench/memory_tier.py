@@ -1,4 +1,6 @@
-"""granary's Python loader with the memory tier against np.memmap, cold and warm, one rank or four.
+"""granary's Python loader with its tier against np.memmap, cold and warm, one rank or four, in
+the patterns trainers use: one loader over the epochs, a new loader each epoch, a process
+restarted between epochs.
 
 The workload users compare against: token records gathered in random batches from an
 `np.memmap` of the raw file over the page cache (Megatron-LM's indexed datasets, nanoGPT). Both
@@ -8,6 +10,14 @@ before the first epoch (needs root to drop the cache; says so otherwise).
 
     python python/bench/memory_tier.py --dir /tmp/tierbench --gib 1 --epochs 3
     python python/bench/memory_tier.py --dir /tmp/tierbench --gib 1 --epochs 3 --ranks 4
+    python python/bench/memory_tier.py --dir /tmp/tierbench --gib 1 --epochs 3 --pattern loader-per-epoch
+    python python/bench/memory_tier.py --dir /tmp/tierbench --gib 1 --epochs 3 --pattern restart --tier memory
+
+--pattern: `one-loader` (one loader, or one np.memmap, over every epoch), `loader-per-epoch` (a
+new loader, or a new np.memmap, for each epoch in the same process: an evaluation pass between
+epochs, a framework that rebuilds its loaders), `restart` (a new process for each epoch: a job
+restarted after a failure). --tier: `page-cache` (the default) or `memory`. CPU seconds per
+epoch (every thread of every rank) are reported beside each rate.
 
 With --ranks N, N rank processes (rank 0..N-1 of N, all of this node: the tier plans for all
 of them) each read their slice for every epoch, at once, on each side; records/s are summed over the ranks, and the node's memory growth (used plus
@@ -22,6 +32,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -67,22 +78,31 @@ def make(store: granary.Store, raw: str, total: int, record: int) -> None:
 
 
 def granary_rank(args: tuple) -> list:
-    """One rank's epochs through granary: (seconds, records) per epoch."""
-    store, rank, ranks, epochs, batch, tier_bytes, start, end = args
-    loader = granary.Loader(
-        store, "tier", batch, seed=1, rank=rank, world_size=ranks, device="cpu", output="numpy",
-        tier_bytes=tier_bytes, hold=2, local_world_size=ranks,
-    )
+    """One rank's epochs through granary: (seconds, records, CPU seconds) per epoch."""
+    store, rank, ranks, first, epochs, batch, tier, tier_bytes, per_epoch, start, end = args
+
+    def make_loader(epoch: int) -> granary.Loader:
+        return granary.Loader(
+            store, "tier", batch, seed=1, epoch=epoch, rank=rank, world_size=ranks, device="cpu",
+            output="numpy", tier=tier, tier_bytes=tier_bytes, hold=2, local_world_size=ranks,
+        )
+
+    loader = None if per_epoch else make_loader(first)
     out = []
     start.wait()
-    for _ in range(epochs):
-        t = time.perf_counter()
+    for e in range(first, first + epochs):
+        t, cpu = time.perf_counter(), time.process_time()
+        if per_epoch:
+            loader = make_loader(e)
         n = 0
         for b in loader:
             n += b.shape[0]
-        out.append((time.perf_counter() - t, n))
+        if per_epoch:
+            loader.close()
+        out.append((time.perf_counter() - t, n, time.process_time() - cpu))
     in_use = measured(end)
-    loader.close()
+    if not per_epoch:
+        loader.close()
     return out, in_use
 
 
@@ -96,52 +116,108 @@ def measured(end) -> int:
 
 def memmap_rank(args: tuple) -> list:
     """One rank's epochs gathered from np.memmap, in granary's order: (seconds, records) per epoch."""
-    store, raw, record, rank, ranks, epochs, batch, start, end = args
-    data = np.memmap(raw, dtype=np.uint8, mode="r").reshape(-1, record)
+    store, raw, record, rank, ranks, first, epochs, batch, per_epoch, start, end = args
     # The same order as granary's, taken from a loader's indices (not timed).
     orders = []
     loader = granary.Loader(
-        store, "tier", batch, seed=1, rank=rank, world_size=ranks, device="cpu", output="numpy",
-        tier_bytes=0, with_indices=True, hold=2,
+        store, "tier", batch, seed=1, epoch=first, rank=rank, world_size=ranks, device="cpu",
+        output="numpy", tier_bytes=0, with_indices=True, hold=2,
     )
     for _ in range(epochs):
         orders.append([np.asarray(i) for i, _ in loader])
     loader.close()
+    data = None
     out = []
     start.wait()
     for order in orders:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
+        if data is None or per_epoch:
+            data = np.memmap(raw, dtype=np.uint8, mode="r").reshape(-1, record)
         n = 0
         for idx in order:
             b = data[idx]  # fancy-index gather: one copy, as the memmap loaders do
             n += b.shape[0]
-        out.append((time.perf_counter() - t, n))
+        out.append((time.perf_counter() - t, n, time.process_time() - cpu))
     return out, measured(end)
+
+
+def first_batch(args: tuple) -> float:
+    """Seconds from nothing (a fresh process, the page cache dropped) to the first batch: a
+    granary loader with the default tier (`tier` None), with the tier off (`tier_bytes` 0), or
+    np.memmap's gather of the same batch (`kind` "memmap")."""
+    store, raw, record, batch, kind, tier_bytes = args
+    if kind == "memmap":
+        loader = granary.Loader(store, "tier", batch, seed=1, device="cpu", output="numpy", tier_bytes=0,
+                                with_indices=True)
+        idx = np.asarray(next(iter(loader))[0])
+        loader.close()
+        drop_caches()
+        t = time.perf_counter()
+        data = np.memmap(raw, dtype=np.uint8, mode="r").reshape(-1, record)
+        data[idx]
+        return time.perf_counter() - t
+    drop_caches()
+    t = time.perf_counter()
+    loader = granary.Loader(store, "tier", batch, seed=1, device="cpu", output="numpy", tier_bytes=tier_bytes)
+    next(iter(loader))
+    seconds = time.perf_counter() - t
+    loader.close()
+    return seconds
+
+
+def first_batches(a: argparse.Namespace, store: str, raw: str) -> None:
+    """Issue 44's row: the cold first batch with the default tier, the tier off, and np.memmap."""
+    ctx = mp.get_context("spawn")
+    cases = [("default tier", "granary", None), ("tier off", "granary", 0), ("np.memmap gather", "memmap", None)]
+    times = {label: [] for label, _, _ in cases}
+    for _ in range(a.runs):
+        for label, kind, tier_bytes in cases:
+            with ctx.Pool(1) as pool:
+                times[label].append(pool.map(first_batch, [(store, raw, a.record_bytes, a.batch, kind, tier_bytes)])[0])
+    medians = {label: statistics.median(t) for label, t in times.items()}
+    print(json.dumps({"first_batch_seconds": medians}), flush=True)
+    print(f"first batch, cold, medians of {a.runs}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in medians.items()))
+    print(f"default tier / tier off {medians['default tier'] / medians['tier off']:.2f} (target <= 1.1); "
+          f"default tier / np.memmap {medians['default tier'] / medians['np.memmap gather']:.2f} (target <= 0.5)")
 
 
 def run(kind: str, a: argparse.Namespace, store: str, raw: str) -> dict:
     if drop_caches() is False:
         print("note: could not drop the page cache (needs root): the cold epoch is not cold", flush=True)
+    if kind == "granary" and a.tier == "memory":
+        # The memory tier of a previous run that kept it would make the cold epoch warm.
+        subprocess.run([os.environ.get("GRANARY_BIN", "granary"), "tier", "clear"], capture_output=True)
     before = node_bytes_in_use()
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
-    start, end = manager.Barrier(a.ranks), manager.Barrier(a.ranks)
-    if kind == "granary":
-        jobs = [(store, r, a.ranks, a.epochs, a.batch, a.tier_bytes, start, end) for r in range(a.ranks)]
-        fn = granary_rank
-    else:
-        jobs = [(store, raw, a.record_bytes, r, a.ranks, a.epochs, a.batch, start, end) for r in range(a.ranks)]
-        fn = memmap_rank
-    with ctx.Pool(a.ranks) as pool:
-        outcomes = pool.map(fn, jobs)
-    results = [o[0] for o in outcomes]
-    grown = max(o[1] for o in outcomes) - before
-    epochs = []
+    per_epoch = a.pattern != "one-loader"
+    # A restarted job is a new process per epoch: one pool per epoch.
+    spans = [(e, 1) for e in range(a.epochs)] if a.pattern == "restart" else [(0, a.epochs)]
+    results = [[] for _ in range(a.ranks)]
+    grown = 0
+    for first, epochs in spans:
+        start, end = manager.Barrier(a.ranks), manager.Barrier(a.ranks)
+        if kind == "granary":
+            jobs = [(store, r, a.ranks, first, epochs, a.batch, a.tier, a.tier_bytes, per_epoch, start, end)
+                    for r in range(a.ranks)]
+            fn = granary_rank
+        else:
+            jobs = [(store, raw, a.record_bytes, r, a.ranks, first, epochs, a.batch, per_epoch, start, end)
+                    for r in range(a.ranks)]
+            fn = memmap_rank
+        with ctx.Pool(a.ranks) as pool:
+            outcomes = pool.map(fn, jobs)
+        for r, o in enumerate(outcomes):
+            results[r].extend(o[0])
+        grown = max(grown, max(o[1] for o in outcomes) - before)
+    rates, cpus = [], []
     for e in range(a.epochs):
         seconds = max(r[e][0] for r in results)
         records = sum(r[e][1] for r in results)
-        epochs.append(records / seconds)
-    return {"loader": kind, "ranks": a.ranks, "records_per_s": epochs, "memory_growth_bytes": grown}
+        rates.append(records / seconds)
+        cpus.append(sum(r[e][2] for r in results))
+    return {"loader": kind, "ranks": a.ranks, "pattern": a.pattern, "records_per_s": rates, "cpu_seconds": cpus,
+            "memory_growth_bytes": grown}
 
 
 def main() -> None:
@@ -154,6 +230,10 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--runs", type=int, default=3, help="medians over this many runs of each side")
     p.add_argument("--tier-bytes", type=int, default=None, help="the tier's budget (default: the tier's own)")
+    p.add_argument("--tier", choices=("page-cache", "memory"), default="page-cache")
+    p.add_argument("--pattern", choices=("one-loader", "loader-per-epoch", "restart"), default="one-loader")
+    p.add_argument("--first-batch", action="store_true",
+                   help="measure only the cold first batch: default tier, tier off, np.memmap (issue 44)")
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     store_dir = os.path.join(a.dir, "store")
@@ -162,6 +242,9 @@ def main() -> None:
     if not any(d["name"] == "tier" for d in store.datasets()):
         make(store, raw, int(a.gib * (1 << 30)), a.record_bytes)
     dataset_bytes = os.path.getsize(raw)
+    if a.first_batch:
+        first_batches(a, store_dir, raw)
+        return
     runs = {"granary": [], "memmap": []}
     for _ in range(a.runs):
         for kind in ("granary", "memmap"):
@@ -171,13 +254,16 @@ def main() -> None:
             runs[kind].append(result)
     print()
     print(f"{a.ranks} rank(s), {dataset_bytes / (1 << 30):.2f} GiB of {a.record_bytes}-byte records, "
-          f"batch {a.batch}, medians of {a.runs}")
-    print(f"{'epoch':<8} {'granary rec/s':>14} {'memmap rec/s':>14} {'ratio':>8}   target >= 1.0")
+          f"batch {a.batch}, {a.pattern}, {a.tier} tier, medians of {a.runs}")
+    print(f"{'epoch':<8} {'granary rec/s':>14} {'memmap rec/s':>14} {'ratio':>8} {'granary CPU s':>14} "
+          f"{'memmap CPU s':>13} {'CPU ratio':>10}")
     for e in range(a.epochs):
         g = statistics.median(r["records_per_s"][e] for r in runs["granary"])
         m = statistics.median(r["records_per_s"][e] for r in runs["memmap"])
+        gc = statistics.median(r["cpu_seconds"][e] for r in runs["granary"])
+        mc = statistics.median(r["cpu_seconds"][e] for r in runs["memmap"])
         label = "cold" if e == 0 else f"warm {e}"
-        print(f"{label:<8} {g:>14.0f} {m:>14.0f} {g / m:>8.2f}")
+        print(f"{label:<8} {g:>14.0f} {m:>14.0f} {g / m:>8.2f} {gc:>14.2f} {mc:>13.2f} {gc / max(mc, 1e-9):>10.2f}")
     for kind in ("granary", "memmap"):
         x = statistics.median(r["memory_growth_x_dataset"] for r in runs[kind])
         print(f"memory growth, {kind}: {x:.2f} x the dataset" + ("   target <= 1.2" if kind == "granary" else ""))
