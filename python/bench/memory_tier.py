@@ -165,6 +165,20 @@ def first_batch(args: tuple) -> float:
     return seconds
 
 
+def some_batches(args: tuple) -> tuple:
+    """Records/s and CPU seconds of the first `batches` batches of a cold epoch, from nothing (a
+    fresh process, the page cache dropped): a run that stops early pays for what it reads."""
+    store, batch, batches, tier_bytes = args
+    drop_caches()
+    t, cpu = time.perf_counter(), time.process_time()
+    loader = granary.Loader(store, "tier", batch, seed=1, device="cpu", output="numpy", tier_bytes=tier_bytes)
+    it = iter(loader)
+    n = sum(next(it).shape[0] for _ in range(batches))
+    out = (n / (time.perf_counter() - t), time.process_time() - cpu)
+    loader.close()
+    return out
+
+
 def first_batches(a: argparse.Namespace, store: str, raw: str) -> None:
     """Issue 44's row: the cold first batch with the default tier, the tier off, and np.memmap."""
     ctx = mp.get_context("spawn")
@@ -179,6 +193,19 @@ def first_batches(a: argparse.Namespace, store: str, raw: str) -> None:
     print(f"first batch, cold, medians of {a.runs}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in medians.items()))
     print(f"default tier / tier off {medians['default tier'] / medians['tier off']:.2f} (target <= 1.1); "
           f"default tier / np.memmap {medians['default tier'] / medians['np.memmap gather']:.2f} (target <= 0.5)")
+    if a.partial_batches:
+        runs = {"default tier": [], "tier off": []}
+        for _ in range(a.runs):
+            for label, tier_bytes in (("default tier", None), ("tier off", 0)):
+                with ctx.Pool(1) as pool:
+                    runs[label].append(pool.map(some_batches, [(store, a.batch, a.partial_batches, tier_bytes)])[0])
+        rate = {k: statistics.median(r[0] for r in v) for k, v in runs.items()}
+        cpu = {k: statistics.median(r[1] for r in v) for k, v in runs.items()}
+        print(json.dumps({"partial_batches": a.partial_batches, "records_per_s": rate, "cpu_seconds": cpu}), flush=True)
+        print(f"{a.partial_batches} batches of a cold epoch: default tier {rate['default tier']:.0f} rec/s, "
+              f"{cpu['default tier']:.2f} CPU s; tier off {rate['tier off']:.0f} rec/s, {cpu['tier off']:.2f} CPU s; "
+              f"rate {rate['default tier'] / rate['tier off']:.2f} (target >= 1.0), "
+              f"CPU {cpu['default tier'] / cpu['tier off']:.2f} (target <= 1.2)")
 
 
 def run(kind: str, a: argparse.Namespace, store: str, raw: str) -> dict:
@@ -234,6 +261,8 @@ def main() -> None:
     p.add_argument("--pattern", choices=("one-loader", "loader-per-epoch", "restart"), default="one-loader")
     p.add_argument("--first-batch", action="store_true",
                    help="measure only the cold first batch: default tier, tier off, np.memmap (issue 44)")
+    p.add_argument("--partial-batches", type=int, default=0,
+                   help="with --first-batch: also the first N batches of a cold epoch, tier on and off (issue 44: 300)")
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     store_dir = os.path.join(a.dir, "store")
