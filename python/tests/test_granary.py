@@ -542,9 +542,12 @@ def test_the_memory_tier_serves_every_epoch_and_can_be_turned_off(tokens, tmp_pa
         for index, row in read_epoch(loader):
             assert (row == data[index]).all()
     m = loader.metrics()
-    # The reader runs ahead of the trainer (prefetch): it read at least what was handed out.
-    assert m["tier_records"] >= 2000 and m["tier_hit_ratio"] == 1.0, m
-    assert m["bytes_read"] == 0 and m["tier_extents_loaded"] > 0 and m["blocks_verified"] > 0, m
+    # The batches planned before the first is out (the read depth's, and one more) come from
+    # disk while the fills start (issue 44); every later one from the tier.
+    first = 3 * 100
+    assert m["tier_records"] >= 2000 - first and m["tier_hit_ratio"] >= 0.85, m
+    assert m["bytes_read"] <= first * 4096, m  # a block at most per record
+    assert m["tier_extents_loaded"] > 0 and m["blocks_verified"] > 0, m
     assert 0 < m["tier_bytes_held"] <= 64 << 20, m
     loader.close()
 
@@ -626,7 +629,8 @@ def test_local_world_size_reaches_the_loader_and_a_bad_one_is_refused(tokens, tm
             assert (row == data[index]).all()
             seen.append(int(index))
     assert sorted(seen) == list(range(len(data)))
-    assert all(loader.metrics()["tier_hit_ratio"] == 1.0 for loader in loaders)
+    # All but each loader's first batches (read from disk while the fills start, issue 44).
+    assert all(loader.metrics()["tier_hit_ratio"] >= 0.5 for loader in loaders)
     for loader in loaders:
         loader.close()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")

@@ -350,6 +350,13 @@ impl Coordinator {
         self.published.load(Ordering::Acquire)
     }
 
+    /// Changes since the loader started that make an extent found absent worth looking up
+    /// again: the fills finished, and whether the fills have started (before the first batch is
+    /// out an absent extent is not waited for; after, it is).
+    pub fn generation(&self) -> u64 {
+        self.published() | u64::from(self.started.load(Ordering::Acquire)) << 63
+    }
+
     /// Waits until a fill finishes after `seen` fills had, or `timeout` passes.
     pub fn wait_for_publish(&self, seen: u64, timeout: Duration) {
         let mut state = self.lock();

@@ -1322,8 +1322,8 @@ pub struct TierReader {
     tier: Arc<MemoryTier>,
     coordinator: Option<Arc<Coordinator>>,
     mapped: HashMap<u64, Arc<Mapped>, SlotHash>,
-    /// Extents found absent, with the coordinator's publish count and the time then: looked up
-    /// again only when this process published something or a moment has passed.
+    /// Extents found absent, with the coordinator's generation (fills finished, fills started)
+    /// and the time then: looked up again only when it changed or a moment has passed.
     absent: HashMap<u64, (u64, Instant), SlotHash>,
     revalidated: Instant,
 }
@@ -1400,7 +1400,7 @@ impl TierReader {
         if !self.mapped.contains_key(&slot) {
             let key = ExtentKey { shard, extent };
             let len = self.tier.extent_len(extent, n_data_blocks);
-            let published = self.coordinator.as_ref().map_or(0, |c| c.published());
+            let published = self.coordinator.as_ref().map_or(0, |c| c.generation());
             if len == 0
                 || self.absent.get(&slot).is_some_and(|&(seen, at)| seen == published && at.elapsed() < SCAN_TTL)
             {
@@ -1458,7 +1458,7 @@ impl TierReader {
     pub fn discard(&mut self, shard_idx: u32, shard: ShardId, extent: u32) {
         let slot = u64::from(shard_idx) << 32 | u64::from(extent);
         self.mapped.remove(&slot);
-        let published = self.coordinator.as_ref().map_or(0, |c| c.published());
+        let published = self.coordinator.as_ref().map_or(0, |c| c.generation());
         self.absent.insert(slot, (published, Instant::now()));
         let name = self.tier.extent_name(&ExtentKey { shard, extent });
         // A tier that cannot remove it (another user's file, a read-only directory) keeps it;
