@@ -447,65 +447,49 @@ impl MemoryTier {
         if config.budget_bytes == Some(0) {
             return Ok(None);
         }
-        if config.kind == TierKind::PageCache {
+        // Half of what is available now (and of the cgroup's headroom).
+        let half_available = || {
+            let memory = Memory::read();
+            memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX)) / 2
+        };
+        let (page_cache, dir, budget_bytes) = match config.kind {
             // Extents are ranges of shard files here, not mappings of their own: no limit on
             // their count. The budget bounds what is read ahead and held for the plan; the
             // kernel may hold more, and takes it back as it needs.
-            let budget_bytes = config.budget_bytes.unwrap_or_else(|| {
-                let memory = Memory::read();
-                memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX)) / 2
-            });
-            #[cfg(feature = "policy")]
-            if let Some(name) = &config.evictor {
-                fill::evictor_host()?.evictor(
-                    Some(name),
-                    &config.evictor_options,
-                    (budget_bytes / BLOCK_BYTES_U64).max(1),
-                )?;
-            }
-            return Ok(Some(Arc::new(Self {
-                page_cache: Some(page_cache::PageCache::new(config.extent_bytes)),
-                dir: PathBuf::new(),
-                budget_bytes,
-                extent_bytes: config.extent_bytes,
-                fill_threads: config.fill_threads,
-                keep: false,
-                evictor: config.evictor.clone(),
-                evictor_options: config.evictor_options.clone(),
-                pid: std::process::id(),
-                users: None,
-                counters: Counters::default(),
-                listing: Mutex::new(Listing { at: None, extents: HashMap::new(), bytes: 0 }),
-                maps: Mutex::new(HashMap::new()),
-            })));
-        }
-        let dir = match &config.dir {
-            Some(dir) => dir.clone(),
-            None => {
-                let shm = Path::new("/dev/shm");
-                if !shm.is_dir() {
-                    return Err(Error::invalid_input(
-                        "the memory tier needs /dev/shm (or a tier directory in a memory file system); \
-                         set the tier budget to 0 to read without it",
-                    ));
-                }
-                shm.join(format!("granary-tier-{}", current_uid()))
-            }
-        };
-        prepare_dir(&dir)?;
-        let most = EXTENTS_MAX * config.extent_bytes;
-        let budget_bytes = match config.budget_bytes {
-            Some(bytes) if bytes > most => {
-                return Err(Error::invalid_input(format!(
-                    "a memory tier of {bytes} bytes in extents of {} bytes would be more than {EXTENTS_MAX} \
-                     extents (each one a memory mapping in every reader): choose larger extents or a smaller tier",
-                    config.extent_bytes
-                )));
-            }
-            Some(bytes) => bytes,
-            None => {
-                let memory = Memory::read();
-                (memory.available.min(memory.cgroup_headroom.unwrap_or(u64::MAX)) / 2).min(most)
+            TierKind::PageCache => (
+                Some(page_cache::PageCache::new(config.extent_bytes)),
+                PathBuf::new(),
+                config.budget_bytes.unwrap_or_else(half_available),
+            ),
+            TierKind::Memory => {
+                let dir = match &config.dir {
+                    Some(dir) => dir.clone(),
+                    None => {
+                        let shm = Path::new("/dev/shm");
+                        if !shm.is_dir() {
+                            return Err(Error::invalid_input(
+                                "the memory tier needs /dev/shm (or a tier directory in a memory file system); \
+                                 set the tier budget to 0 to read without it",
+                            ));
+                        }
+                        shm.join(format!("granary-tier-{}", current_uid()))
+                    }
+                };
+                prepare_dir(&dir)?;
+                let most = EXTENTS_MAX * config.extent_bytes;
+                let budget_bytes = match config.budget_bytes {
+                    Some(bytes) if bytes > most => {
+                        return Err(Error::invalid_input(format!(
+                            "a memory tier of {bytes} bytes in extents of {} bytes would be more than \
+                             {EXTENTS_MAX} extents (each one a memory mapping in every reader): choose larger \
+                             extents or a smaller tier",
+                            config.extent_bytes
+                        )));
+                    }
+                    Some(bytes) => bytes,
+                    None => half_available().min(most),
+                };
+                (None, dir, budget_bytes)
             }
         };
         // A plugin asked for by name that does not load, or refuses its options (at the
@@ -519,16 +503,21 @@ impl MemoryTier {
             )?;
         }
         let users_path = dir.join(".users");
-        let users = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&users_path)
-            .map_err(|e| Error::io("open", &users_path, e))?;
+        let users = match page_cache {
+            Some(_) => None,
+            None => Some(
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .mode(0o600)
+                    .open(&users_path)
+                    .map_err(|e| Error::io("open", &users_path, e))?,
+            ),
+        };
         let tier = Self {
-            page_cache: None,
+            page_cache,
             dir,
             budget_bytes,
             extent_bytes: config.extent_bytes,
@@ -537,12 +526,13 @@ impl MemoryTier {
             evictor: config.evictor.clone(),
             evictor_options: config.evictor_options.clone(),
             pid: std::process::id(),
-            users: Some(users),
+            users,
             counters: Counters::default(),
             listing: Mutex::new(Listing { at: None, extents: HashMap::new(), bytes: 0 }),
             maps: Mutex::new(HashMap::new()),
         };
-        // The first user empties what a crashed job left behind, then shares the directory.
+        // The first user of a memory tier empties what a crashed job left behind, then shares
+        // the directory.
         if let Some(users) = &tier.users {
             if flock(users, libc::LOCK_EX | libc::LOCK_NB).is_ok() && !tier.keep {
                 tier.clear()?;
