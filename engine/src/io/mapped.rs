@@ -130,10 +130,17 @@ impl MappedFile {
     /// range not read in is told in two small calls).
     pub fn is_resident(&self, offset: usize, len: usize) -> bool {
         let Some((_, bytes)) = self.pages(offset, len) else { return false };
+        self.ends_resident(offset, len) && self.count_resident(offset, len, true) == bytes as u64
+    }
+
+    /// Whether the first and the last page of `offset..offset + len` are in memory now (two
+    /// one-page looks).
+    pub fn ends_resident(&self, offset: usize, len: usize) -> bool {
+        if self.pages(offset, len).is_none() {
+            return false;
+        }
         let last = offset.saturating_add(len).min(self.len) - 1;
-        self.count_resident(offset, 1, true) > 0
-            && self.count_resident(last, 1, true) > 0
-            && self.count_resident(offset, len, true) == bytes as u64
+        self.count_resident(offset, 1, true) > 0 && self.count_resident(last, 1, true) > 0
     }
 
     /// Bytes of the pages of `offset..offset + len` in memory; with `whole`, 0 as soon as one is
@@ -411,6 +418,7 @@ mod tests {
         let mapped = MappedFile::open_lazy(&path).expect("map");
         mapped.populate(0, 64 << 10).expect("populate");
         assert!(mapped.is_resident(4096, 8192), "populated pages are in memory");
+        assert!(mapped.ends_resident(0, 64 << 10));
         assert_eq!(mapped.resident_bytes(0, 64 << 10), 64 << 10);
         // Ranges are cut to the mapping and widened to whole pages.
         assert_eq!(mapped.resident_bytes(100, 10), 4096);

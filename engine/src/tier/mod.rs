@@ -88,6 +88,12 @@ const BUDGET_LOCK_WAIT: Duration = Duration::from_secs(1);
 /// evict too).
 const SCAN_TTL: Duration = Duration::from_millis(100);
 
+/// How long the page cache tier's listing (kept up to date by this process's fills, look-ups and
+/// evictions) is trusted before `mincore` looks at every mapped shard again, for what the kernel
+/// took back or another process read in: a look over 100 GiB of shards takes a fraction of a
+/// second.
+const PAGE_CACHE_SCAN_TTL: Duration = Duration::from_secs(10);
+
 /// Where the tier's memory is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum TierKind {
@@ -362,9 +368,11 @@ impl Mapped {
         &self.map.as_slice()[self.offset..self.offset + self.len]
     }
 
-    /// Whether every page of it is in memory (a memory tier's always are).
+    /// Whether its first and last pages are still in memory (a memory tier's always are): a
+    /// cheap sign that the kernel has not taken it back (checked every second for every extent a
+    /// reader maps; a page taken back all the same is read again when touched).
     fn in_memory(&self) -> bool {
-        !self.paged || self.map.is_resident(self.offset, self.len)
+        !self.paged || self.map.ends_resident(self.offset, self.len)
     }
 
     /// Whether the extent has left the tier (its bytes stay valid for this mapping).
@@ -621,9 +629,10 @@ impl MemoryTier {
 
     /// Counters so far.
     pub fn stats(&self) -> TierStats {
-        // The page cache's holdings change without a fill of this process: looked at again.
+        // The page cache's listing is kept by this process's fills, look-ups and evictions, and
+        // looked at whole now and then.
         if self.page_cache.is_some() {
-            let _ = self.list(&mut self.listing.lock());
+            let _ = self.resident();
         }
         let bytes_held = self.listing.lock().bytes;
         TierStats {
@@ -666,7 +675,14 @@ impl MemoryTier {
     pub fn lookup(&self, key: &ExtentKey, len: u64, at: Option<(&Path, u64)>) -> Result<Lookup> {
         if let Some(page_cache) = &self.page_cache {
             return Ok(match page_cache.lookup(key, at)? {
-                Some(mapped) if mapped.len as u64 == len => Lookup::Resident(mapped),
+                Some(mapped) if mapped.len as u64 == len => {
+                    // Found in memory (read in by another process, or before): listed as held.
+                    let mut listing = self.listing.lock();
+                    if listing.extents.insert(self.extent_name(key), (len, 0)).is_none() {
+                        listing.bytes += len;
+                    }
+                    Lookup::Resident(mapped)
+                }
                 _ => Lookup::Absent,
             });
         }
@@ -961,7 +977,8 @@ impl MemoryTier {
     /// than a moment. Only files named as extents count.
     pub fn resident(&self) -> Result<(HashMap<String, u64>, u64)> {
         let mut listing = self.listing.lock();
-        if listing.at.is_none_or(|at| at.elapsed() > SCAN_TTL) {
+        let ttl = if self.page_cache.is_some() { PAGE_CACHE_SCAN_TTL } else { SCAN_TTL };
+        if listing.at.is_none_or(|at| at.elapsed() > ttl) {
             self.list(&mut listing)?;
         }
         Ok((listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect(), listing.bytes))
