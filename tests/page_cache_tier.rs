@@ -163,6 +163,56 @@ fn a_bit_flipped_in_a_shard_file_behind_the_engine_is_never_delivered() {
     }
 }
 
+/// A repair that puts the good bytes back as a new file under the shard's name (as a repair from
+/// a peer does: written aside, then renamed over the damaged one).
+#[derive(Debug)]
+struct PutBack {
+    path: std::path::PathBuf,
+    good: Vec<u8>,
+    repairs: std::sync::atomic::AtomicU64,
+}
+
+impl granary::ShardRepair for PutBack {
+    fn repair(&self, _shard: granary::ShardId, _cause: &granary::Error) -> granary::Result<()> {
+        let aside = self.path.with_extension("repaired");
+        std::fs::write(&aside, &self.good).map_err(|e| granary::Error::io("write", &aside, e))?;
+        std::fs::rename(&aside, &self.path).map_err(|e| granary::Error::io("rename", &self.path, e))?;
+        self.repairs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[test]
+fn after_a_repair_the_page_cache_tier_reads_the_new_file_and_the_damage_counts_once() {
+    // The damaged file's pages are in the page cache (it was just written): the tier finds them
+    // in memory, the copy out of it fails its check, the disk read fails too, the repair puts a
+    // new file under the name, and the tier maps that one (not the old one's pages again).
+    let f = fixture(600);
+    let path = f.dataset.shard_path(1);
+    let good = std::fs::read(&path).unwrap();
+    let mut bad = good.clone();
+    bad[4096 + 99] ^= 0x08;
+    std::fs::write(&path, &bad).unwrap();
+    let hook = Arc::new(PutBack { path, good, repairs: 0.into() });
+    let tier = MemoryTier::open(&tier_config(64 << 20)).unwrap().unwrap();
+    for order in [Order::Sequential, Order::Shuffled] {
+        if hook.repairs.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            std::fs::write(f.dataset.shard_path(1), &bad).unwrap();
+        }
+        let before = hook.repairs.load(std::sync::atomic::Ordering::Relaxed);
+        let config = LoaderConfig {
+            plan: PlanSource::Native(order),
+            repair: Some(Arc::clone(&hook) as Arc<dyn granary::ShardRepair>),
+            ..config(1, TierSetting::Shared(Arc::clone(&tier)))
+        };
+        let mut loader = Loader::new(Arc::clone(&f.dataset), config, Position::default()).unwrap();
+        assert_eq!(drain(&mut loader, &f.records), 600, "{order:?}: every record, right");
+        let stats = loader.stats().read;
+        assert_eq!(hook.repairs.load(std::sync::atomic::Ordering::Relaxed) - before, 1, "{order:?}: one repair");
+        assert_eq!(stats.verify_failures, 1, "{order:?}: one damaged block, counted once: {stats:?}");
+    }
+}
+
 #[test]
 fn a_budget_smaller_than_the_data_reads_every_record_right() {
     let f = fixture(1000);

@@ -578,11 +578,24 @@ impl Loader {
         let mut coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
         // A dataset read through an origin cache: its shard files come and go within the cache's
         // bound on disk, and a mapping of the page cache tier would hold an evicted one's disk
-        // space. Those files were just written (their pages are in the page cache already).
-        if coordinator.as_ref().is_some_and(|c| c.tier().kind() == crate::tier::TierKind::PageCache)
+        // space. It is read through a memory tier of the same budget instead (its extents are
+        // copies, so a shard the cache evicted is still served from memory), or from disk when
+        // the node has none.
+        if let Some(page_cache) = coordinator.as_ref().map(|c| Arc::clone(c.tier()))
+            && page_cache.kind() == crate::tier::TierKind::PageCache
             && config.repair.as_ref().is_some_and(|hook| hook.cache_stats().is_some())
         {
-            coordinator = None;
+            let (evictor, evictor_options) = page_cache.evictor();
+            let memory = TierConfig {
+                kind: crate::tier::TierKind::Memory,
+                budget_bytes: Some(page_cache.budget_bytes().min(crate::tier::EXTENTS_MAX * page_cache.extent_bytes())),
+                extent_bytes: page_cache.extent_bytes(),
+                fill_threads: page_cache.fill_threads(),
+                evictor: evictor.map(str::to_owned),
+                evictor_options: evictor_options.to_vec(),
+                ..TierConfig::default()
+            };
+            coordinator = MemoryTier::open(&memory).ok().flatten().map(Coordinator::new);
         }
         if let Some(coordinator) = &coordinator {
             coordinator.tier().warn_if_not_in_memory();

@@ -830,6 +830,10 @@ impl Reader {
     /// stay open until it is read. Files still in place stay open, so a batch that needs more
     /// shards than a cache holds at once still makes progress.
     fn close_after_repair(&mut self, shard: usize, undelivered: &[Vec<u64>]) -> Result<()> {
+        // The tier's view of the old file goes too (a page cache tier maps shard files).
+        if let Some(tier) = &mut self.tier {
+            tier.forget_shard(shard, self.dataset.shard_id(shard));
+        }
         let needed: std::collections::HashSet<usize> = undelivered
             .iter()
             .flatten()

@@ -1465,17 +1465,28 @@ impl TierReader {
     pub fn discard(&mut self, shard_idx: u32, shard: ShardId, extent: u32) {
         let slot = u64::from(shard_idx) << 32 | u64::from(extent);
         self.mapped.remove(&slot);
-        let published = self.coordinator.as_ref().map_or(0, |c| c.generation());
-        self.absent.insert(slot, (published, Instant::now()));
         let name = self.tier.extent_name(&ExtentKey { shard, extent });
         // A tier that cannot remove it (another user's file, a read-only directory) keeps it;
         // every later copy of it is checked again and fails again, and goes to disk.
         let _ = self.tier.evict(&name);
-        if let Some(page_cache) = &self.tier.page_cache {
-            // Its file may be replaced by a repair: mapped again from its name when next read.
-            page_cache.forget_shard(shard);
-            self.mapped.retain(|slot, _| (slot >> 32) as u32 != shard_idx);
-        }
+        // Its file may be replaced by a repair: mapped again from its name when next read.
+        self.forget_shard(shard_idx as usize, shard);
+        // Not looked up again for a moment (its records go to disk, which reports them).
+        let published = self.coordinator.as_ref().map_or(0, |c| c.generation());
+        self.absent.insert(slot, (published, Instant::now()));
+    }
+
+    /// Forgets what this reader (and, for the page cache tier, this process) mapped of shard
+    /// `shard_idx` (id `shard`), after its file was replaced (a repair) or a copy out of it
+    /// failed: the page cache tier maps the file under the shard's name again when it is next
+    /// read, not the old one. A memory tier's extents are of the shard's content, whichever
+    /// file: they stay.
+    pub fn forget_shard(&mut self, shard_idx: usize, shard: ShardId) {
+        let Some(page_cache) = &self.tier.page_cache else { return };
+        page_cache.forget_shard(shard);
+        let Ok(shard_idx) = u32::try_from(shard_idx) else { return };
+        self.mapped.retain(|slot, _| (slot >> 32) as u32 != shard_idx);
+        self.absent.retain(|slot, _| (slot >> 32) as u32 != shard_idx);
     }
 
     /// Drops the mappings of extents that were evicted (by any process), so their memory goes
