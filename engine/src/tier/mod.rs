@@ -1416,6 +1416,9 @@ impl TierReader {
             let path = path();
             let deadline = Instant::now() + FILL_WAIT_MAX;
             let stopped = |c: &Option<Arc<Coordinator>>| c.as_ref().is_some_and(|c| c.is_stopped());
+            // A fill waited for that ends without the extent usable here (taken back at once, or
+            // refused by the look-up) is not waited for again: the record goes to disk.
+            let mut waited = false;
             let mapped = loop {
                 match self.tier.lookup(&key, len, Some((&path, n_data_blocks))) {
                     Ok(Lookup::Resident(mapped)) => break Some(mapped),
@@ -1430,9 +1433,10 @@ impl TierReader {
                         }
                         continue;
                     }
-                    Ok(Lookup::Absent) if Instant::now() < deadline => {
+                    Ok(Lookup::Absent) if Instant::now() < deadline && !waited => {
                         // Promised by this process's fillers: ask for it first and wait.
                         if self.coordinator.as_ref().is_some_and(|c| c.wait_for(&key, deadline)) {
+                            waited = true;
                             continue;
                         }
                         break None;

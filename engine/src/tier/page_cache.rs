@@ -101,8 +101,13 @@ impl PageCache {
         Ok(Some(Arc::new(Mapped::paged(Arc::clone(&shard.map), offset, len))))
     }
 
-    /// Whether every page of extent `key` is in memory now (false for a shard not mapped here).
+    /// Whether every page of extent `key` is in memory now and usable (false for a shard not
+    /// mapped here, and for an extent whose fill found a damaged block: as `lookup` says, so a
+    /// filler does not take for loaded what a reader will not use).
     pub(super) fn is_resident(&self, key: &ExtentKey) -> bool {
+        if self.failed.lock().contains(key) {
+            return false;
+        }
         let Some(shard) = self.shards.lock().get(&key.shard).cloned() else { return false };
         let (offset, len) = self.range(key.extent, shard.n_data_blocks);
         len > 0 && offset + len <= shard.map.len() && shard.map.is_resident(offset, len)
