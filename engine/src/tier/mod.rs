@@ -976,9 +976,25 @@ impl MemoryTier {
     /// The extents held node-wide (name and bytes), listed again when the last listing is older
     /// than a moment. Only files named as extents count.
     pub fn resident(&self) -> Result<(HashMap<String, u64>, u64)> {
+        if let Some(page_cache) = &self.page_cache {
+            // The look over every mapped shard runs without the listing's lock (readers take it
+            // when they find an extent in memory); one look at a time, marked as begun first.
+            let due = {
+                let mut listing = self.listing.lock();
+                let due = listing.at.is_none_or(|at| at.elapsed() > PAGE_CACHE_SCAN_TTL);
+                if due {
+                    listing.at = Some(Instant::now());
+                }
+                due
+            };
+            if due {
+                let (extents, bytes) = page_cache.resident(|key| self.extent_name(key));
+                let extents = extents.into_iter().map(|(name, bytes)| (name, (bytes, 0))).collect();
+                *self.listing.lock() = Listing { at: Some(Instant::now()), extents, bytes };
+            }
+        }
         let mut listing = self.listing.lock();
-        let ttl = if self.page_cache.is_some() { PAGE_CACHE_SCAN_TTL } else { SCAN_TTL };
-        if listing.at.is_none_or(|at| at.elapsed() > ttl) {
+        if self.page_cache.is_none() && listing.at.is_none_or(|at| at.elapsed() > SCAN_TTL) {
             self.list(&mut listing)?;
         }
         Ok((listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect(), listing.bytes))
@@ -1006,12 +1022,6 @@ impl MemoryTier {
     /// keeps its size: extents are never written again) and returns the extents claimed.
     fn list(&self, listing: &mut Listing) -> Result<Vec<String>> {
         use std::os::unix::fs::DirEntryExt;
-        if let Some(page_cache) = &self.page_cache {
-            let (extents, bytes) = page_cache.resident(|key| self.extent_name(key));
-            let extents = extents.into_iter().map(|(name, bytes)| (name, (bytes, 0))).collect();
-            *listing = Listing { at: Some(Instant::now()), extents, bytes };
-            return Ok(Vec::new());
-        }
         let mut extents = HashMap::new();
         let mut claims = Vec::new();
         let mut bytes = 0;
