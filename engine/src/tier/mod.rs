@@ -633,9 +633,7 @@ impl MemoryTier {
     pub fn stats(&self) -> TierStats {
         // The page cache's listing is kept by this process's fills, look-ups and evictions, and
         // looked at whole now and then.
-        if self.page_cache.is_some() {
-            let _ = self.resident();
-        }
+        self.look_at_page_cache();
         let bytes_held = self.listing.lock().bytes;
         TierStats {
             bytes_held,
@@ -978,28 +976,29 @@ impl MemoryTier {
     /// The extents held node-wide (name and bytes), listed again when the last listing is older
     /// than a moment. Only files named as extents count.
     pub fn resident(&self) -> Result<(HashMap<String, u64>, u64)> {
-        if let Some(page_cache) = &self.page_cache {
-            // The look over every mapped shard runs without the listing's lock (readers take it
-            // when they find an extent in memory); one look at a time, marked as begun first.
-            let due = {
-                let mut listing = self.listing.lock();
-                let due = listing.at.is_none_or(|at| at.elapsed() > PAGE_CACHE_SCAN_TTL);
-                if due {
-                    listing.at = Some(Instant::now());
-                }
-                due
-            };
-            if due {
-                let (extents, bytes) = page_cache.resident(|key| self.extent_name(key));
-                let extents = extents.into_iter().map(|(name, bytes)| (name, (bytes, 0))).collect();
-                *self.listing.lock() = Listing { at: Some(Instant::now()), extents, bytes };
-            }
-        }
+        self.look_at_page_cache();
         let mut listing = self.listing.lock();
         if self.page_cache.is_none() && listing.at.is_none_or(|at| at.elapsed() > SCAN_TTL) {
             self.list(&mut listing)?;
         }
         Ok((listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect(), listing.bytes))
+    }
+
+    /// The page cache tier's look at what every mapped shard has in memory, when one is due
+    /// (`PAGE_CACHE_SCAN_TTL`). It runs without the listing's lock (readers take it when they
+    /// find an extent in memory), one look at a time, marked as begun first.
+    fn look_at_page_cache(&self) {
+        let Some(page_cache) = &self.page_cache else { return };
+        {
+            let mut listing = self.listing.lock();
+            if listing.at.is_some_and(|at| at.elapsed() <= PAGE_CACHE_SCAN_TTL) {
+                return;
+            }
+            listing.at = Some(Instant::now());
+        }
+        let (extents, bytes) = page_cache.resident(|key| self.extent_name(key));
+        let extents = extents.into_iter().map(|(name, bytes)| (name, (bytes, 0))).collect();
+        *self.listing.lock() = Listing { at: Some(Instant::now()), extents, bytes };
     }
 
     /// What the tier holds and is filling node-wide, listed now: the extents, and each fill under
