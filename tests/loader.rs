@@ -22,20 +22,9 @@ fn serial() -> MutexGuard<'static, ()> {
 
 const TOKENS: u64 = 50;
 
-struct Fixture {
-    _dir: tempfile::TempDir,
-    dataset: Arc<Dataset>,
-    records: Vec<Vec<u8>>,
-}
-
 /// `n` records of 50 u16 tokens in shards of about 16 KiB.
-fn fixture(n: usize) -> Fixture {
-    let dir = tempdir();
-    let mut granary = Granary::create(dir.path().join("store")).unwrap();
-    let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64, TOKENS as usize * 2)).collect();
-    ingest(&mut granary, "tokens", tokens_layout(TOKENS), small_shards(16 << 10), &records);
-    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
-    Fixture { _dir: dir, dataset, records }
+fn fixture(n: usize) -> TokenStore {
+    token_store(n, TOKENS, 16 << 10)
 }
 
 fn config(plan: PlanSource, world: World) -> LoaderConfig {

@@ -26,20 +26,9 @@ const EXTENT: u64 = 64 << 10;
 /// one more may be planned as the first goes out).
 const READ_DEPTH: u64 = 2;
 
-struct Fixture {
-    dir: tempfile::TempDir,
-    dataset: Arc<Dataset>,
-    records: Vec<Vec<u8>>,
-}
-
 /// `n` records of 1024 u16 tokens (2 KiB) in shards of about 256 KiB.
-fn fixture(n: usize) -> Fixture {
-    let dir = tempdir();
-    let mut granary = Granary::create(dir.path().join("store")).unwrap();
-    let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64, TOKENS as usize * 2)).collect();
-    ingest(&mut granary, "tokens", tokens_layout(TOKENS), small_shards(256 << 10), &records);
-    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
-    Fixture { dir, dataset, records }
+fn fixture(n: usize) -> TokenStore {
+    token_store(n, TOKENS, 256 << 10)
 }
 
 fn tier_config(dir: &Path, budget: u64) -> TierConfig {
@@ -383,7 +372,7 @@ struct RankRun {
 
 /// Four ranks of a node read `epochs` epochs of `f` through a tier of `budget` bytes, each
 /// opening the tier as a process of its own would.
-fn four_ranks(f: &Fixture, budget: u64, epochs: u64, local_world_size: Option<u32>) -> Vec<RankRun> {
+fn four_ranks(f: &TokenStore, budget: u64, epochs: u64, local_world_size: Option<u32>) -> Vec<RankRun> {
     let tier_dir = f.dir.path().to_path_buf();
     let ranks: Vec<_> = (0..4)
         .map(|rank| {

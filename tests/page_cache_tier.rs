@@ -11,27 +11,14 @@ use std::sync::Arc;
 use common::*;
 use granary::io::{Advice, advise};
 use granary::loader::{Loader, LoaderConfig, PlanSource, Target, TierSetting};
-use granary::{
-    Backend, Dataset, Granary, IoConfig, MemoryTier, Order, Position, TierConfig, TierKind, VersionSpec, World,
-};
+use granary::{Backend, Dataset, IoConfig, MemoryTier, Order, Position, TierConfig, TierKind, World};
 
 const TOKENS: u64 = 1024;
 const EXTENT: u64 = 64 << 10;
 
-struct Fixture {
-    _dir: tempfile::TempDir,
-    dataset: Arc<Dataset>,
-    records: Vec<Vec<u8>>,
-}
-
 /// `n` records of 1024 u16 tokens (2 KiB) in shards of about 256 KiB.
-fn fixture(n: usize) -> Fixture {
-    let dir = tempdir();
-    let mut granary = Granary::create(dir.path().join("store")).unwrap();
-    let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 7, TOKENS as usize * 2)).collect();
-    ingest(&mut granary, "tokens", tokens_layout(TOKENS), small_shards(256 << 10), &records);
-    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").unwrap()).unwrap();
-    Fixture { _dir: dir, dataset, records }
+fn fixture(n: usize) -> TokenStore {
+    token_store(n, TOKENS, 256 << 10)
 }
 
 /// Takes every shard's pages out of the page cache (they were written back when ingested).

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use granary::{Dtype, FixedLayout, Granary, IngestOptions, Layout};
+use granary::{Dataset, Dtype, FixedLayout, Granary, IngestOptions, Layout, VersionSpec};
 
 /// A fresh temporary directory.
 pub(crate) fn tempdir() -> tempfile::TempDir {
@@ -54,6 +54,24 @@ pub(crate) fn tokens_layout(tokens: u64) -> Layout {
 /// Small shards, so a few megabytes make many of them.
 pub(crate) fn small_shards(shard_bytes: u64) -> IngestOptions {
     IngestOptions { shard_bytes_target: shard_bytes, ..IngestOptions::default() }
+}
+
+/// A store in a temporary directory holding dataset `tokens`: `n` records of `tokens` u16 token
+/// ids each (record `i` is `bytes(i, ..)`), in shards of about `shard_bytes`.
+pub(crate) struct TokenStore {
+    pub(crate) dir: tempfile::TempDir,
+    pub(crate) dataset: std::sync::Arc<Dataset>,
+    pub(crate) records: Vec<Vec<u8>>,
+}
+
+/// Makes a `TokenStore`.
+pub(crate) fn token_store(n: usize, tokens: u64, shard_bytes: u64) -> TokenStore {
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).expect("a new store");
+    let records: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64, tokens as usize * 2)).collect();
+    ingest(&mut granary, "tokens", tokens_layout(tokens), small_shards(shard_bytes), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("tokens").expect("a spec")).expect("the dataset");
+    TokenStore { dir, dataset, records }
 }
 
 /// Ingests `records` as dataset `name` and returns the version number.
