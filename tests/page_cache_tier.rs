@@ -95,6 +95,45 @@ fn a_loader_fills_the_page_cache_and_a_new_loader_finds_it_all_in_memory() {
 }
 
 #[test]
+fn the_fills_go_as_far_ahead_as_the_reader_needs_not_the_whole_plan() {
+    // A sequential plan over 128 extents, read slowly at first (a trainer's steps take 100 ms):
+    // the fills keep about two seconds of the reader's time ahead of it, not the whole epoch.
+    let f = fixture(4000);
+    evict_from_page_cache(&f.dataset);
+    let tier = MemoryTier::open(&tier_config(64 << 20)).unwrap().unwrap();
+    let config = LoaderConfig {
+        plan: PlanSource::Native(Order::Sequential),
+        ..config(1, TierSetting::Shared(Arc::clone(&tier)))
+    };
+    let mut loader = Loader::new(Arc::clone(&f.dataset), config, Position::default()).unwrap();
+    let mut seen = 0;
+    let mut check = |batch: granary::loader::LoadedBatch| {
+        for (i, &index) in batch.indices().iter().enumerate() {
+            assert_eq!(batch.record(i), &f.records[index as usize][..], "record {index}");
+        }
+        seen += batch.indices().len();
+    };
+    for _ in 0..12 {
+        check(loader.next().unwrap().unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let total = n_extents(&f.dataset);
+    let early = loader.stats().tier.unwrap().extents_loaded;
+    // 12 steps read, 20 more within two seconds at this pace, a batch an extent: about 32,
+    // and some slack for the steps planned ahead and the kernel's read-around.
+    assert!(early > 0 && early <= total / 2, "{early} of {total} extents filled after 12 slow steps");
+    // The reader speeds up: the fills follow (the extent it reaches first is moved to the front
+    // and waited for), and the rest of the epoch comes from memory.
+    while let Some(batch) = loader.next() {
+        check(batch.unwrap());
+    }
+    assert_eq!(seen, 4000);
+    let stats = loader.stats();
+    assert!(stats.read.tier_records * 10 >= stats.read.records * 9, "from the page cache: {:?}", stats.read);
+    assert!(stats.tier.unwrap().extents_loaded <= total, "each extent filled once at most: {:?}", stats.tier);
+}
+
+#[test]
 fn a_bit_flipped_in_a_shard_file_behind_the_engine_is_never_delivered() {
     use std::os::unix::fs::FileExt;
     let f = fixture(500);

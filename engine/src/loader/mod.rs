@@ -787,6 +787,9 @@ impl Loader {
             }
         };
         let position = tag.after;
+        if let Some(coordinator) = &self.coordinator {
+            coordinator.consumed();
+        }
         #[cfg(feature = "policy")]
         if let Some(meter) = &mut self.meter
             && let Err(error) = meter.handing_out(position, batch.len() as u64, now)

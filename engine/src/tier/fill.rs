@@ -17,6 +17,12 @@
 //! loading nothing for them; a plan that moves on, such as the elastic partitioner's window of
 //! shards, is followed, each extent loaded ahead of its reads.
 //!
+//! The fills go only as far ahead as the reader needs (`FILL_AHEAD` of the trainer's time at
+//! the pace it takes batches): a run that stops early has not paid for the far end of its plan. A
+//! uniform shuffle reads from nearly every extent at every step, so there every admitted extent
+//! is within reach at once; a plan that moves over the data (sequential, a window of shards) is
+//! filled as it goes.
+//!
 //! Which extents make room is the evictor plugin's choice (`TierConfig::evictor`, `plan-aware`
 //! by default: Belady on the plan), with the plan's rules over it: the plugin of each process is
 //! told what the tier holds node-wide, the plan's reads step by step and each extent's next use,
@@ -54,6 +60,19 @@ const HORIZON_STEPS_MIN: u64 = 2 * REPLAN_STEPS;
 /// uniform shuffle (all extents read alike) keeps one set and a plan that moves on (a window
 /// sliding over the shards) is followed.
 const LOAD_RECORDS_PER_MIB: u64 = 16;
+
+/// How far ahead of the reader the fills go, in the trainer's time at its measured pace: an
+/// extent is filled once the reader is this close to its first read of it (issue 44: a run
+/// that stops early does not pay for the plan's far end). Two seconds is many fills (a 4 MiB
+/// extent takes a few milliseconds) and a few steps of a slow trainer; a reader that speeds up
+/// past the fills waits for the extent it needs, moved to the front.
+const FILL_AHEAD: Duration = Duration::from_secs(2);
+
+/// Steps ahead of the reader the fills go at least, and until the pace is measured.
+const FILL_AHEAD_STEPS_MIN: u64 = 4;
+
+/// Weight of the newest step in the moving average of the trainer's pace.
+const PACE_WEIGHT: f64 = 0.2;
 
 /// How long the fills wait for the reader's first batch before they start anyway.
 const FIRST_BATCH_HEAD_START: Duration = Duration::from_millis(200);
@@ -243,6 +262,12 @@ struct State {
     urgent: VecDeque<usize>,
     /// A schedule is being computed (the reader reads from disk meanwhile).
     pending: bool,
+    /// Seconds per step of the trainer (moving average of the time between the batches it
+    /// takes; 0 until it took two), and when it last took one.
+    step_secs: f64,
+    consumed_at: Option<Instant>,
+    /// A filler is waiting for the reader to come within `FILL_AHEAD` of the next extent.
+    held_back: bool,
     /// Every extent the schedule reads fits the budget (all are admitted); otherwise the
     /// admitted ones are chosen within a horizon. Either way the reader waits for an admitted
     /// extent being filled rather than read its records from disk.
@@ -323,15 +348,42 @@ impl Coordinator {
         self.changed.notify_all();
     }
 
-    /// The reader is planning step `step`.
+    /// The reader is planning step `step`: fillers waiting for it to come near are woken.
     pub fn advance(&self, step: u64) {
         let mut state = self.lock();
         state.step = step;
-        if state.planned_at.is_none_or(|at| step >= at + REPLAN_STEPS) {
+        let replan = state.planned_at.is_none_or(|at| step >= at + REPLAN_STEPS);
+        if replan {
             state.planned_at = None;
+        }
+        if replan || std::mem::take(&mut state.held_back) {
             drop(state);
             self.changed.notify_all();
         }
+    }
+
+    /// The trainer took a batch: the pace the fills keep ahead of is measured here, where the
+    /// trainer sets it (the reader plans in bursts until its queue is full).
+    pub fn consumed(&self) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        if let Some(at) = state.consumed_at.replace(now) {
+            let secs = now.duration_since(at).as_secs_f64();
+            state.step_secs =
+                if state.step_secs == 0.0 { secs } else { state.step_secs + PACE_WEIGHT * (secs - state.step_secs) };
+        }
+    }
+
+    /// The last step the fills work for now: `FILL_AHEAD` of the trainer's time at its measured
+    /// pace past the step the reader plans, at least `FILL_AHEAD_STEPS_MIN` steps.
+    fn fill_ahead_to(state: &State) -> u64 {
+        let paced = if state.step_secs > 0.0 {
+            // A float to integer cast saturates: a reader too fast to time reaches every step.
+            (FILL_AHEAD.as_secs_f64() / state.step_secs) as u64
+        } else {
+            0
+        };
+        state.step.saturating_add(paced.max(FILL_AHEAD_STEPS_MIN))
     }
 
     /// Ends the fillers.
@@ -443,8 +495,16 @@ impl Coordinator {
                 }
             }
             if job.is_none() {
-                while let Some(e) = state.queue.pop_front() {
-                    if ready(&state, e) {
+                // In order of next use: once the front is beyond the fills' reach, so is the rest.
+                let reach = Self::fill_ahead_to(&state);
+                while let Some(&e) = state.queue.front() {
+                    if !ready(&state, e) {
+                        state.queue.pop_front();
+                    } else if state.schedule.next_use(e, state.step) > reach {
+                        state.held_back = true;
+                        break;
+                    } else {
+                        state.queue.pop_front();
                         job = Some(e);
                         break;
                     }
