@@ -11,13 +11,14 @@
 //! it back under pressure (it is never memory nothing will free), and it uses the file system's
 //! large folios where it has them.
 //!
-//! Invariants: nothing here is trusted to stay as it was checked (another path may write the
-//! file, the kernel may read a page again at any moment): every block a record touches is checked
-//! as it is copied out (`read/batch.rs`). A fill checks every block too, so a block damaged on
-//! disk is reported once, by the disk read it is sent to, and its extent is not used from memory
-//! until its shard's file is mapped again (`forget_shard`, after a failed copy: a repair replaces
-//! the file). An extent is used only when every one of its pages was just found in memory, and
-//! only within the file's length as mapped.
+//! Invariants: nothing here is trusted to stay as it was (another path may write the file, the
+//! kernel may read a page again at any moment), so nothing is checked when it is filled: every
+//! block a record touches is checked as it is copied out (`read/batch.rs`), and a block that
+//! fails there is read from disk, reported once by that read; its shard's mapping is dropped
+//! (`forget_shard`: a repair replaces the file) and mapped again at the next look-up. A fill that
+//! cannot read its pages marks its extent failed: not used from memory until the shard is mapped
+//! again. An extent is used only when every one of its pages was just found in memory, and only
+//! within the file's length as mapped.
 //! Never: writes or truncates a shard file, keeps a descriptor open (a mapping holds its file),
 //! or counts on a page staying in memory (a page the kernel dropped is read again on touch).
 
@@ -45,7 +46,7 @@ struct ShardMap {
 pub(super) struct PageCache {
     extent_bytes: u64,
     shards: Mutex<HashMap<ShardId, Arc<ShardMap>>>,
-    /// Extents whose fill found a damaged block: not used from memory while their shard's
+    /// Extents whose fill could not read their pages: not used from memory while their shard's
     /// mapping lasts.
     failed: Mutex<HashSet<ExtentKey>>,
     /// Bytes of fills under way in this process.
@@ -102,7 +103,7 @@ impl PageCache {
     }
 
     /// Whether every page of extent `key` is in memory now and usable (false for a shard not
-    /// mapped here, and for an extent whose fill found a damaged block: as `lookup` says, so a
+    /// mapped here, and for an extent whose fill failed: as `lookup` says, so a
     /// filler does not take for loaded what a reader will not use).
     pub(super) fn is_resident(&self, key: &ExtentKey) -> bool {
         if self.failed.lock().contains(key) {
@@ -114,8 +115,8 @@ impl PageCache {
     }
 
     /// Reads extent `info` into the page cache: the reads are started in large requests
-    /// (`WILLNEED`), then waited for as its pages are entered in this process's mapping, and
-    /// every block is checked. `Elsewhere` when it was in memory already (and checks out).
+    /// (`WILLNEED`), then waited for as its pages are entered in this process's mapping (its
+    /// blocks are checked as readers copy them). `Elsewhere` when it was in memory already.
     pub(super) fn fill(&self, info: &ExtentInfo) -> Result<Filled> {
         let shard = self
             .shard(info.key.shard, Some((&info.path, info.meta.n_data_blocks())))?
@@ -139,11 +140,9 @@ impl PageCache {
                 let _ = advise(&file, offset as u64, len as u64, Advice::WillNeed);
                 drop(file);
             }
-            shard.map.populate(offset, len).map_err(|e| Error::io("read", &info.path, e))?;
-            let bytes = &shard.map.as_slice()[offset..offset + len];
-            info.meta.check_blocks(info.first_block, bytes).map_err(|(block, expected, actual)| {
-                Error::ChecksumMismatch { shard: info.key.shard, block, expected, actual }
-            })
+            // Checking the blocks here would be a second check of every byte a reader copies
+            // (and of bytes no reader copies): 7 % of a cold run's CPU (issue 44).
+            shard.map.populate(offset, len).map_err(|e| Error::io("read", &info.path, e))
         })();
         self.filling.fetch_sub(len as u64, Ordering::Relaxed);
         if outcome.is_err() {
@@ -197,7 +196,7 @@ impl PageCache {
     }
 
     /// Drops this process's mapping of `shard` (mapped again, from whatever file is under its
-    /// name then, at its next look-up) and what its fills found damaged: a copy out of it failed
+    /// name then, at its next look-up) and what its fills could not read: a copy out of it failed
     /// its check, and a repair replaces a damaged file.
     pub(super) fn forget_shard(&self, shard: ShardId) {
         self.shards.lock().remove(&shard);
