@@ -115,6 +115,40 @@ fn batches_follow_the_plan_with_the_right_bytes() {
 }
 
 #[test]
+fn the_start_is_reported_stage_by_stage() {
+    use granary::loader::StartStage;
+    let _serial = serial();
+    let f = fixture(300);
+    let mut loader =
+        Loader::new(Arc::clone(&f.dataset), config(PlanSource::default(), World::single()), Position::default())
+            .unwrap();
+    let first = loader.next().unwrap().unwrap();
+    check_bytes(&first, &f.records);
+    let marks = loader.start_stages();
+    let at = |stage: StartStage| marks.iter().find(|&&(s, _)| s == stage).map(|&(_, at)| at);
+    let ends = |stages: &[StartStage]| {
+        let ends: Vec<_> =
+            stages.iter().map(|&s| at(s).unwrap_or_else(|| panic!("{s:?} not marked: {marks:?}"))).collect();
+        assert!(ends.windows(2).all(|w| w[0] <= w[1]), "{stages:?} out of order: {marks:?}");
+    };
+    // The loader's own construction, then the reader's way to the first batch, then the trainer.
+    ends(&[StartStage::TierOpened, StartStage::StagingReady, StartStage::Built]);
+    ends(&[
+        StartStage::PlannerReady,
+        StartStage::EpochPlanned,
+        StartStage::FirstBatchRead,
+        StartStage::FirstBatchTaken,
+    ]);
+    assert_eq!(marks.last().map(|&(s, _)| s), Some(StartStage::FirstBatchTaken), "{marks:?}");
+    // Marks are the start's: later batches do not move them.
+    let taken = at(StartStage::FirstBatchTaken);
+    drop(first);
+    drop(loader.next().unwrap().unwrap());
+    let later = loader.start_stages();
+    assert_eq!(later.iter().find(|&&(s, _)| s == StartStage::FirstBatchTaken).map(|&(_, at)| at), taken);
+}
+
+#[test]
 fn a_position_resumes_exactly() {
     let _serial = serial();
     let fx = fixture(300);

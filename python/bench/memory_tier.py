@@ -33,6 +33,7 @@ import multiprocessing as mp
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -159,10 +160,23 @@ def first_batch(args: tuple) -> float:
     drop_caches()
     t = time.perf_counter()
     loader = granary.Loader(store, "tier", batch, seed=1, device="cpu", output="numpy", tier_bytes=tier_bytes)
+    made = time.perf_counter() - t
     next(iter(loader))
     seconds = time.perf_counter() - t
+    # Where the time went: the Python object (arguments, opening the dataset), then the engine
+    # loader's stages, each stage's end in seconds from the engine loader's construction.
+    stages = {"python_loader_made": made, **{k: made + v for k, v in loader.metrics()["start"].items()}}
     loader.close()
-    return seconds
+    return seconds, stages
+
+
+def import_seconds() -> float:
+    """Seconds a fresh interpreter takes to import granary (and NumPy) with the page cache
+    dropped: the part of a first batch that comes before any loader."""
+    drop_caches()
+    code = "import time; t = time.perf_counter(); import granary, numpy; print(time.perf_counter() - t)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return float(out.stdout.strip())
 
 
 def some_batches(args: tuple) -> tuple:
@@ -184,12 +198,26 @@ def first_batches(a: argparse.Namespace, store: str, raw: str) -> None:
     ctx = mp.get_context("spawn")
     cases = [("default tier", "granary", None), ("tier off", "granary", 0), ("np.memmap gather", "memmap", None)]
     times = {label: [] for label, _, _ in cases}
+    stages = {label: [] for label, kind, _ in cases if kind == "granary"}
+    imports = []
     for _ in range(a.runs):
+        imports.append(import_seconds())
         for label, kind, tier_bytes in cases:
             with ctx.Pool(1) as pool:
-                times[label].append(pool.map(first_batch, [(store, raw, a.record_bytes, a.batch, kind, tier_bytes)])[0])
+                got = pool.map(first_batch, [(store, raw, a.record_bytes, a.batch, kind, tier_bytes)])[0]
+            if kind == "granary":
+                got, marks = got
+                stages[label].append(marks)
+            times[label].append(got)
     medians = {label: statistics.median(t) for label, t in times.items()}
     print(json.dumps({"first_batch_seconds": medians}), flush=True)
+    print(f"import granary, numpy (cold, before any loader): {statistics.median(imports) * 1e3:.0f} ms")
+    for label, runs in stages.items():
+        names = [name for name in runs[0] if all(name in r for r in runs)]
+        ends = {name: statistics.median(r[name] for r in runs) for name in names}
+        print(json.dumps({"first_batch_stages": label, "ends_seconds": ends}), flush=True)
+        print(f"{label}, stage ends (ms from granary.Loader): "
+              + ", ".join(f"{name} {at * 1e3:.1f}" for name, at in sorted(ends.items(), key=lambda kv: kv[1])))
     print(f"first batch, cold, medians of {a.runs}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in medians.items()))
     print(f"default tier / tier off {medians['default tier'] / medians['tier off']:.2f} (target <= 1.1); "
           f"default tier / np.memmap {medians['default tier'] / medians['np.memmap gather']:.2f} (target <= 0.5)")

@@ -635,7 +635,11 @@ class Loader:
         either), `origin_prefetched`
         (fetched ahead of the reader), `origin_refetches` (fetches that failed their hash check),
         `origin_cache_hit_ratio` (shard accesses that found their shard here),
-        `origin_wait_seconds` (time reads waited for a shard) and `origin_evictions`."""
+        `origin_wait_seconds` (time reads waited for a shard) and `origin_evictions`; `start`: the
+        running engine loader's start, stage by stage (`tier_opened`, `staging_ready`, `io_ready`,
+        `built`, `planner_ready`, `epoch_planned`, `next_epoch_planned`, `first_batch_read`,
+        `first_batch_taken`: the seconds from its construction to each stage's end, for the
+        stages passed)."""
         return self._native.metrics()
 
     def close(self) -> None:

@@ -669,6 +669,14 @@ impl Loader {
         out.set_item("stall_max_seconds", stats.stall_max.as_secs_f64())?;
         out.set_item("elapsed_seconds", stats.elapsed.as_secs_f64())?;
         out.set_item("stall_fraction", stats.stall_fraction())?;
+        // The running loader's start: when each stage ended, in seconds from its construction.
+        let start = PyDict::new(py);
+        if let Some(loader) = state.running.as_ref().and_then(|running| running.loader.as_ref()) {
+            for (stage, at) in loader.start_stages() {
+                start.set_item(stage.name(), at.as_secs_f64())?;
+            }
+        }
+        out.set_item("start", start)?;
         let hit = if stats.batches == 0 { 0.0 } else { stats.ready as f64 / stats.batches as f64 };
         out.set_item("cache_hit_ratio", hit)?;
         out.set_item("bytes_read", stats.read.bytes_read)?;

@@ -486,6 +486,10 @@ def test_metrics_count_what_was_delivered(tokens):
     assert m["blocks_verified"] > 0 and m["verify_failures"] == 0
     assert 0.0 <= m["cache_hit_ratio"] <= 1.0 and 0.0 <= m["stall_fraction"] <= 1.0
     assert m["stall_seconds"] >= 0.0
+    # The start, stage by stage (issue 44): each stage's end, from the loader's construction.
+    start = m["start"]
+    assert 0.0 <= start["built"] <= start["first_batch_taken"], start
+    assert start["epoch_planned"] <= start["first_batch_read"] <= start["first_batch_taken"], start
 
 
 def test_drain_reads_the_epoch_as_iteration_does(tokens):

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use granary::io::MappedFile;
 use granary::io::bare::{BareOp, BareReader};
-use granary::loader::{Loader, LoaderConfig, PlanSource, Target, TierSetting};
+use granary::loader::{Loader, LoaderConfig, PlanSource, StartStage, Target, TierSetting};
 use granary::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
 use granary::staging::cuda::Cuda;
 use granary::staging::{Pinning, StagingConfig, StagingPool};
@@ -130,6 +130,9 @@ struct Sample {
     steady: f64,
     /// Disk rows of the loader: seconds from building it to its first batch (not in `seconds`).
     start: f64,
+    /// Rows with a `start`: when each stage of it ended (`StartStage::ALL`'s order), in seconds
+    /// from `Loader::new`; `None` for a stage not passed.
+    stages: [Option<f64>; StartStage::ALL.len()],
 }
 
 impl Sample {
@@ -497,6 +500,16 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     for (label, samples) in rows.iter().filter(|(_, samples)| samples.iter().any(|s| s.start > 0.0)) {
         let start = median_of(samples, &|s| s.start);
         outln!("{:<48} {:>8.1}   ms: built, first batch delivered", format!("{label}: start"), start * 1e3)?;
+        // Where that time went: each stage's end, in ms from `Loader::new` (medians).
+        let ends: Vec<String> = StartStage::ALL
+            .iter()
+            .enumerate()
+            .filter_map(|(i, stage)| {
+                let ends: Vec<f64> = samples.iter().filter_map(|s| s.stages[i]).collect();
+                (!ends.is_empty()).then(|| format!("{} {:.1}", stage.name(), median(ends) * 1e3))
+            })
+            .collect();
+        outln!("{:<48} ms: {}", format!("{label}: start stages"), ends.join(", "))?;
     }
     // The first batch of a cold epoch, with the tier against without, and against the memory
     // map's gather of the same records (issue 44).
@@ -587,8 +600,7 @@ fn measure_bare(reader: &mut BareReader, ops: &[BareOp], record_bytes: u64, cold
         bytes: record_bytes,
         seconds: start.elapsed().as_secs_f64(),
         cpu: cpu_seconds() - cpu,
-        steady: 0.0,
-        start: 0.0,
+        ..Sample::default()
     })
 }
 
@@ -603,6 +615,7 @@ fn measure_disk_loader(dataset: &Arc<Dataset>, config: LoaderConfig, batches: u6
     let mut loader = Loader::new(Arc::clone(dataset), config, Position::default())?;
     drop(loader.next().context("an empty epoch")??);
     let start = began.elapsed().as_secs_f64();
+    let stages = stage_times(&loader);
     let cpu = cpu_seconds();
     let timed = Instant::now();
     let mut delivered = 0u64;
@@ -619,7 +632,14 @@ fn measure_disk_loader(dataset: &Arc<Dataset>, config: LoaderConfig, batches: u6
         cpu: cpu_seconds() - cpu,
         steady: 0.0,
         start,
+        stages,
     })
+}
+
+/// When each stage of `loader`'s start ended, in seconds, in `StartStage::ALL`'s order.
+fn stage_times(loader: &Loader) -> [Option<f64>; StartStage::ALL.len()] {
+    let marks = loader.start_stages();
+    StartStage::ALL.map(|stage| marks.iter().find(|&&(s, _)| s == stage).map(|&(_, at)| at.as_secs_f64()))
 }
 
 /// Runs a loader for `batches` batches; with `step_us`, the consumer busies itself that long
@@ -641,11 +661,13 @@ fn measure_loader(
     let mut delivered = 0u64;
     let mut first_stall = Duration::ZERO;
     let mut first_batch = 0.0;
+    let mut stages = Default::default();
     for i in 0..batches {
         let batch = loader.next().context("the epoch ended early")??;
         if i == 0 {
             first_stall = batch.stall();
             first_batch = start.elapsed().as_secs_f64();
+            stages = stage_times(&loader);
         }
         if let Some(device) = batch.device() {
             device.wait()?;
@@ -669,6 +691,7 @@ fn measure_loader(
         cpu: if step_us > 0 { stats.stall_fraction() } else { cpu },
         steady,
         start: first_batch,
+        stages,
     })
 }
 
@@ -685,7 +708,7 @@ fn measure_warm_loader(dataset: &Arc<Dataset>, config: LoaderConfig, batches: u6
         delivered += batch.data().len() as u64;
     }
     let seconds = start.elapsed().as_secs_f64();
-    Ok(Sample { bytes: delivered, seconds, cpu: cpu_seconds() - cpu, steady: 0.0, start: 0.0 })
+    Ok(Sample { bytes: delivered, seconds, cpu: cpu_seconds() - cpu, ..Sample::default() })
 }
 
 /// What the tier's memory alone costs: `bytes` of extent-sized files in the tier's directory,
@@ -730,7 +753,7 @@ fn measure_tier_memory(tier: &MemoryTier, bytes: u64) -> Result<Sample> {
     for i in 0..n {
         let _ = std::fs::remove_file(dir.join(format!(".bench-floor-{i}")));
     }
-    Ok(Sample { bytes, seconds, cpu, steady: 0.0, start: 0.0 })
+    Ok(Sample { bytes, seconds, cpu, ..Sample::default() })
 }
 
 /// What `np.memmap` does: the records of `order`, batch by batch, gathered into one buffer from
@@ -769,8 +792,7 @@ fn measure_gather(dataset: &Dataset, maps: &[MappedFile], order: &[u64], batch: 
         bytes: delivered,
         seconds: start.elapsed().as_secs_f64(),
         cpu: cpu_seconds() - cpu,
-        steady: 0.0,
-        start: 0.0,
+        ..Sample::default()
     })
 }
 
@@ -906,8 +928,7 @@ fn measure_pinned_copy(batch_bytes: u64, batches: u64) -> Result<Sample> {
         bytes: batch_bytes * batches,
         seconds: start.elapsed().as_secs_f64(),
         cpu: cpu_seconds() - cpu,
-        steady: 0.0,
-        start: 0.0,
+        ..Sample::default()
     })
 }
 

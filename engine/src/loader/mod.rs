@@ -30,17 +30,19 @@ mod planner;
 #[cfg(feature = "policy")]
 mod rebalance;
 mod schedule;
+mod start;
 
 use metrics::{DatasetHeat, Live, LoaderMetrics};
 use planner::{EpochBatches, EpochPlanner, planner_config, shards_by_step};
 #[cfg(feature = "policy")]
 use rebalance::Rebalancing;
-#[cfg(feature = "policy")]
 pub use rebalance::{
     LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, TIME_SPREAD_MIN, WeightsAt, rebalanced_step,
     tells_ranks_apart,
 };
 use schedule::{ScheduleRequest, Scheduler};
+#[cfg(feature = "policy")]
+pub use start::{StartClock, StartStage};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError};
@@ -500,6 +502,8 @@ struct Tag {
 /// One rank's batch stream. See the module documentation.
 pub struct Loader {
     receiver: Option<Receiver<Message>>,
+    /// When each stage of the start ended.
+    clock: Arc<StartClock>,
     threads: Vec<JoinHandle<()>>,
     stop: Arc<AtomicBool>,
     returns: Option<Sender<Returned>>,
@@ -532,6 +536,7 @@ pub struct Loader {
 impl Loader {
     /// Starts loading `dataset` from `start` (`Position::default()` for the beginning).
     pub fn new(dataset: Arc<Dataset>, config: LoaderConfig, start: Position) -> Result<Self> {
+        let clock = Arc::new(StartClock::new());
         check(&config)?;
         let mut config = config;
         config.repair = origin_hook(&dataset, config.repair.take())?;
@@ -600,6 +605,7 @@ impl Loader {
         if let Some(coordinator) = &coordinator {
             coordinator.tier().warn_if_not_in_memory();
         }
+        clock.mark(StartStage::TierOpened);
         // Reading from disk, enough batches in flight to keep the queue of large ops full; a
         // loader served from the tier copies from memory and keeps the depth asked for (each
         // batch in flight is a staging buffer).
@@ -612,6 +618,7 @@ impl Loader {
         let buffers = config.read_depth + config.prefetch + device_held + config.hold_max + 1;
         let pinning = if cuda.is_some() { Pinning::Auto } else { Pinning::Off };
         let pool = StagingPool::new(StagingConfig { buffers, buffer_bytes: batch_bytes.max(1), pinning })?;
+        clock.mark(StartStage::StagingReady);
 
         #[cfg(feature = "policy")]
         let (meter, from_meter) = match &mut config.rebalance {
@@ -659,10 +666,19 @@ impl Loader {
         // backend asked for by name is started here, so that one this machine refuses fails
         // the construction.
         let io: Box<dyn Io> = if coordinator.is_some() && config.io.backend == crate::io::Backend::Auto {
-            let for_io = config.clone();
-            Box::new(LazyIo::new(config.io, Box::new(move || build_io(&for_io, pinning))))
+            let (for_io, clock) = (config.clone(), Arc::clone(&clock));
+            Box::new(LazyIo::new(
+                config.io,
+                Box::new(move || {
+                    let io = build_io(&for_io, pinning);
+                    clock.mark(StartStage::IoReady);
+                    io
+                }),
+            ))
         } else {
-            build_io(&config, pinning)?
+            let io = build_io(&config, pinning)?;
+            clock.mark(StartStage::IoReady);
+            io
         };
         // Should a step below fail, the threads started so far end with it.
         let mut threads = Started { threads: Vec::new(), stop: Arc::clone(&stop), coordinator: coordinator.clone() };
@@ -684,6 +700,7 @@ impl Loader {
             config: config.clone(),
             peers,
             start,
+            clock: Arc::clone(&clock),
             #[cfg(feature = "policy")]
             from_meter,
             out: to_next,
@@ -723,8 +740,10 @@ impl Loader {
                 registry.register_once(&key, || Arc::new(heat));
             }
         }
+        clock.mark(StartStage::Built);
         Ok(Self {
             receiver: Some(receiver),
+            clock,
             threads: std::mem::take(&mut threads.threads),
             stop,
             returns,
@@ -787,6 +806,7 @@ impl Loader {
             }
         };
         let position = tag.after;
+        self.clock.mark(StartStage::FirstBatchTaken);
         if let Some(coordinator) = &self.coordinator {
             coordinator.consumed();
         }
@@ -895,6 +915,13 @@ impl Loader {
         stats.tier = self.coordinator.as_ref().map(|c| c.tier().stats());
         stats.cache = self.repair.as_ref().and_then(|hook| hook.cache_stats());
         stats
+    }
+
+    /// When each stage of this loader's start ended, from the call to `Loader::new`, in the
+    /// order they ended (the stages passed so far; a loader served from memory may never build
+    /// its disk backend).
+    pub fn start_stages(&self) -> Vec<(StartStage, Duration)> {
+        self.clock.marks()
     }
 
     /// The memory tier this loader reads through, if any.
@@ -1040,6 +1067,7 @@ struct ReaderStage {
     /// The other ranks of this node, whose reads the tier's schedule includes.
     peers: Vec<World>,
     start: Position,
+    clock: Arc<StartClock>,
     /// The measures of each rebalance point, from the trainer side.
     #[cfg(feature = "policy")]
     from_meter: Option<Receiver<rebalance::PointMeasures>>,
@@ -1135,10 +1163,24 @@ pub fn plan_for_store(_: &Dataset, plan: PlanSource) -> Result<PlanSource> {
 impl ReaderStage {
     fn run(self) {
         #[cfg(feature = "policy")]
-        let ReaderStage { coordinator, dataset, io, pool, config, peers, start, from_meter, out, stop, stats, metrics } =
-            self;
+        let ReaderStage {
+            coordinator,
+            dataset,
+            io,
+            pool,
+            config,
+            peers,
+            start,
+            clock,
+            from_meter,
+            out,
+            stop,
+            stats,
+            metrics,
+        } = self;
         #[cfg(not(feature = "policy"))]
-        let ReaderStage { coordinator, dataset, io, pool, config, peers, start, out, stop, stats, metrics } = self;
+        let ReaderStage { coordinator, dataset, io, pool, config, peers, start, clock, out, stop, stats, metrics } =
+            self;
         let mut reader = Reader::new(Arc::clone(&dataset), io);
         if let Some(threads) = config.verify_threads {
             reader.set_verify_threads(threads);
@@ -1158,7 +1200,7 @@ impl ReaderStage {
             from_meter: from_meter.as_ref(),
         };
         reader.set_count_shard_reads(metrics.is_some());
-        let queue = Queue { sender: &out, queued: metrics.as_ref().map(|m| &m.queued) };
+        let queue = Queue { sender: &out, queued: metrics.as_ref().map(|m| &m.queued), clock: &clock };
         let outcome = run_epochs(&mut reader, &dataset, &config, start, queue, &stop, node);
         if let Some(coordinator) = &coordinator {
             coordinator.stop();
@@ -1171,10 +1213,12 @@ impl ReaderStage {
     }
 }
 
-/// Where the reader stage puts batches, and its count of them (for the queue's depth).
+/// Where the reader stage puts batches, its count of them (for the queue's depth), and the
+/// start's clock (the reader marks its stages up to the first batch queued).
 struct Queue<'a> {
     sender: &'a SyncSender<Message>,
     queued: Option<&'a AtomicU64>,
+    clock: &'a StartClock,
 }
 
 /// What a reader shares with the other ranks of its node.
@@ -1205,6 +1249,7 @@ fn run_epochs(
     let Node { coordinator, peers: node_peers } = node;
     let n_records = dataset.n_records();
     let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
+    out.clock.mark(StartStage::PlannerReady);
     let mut position = normalized(start, n_records);
     #[cfg(feature = "policy")]
     let mut rebalancing = match (&config.rebalance, from_meter) {
@@ -1239,6 +1284,7 @@ fn run_epochs(
             Some(batches) if !fresh => batches,
             _ => Arc::new(planner.epoch(position).map_err(Some)?),
         };
+        out.clock.mark(StartStage::EpochPlanned);
         let hook = config.repair.as_ref().filter(|hook| hook.wants_plan());
         let following = Position { epoch: position.epoch + 1, cursor: 0 };
         if scheduler.is_some() || hook.is_some() {
@@ -1246,6 +1292,7 @@ fn run_epochs(
             // one's, so they keep (and load ahead) what the epoch after this needs first.
             if end_epoch.is_none_or(|end| following.epoch < end) {
                 next_epoch = Some(Arc::new(planner.epoch(following).map_err(Some)?));
+                out.clock.mark(StartStage::NextEpochPlanned);
             }
         }
         if let Some(hook) = hook {
@@ -1371,6 +1418,8 @@ fn read_segment(
             coordinator.delivered();
         }
         let batch = Box::new(std::mem::take(batch));
+        // Before it is sent: the trainer may take it at once.
+        out.clock.mark(StartStage::FirstBatchRead);
         if out.sender.send(Message::Batch(batch, tag(after))).is_err() {
             stopped = true;
             return Err(Error::invalid_input("stopped"));
