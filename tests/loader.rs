@@ -119,9 +119,15 @@ fn the_start_is_reported_stage_by_stage() {
     use granary::loader::StartStage;
     let _serial = serial();
     let f = fixture(300);
-    let mut loader =
-        Loader::new(Arc::clone(&f.dataset), config(PlanSource::default(), World::single()), Position::default())
-            .unwrap();
+    // With the page cache tier, whose schedule wants the next epoch's plan too.
+    let tier = granary::TierConfig {
+        kind: granary::TierKind::PageCache,
+        budget_bytes: Some(64 << 20),
+        ..granary::TierConfig::default()
+    };
+    let config =
+        LoaderConfig { tier: granary::TierSetting::Config(tier), ..config(PlanSource::default(), World::single()) };
+    let mut loader = Loader::new(Arc::clone(&f.dataset), config, Position::default()).unwrap();
     let first = loader.next().unwrap().unwrap();
     check_bytes(&first, &f.records);
     let marks = loader.start_stages();
@@ -140,6 +146,9 @@ fn the_start_is_reported_stage_by_stage() {
         StartStage::FirstBatchTaken,
     ]);
     assert_eq!(marks.last().map(|&(s, _)| s), Some(StartStage::FirstBatchTaken), "{marks:?}");
+    // The next epoch is planned off the path to the first batch (by the schedule's thread).
+    assert!(at(StartStage::NextEpochPlanned).is_none(), "{marks:?}");
+    assert!(loader.tier().is_some());
     // Marks are the start's: later batches do not move them.
     let taken = at(StartStage::FirstBatchTaken);
     drop(first);

@@ -40,7 +40,7 @@ pub use rebalance::{
     LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, TIME_SPREAD_MIN, WeightsAt, rebalanced_step,
     tells_ranks_apart,
 };
-use schedule::{ScheduleRequest, Scheduler};
+use schedule::{NextBatches, ScheduleRequest, Scheduler};
 #[cfg(feature = "policy")]
 pub use start::{StartClock, StartStage};
 use std::sync::Arc;
@@ -1262,6 +1262,8 @@ fn run_epochs(
     // Steps count this loader's batches across epochs: the tier's schedule is in them.
     let mut step = 0u64;
     let mut next_epoch: Option<Arc<EpochBatches>> = None;
+    // The next epoch as the schedule's thread planned it, when the reader left it to that thread.
+    let mut next_slot: Option<Arc<std::sync::OnceLock<Arc<EpochBatches>>>> = None;
     // The tier's schedule is computed on a thread of its own, off the path to the first batch.
     let scheduler =
         coordinator.map(|c| Scheduler::start(dataset, c, config, node_peers.clone())).transpose().map_err(Some)?;
@@ -1278,7 +1280,8 @@ fn run_epochs(
         let fresh = rebalancing.is_some();
         #[cfg(not(feature = "policy"))]
         let fresh = false;
-        let batches = match next_epoch.take() {
+        let planned_ahead = next_epoch.take().or_else(|| next_slot.take().and_then(|slot| slot.get().cloned()));
+        let batches = match planned_ahead {
             // With rebalancing the next epoch was planned before this one's points changed the
             // weights: it is planned again with the weights now in force.
             Some(batches) if !fresh => batches,
@@ -1287,13 +1290,14 @@ fn run_epochs(
         out.clock.mark(StartStage::EpochPlanned);
         let hook = config.repair.as_ref().filter(|hook| hook.wants_plan());
         let following = Position { epoch: position.epoch + 1, cursor: 0 };
-        if scheduler.is_some() || hook.is_some() {
-            // The fillers (and an origin cache's prefetch) see this epoch's reads and the next
-            // one's, so they keep (and load ahead) what the epoch after this needs first.
-            if end_epoch.is_none_or(|end| following.epoch < end) {
-                next_epoch = Some(Arc::new(planner.epoch(following).map_err(Some)?));
-                out.clock.mark(StartStage::NextEpochPlanned);
-            }
+        // The fillers (and an origin cache's prefetch) see this epoch's reads and the next
+        // one's, so they keep (and load ahead) what the epoch after this needs first. The tier's
+        // alone can wait: its schedule's thread plans it after the first batch (issue 44), unless
+        // the plan changes with rebalancing (planned here, with the weights in force).
+        let has_next = end_epoch.is_none_or(|end| following.epoch < end);
+        if has_next && (hook.is_some() || (scheduler.is_some() && fresh)) {
+            next_epoch = Some(Arc::new(planner.epoch(following).map_err(Some)?));
+            out.clock.mark(StartStage::NextEpochPlanned);
         }
         if let Some(hook) = hook {
             // The first epoch's plan, then each following one's a whole epoch ahead.
@@ -1311,12 +1315,16 @@ fn run_epochs(
             }
         }
         if let Some(scheduler) = &scheduler {
-            scheduler.request(ScheduleRequest {
-                step,
-                from: position,
-                batches: Arc::clone(&batches),
-                next: next_epoch.as_ref().map(|next| (following, Arc::clone(next))),
-            });
+            let next = match &next_epoch {
+                Some(next) => Some((following, NextBatches::Planned(Arc::clone(next)))),
+                None if has_next => {
+                    let slot = Arc::new(std::sync::OnceLock::new());
+                    next_slot = Some(Arc::clone(&slot));
+                    Some((following, NextBatches::ToPlan(slot)))
+                }
+                None => None,
+            };
+            scheduler.request(ScheduleRequest { step, from: position, batches: Arc::clone(&batches), next });
         }
         #[cfg_attr(not(feature = "policy"), allow(unused_mut, reason = "moved only by rebalance points"))]
         let mut segment = batches;

@@ -2,7 +2,8 @@
 //! step, over this epoch and the next, computed on a thread of its own so the first batch never
 //! waits for it.
 //!
-//! Owns: `Scheduler` (the thread, the plans of the node's other ranks, and the channel to it),
+//! Owns: `Scheduler` (the thread, the plans of the node's other ranks and, when the reader
+//! leaves it, of this rank's next epoch, and the channel to it),
 //! `node_peers` (which ranks share this rank's node) and `tier_schedule` (the computation).
 //! Every rank of a node computes the same node-wide schedule, so they agree on what the tier
 //! holds instead of each evicting what only the others read. The ranks are taken to move in
@@ -12,8 +13,8 @@
 //! schedule that will not come (a failed or panicking computation hands over an empty one; a
 //! peer whose plan fails is left out).
 
-use std::sync::Arc;
 use std::sync::mpsc::Sender;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 use super::{EpochBatches, EpochPlanner, LoaderConfig};
@@ -32,7 +33,16 @@ pub(super) struct ScheduleRequest {
     pub(super) step: u64,
     pub(super) from: Position,
     pub(super) batches: Arc<EpochBatches>,
-    pub(super) next: Option<(Position, Arc<EpochBatches>)>,
+    pub(super) next: Option<(Position, NextBatches)>,
+}
+
+/// This rank's batches of the next epoch, for the schedule: planned by the reader already, or
+/// to be planned by the schedule's thread, off the path to the first batch (issue 44), into a
+/// slot the reader takes them from when it gets there (it plans them itself if the slot is
+/// empty then).
+pub(super) enum NextBatches {
+    Planned(Arc<EpochBatches>),
+    ToPlan(Arc<OnceLock<Arc<EpochBatches>>>),
 }
 
 /// The other ranks of this rank's node: `config.local_world_size` ranks per node, or
@@ -84,17 +94,29 @@ impl Scheduler {
         let (dataset, for_thread) = (Arc::clone(dataset), Arc::clone(coordinator));
         let planner_config = super::planner_config(config);
         let thread = super::spawn("granary-tier-plan", move || {
-            // The peers' batches are planned here, off the reader's path, by one planner (a
-            // partitioner plugin plans every rank at once); if they cannot be, the schedule is
-            // this rank's alone.
-            let mut planner = if peers.is_empty() { None } else { EpochPlanner::new(&planner_config, &dataset).ok() };
+            // The peers' batches (and this rank's next epoch, when the reader left it) are
+            // planned here, off the reader's path, by one planner (a partitioner plugin plans
+            // every rank at once), made at the first request; if they cannot be, the schedule
+            // is this rank's alone.
+            let mut planner = None;
             while let Ok(request) = receive.recv() {
                 // Not before the reader's first batch: it needs both cores to itself (issue 44).
                 for_thread.wait_until_started();
                 let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    let mut ranks =
-                        vec![(Arc::clone(&request.batches), request.next.as_ref().map(|n| Arc::clone(&n.1)))];
-                    if let Some(planner) = &mut planner
+                    if planner.is_none() {
+                        planner = EpochPlanner::new(&planner_config, &dataset).ok();
+                    }
+                    let own_next = match &request.next {
+                        Some((_, NextBatches::Planned(batches))) => Some(Arc::clone(batches)),
+                        Some((from, NextBatches::ToPlan(slot))) => {
+                            let planned = planner.as_mut().and_then(|planner| planner.epoch(*from).ok());
+                            planned.map(|batches| Arc::clone(slot.get_or_init(|| Arc::new(batches))))
+                        }
+                        None => None,
+                    };
+                    let mut ranks = vec![(Arc::clone(&request.batches), own_next)];
+                    if !peers.is_empty()
+                        && let Some(planner) = &mut planner
                         && let Ok(this) = planner.epochs(request.from, &peers)
                     {
                         let next = match &request.next {

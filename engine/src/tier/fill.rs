@@ -297,6 +297,11 @@ impl Coordinator {
         }
     }
 
+    /// Whether the reader has delivered its first batch.
+    pub fn first_batch_out(&self) -> bool {
+        self.started.load(Ordering::Acquire)
+    }
+
     /// Waits until the fills may run (`may_fill`), or the fillers are stopped.
     pub fn wait_until_started(&self) {
         let mut state = self.lock();
