@@ -306,7 +306,7 @@ impl Coordinator {
     pub fn wait_until_started(&self) {
         let mut state = self.lock();
         while !self.may_fill() && !state.stop {
-            let _ = self.changed.wait_for(&mut state, Duration::from_millis(5));
+            let _ = self.changed.wait_for(&mut state, self.head_start_left());
         }
     }
 
@@ -314,6 +314,12 @@ impl Coordinator {
     /// held up elsewhere does not hold the fills back for more than `FIRST_BATCH_HEAD_START`).
     fn may_fill(&self) -> bool {
         self.started.load(Ordering::Acquire) || self.created.elapsed() >= FIRST_BATCH_HEAD_START
+    }
+
+    /// What is left of the first batch's head start (`delivered` wakes the waiters before it
+    /// ends): the fills do not poll while the reader works on it.
+    fn head_start_left(&self) -> Duration {
+        FIRST_BATCH_HEAD_START.saturating_sub(self.created.elapsed()).max(Duration::from_millis(1))
     }
 
     /// The tier.
@@ -485,7 +491,7 @@ impl Coordinator {
                 return None;
             }
             if !self.may_fill() {
-                let _ = self.changed.wait_for(&mut state, Duration::from_millis(5));
+                let _ = self.changed.wait_for(&mut state, self.head_start_left());
                 continue;
             }
             if state.planned_at.is_none() {
