@@ -668,46 +668,15 @@ fn child_reading_under_a_cgroup_limit() {
 
 #[test]
 fn a_cgroup_limit_shrinks_the_tier_instead_of_killing_the_trainer() {
-    let memory = Path::new("/sys/fs/cgroup/memory");
-    let root = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0).unwrap_or(false);
-    if !root || !memory.join("cgroup.procs").exists() {
-        assert!(std::env::var_os("CI").is_none(), "CI runs as root with cgroup v1's memory controller");
-        eprintln!("skipped: needs root and cgroup v1's memory controller at {}", memory.display());
-        return;
-    }
     // 96 MiB of records; the child's cgroup allows 320 MiB, and it allocates 224 MiB on top of
     // the tier it filled: unless the tier gives memory back, the kernel kills the child.
     let f = fixture(48 * 1024);
-    let group = memory.join(format!("granary-test-{}", std::process::id()));
-    std::fs::create_dir(&group).unwrap();
-    std::fs::write(group.join("memory.limit_in_bytes"), "335544320").unwrap();
-    let _ = std::fs::write(group.join("memory.swappiness"), "0");
-    let out = std::process::Command::new("sh")
-        .arg("-c")
-        .arg("echo $$ > \"$GROUP/cgroup.procs\" && exec \"$@\"")
-        .arg("sh")
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "child_reading_under_a_cgroup_limit", "--ignored", "--nocapture", "--test-threads", "1"])
-        .env("GROUP", &group)
-        .env("GRANARY_TEST_PRESSURE_STORE", f.dir.path().join("store"))
-        .env("GRANARY_TEST_PRESSURE_TIER", f.dir.path())
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_dir(&group);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "the child failed ({:?}): {stdout} {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let line = stdout
-        .lines()
-        .find_map(|l| l.find("tier held").map(|at| &l[at..]))
-        .unwrap_or_else(|| panic!("no report from the child: {stdout} {}", String::from_utf8_lossy(&out.stderr)));
-    let numbers: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
-    assert!(numbers[0] >= 64 << 20, "the tier filled first: {line}");
-    assert!(numbers[1] < numbers[0] / 2, "then gave memory back: {line}");
+    let store = f.dir.path().join("store");
+    let envs = [("GRANARY_TEST_PRESSURE_STORE", store.as_path()), ("GRANARY_TEST_PRESSURE_TIER", f.dir.path())];
+    let Some(out) = run_in_memory_cgroup(320 << 20, "child_reading_under_a_cgroup_limit", &envs) else { return };
+    let numbers = child_report(&out, "tier held");
+    assert!(numbers[0] >= 64 << 20, "the tier filled first: {numbers:?}");
+    assert!(numbers[1] < numbers[0] / 2, "then gave memory back: {numbers:?}");
 }
 
 #[test]

@@ -132,3 +132,47 @@ pub(crate) fn shard_files(root: &Path) -> Vec<PathBuf> {
         .map(|(_, path)| path)
         .collect()
 }
+
+/// Runs this test binary's ignored test `child` (exactly) inside a fresh cgroup v1 memory group
+/// limited to `limit` bytes (no swap), with `envs`, and returns its output; `None` when this
+/// machine cannot (not root, no v1 memory controller), which CI must not be.
+pub(crate) fn run_in_memory_cgroup(limit: u64, child: &str, envs: &[(&str, &Path)]) -> Option<Output> {
+    let memory = Path::new("/sys/fs/cgroup/memory");
+    let root = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0).unwrap_or(false);
+    if !root || !memory.join("cgroup.procs").exists() {
+        assert!(std::env::var_os("CI").is_none(), "CI runs as root with cgroup v1's memory controller");
+        eprintln!("skipped: needs root and cgroup v1's memory controller at {}", memory.display());
+        return None;
+    }
+    let group = memory.join(format!("granary-test-{}-{child}", std::process::id()));
+    std::fs::create_dir(&group).unwrap();
+    std::fs::write(group.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
+    let _ = std::fs::write(group.join("memory.swappiness"), "0");
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg("echo $$ > \"$GROUP/cgroup.procs\" && exec \"$@\"")
+        .arg("sh")
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", child, "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("GROUP", &group);
+    for (name, value) in envs {
+        command.env(name, value);
+    }
+    let out = command.output().unwrap();
+    let _ = std::fs::remove_dir(&group);
+    Some(out)
+}
+
+/// The numbers on the line of `out`'s standard output that starts with `marker`, after the child
+/// of `run_in_memory_cgroup` succeeded (a panic names what it printed).
+pub(crate) fn child_report(out: &Output, marker: &str) -> Vec<u64> {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the child failed ({:?}): {stdout} {stderr}", out.status);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.find(marker).map(|at| &l[at..]))
+        .unwrap_or_else(|| panic!("no report from the child: {stdout} {stderr}"));
+    line.split_whitespace().filter_map(|w| w.parse().ok()).collect()
+}
