@@ -680,6 +680,52 @@ fn a_cgroup_limit_shrinks_the_tier_instead_of_killing_the_trainer() {
 }
 
 #[test]
+fn a_tier_that_cannot_work_here_is_done_without_and_every_record_read_from_disk() {
+    let f = fixture(300);
+    let read_all = |tier: TierConfig| {
+        let mut loader = Loader::new(
+            Arc::clone(&f.dataset),
+            config(World::single(), 1, TierSetting::Config(tier)),
+            Position::default(),
+        )
+        .unwrap();
+        assert!(loader.tier().is_none(), "no tier");
+        drain(&mut loader, &f.records);
+        let stats = loader.stats().read;
+        assert_eq!((stats.records, stats.tier_records), (300, 0), "{stats:?}");
+    };
+    // Its directory cannot be made (a file is in the way).
+    let blocked = f.dir.path().join("a-file");
+    std::fs::write(&blocked, b"").unwrap();
+    read_all(TierConfig { dir: Some(blocked.join("tier")), ..tier_config(f.dir.path(), 64 << 20) });
+    // A read-only memory file system (root mounts one; CI runs as root).
+    let ro = f.dir.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "ro,size=16m,mode=700", "tmpfs"])
+        .arg(&ro)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        assert!(std::env::var_os("CI").is_none(), "CI runs as root and mounts a read-only tmpfs");
+        eprintln!("skipped the read-only tmpfs: mount failed (needs root)");
+        return;
+    }
+    for dir in [ro.clone(), ro.join("tier")] {
+        read_all(TierConfig { dir: Some(dir), ..tier_config(f.dir.path(), 64 << 20) });
+    }
+    let _ = std::process::Command::new("umount").arg(&ro).status();
+    // A directory named that is not this user's alone is a setting to fix: an error.
+    let open = f.dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let tier = TierConfig { dir: Some(open), ..tier_config(f.dir.path(), 64 << 20) };
+    let refused =
+        Loader::new(Arc::clone(&f.dataset), config(World::single(), 1, TierSetting::Config(tier)), Position::default());
+    assert!(refused.is_err_and(|e| e.to_string().contains("only it can write")));
+}
+
+#[test]
 fn versions_that_share_shards_share_their_extents() {
     let dir = tempdir();
     let mut granary = Granary::create(dir.path().join("store")).unwrap();
