@@ -121,14 +121,6 @@ fn entries_the_store_did_not_write_are_left_alone_and_reported_by_repair() {
 }
 
 /// Unmounts the read-only view when the test ends, also when it fails.
-struct Mounted(std::path::PathBuf);
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
-    }
-}
-
 #[test]
 fn a_store_on_a_read_only_mount_is_read_and_writers_say_why_they_cannot() {
     let dir = tempdir();

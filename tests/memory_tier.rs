@@ -711,10 +711,11 @@ fn a_tier_that_cannot_work_here_is_done_without_and_every_record_read_from_disk(
         eprintln!("skipped the read-only tmpfs: mount failed (needs root)");
         return;
     }
+    let mounted = Mounted(ro.clone());
     for dir in [ro.clone(), ro.join("tier")] {
         read_all(TierConfig { dir: Some(dir), ..tier_config(f.dir.path(), 64 << 20) });
     }
-    let _ = std::process::Command::new("umount").arg(&ro).status();
+    drop(mounted);
     // A directory named that is not this user's alone is a setting to fix: an error.
     let open = f.dir.path().join("open");
     std::fs::create_dir(&open).unwrap();

@@ -176,3 +176,16 @@ pub(crate) fn child_report(out: &Output, marker: &str) -> Vec<u64> {
         .unwrap_or_else(|| panic!("no report from the child: {stdout} {stderr}"));
     line.split_whitespace().filter_map(|w| w.parse().ok()).collect()
 }
+
+/// A mount the test made, unmounted when dropped (lazily if it is still busy, so no test leaves
+/// a mount behind).
+pub(crate) struct Mounted(pub(crate) PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let unmounted = Command::new("umount").arg(&self.0).status().is_ok_and(|s| s.success());
+        if !unmounted {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+}
