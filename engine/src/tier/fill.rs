@@ -200,6 +200,8 @@ pub struct Coordinator {
     /// for the disk and the cores, issue 44).
     started: std::sync::atomic::AtomicBool,
     created: Instant,
+    /// When an idle filler last looked at memory pressure (milliseconds after `created`).
+    pressure_checked: AtomicU64,
     /// The evictor plugin, started before the first fill that may need room (most loaders never
     /// evict).
     #[cfg(feature = "policy")]
@@ -285,6 +287,7 @@ impl Coordinator {
             published: AtomicU64::new(0),
             started: false.into(),
             created: Instant::now(),
+            pressure_checked: AtomicU64::new(0),
             #[cfg(feature = "policy")]
             evictor: Mutex::new(PluginEvictor::default()),
         })
@@ -807,8 +810,20 @@ impl Coordinator {
         Ok(chosen)
     }
 
-    /// Gives memory back when the node needs it (the tier's holdings as last listed).
+    /// Gives memory back when the node needs it (the tier's holdings as last listed). The idle
+    /// fillers of a loader look once per `IDLE_CHECK` between them, and list the holdings only
+    /// when what the tier holds is over the budget that memory pressure leaves.
     fn shrink_under_pressure(&self) -> Result<()> {
+        let now = u64::try_from(self.created.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = self.pressure_checked.load(Ordering::Relaxed);
+        let due = now.saturating_sub(last) >= u64::try_from(IDLE_CHECK.as_millis()).unwrap_or(0);
+        if !due || self.pressure_checked.compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            return Ok(());
+        }
+        let held = self.tier.held_bytes();
+        if held <= self.tier.effective_budget(held) {
+            return Ok(());
+        }
         let (extents, held) = self.tier.resident()?;
         self.make_room(Holdings { extents, held, filling: 0 }, None, 0).map(drop)
     }
