@@ -135,6 +135,34 @@ fn the_fills_go_as_far_ahead_as_the_reader_needs_not_the_whole_plan() {
 }
 
 #[test]
+fn fills_that_fail_send_their_records_to_disk_in_either_tier() {
+    use granary::io::Fault;
+    let f = fixture(2000);
+    let dir = tempdir();
+    let memory = TierConfig { kind: TierKind::Memory, dir: Some(dir.path().join("tier")), ..tier_config(64 << 20) };
+    for tier in [tier_config(64 << 20), memory] {
+        evict_from_page_cache(&f.dataset);
+        let kind = tier.kind;
+        // The first five fills fail as a disk error under them would.
+        let faults = (0..5).map(|fill| Fault::FailFill { fill, errno: libc::EIO }).collect();
+        let config = LoaderConfig { faults, ..config(1, TierSetting::Config(tier)) };
+        let started = std::time::Instant::now();
+        let mut loader = Loader::new(Arc::clone(&f.dataset), config, Position::default()).unwrap();
+        assert!(loader.tier().is_some(), "{kind:?}: faults on fills keep the tier");
+        assert_eq!(drain(&mut loader, &f.records), 2000, "{kind:?}");
+        let stats = loader.stats();
+        let tier = stats.tier.unwrap();
+        assert_eq!(tier.fill_failures, 5, "{kind:?}: {tier:?}");
+        assert!(tier.extents_loaded > 0, "{kind:?}: the other fills went on: {tier:?}");
+        // The failed extents' records came from disk, not waited for again and again (a failed
+        // fill once made the reader wait 10 s a record).
+        assert!(stats.read.tier_records < stats.read.records, "{kind:?}: {:?}", stats.read);
+        assert!(started.elapsed() < std::time::Duration::from_secs(60), "{kind:?}: {:?}", started.elapsed());
+        assert_eq!(stats.read.verify_failures, 0);
+    }
+}
+
+#[test]
 fn a_bit_flipped_in_a_shard_file_behind_the_engine_is_never_delivered() {
     use std::os::unix::fs::FileExt;
     let f = fixture(500);

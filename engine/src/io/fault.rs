@@ -1,7 +1,10 @@
-//! A backend wrapper that injects faults, for tests: failed reads and flipped bits.
+//! A backend wrapper that injects faults, for tests: failed reads and flipped bits; and the
+//! faults a loader's tier fills meet (`Fault::FailFill`, which the tier's fillers act on: a
+//! fill is not a read of this backend).
 //!
 //! Ops are numbered across calls in submission order (the op's index plus the ops of earlier
-//! calls), so a test can aim a fault at "the 17th op this reader issues".
+//! calls), so a test can aim a fault at "the 17th op this reader issues"; fills are numbered in
+//! the order a loader's fillers start them.
 
 use std::path::Path;
 
@@ -25,6 +28,22 @@ pub enum Fault {
         /// The bit within the op's bytes (wraps around the op's length).
         bit: u64,
     },
+    /// The tier's fill number `fill` (of this loader) fails with OS error `errno`, as a disk
+    /// error under the fill's large read would. A loader whose faults are all of this kind keeps
+    /// its tier (the other kinds act on disk reads, so their loader reads every record from disk).
+    FailFill {
+        /// The fill's number.
+        fill: u64,
+        /// The error to report.
+        errno: i32,
+    },
+}
+
+impl Fault {
+    /// Whether the fault acts on the disk backend's reads (not on the tier's fills).
+    pub fn on_reads(&self) -> bool {
+        !matches!(self, Fault::FailFill { .. })
+    }
 }
 
 /// Wraps a backend and injects `faults`.

@@ -187,8 +187,9 @@ pub struct LoaderConfig {
     /// manifest; with CUDA its buffers are page-locked whole, so the largest batch given here
     /// lets more of them be in flight).
     pub batch_bytes_max: Option<usize>,
-    /// Faults injected into the reads (tests and drills). A loader with faults reads every
-    /// record from disk (no memory tier), where the faults act.
+    /// Faults injected into the reads and the tier's fills (tests and drills). A loader with
+    /// faults on reads reads every record from disk (no memory tier), where they act; one whose
+    /// faults are all `Fault::FailFill` keeps its tier, whose fills meet them.
     pub faults: Vec<Fault>,
     /// Where a damaged or missing shard gets replaced from (a replication node): the read is
     /// then retried and the batches come in the same order. `None`: such a read fails. For an
@@ -591,8 +592,13 @@ impl Loader {
         };
         let expected_batch_bytes =
             usize::try_from(expected_batch_bytes).unwrap_or(usize::MAX).clamp(1, batch_bytes.max(1));
-        // Injected faults act on disk reads, which the tier would bypass: drills read from disk.
-        let mut coordinator = if config.faults.is_empty() { config.tier.open()?.map(Coordinator::new) } else { None };
+        // Injected faults on reads act on disk reads, which the tier would bypass: those drills
+        // read from disk. Faults on fills need the tier.
+        let mut coordinator = if config.faults.iter().any(Fault::on_reads) {
+            None
+        } else {
+            config.tier.open()?.map(|tier| Coordinator::with_faults(tier, config.faults.clone()))
+        };
         // A dataset read through an origin cache: its shard files come and go within the cache's
         // bound on disk, and a mapping of the page cache tier would hold an evicted one's disk
         // space. It is read through a memory tier of the same budget instead (its extents are
@@ -612,7 +618,10 @@ impl Loader {
                 evictor_options: evictor_options.to_vec(),
                 ..TierConfig::default()
             };
-            coordinator = MemoryTier::open(&memory).ok().flatten().map(Coordinator::new);
+            coordinator = MemoryTier::open(&memory)
+                .ok()
+                .flatten()
+                .map(|tier| Coordinator::with_faults(tier, config.faults.clone()));
         }
         if let Some(coordinator) = &coordinator {
             coordinator.tier().warn_if_not_in_memory();
@@ -1067,7 +1076,7 @@ fn build_io(config: &LoaderConfig, pinning: Pinning) -> Result<Box<dyn Io>> {
         #[cfg(not(target_os = "linux"))]
         _ => config.io.build()?,
     };
-    Ok(if config.faults.is_empty() { io } else { Box::new(FaultIo::new(io, config.faults.clone())) })
+    Ok(if config.faults.iter().any(Fault::on_reads) { Box::new(FaultIo::new(io, config.faults.clone())) } else { io })
 }
 
 struct ReaderStage {

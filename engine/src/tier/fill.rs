@@ -202,6 +202,10 @@ pub struct Coordinator {
     created: Instant,
     /// When an idle filler last looked at memory pressure (milliseconds after `created`).
     pressure_checked: AtomicU64,
+    /// Faults injected into the fills (`Fault::FailFill`, tests and drills), and the fills
+    /// started so far, which they are aimed by.
+    fill_faults: Vec<crate::io::Fault>,
+    fills_started: AtomicU64,
     /// The evictor plugin, started before the first fill that may need room (most loaders never
     /// evict).
     #[cfg(feature = "policy")]
@@ -280,6 +284,11 @@ struct State {
 impl Coordinator {
     /// A coordinator over `tier`, with an empty schedule.
     pub fn new(tier: Arc<MemoryTier>) -> Arc<Self> {
+        Self::with_faults(tier, Vec::new())
+    }
+
+    /// A coordinator whose fills meet `faults` (the `Fault::FailFill` among them).
+    pub fn with_faults(tier: Arc<MemoryTier>, faults: Vec<crate::io::Fault>) -> Arc<Self> {
         Arc::new(Self {
             tier,
             state: Mutex::new(State::default()),
@@ -288,6 +297,8 @@ impl Coordinator {
             started: false.into(),
             created: Instant::now(),
             pressure_checked: AtomicU64::new(0),
+            fill_faults: faults.into_iter().filter(|f| matches!(f, crate::io::Fault::FailFill { .. })).collect(),
+            fills_started: AtomicU64::new(0),
             #[cfg(feature = "policy")]
             evictor: Mutex::new(PluginEvictor::default()),
         })
@@ -810,6 +821,18 @@ impl Coordinator {
         Ok(chosen)
     }
 
+    /// The error a fault aims at the fill starting now, if one does (the fill is numbered here).
+    fn injected_fill_fault(&self) -> Option<i32> {
+        if self.fill_faults.is_empty() {
+            return None;
+        }
+        let number = self.fills_started.fetch_add(1, Ordering::Relaxed);
+        self.fill_faults.iter().find_map(|fault| match *fault {
+            crate::io::Fault::FailFill { fill, errno } if fill == number => Some(errno),
+            _ => None,
+        })
+    }
+
     /// Gives memory back when the node needs it (the tier's holdings as last listed). The idle
     /// fillers of a loader look once per `IDLE_CHECK` between them, and list the holdings only
     /// when what the tier holds is over the budget that memory pressure leaves.
@@ -872,9 +895,15 @@ pub fn run_filler(coordinator: &Coordinator) -> Result<()> {
                 coordinator.start_evictor();
             }
         }
-        let outcome = coordinator
-            .tier
-            .fill_within_budget(&info, |holdings| coordinator.make_room(holdings, Some((info.key, next_use)), bytes));
+        let outcome = match coordinator.injected_fill_fault() {
+            Some(errno) => {
+                coordinator.tier.count_fill_failure();
+                Err(crate::error::Error::io("fill", &info.path, std::io::Error::from_raw_os_error(errno)))
+            }
+            None => coordinator.tier.fill_within_budget(&info, |holdings| {
+                coordinator.make_room(holdings, Some((info.key, next_use)), bytes)
+            }),
+        };
         coordinator.finish(extent, &outcome);
     }
     Ok(())

@@ -804,6 +804,11 @@ impl MemoryTier {
         self.fill_under(claim, info, &name).map(Some)
     }
 
+    /// Counts a fill that failed before it reached the tier (a fault injected by a loader).
+    pub(crate) fn count_fill_failure(&self) {
+        self.counters.fill_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn fill_page_cache(&self, info: &ExtentInfo) -> Result<Filled> {
         let Some(page_cache) = &self.page_cache else { return Err(Error::invalid_input("not a page cache tier")) };
         let outcome = page_cache.fill(info);
