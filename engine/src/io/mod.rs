@@ -17,6 +17,7 @@
 //! bytes (the `read` module checks them).
 
 mod aligned;
+mod checked_copy;
 pub mod bare;
 mod fault;
 // Only the metrics endpoint's sockets need it.
@@ -32,6 +33,7 @@ mod watch;
 use std::path::{Path, PathBuf};
 
 pub use aligned::AlignedBuf;
+pub use checked_copy::copy_crc32c;
 pub use fault::{Fault, FaultIo};
 #[cfg(feature = "metrics-http")]
 pub(crate) use fork::close_in_forked_child;

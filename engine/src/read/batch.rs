@@ -18,7 +18,7 @@ use std::ops::Range;
 
 use super::Dataset;
 use crate::error::{Error, Result};
-use crate::io::{AlignedBuf, FileId, ReadOp};
+use crate::io::{AlignedBuf, FileId, ReadOp, copy_crc32c};
 use crate::shard::{BLOCK_BYTES, BLOCK_BYTES_U64, DATA_OFFSET};
 use crate::staging::{Lease, StagingPool};
 use crate::tier::TierReader;
@@ -707,10 +707,10 @@ impl TierCopy<'_> {
 }
 
 /// Copies data-region bytes `range` from `extent` (the tier's bytes of the data region from
-/// offset `at`, whole blocks) into `dst`, and checks every block the range touches: the bytes
-/// that reach the batch are checked where they lie in it (read back while still in the cache),
-/// and a block's bytes outside the range where they came from. Runs of whole blocks are checked
-/// in one pass each (`ShardMeta::check_blocks`). Returns the first bad block.
+/// offset `at`, whole blocks) into `dst`, and checks every block the range touches: a whole
+/// block where it lies in the batch, right after its copy (`copy_crc32c`),
+/// a block the range covers in part where the part lies in the batch, with the block's other
+/// bytes where they came from. Returns the first bad block.
 fn copy_checked(
     meta: &crate::shard::ShardMeta,
     extent: &[u8],
@@ -719,29 +719,30 @@ fn copy_checked(
     dst: &mut [u8],
 ) -> std::result::Result<(), u64> {
     debug_assert_eq!(dst.len() as u64, range.end - range.start);
-    dst.copy_from_slice(&extent[to_usize(range.start - at)..to_usize(range.end - at)]);
     let mut pos = range.start;
     while pos < range.end {
         let block = pos / BLOCK_BYTES_U64;
         let block_start = block * BLOCK_BYTES_U64;
         let block_end = block_start + BLOCK_BYTES_U64;
         let into = to_usize(pos - range.start);
+        let Some(source) = extent.get(to_usize(block_start - at)..to_usize(block_end - at)) else {
+            return Err(block);
+        };
         if pos == block_start && range.end >= block_end {
-            // Whole blocks from here: all of them lie in the batch.
-            let run_end = range.end / BLOCK_BYTES_U64 * BLOCK_BYTES_U64;
-            let run = &dst[into..into + to_usize(run_end - pos)];
-            meta.check_blocks(block, run).map_err(|(bad, _, _)| bad)?;
-            pos = run_end;
-        } else {
-            // A block the range covers in part: the rest of it from the tier.
-            let end = range.end.min(block_end);
-            let Some(source) = extent.get(to_usize(block_start - at)..to_usize(block_end - at)) else {
+            // A whole block: copied, then checked while the copy is in the cache (`copy_crc32c`).
+            let expected = meta.expected_bytes_crc(block).ok_or(block)?;
+            if copy_crc32c(source, &mut dst[into..into + BLOCK_BYTES]) != expected {
                 return Err(block);
-            };
-            let head = &source[..to_usize(pos - block_start)];
-            let body = &dst[into..into + to_usize(end - pos)];
-            let tail = &source[to_usize(end - block_start)..];
-            meta.check_block_parts(block, [head, body, tail]).map_err(|_| block)?;
+            }
+            pos = block_end;
+        } else {
+            // A block the range covers in part: the part copied, then checked where it lies in
+            // the batch, with the rest of the block from the tier.
+            let end = range.end.min(block_end);
+            let (from, to) = (to_usize(pos - block_start), to_usize(end - block_start));
+            dst[into..into + (to - from)].copy_from_slice(&source[from..to]);
+            let body = &dst[into..into + (to - from)];
+            meta.check_block_parts(block, [&source[..from], body, &source[to..]]).map_err(|_| block)?;
             pos = end;
         }
     }

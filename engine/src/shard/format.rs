@@ -84,6 +84,12 @@ pub fn blocks_match(first_block: u64, bytes: &[u8], expected: &[u32]) -> bool {
     true
 }
 
+/// The CRC32C of a data block's bytes alone, from its checksum `stored` (`block_crc`, seeded with
+/// the block's index): `stored` is `Z(crc32c(index)) ^ crc32c(bytes)`, as `blocks_match` says.
+pub(crate) fn bytes_crc(block: u64, stored: u32) -> u32 {
+    stored ^ zeros_block(crc32c::crc32c(&block.to_le_bytes()))
+}
+
 /// `Z` of `blocks_match` for one block of zeros: linear over GF(2), so four byte tables built
 /// from its value on the 32 unit vectors (`crc32c_combine(1 << bit, 0, BLOCK_BYTES)`).
 fn zeros_block(crc: u32) -> u32 {

@@ -221,6 +221,13 @@ impl ShardMeta {
         self.block_crcs[usize::try_from(block).expect("block index fits in memory")]
     }
 
+    /// The CRC32C (`crc32c::crc32c`) that data block `block`'s bytes alone must have, from its
+    /// stored checksum (which is seeded with the block's index); `None` past the data blocks.
+    pub fn expected_bytes_crc(&self, block: u64) -> Option<u32> {
+        let stored = *self.block_crcs.get(usize::try_from(block).ok()?)?;
+        Some(super::format::bytes_crc(block, stored))
+    }
+
     /// Checks data block `block` against its stored checksum; on a mismatch returns
     /// `(expected, actual)`.
     pub fn check_block(&self, block: u64, bytes: &[u8]) -> Result<(), (u32, u32)> {
