@@ -654,14 +654,7 @@ fn child_reading_under_a_cgroup_limit() {
         loader.next().unwrap().unwrap();
     }
     let full = tier_dir_bytes(&tier);
-    let mut hog: Vec<Vec<u8>> = Vec::new();
-    for _ in 0..14 {
-        hog.push(vec![1u8; 16 << 20]);
-        for _ in 0..50 {
-            loader.next().unwrap().unwrap();
-        }
-        std::thread::sleep(std::time::Duration::from_millis(300));
-    }
+    let hog = allocate_while_reading(|| drop(loader.next().unwrap().unwrap()));
     let after = tier_dir_bytes(&tier);
     println!("tier held {full} bytes, then {after} bytes with {} MiB allocated", hog.len() * 16);
 }

@@ -330,14 +330,7 @@ fn child_reading_the_page_cache_under_a_cgroup_limit() {
         loader.next().unwrap().unwrap();
     }
     let full = in_memory_bytes(&dataset);
-    let mut hog: Vec<Vec<u8>> = Vec::new();
-    for _ in 0..14 {
-        hog.push(vec![1u8; 16 << 20]);
-        for _ in 0..50 {
-            loader.next().unwrap().unwrap();
-        }
-        std::thread::sleep(std::time::Duration::from_millis(300));
-    }
+    let hog = allocate_while_reading(|| drop(loader.next().unwrap().unwrap()));
     let after = in_memory_bytes(&dataset);
     let stats = loader.stats().read;
     println!(

@@ -189,3 +189,18 @@ impl Drop for Mounted {
         }
     }
 }
+
+/// A trainer's other allocations while it reads on: 224 MiB, 16 MiB at a time, with `read`
+/// called 50 times after each and a pause for the kernel's reclaim; returns the memory, still
+/// held (the caller measures while it is).
+pub(crate) fn allocate_while_reading(mut read: impl FnMut()) -> Vec<Vec<u8>> {
+    let mut hog: Vec<Vec<u8>> = Vec::new();
+    for _ in 0..14 {
+        hog.push(vec![1u8; 16 << 20]);
+        for _ in 0..50 {
+            read();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    hog
+}

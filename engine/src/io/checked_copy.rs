@@ -81,7 +81,10 @@ impl Shift {
 
     fn apply(&self, state: u32) -> u32 {
         let [b0, b1, b2, b3] = state.to_le_bytes();
-        self.0[0][usize::from(b0)] ^ self.0[1][usize::from(b1)] ^ self.0[2][usize::from(b2)] ^ self.0[3][usize::from(b3)]
+        self.0[0][usize::from(b0)]
+            ^ self.0[1][usize::from(b1)]
+            ^ self.0[2][usize::from(b2)]
+            ^ self.0[3][usize::from(b3)]
     }
 }
 
@@ -103,18 +106,7 @@ fn shift_tables() -> &'static ShiftTables {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn bytes(seed: u64, len: usize) -> Vec<u8> {
-        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect()
-    }
+    use crate::shard::tests::noise as bytes;
 
     #[test]
     fn the_copy_is_exact_and_its_crc_is_the_crates() {
