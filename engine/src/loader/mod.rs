@@ -36,12 +36,12 @@ use metrics::{DatasetHeat, Live, LoaderMetrics};
 use planner::{EpochBatches, EpochPlanner, planner_config, shards_by_step};
 #[cfg(feature = "policy")]
 use rebalance::Rebalancing;
+#[cfg(feature = "policy")]
 pub use rebalance::{
     LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, TIME_SPREAD_MIN, WeightsAt, rebalanced_step,
     tells_ranks_apart,
 };
 use schedule::{NextBatches, ScheduleRequest, Scheduler};
-#[cfg(feature = "policy")]
 pub use start::{StartClock, StartStage};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
