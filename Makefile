@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 15
 
-.PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc plugins python python-env gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc plugins python python-env readme-example gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
 
 # Where cargo builds: CARGO_TARGET_DIR when set (the scripts follow it too), target/ otherwise.
 TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),target))
@@ -13,7 +13,7 @@ PYTHON ?= $(shell test -x target/lcs-venv/bin/python && echo target/lcs-venv/bin
 
 ## Everything CI checks: formatting, lints, tests, docs, the plugins, the Python bindings, the
 ## GPU path against the fake driver, the libCacheSim comparison, a short fuzz run.
-test: toolchain fmt-check clippy unit doc plugins python gpu-fake libcachesim fuzz-smoke
+test: toolchain fmt-check clippy unit doc plugins python readme-example gpu-fake libcachesim fuzz-smoke
 
 ## What rustup does not add by itself on every machine (RUSTUP_AUTO_INSTALL=0, or a rustup
 ## older than the toolchain file's components): quick when they are there already.
@@ -76,6 +76,16 @@ python: python-env moto
 python-env:
 	@test -x $(PYVENV)/bin/pytest || { python3 -m venv $(PYVENV) && \
 		$(PYVENV)/bin/pip install -q 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2'; }
+
+## The README's Python example, run as written with torch installed (PyPI's build; no GPU
+## needed), in a venv of its own: with torch present batches are tensors, and the suite above
+## runs on NumPy alone.
+TORCH_VENV := $(TARGET_DIR)/torch-venv
+readme-example: python
+	@test -x $(TORCH_VENV)/bin/pytest || { python3 -m venv $(TORCH_VENV) && \
+		$(TORCH_VENV)/bin/pip install -q 'numpy>=1.23' 'pytest>=7' 'torch==2.15.0'; }
+	cd $(TARGET_DIR)/py-test && PYTHONPATH=$(TARGET_DIR)/py-test \
+		$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_readme.py
 
 ## The GPU path on a machine without a GPU: the GPU tests (Rust and Python) against
 ## tests/fake-cuda, a strict stand-in for the CUDA driver (libcuda.so.1) that runs each stream's

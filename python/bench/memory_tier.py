@@ -170,6 +170,30 @@ def first_batch(args: tuple) -> float:
     return seconds, stages
 
 
+def dataloader_first_batch(args: tuple) -> float:
+    """Seconds from nothing (a fresh process, the page cache dropped) to the first batch of a
+    PyTorch DataLoader over the same records (2 workers, shuffled, batches of `batch`): the
+    baseline issue 44 names. Needs torch in the interpreter running the bench."""
+    import torch
+
+    raw, record, batch = args
+
+    class Records(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return os.path.getsize(raw) // record
+
+        def __getitem__(self, i: int):
+            with open(raw, "rb") as f:
+                f.seek(i * record)
+                return torch.frombuffer(bytearray(f.read(record)), dtype=torch.uint8)
+
+    drop_caches()
+    t = time.perf_counter()
+    loader = torch.utils.data.DataLoader(Records(), batch_size=batch, shuffle=True, num_workers=2, drop_last=True)
+    next(iter(loader))
+    return time.perf_counter() - t
+
+
 def import_seconds() -> float:
     """Seconds a fresh interpreter takes to import granary (and NumPy) with the page cache
     dropped: the part of a first batch that comes before any loader."""
@@ -209,6 +233,16 @@ def first_batches(a: argparse.Namespace, store: str, raw: str) -> None:
                 got, marks = got
                 stages[label].append(marks)
             times[label].append(got)
+    try:
+        import torch  # noqa: F401
+
+        times["torch DataLoader (2 workers)"] = []
+        for _ in range(a.runs):
+            with ctx.Pool(1) as pool:
+                times["torch DataLoader (2 workers)"].append(
+                    pool.map(dataloader_first_batch, [(raw, a.record_bytes, a.batch)])[0])
+    except ImportError:
+        print("torch DataLoader first batch: not measured (no torch in this interpreter)")
     medians = {label: statistics.median(t) for label, t in times.items()}
     print(json.dumps({"first_batch_seconds": medians}), flush=True)
     print(f"import granary, numpy (cold, before any loader): {statistics.median(imports) * 1e3:.0f} ms")
@@ -221,6 +255,9 @@ def first_batches(a: argparse.Namespace, store: str, raw: str) -> None:
     print(f"first batch, cold, medians of {a.runs}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in medians.items()))
     print(f"default tier / tier off {medians['default tier'] / medians['tier off']:.2f} (target <= 1.1); "
           f"default tier / np.memmap {medians['default tier'] / medians['np.memmap gather']:.2f} (target <= 0.5)")
+    if "torch DataLoader (2 workers)" in medians:
+        print(f"default tier / torch DataLoader {medians['default tier'] / medians['torch DataLoader (2 workers)']:.2f} "
+              "(target <= 0.5)")
     if a.partial_batches:
         runs = {"default tier": [], "tier off": []}
         for _ in range(a.runs):
