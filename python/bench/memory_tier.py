@@ -170,6 +170,24 @@ def first_batch(args: tuple) -> float:
     return seconds, stages
 
 
+class RawRecords:
+    """The raw file's records for a PyTorch DataLoader (a map-style dataset; at module level so
+    that spawned workers can unpickle it)."""
+
+    def __init__(self, raw: str, record: int) -> None:
+        self.raw, self.record = raw, record
+
+    def __len__(self) -> int:
+        return os.path.getsize(self.raw) // self.record
+
+    def __getitem__(self, i: int):
+        import torch
+
+        with open(self.raw, "rb") as f:
+            f.seek(i * self.record)
+            return torch.frombuffer(bytearray(f.read(self.record)), dtype=torch.uint8)
+
+
 def dataloader_first_batch(args: tuple) -> float:
     """Seconds from nothing (a fresh process, the page cache dropped) to the first batch of a
     PyTorch DataLoader over the same records (2 workers, shuffled, batches of `batch`): the
@@ -177,21 +195,16 @@ def dataloader_first_batch(args: tuple) -> float:
     import torch
 
     raw, record, batch = args
-
-    class Records(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return os.path.getsize(raw) // record
-
-        def __getitem__(self, i: int):
-            with open(raw, "rb") as f:
-                f.seek(i * record)
-                return torch.frombuffer(bytearray(f.read(record)), dtype=torch.uint8)
-
     drop_caches()
     t = time.perf_counter()
-    loader = torch.utils.data.DataLoader(Records(), batch_size=batch, shuffle=True, num_workers=2, drop_last=True)
+    loader = torch.utils.data.DataLoader(RawRecords(raw, record), batch_size=batch, shuffle=True, num_workers=2,
+                                         drop_last=True)
     next(iter(loader))
     return time.perf_counter() - t
+
+
+def dataloader_child(args: tuple, out) -> None:
+    out.put(dataloader_first_batch(args))
 
 
 def import_seconds() -> float:
@@ -238,9 +251,12 @@ def first_batches(a: argparse.Namespace, store: str, raw: str) -> None:
 
         times["torch DataLoader (2 workers)"] = []
         for _ in range(a.runs):
-            with ctx.Pool(1) as pool:
-                times["torch DataLoader (2 workers)"].append(
-                    pool.map(dataloader_first_batch, [(raw, a.record_bytes, a.batch)])[0])
+            # A process of its own that may start the DataLoader's workers (a pool's may not).
+            out = ctx.Queue()
+            child = ctx.Process(target=dataloader_child, args=((raw, a.record_bytes, a.batch), out))
+            child.start()
+            times["torch DataLoader (2 workers)"].append(out.get())
+            child.join()
     except ImportError:
         print("torch DataLoader first batch: not measured (no torch in this interpreter)")
     medians = {label: statistics.median(t) for label, t in times.items()}
