@@ -78,14 +78,15 @@ python-env:
 		$(PYVENV)/bin/pip install -q 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2'; }
 
 ## The README's Python example, run as written with torch installed (PyPI's build; no GPU
-## needed), in a venv of its own: with torch present batches are tensors, and the suite above
-## runs on NumPy alone.
+## needed), and the torch tests, in a venv of their own: with torch present batches are
+## tensors, and the suite above runs on NumPy alone.
 TORCH_VENV := $(TARGET_DIR)/torch-venv
 readme-example: python
 	@test -x $(TORCH_VENV)/bin/pytest || { python3 -m venv $(TORCH_VENV) && \
 		$(TORCH_VENV)/bin/pip install -q 'numpy>=1.23' 'pytest>=7' 'torch==2.15.0'; }
 	cd $(TARGET_DIR)/py-test && PYTHONPATH=$(TARGET_DIR)/py-test \
-		$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_readme.py
+		$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_readme.py \
+		$(CURDIR)/python/tests/test_torch.py
 
 ## The GPU path on a machine without a GPU: the GPU tests (Rust and Python) against
 ## tests/fake-cuda, a strict stand-in for the CUDA driver (libcuda.so.1) that runs each stream's

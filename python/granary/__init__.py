@@ -22,6 +22,7 @@ a fork raises `ForkError`. `granary.torch.IterableDataset` does this for DataLoa
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -44,6 +45,20 @@ __all__ = [
     "metrics_text",
 ]
 __version__ = _native.__version__
+
+
+def _kind_from_text(error: BaseException, name: str) -> Any:
+    # An error re-raised by torch's DataLoader from a worker is its class made anew from the
+    # worker's traceback text: `kind` is not set on it, but the text carries it (a note the
+    # engine adds, Python 3.11+).
+    if name == "kind":
+        found = re.findall(r"granary error kind: (\w+)", str(error))
+        if found:
+            return found[-1]
+    raise AttributeError(f"{type(error).__name__!r} object has no attribute {name!r}")
+
+
+Error.__getattr__ = _kind_from_text
 
 # A fork while another thread scrapes or registers would leave the child's metrics registry
 # locked for good; and the child's registry must not hold the parent's loaders.

@@ -1,8 +1,9 @@
 //! The engine's errors as Python exceptions. Each carries `kind` (a stable snake_case name of
 //! what went wrong) besides its message, so callers can branch without parsing text. Their
 //! module is `granary` (the package re-exports them), so tracebacks name `granary.<Error>` and
-//! pickle finds the class: an error raised in a DataLoader worker or a multiprocessing pool
-//! arrives in the parent as itself, message and `kind` included.
+//! pickle finds the class: an error raised in a multiprocessing pool arrives in the parent as
+//! itself, message and `kind` included; one raised in a torch DataLoader worker arrives as its
+//! class made anew from its traceback's text, which carries `kind` in a note (Python 3.11+).
 
 use pyo3::exceptions::{PyException, PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -45,6 +46,9 @@ pyo3::create_exception!(
     "Something set up in another process was used in a child forked from it: a loader whose \
      engine threads live there, or the store's catalog, whose I/O threads do."
 );
+
+/// Opens the note that carries an error's `kind` in its traceback text.
+const KIND_NOTE: &str = "granary error kind: ";
 
 /// The Python exception for an engine error.
 pub(crate) fn to_py(error: granary::Error) -> PyErr {
@@ -102,7 +106,12 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         _ => Error::new_err(message),
     };
     Python::attach(|py| {
-        let _ = err.value(py).setattr("kind", kind);
+        let value = err.value(py);
+        let _ = value.setattr("kind", kind);
+        // Also in the text a traceback shows (Python 3.11's notes): a DataLoader worker's error
+        // reaches the parent as its class made anew from that text, attributes lost, and
+        // `kind` is read back from it there (`granary/__init__.py`). Older Pythons have no notes.
+        let _ = value.call_method1("add_note", (format!("{KIND_NOTE}{kind}"),));
     });
     err
 }

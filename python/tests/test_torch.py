@@ -1,5 +1,6 @@
-"""The bindings with PyTorch: tensors, dtypes, the DataLoader adapter. Skipped where torch is
-not installed (CI has NumPy only); the GPU ones also need a CUDA device."""
+"""The bindings with PyTorch: tensors, dtypes, the DataLoader adapter, errors through its
+workers. Skipped where torch is not installed (the NumPy suite); `make test` runs them in its
+torch venv; the GPU ones also need a CUDA device."""
 
 import gc
 
@@ -203,3 +204,30 @@ def test_gpu_batches_are_ordered_on_a_side_stream(tokens):
                 del batch
     torch.cuda.synchronize()
     assert torch.equal(torch.cat(sums).cpu(), torch.cat(expected))
+
+
+class MissingDataset:
+    """A map-style dataset whose every item fails with a granary error (a dataset not in the
+    store), raised in a DataLoader worker."""
+
+    def __init__(self, root):
+        self.root = str(root)
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        granary.Store(self.root).loader("no-such-dataset", batch_size=1)
+
+
+def test_an_error_in_a_dataloader_worker_keeps_its_class_and_kind(store, tmp_path):
+    loader = torch.utils.data.DataLoader(MissingDataset(tmp_path / "store"), num_workers=1)
+    with pytest.raises(granary.NotFoundError) as caught:
+        next(iter(loader))
+    assert caught.value.kind == "not_found", str(caught.value)
+    # Raised here, it has its `kind` as an attribute, and a missing attribute is still missing.
+    with pytest.raises(granary.NotFoundError) as direct:
+        store.loader("no-such-dataset", batch_size=1)
+    assert direct.value.kind == "not_found"
+    with pytest.raises(AttributeError):
+        direct.value.no_such_attribute
