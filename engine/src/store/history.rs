@@ -98,14 +98,6 @@ impl RefHistory {
         let Some(newline) = bytes.iter().position(|&b| b == b'\n') else {
             return Err(FormatError::Truncated { region, detail: "no header line".to_owned() });
         };
-        match std::str::from_utf8(&bytes[..newline]) {
-            Ok(HISTORY_HEADER) => {}
-            Ok(header) if header.starts_with("granary-history ") => {
-                let found = header["granary-history ".len()..].parse().unwrap_or(u32::MAX);
-                return Err(FormatError::UnsupportedVersion { region, found, supported: 1 });
-            }
-            _ => return Err(FormatError::BadMagic { region }),
-        }
         let mut history = Self::default();
         let rest = &bytes[newline + 1..];
         for line in rest.split(|&b| b == b'\n') {
@@ -117,7 +109,26 @@ impl RefHistory {
                 None => history.damaged_lines += 1,
             }
         }
-        Ok(history)
+        match std::str::from_utf8(&bytes[..newline]) {
+            Ok(HISTORY_HEADER) => Ok(history),
+            Ok(header) if header.starts_with("granary-history ") => {
+                // The header has no checksum of its own. A version that is not a number, or one
+                // under whose header every line still checks out as this version's (a bit
+                // flipped in the digit), is damage to be quarantined; otherwise a newer format,
+                // left alone.
+                let text = &header["granary-history ".len()..];
+                match text.parse::<u32>() {
+                    Ok(found) if history.damaged_lines > 0 || history.entries.is_empty() => {
+                        Err(FormatError::UnsupportedVersion { region, found, supported: 1 })
+                    }
+                    _ => Err(FormatError::Inconsistent {
+                        field: "ref history header",
+                        detail: format!("version {text:?}, but its lines are version 1's: the header is damaged"),
+                    }),
+                }
+            }
+            _ => Err(FormatError::BadMagic { region }),
+        }
     }
 
     /// The lines that checked out, oldest first.
@@ -237,5 +248,25 @@ mod tests {
         for bad_header in [&b""[..], b"granary-history 1", b"granary-ref 1\n", b"granary-history 2\n"] {
             assert!(RefHistory::decode(bad_header).is_err());
         }
+    }
+
+    #[test]
+    fn a_bit_flipped_in_the_header_is_damage_and_a_newer_format_is_not() {
+        let lines = [HistoryEntry { unix_secs: 1, change: Change::Add, version: version(1, b"a") }];
+        let good = text(&lines);
+        // Every single-bit flip of the header: damage (repair quarantines it), never a claim of
+        // a version this build cannot read ('1' flips to '0', '3', '5' and '9', among others).
+        for at in 0..RefHistory::header().len() - 1 {
+            for bit in 0..8 {
+                let mut bad = good.clone().into_bytes();
+                bad[at] ^= 1 << bit;
+                let error = RefHistory::decode(&bad).unwrap_err();
+                let error = crate::error::Error::Format { path: "h".into(), source: error };
+                assert!(error.is_corruption(), "byte {at} bit {bit}: {error}");
+            }
+        }
+        // A newer format's header over lines this build cannot read is left alone.
+        let newer = "granary-history 2\nsomething of version 2\n";
+        assert!(matches!(RefHistory::decode(newer.as_bytes()), Err(FormatError::UnsupportedVersion { found: 2, .. })));
     }
 }
