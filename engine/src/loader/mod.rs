@@ -691,9 +691,9 @@ impl Loader {
             Box::new(LazyIo::new(
                 config.io,
                 Box::new(move || {
-                    let io = build_io(&for_io, pinning);
+                    let io = build_io(&for_io, pinning)?;
                     clock.mark(StartStage::IoReady);
-                    io
+                    Ok(io)
                 }),
             ))
         } else {
