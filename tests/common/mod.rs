@@ -204,3 +204,32 @@ pub(crate) fn allocate_while_reading(mut read: impl FnMut()) -> Vec<Vec<u8>> {
     }
     hog
 }
+
+/// `n` distinct loopback ports nothing listens on now, from below the kernel's ephemeral range
+/// (32768 and up on Linux): a port picked by binding port 0 is an ephemeral one, which an
+/// outgoing connection of another test's process may take before the node that was to listen on
+/// it starts (seen in CI as "Address already in use"). Picked at random, each checked free, none
+/// handed out twice in this process.
+pub(crate) fn free_ports(n: usize) -> Vec<u16> {
+    use std::sync::Mutex;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let mut state = (u64::from(std::process::id()) << 32 | u64::from(nanos)) | 1;
+    let mut ports = Vec::with_capacity(n);
+    while ports.len() < n {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let port = 20_000 + (state % 12_000) as u16;
+        if given.contains(&port) {
+            continue;
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.push(port);
+            ports.push(port);
+        }
+    }
+    ports
+}

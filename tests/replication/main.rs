@@ -15,7 +15,7 @@ mod copies;
 mod hot;
 
 use std::collections::BTreeSet;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -29,9 +29,9 @@ use granary::{Dataset, Granary, IoConfig, Reader, ShardId, StorePaths, VersionSp
 
 const KEY: &str = "a cluster secret for the tests, 42 bytes!!";
 
-/// A port nothing listens on now.
+/// A port nothing listens on now (`free_ports`).
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    free_ports(1)[0]
 }
 
 struct NodeProc {
@@ -61,11 +61,7 @@ impl Cluster {
         let key_file = dir.path().join("cluster.key");
         let secret = format!("{KEY} of {}", dir.path().display());
         std::fs::write(&key_file, &secret).unwrap();
-        // Distinct ports: each is held until all are picked (two picks in a row may otherwise
-        // get the same port back from the kernel).
-        let held: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-        let ports: Vec<u16> = held.iter().map(|l| l.local_addr().unwrap().port()).collect();
-        drop(held);
+        let ports = free_ports(n);
         let nodes = (0..n)
             .map(|i| {
                 let root = dir.path().join(format!("node{i}"));
