@@ -4,8 +4,10 @@
 //!
 //! Owns: `StartClock` (the marks, shared by the trainer's thread, the reader's and a lazily built
 //! disk backend) and `StartStage` (what each mark means).
-//! Never: waits, or moves a mark (the first mark of a stage stands; later epochs do not count).
+//! Never: waits, or moves a mark (the first mark of a stage stands; later epochs do not count),
+//! or takes a lock for a stage already marked (the reader and `next` mark at every batch).
 
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -68,20 +70,27 @@ impl StartStage {
 #[derive(Debug)]
 pub struct StartClock {
     origin: Instant,
+    /// One bit per stage (`StartStage as u16`) marked so far: a later mark costs one load.
+    marked: AtomicU16,
     marks: Mutex<Vec<(StartStage, Duration)>>,
 }
 
 impl StartClock {
     /// A clock counting from now.
     pub fn new() -> Self {
-        Self { origin: Instant::now(), marks: Mutex::new(Vec::new()) }
+        Self { origin: Instant::now(), marked: AtomicU16::new(0), marks: Mutex::new(Vec::new()) }
     }
 
     /// Marks `stage` as ended now, unless it was marked before.
     pub fn mark(&self, stage: StartStage) {
+        let bit = 1u16 << stage as u16;
+        if self.marked.load(Ordering::Relaxed) & bit != 0 {
+            return;
+        }
         let at = self.origin.elapsed();
+        // The first of two threads marking at once wins, as the lock orders them.
         let mut marks = self.marks.lock();
-        if marks.iter().all(|&(marked, _)| marked != stage) {
+        if self.marked.fetch_or(bit, Ordering::Relaxed) & bit == 0 {
             marks.push((stage, at));
         }
     }
