@@ -671,6 +671,7 @@ fn tier_holds(tier: &mut TierReader, dataset: &Dataset, request: &Request) -> bo
     })
 }
 
+/// Copies from the tier into a batch, checking every block a record touches as it goes.
 struct TierCopy<'a> {
     tier: &'a TierReader,
     dataset: &'a Dataset,
