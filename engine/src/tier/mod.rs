@@ -1274,10 +1274,12 @@ struct Memory {
 }
 
 impl Memory {
-    /// The node's memory as looked at within `MEMORY_LOOK_TTL` (in this process), or now.
+    /// The node's memory as looked at within `MEMORY_LOOK_TTL` (in this process), or now. Never
+    /// waits for the last look: a child forked while another thread held it would wait forever
+    /// (CI hung a forked child's loader so); a look under way elsewhere means a look of its own.
     fn recent() -> Self {
         static LAST: Mutex<Option<(Instant, Memory)>> = Mutex::new(None);
-        let mut last = LAST.lock();
+        let Some(mut last) = LAST.try_lock() else { return Self::read() };
         if let Some((at, memory)) = *last
             && at.elapsed() < MEMORY_LOOK_TTL
         {
