@@ -101,3 +101,88 @@ fn a_damaged_ref_is_quarantined_and_rebuilt_by_repair_and_does_not_lock_the_stor
     let names: Vec<String> = granary.datasets().unwrap().into_iter().map(|d| d.name.to_string()).collect();
     assert_eq!(names, ["bad", "good"]);
 }
+
+/// A user who cannot read one shard (another owner's file, mode 0600) repairs the rest: the
+/// catalog is not left empty halfway, the file is named and left in place, and every dataset
+/// still lists. Run as root, the repair runs as `nobody` (through `setpriv`) on a store that
+/// user owns, with the one shard root's; run as anyone else, that shard is made mode 0000.
+#[test]
+fn a_shard_the_user_cannot_read_is_named_and_the_rest_is_repaired() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempdir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let root = dir.path().join("store");
+    let mut granary = Granary::create(&root).unwrap();
+    let a: Vec<Vec<u8>> = (0..60).map(|i| bytes(i, 1000)).collect();
+    ingest(&mut granary, "a", Layout::Bytes, small_shards(4096), &a);
+    ingest(
+        &mut granary,
+        "b",
+        Layout::Bytes,
+        small_shards(4096),
+        &a[..20].iter().map(|r| r[..500].to_vec()).collect::<Vec<_>>(),
+    );
+    let shards_before = granary.catalog().shards().unwrap().len();
+    drop(granary);
+    let dataset =
+        granary::Dataset::open(&granary::StorePaths::new(&root), &granary::VersionSpec::parse("a").unwrap()).unwrap();
+    let victim = dataset.shard_path(dataset.locate(59).unwrap().0);
+
+    let as_root = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0).unwrap();
+    let out = if as_root {
+        const NOBODY: u32 = 65534;
+        for entry in walk(&root) {
+            std::os::unix::fs::lchown(&entry, Some(NOBODY), Some(NOBODY)).unwrap();
+        }
+        std::os::unix::fs::lchown(&victim, Some(0), Some(0)).unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+        // The binary where `nobody` can run it, whatever the target directory's modes.
+        let binary = dir.path().join("granary");
+        std::fs::copy(env!("CARGO_BIN_EXE_granary"), &binary).unwrap();
+        std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::process::Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg(&binary)
+            .arg("--root")
+            .arg(&root)
+            .arg("repair")
+            .env_remove("GRANARY_ROOT")
+            .output()
+            .expect("setpriv runs (util-linux)")
+    } else {
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o000)).unwrap();
+        common::granary(&root, &["repair"])
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a file left unread is not a whole repair: {stdout}");
+    assert!(
+        stderr.contains(&format!("could not read {}", victim.display())) && stderr.contains("ermission denied"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("run `granary repair` again as a user who can read them"), "{stderr}");
+    assert!(
+        stdout.contains(&format!("catalog rebuilt: {} shards", shards_before - 1))
+            && stdout.contains("2 datasets; 0 quarantined, 0 missing, 1 unreadable"),
+        "{stdout}"
+    );
+    assert!(victim.exists(), "the file it could not read is where it was");
+    assert!(!root.join("quarantine").exists() || std::fs::read_dir(root.join("quarantine")).unwrap().next().is_none());
+
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let ls = granary_ok(&root, &["ls"]);
+    assert!(ls.contains("a ") && ls.contains("b ") && !ls.contains("manifest missing"), "{ls}");
+    let b = common::granary(&root, &["get", "b", "19"]);
+    assert!(b.status.success() && b.stdout == a[19][..500], "{}", String::from_utf8_lossy(&b.stderr));
+}
+
+/// Every path under `root`, `root` included.
+fn walk(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = vec![root.to_path_buf()];
+    if root.is_dir() {
+        for entry in std::fs::read_dir(root).unwrap() {
+            out.extend(walk(&entry.unwrap().path()));
+        }
+    }
+    out
+}

@@ -306,9 +306,16 @@ pub(super) fn repair(root: PathBuf) -> Result<()> {
     for missing in &report.missing {
         errln!("granary: missing {missing}");
     }
+    for (path, why) in &report.unreadable {
+        errln!("granary: could not read {} (left in place, not cataloged): {why}", path.display());
+    }
+    let unreadable = match report.unreadable.len() {
+        0 => String::new(),
+        n => format!(", {n} unreadable"),
+    };
     outln!(
-        "catalog rebuilt: {} shards, {} manifests, {} datasets; {} quarantined, {} missing, {} temp files removed, \
-         {} refs rebuilt from their history",
+        "catalog rebuilt: {} shards, {} manifests, {} datasets; {} quarantined, {} missing{unreadable}, {} temp files \
+         removed, {} refs rebuilt from their history",
         report.shards,
         report.manifests,
         report.datasets,
@@ -329,6 +336,13 @@ pub(super) fn repair(root: PathBuf) -> Result<()> {
     }
     if !report.missing.is_empty() {
         bail!("{} referenced objects are missing", report.missing.len());
+    }
+    if !report.unreadable.is_empty() {
+        bail!(
+            "{} files could not be read by this user; the rest is repaired: run `granary repair` again as a user \
+             who can read them",
+            report.unreadable.len()
+        );
     }
     Ok(())
 }

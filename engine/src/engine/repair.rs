@@ -5,7 +5,9 @@
 //! sled cannot open or clear is moved to `quarantine/` and a new one is built; every shard and
 //! manifest is verified and cataloged, or quarantined; a damaged or lost ref is rebuilt from
 //! its history, and a history is brought in line with an intact ref (or, damaged, quarantined
-//! and begun again from it). Invariant: nothing is deleted: a file that fails its check is
+//! and begun again from it). A file this process cannot read (permissions, an I/O error) is
+//! reported and left alone, and the repair goes on with the rest, so one such file never
+//! leaves the catalog empty. Invariant: nothing is deleted: a file that fails its check is
 //! moved to `quarantine/`, where `gc` still honours what a ref or history there names for the
 //! grace period. Never: fetches a missing object (replication does) or guesses a version no
 //! ref or history records.
@@ -39,6 +41,9 @@ pub struct RepairReport {
     pub catalog_quarantined: Option<(PathBuf, String)>,
     /// Files that failed verification, moved to `quarantine/`, with why.
     pub quarantined: Vec<(PathBuf, String)>,
+    /// Files this process could not read (permissions, an I/O error), with why: left where
+    /// they are and not cataloged; the repair goes on with the rest.
+    pub unreadable: Vec<(PathBuf, String)>,
     /// Refs written again from their history: damaged, or gone while the history still named
     /// live versions.
     pub refs_rebuilt: Vec<(DatasetName, RefLog)>,
@@ -58,7 +63,7 @@ pub struct RepairReport {
 impl RepairReport {
     /// Whether every live version can be read and every ref was kept or rebuilt.
     pub fn is_whole(&self) -> bool {
-        self.missing.is_empty() && self.refs_lost.is_empty()
+        self.missing.is_empty() && self.refs_lost.is_empty() && self.unreadable.is_empty()
     }
 }
 
@@ -129,6 +134,8 @@ impl Granary {
         report.tmp_removed = self.store.stale_tmp_removed() + self.store.clean_tmp()?;
         report.strays = self.store.paths().strays()?;
         let mut shards = BTreeSet::new();
+        // Shards that are here but could not be read: not missing, and not cataloged.
+        let mut unreadable_shards = BTreeSet::new();
         for (id, path) in paths.list_objects(ObjectKind::Shard)? {
             match verify_shard(&path, ShardId(id)) {
                 Ok(meta) => {
@@ -146,7 +153,10 @@ impl Granary {
                     self.store.quarantine(&path)?;
                     report.quarantined.push((path, e.to_string()));
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    unreadable_shards.insert(id);
+                    report.unreadable.push((path, e.to_string()));
+                }
             }
         }
         // Fragments are not cataloged: a damaged one is quarantined (the node rebuilds it).
@@ -161,7 +171,7 @@ impl Granary {
                     self.store.quarantine(&path)?;
                     report.quarantined.push((path, e.to_string()));
                 }
-                Err(e) => return Err(e),
+                Err(e) => report.unreadable.push((path, e.to_string())),
             }
         }
         let mut manifests = BTreeSet::new();
@@ -172,7 +182,7 @@ impl Granary {
                         if fragment_shards.contains(&entry.shard.0) && !shards.contains(&entry.shard.0) {
                             // Erasure-coded: a fragment here, the others on other nodes.
                             report.shards_as_fragments += 1;
-                        } else if !shards.contains(&entry.shard.0) {
+                        } else if !shards.contains(&entry.shard.0) && !unreadable_shards.contains(&entry.shard.0) {
                             report.missing.push(format!("shard {} (listed by manifest {id})", entry.shard));
                         }
                     }
@@ -184,7 +194,7 @@ impl Granary {
                     self.store.quarantine(&path)?;
                     report.quarantined.push((path, e.to_string()));
                 }
-                Err(e) => return Err(e),
+                Err(e) => report.unreadable.push((path, e.to_string())),
             }
         }
         for name in paths.list_names()? {
