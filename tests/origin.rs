@@ -1047,3 +1047,56 @@ fn a_push_to_a_missing_bucket_says_so_in_one_line_without_the_xml() {
     assert!(err.contains("NoSuchBucket") && err.contains("create the bucket first"), "{err}");
     assert!(!err.contains("<?xml") && !err.contains("<Error>") && err.lines().count() == 1, "{err}");
 }
+
+/// A reader with no S3 credentials in its environment (issue 40: a 403 from the metadata
+/// address, or three minutes of retries where it drops packets) is told within seconds what to
+/// set; with them set, the same command goes on to the bucket.
+#[test]
+fn no_credentials_and_no_metadata_service_say_what_to_set_within_seconds() {
+    let moto = Moto::start();
+    let dir = tempdir();
+    let source = dir.path().join("source");
+    store_with(&source, 16, 9);
+    moto.ok(&source, &["push", "tok", &format!("s3://{BUCKET}/creds")]);
+    // A "metadata service" the kernel accepts connections for and that never answers.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://127.0.0.1:{}", silent.local_addr().unwrap().port());
+    let root = dir.path().join("reader");
+    for profile in [false, true] {
+        let mut command = moto.command(&root, &["attach", "tok", &format!("s3://{BUCKET}/creds")]);
+        command
+            .env_remove("AWS_ACCESS_KEY_ID")
+            .env_remove("AWS_SECRET_ACCESS_KEY")
+            .env("AWS_METADATA_ENDPOINT", &endpoint);
+        if profile {
+            command.env("AWS_PROFILE", "training");
+        }
+        let started = Instant::now();
+        let out = command.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
+        assert!(
+            stderr.contains("no S3 credentials")
+                && stderr.contains("did not answer within 2 s")
+                && stderr.contains("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+                && stderr.contains("AWS_SKIP_SIGNATURE=true"),
+            "{stderr}"
+        );
+        assert_eq!(stderr.contains("AWS_PROFILE is set"), profile, "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    }
+    // A metadata address nothing listens on is as quick, and says so.
+    drop(silent);
+    let out = moto
+        .command(&root, &["attach", "tok", &format!("s3://{BUCKET}/creds")])
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env("AWS_METADATA_ENDPOINT", &endpoint)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("could not be reached"), "{stderr}");
+    // With the keys, the same attach reads the bucket.
+    let attached = moto.ok(&root, &["attach", "tok", &format!("s3://{BUCKET}/creds")]);
+    assert!(!attached.is_empty());
+}

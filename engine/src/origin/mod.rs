@@ -16,6 +16,7 @@
 
 mod attach;
 mod cache;
+mod credentials;
 mod pace;
 mod push;
 
@@ -126,6 +127,7 @@ impl Origin {
                     var("AWS_ENDPOINT_URL").or_else(|| var("AWS_ENDPOINT")).as_deref(),
                     var("AWS_ALLOW_HTTP").as_deref(),
                 )?;
+                credentials::check_s3_credentials(&shown)?;
                 let store = object_store::aws::AmazonS3Builder::from_env()
                     .with_url(url)
                     // Refs are written with If-Match / If-None-Match.
