@@ -1,7 +1,9 @@
 """A Python loader on a replicated store heals from its peers, as `granary get --cluster-key`
 does: two real `granary serve` processes on loopback, a dataset replicated to both, one of its
 shards removed and another damaged on the second node, and a loader there (GRANARY_CLUSTER_KEY
-set, nothing else) reads every record right, in the same order as an intact store gives."""
+set, nothing else) reads every record right, in the same order as an intact store gives. And on
+six nodes holding a 4+2 erasure coding, a node that holds only fragments reads every record from
+Python, rebuilt from the fragments of its peers."""
 
 import os
 import socket
@@ -33,6 +35,51 @@ def _free_ports(n):
     return ports
 
 
+def _start_nodes(roots, key):
+    """`granary serve` on each of `roots`, every other one its peer; returns the processes once
+    each listens."""
+    ports = _free_ports(len(roots))
+    env = {k: v for k, v in os.environ.items() if k not in ("GRANARY_ROOT", "GRANARY_CLUSTER_KEY")}
+    nodes = []
+    for i, root in enumerate(roots):
+        peers = ",".join(f"127.0.0.1:{port}" for j, port in enumerate(ports) if j != i)
+        nodes.append(
+            subprocess.Popen(
+                [_granary_bin(), "--root", str(root), "serve", "--listen", f"127.0.0.1:{ports[i]}",
+                 "--peers", peers, "--cluster-key", str(key), "--heartbeat-ms", "100", "--down-after-ms", "1500"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            )
+        )
+    deadline = time.monotonic() + 30
+    for i, root in enumerate(roots):
+        while not (root / "replication" / "listen").exists():
+            if time.monotonic() > deadline or nodes[i].poll() is not None:
+                _stop(nodes)
+                pytest.fail(f"node {i} did not start")
+            time.sleep(0.05)
+    return nodes
+
+
+def _stop(nodes):
+    for node in nodes:
+        node.kill()
+        node.wait()
+
+
+def _replicate(root, key, *how):
+    """`granary replicate tokens HOW`, asked again while it is refused because the nodes have not
+    yet seen each other's heartbeats ("with 1 nodes up")."""
+    deadline = time.monotonic() + 30
+    command = [_granary_bin(), "--root", str(root), "replicate", "tokens", *how, "--mode", "sync",
+               "--cluster-key", str(key)]
+    while True:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode == 0:
+            return done.stdout
+        assert time.monotonic() < deadline and "nodes up" in done.stderr, done.stderr
+        time.sleep(0.2)
+
+
 def test_a_loader_on_a_replicated_store_repairs_from_its_peer(tmp_path, monkeypatch):
     secret = "a cluster secret of this test only, " + str(tmp_path)
     key = tmp_path / "cluster.key"
@@ -41,34 +88,9 @@ def test_a_loader_on_a_replicated_store_repairs_from_its_peer(tmp_path, monkeypa
     data = records(1280)
     granary.Store(roots[0], create=True).ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=16 << 10)
     monkeypatch.delenv("GRANARY_CLUSTER_KEY", raising=False)
-    ports = _free_ports(2)
-    nodes = []
-    env = {k: v for k, v in os.environ.items() if k not in ("GRANARY_ROOT", "GRANARY_CLUSTER_KEY")}
+    nodes = _start_nodes(roots, key)
     try:
-        for i in range(2):
-            nodes.append(
-                subprocess.Popen(
-                    [_granary_bin(), "--root", str(roots[i]), "serve", "--listen", f"127.0.0.1:{ports[i]}",
-                     "--peers", f"127.0.0.1:{ports[1 - i]}", "--cluster-key", str(key),
-                     "--heartbeat-ms", "100", "--down-after-ms", "1500"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                )
-            )
-        deadline = time.monotonic() + 30
-        for i in range(2):
-            while not (roots[i] / "replication" / "listen").exists():
-                assert time.monotonic() < deadline and nodes[i].poll() is None, f"node {i} did not start"
-                time.sleep(0.05)
-        # Refused until the nodes have seen each other's heartbeats ("with 1 nodes up"): asked
-        # again until they have.
-        replicate = [_granary_bin(), "--root", str(roots[0]), "replicate", "tokens", "--replicas", "2",
-                     "--mode", "sync", "--cluster-key", str(key)]
-        while True:
-            done = subprocess.run(replicate, capture_output=True, text=True, timeout=120)
-            if done.returncode == 0:
-                break
-            assert time.monotonic() < deadline and "nodes up" in done.stderr, done.stderr
-            time.sleep(0.2)
+        _replicate(roots[0], key, "--replicas", "2")
 
         here = granary.Store(roots[1])
         assert [d["name"] for d in here.datasets()] == ["tokens"]
@@ -101,6 +123,44 @@ def test_a_loader_on_a_replicated_store_repairs_from_its_peer(tmp_path, monkeypa
         assert metrics["shards_repaired"] >= 2 and metrics["verify_failures"] >= 1, metrics
         loader.close()
     finally:
-        for node in nodes:
-            node.kill()
-            node.wait()
+        _stop(nodes)
+
+
+def test_a_node_that_holds_only_fragments_reads_every_record_from_python(tmp_path, monkeypatch):
+    secret = "a cluster secret of this test only, " + str(tmp_path)
+    key = tmp_path / "cluster.key"
+    key.write_text(secret)
+    roots = [tmp_path / f"node{i}" for i in range(6)]
+    data = records(2048, seed=3)
+    granary.Store(roots[0], create=True).ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=32 << 10)
+    intact = [
+        indices.tolist()
+        for indices, _ in granary.Store(roots[0]).loader("tokens", batch_size=32, seed=4, output="numpy",
+                                                          with_indices=True, tier_bytes=0)
+    ]
+    monkeypatch.delenv("GRANARY_CLUSTER_KEY", raising=False)
+    nodes = _start_nodes(roots, key)
+    try:
+        out = _replicate(roots[0], key, "--ec", "4+2")
+        assert "4+2 fragments" in out, out
+        reader = roots[3]
+        assert not list((reader / "shards").rglob("*.shard")), "a node of the coding holds no whole shard"
+        assert list((reader / "fragments").rglob("*.fragment")), "it holds fragments"
+        here = granary.Store(reader)
+        assert [d["name"] for d in here.datasets()] == ["tokens"]
+
+        # Without the key, it names what it lacks instead of returning anything.
+        with pytest.raises(granary.Error):
+            list(here.loader("tokens", batch_size=32, seed=4, output="numpy", tier_bytes=0))
+        monkeypatch.setenv("GRANARY_CLUSTER_KEY", secret)
+        loader = here.loader("tokens", batch_size=32, seed=4, output="numpy", with_indices=True)
+        seen = []
+        for indices, batch in loader:
+            for index, row in zip(indices.tolist(), batch):
+                assert np.array_equal(row, data[index]), f"record {index}"
+            seen.append(indices.tolist())
+        assert seen == intact, "the same sample order as on the node that ingested"
+        assert loader.metrics()["shards_repaired"] >= 1, loader.metrics()
+        loader.close()
+    finally:
+        _stop(nodes)
