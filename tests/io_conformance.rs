@@ -1,7 +1,8 @@
 //! One conformance suite that every `Io` backend passes: the bytes of every op, any queue depth,
 //! errors for bad ops and end of file, a failing callback that stops the read without losing the
 //! backend, a stream that waits with nothing in flight (an error, never a hang), and closing
-//! every file (no descriptor kept, ids and fixed-file slots reusable).
+//! every file (no descriptor kept, ids and fixed-file slots reusable), and one file closed
+//! through the opener mid-stream while the others read on.
 
 mod common;
 
@@ -279,4 +280,76 @@ fn held_open(path: &Path) -> bool {
     entries
         .flatten()
         .any(|entry| std::fs::read_link(entry.path()).is_ok_and(|target| target.to_string_lossy() == deleted))
+}
+
+/// A stream that reads two files, closes the first through the opener once its ops completed
+/// (while ops on the second may be in flight), and reads the second to its end.
+struct ClosingMidStream<'a> {
+    paths: [&'a Path; 2],
+    files: [Option<FileId>; 2],
+    issued: u64,
+    completed: u64,
+    closed_while_held: Option<bool>,
+    second: Vec<(u64, Vec<u8>)>,
+}
+
+impl ReadStream for ClosingMidStream<'_> {
+    fn next_op(&mut self, opener: &mut dyn FileOpener) -> granary::Result<Next> {
+        if self.files[0].is_none() && self.issued == 0 {
+            self.files = [Some(opener.open(self.paths[0])?), Some(opener.open(self.paths[1])?)];
+        }
+        if self.issued < 4 {
+            // Four ops on the first file; nothing more until they completed.
+            self.issued += 1;
+            let file = self.files[0].expect("opened above");
+            return Ok(Next::Op(ReadOp { file, offset: (self.issued - 1) * 4096, len: 4096 }));
+        }
+        if self.closed_while_held.is_none() {
+            if self.completed < 4 {
+                return Ok(Next::Wait);
+            }
+            std::fs::remove_file(self.paths[0]).unwrap();
+            let held = held_open(self.paths[0]);
+            opener.close(self.files[0].take().expect("open"))?;
+            self.closed_while_held = Some(held && !held_open(self.paths[0]));
+        }
+        if self.issued < 4 + 64 {
+            self.issued += 1;
+            let file = self.files[1].expect("opened above");
+            return Ok(Next::Op(ReadOp { file, offset: (self.issued - 5) * 4096, len: 4096 }));
+        }
+        Ok(Next::Done)
+    }
+
+    fn complete(&mut self, seq: u64, bytes: &[u8]) -> granary::Result<()> {
+        self.completed += 1;
+        if seq >= 4 {
+            self.second.push((seq - 4, bytes.to_vec()));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_file_closed_mid_stream_is_let_go_and_the_others_read_on() {
+    let dir = tempdir();
+    let files = files(dir.path());
+    for (name, make) in backends() {
+        let mut io = make();
+        let mut stream = ClosingMidStream {
+            paths: [&files[0].0, &files[1].0],
+            files: [None, None],
+            issued: 0,
+            completed: 0,
+            closed_while_held: None,
+            second: Vec::new(),
+        };
+        io.read_stream(&mut stream).unwrap();
+        assert_eq!(stream.closed_while_held, Some(true), "{name}: the removed file was held, then let go");
+        stream.second.sort_by_key(|(i, _)| *i);
+        let second: Vec<u8> = stream.second.into_iter().flat_map(|(_, bytes)| bytes).collect();
+        assert_eq!(second, files[1].1[..64 * 4096], "{name}");
+        io.close_all().unwrap();
+        std::fs::write(&files[0].0, &files[0].1).unwrap();
+    }
 }

@@ -65,6 +65,11 @@ impl FileOpener for Opener<'_> {
     fn open(&mut self, path: &Path) -> Result<FileId> {
         self.0.get()?.open(path)
     }
+
+    fn close(&mut self, file: FileId) -> Result<()> {
+        // The backend was built by an open of this stream, and has no op in flight yet.
+        self.0.get()?.close(file)
+    }
 }
 
 /// The op a stream gave before the backend existed, then the stream.

@@ -116,6 +116,10 @@ unsafe impl Send for Dest {}
 pub trait FileOpener {
     /// Opens `path` for reading through the backend.
     fn open(&mut self, path: &Path) -> Result<FileId>;
+
+    /// Closes a file this stream opened that no op in flight reads; its `FileId` is not used
+    /// again until the backend's `close_all`.
+    fn close(&mut self, file: FileId) -> Result<()>;
 }
 
 /// A source of ops and a sink of their bytes, pulled by a backend: ops are asked for only when a

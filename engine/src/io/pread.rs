@@ -50,10 +50,7 @@ impl Io for PreadIo {
     }
 
     fn close(&mut self, file: FileId) -> Result<()> {
-        if let Some((open, _)) = self.files.0.get_mut(file.0 as usize) {
-            *open = None;
-        }
-        Ok(())
+        FileOpener::close(&mut self.files, file)
     }
 
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {
@@ -99,6 +96,13 @@ impl FileOpener for Files {
         let id = FileId(u32::try_from(self.0.len()).map_err(|_| Error::invalid_input("too many open files"))?);
         self.0.push((Some(file), path.to_owned()));
         Ok(id)
+    }
+
+    fn close(&mut self, file: FileId) -> Result<()> {
+        if let Some((open, _)) = self.0.get_mut(file.0 as usize) {
+            *open = None;
+        }
+        Ok(())
     }
 }
 

@@ -114,6 +114,19 @@ impl Files {
         self.open.push(OpenFile { file: Some(file), path: path.to_owned(), fixed });
         Ok(id)
     }
+
+    /// Closes one file no op in flight reads (ops on other files may be: a fixed-file slot is
+    /// updated without waiting for them, each op holding its own reference).
+    fn close(&mut self, ring: &IoUring, file: FileId) -> Result<()> {
+        let Some(open) = self.open.get_mut(file.0 as usize) else { return Ok(()) };
+        if let Some(slot) = open.fixed.take() {
+            ring.submitter()
+                .register_files_update(slot, &[-1])
+                .map_err(|e| Error::io("io_uring_register", "io_uring", e))?;
+        }
+        open.file = None;
+        Ok(())
+    }
 }
 
 struct Opener<'a> {
@@ -124,6 +137,10 @@ struct Opener<'a> {
 impl FileOpener for Opener<'_> {
     fn open(&mut self, path: &Path) -> Result<FileId> {
         self.files.open(self.ring, path)
+    }
+
+    fn close(&mut self, file: FileId) -> Result<()> {
+        self.files.close(self.ring, file)
     }
 }
 
@@ -398,15 +415,7 @@ impl Io for UringIo {
         if !self.drain() {
             return Err(Error::io("io_uring_enter", "io_uring", std::io::Error::other("ring failed")));
         }
-        let Some(open) = self.files.open.get_mut(file.0 as usize) else { return Ok(()) };
-        if let Some(slot) = open.fixed.take() {
-            self.ring
-                .submitter()
-                .register_files_update(slot, &[-1])
-                .map_err(|e| Error::io("io_uring_register", "io_uring", e))?;
-        }
-        open.file = None;
-        Ok(())
+        self.files.close(&self.ring, file)
     }
 
     fn read_stream(&mut self, stream: &mut dyn ReadStream) -> Result<()> {

@@ -9,7 +9,9 @@
 //! cache: admission and eviction run under an exclusive lock on `origin/LOCK`, against a fresh
 //! look at which shards are here, so the bound holds across processes (exceeded at most by the
 //! shards being fetched at that moment, which are published only after room was made). A shard
-//! already open by a reader stays readable after it is evicted (its file lives until closed).
+//! already open by a reader stays readable after it is evicted (its file lives until closed;
+//! readers close it once no batch they have in flight reads it, so the bound holds for the
+//! disk but for those).
 //! A store this process cannot write is only read (its cached shards serve; nothing is fetched
 //! or evicted). Invariant: no shard is published before its bytes hashed to its id. Never:
 //! takes the store's write lock or writes the catalog (the files are the truth; `granary

@@ -20,7 +20,8 @@
 //! there before the batch is handed out); a failed read leaves the batch empty. Files stay open from read to
 //! read (a reader used a record at a time opens each shard once); one removed or replaced under
 //! its name (an evicted cache entry, a quarantined or repaired shard, by any process) is closed
-//! at the next read: an inotify watch on its directory tells the reader (looked at once a
+//! at the next read, or within a read before the next batch is planned once no batch in flight
+//! reads it: an inotify watch on its directory tells the reader (looked at once a
 //! millisecond at most), or, where inotify is unavailable, a stat of every open file once a
 //! second; and every file is closed when a read fails.
 //! Never: writes, or touches the catalog (refs and manifests are files, so many reader processes
@@ -357,7 +358,10 @@ struct Watcher {
     failed: bool,
     /// Open files by path (a shard may sit at several indices of a dataset).
     open_paths: std::collections::HashMap<PathBuf, Vec<usize>>,
+    /// When the notifications were last read, or (without them) the open files last stat'ed.
     checked_at: Option<std::time::Instant>,
+    /// Shards found gone while a batch in flight still read them: closed at the next look.
+    pending: Vec<usize>,
 }
 
 impl Watcher {
@@ -433,8 +437,6 @@ pub struct Reader {
     inodes: Vec<Option<(u64, u64)>>,
     /// Files opened since the backend last closed them all.
     opens: usize,
-    /// When the open files were last looked at (a stat of each).
-    checked_at: Option<std::time::Instant>,
     /// Notifications of open files removed or replaced.
     watcher: Watcher,
     /// The batch `get` reads into, kept from call to call.
@@ -507,7 +509,6 @@ impl Reader {
         Self {
             inodes: vec![None; dataset.n_shards()],
             opens: 0,
-            checked_at: None,
             watcher: Watcher::default(),
             get_batch: Batch::default(),
             dataset,
@@ -623,91 +624,46 @@ impl Reader {
     }
 
     /// One read, with the files kept open from earlier reads: those removed or replaced since
-    /// are closed first (looked at once a second); after a failure every file is closed, and
-    /// the failure says whether one of them had been replaced (the caller may read again).
+    /// are closed first, and during the read as soon as no batch in flight reads them (see
+    /// `gone_files`); after a failure every file is closed, and the failure says whether one of
+    /// them had been replaced (the caller may read again).
     fn run<B: AsRef<[u64]>>(
         &mut self,
         batches: impl Iterator<Item = B>,
         depth: usize,
         sink: &mut dyn FnMut(&mut Batch) -> Result<()>,
     ) -> std::result::Result<(), RunError> {
-        let notified = self.close_notified_files().map_err(RunError::Failed)?;
-        if !notified && self.checked_at.is_none_or(|at| at.elapsed() >= OPEN_FILES_CHECK) {
-            self.close_replaced_files().map_err(RunError::Failed)?;
-        }
+        self.close_gone_files().map_err(RunError::Failed)?;
         let outcome = self.run_open(batches, depth, sink);
         match outcome {
             Ok(()) if self.opens <= opens_before_reset() => Ok(()),
             Ok(()) => self.close_files().map_err(RunError::Failed),
             Err(error) => {
-                let replaced = !self.replaced_files().is_empty();
+                let replaced = !replaced_files(&self.dataset, &self.files, &self.inodes).is_empty();
                 self.close_files().map_err(RunError::Failed)?;
                 Err(if replaced { RunError::Replaced(error) } else { RunError::Failed(error) })
             }
         }
     }
 
-    /// The shards whose open file is no longer the one their path names.
-    fn replaced_files(&self) -> Vec<usize> {
-        (0..self.files.len())
-            .filter(|&s| self.files[s].is_some() && inode_of(&self.dataset.shard_path(s)) != self.inodes[s])
-            .collect()
-    }
-
-    /// Closes the open files that notifications say were removed or replaced (every one a stat
-    /// finds so, when notifications were lost); false when there are no notifications to go by.
-    fn close_notified_files(&mut self) -> Result<bool> {
-        if self.watcher.failed {
-            return Ok(false);
-        }
-        let Some(watch) = self.watcher.watch.as_mut() else { return Ok(true) };
-        if self.watcher.checked_at.is_some_and(|at| at.elapsed() < NOTIFICATIONS_CHECK) {
-            return Ok(true);
-        }
-        self.watcher.checked_at = Some(std::time::Instant::now());
-        match watch.changes() {
-            Ok(crate::io::Changes::Entries(paths)) => {
-                // Every file named is let go, also when closing one fails (the events are read
-                // only once); the first failure is the read's.
-                let mut failure = None;
-                for path in paths {
-                    for s in self.watcher.open_paths.remove(&path).unwrap_or_default() {
-                        if let Some(id) = self.files[s].take() {
-                            self.inodes[s] = None;
-                            if let Err(e) = self.io.close(id) {
-                                failure.get_or_insert(e);
-                            }
-                        }
-                    }
-                }
-                failure.map_or(Ok(true), Err)
-            }
-            Ok(crate::io::Changes::Unknown) => {
-                self.close_replaced_files()?;
-                // Directories whose watch went are watched again at the next open in them.
-                Ok(true)
-            }
-            Err(_) => {
-                self.watcher.give_up();
-                Ok(false)
+    /// Closes every open file removed or replaced since it was opened (no op is in flight).
+    fn close_gone_files(&mut self) -> Result<()> {
+        let mut failure = None;
+        for s in gone_files(&mut self.watcher, &self.dataset, &self.files, &self.inodes) {
+            self.inodes[s] = None;
+            if let Some(id) = self.files[s].take()
+                && let Err(e) = self.io.close(id)
+            {
+                failure.get_or_insert(e);
             }
         }
-    }
-
-    fn close_replaced_files(&mut self) -> Result<()> {
-        for s in self.replaced_files() {
-            if let Some(id) = self.files[s].take() {
-                self.inodes[s] = None;
-                self.io.close(id)?;
-            }
-        }
-        self.checked_at = Some(std::time::Instant::now());
-        Ok(())
+        failure.map_or(Ok(()), Err)
     }
 
     fn close_files(&mut self) -> Result<()> {
         self.opens = 0;
         self.watcher.open_paths.clear();
+        self.watcher.pending.clear();
         self.inodes.iter_mut().for_each(|inode| *inode = None);
         if self.files.iter().all(Option::is_none) {
             return Ok(());
@@ -884,6 +840,57 @@ impl RunError {
 fn inode_of(path: &std::path::Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).ok().map(|meta| (meta.dev(), meta.ino()))
+}
+
+/// The shards whose open file is no longer the one their path names.
+fn replaced_files(dataset: &Dataset, files: &[Option<FileId>], inodes: &[Option<(u64, u64)>]) -> Vec<usize> {
+    (0..files.len()).filter(|&s| files[s].is_some() && inode_of(&dataset.shard_path(s)) != inodes[s]).collect()
+}
+
+/// The open files removed or replaced since they were opened (an evicted cache entry, a
+/// quarantined or repaired shard), each named once, to be closed: by the notifications (read
+/// at most once a millisecond), else by a stat of each open file (when notifications
+/// overflowed, or, without them, at most once a second). Shards named before but still read
+/// by a batch in flight then (`Watcher::pending`) come first.
+fn gone_files(
+    watcher: &mut Watcher,
+    dataset: &Dataset,
+    files: &[Option<FileId>],
+    inodes: &[Option<(u64, u64)>],
+) -> Vec<usize> {
+    let mut gone = std::mem::take(&mut watcher.pending);
+    gone.retain(|&s| files[s].is_some());
+    let stat_all = if watcher.failed {
+        watcher.checked_at.is_none_or(|at| at.elapsed() >= OPEN_FILES_CHECK)
+    } else {
+        match watcher.watch.as_mut() {
+            None => false,
+            Some(_) if watcher.checked_at.is_some_and(|at| at.elapsed() < NOTIFICATIONS_CHECK) => false,
+            Some(watch) => match watch.changes() {
+                Ok(crate::io::Changes::Entries(paths)) => {
+                    watcher.checked_at = Some(std::time::Instant::now());
+                    for path in paths {
+                        gone.extend(watcher.open_paths.remove(&path).unwrap_or_default());
+                    }
+                    false
+                }
+                // Directories whose watch went are watched again at the next open in them.
+                Ok(crate::io::Changes::Unknown) => true,
+                Err(_) => {
+                    watcher.give_up();
+                    true
+                }
+            },
+        }
+    };
+    if stat_all {
+        watcher.checked_at = Some(std::time::Instant::now());
+        gone.extend(replaced_files(dataset, files, inodes));
+    }
+    gone.sort_unstable();
+    gone.dedup();
+    gone.retain(|&s| files[s].is_some());
+    gone
 }
 
 #[cfg(test)]

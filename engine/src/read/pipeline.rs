@@ -200,6 +200,31 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
         self.deliver_ready()
     }
 
+    /// Closes the open files removed or replaced since they were opened that no batch in flight
+    /// reads (the others at a later look), before another batch is planned: a long read (an
+    /// epoch through an origin cache) does not hold the space of the shards the cache evicted
+    /// until it ends, so the cache's bound holds for the disk (issue 40). A shard read again
+    /// later is opened afresh (fetched again when evicted).
+    fn let_go_of_gone_files(&mut self, opener: &mut dyn FileOpener) -> Result<()> {
+        let gone = super::gone_files(self.watcher, self.dataset, self.files, self.inodes);
+        if gone.is_empty() {
+            return Ok(());
+        }
+        let busy: std::collections::HashSet<usize> =
+            self.in_order.iter().flat_map(|&slot| self.slots[slot].planner.shards_touched()).collect();
+        for s in gone {
+            if busy.contains(&s) {
+                self.watcher.pending.push(s);
+                continue;
+            }
+            self.inodes[s] = None;
+            if let Some(id) = self.files[s].take() {
+                opener.close(id)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the oldest batch waits for nothing but workers' verdicts (every op of it read).
     fn front_awaits_only_verdicts(&self) -> bool {
         self.in_order.front().is_some_and(|&front| {
@@ -269,6 +294,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                 }
                 return Ok(Next::Wait);
             };
+            self.let_go_of_gone_files(opener)?;
             let Some(indices) = self.batches.next() else {
                 self.exhausted = true;
                 return Ok(Next::Done);
