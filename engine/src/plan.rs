@@ -9,6 +9,8 @@
 //! (epoch, cursor) counts the positions consumed by all ranks together; resuming from it on any
 //! world size reads exactly the remaining positions: no duplicate, no drop. The last step of an
 //! epoch, when short, is split as evenly as possible (ranks differ by at most one record).
+//! Weighted ranks cut a step by `step_shares`; a rebalancing loader's weights become records
+//! per rank by `rebalanced_step` (each rank between 1 record and `SHARE_MAX_BATCHES` batches).
 //!
 //! Plain data, no I/O: a later issue puts the partitioner plugin behind the same types.
 
@@ -235,9 +237,121 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A rank reads at most this many batch sizes of a step when rebalanced (its staging buffers
+/// are sized for it).
+pub const SHARE_MAX_BATCHES: u64 = 2;
+
+/// `weights` made the records of a full step of `step_len` each rank reads: every rank at least
+/// 1 and at most `cap` (what a staging buffer holds), in proportion to its weight where no bound
+/// holds it: the level `x` with `sum(clamp(x * w, 1, cap)) = step_len` is found by bisection,
+/// each rank takes the whole part of its `clamp(x * w, 1, cap)`, and the records left over go one
+/// each to the ranks of largest fraction (ties to the lower rank). Equal weights split as
+/// `step_shares` does. The same inputs give the same answer on every rank. `None` when no split
+/// fits (`cap` times the ranks below the step, more ranks than records, or a step above 2^32).
+pub fn bounded_weights(weights: &[u32], step_len: u64, cap: u64) -> Option<Vec<u32>> {
+    let n = weights.len() as u64;
+    if n == 0 || cap == 0 || n > step_len || cap.saturating_mul(n) < step_len || u32::try_from(step_len).is_err() {
+        return None;
+    }
+    let cap = cap.min(step_len);
+    let records: Vec<u64> = if weights.iter().all(|&w| w == weights[0]) {
+        step_shares(step_len, weights)
+    } else {
+        let (low, high) = (1.0, cap as f64);
+        // A weight of 0 counts as a millionth of the smallest other one: its rank takes more
+        // than 1 record only once every other rank is at the cap.
+        let smallest = weights.iter().copied().filter(|&w| w > 0).min().map_or(1.0, f64::from);
+        let real: Vec<f64> = weights.iter().map(|&w| if w == 0 { smallest * 1e-6 } else { f64::from(w) }).collect();
+        let level = |x: f64| -> f64 { real.iter().map(|&w| (x * w).clamp(low, high)).sum() };
+        // By this level every rank is at the cap.
+        let (mut below, mut above) = (0.0f64, step_len as f64 / (smallest * 1e-6) + 1.0);
+        for _ in 0..200 {
+            let middle = (below + above) / 2.0;
+            if level(middle) < step_len as f64 { below = middle } else { above = middle }
+        }
+        let exact: Vec<f64> = real.iter().map(|&w| (above * w).clamp(low, high)).collect();
+        let mut records: Vec<u64> = exact.iter().map(|&r| r.floor() as u64).collect();
+        let mut by_fraction: Vec<usize> = (0..weights.len()).collect();
+        by_fraction
+            .sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b)));
+        // Integer fix-ups in that order: the sum and the bounds hold exactly whatever the
+        // rounding of the level.
+        let mut sum: u64 = records.iter().sum();
+        while sum < step_len {
+            let i = *by_fraction.iter().find(|&&i| records[i] < cap)?;
+            records[i] += 1;
+            sum += 1;
+            by_fraction.retain(|&j| j != i);
+            if by_fraction.is_empty() {
+                by_fraction = (0..weights.len()).collect();
+            }
+        }
+        while sum > step_len {
+            let i = *by_fraction.iter().rev().find(|&&i| records[i] > 1)?;
+            records[i] -= 1;
+            sum -= 1;
+            by_fraction.retain(|&j| j != i);
+            if by_fraction.is_empty() {
+                by_fraction = (0..weights.len()).collect();
+            }
+        }
+        records
+    };
+    records.iter().map(|&r| u32::try_from(r).ok()).collect()
+}
+
+/// The records of a full step each of `world_size` ranks reads under `weights` when a loader
+/// rebalances: at least 1 and at most twice `batch_size` each, the rest split by weight (the
+/// weights a rebalancing loader's batches carry are these). `None` when `weights` is not one per
+/// rank or no split fits.
+pub fn rebalanced_step(weights: &[u32], world_size: u32, batch_size: u64) -> Option<Vec<u32>> {
+    if weights.len() != world_size as usize {
+        return None;
+    }
+    let step_len = u64::from(world_size).saturating_mul(batch_size);
+    bounded_weights(weights, step_len, batch_size.saturating_mul(SHARE_MAX_BATCHES))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bounded_weights_keep_every_rank_between_one_record_and_the_cap() {
+        // Equal weights: the equal split.
+        assert_eq!(bounded_weights(&[1, 1, 1, 1], 64, 32), Some(vec![16, 16, 16, 16]));
+        // A rank that would get nothing gets 1; one above the cap is held at it.
+        assert_eq!(bounded_weights(&[1, 100_000], 32, 32), Some(vec![1, 31]));
+        assert_eq!(bounded_weights(&[100, 1, 1], 48, 32), Some(vec![32, 8, 8]));
+        // The rest keeps its proportions, and the answer always adds up to the step.
+        for weights in [vec![7, 3, 1 << 20, 1], vec![0, 0, 5], vec![1 << 20; 3], vec![3, 1]] {
+            let out = bounded_weights(&weights, 64, 32).unwrap();
+            assert_eq!(out.iter().map(|&r| u64::from(r)).sum::<u64>(), 64, "{weights:?}");
+            assert!(out.iter().all(|&r| (1..=32).contains(&r)), "{weights:?} -> {out:?}");
+        }
+        // Small batches: every rank keeps at least 1 (the split always exists once the step fits).
+        assert_eq!(bounded_weights(&[1000, 1000, 1, 1, 1], 10, 4), Some(vec![4, 3, 1, 1, 1]));
+        // Where no bound holds, the split is the weights' (no record reserved first).
+        assert_eq!(bounded_weights(&[3, 3, 3, 1], 128, 64), Some(vec![39, 38, 38, 13]));
+        assert_eq!(bounded_weights(&[10, 1, 1, 1], 4, 2), Some(vec![1, 1, 1, 1]));
+        assert_eq!(bounded_weights(&[1000, 1, 1, 1], 8, 4), Some(vec![4, 2, 1, 1]));
+        let mut seed = 7u64;
+        for _ in 0..2000 {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let ranks = 1 + (seed >> 60) as usize;
+            let batch = 1 + (seed >> 56) % 5;
+            let weights: Vec<u32> =
+                (0..ranks).map(|i| ((seed >> (i % 12 * 5)) % 7) as u32 * ((seed >> 40) % 3000) as u32).collect();
+            let step = batch * ranks as u64;
+            let out = bounded_weights(&weights, step, 2 * batch).expect("a split always fits");
+            assert_eq!(out.iter().map(|&r| u64::from(r)).sum::<u64>(), step, "{weights:?}");
+            assert!(out.iter().all(|&r| (1..=2 * batch).contains(&u64::from(r))), "{weights:?} -> {out:?}");
+        }
+        // No split fits: a cap too small for the step, more ranks than records.
+        assert_eq!(bounded_weights(&[1, 1], 64, 31), None);
+        assert_eq!(bounded_weights(&[1, 1, 1], 2, 2), None);
+        assert_eq!(bounded_weights(&[], 2, 2), None);
+    }
     use proptest::prelude::*;
 
     /// Runs `world_size` ranks in lock step from `cursor` for at most `max_steps` steps; returns

@@ -538,8 +538,8 @@ impl Loader {
         let (world, batch) = (state.config.world.size(), state.config.batch_size);
         state.weights = resume
             .as_ref()
-            .and_then(|r| granary::loader::rebalanced_step(&r.weights.weights, world, batch))
-            .or_else(|| granary::loader::rebalanced_step(&vec![1; world as usize], world, batch));
+            .and_then(|r| granary::plan::rebalanced_step(&r.weights.weights, world, batch))
+            .or_else(|| granary::plan::rebalanced_step(&vec![1; world as usize], world, batch));
         if let Some(rebalance) = &mut state.config.rebalance {
             rebalance.resume = resume;
         }

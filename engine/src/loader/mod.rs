@@ -39,8 +39,7 @@ use planner::{EpochBatches, EpochPlanner, planner_config, shards_by_step};
 use rebalance::Rebalancing;
 #[cfg(feature = "policy")]
 pub use rebalance::{
-    LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, TIME_SPREAD_MIN, WeightsAt, rebalanced_step,
-    tells_ranks_apart,
+    LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, TIME_SPREAD_MIN, WeightsAt, tells_ranks_apart,
 };
 use schedule::{NextBatches, ScheduleRequest, Scheduler};
 pub use start::{StartClock, StartStage};
@@ -517,7 +516,7 @@ impl Loader {
         // Rebalancing gives a rank up to `SHARE_MAX_BATCHES` batch sizes of a step.
         #[cfg(feature = "policy")]
         let batch_records = match config.rebalance {
-            Some(_) => config.batch_size.saturating_mul(rebalance::SHARE_MAX_BATCHES),
+            Some(_) => config.batch_size.saturating_mul(crate::plan::SHARE_MAX_BATCHES),
             None => config.batch_size,
         };
         #[cfg(not(feature = "policy"))]

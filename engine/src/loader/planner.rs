@@ -159,7 +159,7 @@ impl EpochPlanner {
     /// staging buffers hold); `None` when no split fits.
     #[cfg(feature = "policy")]
     pub(super) fn bounded(&self, weights: &[u32]) -> Option<Vec<u32>> {
-        super::rebalance::rebalanced_step(weights, self.world.size(), self.batch_size)
+        crate::plan::rebalanced_step(weights, self.world.size(), self.batch_size)
     }
 
     /// The weights from rebalance point `step` on, from the ranks' measures: the plugin's
@@ -189,7 +189,7 @@ impl EpochPlanner {
         let weights = self.bounded(&weights).ok_or_else(|| {
             Error::invalid_input(format!(
                 "the rebalanced weights {weights:?} cannot give every rank 1 to {} records of a step of {}",
-                self.batch_size.saturating_mul(super::rebalance::SHARE_MAX_BATCHES),
+                self.batch_size.saturating_mul(crate::plan::SHARE_MAX_BATCHES),
                 u64::from(self.world.size()).saturating_mul(self.batch_size)
             ))
         })?;

@@ -5,8 +5,9 @@
 //! with the other ranks at `lead` steps before each rebalance point), the channel that hands the
 //! gathered measures to the reader, the `MeasureExchange` trait and its in-process
 //! `LocalExchange`, `RebalanceState` (what a checkpoint saves), the reader-side `Rebalancing`
-//! (the weights in force, applied at each point), the `Grid` both sides count steps on, and
-//! `bounded_weights` (a point's weights as each rank's records of a step). A rebalance point is a step
+//! (the weights in force, applied at each point), and the `Grid` both sides count steps on (a
+//! point's weights become each rank's records of a step by `plan::rebalanced_step`, arithmetic
+//! the policy simulator shares). A rebalance point is a step
 //! of an epoch that is a multiple of `every` (never the first, nor the last: the short last
 //! step is split by the weights its epoch ran with before it); the reader reads up to it,
 //! waits for the point's measures, asks the partitioner for the new weights (every rank asks
@@ -116,10 +117,6 @@ impl MeasureExchange for LocalExchange {
         }
     }
 }
-
-/// A rank reads at most this many batch sizes of a step when rebalanced (its staging buffers
-/// are sized for it).
-pub(super) const SHARE_MAX_BATCHES: u64 = 2;
 
 /// How a loader rebalances.
 #[derive(Clone)]
@@ -289,65 +286,6 @@ impl Grid {
     pub(super) fn is_point(&self, epoch: u64, step: u64) -> bool {
         step > 0 && step.is_multiple_of(self.every) && step.saturating_add(1) < self.steps(epoch)
     }
-}
-
-/// `weights` made the records of a full step of `step_len` each rank reads: every rank at least
-/// 1 and at most `cap` (what a staging buffer holds), in proportion to its weight where no bound
-/// holds it: the level `x` with `sum(clamp(x * w, 1, cap)) = step_len` is found by bisection,
-/// each rank takes the whole part of its `clamp(x * w, 1, cap)`, and the records left over go one
-/// each to the ranks of largest fraction (ties to the lower rank). Equal weights split as
-/// `step_shares` does. The same inputs give the same answer on every rank. `None` when no split
-/// fits (`cap` times the ranks below the step, more ranks than records, or a step above 2^32).
-pub(super) fn bounded_weights(weights: &[u32], step_len: u64, cap: u64) -> Option<Vec<u32>> {
-    let n = weights.len() as u64;
-    if n == 0 || cap == 0 || n > step_len || cap.saturating_mul(n) < step_len || u32::try_from(step_len).is_err() {
-        return None;
-    }
-    let cap = cap.min(step_len);
-    let records: Vec<u64> = if weights.iter().all(|&w| w == weights[0]) {
-        crate::plan::step_shares(step_len, weights)
-    } else {
-        let (low, high) = (1.0, cap as f64);
-        // A weight of 0 counts as a millionth of the smallest other one: its rank takes more
-        // than 1 record only once every other rank is at the cap.
-        let smallest = weights.iter().copied().filter(|&w| w > 0).min().map_or(1.0, f64::from);
-        let real: Vec<f64> = weights.iter().map(|&w| if w == 0 { smallest * 1e-6 } else { f64::from(w) }).collect();
-        let level = |x: f64| -> f64 { real.iter().map(|&w| (x * w).clamp(low, high)).sum() };
-        // By this level every rank is at the cap.
-        let (mut below, mut above) = (0.0f64, step_len as f64 / (smallest * 1e-6) + 1.0);
-        for _ in 0..200 {
-            let middle = (below + above) / 2.0;
-            if level(middle) < step_len as f64 { below = middle } else { above = middle }
-        }
-        let exact: Vec<f64> = real.iter().map(|&w| (above * w).clamp(low, high)).collect();
-        let mut records: Vec<u64> = exact.iter().map(|&r| r.floor() as u64).collect();
-        let mut by_fraction: Vec<usize> = (0..weights.len()).collect();
-        by_fraction
-            .sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b)));
-        // Integer fix-ups in that order: the sum and the bounds hold exactly whatever the
-        // rounding of the level.
-        let mut sum: u64 = records.iter().sum();
-        while sum < step_len {
-            let i = *by_fraction.iter().find(|&&i| records[i] < cap)?;
-            records[i] += 1;
-            sum += 1;
-            by_fraction.retain(|&j| j != i);
-            if by_fraction.is_empty() {
-                by_fraction = (0..weights.len()).collect();
-            }
-        }
-        while sum > step_len {
-            let i = *by_fraction.iter().rev().find(|&&i| records[i] > 1)?;
-            records[i] -= 1;
-            sum -= 1;
-            by_fraction.retain(|&j| j != i);
-            if by_fraction.is_empty() {
-                by_fraction = (0..weights.len()).collect();
-            }
-        }
-        records
-    };
-    records.iter().map(|&r| u32::try_from(r).ok()).collect()
 }
 
 /// Window times closer than this ratio (the longest over the shortest) say nothing about which
@@ -524,18 +462,6 @@ pub(super) fn wait_for_point(
     }
 }
 
-/// The records of a full step each of `world_size` ranks reads under `weights` when a loader
-/// rebalances: at least 1 and at most twice `batch_size` each, the rest split by weight (the
-/// weights a rebalancing loader's batches carry are these). `None` when `weights` is not one per
-/// rank or no split fits.
-pub fn rebalanced_step(weights: &[u32], world_size: u32, batch_size: u64) -> Option<Vec<u32>> {
-    if weights.len() != world_size as usize {
-        return None;
-    }
-    let step_len = u64::from(world_size).saturating_mul(batch_size);
-    bounded_weights(weights, step_len, batch_size.saturating_mul(SHARE_MAX_BATCHES))
-}
-
 /// The reader side of rebalancing: the weights in force, and where the next ones come from.
 pub(super) struct Rebalancing<'a> {
     /// The steps and points, as the trainer side counts them.
@@ -647,43 +573,6 @@ impl<'a> Rebalancing<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bounded_weights_keep_every_rank_between_one_record_and_the_cap() {
-        // Equal weights: the equal split.
-        assert_eq!(bounded_weights(&[1, 1, 1, 1], 64, 32), Some(vec![16, 16, 16, 16]));
-        // A rank that would get nothing gets 1; one above the cap is held at it.
-        assert_eq!(bounded_weights(&[1, 100_000], 32, 32), Some(vec![1, 31]));
-        assert_eq!(bounded_weights(&[100, 1, 1], 48, 32), Some(vec![32, 8, 8]));
-        // The rest keeps its proportions, and the answer always adds up to the step.
-        for weights in [vec![7, 3, 1 << 20, 1], vec![0, 0, 5], vec![1 << 20; 3], vec![3, 1]] {
-            let out = bounded_weights(&weights, 64, 32).unwrap();
-            assert_eq!(out.iter().map(|&r| u64::from(r)).sum::<u64>(), 64, "{weights:?}");
-            assert!(out.iter().all(|&r| (1..=32).contains(&r)), "{weights:?} -> {out:?}");
-        }
-        // Small batches: every rank keeps at least 1 (the split always exists once the step fits).
-        assert_eq!(bounded_weights(&[1000, 1000, 1, 1, 1], 10, 4), Some(vec![4, 3, 1, 1, 1]));
-        // Where no bound holds, the split is the weights' (no record reserved first).
-        assert_eq!(bounded_weights(&[3, 3, 3, 1], 128, 64), Some(vec![39, 38, 38, 13]));
-        assert_eq!(bounded_weights(&[10, 1, 1, 1], 4, 2), Some(vec![1, 1, 1, 1]));
-        assert_eq!(bounded_weights(&[1000, 1, 1, 1], 8, 4), Some(vec![4, 2, 1, 1]));
-        let mut seed = 7u64;
-        for _ in 0..2000 {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let ranks = 1 + (seed >> 60) as usize;
-            let batch = 1 + (seed >> 56) % 5;
-            let weights: Vec<u32> =
-                (0..ranks).map(|i| ((seed >> (i % 12 * 5)) % 7) as u32 * ((seed >> 40) % 3000) as u32).collect();
-            let step = batch * ranks as u64;
-            let out = bounded_weights(&weights, step, 2 * batch).expect("a split always fits");
-            assert_eq!(out.iter().map(|&r| u64::from(r)).sum::<u64>(), step, "{weights:?}");
-            assert!(out.iter().all(|&r| (1..=2 * batch).contains(&u64::from(r))), "{weights:?} -> {out:?}");
-        }
-        // No split fits: a cap too small for the step, more ranks than records.
-        assert_eq!(bounded_weights(&[1, 1], 64, 31), None);
-        assert_eq!(bounded_weights(&[1, 1, 1], 2, 2), None);
-        assert_eq!(bounded_weights(&[], 2, 2), None);
-    }
 
     #[test]
     fn the_grid_counts_steps_from_the_resume_cursor_in_its_epoch_and_from_0_after() {

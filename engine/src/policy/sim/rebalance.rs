@@ -192,7 +192,7 @@ fn run(
     let step_len = u64::from(n_ranks) * sim.batch;
     // As a loader: weights are the records of a full step each rank reads, bounded to 1..2 x
     // the batch (equal ones when the saved ones do not fit this world).
-    let bounded = |weights: &[u32]| crate::loader::rebalanced_step(weights, n_ranks, sim.batch);
+    let bounded = |weights: &[u32]| crate::plan::rebalanced_step(weights, n_ranks, sim.batch);
     let mut weights = bounded(&start.weights)
         .or_else(|| bounded(&vec![1; n_ranks as usize]))
         .ok_or_else(|| Error::invalid_input("no split of a step fits the ranks"))?;
