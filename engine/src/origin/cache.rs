@@ -27,13 +27,13 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::attach::{attachments, cache_settings, origin_dir, store_shards};
 use super::pace::{PREFETCH_THREADS, Pace};
 use super::{FETCH_TRIES, Origin};
 use crate::error::{Error, Result};
 use crate::id::ShardId;
 use crate::policy::{Limits, PolicyHost, ShardCache};
 use crate::read::{CacheStats, ShardRepair};
+use crate::store::attached::{attachments, cache_settings, origin_dir, store_shards};
 use crate::store::{StorePaths, sync_dir};
 
 /// Shards of the plan the prefetch thread looks at, soonest first.

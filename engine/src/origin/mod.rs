@@ -32,11 +32,8 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion, WriteMultipart};
 
 pub use crate::read::CacheStats;
-pub(crate) use attach::store_shards;
-pub use attach::{
-    AttachReport, Attachment, CacheSettings, DetachReport, attach, attachment, attachments, cache_bound,
-    cache_settings, detach,
-};
+pub use crate::store::attached::{Attachment, CacheSettings, attachment, attachments, cache_bound, cache_settings};
+pub use attach::{AttachReport, DetachReport, attach, detach};
 pub use cache::OriginCache;
 pub use push::{Progress as PushProgress, PushReport, push};
 

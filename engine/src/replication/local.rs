@@ -204,7 +204,7 @@ impl LocalStore {
     /// store whose attachments cannot be read keeps the last set (and says so on stderr).
     #[cfg(feature = "origin")]
     fn refresh_origin_cached(&self) -> bool {
-        let fresh: HashSet<ObjectId> = match crate::origin::store_shards(&self.paths) {
+        let fresh: HashSet<ObjectId> = match crate::store::attached::store_shards(&self.paths) {
             Ok(shards) => shards.cached().into_iter().map(|id| id.0).collect(),
             Err(e) => {
                 eprintln!("granary node: could not read the store's attachments: {e}");

@@ -14,6 +14,8 @@
 //! the ref names it, a removal after it stops). Never: decides what to publish (ingest does) or
 //! caches anything.
 
+#[cfg_attr(not(feature = "origin"), allow(dead_code, reason = "read and written by origin/"))]
+pub mod attached;
 mod history;
 mod refs;
 
