@@ -670,10 +670,14 @@ fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
     let mut loader = Loader::new(granary::Dataset::open(&paths, &spec).unwrap(), config, Default::default()).unwrap();
     assert_every_record_read(&mut loader, &input);
     // A full shuffle would need every shard at every step, and fetch the dataset many times
-    // over through a quarter cache; windowed, each shard comes about once.
+    // over through a quarter cache; windowed, each shard comes about once. (1.00-1.06 x while
+    // readers kept evicted shards open to the end of an epoch, past the bound; since they let
+    // go within a batch or two, a window sliding over these tiny shards, 4 batches' worth
+    // each, fetches up to 3 of the 16 again: 1.19 x. Shards of 4 MiB fetch nothing twice:
+    // `python/bench/cache_disk.py`, BENCHMARKS.md.)
     let fetched = cache.stats().bytes_from_origin;
     assert!(
-        fetched as f64 <= 1.10 * dataset_bytes as f64,
+        fetched as f64 <= 1.25 * dataset_bytes as f64,
         "{fetched} bytes from the origin for a dataset of {dataset_bytes}: {:?}",
         cache.stats()
     );
