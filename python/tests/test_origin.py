@@ -159,7 +159,11 @@ def test_the_default_order_over_a_dataset_the_cache_cannot_hold_is_windowed(s3, 
     assert plan["partitioner"] == "default" and int(plan["options"]["window-shards"]) >= 1, plan
     seen = _drain_checked(loader, data)
     assert seen != sorted(seen), "shuffled"
-    assert loader.metrics()["origin_bytes"] <= 1.10 * dataset_bytes, loader.metrics()
+    # About once each: 1.00-1.06 x while readers kept evicted shards open past the cache's
+    # bound; since they let go within a batch or two (issue 40), a window sliding over these
+    # 64 KiB shards (16 records, half a batch) fetches a few again (1.22 x seen). The default
+    # 64 MiB shards, and 4 MiB ones, fetch none twice (python/bench/cache_disk.py).
+    assert loader.metrics()["origin_bytes"] <= 1.30 * dataset_bytes, loader.metrics()
     loader.close()
     # Asked for by name, the native shuffle is what it reads; a local dataset is not windowed.
     assert here.loader("tokens", batch_size=32, order="shuffled").state_dict()["plan"] == {"order": "shuffled"}
