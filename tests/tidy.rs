@@ -1,7 +1,8 @@
 //! House rules no linter checks: every module says what it is, `unsafe` stays in `io`, `staging`,
 //! the plugin artifact cache, the read pipeline's reads into a batch and checks of it on other
 //! threads, and the Python bindings' DLPack export, and is justified where it
-//! stands, and no debugging leftovers or stubs ship. The engine's sources are named relative to
+//! stands, no module uses one after it in `lib.rs`'s layer order, and no debugging leftovers
+//! or stubs ship. The engine's sources are named relative to
 //! `engine/src`, the bindings' as `python/...`.
 
 use std::path::{Path, PathBuf};
@@ -121,4 +122,91 @@ fn the_command_line_prints_only_through_its_output_macros() {
         }
     }
     assert!(n_cli >= 5, "found the command line's sources");
+}
+
+/// The modules `lib.rs` declares, in its order (the layer order).
+fn layer_order() -> Vec<String> {
+    let lib = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lib.rs")).unwrap();
+    let order: Vec<String> = lib
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("pub mod ")?.strip_suffix(';').map(str::to_owned))
+        .collect();
+    assert!(order.len() >= 15 && order[0] == "id", "read the module order from lib.rs: {order:?}");
+    order
+}
+
+/// The top modules `code` names through `crate::`: `crate::x::...` and every name of a
+/// `crate::{x, y::z, ...}` group, with the byte offset of each.
+fn crate_paths(code: &str) -> Vec<(String, usize)> {
+    let ident = |s: &str| s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>();
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices("crate::") {
+        if code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == '$') {
+            continue; // `$crate::`, `some_crate::`
+        }
+        let rest = &code[at + "crate::".len()..];
+        let Some(group) = rest.strip_prefix('{') else {
+            out.push((ident(rest), at));
+            continue;
+        };
+        // The group's items at depth 0, each by its first name.
+        let (mut depth, mut start) = (0usize, 0usize);
+        for (i, c) in group.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    out.push((ident(group[start..i].trim()), at));
+                    break;
+                }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.push((ident(group[start..i].trim()), at));
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    out.retain(|(name, _)| !name.is_empty());
+    out
+}
+
+#[test]
+fn no_module_uses_one_after_it_in_the_layer_order() {
+    // `lib.rs`: a module uses only the modules before it, never one after it; the wings
+    // (replication, origin) and the top floor (loader, cli) come last.
+    let order = layer_order();
+    let rank = |name: &str| order.iter().position(|m| m == name);
+    let mut checked = 0;
+    for (path, text) in sources() {
+        if path.starts_with("python") {
+            continue;
+        }
+        let top = path.components().next().unwrap().as_os_str().to_string_lossy().trim_end_matches(".rs").to_owned();
+        let Some(own) = rank(&top) else { continue };
+        checked += 1;
+        // Comments aside (a module's doc may name what comes after it).
+        let code: String =
+            text.lines().map(|line| line.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+        for (name, at) in crate_paths(&code) {
+            if let Some(theirs) = rank(&name) {
+                assert!(
+                    theirs <= own,
+                    "{}:{}: `{top}` uses `crate::{name}`, which comes after it in lib.rs's layer order \
+                     ({})",
+                    path.display(),
+                    code[..at].lines().count(),
+                    order.join(" -> ")
+                );
+            }
+        }
+    }
+    assert!(checked >= 100, "checked the engine's sources ({checked})");
+}
+
+#[test]
+fn the_layer_check_reads_paths_and_groups() {
+    let code = "use crate::store::{A, B};\nuse crate::{\n    io::{flock, X},\n    loader,\n};\nfoo($crate::x);";
+    let names: Vec<String> = crate_paths(code).into_iter().map(|(name, _)| name).collect();
+    assert_eq!(names, ["store", "io", "loader"]);
 }

@@ -1,17 +1,20 @@
 //! granary: an embedded storage engine that keeps a trainer's GPU fed from local disk.
 //!
 //! Modules follow a sample's path (after `id` and `error`): `shard` (the file format; beside
-//! it `erasure`, a shard coded into fragments) -> `manifest` (dataset versions) -> `store` (files on disk, crash-safe publishing) -> `catalog`
-//! (sled cache of what the files say) -> `ingest` (sources into shards) -> `plan` (which record
-//! each rank reads, in which order) -> `io` (io_uring and pread backends) -> `staging` (the
-//! bounded pool of page-aligned buffers, page-locked through CUDA when present) -> `tier`
-//! (verified extents in memory, shared by the node's processes, filled and emptied by the plan)
-//! -> `read` (batch planning, verification, assembly) -> `metrics` (the registry the parts after
-//! it report to, and its `/metrics` endpoint) -> `policy` (partitioning, eviction and
-//! replication as WebAssembly plugins) -> `loader` (one rank's batches, prefetched, verified,
-//! copied to the GPU). `engine` wires the write side together (store, catalog, ingest);
-//! `replication` (a side path) keeps copies of shards on the other nodes of a job and repairs
-//! reads from them. A module uses only the modules before it in this order, never one after it.
+//! it `erasure`, a shard coded into fragments) -> `manifest` (dataset versions) -> `store`
+//! (files on disk, crash-safe publishing, the records of attached datasets) -> `catalog` (sled
+//! cache of what the files say) -> `ingest` (sources into shards) -> `plan` (which record each
+//! rank reads, in which order) -> `io` (io_uring and pread backends) -> `staging` (the bounded
+//! pool of page-aligned buffers, page-locked through CUDA when present) -> `metrics` (the
+//! registry the parts after it report to, and its `/metrics` endpoint) -> `policy`
+//! (partitioning, eviction and replication as WebAssembly plugins) -> `tier` (the node's
+//! records in memory, filled ahead in plan order, the evictor plugin choosing what leaves) ->
+//! `read` (batch planning, verification, assembly) -> `engine` (the write side wired together:
+//! store, catalog, ingest, verify, repair) -> `replication` (copies of shards on the other
+//! nodes of a job, reads repaired from them) -> `origin` (datasets in object storage, read
+//! through a bounded cache that asks the node's peers first) -> `loader` (one rank's batches,
+//! prefetched, verified, copied to the GPU) -> `cli`. A module uses only the modules before it
+//! in this order, never one after it (`tests/tidy.rs` checks every `crate::` path).
 //!
 //! ```no_run
 //! use granary::{Granary, IngestOptions, Layout, Dtype, FixedLayout, DatasetName, VersionSpec};
@@ -41,16 +44,16 @@ pub mod ingest;
 pub mod plan;
 pub mod io;
 pub mod staging;
-pub mod tier;
-pub mod read;
 pub mod metrics;
 #[cfg(feature = "policy")]
 pub mod policy;
-pub mod loader;
+pub mod tier;
+pub mod read;
 pub mod engine;
 pub mod replication;
 #[cfg(feature = "origin")]
 pub mod origin;
+pub mod loader;
 #[cfg(feature = "cli")]
 pub mod cli;
 
