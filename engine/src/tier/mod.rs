@@ -3,7 +3,10 @@
 //! default, `page_cache.rs`: shard files mapped read-only, extents read in with `WILLNEED` and
 //! `MADV_POPULATE_READ`, found in memory with `mincore`), and a memory tier of extent files in a
 //! memory file system (this file). The plan's side (what to fill, in which order, what makes
-//! room) is the same for both (`fill.rs`).
+//! room) is the same for both (`fill.rs`). Beside this file, which keeps the budget and the
+//! memory tier's files: `config.rs` (what a tier is asked for), `names.rs` (its file names),
+//! `dirs.rs` (which directory may be the tier's), `memory.rs` (the node's memory), `reader.rs`
+//! (a reader's look-ups).
 //!
 //! Owns (the memory tier): a directory in a memory file system (`/dev/shm/granary-tier-UID` by
 //! default, marked as the tier's by a `.granary-tier` file) holding one file per extent (a run
@@ -35,7 +38,11 @@
 //! other files and no marker), touches a file whose name is not the tier's, or touches disk
 //! shards except to read them (and to advise the kernel on their pages).
 
+mod config;
+mod dirs;
 mod fill;
+mod memory;
+mod names;
 mod page_cache;
 mod reader;
 
@@ -51,30 +58,16 @@ use parking_lot::Mutex;
 pub use fill::{Coordinator, ExtentInfo, TierSchedule, run_filler};
 pub use reader::TierReader;
 
+pub use config::{EXTENT_BYTES_DEFAULT, EXTENTS_MAX, TierConfig, TierKind, default_extent_bytes, parse_bytes};
+pub use dirs::file_system_of;
+use dirs::{current_uid, prepare_dir};
+use memory::Memory;
+pub use names::ExtentKey;
+use names::{claimed_extent, extent_key_of, extent_size_of, is_extent_name, is_old_extent_name, nonce};
+
 use crate::error::{Error, Result};
-use crate::id::ShardId;
 use crate::io::{MappedFile, WritableMap, flock, fs_space};
 use crate::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
-
-/// The smallest default extent size: large enough that a fill reads at the disk's sequential
-/// rate, small enough that a budget of a few GiB holds hundreds of them.
-pub const EXTENT_BYTES_DEFAULT: u64 = 4 << 20;
-
-/// Extents a tier holds at most. Every extent is one mapping in each process that reads it, and
-/// a process has 65530 (`vm.max_map_count`) for everything it maps: the default extent size
-/// grows with the node's memory so that a tier as large as the memory stays under this.
-pub const EXTENTS_MAX: u64 = 16 << 10;
-
-/// The default extent size on this node: 4 MiB, or the power of two that keeps a tier of all
-/// of the node's memory within `EXTENTS_MAX` extents. Every process of the node computes the
-/// same, so they share extents.
-pub fn default_extent_bytes() -> u64 {
-    let total = Memory::read().total;
-    if total == u64::MAX {
-        return EXTENT_BYTES_DEFAULT;
-    }
-    total.div_ceil(EXTENTS_MAX).next_power_of_two().clamp(EXTENT_BYTES_DEFAULT, 1 << 30)
-}
 
 /// The file that marks a directory as a memory tier's.
 const MARKER: &str = ".granary-tier";
@@ -95,215 +88,6 @@ const SCAN_TTL: Duration = Duration::from_millis(100);
 /// took back or another process read in: a look over 100 GiB of shards takes a fraction of a
 /// second.
 const PAGE_CACHE_SCAN_TTL: Duration = Duration::from_secs(10);
-
-/// Where the tier's memory is.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum TierKind {
-    /// The kernel's page cache: shard files mapped read-only, extents read in ahead of the plan.
-    /// Shared by every process of the node, kept across loaders, processes and restarts,
-    /// reclaimed by the kernel under pressure (`page_cache.rs`).
-    #[default]
-    PageCache,
-    /// Extent files in a memory file system (`/dev/shm`), filled with O_DIRECT reads, emptied
-    /// when the last process using it closes it.
-    Memory,
-}
-
-impl TierKind {
-    /// The kind `GRANARY_TIER` names: `page-cache` or `memory`.
-    pub fn parse(text: &str) -> Option<Self> {
-        match text {
-            "page-cache" => Some(Self::PageCache),
-            "memory" => Some(Self::Memory),
-            _ => None,
-        }
-    }
-
-    /// The name `parse` reads.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::PageCache => "page-cache",
-            Self::Memory => "memory",
-        }
-    }
-}
-
-/// How the tier is set up.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TierConfig {
-    /// Where the tier's memory is (the page cache by default).
-    pub kind: TierKind,
-    /// Bytes the tier may hold node-wide; `None`: half of MemAvailable (and of the cgroup's
-    /// limit) when the tier opens. 0 turns the tier off.
-    pub budget_bytes: Option<u64>,
-    /// The memory tier's directory (in a memory file system); `None`:
-    /// `/dev/shm/granary-tier-UID`. A page cache tier has none.
-    pub dir: Option<PathBuf>,
-    /// Bytes per extent, a multiple of 4 KiB (`default_extent_bytes`: 4 MiB, more on a node
-    /// of more than 64 GiB). Processes share only extents of the same size.
-    pub extent_bytes: u64,
-    /// Threads reading extents from disk into the tier (4 by default: on a 2-core machine the
-    /// fill is bound by the kernel's page allocation for the tier's memory, not by the disk, and
-    /// more threads than cores keep the disk busy while others allocate).
-    pub fill_threads: usize,
-    /// Leave the extents in place when the last user closes the tier (a later run starts warm;
-    /// the memory stays taken until someone clears it).
-    pub keep: bool,
-    /// The evictor plugin (a built-in name or a `.wasm` file) that chooses which extents make
-    /// room among those the plan does not hold; `None`: `plan-aware` (Belady on the plan). Each
-    /// process runs its own, told what the tier holds node-wide. Needs the `policy` feature.
-    pub evictor: Option<String>,
-    /// The evictor's options (the built-ins take none).
-    pub evictor_options: Vec<(String, String)>,
-}
-
-impl Default for TierConfig {
-    fn default() -> Self {
-        Self {
-            kind: TierKind::default(),
-            budget_bytes: None,
-            dir: None,
-            extent_bytes: default_extent_bytes(),
-            fill_threads: 4,
-            keep: false,
-            evictor: None,
-            evictor_options: Vec::new(),
-        }
-    }
-}
-
-impl TierConfig {
-    /// The default, with `GRANARY_TIER` (`page-cache` or `memory`; a `GRANARY_TIER_DIR` alone
-    /// means `memory`), `GRANARY_TIER_BYTES` (0 turns it off; size suffixes as `4GiB`),
-    /// `GRANARY_TIER_DIR`, `GRANARY_TIER_KEEP=1` and `GRANARY_TIER_EVICTOR` applied.
-    pub fn from_env() -> Result<Self> {
-        let mut config = Self::default();
-        if std::env::var_os("GRANARY_TIER_DIR").is_some() {
-            config.kind = TierKind::Memory;
-        }
-        if let Ok(kind) = std::env::var("GRANARY_TIER") {
-            config.kind = TierKind::parse(&kind).ok_or_else(|| {
-                Error::invalid_input(format!("GRANARY_TIER={kind:?} is not a tier (page-cache or memory)"))
-            })?;
-        }
-        if let Ok(bytes) = std::env::var("GRANARY_TIER_BYTES") {
-            config.budget_bytes = Some(parse_bytes(&bytes).ok_or_else(|| {
-                Error::invalid_input(format!("GRANARY_TIER_BYTES={bytes:?} is not a size (as 0, 512MiB or 8GiB)"))
-            })?);
-        }
-        if let Some(dir) = std::env::var_os("GRANARY_TIER_DIR") {
-            config.dir = Some(PathBuf::from(dir));
-        }
-        config.keep = std::env::var("GRANARY_TIER_KEEP").is_ok_and(|v| v == "1");
-        config.evictor = std::env::var("GRANARY_TIER_EVICTOR").ok().filter(|name| !name.is_empty());
-        Ok(config)
-    }
-
-    /// A tier that is off.
-    pub fn off() -> Self {
-        Self { budget_bytes: Some(0), ..Self::default() }
-    }
-
-    fn validate(&self) -> Result<()> {
-        if self.extent_bytes == 0 || !self.extent_bytes.is_multiple_of(BLOCK_BYTES_U64) || self.extent_bytes > 1 << 30 {
-            return Err(Error::invalid_input(format!(
-                "tier extent size {} is not a multiple of 4096 in 4 KiB..=1 GiB",
-                self.extent_bytes
-            )));
-        }
-        if self.fill_threads == 0 || self.fill_threads > 64 {
-            return Err(Error::invalid_input(format!("tier fill threads {} is not in 1..=64", self.fill_threads)));
-        }
-        if self.kind == TierKind::PageCache && self.dir.is_some() {
-            return Err(Error::invalid_input(
-                "a tier directory is for the memory tier: the page cache tier has none (GRANARY_TIER=memory)",
-            ));
-        }
-        if self.kind == TierKind::PageCache && self.keep {
-            return Err(Error::invalid_input(
-                "keeping the tier is for the memory tier: the page cache tier is kept by the kernel",
-            ));
-        }
-        #[cfg(not(feature = "policy"))]
-        if self.evictor.is_some() {
-            return Err(Error::invalid_input("a tier evictor plugin needs granary built with the `policy` feature"));
-        }
-        Ok(())
-    }
-}
-
-/// Parses `4096`, `512MiB`, `8GiB`, `1.5GiB`, `2G` (binary units).
-pub fn parse_bytes(text: &str) -> Option<u64> {
-    let text = text.trim();
-    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: f64 = number.parse().ok()?;
-    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        _ => return None,
-    };
-    let bytes = number * scale as f64;
-    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
-}
-
-/// One extent: a shard and the index of the extent within its data region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ExtentKey {
-    /// The shard's content id.
-    pub shard: ShardId,
-    /// Which extent of the shard's data region.
-    pub extent: u32,
-}
-
-#[cfg(feature = "policy")]
-impl crate::policy::CacheKey for ExtentKey {
-    fn cache_key(&self) -> u64 {
-        // The shard's key is uniform (its id's first bytes); the index spread over all bits.
-        crate::policy::shard_key(self.shard.0.as_bytes()) ^ u64::from(self.extent).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-    }
-}
-
-/// Whether `name` is an extent file's (`<shard id, 64 hex>.<extent KiB>k.<index, 6+ digits>`).
-fn is_extent_name(name: &str) -> bool {
-    let mut parts = name.split('.');
-    let (Some(shard), Some(size), Some(index), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
-        return false;
-    };
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    shard.len() == 64
-        && shard.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-        && size.strip_suffix('k').is_some_and(digits)
-        && index.len() >= 6
-        && digits(index)
-}
-
-/// The extent an extent's name (`<shard>.<K>k.<index>`) names, when it is cut in extents of
-/// `extent_bytes`.
-fn extent_key_of(name: &str, extent_bytes: u64) -> Option<ExtentKey> {
-    let mut parts = name.split('.');
-    let shard = ShardId(crate::id::ObjectId::parse_hex(parts.next()?)?);
-    (extent_size_of(name)? == extent_bytes).then_some(())?;
-    let extent = parts.nth(1)?.parse().ok()?;
-    Some(ExtentKey { shard, extent })
-}
-
-/// The extent size an extent's name says (`<shard>.<K>k.<index>`): K KiB.
-fn extent_size_of(name: &str) -> Option<u64> {
-    name.split('.').nth(1)?.strip_suffix('k')?.parse::<u64>().ok()?.checked_mul(1024)
-}
-
-/// The extent name a claim (`.fill-NAME`) or a private fill file (`.new-PID-N-NAME`) is for.
-fn claimed_extent(name: &str) -> Option<&str> {
-    let extent = match name.strip_prefix(".fill-") {
-        Some(extent) => extent,
-        None => name.strip_prefix(".new-")?.splitn(3, '-').nth(2)?,
-    };
-    is_extent_name(extent).then_some(extent)
-}
 
 /// Counters of a tier, for this process.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1145,103 +929,6 @@ fn remove_if_same(path: &Path, file: &std::fs::File) {
     }
 }
 
-/// An extent name of the layout before extent sizes were in the name (`<shard>.<index>`): a
-/// tier directory left by an older engine is emptied, not refused.
-fn is_old_extent_name(name: &str) -> bool {
-    name.split_once('.').is_some_and(|(shard, index)| {
-        shard.len() == 64
-            && shard.bytes().all(|b| b.is_ascii_hexdigit())
-            && index.len() == 6
-            && index.bytes().all(|b| b.is_ascii_digit())
-    })
-}
-
-fn nonce() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
-/// File systems whose files live in memory.
-const MEMORY_FILE_SYSTEMS: &[&str] = &["tmpfs", "ramfs", "hugetlbfs"];
-
-/// The type of the file system a directory is on, and whether it keeps its files in memory
-/// (`None` when `/proc/self/mounts` does not say).
-pub fn file_system_of(dir: &Path) -> Option<(String, bool)> {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
-    let dir = dir.canonicalize().ok()?;
-    let kind = fs_type_of(&mounts, &dir)?;
-    Some((kind.to_owned(), MEMORY_FILE_SYSTEMS.contains(&kind)))
-}
-
-/// The type of the file system `path` (absolute, resolved) is on, from `/proc/self/mounts`
-/// text: that of the longest mount point that holds it (the last such line, for stacked mounts).
-fn fs_type_of<'m>(mounts: &'m str, path: &Path) -> Option<&'m str> {
-    let mut best: Option<(usize, &str)> = None;
-    for line in mounts.lines() {
-        let mut fields = line.split(' ');
-        let (Some(_), Some(point), Some(kind)) = (fields.next(), fields.next(), fields.next()) else { continue };
-        // Spaces and the like are octal escapes there (`\040`).
-        let point = point.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\");
-        let point = Path::new(&point);
-        if path.starts_with(point) && best.is_none_or(|(depth, _)| point.components().count() >= depth) {
-            best = Some((point.components().count(), kind));
-        }
-    }
-    best.map(|(_, kind)| kind)
-}
-
-fn current_uid() -> u32 {
-    std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0)
-}
-
-/// Creates the tier directory (mode 0700, marked as the tier's) or checks that an existing one
-/// is a real directory owned by this user (extents are trusted as verified, so nobody else may
-/// write them) and the tier's: marked, or holding nothing but tier files. A directory of the
-/// user's own files is refused, since the tier empties its directory.
-fn prepare_dir(dir: &Path) -> Result<()> {
-    match std::fs::create_dir(dir) {
-        Ok(()) => {
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-                .map_err(|e| Error::io("chmod", dir, e))?;
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(Error::io("create", dir, e)),
-    }
-    let meta = std::fs::symlink_metadata(dir).map_err(|e| Error::io("stat", dir, e))?;
-    if !meta.is_dir() || meta.uid() != current_uid() || meta.mode() & 0o022 != 0 {
-        return Err(Error::invalid_input(format!(
-            "the memory tier's directory {} is not a directory of this user's that only it can write; \
-             remove it or choose another (GRANARY_TIER_DIR)",
-            dir.display()
-        )));
-    }
-    let marker = dir.join(MARKER);
-    if std::fs::symlink_metadata(&marker).is_ok_and(|m| m.is_file()) {
-        return Ok(());
-    }
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))?;
-    for entry in entries {
-        let name = entry.map_err(|e| Error::io("list", dir, e))?.file_name();
-        let name = name.to_string_lossy();
-        // The marker itself: another process opening the tier at this moment wrote it since
-        // the check above.
-        if !(name == MARKER
-            || name == ".users"
-            || is_extent_name(&name)
-            || is_old_extent_name(&name)
-            || claimed_extent(&name).is_some())
-        {
-            return Err(Error::invalid_input(format!(
-                "{} holds {name:?}, which is not a memory tier file: the tier empties its directory, so it \
-                 needs one of its own (an empty or new directory for GRANARY_TIER_DIR)",
-                dir.display()
-            )));
-        }
-    }
-    std::fs::write(&marker, b"granary memory tier: files here are removed when the last reader closes\n")
-        .map_err(|e| Error::io("create", &marker, e))
-}
-
 /// Reads `bytes.len()` bytes at `offset` of `path`, with O_DIRECT where the file system takes it
 /// (the tier is the cache: the page cache would hold a second copy).
 fn read_exact_direct(path: &Path, offset: u64, bytes: &mut [u8]) -> Result<()> {
@@ -1259,110 +946,9 @@ fn read_exact_direct(path: &Path, offset: u64, bytes: &mut [u8]) -> Result<()> {
     })
 }
 
-/// How long a look at the node's memory serves the budget's checks: the fillers ask at every
-/// replan and fill, and each look reads `/proc/meminfo` and the cgroup's files (3 % of a warm
-/// epoch's CPU when read each time); pressure is still met within a fraction of a second.
-const MEMORY_LOOK_TTL: Duration = Duration::from_millis(250);
-
-/// What the node's memory looks like now.
-#[derive(Clone, Copy)]
-struct Memory {
-    total: u64,
-    available: u64,
-    cgroup_limit: Option<u64>,
-    cgroup_headroom: Option<u64>,
-}
-
-impl Memory {
-    /// The node's memory as looked at within `MEMORY_LOOK_TTL` (in this process), or now. Never
-    /// waits for the last look: a child forked while another thread held it would wait forever
-    /// (CI hung a forked child's loader so); a look under way elsewhere means a look of its own.
-    fn recent() -> Self {
-        static LAST: Mutex<Option<(Instant, Memory)>> = Mutex::new(None);
-        let Some(mut last) = LAST.try_lock() else { return Self::read() };
-        if let Some((at, memory)) = *last
-            && at.elapsed() < MEMORY_LOOK_TTL
-        {
-            return memory;
-        }
-        let memory = Self::read();
-        *last = Some((Instant::now(), memory));
-        memory
-    }
-
-    fn read() -> Self {
-        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let field = |name: &str| {
-            meminfo
-                .lines()
-                .find_map(|line| line.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
-                .map(|kib| kib << 10)
-        };
-        let total = field("MemTotal:").unwrap_or(u64::MAX);
-        let available = field("MemAvailable:").unwrap_or(total);
-        let (cgroup_limit, cgroup_headroom) = cgroup_memory().unzip();
-        Self { total, available, cgroup_limit, cgroup_headroom }
-    }
-}
-
-/// This process's cgroup memory limit and the room left under it (v2 or v1), if it has one:
-/// the tightest of its cgroup and every ancestor's, with the page cache the kernel can drop
-/// (`inactive_file`) counted as room. The tier's own pages are shared memory, which the kernel
-/// cannot drop: they count as used.
-fn cgroup_memory() -> Option<(u64, u64)> {
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let read = |path: &Path| std::fs::read_to_string(path).ok()?.trim().parse::<u64>().ok();
-    let stat = |path: &Path, key: &str| {
-        std::fs::read_to_string(path).ok()?.lines().find_map(|line| {
-            let (name, value) = line.split_once(' ')?;
-            (name == key).then(|| value.trim().parse::<u64>().ok()).flatten()
-        })
-    };
-    let mut tightest: Option<(u64, u64)> = None;
-    let mut consider = |limit: Option<u64>, usage: Option<u64>, reclaimable: Option<u64>| {
-        // "max" (v2) does not parse; v1 says "no limit" with a number near 2^63.
-        if let (Some(limit), Some(usage)) = (limit, usage)
-            && limit < 1 << 60
-        {
-            let room = limit.saturating_sub(usage.saturating_sub(reclaimable.unwrap_or(0)));
-            tightest = Some(tightest.map_or((limit, room), |(l, r)| (l.min(limit), r.min(room))));
-        }
-    };
-    for line in cgroups.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        let path = Path::new(path.trim_start_matches('/'));
-        if controllers.is_empty() {
-            // v2: this cgroup and each ancestor up to the root of this namespace's view.
-            for level in path.ancestors() {
-                let base = Path::new("/sys/fs/cgroup").join(level);
-                consider(
-                    read(&base.join("memory.max")),
-                    read(&base.join("memory.current")),
-                    stat(&base.join("memory.stat"), "inactive_file"),
-                );
-            }
-        } else if controllers.split(',').any(|c| c == "memory") {
-            // v1: memory.stat's hierarchical limit is already the tightest of the ancestors'.
-            let base = Path::new("/sys/fs/cgroup/memory").join(path);
-            let own = read(&base.join("memory.limit_in_bytes"));
-            let hierarchical = stat(&base.join("memory.stat"), "hierarchical_memory_limit");
-            let limit = match (own, hierarchical) {
-                (Some(own), Some(up)) => Some(own.min(up)),
-                (own, up) => own.or(up),
-            };
-            consider(
-                limit,
-                read(&base.join("memory.usage_in_bytes")),
-                stat(&base.join("memory.stat"), "total_inactive_file"),
-            );
-        }
-    }
-    tightest
-}
-
 #[cfg(test)]
 mod tests {
+    use super::dirs::fs_type_of;
     use super::*;
 
     #[test]
