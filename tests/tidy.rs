@@ -1,4 +1,5 @@
-//! House rules no linter checks: every module says what it is, `unsafe` stays in `io`, `staging`,
+//! House rules no linter checks: every module says what it is, what it owns and what it never
+//! does, `unsafe` stays in `io`, `staging`,
 //! the plugin artifact cache, the read pipeline's reads into a batch and checks of it on other
 //! threads, and the Python bindings' DLPack export, and is justified where it
 //! stands, no module uses one after it in `lib.rs`'s layer order, and no debugging leftovers
@@ -41,6 +42,27 @@ fn every_module_opens_with_a_doc_comment() {
     for (path, text) in sources() {
         assert!(text.starts_with("//!"), "{} does not open with a //! comment", path.display());
     }
+}
+
+#[test]
+fn every_engine_module_says_what_it_owns_and_what_it_never_does() {
+    // The module header, rust-analyzer's way: what the file owns, and what it leaves to others
+    // (a test module is its subject's).
+    let mut checked = 0;
+    for (path, text) in sources() {
+        if path.starts_with("python") || path.file_name().is_some_and(|name| name == "tests.rs") {
+            continue;
+        }
+        let header: Vec<&str> = text.lines().take_while(|line| line.starts_with("//!")).collect();
+        let header = header.join("\n");
+        assert!(
+            header.contains("Owns") && header.contains("Never"),
+            "{}: its //! header does not say what it owns (`Owns`) and what it never does (`Never`)",
+            path.display()
+        );
+        checked += 1;
+    }
+    assert!(checked >= 100, "checked the engine's sources ({checked})");
 }
 
 #[test]

@@ -6,6 +6,14 @@
 //! `Dataset::open` works from the files alone, so every rank of a trainer can read while one
 //! process writes. A catalog sled cannot read stops every writer but `repair` with
 //! `Error::NeedsRepair`: the catalog is a cache, and only repair rebuilds it.
+//!
+//! Owns: `Granary` (a `Store` and its `Catalog` held together: opening, waiting for another writer,
+//! bringing the catalog and the histories in line with the ref files at open), listing
+//! (`DatasetSummary`, and `datasets_from_files`, without a lock), removing versions, and adopting,
+//! quarantining and forgetting objects and refs that arrived from elsewhere (a replication node's
+//! transfers, an attached origin's manifests and refs). Never: is needed to read (`Dataset::open`
+//! reads the files), or talks to a peer or an origin itself (they call it to publish what they
+//! fetched).
 
 mod collect;
 mod repair;

@@ -16,6 +16,9 @@
 //! prefetched, verified, copied to the GPU) -> `cli`. A module uses only the modules before it
 //! in this order, never one after it (`tests/tidy.rs` checks every `crate::` path).
 //!
+//! Owns the module tree and the names a user starts from (re-exported below). Never: holds
+//! code of its own beyond those re-exports.
+//!
 //! ```no_run
 //! use granary::{Granary, IngestOptions, Layout, Dtype, FixedLayout, DatasetName, VersionSpec};
 //! # fn main() -> granary::Result<()> {

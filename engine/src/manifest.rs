@@ -2,9 +2,15 @@
 //!
 //! Encoding (little-endian): `"GRNMANIF" | version u32 | reserved u32 | layout (80 bytes) |
 //! n_shards u64 | n_records u64 | { shard_id [32] | n_records u64 | file_bytes u64 |
-//! meta_digest [32] } * n_shards | crc32c u32`. The id of a manifest is the BLAKE3 hash of these bytes. The same shards in the same
-//! order give the same manifest, so a version is named by its content. Never: holds a dataset
-//! name (refs do), so identical versions of two datasets are one object.
+//! meta_digest [32] } * n_shards | crc32c u32`. The id of a manifest is the BLAKE3 hash of these
+//! bytes. The same shards in the same order give the same manifest, so a version is named by its
+//! content. Never: holds a dataset name (refs do), so identical versions of two datasets are one
+//! object.
+//!
+//! Owns: `Manifest` and `ManifestEntry`, their encoding (`MANIFEST_MAGIC`, `MANIFEST_VERSION`) and
+//! the id it gives (`encode`), and `decode`, which checks the magic, the version, the CRC32C and
+//! the counts. Never: reads or writes a file (the store does), or checks bytes against their id
+//! (`decode`'s caller does).
 
 use crate::error::FormatError;
 use crate::id::{ID_BYTES, ManifestId, ObjectId, ShardId};

@@ -12,7 +12,10 @@
 //! Weighted ranks cut a step by `step_shares`; a rebalancing loader's weights become records
 //! per rank by `rebalanced_step` (each rank between 1 record and `SHARE_MAX_BATCHES` batches).
 //!
-//! Plain data, no I/O: a later issue puts the partitioner plugin behind the same types.
+//! Owns: `Order`, `World`, `Position`, `EpochPlan` (with its keyed permutation), `RankCursor`, and
+//! the arithmetic of weighted steps (`step_shares`, `bounded_weights`, `rebalanced_step`,
+//! `SHARE_MAX_BATCHES`). Never: does I/O or calls a plugin: plain data (the partitioner plugin's
+//! plans are asked for by the loader, in the terms of `Position` and `World`).
 
 use std::ops::Range;
 

@@ -1,5 +1,11 @@
 //! The key-value interface the catalog needs, with a sled backend and an in-memory one.
 //!
+//! Owns: `KvBackend` (what the catalog asks of a key-value store), `Tree` (its three trees),
+//! `SledKv` (sled 0.34: opened with a wait for its lock file, and `check_process`, which refuses a
+//! child forked after its parent opened sled) and `MemoryKv` (the model the sled backend is tested
+//! against). Never: encodes or decodes an entry (`Catalog` does), or reads a shard, manifest or
+//! ref file.
+//!
 //! Invariant: every sled type and error stays in this file.
 
 use std::collections::BTreeMap;

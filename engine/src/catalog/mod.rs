@@ -1,5 +1,8 @@
 //! The catalog: a sled database that caches what the store's files say, for fast listing.
 //!
+//! Owns: `Catalog` (over any `KvBackend`: sled, or memory for tests and read-only tools),
+//! `ObjectEntry` and the encoding of the entries in its trees.
+//!
 //! Trees: `shards` (id -> counts and layout), `manifests` (id -> counts and layout), `datasets`
 //! (name -> the ref's versions). Everything here can be rebuilt from the files (`granary repair`),
 //! because sled 0.34 is beta and its format may change. An entry is inserted only after its file is

@@ -4,6 +4,11 @@
 //! alternating which goes first in each run so that drift on a noisy disk hits both. The figure
 //! that matters is the ratio per run (bare time / engine time for the same work); the table shows
 //! its median over the runs, beside the medians of each side's throughput.
+//!
+//! Owns: `ReadArgs` and `read` (the command), the bare reader's ops for the same records
+//! (`bare_ops`), the medians and the table; also `median_f64`, which the replication benchmark
+//! shares. Never: writes to the store: it opens the dataset from its files, without the write lock,
+//! and only reads.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -9,6 +9,12 @@
 //! trace the run recorded, the wait for the first batch (the plan made, the first shards
 //! fetched) and the data stall after it (the trainer's waits for batches, as a share of the run
 //! from the first batch on).
+//!
+//! Owns: `CacheArgs` and `cache` (the command), the scratch stores it makes under the root
+//! (`source/`, and a `here-<row>/` per row, removed after the row), the cache told no plan
+//! (`Unplanned`), the traces of `--trace-out`, and Belady's minimum (`belady_bytes`). Never: talks
+//! to a real origin or the network (the origin is object_store's in-memory store), or touches
+//! anything under the root but its own directories.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;

@@ -6,6 +6,12 @@
 //! the same bytes (the bus's limit); then warm (data in the page cache) to the GPU, and a
 //! simulated training step. Ratios are taken within each run, medians over runs. CPU is the
 //! process's user + system time over the loader's run, per GB/s delivered.
+//!
+//! Owns: `LoaderArgs` and `loader` (the command), the dataset of `--generate` (raw `.bin` files
+//! beside the store, ingested), each row's measurement (`measure_*`, and Belady's for the partial
+//! tier row), and a memory tier directory of its own in /dev/shm (`BenchDir`, removed when the
+//! bench ends). Never: empties a tier it was not given (the tier rows use their own directory
+//! unless `--tier-dir` names one), or writes to the store but with `--generate`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

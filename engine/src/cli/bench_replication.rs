@@ -10,6 +10,12 @@
 //! multiply: several GB/s per core), BLAKE3 on the receiver (4-5 GB/s per core, on a thread of
 //! its own) and CRC32C on the sender (15-20 GB/s). Both ends share this machine's cores, so the
 //! ratio is a CPU ratio, not a network one.
+//!
+//! Owns: `ReplicationArgs` and `replication` (the command), its scratch directory
+//! `<root>/bench-replication/` (cleared at the start, removed at the end) with the stores and nodes
+//! it runs there, the plain TCP copy it compares with, and `make_dataset` (random records, which
+//! `bench cache` uses too). Never: listens or connects beyond loopback (127.0.0.1), or touches a
+//! store outside its scratch directory.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

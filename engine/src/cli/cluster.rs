@@ -1,5 +1,11 @@
 //! `granary serve`, `granary replicate`, `granary status` and `granary cluster-key`: a node of a
 //! training job and the commands that talk to it.
+//!
+//! Owns: the arguments of these commands (`ServeArgs`, `ReplicateArgs`, `StatusArgs`,
+//! `ClusterKeyArgs`) and `KeyArgs` (where a command finds the cluster secret: `--cluster-key FILE`,
+//! else `GRANARY_CLUSTER_KEY`), turning them into a `NodeConfig` or a `NodeClient`, and writing a
+//! new secret file (mode 0600). Never: prints a cluster secret, overwrites an existing key file, or
+//! starts a node whose configuration has not passed `NodeConfig::check`.
 
 use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};

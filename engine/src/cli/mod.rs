@@ -1,6 +1,12 @@
 //! Argument parsing and the commands. Every failure is one line on stderr and a non-zero exit;
 //! output goes through `output`'s macros, never `println!`, so a full or closed stdout is an
 //! error or a quiet end, never a panic.
+//!
+//! Owns: the `Cli` parser and its subcommands, `main` and `main_with` (the exit status), the
+//! commands with no file of their own (`ingest`, `get`, `rm`), how long a command that writes waits
+//! for another writer (`--wait`, `--no-wait`: `open_writer`, `open_and_repair`), `parse_size` and
+//! the ingest progress bar. Never: prints with `println!` or `eprintln!`, or asks for a store
+//! before a command needs one (`plugin`, `cluster-key`, `tier` and `top` run without `--root`).
 
 #[macro_use]
 mod output;

@@ -1,4 +1,9 @@
 //! `push`, `attach`, `detach`: datasets in object storage, from the command line.
+//!
+//! Owns: the command line's side of the three: the origin opened from its URL (`memory://` refused:
+//! it would live and die inside one command), a push's progress bar, and the reports printed.
+//! Never: does the work itself (`granary::origin` pushes, attaches and detaches), or takes the
+//! store's write lock for a push (it only reads the store).
 
 use std::path::Path;
 

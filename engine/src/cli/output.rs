@@ -5,6 +5,10 @@
 //! go through `errln!` and `err!`, which drop what stderr cannot take: there is nowhere left to
 //! say it. Every write is flushed at once, so a failure shows at the line that failed, not in
 //! a silent flush at exit.
+//!
+//! Owns: the macros `out!`, `outln!`, `err!` and `errln!`, `write_bytes` (a record's raw bytes),
+//! `StdoutError`, and `is_closed_pipe`, which tells `main` a closed pipe from a failure. Never:
+//! panics on a write, or keeps output in a buffer past the call that wrote it.
 
 use std::fmt;
 use std::io::Write;

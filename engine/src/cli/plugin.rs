@@ -1,4 +1,10 @@
 //! `granary plugin`: the kit a policy author runs: check a plugin, simulate it, make traces.
+//!
+//! Owns: the `plugin` subcommands and their arguments (`PluginCommand`, `SimCommand`,
+//! `TraceCommand`), where the kit caches compiled plugins (`GRANARY_PLUGIN_CACHE`, else
+//! `$XDG_CACHE_HOME/granary/plugins`, else `~/.cache/granary/plugins`), and the reports printed.
+//! Never: opens a store (it runs without `--root`), or checks, simulates or makes a trace itself
+//! (`policy::conformance`, `policy::sim` and `policy::trace` do).
 
 use std::path::PathBuf;
 

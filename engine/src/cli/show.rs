@@ -1,4 +1,9 @@
 //! The commands that print: ls, inspect, verify, repair, gc.
+//!
+//! Owns: `ls` (from the catalog, or from the files while another process holds the store),
+//! `inspect`, `verify`, `repair` and `gc`, what they print (the attached datasets' lines among it),
+//! and `bytes`, the size format the other commands use too. Never: waits for the write lock to list
+//! (`ls` reads the files instead), or takes it to inspect or verify (they read the files).
 
 use std::path::PathBuf;
 use std::process::ExitCode;

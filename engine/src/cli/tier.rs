@@ -1,5 +1,10 @@
 //! `granary tier`: the node's tier as an operator sees it: what it holds (of a store's shards,
 //! for the page cache tier), its budget, and emptying a memory tier.
+//!
+//! Owns: `TierCommand` (`tier status`, `tier clear`) and their reports: a memory tier opened as a
+//! loader of this environment would open it, but keeping what it holds; for the page cache tier,
+//! how much of the store's shard files is in memory (`mincore`). Never: fills a tier, removes an
+//! extent but by `tier clear` of a memory tier, or empties the page cache (the kernel's to do).
 
 use std::path::{Path, PathBuf};
 

@@ -2,6 +2,11 @@
 //!
 //! Each source checks what it can before the first record is written (paths exist, sizes divide),
 //! then streams: no source holds more than one record (for tars, one sample) in memory.
+//!
+//! Owns: `Progress`, `records_from_files`, `files_from_dir`, `samples_from_tars` with `tar_samples`
+//! (a tar's members grouped into samples as webdataset 1.0 groups them), `expand_tar_inputs` and
+//! `check_regular_files`. Never: writes a shard itself (every record goes to the `Ingest` session),
+//! follows a symbolic link within a directory tree, or runs a command (`pipe:` inputs are refused).
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, Read};

@@ -8,6 +8,10 @@
 //! pages. Measured here: with 4 KiB pages a 1 MiB read usually spans more physical segments than
 //! the disk queue allows (`max_segments` 254), the block layer splits every op in two, and
 //! sequential O_DIRECT reads lose about a quarter of their bandwidth.
+//!
+//! Owns: `AlignedBuf` (its mapping, pointers and slices) and the count of buffers mapped in the
+//! process (`mappings_made`). Never: takes memory from the allocator or gives it back to it (mmap
+//! and munmap only), or pins or registers it (a backend registers it with its ring).
 #![allow(unsafe_code, reason = "mmap and munmap of the buffer's own mapping, and slices over it")]
 
 use std::ptr::NonNull;

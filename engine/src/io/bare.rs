@@ -4,6 +4,10 @@
 //! depth: registered buffers, registered files, a full queue, no checksum, no copy, no planning.
 //! It is the disk's limit as the engine's ops see it. Not for production reads: it checks
 //! nothing and fails on the first short read.
+//!
+//! Owns: `BareReader` (a ring with its registered buffers and files) and `BareOp`. Never: checks,
+//! copies or plans, retries a short read, or unmaps its buffers while a read may be in flight
+//! (after a ring failure they are leaked).
 #![allow(unsafe_code, reason = "io_uring submission hands the kernel raw pointers into the reader's own buffers")]
 
 use std::fs::{File, OpenOptions};

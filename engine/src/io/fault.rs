@@ -5,6 +5,10 @@
 //! Ops are numbered across calls in submission order (the op's index plus the ops of earlier
 //! calls), so a test can aim a fault at "the 17th op this reader issues"; fills are numbered in
 //! the order a loader's fillers start them.
+//!
+//! Owns: `Fault` and `FaultIo` (the op numbering, the failed ops, the flipped bits). Never: acts on
+//! a `Fault::FailFill` itself (the tier's fillers do), or changes a file: a flipped bit is in the
+//! copy handed to the stream, or in the stream's own memory.
 
 use std::path::Path;
 

@@ -1,6 +1,8 @@
 //! Descriptors a forked child must not keep: closes the child's copies of sockets whose owners
 //! (threads of the parent) do not exist in the child.
 //!
+//! Owns: `close_in_forked_child`, the one place the engine closes a descriptor by number.
+//!
 //! Never: closes a descriptor in a process that may still use it; it is for the moment right
 //! after `fork`, in the child, on descriptors whose owning objects the child never drops.
 

@@ -6,15 +6,20 @@
 //! `fs_space`), and the process's limit on open files (`open_files_limit`), from which a reader
 //! sizes how many files it keeps open across reads.
 //!
+//! Owns: `MappedFile`, `WritableMap` (a new private file's pages mapped shared and writable, which
+//! the memory tier reads an extent into before it publishes the file), `advise` with `Advice`,
+//! `flock`, `fs_space` and `open_files_limit`.
+//!
 //! Invariant: a `MappedFile` maps its file read-only and shared, whole, once; the engine never
-//! truncates or writes a file while it is mapped (the memory tier publishes an extent file
-//! complete, by link, and removes it only by unlink; a shard file is complete under its name and
-//! only ever unlinked; either way the pages of existing mappings stay valid). A file another
+//! truncates or writes a file while a `MappedFile` maps it (the memory tier publishes an extent
+//! file complete, by link, and removes it only by unlink; a shard file is complete under its name
+//! and only ever unlinked; either way the pages of existing mappings stay valid). A file another
 //! program truncates under a mapping raises SIGBUS at the next touch past its new end: the page
 //! cache tier touches only ranges `mincore` has just found in memory, which a truncation empties.
-//! Never: maps for writing, maps a file it was handed the length of (the length is the file's
-//! own, read with fstat on the descriptor that is mapped), or keeps the descriptor open (the
-//! mapping holds the file; a tier of thousands of extents would otherwise run out of them).
+//! Never: maps a published file for writing (a `WritableMap` is a new file's, before it is
+//! published), maps a file it was handed the length of (a `MappedFile`'s length is the file's own,
+//! read with fstat on the descriptor that is mapped), or keeps the descriptor open (the mapping
+//! holds the file; a tier of thousands of extents would otherwise run out of them).
 #![allow(unsafe_code, reason = "mmap and munmap of the file's own mapping, and a slice over it")]
 
 use std::os::fd::AsRawFd;

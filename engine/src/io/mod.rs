@@ -1,20 +1,26 @@
 //! Reading blocks from shard files: one `Io` trait, an io_uring backend, a pread backend, a
 //! fault-injecting wrapper, and the bare reader that benchmarks measure the engine against.
 //!
+//! Owns: the `Io` trait and what a backend and its stream exchange (`ReadOp`, `Next`, `Dest`,
+//! `FileId`, `FileOpener`, `ReadStream`, `OwnedMemory`), `IoConfig` and `Backend` (`build` makes
+//! io_uring where the kernel allows it, pread otherwise), the limits `QUEUE_DEPTH_MAX` and
+//! `OP_BYTES_MAX_LIMIT`, and `start_writeback`.
+//!
 //! The unit of work is a `ReadOp`: a block-aligned range of an opened file. A backend pulls ops
 //! from a `ReadStream` whenever it has a free buffer slot, keeps as many in flight as its queue
 //! depth allows, and hands each op's bytes back to the stream as soon as that op completes, while
 //! the others are still in flight, so planning, checking and copying overlap the disk. The bytes
-//! live in the backend's own buffers (for io_uring: page-aligned memory registered with the ring
-//! as fixed buffers) and are valid only during the callback, or, for an op the stream issues
-//! as `Next::Into`, in the stream's own memory (a batch's staging buffer, or the reader's scratch
-//! memory that a verify worker copies from), read there by DMA. A stream that checks bytes on other threads says `Wait` while they work and
-//! is asked to block (`ReadStream::idle`) when nothing is in flight. Invariants: every op is block-aligned (O_DIRECT-legal) and no longer than
-//! `op_bytes_max`; a backend never returns from `read_stream` with an op still in flight, also
-//! when the stream fails, unless the ring itself breaks (then it refuses further reads and leaks
-//! its buffers rather than unmap memory the kernel may still write); short reads, EINTR, EAGAIN and ECANCELED are retried, EIO and end-of-file are
-//! errors naming the file and offset. Never: allocates per op on the hot path, or interprets the
-//! bytes (the `read` module checks them).
+//! live in the backend's own buffers (for io_uring: page-aligned memory registered with the ring as
+//! fixed buffers) and are valid only during the callback, or, for an op the stream issues as
+//! `Next::Into`, in the stream's own memory (a batch's staging buffer, or the reader's scratch
+//! memory that a verify worker copies from), read there by DMA. A stream that checks bytes on other
+//! threads says `Wait` while they work and is asked to block (`ReadStream::idle`) when nothing is
+//! in flight. Invariants: every op is block-aligned (O_DIRECT-legal) and no longer than
+//! `op_bytes_max`; a backend never returns from `read_stream` with an op still in flight, also when
+//! the stream fails, unless the ring itself breaks (then it refuses further reads and leaks its
+//! buffers rather than unmap memory the kernel may still write); short reads, EINTR, EAGAIN and
+//! ECANCELED are retried, EIO and end-of-file are errors naming the file and offset. Never:
+//! allocates per op on the hot path, or interprets the bytes (the `read` module checks them).
 
 mod aligned;
 mod checked_copy;

@@ -2,6 +2,10 @@
 //!
 //! It is the fallback where io_uring is unavailable and the oracle the conformance suite holds
 //! the io_uring backend to.
+//!
+//! Owns: `PreadIo`: its open files, by `FileId`, and one buffer of `op_bytes_max` bytes;
+//! interrupted, short and EAGAIN reads are retried (EAGAIN up to `AGAIN_RETRIES_MAX` times). Never:
+//! keeps more than one op in flight, or opens a file with O_DIRECT.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;

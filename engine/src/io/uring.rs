@@ -1,10 +1,10 @@
 //! The io_uring backend: O_DIRECT reads into registered (fixed) buffers, batched submission.
 //!
-//! The backend owns `2 * queue_depth` buffer slots of `op_bytes_max` bytes each, carved from one
-//! page-aligned mapping (or handed in by the caller, such as page-locked staging buffers that a GPU
-//! copy engine reads) and registered with the ring at the first op into one (registering pins
-//! and so allocates every page), and registers each opened file in a
-//! sparse fixed-file table. An op the stream issues into its own memory (`Next::Into`) needs no
+//! Owns: `UringIo`, its ring, and `2 * queue_depth` buffer slots of `op_bytes_max` bytes each,
+//! carved from one page-aligned mapping (or handed in by the caller, such as page-locked staging
+//! buffers that a GPU copy engine reads) and registered with the ring at the first op into one
+//! (registering pins and so allocates every page); each opened file is registered in a sparse
+//! fixed-file table. An op the stream issues into its own memory (`Next::Into`) needs no
 //! buffer slot: the kernel reads straight into that memory. `read_stream` keeps
 //! `queue_depth * op_bytes_max` bytes in flight, in at most `4 * queue_depth` ops (so short ops,
 //! such as the 256 KiB chunks of a block-shuffled plan, still keep the disk as busy as long ones)
@@ -17,6 +17,9 @@
 //! no op is in flight when `read` returns or the backend is dropped (an op still in flight after
 //! a ring failure leaks the mapping rather than free memory the kernel may still write, and
 //! aborts the process when it reads into a stream's memory, which cannot be kept from reuse).
+//!
+//! Never: checks or copies an op's bytes (the stream does), or frees or reuses a slot while the
+//! kernel may still write into it.
 #![allow(unsafe_code, reason = "io_uring submission hands the kernel raw pointers into the backend's own buffers")]
 
 use std::fs::{File, OpenOptions};

@@ -4,6 +4,9 @@
 //! process, derived at each scrape from their per-epoch reads, and the reads of each dataset's
 //! shards (`DatasetHeat`: the 16 hottest by name, all of them as a distribution).
 //!
+//! Owns: `LoaderMetrics` (one loader's metrics source), `DatasetHeat` (one per dataset version and
+//! registry) and `derive_skew`.
+//!
 //! Never: takes a lock or allocates on the path of a batch (`next` and the reader stage touch
 //! atomics only), or keeps a loader's memory alive after the loader is dropped (the pool, the
 //! tier and the cache are let go at `end`, after a last snapshot of their counters).

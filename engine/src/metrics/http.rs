@@ -2,14 +2,17 @@
 //! of its own or on one the caller already runs (a replication node's).
 //!
 //! Bounded like the replication port: at most `CONNECTIONS_MAX` connections at once and
-//! `CONNECTIONS_PER_ADDRESS_MAX` from one address, request heads of at most `HEAD_BYTES_MAX`
-//! bytes that must arrive within `HEAD_TIMEOUT`, a connection kept at most
-//! `CONNECTION_TIME_MAX`. When a new connection finds no room, the oldest connection (of its
-//! address, when that address is the one full) that is not answering a request right now makes
-//! room, those that never sent a request first (`Admission`): clients that open connections
-//! and send nothing can hold the slots only until the next scraper arrives, never blind it. Only `GET` and `HEAD` are
-//! answered; a request body is never read. Never: parses HTTP itself, or serves anything but
-//! the registry's text.
+//! `CONNECTIONS_PER_ADDRESS_MAX` from one address, request heads of at most `HEAD_BYTES_MAX` bytes
+//! that must arrive within `HEAD_TIMEOUT`, a connection kept at most `CONNECTION_TIME_MAX`. When a
+//! new connection finds no room, the oldest connection (of its address, when that address is the
+//! one full) that is not answering a request right now makes room, those that never sent a request
+//! first (`Admission`): clients that open connections and send nothing can hold the slots only
+//! until the next scraper arrives, never blind it. Only `GET` and `HEAD` are answered; a request
+//! body is never read. Never: parses HTTP itself, or serves anything but the registry's text.
+//!
+//! Owns: `Endpoint` (bound before `start` returns, stopped when dropped) and `serve`, the admission
+//! of connections (`Admission`), and the list of every endpoint's sockets in the process
+//! (`SOCKETS`), whose copies a forked child closes.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener as StdListener, ToSocketAddrs};

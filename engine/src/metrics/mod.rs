@@ -13,6 +13,11 @@
 //! `_total` from the encoder). Labels are bounded: a rank, a peer, a plugin's name; never a
 //! shard or a record (the hottest shards are a top-k gauge).
 //!
+//! Owns: `Registry` and the process's own (`global`), the `Source` trait, `Samples` and their
+//! encoding, `AtomicHistogram`, `Setting`, `Format`, `Kind`, `Unit`, the process's own source (its
+//! open descriptors), and the fork hooks (`before_fork`, `after_fork_in_parent`,
+//! `after_fork_in_child`, `on_fork_in_child`).
+//!
 //! Never: blocks a source's hot path (a scrape takes only the registry's own lock and whatever
 //! a source's `collect` takes), or exposes a secret (sources give counts, never keys).
 

@@ -1,5 +1,7 @@
 //! `push`: publishes a dataset version of a local store to an origin.
 //!
+//! Owns: `push`, its `PushReport`, and the `Progress` its callback is told.
+//!
 //! Order: every shard the origin lacks (each checked against its id here first, so a damaged
 //! local copy is never published), then the manifest, then the ref, with a conditional put. An
 //! interrupted push leaves only whole objects under content ids, which no ref names until the

@@ -3,6 +3,10 @@
 //!
 //! In each version the shared `types` interface is generated once (with the partitioner) and
 //! reused by the others, so a `Node` or a `PolicyError` is one Rust type per version.
+//!
+//! Owns: the generated modules (`partitioner`, `evictor`, `replicator`, and the three of `v1`),
+//! `WitNode` and `WitPolicyError`, and the conversions between the two versions' types. Never:
+//! calls a plugin or checks an answer (the hosts do).
 #![allow(missing_docs, unreachable_pub, reason = "generated code")]
 #![allow(clippy::all, reason = "generated code")]
 

@@ -1,5 +1,10 @@
 //! The default policies, built from `plugins/` and embedded: the plugin path is the path that
 //! runs, also when no user plugin is given.
+//!
+//! Owns: `NAMES`, each kind's default (`DEFAULT_PARTITIONER`, `DEFAULT_EVICTOR`,
+//! `DEFAULT_REPLICATOR`), the embedded component bytes (`bytes`) and `built_plugin_path`. Never:
+//! compiles or loads a plugin (the host does), or reads a built-in from disk at run time (its bytes
+//! are in the binary; `built_plugin_path` names a file for this build's tests and benchmarks only).
 
 use std::path::PathBuf;
 

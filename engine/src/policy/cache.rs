@@ -5,6 +5,11 @@
 //! engine's compatibility hash (a different engine configuration, such as fuel metering,
 //! produces different machine code). Each cache file ends with the BLAKE3 of its content and is
 //! written through a temp file and a rename; a file that fails its hash is recompiled over.
+//!
+//! Owns: `ComponentCache` (compiled components by content id, in memory and in `<key>.cwasm` files
+//! of the cache directory) and `CompiledFrom`. Never: deserializes a file whose trailer does not
+//! match, fails a load because the disk cache cannot be written (the next start compiles again), or
+//! removes an old cache file.
 #![allow(unsafe_code, reason = "loading precompiled machine code is unsafe by nature; see the SAFETY comment")]
 
 use std::collections::HashMap;

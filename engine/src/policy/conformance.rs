@@ -3,6 +3,10 @@
 //! (determinism), and every answer passes the host's validation. proptest generates the inputs
 //! from a fixed seed and shrinks a failure to a minimal case. Plugins run here without a
 //! fallback, so every failure shows.
+//!
+//! Owns: `check` and `check_with`, their `Report` and `Check`s, and the inputs generated for each
+//! kind (access traces, worlds of ranks, clusters). Never: answers a call through a fallback, or
+//! draws a case from anything but the seed.
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};

@@ -8,6 +8,12 @@
 //! take over from any other: a new or rebuilt instance is restored from the mirror, in the order
 //! of the latest snapshot (and with that snapshot's policy-specific state when it is still
 //! exact).
+//!
+//! Owns: `Evictor` (a supervised evictor plugin, the mirror of what is resident, the latest
+//! snapshot), `ResidentSet` (the mirror: keys, sizes, capacity, and `apply`, which replays an
+//! answer against it), `AccessOutcome` and `EvictorStats`. Never: removes or fetches anything (it
+//! answers with keys; the tier and the caches act on them), or changes the mirror with an answer
+//! that failed its replay.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};

@@ -4,6 +4,9 @@
 //! (`metrics::global`, whatever registry a loader or node is given) from the first
 //! `PolicyHost` on.
 //!
+//! Owns: `PluginCounters` (one plugin name's counters) and the process's table of them, registered
+//! as one metrics source.
+//!
 //! Never: takes a lock on a call (a supervisor holds its entry; the table's lock is taken when a
 //! supervisor starts and at a scrape), or labels by anything but the plugin's name (a built-in
 //! name or a file's stem, never its path) and a failure's kind.

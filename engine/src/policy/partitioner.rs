@@ -3,6 +3,12 @@
 //! is used; one call per rebalance point turns the ranks' measurements into new rank weights,
 //! checked to be one bounded weight per rank. Plugins built against `@0.1.0` plan as they did
 //! and cannot rebalance.
+//!
+//! Owns: `Partitioner` (a supervised partitioner plugin), what it is given and answers
+//! (`ShardInfo`, `RankInfo`, `NodeInfo`, `EpochSpec`, `RankPlan`, `RebalancePoint`, `RankMeasure`,
+//! `WEIGHT_MAX`), and the checks of its input and its answers (`check_plan`, the weights' checks).
+//! Never: reads a record (a plan is index ranges the loader reads), or returns a plan or weights
+//! that failed their check.
 
 use super::bindings::partitioner::PartitionerPlugin;
 use super::bindings::partitioner::exports::granary::policy::partitioner as wit;

@@ -2,6 +2,12 @@
 //! natively), repair plans after membership changes, and per-shard goals from measured reads
 //! and space (`adapt`), all checked before use. A plugin built against `@0.1.0` has no `adapt`:
 //! it answers no goals, and every shard keeps the table's placement.
+//!
+//! Owns: `Replicator` (a supervised replicator plugin), `Placement` (looked up natively: `nodes`,
+//! `nodes_of_key`) and `shard_key`, what it is given and answers (`Holding`, `Transfer`,
+//! `ShardHeat`, `NodeSpace`, `ShardGoal`, `ReplicationMode`), and their checks (`check_placement`,
+//! `check_transfers`, `check_goals`). Never: moves a shard (`replication` pulls and publishes what
+//! it plans), or returns an answer that failed its check.
 
 use std::collections::{HashMap, HashSet};
 

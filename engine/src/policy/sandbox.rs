@@ -7,6 +7,12 @@
 //! stdout discarded, stderr captured in memory (where a guest's panic message lands). Filesystem
 //! and socket interfaces are not linked at all, so a component importing them is refused when it
 //! is loaded. Memory is capped per plugin; a denied grow traps.
+//!
+//! Owns: `Sandbox` (a plugin's store data: that context, its resource table, its stderr, kept up to
+//! `STDERR_BYTES_MAX` bytes), `MemoryCap`, the frozen clock, and `linker` with `offers` (the import
+//! namespaces offered). Never: links a filesystem or socket interface (TCP, UDP and name lookup are
+//! off in the context too), or gives a plugin a clock that moves or randomness other than the fixed
+//! seeds'.
 
 use wasmtime::component::{Linker, ResourceTable};
 use wasmtime_wasi::p2::bindings::{cli, clocks, random};

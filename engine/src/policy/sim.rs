@@ -1,4 +1,10 @@
 //! The plugin kit's simulations: what `granary plugin sim` runs and prints.
+//!
+//! Owns: `evict` (a trace replayed in batches of `EVICT_BATCH`: `EvictionResult`), `partition`
+//! (`PartitionResult`, `Mixing`, `Movement`), `replicate` (`ReplicationResult`),
+//! `synthetic_shards`, the rebalancing simulation (`sim/rebalance.rs`), and the bounds of what they
+//! simulate (`SHARDS_MAX`, `RECORDS_PER_SHARD_MAX`, `RANKS_MAX`, `NODES_MAX`). Never: prints
+//! (`cli/plugin.rs` does), reads or writes a file, or touches a store.
 
 mod rebalance;
 pub use rebalance::{EpochRun, RECORDS_MAX, RebalanceOutcome, RebalanceSim, Straggler, rebalance};

@@ -8,6 +8,12 @@
 //! doubles with each consecutive failure) has passed; after `quarantine_after` failures in a row
 //! it is quarantined and only the fallback is used. A plugin's own refusal of its input is
 //! returned to the caller as is: it is an answer, not a failure.
+//!
+//! Owns: `Supervisor` (the active plugin and the fallback, each one's backoff and quarantine, the
+//! last `EVENTS_MAX` failures), `PolicyStatus`, and `SwapHandle` (a plugin handed over from another
+//! thread, switched to between two calls). Never: asks the plugin that failed a call to answer it
+//! again (the fallback does), counts a refusal (`PluginError::Rejected`) as a failure, or checks an
+//! answer itself (each host's call does).
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -4,6 +4,11 @@
 //! next access i64`, where the next access is the (0-based) index of the object's next request,
 //! or -1 when there is none. The same file runs in `granary plugin sim evict` and in libCacheSim,
 //! so miss counts can be compared.
+//!
+//! Owns: `Request`, `read` and `write` of the format, `annotate_next_use`, the seeded generators
+//! `zipf` and `epoch_shuffled`, `belady_misses` (the optimum for objects of size 1), and the bounds
+//! `REQUESTS_MAX` and `OBJECTS_MAX`. Never: runs a plugin (`sim` does), or holds more than
+//! `REQUESTS_MAX` requests (a longer trace is refused before it is read).
 
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};

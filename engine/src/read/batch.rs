@@ -13,6 +13,11 @@
 //!
 //! Everything here reuses its vectors from batch to batch: after warm-up, planning a batch
 //! allocates nothing.
+//!
+//! Owns: `Batch` (the records delivered: indices, bytes, ends, the staging lease), `BatchMemory`,
+//! and `Planner` (each batch's extents, pieces, direct and scratch ranges, ops and checks, and the
+//! copies from the memory tier). Never: submits a read or opens a file: `pipeline.rs` opens the
+//! shards and hands the planner's ops to the backend.
 
 use std::ops::Range;
 

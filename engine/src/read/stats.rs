@@ -1,5 +1,5 @@
-//! A reader's counters: `ReadStats`, and `PublishedStats`, the copy another thread (a loader's
-//! `stats`, a metrics scrape) reads while the reader runs.
+//! Owns: a reader's counters: `ReadStats`, and `PublishedStats`, the copy another thread (a
+//! loader's `stats`, a metrics scrape) reads while the reader runs.
 //!
 //! Never: takes a lock (the published copy is relaxed atomics, fields possibly a batch apart).
 

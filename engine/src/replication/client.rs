@@ -1,5 +1,11 @@
 //! A client of a running node: what `granary replicate` and `granary status` use, and the
 //! read-time repair hook of reader processes beside a `granary serve`.
+//!
+//! Owns: `NodeClient` (`status`, `replicate`, `repair`, `report_reads`; `for_store` finds the node
+//! of a store through `replication/listen`) and its `ShardRepair` hook, which counts a reader's
+//! shard reads and reports them about once a second. Never: writes to the store (the node it asks
+//! repairs and publishes), or keeps a connection between calls (each call opens its own,
+//! authenticated).
 
 use std::net::SocketAddr;
 use std::path::Path;

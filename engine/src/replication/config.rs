@@ -2,6 +2,9 @@
 //! listens: plugin names, plugin options (the plugins' own validation, by running each once),
 //! and a peer list that names the node itself.
 //!
+//! Owns: `NodeConfig` (with the defaults of `NodeConfig::new`), its `check`, and `Faults` (injected
+//! by tests, from `GRANARY_FAULT_*`).
+//!
 //! Invariant: a node that passed `NodeConfig::check` never fails later on what it was given; a
 //! configuration that fails it starts nothing (no runtime, no listener, no store lock). Never:
 //! repeats a plugin's rules about its options (the plugin is asked).

@@ -1,6 +1,10 @@
 //! One piece of work per key at a time: a second caller for the same key waits for the first
 //! one's outcome instead of doing the work again (pulls of one object, fetch requests of one
 //! object to one node).
+//!
+//! Owns: `InFlight` (the work in flight, by key) and `Flight` (whether a caller did the work or
+//! joined another's). Never: does the work twice for one key at a time, or keeps a key once its
+//! work has ended or been dropped (its joiners then see it abandoned).
 
 use std::collections::HashMap;
 use std::future::Future;

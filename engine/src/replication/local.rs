@@ -3,6 +3,11 @@
 //! incarnation, and the short write sessions through which objects that arrived from peers are
 //! published.
 //!
+//! Owns: `LocalStore`: the inventory of published objects (with its generation) and which shards
+//! are cache entries; the files under `replication/` (`NODE.lock`, `incarnation`, `goals/NAME`,
+//! `cached`, `listen`, `metrics-listen`); the partial transfers in `incoming/` (stale ones removed
+//! at start); and the write session (`with_granary`, `release_if_idle`).
+//!
 //! The node does not hold the store's write lock for its lifetime: `granary ingest` must be able
 //! to run beside `granary serve`. It opens a `Granary` (lock and catalog) for each publication,
 //! waiting a bounded time when another writer holds the lock, and keeps its partial transfers in

@@ -1,5 +1,9 @@
 //! Who the other nodes are: a list of addresses, or a launcher's environment and one rendezvous.
 //!
+//! Owns: `Membership` (a peer list, resolved when given, or a launcher's environment:
+//! `from_launcher_env`, `RENDEZVOUS_PORT_ENV`) and `resolve`, which asks the rendezvous for the
+//! other nodes' addresses.
+//!
 //! Membership is given, never agreed on: a peer list names the other nodes (a node that
 //! connects later with its listen address is learned as well), and under torchrun node 0 of the
 //! job is the rendezvous where every node announces its address once and learns the others'.

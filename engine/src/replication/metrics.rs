@@ -2,6 +2,8 @@
 //! scrape: replication lag, the cache of fetched shards, transfers, refusals, and each peer's
 //! state labelled by its node id (or address before its hello).
 //!
+//! Owns: `NodeMetrics`, the node's metrics source, and the last report it keeps once the node ends.
+//!
 //! Never: keeps the node alive (it holds a weak reference; a node being dropped leaves its last
 //! report, whose counters the registry keeps, and ends the source), or
 //! reports an event's text or an error message (those can name paths and peers; they stay in

@@ -9,6 +9,12 @@
 //! (`LocalStore::adopt`, which also checks that the bytes decode as what they claim to be); a
 //! mismatch deletes the partial file, demotes the source when it alone sent the bytes, and starts
 //! over from the next source. Concurrent pulls of one object share one transfer.
+//!
+//! Owns: `pull`, each object's partial file `incoming/<id>.<kind>.part` with its writer thread,
+//! `Length` (what is known of an object's length before it arrives: a verified manifest's, or a
+//! peer's word), and `fetch_into_memory` (an object read into memory, unchecked, for a rebuild that
+//! checks it). Never: publishes bytes that did not check out against their id, or runs two
+//! transfers of one object at once.
 
 use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};

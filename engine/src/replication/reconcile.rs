@@ -1,6 +1,10 @@
 //! The reconciler: restores every replication goal's factor after membership changes, lost
 //! copies and new goals.
 //!
+//! Owns: the `reconciler` task and one pass of it (`Shared::reconcile`), and closing the node's
+//! write session once it is idle between passes (`WRITE_SESSION_IDLE`), so that an ingest can take
+//! the store.
+//!
 //! Every tick, or when woken (a peer up or down, a new inventory, a goal, a published object),
 //! it reads the goals, asks the replicator plugin for the repair plan of each goal's shards over
 //! the nodes that are up, and asks each target of a transfer whose source is this node to pull

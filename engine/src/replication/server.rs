@@ -7,6 +7,12 @@
 //! answers `Corrupt`, quarantines its copy and lets the reconciler fetch a good one. Bounds: at
 //! most `CONNECTIONS_MAX` connections are served at once (more are closed at once), and the
 //! reader thread is at most `READ_AHEAD_MAX` pieces ahead of the network.
+//!
+//! Owns: `listen` (the accept loop, until shutdown), each connection's handshake, slot and
+//! incarnation check, the answer to each request, a peer's ref and goal adopted (`PutRef`), and
+//! sending an object checked as it is read (`send_object`, with its reader thread). Never: lets a
+//! client (a command line tool, a reader) make the node pull an object or adopt a ref (only a node
+//! may send `Fetch` and `PutRef`), or answers two requests of one connection at once.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;

@@ -3,6 +3,10 @@
 //! `granary status --json`: its keys are the field names and stay stable) and as a report for
 //! people (`Display`).
 //!
+//! Owns: `NodeStatus` with `GoalStatus`, `CodedVersionStatus`, `PeerStatus` and `HotShardStatus`;
+//! `Shared::status`, which gathers it; its JSON (`to_json`, `to_json_pretty`, `from_json`) and its
+//! `Display`.
+//!
 //! Invariant: the JSON a node sends fits a `Status` frame (oldest events, then peers beyond
 //! what fits, are left out and counted). Never: changes what it reports on (it only reads
 //! counters and tables, under their locks).

@@ -3,6 +3,11 @@
 //! Invariant: every region starts on a `BLOCK_BYTES` boundary and the file length is a multiple of
 //! it, so any region can be read with O_DIRECT. A decoded `Footer` has passed `Footer::check`: its
 //! offsets are the unique ones its counts imply, and they fit in the file.
+//!
+//! Owns: the format's constants (`BLOCK_BYTES`, `FORMAT_VERSION`, the magics, `DATA_OFFSET`,
+//! `FILE_BYTES_MAX`), the data blocks' checksums (`block_crc`, `blocks_match`), the header block's
+//! encoding and `Footer`'s. Never: reads or writes a file (its callers hand it blocks), or looks
+//! inside a record.
 
 use crate::error::FormatError;
 

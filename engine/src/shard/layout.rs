@@ -1,9 +1,10 @@
 //! What the records of a shard (and of a dataset version) are: opaque bytes, WebDataset-style
 //! samples, or fixed-size typed records with a dtype and a shape.
 //!
-//! Owns the 80-byte layout encoding shared by the shard header and the manifest. Invariant: a
-//! decoded `Layout` is valid (known dtype, non-zero dims, record size that fits in a u64), so code
-//! past the decoder never re-checks it.
+//! Owns: `Dtype`, `FixedLayout`, `Layout` and the 80-byte layout encoding shared by the shard
+//! header and the manifest. Invariant: a decoded `Layout` is valid (known dtype, non-zero dims,
+//! record size that fits in a u64), so code past the decoder never re-checks it. Never: reads a
+//! record or a file (a layout only says what the records are).
 
 use std::fmt;
 

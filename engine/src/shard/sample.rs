@@ -2,7 +2,10 @@
 //!
 //! Encoding (little-endian): `n_parts u32 | key_len u32 | key | { name_len u32 | name |
 //! data_len u64 | data } * n_parts`. Names and the key are UTF-8. The decoder checks every length
-//! against the bytes it has before slicing, and never allocates by an unchecked length.
+//! against the bytes it has before slicing.
+//!
+//! Owns: `Sample` (a decoded sample, borrowing the record's bytes) and `encode_sample`. Never:
+//! allocates by an unchecked length, or groups a tar's members into samples (`ingest` does).
 
 use crate::error::FormatError;
 

@@ -1,5 +1,9 @@
 //! Ref histories: the second record of every name -> version binding, like git's reflog.
 //!
+//! Owns: the text of `history/NAME` (the store reads and appends the file): `RefHistory` (a decoded
+//! history: its entries, its damaged lines, `replay`, and the additions and removals that bring it
+//! in line with a ref), `HistoryEntry` and `Change`.
+//!
 //! `history/NAME` is an append-only text file: a header line, then one line per change to the
 //! ref of NAME (a version added or removed), each with the time it was made and its own CRC32C,
 //! so a torn last append or a damaged line costs that line only. Replaying the lines gives the

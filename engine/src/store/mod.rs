@@ -1,5 +1,10 @@
 //! The store: where shard, manifest and ref files live, and how they are published crash-safely.
 //!
+//! Owns: `StorePaths` (where each file of a store lives, and reading refs, histories and manifests
+//! without a lock), `Store` (the `LOCK` held while it is open, `tmp/`, publishing objects, writing
+//! refs with their histories, quarantine), `ObjectKind`, and the file helpers the other modules
+//! publish with (`hash_file`, `sync_dir`, `replace_file`).
+//!
 //! Layout under the root: `granary-store` (marker), `shards/ab/<id>.shard`,
 //! `manifests/ab/<id>.manifest`, `fragments/ab/<id>.fragment` (erasure-coded pieces of shards,
 //! `erasure`; fan-out by the first two hex digits of the id), `refs/<name>`,

@@ -3,6 +3,11 @@
 //! A ref file `refs/NAME` lists every live version of dataset NAME as `NUMBER MANIFEST_ID`, oldest
 //! first, closed by a CRC32C line. Version numbers only grow; removing a version leaves a gap.
 //! Invariant: a `DatasetName` cannot name a path outside `refs/`.
+//!
+//! Owns: `DatasetName`, `VersionSpec` (`NAME`, `NAME@N`, or a manifest id), `Version`, and `RefLog`
+//! with the ref file's text (`encode`, `decode`). Never: reads or writes a file
+//! (`StorePaths::read_ref` and `Store::write_ref` do), or numbers a new version at or below one the
+//! ref holds.
 
 use std::fmt;
 

@@ -4,6 +4,11 @@
 //! the skew across every rank scraped, the hot shards; per node: replication lag, bandwidth
 //! and its peers. `q`, Esc or Ctrl-C quits.
 //!
+//! Owns: `TopArgs` and `run`: the endpoints (given, or the one the node of `--root` recorded in
+//! `replication/metrics-listen`), a runtime of one thread for the scrapes (`GET /metrics`, at most
+//! `SCRAPE_BYTES_MAX` bytes within `SCRAPE_TIMEOUT` each), and the terminal with its key loop; what
+//! is shown is `view.rs`'s.
+//!
 //! Never: writes anywhere but the terminal it draws on, or leaves the terminal in raw mode
 //! (it is restored on every way out, errors included).
 

@@ -1,7 +1,11 @@
 //! What `granary top` shows: scrapes parsed into samples, a window of them kept per second,
 //! the figures derived from it (rates between scrapes, the skew across every rank scraped),
-//! and the screen drawn from those figures. Nothing here does I/O: the tests draw a fixed
-//! window on ratatui's test backend.
+//! and the screen drawn from those figures.
+//!
+//! Owns: `Sample` and `parse` (the Prometheus text format), `Scrape`, `History` (the last `WINDOW`
+//! scrapes), `View` with `RankView`, `NodeView` and `PeerView`, and `draw`. Never: does I/O
+//! (`mod.rs` scrapes and owns the terminal): the tests draw a fixed window on ratatui's test
+//! backend.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;

@@ -1,5 +1,9 @@
 //! `Goal`: what a dataset's shards are kept as across the job's nodes, in its text form (goal
 //! files) and on the wire (`PutRef`, `Replicate`).
+//!
+//! Owns: `Goal`, its text form (`parse`, `Display`) and its wire form (`wire`, `from_wire`). Never:
+//! reads or writes a goal file or a frame (`LocalStore` and the frame codec do), or decodes 0
+//! copies, or a coding whose node count differs from the frame's.
 
 use super::{FrameError, Kind};
 use crate::erasure::Coding;
