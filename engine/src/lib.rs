@@ -1,7 +1,8 @@
 //! granary: an embedded storage engine that keeps a trainer's GPU fed from local disk.
 //!
-//! Modules follow a sample's path (after `id` and `error`): `shard` (the file format; beside
-//! it `erasure`, a shard coded into fragments) -> `manifest` (dataset versions) -> `store`
+//! Modules follow a sample's path (after `id`, `error` and `size`, the size grammar): `shard`
+//! (the file format; beside it `erasure`, a shard coded into fragments) -> `manifest` (dataset
+//! versions) -> `store`
 //! (files on disk, crash-safe publishing, the records of attached datasets) -> `catalog` (sled
 //! cache of what the files say) -> `ingest` (sources into shards) -> `plan` (which record each
 //! rank reads, in which order) -> `io` (io_uring and pread backends) -> `staging` (the bounded
@@ -38,6 +39,7 @@
 
 pub mod id;
 pub mod error;
+pub mod size;
 pub mod shard;
 pub mod erasure;
 pub mod manifest;

@@ -599,21 +599,8 @@ fn expand_tars(tars: &[PathBuf]) -> granary::Result<Vec<PathBuf>> {
     ingest::expand_tar_inputs(&inputs)
 }
 
-/// Parses `4096`, `64K`, `64KiB`, `1M`, `2GiB` ...; K, M, G are binary (KiB, MiB, GiB).
-pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
-    let digits = text.trim_end_matches(|c: char| c.is_ascii_alphabetic());
-    let unit = &text[digits.len()..];
-    let shift = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kib" | "kb" => 10,
-        "m" | "mib" | "mb" => 20,
-        "g" | "gib" | "gb" => 30,
-        "t" | "tib" | "tb" => 40,
-        _ => return Err(format!("unknown size unit {unit:?}")),
-    };
-    let value: u64 = digits.parse().map_err(|_| format!("{text:?} is not a size"))?;
-    value.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} is too large"))
-}
+/// Sizes on the command line: `crate::size`'s grammar (`4096`, `64KiB`, `1.5GiB`, ...).
+pub(crate) use granary::size::parse_bytes as parse_size;
 
 /// A progress bar on stderr; draws nothing when stderr is not a terminal. What an ingest skips
 /// is listed on stderr and counted.

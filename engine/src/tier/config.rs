@@ -1,5 +1,5 @@
 //! How a tier is asked for: `TierConfig` (its kind, directory, budget and extent size, from
-//! options or `GRANARY_TIER_*`), `TierKind`, and the size grammar both take (`parse_bytes`).
+//! options or `GRANARY_TIER_*`), `TierKind`, and their parsing (sizes in `crate::size`'s grammar).
 //!
 //! Owns those types, their defaults (the extent size follows the node's memory) and the
 //! parsing of sizes. Never: opens the tier or touches a file.
@@ -121,7 +121,7 @@ impl TierConfig {
             })?;
         }
         if let Ok(bytes) = std::env::var("GRANARY_TIER_BYTES") {
-            config.budget_bytes = Some(parse_bytes(&bytes).ok_or_else(|| {
+            config.budget_bytes = Some(crate::size::parse_bytes(&bytes).map_err(|_| {
                 Error::invalid_input(format!("GRANARY_TIER_BYTES={bytes:?} is not a size (as 0, 512MiB or 8GiB)"))
             })?);
         }
@@ -164,22 +164,4 @@ impl TierConfig {
         }
         Ok(())
     }
-}
-
-/// Parses `4096`, `512MiB`, `8GiB`, `1.5GiB`, `2G` (binary units).
-pub fn parse_bytes(text: &str) -> Option<u64> {
-    let text = text.trim();
-    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: f64 = number.parse().ok()?;
-    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        _ => return None,
-    };
-    let bytes = number * scale as f64;
-    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
 }

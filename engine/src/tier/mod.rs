@@ -58,7 +58,7 @@ use parking_lot::Mutex;
 pub use fill::{Coordinator, ExtentInfo, TierSchedule, run_filler};
 pub use reader::TierReader;
 
-pub use config::{EXTENT_BYTES_DEFAULT, EXTENTS_MAX, TierConfig, TierKind, default_extent_bytes, parse_bytes};
+pub use config::{EXTENT_BYTES_DEFAULT, EXTENTS_MAX, TierConfig, TierKind, default_extent_bytes};
 pub use dirs::file_system_of;
 use dirs::{current_uid, prepare_dir};
 use memory::Memory;
@@ -963,17 +963,6 @@ mod tests {
         // Component-wise: /data-other is not under /data.
         assert_eq!(fs_type_of(mounts, Path::new("/data-other/tier")), Some("ext4"));
         assert_eq!(fs_type_of("", Path::new("/x")), None);
-    }
-
-    #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_bytes("0"), Some(0));
-        assert_eq!(parse_bytes("4096"), Some(4096));
-        assert_eq!(parse_bytes("512MiB"), Some(512 << 20));
-        assert_eq!(parse_bytes("1.5GiB"), Some(3 << 29));
-        assert_eq!(parse_bytes("2G"), Some(2 << 30));
-        assert_eq!(parse_bytes("lots"), None);
-        assert_eq!(parse_bytes("-1"), None);
     }
 
     #[test]
