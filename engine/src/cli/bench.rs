@@ -6,8 +6,7 @@
 //! its median over the runs, beside the medians of each side's throughput.
 //!
 //! Owns: `ReadArgs` and `read` (the command), the bare reader's ops for the same records
-//! (`bare_ops`), the medians and the table; also `median_f64`, which the replication benchmark
-//! shares. Never: writes to the store: it opens the dataset from its files, without the write lock,
+//! (`bare_ops`), the medians and the table. Never: writes to the store: it opens the dataset from its files, without the write lock,
 //! and only reads.
 
 use std::path::PathBuf;
@@ -173,8 +172,8 @@ pub(crate) fn read(paths: &StorePaths, args: &ReadArgs) -> Result<()> {
     outln!(
         "{:<36} {:>22} {:>22} {:>12.3} {:>8} {:>8}",
         random_label,
-        format!("{:.1} k reads/s", per_s(random_ops.len() as u64, median(&random_runs.bare)) / 1e3),
-        format!("{:.1} k records/s", per_s(args.random_reads, median(&random_runs.engine)) / 1e3),
+        format!("{:.1} k reads/s", per_s(random_ops.len() as u64, median_time(&random_runs.bare)) / 1e3),
+        format!("{:.1} k records/s", per_s(args.random_reads, median_time(&random_runs.engine)) / 1e3),
         random_ratio,
         ">= 0.90",
         verdict(random_ratio, 0.90)
@@ -185,8 +184,8 @@ pub(crate) fn read(paths: &StorePaths, args: &ReadArgs) -> Result<()> {
     outln!(
         "{:<36} {:>22} {:>22} {:>12.3} {:>8} {:>8}",
         seq_label,
-        format!("{:.2} GB/s", per_s(seq_block_bytes, median(&seq_runs.bare)) / 1e9),
-        format!("{:.2} GB/s", per_s(seq_record_bytes, median(&seq_runs.engine)) / 1e9),
+        format!("{:.2} GB/s", per_s(seq_block_bytes, median_time(&seq_runs.bare)) / 1e9),
+        format!("{:.2} GB/s", per_s(seq_record_bytes, median_time(&seq_runs.engine)) / 1e9),
         seq_ratio,
         ">= 0.95",
         verdict(seq_ratio, 0.95)
@@ -271,15 +270,8 @@ fn drop_page_cache() -> bool {
 /// CRC32C (4 KiB blocks checked against their stored checksums, as the read path does:
 /// `blocks_match`) and BLAKE3 speed on one core, in GB/s.
 fn hash_speeds() -> (f64, f64) {
-    let mut state = 0x1234_5678_9abc_def0u64;
-    let buf: Vec<u8> = (0..64 << 20)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect();
+    let mut buf = vec![0u8; 64 << 20];
+    super::measure::Xorshift::new(0x1234_5678_9abc_def0).fill(&mut buf);
     let speed = |f: &dyn Fn() -> u64| {
         let start = Instant::now();
         let mut rounds = 0u64;
@@ -297,15 +289,14 @@ fn hash_speeds() -> (f64, f64) {
     (crc, blake)
 }
 
-fn median(values: &[Duration]) -> Duration {
-    let mut sorted = values.to_vec();
-    sorted.sort();
-    sorted[sorted.len() / 2]
+/// The median of a run's times (a run has at least one).
+fn median_time(values: &[Duration]) -> Duration {
+    super::measure::median(values).unwrap_or_default()
 }
 
-pub(crate) fn median_f64(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+/// The median of ratios or rates; NaN when there are none (printed as such, never a panic).
+fn median_f64(values: Vec<f64>) -> f64 {
+    super::measure::median(&values).unwrap_or(f64::NAN)
 }
 
 fn list(values: &[f64]) -> String {

@@ -566,7 +566,7 @@ fn generate(root: &Path, raw_dir: &Path, name: &str, total: u64, record_bytes: u
     let mut ingest = granary.ingest(DatasetName::new(name)?, layout, options)?;
     let records = total / record_bytes;
     let per_file = ((256u64 << 20) / record_bytes).max(1);
-    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut random = super::measure::Xorshift::new(0x2545_f491_4f6c_dd1d);
     let mut record = vec![0u8; record_bytes as usize];
     let mut file = None;
     for i in 0..records {
@@ -576,12 +576,7 @@ fn generate(root: &Path, raw_dir: &Path, name: &str, total: u64, record_bytes: u
                 std::fs::File::create(&path).with_context(|| path.display().to_string())?,
             ));
         }
-        for chunk in record.chunks_mut(8) {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
-        }
+        random.fill(&mut record);
         use std::io::Write;
         file.as_mut().expect("opened at the first record").write_all(&record)?;
         ingest.push(&record)?;
@@ -992,9 +987,9 @@ fn drop_page_cache() -> bool {
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+/// The median of rates or ratios; NaN when there are none.
+fn median(values: Vec<f64>) -> f64 {
+    super::measure::median(&values).unwrap_or(f64::NAN)
 }
 
 /// A tier directory the bench made for itself: removed, whole, when the bench ends.

@@ -30,7 +30,7 @@ use granary::{
     Dataset, DatasetName, Dtype, FixedLayout, Granary, IngestOptions, Layout, ShardId, StorePaths, VersionSpec,
 };
 
-use super::bench::median_f64;
+use super::measure::{Xorshift, median};
 use super::parse_size;
 use super::show::bytes;
 
@@ -59,15 +59,10 @@ pub(super) fn make_dataset(root: &Path, name: &str, bytes: u64, shard_bytes: u64
     let layout = Layout::Fixed(FixedLayout::new(Dtype::U8, &[RECORD_BYTES])?);
     let options = IngestOptions { shard_bytes_target: shard_bytes, ..IngestOptions::default() };
     let mut ingest = granary.ingest(DatasetName::new(name)?, layout, options)?;
-    let mut state = seed | 1;
+    let mut random = Xorshift::new(seed);
     let mut record = vec![0u8; RECORD_BYTES as usize];
     for _ in 0..bytes / RECORD_BYTES {
-        for word in record.chunks_exact_mut(8) {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            word.copy_from_slice(&state.to_le_bytes());
-        }
+        random.fill(&mut record);
         ingest.push(&record)?;
     }
     ingest.commit()?;
@@ -505,4 +500,9 @@ fn hot_run(host: &PolicyHost, dir: &Path, hot_bytes: u64, copies: usize) -> Resu
         }
     }
     Ok(reading.elapsed())
+}
+
+/// The median of rates or ratios; NaN when there are none.
+fn median_f64(values: Vec<f64>) -> f64 {
+    median(&values).unwrap_or(f64::NAN)
 }

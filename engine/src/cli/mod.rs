@@ -16,6 +16,7 @@ mod bench_cache;
 mod bench_loader;
 mod bench_replication;
 mod cluster;
+mod measure;
 mod origin;
 mod plugin;
 mod show;
