@@ -16,7 +16,7 @@
 //! to a real origin or the network (the origin is object_store's in-memory store), or touches
 //! anything under the root but its own directories.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -302,42 +302,19 @@ fn write_trace(path: &Path, trace: &[Vec<ShardId>], size: &dyn Fn(ShardId) -> u6
 }
 
 /// The bytes a cache of `capacity` bytes fetches on `trace` (the shards of each batch) when it
-/// evicts the shard next used farthest ahead (Belady's rule; exact for shards of one size), the
-/// shards of the batch being read kept.
+/// evicts the shard next used farthest ahead, the shards of the batch being read kept:
+/// `policy::trace::min`, with each shard keyed by its position in the trace's first sighting.
 fn belady_bytes(trace: &[Vec<ShardId>], capacity: u64, size: &dyn Fn(ShardId) -> u64) -> u64 {
-    let accesses: Vec<(usize, ShardId)> =
-        trace.iter().enumerate().flat_map(|(step, shards)| shards.iter().map(move |&s| (step, s))).collect();
-    // next[i]: the step of the next access to the shard of access i after step i's (MAX: none).
-    let mut next = vec![usize::MAX; accesses.len()];
-    let mut seen: HashMap<ShardId, usize> = HashMap::new();
-    for i in (0..accesses.len()).rev() {
-        let (step, shard) = accesses[i];
-        next[i] = seen.get(&shard).copied().unwrap_or(usize::MAX);
-        seen.insert(shard, step);
-    }
-    // Each held shard: its next use and the step it was last read at.
-    let mut held: HashMap<ShardId, (usize, usize)> = HashMap::new();
-    let mut by_next: BTreeSet<(usize, ShardId)> = BTreeSet::new();
-    let (mut used, mut fetched) = (0u64, 0u64);
-    for (i, &(step, shard)) in accesses.iter().enumerate() {
-        if let Some((old, _)) = held.insert(shard, (next[i], step)) {
-            by_next.remove(&(old, shard));
-        } else {
-            fetched += size(shard);
-            used += size(shard);
-        }
-        by_next.insert((next[i], shard));
-        while used > capacity {
-            // The farthest next use, but never a shard the batch being read holds.
-            let Some(&(far, victim)) =
-                by_next.iter().rev().find(|(_, s)| held.get(s).is_some_and(|&(_, last)| last != step))
-            else {
-                break;
-            };
-            by_next.remove(&(far, victim));
-            held.remove(&victim);
-            used -= size(victim);
-        }
-    }
-    fetched
+    let mut keys: HashMap<ShardId, u64> = HashMap::new();
+    let accesses: Vec<granary::policy::trace::Access> = trace
+        .iter()
+        .enumerate()
+        .flat_map(|(step, shards)| shards.iter().map(move |&shard| (step, shard)))
+        .map(|(step, shard)| {
+            let next = keys.len() as u64;
+            let key = *keys.entry(shard).or_insert(next);
+            granary::policy::trace::Access { key, bytes: size(shard), group: step as u64 }
+        })
+        .collect();
+    granary::policy::trace::min(&accesses, capacity, false).bytes_loaded
 }

@@ -872,44 +872,17 @@ fn measure_partial(
     ))
 }
 
-/// Hits and loads of Belady's MIN (evict the item used farthest ahead; an item used later than
-/// every resident one is not admitted) on `trace` with room for `capacity` items.
+/// Hits and loads of Belady's MIN on `trace` at `capacity` items, an item used later than
+/// every resident one read through (`policy::trace::min` with `bypass`, as the tier declines
+/// such an admission).
 fn belady(trace: &[u64], capacity: usize) -> (u64, u64) {
-    let mut next = vec![usize::MAX; trace.len()];
-    let mut last: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
-    for (i, item) in trace.iter().enumerate().rev() {
-        if let Some(&j) = last.get(item) {
-            next[i] = j;
-        }
-        last.insert(*item, i);
-    }
-    let mut resident: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
-    let mut by_next: std::collections::BTreeSet<(usize, u64)> = std::collections::BTreeSet::new();
-    let (mut hits, mut loads) = (0, 0);
-    for (i, &item) in trace.iter().enumerate() {
-        if let Some(at) = resident.get_mut(&item) {
-            hits += 1;
-            by_next.remove(&(*at, item));
-            *at = next[i];
-            by_next.insert((next[i], item));
-            continue;
-        }
-        if capacity == 0 {
-            continue;
-        }
-        if resident.len() == capacity {
-            let &(farthest, victim) = by_next.last().expect("full");
-            if farthest <= next[i] {
-                continue;
-            }
-            by_next.remove(&(farthest, victim));
-            resident.remove(&victim);
-        }
-        resident.insert(item, next[i]);
-        by_next.insert((next[i], item));
-        loads += 1;
-    }
-    (hits, loads)
+    let accesses: Vec<granary::policy::trace::Access> = trace
+        .iter()
+        .enumerate()
+        .map(|(i, &key)| granary::policy::trace::Access { key, bytes: 1, group: i as u64 })
+        .collect();
+    let outcome = granary::policy::trace::min(&accesses, capacity as u64, true);
+    (outcome.hits, outcome.loads)
 }
 
 /// A page-locked buffer of `batch_bytes` copied to the GPU `batches` times.

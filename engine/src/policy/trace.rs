@@ -6,7 +6,9 @@
 //! so miss counts can be compared.
 //!
 //! Owns: `Request`, `read` and `write` of the format, `annotate_next_use`, the seeded generators
-//! `zipf` and `epoch_shuffled`, `belady_misses` (the optimum for objects of size 1), and the bounds
+//! `zipf` and `epoch_shuffled`, `min` (Belady's MIN, the engine's one simulation of the optimum:
+//! `plugin sim`, `bench cache` and `bench loader` measure against it; `belady_misses` on a trace),
+//! and the bounds
 //! `REQUESTS_MAX` and `OBJECTS_MAX`. Never: runs a plugin (`sim` does), or holds more than
 //! `REQUESTS_MAX` requests (a longer trace is refused before it is read).
 
@@ -167,38 +169,128 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Belady's MIN on a trace with objects of size 1 (the optimum for that case): the misses of a
-/// cache of `capacity` objects that always evicts the object used furthest in the future.
-pub fn belady_misses(requests: &[Request], capacity: u64) -> u64 {
-    let mut resident: std::collections::BTreeSet<(u64, u64)> = std::collections::BTreeSet::new();
-    let mut next_of: HashMap<u64, u64> = HashMap::new();
-    let mut misses = 0;
-    for request in requests {
-        match next_of.get(&request.key) {
-            Some(&old) => {
-                resident.remove(&(old, request.key));
+/// One access of a trace that `min` replays: the object, its size, and the group it is read in
+/// (a batch: the objects of the group being read are never evicted for each other).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Access {
+    /// The object.
+    pub key: u64,
+    /// Its size, in the unit of the capacity (1 for a count of objects).
+    pub bytes: u64,
+    /// The group (batch) the access belongs to; groups come in order.
+    pub group: u64,
+}
+
+/// What Belady's MIN did on a trace.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MinOutcome {
+    /// Accesses that found their object held.
+    pub hits: u64,
+    /// Accesses that did not.
+    pub misses: u64,
+    /// Objects loaded (a miss not read through).
+    pub loads: u64,
+    /// Their size, summed.
+    pub bytes_loaded: u64,
+}
+
+/// Belady's MIN, the engine's one simulation of the optimum: a cache of `capacity` (bytes, or
+/// objects when each is of size 1) that makes room by evicting the object next used farthest
+/// ahead (by the group of its next access), never one of the group being read. With `bypass`,
+/// an object next used no sooner than every object it would push out is read through, not
+/// loaded (a cache that may decline an admission, as the tier does); without it, every miss
+/// loads, over the capacity if only the group's own objects are left to evict. Exact for
+/// objects of one size; for mixed sizes, the rule's answer.
+pub fn min(accesses: &[Access], capacity: u64, bypass: bool) -> MinOutcome {
+    // next[i]: the group of the next access to the object of access i (MAX: none).
+    let mut next = vec![u64::MAX; accesses.len()];
+    let mut seen: HashMap<u64, u64> = HashMap::new();
+    for (i, access) in accesses.iter().enumerate().rev() {
+        next[i] = seen.get(&access.key).copied().unwrap_or(u64::MAX);
+        seen.insert(access.key, access.group);
+    }
+    // Each held object: its next use, the group it was last read in, its size.
+    let mut held: HashMap<u64, (u64, u64, u64)> = HashMap::new();
+    let mut by_next: std::collections::BTreeSet<(u64, u64)> = std::collections::BTreeSet::new();
+    let (mut used, mut outcome) = (0u64, MinOutcome::default());
+    for (i, access) in accesses.iter().enumerate() {
+        if let Some(entry) = held.get_mut(&access.key) {
+            outcome.hits += 1;
+            by_next.remove(&(entry.0, access.key));
+            (entry.0, entry.1) = (next[i], access.group);
+            by_next.insert((next[i], access.key));
+        } else {
+            outcome.misses += 1;
+            if capacity == 0 || (bypass && reads_through(&held, &by_next, access, next[i], used, capacity)) {
+                if !bypass {
+                    outcome.loads += 1;
+                    outcome.bytes_loaded += access.bytes;
+                }
+                continue;
             }
-            None => {
-                misses += 1;
-                if capacity == 0 {
-                    continue;
-                }
-                if resident.len() as u64 >= capacity
-                    && let Some((_, victim)) = resident.pop_last()
-                {
-                    next_of.remove(&victim);
-                }
+            held.insert(access.key, (next[i], access.group, access.bytes));
+            by_next.insert((next[i], access.key));
+            used += access.bytes;
+            outcome.loads += 1;
+            outcome.bytes_loaded += access.bytes;
+        }
+        // Back within the capacity, the group's own objects aside: the farthest next use goes.
+        while used > capacity {
+            let Some(&(far, victim)) =
+                by_next.iter().rev().find(|(_, key)| held.get(key).is_some_and(|&(_, group, _)| group != access.group))
+            else {
+                break;
+            };
+            by_next.remove(&(far, victim));
+            if let Some((_, _, bytes)) = held.remove(&victim) {
+                used -= bytes;
             }
         }
-        resident.insert((request.next_use, request.key));
-        next_of.insert(request.key, request.next_use);
     }
-    misses
+    outcome
+}
+
+/// Whether `min` with `bypass` reads `access` through: making room for it would push out an
+/// object (not of its group) next used no later than it, or room cannot be made.
+fn reads_through(
+    held: &HashMap<u64, (u64, u64, u64)>,
+    by_next: &std::collections::BTreeSet<(u64, u64)>,
+    access: &Access,
+    next: u64,
+    used: u64,
+    capacity: u64,
+) -> bool {
+    let mut over = (used + access.bytes).saturating_sub(capacity);
+    for &(far, victim) in by_next.iter().rev() {
+        if over == 0 {
+            return false;
+        }
+        let Some(&(_, group, bytes)) = held.get(&victim) else { continue };
+        if group == access.group {
+            continue;
+        }
+        if far <= next {
+            return true;
+        }
+        over = over.saturating_sub(bytes);
+    }
+    over > 0
+}
+
+/// Belady's misses on a trace of the `oracleGeneral` format, each object of size 1 (the
+/// optimum for that case): what `plugin sim evict` compares an evictor with.
+pub fn belady_misses(requests: &[Request], capacity: u64) -> u64 {
+    let accesses: Vec<Access> =
+        requests.iter().enumerate().map(|(i, r)| Access { key: r.key, bytes: 1, group: i as u64 }).collect();
+    min(&accesses, capacity, false).misses
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Belady's MIN on a trace with objects of size 1 (the optimum for that case): the misses of a
+    /// cache of `capacity` objects that always evicts the object used furthest in the future.
 
     #[test]
     fn traces_round_trip_and_next_uses_point_forward() {
@@ -229,5 +321,22 @@ mod tests {
         annotate_next_use(&mut trace);
         assert_eq!(belady_misses(&trace, 2), 6);
         assert_eq!(belady_misses(&trace, 4), 4);
+    }
+
+    #[test]
+    fn min_reads_through_under_bypass_and_keeps_a_groups_objects() {
+        let access = |key, bytes, group| Access { key, bytes, group };
+        // 1 2 3 1 2 4 1 2 at capacity 2 with bypass: 3 and 4 (used never again) are read
+        // through, so 1 and 2 stay: hits at 1, 2, 1, 2.
+        let flat: Vec<Access> =
+            [1, 2, 3, 1, 2, 4, 1, 2].iter().enumerate().map(|(i, &k)| access(k, 1, i as u64)).collect();
+        assert_eq!(min(&flat, 2, true), MinOutcome { hits: 4, misses: 4, loads: 2, bytes_loaded: 2 });
+        assert_eq!(min(&flat, 2, false).misses, 6);
+        assert_eq!(min(&flat, 0, true), MinOutcome { hits: 0, misses: 8, loads: 0, bytes_loaded: 0 });
+        // Groups: a batch of three objects of 2 bytes in a cache of 4 holds all three while it
+        // is read (none evicted for another of its group), and is back within 4 at the next.
+        let grouped = [access(1, 2, 0), access(2, 2, 0), access(3, 2, 0), access(1, 2, 1), access(4, 2, 1)];
+        let outcome = min(&grouped, 4, false);
+        assert_eq!((outcome.hits, outcome.loads, outcome.bytes_loaded), (1, 4, 8));
     }
 }
