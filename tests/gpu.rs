@@ -268,14 +268,16 @@ fn the_loader_leaves_the_trainers_current_context_alone() {
     }
 }
 
-/// Whether the fake driver is the one loaded (tests of the fake itself return early otherwise).
-fn fake_loaded() -> bool {
+/// Asserts that the fake driver is the one loaded: the `fake_*` tests check the fake itself
+/// (what it catches), which a real driver cannot show. On a GPU machine, run the rest with
+/// `cargo test --test gpu -- --ignored --skip fake_` (README.md); run here, they fail rather
+/// than pass having checked nothing.
+fn assert_fake_loaded() {
     cuda();
-    let loaded = fake_cuda_stats().is_some();
-    if !loaded {
-        eprintln!("a real driver is loaded: nothing of the fake's to check");
-    }
-    loaded
+    assert!(
+        fake_cuda_stats().is_some(),
+        "a real driver is loaded: this test checks the fake driver (make gpu-fake); on a GPU, pass --skip fake_"
+    );
 }
 
 /// Runs test `name` of this binary in a child process with `env`; a child still running after
@@ -304,11 +306,9 @@ fn child(name: &str, env: &[(&str, &str)]) -> std::process::Output {
 /// device memory under that work (the fake would abort), and stops without hanging.
 #[test]
 #[ignore = "needs the fake driver (make gpu-fake)"]
-fn a_failed_upload_frees_nothing_under_the_trainers_work() {
+fn fake_driver_sees_a_failed_upload_free_nothing_under_the_trainers_work() {
     let _serial = serial();
-    if !fake_loaded() {
-        return;
-    }
+    assert_fake_loaded();
     let out = child(
         "fake_cuda_failed_upload",
         &[
@@ -324,7 +324,7 @@ fn a_failed_upload_frees_nothing_under_the_trainers_work() {
 
 /// The child of the test above.
 #[test]
-#[ignore = "a child process of a_failed_upload_frees_nothing_under_the_trainers_work"]
+#[ignore = "a child process of fake_driver_sees_a_failed_upload_free_nothing_under_the_trainers_work"]
 fn fake_cuda_failed_upload() {
     if std::env::var("GRANARY_FAKE_CASE").as_deref() != Ok("failed-upload") {
         return;
@@ -355,11 +355,9 @@ const FAKE_CASES: [(&str, Option<&str>); 6] = [
 
 #[test]
 #[ignore = "needs the fake driver (make gpu-fake)"]
-fn the_fake_driver_catches_what_a_gpu_would_get_silently_wrong() {
+fn fake_driver_catches_what_a_gpu_would_get_silently_wrong() {
     let _serial = serial();
-    if !fake_loaded() {
-        return;
-    }
+    assert_fake_loaded();
     for (case, message) in FAKE_CASES {
         let out = child("fake_cuda_case", &[("GRANARY_FAKE_CASE", case), ("FAKE_CUDA_DELAY_US", "100000")]);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -383,7 +381,7 @@ fn the_fake_driver_catches_what_a_gpu_would_get_silently_wrong() {
 
 /// One case of the test above, when run as its child.
 #[test]
-#[ignore = "a child process of the_fake_driver_catches_what_a_gpu_would_get_silently_wrong"]
+#[ignore = "a child process of fake_driver_catches_what_a_gpu_would_get_silently_wrong"]
 fn fake_cuda_case() {
     let Ok(case) = std::env::var("GRANARY_FAKE_CASE") else { return };
     let _serial = serial();

@@ -699,9 +699,7 @@ fn a_tier_that_cannot_work_here_is_done_without_and_every_record_read_from_disk(
         .arg(&ro)
         .status()
         .is_ok_and(|s| s.success());
-    if !mounted {
-        assert!(std::env::var_os("CI").is_none(), "CI runs as root and mounts a read-only tmpfs");
-        eprintln!("skipped the read-only tmpfs: mount failed (needs root)");
+    if !machine_has(mounted, "a read-only tmpfs mount (root)") {
         return;
     }
     let mounted = Mounted(ro.clone());

@@ -32,8 +32,8 @@ impl Drop for Killed {
     }
 }
 
-/// `prometheus` and `promtool` on the PATH, or `None` when this machine lacks them and the run
-/// does not require them (`make test` installs them and requires them).
+/// `prometheus` and `promtool` on the PATH, or `None` when this machine lacks them (and is not
+/// CI: `common::machine_has`; `make test` installs them).
 fn prometheus_tools() -> Option<(PathBuf, PathBuf)> {
     let find = |name: &str| {
         std::env::var_os("PATH")
@@ -43,16 +43,10 @@ fn prometheus_tools() -> Option<(PathBuf, PathBuf)> {
             .map(|dir| dir.join(name))
             .find(|path| path.is_file())
     };
-    match (find("prometheus"), find("promtool")) {
-        (Some(server), Some(tool)) => Some((server, tool)),
-        _ if std::env::var_os("GRANARY_REQUIRE_PROMETHEUS").is_some() => {
-            panic!("GRANARY_REQUIRE_PROMETHEUS is set but prometheus or promtool is not installed")
-        }
-        _ => {
-            eprintln!("skipped: prometheus is not installed (Debian: apt-get install prometheus)");
-            None
-        }
-    }
+    let tools = find("prometheus").zip(find("promtool"));
+    common::machine_has(tools.is_some(), "prometheus and promtool (Debian: apt-get install prometheus)")
+        .then_some(tools)
+        .flatten()
 }
 
 /// A GET over HTTP/1.0 on loopback: the status code and the body.
