@@ -1,8 +1,10 @@
 //! The read path: from record indices to verified bytes.
 //!
-//! Owns: `Dataset` (an opened dataset version: its manifest and, loaded on first use, each
-//! shard's verified metadata) and `Reader` (one per thread or rank: a backend, its open files,
-//! reusable planning scratch); the stream of one read is `pipeline.rs`. A batch read maps indices to shard byte ranges, reads each block
+//! Owns: `Reader` (one per thread or rank: a backend, its open files, reusable planning
+//! scratch); beside it `dataset.rs` (`Dataset`: an opened dataset version, its manifest and,
+//! loaded on first use, each shard's verified metadata), `hook.rs` (`ShardRepair`, what a read
+//! asks of a repairer or cache), `watch.rs` (how it learns its open files went), `pipeline.rs`
+//! (the stream of one read), `batch.rs`, `verify.rs`, `stats.rs`. A batch read maps indices to shard byte ranges, reads each block
 //! that any record touches exactly once, coalescing adjacent blocks into ops of up to the
 //! backend's op size, reads ops of whole block-aligned records straight into the batch's memory
 //! and the rest into a buffer, checks every block's CRC32C as its op completes, and copies the
@@ -28,307 +30,29 @@
 //! share a store with one writer).
 
 mod batch;
-mod stats;
+mod dataset;
+mod hook;
 mod pipeline;
+mod stats;
 mod verify;
+mod watch;
 
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 pub use batch::Batch;
+pub use dataset::Dataset;
+pub(crate) use dataset::forget_shard_reads;
+pub use hook::{CacheStats, ShardRepair};
 pub use stats::{PublishedStats, ReadStats};
 pub use verify::{VERIFY_THREADS_MAX, default_verify_threads};
 
-use crate::error::{Error, FormatError, Result};
-use crate::id::{ManifestId, ShardId};
+use crate::error::{Error, Result};
 use crate::io::{FileId, Io};
-use crate::manifest::Manifest;
-use crate::shard::{Layout, ShardMeta};
 use crate::staging::StagingPool;
-use crate::store::{DatasetName, StorePaths, VersionSpec};
 use crate::tier::TierReader;
 use pipeline::{Pipeline, Replay};
 use stats::publish;
-
-/// An opened, immutable dataset version. Shared between readers.
-pub struct Dataset {
-    paths: StorePaths,
-    manifest_id: ManifestId,
-    manifest: Manifest,
-    version: Option<(DatasetName, u64)>,
-    /// `record_starts[s]` is the dataset index of shard `s`'s first record; one extra at the end.
-    record_starts: Vec<u64>,
-    metas: Vec<OnceLock<Arc<ShardMeta>>>,
-    /// Records read from each shard by this process's readers (the metrics' hot shards):
-    /// shared by every `Dataset` of this manifest in the process.
-    shard_reads: Arc<[std::sync::atomic::AtomicU64]>,
-}
-
-type ShardReadsTable = std::collections::HashMap<ManifestId, std::sync::Weak<[std::sync::atomic::AtomicU64]>>;
-
-/// The per-shard read counts of every manifest open in this process.
-static SHARD_READS: OnceLock<parking_lot::Mutex<ShardReadsTable>> = OnceLock::new();
-
-/// In a forked child: the reads counted so far were the parent's. (A table the fork caught
-/// locked is left as it is.)
-pub(crate) fn forget_shard_reads() {
-    let Some(table) = SHARD_READS.get().and_then(|table| table.try_lock()) else { return };
-    for counts in table.values().filter_map(std::sync::Weak::upgrade) {
-        for count in counts.iter() {
-            count.store(0, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-}
-
-/// The per-shard read counts of manifest `manifest`, so that every `Dataset` of one version in
-/// the process counts into the same ones.
-fn shard_reads_of(manifest: ManifestId, shards: usize) -> Arc<[std::sync::atomic::AtomicU64]> {
-    let mut table = SHARD_READS.get_or_init(Default::default).lock();
-    table.retain(|_, counts| counts.strong_count() > 0);
-    if let Some(counts) = table.get(&manifest).and_then(std::sync::Weak::upgrade)
-        && counts.len() == shards
-    {
-        return counts;
-    }
-    let counts: Arc<[std::sync::atomic::AtomicU64]> =
-        (0..shards).map(|_| std::sync::atomic::AtomicU64::new(0)).collect();
-    table.insert(manifest, Arc::downgrade(&counts));
-    counts
-}
-
-impl Dataset {
-    /// Opens the version `spec` of the store at `paths`, reading its ref and manifest files.
-    pub fn open(paths: &StorePaths, spec: &VersionSpec) -> Result<Arc<Self>> {
-        paths.check()?;
-        let (manifest_id, version) = paths.resolve(spec)?;
-        let manifest = paths.read_manifest(manifest_id)?;
-        Ok(Arc::new(Self::from_manifest(paths.clone(), manifest_id, manifest, version)))
-    }
-
-    /// A dataset over an already-verified manifest.
-    pub fn from_manifest(
-        paths: StorePaths,
-        manifest_id: ManifestId,
-        manifest: Manifest,
-        version: Option<(DatasetName, u64)>,
-    ) -> Self {
-        let mut record_starts = Vec::with_capacity(manifest.entries().len() + 1);
-        let mut start = 0;
-        record_starts.push(0);
-        for entry in manifest.entries() {
-            start += entry.n_records;
-            record_starts.push(start);
-        }
-        let metas = manifest.entries().iter().map(|_| OnceLock::new()).collect();
-        let shard_reads = shard_reads_of(manifest_id, manifest.entries().len());
-        Self { paths, manifest_id, manifest, version, record_starts, metas, shard_reads }
-    }
-
-    /// Records in the version.
-    pub fn n_records(&self) -> u64 {
-        self.manifest.n_records()
-    }
-
-    /// What the records are.
-    pub fn layout(&self) -> &Layout {
-        self.manifest.layout()
-    }
-
-    /// The store it is read from.
-    pub fn paths(&self) -> &StorePaths {
-        &self.paths
-    }
-
-    /// The manifest.
-    pub fn manifest(&self) -> &Manifest {
-        &self.manifest
-    }
-
-    /// The version's id.
-    pub fn manifest_id(&self) -> ManifestId {
-        self.manifest_id
-    }
-
-    /// The dataset name and version number, when opened by name.
-    pub fn version(&self) -> Option<&(DatasetName, u64)> {
-        self.version.as_ref()
-    }
-
-    /// Shards in the version.
-    pub fn n_shards(&self) -> usize {
-        self.metas.len()
-    }
-
-    /// Records this process's readers have read from each shard of this version (counted as
-    /// batches are planned, from disk or the memory tier; a batch read again after a repair
-    /// counts again), by shard index.
-    pub fn shard_reads(&self) -> Vec<u64> {
-        self.shard_reads.iter().map(|reads| reads.load(std::sync::atomic::Ordering::Relaxed)).collect()
-    }
-
-    /// The counts behind `shard_reads`, shared by the version's `Dataset`s in this process.
-    pub(crate) fn shard_read_counts(&self) -> &Arc<[std::sync::atomic::AtomicU64]> {
-        &self.shard_reads
-    }
-
-    /// Counts `records` reads of shard `shard`.
-    pub(crate) fn count_reads(&self, shard: usize, records: u64) {
-        if let Some(reads) = self.shard_reads.get(shard) {
-            reads.fetch_add(records, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
-    /// The id of shard `shard`.
-    pub fn shard_id(&self, shard: usize) -> ShardId {
-        self.manifest.entries()[shard].shard
-    }
-
-    /// The file of shard `shard`.
-    pub fn shard_path(&self, shard: usize) -> PathBuf {
-        self.paths.shard(self.shard_id(shard))
-    }
-
-    /// The shard holding dataset record `index`, and the record's index within it.
-    pub fn locate(&self, index: u64) -> Result<(usize, u64)> {
-        if index >= self.n_records() {
-            return Err(Error::RecordOutOfRange { index, n_records: self.n_records() });
-        }
-        // The last shard whose first record is <= index (empty shards are skipped over).
-        let shard = self.record_starts.partition_point(|&start| start <= index) - 1;
-        Ok((shard, index - self.record_starts[shard]))
-    }
-
-    /// The shard a read error is about, when it names one: a damaged block or file, a missing
-    /// file, a failed read of its file.
-    pub fn shard_of_error(&self, error: &Error) -> Option<usize> {
-        let by_id = |id: ShardId| (0..self.n_shards()).find(|&s| self.shard_id(s) == id);
-        let by_path = |path: &std::path::Path| {
-            let path = path.to_string_lossy();
-            // A failed read names its file and then the offset.
-            (0..self.n_shards()).find(|&s| path.starts_with(self.shard_path(s).to_string_lossy().as_ref()))
-        };
-        match error {
-            Error::ChecksumMismatch { shard, .. } | Error::MissingShard { shard, .. } => by_id(*shard),
-            Error::Format { path, .. } | Error::HashMismatch { path, .. } | Error::Io { path, .. } => by_path(path),
-            _ => None,
-        }
-    }
-
-    /// The verified metadata of shard `shard`, read on first use and checked against the
-    /// manifest (length, record count, layout), so a truncated or swapped file fails here.
-    pub fn shard_meta(&self, shard: usize) -> Result<&Arc<ShardMeta>> {
-        if let Some(meta) = self.metas[shard].get() {
-            return Ok(meta);
-        }
-        let path = self.shard_path(shard);
-        let entry = &self.manifest.entries()[shard];
-        let meta = ShardMeta::read(&path).map_err(|e| match e {
-            Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                Error::MissingShard { shard: entry.shard, manifest: self.manifest_id }
-            }
-            other => other,
-        })?;
-        let mismatch = |field: &'static str, detail: String| Error::Format {
-            path: path.clone(),
-            source: FormatError::Inconsistent { field, detail },
-        };
-        if meta.file_bytes() != entry.file_bytes {
-            return Err(mismatch(
-                "file_bytes",
-                format!("{}, the manifest says {}", meta.file_bytes(), entry.file_bytes),
-            ));
-        }
-        if meta.n_records() != entry.n_records {
-            return Err(mismatch("n_records", format!("{}, the manifest says {}", meta.n_records(), entry.n_records)));
-        }
-        if meta.digest() != entry.meta_digest {
-            return Err(mismatch(
-                "metadata digest",
-                format!(
-                    "{}, the manifest says {}: this file is not shard {}",
-                    meta.digest(),
-                    entry.meta_digest,
-                    entry.shard
-                ),
-            ));
-        }
-        if meta.layout() != self.layout() {
-            return Err(mismatch("layout", format!("{}, the manifest says {}", meta.layout(), self.layout())));
-        }
-        // Two threads may both load it; both results are the same verified bytes.
-        Ok(self.metas[shard].get_or_init(|| Arc::new(meta)))
-    }
-}
-
-/// Replaces a damaged or missing shard with a verified copy from elsewhere (a peer of the
-/// replication layer), so that a read that failed on it can be retried. Implemented by
-/// `replication::Node` (in the reading process) and `replication::NodeClient` (a node beside it).
-pub trait ShardRepair: Send + Sync + std::fmt::Debug {
-    /// Makes the file of shard `shard` intact again; `cause` is the error the read met. Returns
-    /// once a verified copy is in place (or with the reason there is none).
-    fn repair(&self, shard: ShardId, cause: &Error) -> Result<()>;
-
-    /// The shards a batch just read, for the cache's access accounting. Cheap; batched.
-    fn accessed(&self, shards: &[ShardId]) {
-        let _ = shards;
-    }
-
-    /// Whether the hook uses the read plan (a cache that fetches ahead of the reader and tells
-    /// its evictor each shard's next use): the loader then calls `plan` once per epoch, ahead.
-    fn wants_plan(&self) -> bool {
-        false
-    }
-
-    /// The shards the reader reads at steps `first_step`, `first_step + 1`, ... (one list per
-    /// batch; a step is one delivered batch, counted from the reader's start).
-    fn plan(&self, first_step: u64, shards_by_step: &[Vec<ShardId>]) {
-        let _ = (first_step, shards_by_step);
-    }
-
-    /// The counters of a hook that is a cache of shards fetched from elsewhere (an origin).
-    fn cache_stats(&self) -> Option<CacheStats> {
-        None
-    }
-}
-
-/// Counters of a cache of fetched shards (the origin cache), since it was opened in this process.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CacheStats {
-    /// Shards fetched and published here (by reads and ahead of them), from origins or peers.
-    pub shards_fetched: u64,
-    /// Bytes of those an origin sent.
-    pub bytes_from_origin: u64,
-    /// Of the shards fetched, those a peer of the job sent (through the replication node).
-    pub shards_from_peers: u64,
-    /// Bytes of them.
-    pub bytes_from_peers: u64,
-    /// Asks of the replication node for a peer's copy that failed other than by no peer
-    /// holding the shard (the shard then came from the origin).
-    pub peer_failures: u64,
-    /// Fetches whose bytes did not hash to the shard's id (dropped and fetched again).
-    pub refetches: u64,
-    /// Shards evicted (deleted) to keep the bound.
-    pub evictions: u64,
-    /// Bytes of them.
-    pub bytes_evicted: u64,
-    /// Shard accesses by reads (one per shard a batch touched).
-    pub accesses: u64,
-    /// Reads that found their shard missing and waited for it to be fetched (the misses).
-    pub waited: u64,
-    /// Shards fetched ahead of the reader, from the plan (counted in `shards_fetched` too).
-    pub prefetched: u64,
-    /// Prefetches that failed (the read that needs the shard tries again, and reports).
-    pub prefetch_failures: u64,
-    /// Time reads waited for shards that were not here.
-    pub fetch_wait: std::time::Duration,
-}
-
-impl CacheStats {
-    /// The share of shard accesses that found their shard here (0 before any access).
-    pub fn hit_ratio(&self) -> f64 {
-        if self.accesses == 0 { 0.0 } else { 1.0 - self.waited.min(self.accesses) as f64 / self.accesses as f64 }
-    }
-}
+use watch::{Watcher, gone_files, inode_of, replaced_files};
 
 /// Repairs beyond one per shard that a read may make without delivering a batch.
 const REPAIRS_WITHOUT_PROGRESS_SLACK: usize = 8;
@@ -338,82 +62,6 @@ const REPAIRS_WITHOUT_PROGRESS_SLACK: usize = 8;
 /// making room), and fetching it again is the way on; a damaged shard that fails again after
 /// its repair would fail the same way each time, so it gets one.
 const MISSING_REPAIRS_IN_A_ROW_MAX: u32 = 4;
-
-/// How often a reader without notifications looks whether the files it keeps open were removed
-/// or replaced (a stat of each): a removed file's space is freed within this, and a replaced one
-/// read afresh.
-const OPEN_FILES_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// How often a reader with notifications reads them (a system call): a reader used a record at
-/// a time does not pay one per record.
-const NOTIFICATIONS_CHECK: std::time::Duration = std::time::Duration::from_millis(1);
-
-/// How a reader learns that files it keeps open were removed or replaced: inotify watches on
-/// their directories, set before each file is opened.
-#[derive(Default)]
-struct Watcher {
-    watch: Option<crate::io::DirWatch>,
-    /// Notifications cannot be had (no inotify, or a directory could not be watched): the
-    /// reader stats its open files instead.
-    failed: bool,
-    /// Open files by path (a shard may sit at several indices of a dataset).
-    open_paths: std::collections::HashMap<PathBuf, Vec<usize>>,
-    /// When the notifications were last read, or (without them) the open files last stat'ed.
-    checked_at: Option<std::time::Instant>,
-    /// Shards found gone while a batch in flight still read them: closed at the next look.
-    pending: Vec<usize>,
-}
-
-impl Watcher {
-    /// Watches `path`'s directory before shard `shard` opens it. False when the directory does
-    /// not exist (yet: a cache directory is made with its first shard); the open then most
-    /// likely fails too, and if it does not, `after_open` watches it.
-    fn before_open(&mut self, path: &std::path::Path, shard: usize) -> bool {
-        if self.failed {
-            return true;
-        }
-        if self.watch.is_none() {
-            match crate::io::DirWatch::new() {
-                Ok(watch) => self.watch = Some(watch),
-                Err(_) => {
-                    self.give_up();
-                    return true;
-                }
-            }
-        }
-        let watch = self.watch.as_mut().expect("made above");
-        match path.parent().map(|dir| watch.watch(dir)) {
-            Some(Ok(())) => {}
-            Some(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => return false,
-            // No directory to name, or a watch refused (the per-user limit): stat instead.
-            _ => {
-                self.give_up();
-                return true;
-            }
-        }
-        let shards = self.open_paths.entry(path.to_owned()).or_default();
-        if !shards.contains(&shard) {
-            shards.push(shard);
-        }
-        true
-    }
-
-    /// A file opened although its directory was missing just before: watched now (a change in
-    /// between is seen by the stat at the next failed read, not by a notification).
-    fn after_open(&mut self, path: &std::path::Path, shard: usize) {
-        if !self.before_open(path, shard) {
-            self.give_up();
-        }
-    }
-
-    /// Notifications cannot be relied on: the reader stats its files instead, and the watches
-    /// go (they count against a per-user limit).
-    fn give_up(&mut self) {
-        self.failed = true;
-        self.watch = None;
-        self.open_paths.clear();
-    }
-}
 
 /// Files a reader opens before it closes them all at the end of a read and starts afresh: a
 /// quarter of the process's soft limit on descriptors (several readers share it), at least 16
@@ -836,66 +484,10 @@ impl RunError {
     }
 }
 
-/// The (device, inode) `path` names now; `None` when it names nothing.
-fn inode_of(path: &std::path::Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).ok().map(|meta| (meta.dev(), meta.ino()))
-}
-
-/// The shards whose open file is no longer the one their path names.
-fn replaced_files(dataset: &Dataset, files: &[Option<FileId>], inodes: &[Option<(u64, u64)>]) -> Vec<usize> {
-    (0..files.len()).filter(|&s| files[s].is_some() && inode_of(&dataset.shard_path(s)) != inodes[s]).collect()
-}
-
-/// The open files removed or replaced since they were opened (an evicted cache entry, a
-/// quarantined or repaired shard), each named once, to be closed: by the notifications (read
-/// at most once a millisecond), else by a stat of each open file (when notifications
-/// overflowed, or, without them, at most once a second). Shards named before but still read
-/// by a batch in flight then (`Watcher::pending`) come first.
-fn gone_files(
-    watcher: &mut Watcher,
-    dataset: &Dataset,
-    files: &[Option<FileId>],
-    inodes: &[Option<(u64, u64)>],
-) -> Vec<usize> {
-    let mut gone = std::mem::take(&mut watcher.pending);
-    gone.retain(|&s| files[s].is_some());
-    let stat_all = if watcher.failed {
-        watcher.checked_at.is_none_or(|at| at.elapsed() >= OPEN_FILES_CHECK)
-    } else {
-        match watcher.watch.as_mut() {
-            None => false,
-            Some(_) if watcher.checked_at.is_some_and(|at| at.elapsed() < NOTIFICATIONS_CHECK) => false,
-            Some(watch) => match watch.changes() {
-                Ok(crate::io::Changes::Entries(paths)) => {
-                    watcher.checked_at = Some(std::time::Instant::now());
-                    for path in paths {
-                        gone.extend(watcher.open_paths.remove(&path).unwrap_or_default());
-                    }
-                    false
-                }
-                // Directories whose watch went are watched again at the next open in them.
-                Ok(crate::io::Changes::Unknown) => true,
-                Err(_) => {
-                    watcher.give_up();
-                    true
-                }
-            },
-        }
-    };
-    if stat_all {
-        watcher.checked_at = Some(std::time::Instant::now());
-        gone.extend(replaced_files(dataset, files, inodes));
-    }
-    gone.sort_unstable();
-    gone.dedup();
-    gone.retain(|&s| files[s].is_some());
-    gone
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::{DatasetName, VersionSpec};
     use crate::{Dtype, FixedLayout, Granary, IngestOptions, IoConfig, Layout};
 
     /// Without notifications (no inotify, or a watch refused) the reader stats its open files
