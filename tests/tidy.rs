@@ -232,3 +232,86 @@ fn the_layer_check_reads_paths_and_groups() {
     let names: Vec<String> = crate_paths(code).into_iter().map(|(name, _)| name).collect();
     assert_eq!(names, ["store", "io", "loader"]);
 }
+
+/// `text` without `bindgen!` invocations: the modules they generate have `super::` paths of
+/// their own, which name the generated modules, not sibling files.
+fn without_bindgen(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("bindgen!(") {
+        out.push_str(&rest[..at]);
+        let mut depth = 0usize;
+        let mut end = rest.len();
+        for (i, c) in rest[at + "bindgen!".len()..].char_indices() {
+            match c {
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = at + "bindgen!".len() + i + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[test]
+fn no_two_files_of_a_module_use_each_other() {
+    // Within a module, the files form layers too (mod.rs, which declares them, aside): a file
+    // that needs what another holds sits above it, never beside it in a circle (issue 41 broke
+    // shared.rs <-> heat.rs, planner.rs <-> rebalance.rs, attach.rs <-> cache.rs).
+    use std::collections::{BTreeMap, BTreeSet};
+    let mut modules: BTreeMap<PathBuf, BTreeMap<String, String>> = BTreeMap::new();
+    for (path, text) in sources() {
+        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+        if path.starts_with("python") || name == "mod" || name == "tests" || path.parent() == Some(Path::new("")) {
+            continue;
+        }
+        let before_tests = text.split("#[cfg(test)]\nmod tests").next().unwrap_or("");
+        let code: String =
+            before_tests.lines().map(|line| line.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+        modules.entry(path.parent().unwrap().to_path_buf()).or_default().insert(name, without_bindgen(&code));
+    }
+    let mut files = 0;
+    for (dir, sources) in &modules {
+        let module = dir.to_string_lossy().replace('/', "::");
+        let uses = |code: &str, other: &str| {
+            let named = |prefix: &str| {
+                code.match_indices(&format!("{prefix}{other}"))
+                    .any(|(at, found)| !code[at + found.len()..].starts_with(|c: char| c.is_alphanumeric() || c == '_'))
+            };
+            let grouped = code.match_indices("super::{").any(|(at, _)| {
+                let group = &code[at + "super::{".len()..];
+                let group = &group[..group.find('}').unwrap_or(group.len())];
+                group.split(',').any(|item| item.trim().split("::").next() == Some(other))
+            });
+            named("super::") || named(&format!("crate::{module}::")) || grouped
+        };
+        let graph: BTreeMap<&str, BTreeSet<&str>> = sources
+            .iter()
+            .map(|(name, code)| {
+                let edges = sources.keys().filter(|other| *other != name && uses(code, other)).map(String::as_str);
+                (name.as_str(), edges.collect())
+            })
+            .collect();
+        files += graph.len();
+        // A circle is a file that reaches itself.
+        for &start in graph.keys() {
+            let mut seen = BTreeSet::new();
+            let mut stack: Vec<&str> = graph[start].iter().copied().collect();
+            while let Some(file) = stack.pop() {
+                assert!(file != start, "{}: {start}.rs and the files it uses lead back to it: a circle", dir.display());
+                if seen.insert(file) {
+                    stack.extend(graph[file].iter().copied());
+                }
+            }
+        }
+    }
+    assert!(files >= 60, "checked the modules' files ({files})");
+}

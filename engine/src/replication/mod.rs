@@ -29,6 +29,8 @@ mod heartbeat;
 #[cfg(feature = "replication")]
 mod heat;
 #[cfg(feature = "replication")]
+mod heat_state;
+#[cfg(feature = "replication")]
 mod local;
 #[cfg(feature = "replication")]
 pub mod membership;

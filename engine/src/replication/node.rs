@@ -87,7 +87,8 @@ impl Node {
             epoch: local.incarnation(),
         };
         let (stop, shutdown) = watch::channel(false);
-        let (heat, hot) = (super::heat::HeatWindow::new(config.heat_window), super::heat::HotState::load(&config.root));
+        let (heat, hot) =
+            (super::heat_state::HeatWindow::new(config.heat_window), super::heat_state::HotState::load(&config.root));
         let shared = Arc::new(Shared {
             config,
             local,

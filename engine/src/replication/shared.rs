@@ -132,9 +132,9 @@ pub(crate) struct Shared {
     /// The node's runtime, for tasks started from outside it.
     pub(super) runtime: tokio::runtime::Handle,
     /// This node's reads per shard (`heat.rs`).
-    pub(crate) heat: Mutex<super::heat::HeatWindow>,
+    pub(crate) heat: Mutex<super::heat_state::HeatWindow>,
     /// The hot pass's goals and the hot copies held here.
-    pub(crate) hot: Mutex<super::heat::HotState>,
+    pub(crate) hot: Mutex<super::heat_state::HotState>,
 }
 
 /// The reply code that tells a peer what kind of failure `error` is.
