@@ -111,7 +111,7 @@ impl State {
     /// next engine loader resumes with them).
     fn stop(&mut self) {
         if let Some(running) = self.running.take() {
-            add(&mut self.before, &running.stats());
+            self.before += &running.stats();
             let resumed = running.loader.as_ref().and_then(granary::Loader::rebalance_state);
             if let (Some(rebalance), Some(resumed)) = (&mut self.config.rebalance, resumed) {
                 rebalance.resume = Some(resumed);
@@ -659,7 +659,7 @@ impl Loader {
         let state = self.lock(py)?;
         let mut stats = state.before;
         if let Some(running) = &state.running {
-            add(&mut stats, &running.stats());
+            stats += &running.stats();
         }
         let out = PyDict::new(py);
         out.set_item("batches", stats.batches)?;
@@ -881,34 +881,6 @@ impl Loader {
 /// start of `e + 1`; no other batch ends at a cursor of 0).
 fn epoch_of(after: Position) -> u64 {
     if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch }
-}
-
-fn add(to: &mut LoaderStats, more: &LoaderStats) {
-    to.batches += more.batches;
-    to.ready += more.ready;
-    to.records += more.records;
-    to.bytes += more.bytes;
-    to.stall += more.stall;
-    to.stall_max = to.stall_max.max(more.stall_max);
-    to.elapsed += more.elapsed;
-    to.read += &more.read;
-    to.pool = more.pool;
-    if let Some(more) = &more.cache {
-        let cache = to.cache.get_or_insert_default();
-        cache.shards_fetched += more.shards_fetched;
-        cache.bytes_from_origin += more.bytes_from_origin;
-        cache.shards_from_peers += more.shards_from_peers;
-        cache.bytes_from_peers += more.bytes_from_peers;
-        cache.peer_failures += more.peer_failures;
-        cache.refetches += more.refetches;
-        cache.evictions += more.evictions;
-        cache.bytes_evicted += more.bytes_evicted;
-        cache.accesses += more.accesses;
-        cache.waited += more.waited;
-        cache.prefetched += more.prefetched;
-        cache.prefetch_failures += more.prefetch_failures;
-        cache.fetch_wait += more.fetch_wait;
-    }
 }
 
 /// What `dtype=` widens fixed-size integer records of `layout` to: `(from, to)`; an error for

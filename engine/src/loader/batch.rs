@@ -263,6 +263,30 @@ pub struct LoaderStats {
     pub cache: Option<crate::read::CacheStats>,
 }
 
+/// The counters of the loaders of a run (one per epoch, say), summed: counts and times add, the
+/// longest stall is the longest of both, the pool's and the tier's figures are the later ones
+/// (they describe a state, not a count).
+impl std::ops::AddAssign<&LoaderStats> for LoaderStats {
+    fn add_assign(&mut self, more: &LoaderStats) {
+        let LoaderStats { batches, records, bytes, ready, stall, stall_max, elapsed, read, pool, tier, cache } = more;
+        self.batches += batches;
+        self.records += records;
+        self.bytes += bytes;
+        self.ready += ready;
+        self.stall += *stall;
+        self.stall_max = self.stall_max.max(*stall_max);
+        self.elapsed += *elapsed;
+        self.read += read;
+        self.pool = *pool;
+        if tier.is_some() {
+            self.tier = *tier;
+        }
+        if let Some(more) = cache {
+            *self.cache.get_or_insert_default() += more;
+        }
+    }
+}
+
 impl LoaderStats {
     /// Fraction of the time between the first and last `next` spent waiting for data.
     pub fn stall_fraction(&self) -> f64 {

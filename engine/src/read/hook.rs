@@ -71,6 +71,40 @@ pub struct CacheStats {
     pub fetch_wait: std::time::Duration,
 }
 
+/// Counters of several caches (or loaders) of a run, summed.
+impl std::ops::AddAssign<&CacheStats> for CacheStats {
+    fn add_assign(&mut self, more: &CacheStats) {
+        let Self {
+            shards_fetched,
+            bytes_from_origin,
+            shards_from_peers,
+            bytes_from_peers,
+            peer_failures,
+            refetches,
+            evictions,
+            bytes_evicted,
+            accesses,
+            waited,
+            prefetched,
+            prefetch_failures,
+            fetch_wait,
+        } = more;
+        self.shards_fetched += shards_fetched;
+        self.bytes_from_origin += bytes_from_origin;
+        self.shards_from_peers += shards_from_peers;
+        self.bytes_from_peers += bytes_from_peers;
+        self.peer_failures += peer_failures;
+        self.refetches += refetches;
+        self.evictions += evictions;
+        self.bytes_evicted += bytes_evicted;
+        self.accesses += accesses;
+        self.waited += waited;
+        self.prefetched += prefetched;
+        self.prefetch_failures += prefetch_failures;
+        self.fetch_wait += *fetch_wait;
+    }
+}
+
 impl CacheStats {
     /// The share of shard accesses that found their shard here (0 before any access).
     pub fn hit_ratio(&self) -> f64 {
