@@ -9,7 +9,8 @@
 //! (epoch, cursor) counts the positions consumed by all ranks together; resuming from it on any
 //! world size reads exactly the remaining positions: no duplicate, no drop. The last step of an
 //! epoch, when short, is split as evenly as possible (ranks differ by at most one record).
-//! Weighted ranks cut a step by `step_shares`; a rebalancing loader's weights become records
+//! `RankCut` counts a rank's batches and resumes its positions without the order. Weighted
+//! ranks cut a step by `step_shares`; a rebalancing loader's weights become records
 //! per rank by `rebalanced_step` (each rank between 1 record and `SHARE_MAX_BATCHES` batches).
 //!
 //! Owns: `Order`, `World`, `Position`, `EpochPlan` (with its keyed permutation), `RankCursor`, and
@@ -154,6 +155,80 @@ pub fn step_shares(step: u64, weights: &[u32]) -> Vec<u64> {
         shares[i] += 1;
     }
     shares
+}
+
+/// The cut of an epoch as one rank sees it, without the order: steps of `world x batch_size`
+/// records, the short last step spread one record at a time over the first ranks (or split by
+/// `weights` under rebalancing: `step_shares`), dropped with `drop_last`. What a caller that
+/// counts batches or resumes positions needs (the Python loader's `len()` and its state), the
+/// same arithmetic `RankCursor` and the loader's plans walk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankCut {
+    /// Records in the epoch.
+    pub n_records: u64,
+    /// The rank, and the ranks of the world.
+    pub world: World,
+    /// Records per batch (of a full step).
+    pub batch_size: u64,
+    /// Whether the short last step is dropped.
+    pub drop_last: bool,
+    /// The ranks' weights in force (one per rank), when rebalancing.
+    pub weights: Option<Vec<u32>>,
+}
+
+impl RankCut {
+    fn step(&self) -> u64 {
+        u64::from(self.world.size()).saturating_mul(self.batch_size)
+    }
+
+    /// `position`, or the next epoch's start when this rank reads nothing more in its epoch:
+    /// at the end, in the short last step when it holds fewer records than ranks and this
+    /// rank's share is empty, or with `drop_last` in that step at all.
+    pub fn normalized(&self, position: Position) -> Position {
+        let step = self.step();
+        if self.n_records == 0 || step == 0 {
+            return position;
+        }
+        let end = if self.drop_last { self.n_records - self.n_records % step } else { self.n_records };
+        let left = end.saturating_sub(position.cursor);
+        let more = left >= step || (left > 0 && self.reads_in_short_step(left));
+        if more { position } else { Position { epoch: position.epoch + 1, cursor: 0 } }
+    }
+
+    /// Whether this rank reads a record of a short step of `left` records.
+    pub fn reads_in_short_step(&self, left: u64) -> bool {
+        let size = u64::from(self.world.size());
+        match &self.weights {
+            Some(weights) if weights.len() as u64 == size => {
+                step_shares(left, weights).get(self.world.rank() as usize).is_some_and(|&share| share > 0)
+            }
+            _ => left >= size || u64::from(self.world.rank()) < left,
+        }
+    }
+
+    /// Whether the batch that ends at `after` is one this rank drops: with `drop_last`, the
+    /// short last step (the batch that ends an epoch, reported at the next one's start, when
+    /// the epoch does not divide into whole steps).
+    pub fn dropped(&self, after: Position) -> bool {
+        self.drop_last && after.cursor == 0 && self.step() > 0 && !self.n_records.is_multiple_of(self.step())
+    }
+
+    /// Batches this rank reads per epoch.
+    pub fn batches_per_epoch(&self) -> u64 {
+        self.batches_from(0)
+    }
+
+    /// Batches this rank reads from `cursor` (a step boundary) to the end of the epoch.
+    pub fn batches_from(&self, cursor: u64) -> u64 {
+        let step = self.step();
+        if step == 0 {
+            return 0;
+        }
+        let left_records = self.n_records.saturating_sub(cursor);
+        let (full, left) = (left_records / step, left_records % step);
+        let last = !self.drop_last && left > 0 && self.reads_in_short_step(left);
+        full + u64::from(last)
+    }
 }
 
 /// One rank's walk through an epoch plan, batch by batch.
@@ -318,6 +393,33 @@ pub fn rebalanced_step(weights: &[u32], world_size: u32, batch_size: u64) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_cut_counts_the_batches_the_rank_cursor_walks() {
+        for n in [0u64, 1, 5, 63, 64, 65, 100, 257] {
+            for size in 1..=5u32 {
+                for batch in [1u64, 3, 8] {
+                    for rank in 0..size {
+                        let world = World::new(rank, size).unwrap();
+                        let plan = EpochPlan::new(n, 7, 0, Order::Shuffled);
+                        let mut cursor = RankCursor::new(plan, world, batch, 0);
+                        let (mut walked, mut records) = (0u64, Vec::new());
+                        while cursor.next_batch(&mut records) {
+                            walked += u64::from(!records.is_empty());
+                        }
+                        let cut = RankCut { n_records: n, world, batch_size: batch, drop_last: false, weights: None };
+                        assert_eq!(cut.batches_per_epoch(), walked, "n {n} world {size} batch {batch} rank {rank}");
+                        let dropped = RankCut { drop_last: true, ..cut.clone() };
+                        assert_eq!(dropped.batches_per_epoch(), n / (u64::from(size) * batch));
+                        // The end of an epoch is the next one's start (an empty dataset has none).
+                        let end = Position { epoch: 2, cursor: n };
+                        let next = if n == 0 { end } else { Position { epoch: 3, cursor: 0 } };
+                        assert_eq!(cut.normalized(end), next);
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn bounded_weights_keep_every_rank_between_one_record_and_the_cap() {

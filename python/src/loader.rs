@@ -19,6 +19,7 @@ use pyo3::sync::MutexExt;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use granary::loader::{MeasureExchange, RebalanceConfig, RebalanceState, WeightsAt};
+use granary::plan::RankCut;
 use granary::policy::RankMeasure;
 use granary::shard::Sample;
 use granary::staging::cuda::Cuda;
@@ -129,12 +130,11 @@ impl State {
     }
 
     /// How this rank's epochs are cut.
-    fn cut(&mut self) -> granary::Result<Cut> {
-        Ok(Cut {
-            n: self.dataset()?.n_records(),
-            size: u64::from(self.config.world.size()),
-            rank: u64::from(self.config.world.rank()),
-            batch: self.config.batch_size,
+    fn cut(&mut self) -> granary::Result<RankCut> {
+        Ok(RankCut {
+            n_records: self.dataset()?.n_records(),
+            world: self.config.world,
+            batch_size: self.config.batch_size,
             drop_last: self.drop_last,
             weights: self.weights.clone(),
         })
@@ -142,66 +142,6 @@ impl State {
 
     fn normalized(&mut self, position: Position) -> granary::Result<Position> {
         Ok(self.cut()?.normalized(position))
-    }
-}
-
-/// The engine's cut of an epoch, as one rank sees it: steps of `size x batch` records, the short
-/// last step spread one record at a time over the first ranks (or, rebalancing, split by the
-/// ranks' weights).
-#[derive(Clone)]
-struct Cut {
-    n: u64,
-    size: u64,
-    rank: u64,
-    batch: u64,
-    drop_last: bool,
-    weights: Option<Vec<u32>>,
-}
-
-impl Cut {
-    /// `position`, or the next epoch's start when this rank reads nothing more in its epoch:
-    /// at the end, in the short last step when it holds fewer records than ranks and this
-    /// rank's share is empty, or with `drop_last` in that step at all.
-    fn normalized(&self, position: Position) -> Position {
-        if self.n == 0 {
-            return position;
-        }
-        let step = self.size * self.batch;
-        let end = if self.drop_last { self.n - self.n % step } else { self.n };
-        let left = end.saturating_sub(position.cursor);
-        let more = left >= step || (left > 0 && self.reads_in_short_step(left));
-        if more { position } else { Position { epoch: position.epoch + 1, cursor: 0 } }
-    }
-
-    /// Whether this rank reads a record of a short step of `left` records.
-    fn reads_in_short_step(&self, left: u64) -> bool {
-        match &self.weights {
-            Some(weights) if weights.len() as u64 == self.size => {
-                granary::plan::step_shares(left, weights).get(self.rank as usize).is_some_and(|&share| share > 0)
-            }
-            _ => left >= self.size || self.rank < left,
-        }
-    }
-
-    /// Whether the batch that ends at `after` is one this rank drops: with `drop_last`, the
-    /// short last step (the batch that ends an epoch, reported at the next one's start, when
-    /// the epoch does not divide into whole steps).
-    fn dropped(&self, after: Position) -> bool {
-        self.drop_last && after.cursor == 0 && !self.n.is_multiple_of(self.size * self.batch)
-    }
-
-    /// Batches this rank reads per epoch.
-    fn batches_per_epoch(&self) -> u64 {
-        self.batches_from(0)
-    }
-
-    /// Batches this rank reads from `cursor` (a step boundary) to the end of the epoch.
-    fn batches_from(&self, cursor: u64) -> u64 {
-        let step = self.size * self.batch;
-        let left_records = self.n.saturating_sub(cursor);
-        let (full, left) = (left_records / step, left_records % step);
-        let last = !self.drop_last && left > 0 && self.reads_in_short_step(left);
-        full + u64::from(last)
     }
 }
 
