@@ -55,7 +55,7 @@ def _rebalanced_ranks(store, exchange, slow_seconds_per_record, stop_after=None,
 def test_a_slow_rank_reads_less_of_each_step_and_a_resume_repeats_the_decisions(tokens):
     store, data = tokens
     # 1000 records, steps of 32: 32 steps (the last short), points at steps 8, 16 and 24.
-    runs = _rebalanced_ranks(store, _ThreadExchange(2), 0.0004)
+    runs = _rebalanced_ranks(store, _ThreadExchange(2), 0.0012)
     fast, slow = runs[0][0], runs[1][0]
     assert sorted(i for batches, _ in runs for indices, _ in batches for i in indices) == list(range(1000))
     assert all(len(b[0]) == 16 for b in fast[:8] + slow[:8])
@@ -67,10 +67,10 @@ def test_a_slow_rank_reads_less_of_each_step_and_a_resume_repeats_the_decisions(
     assert state["rebalance"]["weights"][1] < state["rebalance"]["weights"][0]
     # A state saved after step 6 holds the measures exchanged for point 8: resumed, step 8 is
     # split by the weights they give, as the uninterrupted run split it (the same measures).
-    stopped = _rebalanced_ranks(store, _ThreadExchange(2), 0.0004, stop_after=7)
+    stopped = _rebalanced_ranks(store, _ThreadExchange(2), 0.0012, stop_after=7)
     states = [s for _, s in stopped]
     assert states[0]["rebalance"]["pending"] is not None and states[0]["rebalance"]["pending"][0] == 8
-    resumed = _rebalanced_ranks(store, _ThreadExchange(2), 0.0004, stop_after=2, states=states)
+    resumed = _rebalanced_ranks(store, _ThreadExchange(2), 0.0012, stop_after=2, states=states)
     sizes = [len(resumed[rank][0][1][0]) for rank in range(2)]
     assert sum(sizes) == 32 and sizes[1] < 16, sizes
     read = [i for rank in range(2) for batches in (stopped[rank][0], resumed[rank][0]) for indices, _ in batches for i in indices]
