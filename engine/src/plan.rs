@@ -109,6 +109,8 @@ impl EpochPlan {
     pub fn weighted_rank_positions(&self, cursor: u64, world: World, batch_size: u64, weights: &[u32]) -> Range<u64> {
         let step = self.step_len(cursor, world.size, batch_size);
         let shares = step_shares(step, weights);
+        // Exactly once: the ranks' slices tile the step, whatever the weights.
+        debug_assert_eq!(shares.iter().sum::<u64>(), step, "shares {shares:?} of a step of {step}");
         let rank = world.rank as usize;
         let start = cursor + shares.iter().take(rank).sum::<u64>();
         start..start + shares.get(rank).copied().unwrap_or(0)
@@ -260,8 +262,11 @@ impl RankCursor {
             return false;
         }
         let positions = self.plan.rank_positions(self.cursor, self.world, self.batch_size);
+        let step = self.plan.step_len(self.cursor, self.world.size, self.batch_size);
+        // Exactly once: this rank's slice lies inside the step, which the cursor then passes.
+        debug_assert!(positions.start >= self.cursor && positions.end <= self.cursor + step, "{positions:?}");
         records.extend(positions.map(|position| self.plan.record_at(position)));
-        self.cursor += self.plan.step_len(self.cursor, self.world.size, self.batch_size);
+        self.cursor += step;
         true
     }
 }

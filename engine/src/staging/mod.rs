@@ -176,6 +176,9 @@ impl StagingPool {
 
     fn lease(&self, state: &mut State) -> Lease {
         let index = state.free.pop().expect("the caller checked that a buffer is free");
+        // The bound: every buffer is either free or leased to one holder, never both.
+        debug_assert!(index < self.inner.buffers, "buffer {index} of {}", self.inner.buffers);
+        debug_assert_eq!(state.free.len() + state.stats.leased + 1, self.inner.buffers, "a buffer lost or made");
         state.stats.leased += 1;
         state.stats.leased_max = state.stats.leased_max.max(state.stats.leased);
         state.stats.leases += 1;
@@ -280,6 +283,8 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         let mut state = self.pool.lock();
+        debug_assert!(!state.free.contains(&self.index), "buffer {} returned twice", self.index);
+        debug_assert!(state.stats.leased > 0 && state.free.len() < self.pool.buffers, "more returned than leased");
         state.free.push(self.index);
         state.stats.leased -= 1;
         drop(state);
