@@ -8,8 +8,10 @@
 //! there); an exported batch keeps its staging buffer, and its device buffer, until the last
 //! consumer's deleter runs.
 
+mod batch;
 mod dlpack;
 mod errors;
+mod exchange;
 mod loader;
 mod metrics;
 mod store;
@@ -29,7 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<store::Store>()?;
     m.add_class::<loader::Loader>()?;
-    m.add_class::<loader::NativeBatch>()?;
+    m.add_class::<batch::NativeBatch>()?;
     m.add_class::<dlpack::Exported>()?;
     m.add_class::<metrics::MetricsEndpoint>()?;
     m.add("Error", py.get_type::<errors::Error>())?;
