@@ -23,3 +23,11 @@ def tokens(store):
     data = records(1000)
     store.ingest("tokens", data, dtype="uint16", shape=[RECORD], shard_bytes=16 << 10)
     return store, data
+
+
+def read_epoch(loader):
+    """(indices, arrays) of one epoch, copied out of the batches."""
+    got = []
+    for indices, batch in loader:
+        got.extend(zip(indices.tolist(), [row.copy() for row in batch]))
+    return got
