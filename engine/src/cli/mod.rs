@@ -12,11 +12,7 @@
 mod output;
 
 mod bench;
-mod bench_cache;
-mod bench_loader;
-mod bench_replication;
 mod cluster;
-mod measure;
 mod origin;
 mod plugin;
 mod show;
@@ -238,19 +234,19 @@ struct IngestArgs {
 enum BenchCommand {
     /// Random and sequential reads through the engine against a bare io_uring O_DIRECT reader on
     /// the same files, plus checksum and hash speed.
-    Read(bench::ReadArgs),
+    Read(bench::read::ReadArgs),
     /// The loader against the disk's and the bus's limits: a bare io_uring reader, the engine to
     /// host memory and to the GPU, a pinned copy; cold, warm, and under a simulated training step.
-    Loader(bench_loader::LoaderArgs),
+    Loader(bench::loader::LoaderArgs),
     /// One shard's transfer between two nodes (encrypted, verified) against a plain TCP copy of
     /// the same file, and the time to restore the replication factor after a node loss. The
     /// root is a scratch directory.
-    Replication(bench_replication::ReplicationArgs),
+    Replication(bench::replication::ReplicationArgs),
     /// A dataset several times the cache, read from a throttled origin through the cache for a
     /// few epochs with each evictor (plan-aware, LRU, S3-FIFO): hit ratio, bytes from the
     /// origin against Belady's minimum for the same plan, data stall. The root is a scratch
     /// directory.
-    Cache(bench_cache::CacheArgs),
+    Cache(bench::cache::CacheArgs),
 }
 
 /// How long a command that writes waits for another writer (an ingest, or `granary serve`
@@ -358,13 +354,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             origin::attach(&root, &dataset, &url, cache_bytes, evictor.as_deref()).map(|()| ExitCode::SUCCESS)
         }
         Command::Detach { dataset } => origin::detach(&root, &dataset).map(|()| ExitCode::SUCCESS),
-        Command::Bench(BenchCommand::Read(args)) => bench::read(&paths, &args).map(|()| ExitCode::SUCCESS),
+        Command::Bench(BenchCommand::Read(args)) => bench::read::read(&paths, &args).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Replication(args)) => {
-            bench_replication::replication(&root, &args).map(|()| ExitCode::SUCCESS)
+            bench::replication::replication(&root, &args).map(|()| ExitCode::SUCCESS)
         }
-        Command::Bench(BenchCommand::Cache(args)) => bench_cache::cache(&root, &args).map(|()| ExitCode::SUCCESS),
+        Command::Bench(BenchCommand::Cache(args)) => bench::cache::cache(&root, &args).map(|()| ExitCode::SUCCESS),
         Command::Bench(BenchCommand::Loader(args)) => {
-            bench_loader::loader(&root, &paths, &args).map(|()| ExitCode::SUCCESS)
+            bench::loader::loader(&root, &paths, &args).map(|()| ExitCode::SUCCESS)
         }
         Command::Serve(args) => cluster::serve(&root, &args).map(|()| ExitCode::SUCCESS),
         Command::Replicate(args) => cluster::replicate(&root, &args).map(|()| ExitCode::SUCCESS),

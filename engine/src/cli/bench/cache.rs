@@ -27,8 +27,8 @@ use granary::loader::{Loader, LoaderConfig, PlanSource, Target};
 use granary::origin::{self, Origin, OriginCache};
 use granary::{Granary, Position, ShardId, StorePaths, VersionSpec};
 
-use super::parse_size;
-use super::show::bytes;
+use crate::cli::parse_size;
+use crate::cli::show::bytes;
 
 #[derive(Args)]
 pub(crate) struct CacheArgs {
@@ -88,7 +88,7 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
     if source.exists() {
         std::fs::remove_dir_all(&source).with_context(|| format!("remove {}", source.display()))?;
     }
-    super::bench_replication::make_dataset(&source, "bench-cache", args.generate, args.shard_bytes, 7)?;
+    super::replication::make_dataset(&source, "bench-cache", args.generate, args.shard_bytes, 7)?;
     let source_paths = StorePaths::new(&source);
     let spec = VersionSpec::parse("bench-cache")?;
     let manifest = source_paths.read_manifest(source_paths.resolve(&spec)?.0)?;

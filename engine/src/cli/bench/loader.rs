@@ -31,8 +31,8 @@ use granary::{
     StorePaths, VersionSpec,
 };
 
-use super::parse_size;
-use super::show::bytes;
+use crate::cli::parse_size;
+use crate::cli::show::bytes;
 
 #[derive(Args)]
 pub(crate) struct LoaderArgs {
@@ -379,6 +379,32 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         }
     }
 
+    let page_cache = match (cold, dropped) {
+        (false, _) => "kept (--keep-cache; O_DIRECT bypasses it)",
+        (true, true) => "dropped before each cold row",
+        (true, false) => "not dropped (needs root; O_DIRECT bypasses it)",
+    };
+    let gpu = cuda.map_or_else(|| format!("none ({gpu_note}): GPU rows skipped"), |c| c.name().to_owned());
+    report(args, &dataset, &raw_dir, &gpu, cuda.is_some(), page_cache, &rows, &notes)
+}
+
+/// Prints what a run of the benchmark measured: the rows (rates, cores, cores per GB/s), each
+/// ratio against its baseline from the same run with its target, and where a loader's start
+/// went.
+#[allow(clippy::too_many_arguments, reason = "the run's facts, each printed")]
+fn report(
+    args: &LoaderArgs,
+    dataset: &Dataset,
+    raw_dir: &Path,
+    gpu: &str,
+    has_gpu: bool,
+    page_cache: &str,
+    rows: &[(String, Vec<Sample>)],
+    notes: &[String],
+) -> Result<()> {
+    let n = dataset.n_records();
+    let record_bytes = dataset.layout().record_bytes().context("the loader benchmark needs fixed-size records")?;
+    let batch_bytes = args.batch * record_bytes;
     outln!(
         "granary bench loader {}: {n} records of {} in {} shards; batch {} records ({}); {} batches per row; {} runs, medians",
         args.dataset,
@@ -389,19 +415,11 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
         args.batches,
         args.runs
     )?;
-    outln!(
-        "GPU: {}; page cache {}",
-        cuda.map_or_else(|| format!("none ({gpu_note}): GPU rows skipped"), |c| c.name().to_owned()),
-        match (cold, dropped) {
-            (false, _) => "kept (--keep-cache; O_DIRECT bypasses it)",
-            (true, true) => "dropped before each cold row",
-            (true, false) => "not dropped (needs root; O_DIRECT bypasses it)",
-        }
-    )?;
+    outln!("GPU: {gpu}; page cache {page_cache}")?;
     outln!()?;
     outln!("{:<44} {:>8} {:>14} {:>8} {:>16}", "row", "GB/s", "records/s", "cores", "cores per GB/s")?;
     let median_of = |samples: &[Sample], f: &dyn Fn(&Sample) -> f64| median(samples.iter().map(f).collect());
-    for (label, samples) in &rows {
+    for (label, samples) in rows {
         let gbps = median_of(samples, &|s| s.gbps());
         let cores = median_of(samples, &|s| s.cpu / s.seconds);
         if label.ends_with("stall") {
@@ -540,7 +558,7 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     )?;
     show(
         "warm, engine -> GPU / pinned copy",
-        ratio("warm: engine -> target", "pinned copy to GPU").filter(|_| cuda.is_some()),
+        ratio("warm: engine -> target", "pinned copy to GPU").filter(|_| has_gpu),
         ">= 0.80",
     )?;
     outln!()?;
@@ -553,7 +571,6 @@ pub(crate) fn loader(root: &Path, paths: &StorePaths, args: &LoaderArgs) -> Resu
     )?;
     Ok(())
 }
-
 /// Writes `total` bytes of random records into raw files and ingests them as `name`.
 fn generate(root: &Path, raw_dir: &Path, name: &str, total: u64, record_bytes: u64) -> Result<()> {
     if record_bytes == 0 || total < record_bytes {

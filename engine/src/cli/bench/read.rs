@@ -18,8 +18,8 @@ use granary::io::bare::{BareOp, BareReader};
 use granary::shard::{BLOCK_BYTES_U64, DATA_OFFSET, block_crc, blocks_match};
 use granary::{Backend, Dataset, EpochPlan, IoConfig, Order, Reader, StorePaths, VersionSpec};
 
-use super::parse_size;
-use super::show::bytes;
+use crate::cli::parse_size;
+use crate::cli::show::bytes;
 
 #[derive(Args)]
 pub(crate) struct ReadArgs {

@@ -31,8 +31,8 @@ use granary::{
 };
 
 use super::measure::{Xorshift, median};
-use super::parse_size;
-use super::show::bytes;
+use crate::cli::parse_size;
+use crate::cli::show::bytes;
 
 #[derive(Args)]
 pub(crate) struct ReplicationArgs {
