@@ -50,18 +50,35 @@ impl Moto {
         moto
     }
 
-    /// One plain HTTP request (moto takes unsigned ones); returns the status.
+    /// One plain HTTP request (moto takes unsigned ones); returns the status. Sent again when
+    /// the connection fails (moto's server, busy with a test's parallel clients, was seen to
+    /// reset one before answering); every request the tests send this way is idempotent.
     fn http(&self, method: &str, path: &str, body: &[u8]) -> u16 {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
         let head = format!(
             "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
             self.port,
             body.len()
         );
-        stream.write_all(head.as_bytes()).unwrap();
-        stream.write_all(body).unwrap();
-        let mut reply = String::new();
-        stream.read_to_string(&mut reply).unwrap();
+        let once = || -> std::io::Result<String> {
+            let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+            stream.write_all(head.as_bytes())?;
+            stream.write_all(body)?;
+            let mut reply = String::new();
+            stream.read_to_string(&mut reply)?;
+            Ok(reply)
+        };
+        let mut tries = 0;
+        let reply = loop {
+            match once() {
+                Ok(reply) => break reply,
+                Err(e) if tries < 4 => {
+                    eprintln!("moto: {method} {path}: {e}; again");
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => panic!("moto: {method} {path}: {e}"),
+            }
+        };
         reply.split_whitespace().nth(1).and_then(|code| code.parse().ok()).unwrap_or(0)
     }
 

@@ -516,7 +516,7 @@ fn report(
         time_ratio("cold epoch random: memory tier", "cold epoch: memory tier's memory only (floor)"),
         "(how close to this machine's floor)",
     )?;
-    for note in &notes {
+    for note in notes {
         outln!("{note}")?;
     }
     // The time from building a loader to its first batch (the disk rows time the loader from
