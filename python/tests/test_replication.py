@@ -66,6 +66,24 @@ def _stop(nodes):
         node.wait()
 
 
+def _wait_all_up(roots, key):
+    """Until every node's status shows all the others up (heartbeats take a few rounds): a coding
+    placed while a node still counts fewer peers puts its fragments on fewer nodes, and is
+    refused as unavailable."""
+    import json
+
+    deadline = time.monotonic() + 30
+    for root in roots:
+        while True:
+            done = subprocess.run([_granary_bin(), "--root", str(root), "status", "--json", "--cluster-key", str(key)],
+                                  capture_output=True, text=True, timeout=60)
+            peers = json.loads(done.stdout).get("peers", []) if done.returncode == 0 and done.stdout else []
+            if sum(1 for peer in peers if peer.get("up") is True) >= len(roots) - 1:
+                break
+            assert time.monotonic() < deadline, f"{root}: not every peer up: {done.stdout or done.stderr}"
+            time.sleep(0.1)
+
+
 def _replicate(root, key, *how):
     """`granary replicate tokens HOW`, asked again while it is refused because the nodes have not
     yet seen each other's heartbeats ("with 1 nodes up")."""
@@ -141,6 +159,7 @@ def test_a_node_that_holds_only_fragments_reads_every_record_from_python(tmp_pat
     monkeypatch.delenv("GRANARY_CLUSTER_KEY", raising=False)
     nodes = _start_nodes(roots, key)
     try:
+        _wait_all_up(roots, key)
         out = _replicate(roots[0], key, "--ec", "4+2")
         assert "4+2 fragments" in out, out
         reader = roots[3]
