@@ -5,8 +5,8 @@
 //! memory file system (this file). The plan's side (what to fill, in which order, what makes
 //! room) is the same for both (`fill.rs`). Beside this file, which keeps the budget and the
 //! memory tier's files: `config.rs` (what a tier is asked for), `names.rs` (its file names),
-//! `dirs.rs` (which directory may be the tier's), `memory.rs` (the node's memory), `reader.rs`
-//! (a reader's look-ups).
+//! `dirs.rs` (which directory may be the tier's), `memory.rs` (the node's memory), `schedule.rs`
+//! (the plan as the tier sees it), `reader.rs` (a reader's look-ups).
 //!
 //! Owns (the memory tier): a directory in a memory file system (`/dev/shm/granary-tier-UID` by
 //! default, marked as the tier's by a `.granary-tier` file) holding one file per extent (a run
@@ -45,6 +45,7 @@ mod memory;
 mod names;
 mod page_cache;
 mod reader;
+mod schedule;
 
 use std::collections::HashMap;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -55,8 +56,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-pub use fill::{Coordinator, ExtentInfo, TierSchedule, run_filler};
+pub use fill::{Coordinator, run_filler};
 pub use reader::TierReader;
+pub use schedule::{ExtentInfo, TierSchedule};
 
 pub use config::{EXTENT_BYTES_DEFAULT, EXTENTS_MAX, TierConfig, TierKind, default_extent_bytes};
 pub use dirs::file_system_of;
