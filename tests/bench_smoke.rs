@@ -1,5 +1,6 @@
 //! The benchmarks run end to end at a small scale: `granary bench loader` prints its table with
-//! every row it was asked for, on data it makes itself. (`bench cache` runs against an origin, in
+//! every row it was asked for, on data it makes itself; `granary bench read` its ratios against
+//! a bare reader of the same blocks. (`bench cache` runs against an origin, in
 //! `origin.rs`.)
 
 mod common;
@@ -44,4 +45,33 @@ fn the_loader_bench_prints_its_table_at_a_small_scale() {
         !refused.status.success() && err.contains("possible values: random, sequential, block, warm, step"),
         "{err}"
     );
+}
+
+#[test]
+fn the_read_bench_prints_its_ratios_at_a_small_scale() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let input = dir.path().join("in.bin");
+    write_records(&input, &(0..1024).map(|i| bytes(i, 4096)).collect::<Vec<_>>());
+    granary_ok(
+        &root,
+        &[
+            "ingest",
+            "records",
+            "--name",
+            "d",
+            "--record-bytes",
+            "4096",
+            "--shard-bytes",
+            "1MiB",
+            input.to_str().unwrap(),
+        ],
+    );
+    let out = granary_ok(&root, &["bench", "read", "d", "--runs", "1"]);
+    // Each side read the same blocks: the bare reader's ops (`bare_ops`) cover every record.
+    let line = out.lines().find(|line| line.starts_with("per-run ratios:")).unwrap_or_else(|| panic!("{out}"));
+    let ratios: Vec<f64> = line.split_whitespace().filter_map(|word| word.trim_end_matches(';').parse().ok()).collect();
+    assert_eq!(ratios.len(), 2, "{line}");
+    assert!(ratios.iter().all(|&r| r.is_finite() && r > 0.0), "{line}");
+    assert!(out.contains("sequential: 4.0 MiB per run"), "{out}");
 }

@@ -22,7 +22,7 @@ use clap::Args;
 use granary::io::MappedFile;
 use granary::io::bare::{BareOp, BareReader};
 use granary::loader::{Loader, LoaderConfig, PlanSource, StartStage, Target, TierSetting};
-use granary::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
+use granary::shard::DATA_OFFSET;
 use granary::staging::cuda::Cuda;
 use granary::staging::{Pinning, StagingConfig, StagingPool};
 use granary::tier::{MemoryTier, TierConfig, TierKind};
@@ -31,6 +31,7 @@ use granary::{
     StorePaths, VersionSpec,
 };
 
+use super::measure::bare_ops;
 use crate::cli::parse_size;
 use crate::cli::show::bytes;
 
@@ -921,45 +922,6 @@ fn measure_pinned_copy(batch_bytes: u64, batches: u64) -> Result<Sample> {
         cpu: cpu_seconds() - cpu,
         ..Sample::default()
     })
-}
-
-/// The bare reader's ops for `records`: each record's blocks cut at `op_bytes`; with `coalesce`,
-/// consecutive records' blocks merge as the engine's planner merges them (a block two records
-/// share, when records are not whole blocks, is read once).
-fn bare_ops(dataset: &Dataset, records: &[u64], op_bytes: usize, coalesce: bool) -> Result<Vec<BareOp>> {
-    let op_blocks = (op_bytes as u64 / BLOCK_BYTES_U64).max(1);
-    let mut ops: Vec<BareOp> = Vec::with_capacity(records.len());
-    for &index in records {
-        let (shard, local) = dataset.locate(index)?;
-        let range = dataset.shard_meta(shard)?.record_range(local);
-        let file = u32::try_from(shard).context("shard count")?;
-        let (mut block, end) = (range.start / BLOCK_BYTES_U64, range.end.div_ceil(BLOCK_BYTES_U64));
-        while block < end {
-            if let Some(last) = ops.last_mut().filter(|last| coalesce && last.file == file) {
-                let last_end = (last.offset - DATA_OFFSET) / BLOCK_BYTES_U64 + u64::from(last.len) / BLOCK_BYTES_U64;
-                let last_start = (last.offset - DATA_OFFSET) / BLOCK_BYTES_U64;
-                if block >= last_start && block < last_end {
-                    block = last_end;
-                    continue;
-                }
-                let room = op_blocks - u64::from(last.len) / BLOCK_BYTES_U64;
-                if last_end == block && room > 0 {
-                    let n = room.min(end - block);
-                    last.len += u32::try_from(n * BLOCK_BYTES_U64)?;
-                    block += n;
-                    continue;
-                }
-            }
-            let n = op_blocks.min(end - block);
-            ops.push(BareOp {
-                file,
-                offset: DATA_OFFSET + block * BLOCK_BYTES_U64,
-                len: u32::try_from(n * BLOCK_BYTES_U64)?,
-            });
-            block += n;
-        }
-    }
-    Ok(ops)
 }
 
 /// This process's user + system CPU seconds (from /proc, in the kernel's fixed 100 Hz units).

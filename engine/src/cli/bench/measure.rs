@@ -1,8 +1,14 @@
-//! What the benchmarks share: the median of a run's samples, and the generator of their
-//! incompressible test bytes.
+//! What the benchmarks share: the median of a run's samples, the generator of their
+//! incompressible test bytes, and the ops a bare io_uring reader is timed on for the same
+//! records as the engine.
 //!
-//! Owns `median` and `Xorshift`. Never: times anything or prints (each benchmark does), or
+//! Owns `median`, `Xorshift` and `bare_ops`. Never: times anything or prints (each benchmark does), or
 //! serves where randomness must be unpredictable (the generator is for test data only).
+
+use anyhow::{Context, Result};
+use granary::Dataset;
+use granary::io::bare::BareOp;
+use granary::shard::{BLOCK_BYTES_U64, DATA_OFFSET};
 
 /// The median of `values` (the upper one of an even count, so it is a sample); `None` when
 /// there are none.
@@ -36,6 +42,45 @@ impl Xorshift {
             chunk.copy_from_slice(&word[..chunk.len()]);
         }
     }
+}
+
+/// The bare reader's ops for `records`: each record's blocks cut at `op_bytes`; with `coalesce`,
+/// consecutive records' blocks merge as the engine's planner merges them (a block two records
+/// share, when records are not whole blocks, is read once).
+pub(crate) fn bare_ops(dataset: &Dataset, records: &[u64], op_bytes: usize, coalesce: bool) -> Result<Vec<BareOp>> {
+    let op_blocks = (op_bytes as u64 / BLOCK_BYTES_U64).max(1);
+    let mut ops: Vec<BareOp> = Vec::with_capacity(records.len());
+    for &index in records {
+        let (shard, local) = dataset.locate(index)?;
+        let range = dataset.shard_meta(shard)?.record_range(local);
+        let file = u32::try_from(shard).context("shard count")?;
+        let (mut block, end) = (range.start / BLOCK_BYTES_U64, range.end.div_ceil(BLOCK_BYTES_U64));
+        while block < end {
+            if let Some(last) = ops.last_mut().filter(|last| coalesce && last.file == file) {
+                let last_end = (last.offset - DATA_OFFSET) / BLOCK_BYTES_U64 + u64::from(last.len) / BLOCK_BYTES_U64;
+                let last_start = (last.offset - DATA_OFFSET) / BLOCK_BYTES_U64;
+                if block >= last_start && block < last_end {
+                    block = last_end;
+                    continue;
+                }
+                let room = op_blocks - u64::from(last.len) / BLOCK_BYTES_U64;
+                if last_end == block && room > 0 {
+                    let n = room.min(end - block);
+                    last.len += u32::try_from(n * BLOCK_BYTES_U64).context("op size")?;
+                    block += n;
+                    continue;
+                }
+            }
+            let n = op_blocks.min(end - block);
+            ops.push(BareOp {
+                file,
+                offset: DATA_OFFSET + block * BLOCK_BYTES_U64,
+                len: u32::try_from(n * BLOCK_BYTES_U64).context("op size")?,
+            });
+            block += n;
+        }
+    }
+    Ok(ops)
 }
 
 #[cfg(test)]

@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use granary::io::bare::{BareOp, BareReader};
-use granary::shard::{BLOCK_BYTES_U64, DATA_OFFSET, block_crc, blocks_match};
+use granary::io::bare::BareReader;
+use granary::shard::{block_crc, blocks_match};
 use granary::{Backend, Dataset, EpochPlan, IoConfig, Order, Reader, StorePaths, VersionSpec};
 
+use super::measure::bare_ops;
 use crate::cli::parse_size;
 use crate::cli::show::bytes;
 
@@ -204,46 +205,6 @@ pub(crate) fn read(paths: &StorePaths, args: &ReadArgs) -> Result<()> {
     outln!("per-run ratios: random {}; sequential {}", list(&random_runs.ratios()), list(&seq_runs.ratios()))?;
     outln!("verification, one core: CRC32C {crc_gbps:.1} GB/s, BLAKE3 {blake3_gbps:.1} GB/s")?;
     Ok(())
-}
-
-/// The bare reader's ops for reading `records`: each record's covering blocks, cut at `op_bytes`;
-/// with `coalesce`, the blocks of consecutive records merge into one op as far as the op size
-/// allows (what the engine's planner does for a sequential scan).
-fn bare_ops(dataset: &Dataset, records: &[u64], op_bytes: usize, coalesce: bool) -> Result<Vec<BareOp>> {
-    let op_blocks = (op_bytes as u64 / BLOCK_BYTES_U64).max(1);
-    let mut ops: Vec<BareOp> = Vec::with_capacity(records.len());
-    for &record in records {
-        let (shard, local) = dataset.locate(record)?;
-        let range = dataset.shard_meta(shard)?.record_range(local);
-        let (mut block, end) = (range.start / BLOCK_BYTES_U64, range.end.div_ceil(BLOCK_BYTES_U64));
-        while block < end {
-            let file = u32::try_from(shard).context("shard count")?;
-            // Consecutive records extend the previous op (as the engine's planner coalesces them).
-            if let Some(last) = ops.last_mut().filter(|_| coalesce) {
-                let last_end = (last.offset - DATA_OFFSET) / BLOCK_BYTES_U64 + u64::from(last.len) / BLOCK_BYTES_U64;
-                let room = op_blocks - u64::from(last.len) / BLOCK_BYTES_U64;
-                if last.file == file && last_end == block && room > 0 {
-                    let n = room.min(end - block);
-                    last.len += u32::try_from(n * BLOCK_BYTES_U64).context("op size")?;
-                    block += n;
-                    continue;
-                }
-                if last.file == file && last_end > block {
-                    // Already read (a block shared with the previous record).
-                    block = last_end.min(end);
-                    continue;
-                }
-            }
-            let n = op_blocks.min(end - block);
-            ops.push(BareOp {
-                file,
-                offset: DATA_OFFSET + block * BLOCK_BYTES_U64,
-                len: u32::try_from(n * BLOCK_BYTES_U64).context("op size")?,
-            });
-            block += n;
-        }
-    }
-    Ok(ops)
 }
 
 /// Reads `records` through the engine in batches, two in flight; returns the bytes delivered.
