@@ -84,6 +84,17 @@ def _wait_all_up(roots, key):
             time.sleep(0.1)
 
 
+def _read_checked(loader, data):
+    """Every batch of one epoch of `loader` (with indices), each record checked against `data`;
+    the batches' indices, in order."""
+    seen = []
+    for indices, batch in loader:
+        for index, row in zip(indices.tolist(), batch):
+            assert np.array_equal(row, data[index]), f"record {index}"
+        seen.append(indices.tolist())
+    return seen
+
+
 def _replicate(root, key, *how):
     """`granary replicate tokens HOW`, asked again while it is refused because the nodes have not
     yet seen each other's heartbeats ("with 1 nodes up")."""
@@ -131,11 +142,7 @@ def test_a_loader_on_a_replicated_store_repairs_from_its_peer(tmp_path, monkeypa
             list(here.loader("tokens", batch_size=32, seed=4, output="numpy", tier_bytes=0))
         monkeypatch.setenv("GRANARY_CLUSTER_KEY", secret)
         loader = here.loader("tokens", batch_size=32, seed=4, output="numpy", with_indices=True, tier_bytes=0)
-        seen = []
-        for indices, batch in loader:
-            for index, row in zip(indices.tolist(), batch):
-                assert np.array_equal(row, data[index]), f"record {index}"
-            seen.append(indices.tolist())
+        seen = _read_checked(loader, data)
         assert seen == intact, "the same sample order as from the intact store"
         metrics = loader.metrics()
         assert metrics["shards_repaired"] >= 2 and metrics["verify_failures"] >= 1, metrics
@@ -173,11 +180,7 @@ def test_a_node_that_holds_only_fragments_reads_every_record_from_python(tmp_pat
             list(here.loader("tokens", batch_size=32, seed=4, output="numpy", tier_bytes=0))
         monkeypatch.setenv("GRANARY_CLUSTER_KEY", secret)
         loader = here.loader("tokens", batch_size=32, seed=4, output="numpy", with_indices=True)
-        seen = []
-        for indices, batch in loader:
-            for index, row in zip(indices.tolist(), batch):
-                assert np.array_equal(row, data[index]), f"record {index}"
-            seen.append(indices.tolist())
+        seen = _read_checked(loader, data)
         assert seen == intact, "the same sample order as on the node that ingested"
         assert loader.metrics()["shards_repaired"] >= 1, loader.metrics()
         loader.close()
