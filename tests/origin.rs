@@ -553,7 +553,7 @@ fn transient_failures_are_retried_and_flipped_bits_refetched_never_delivered() {
         epochs: Some(2),
         target: Target::Host,
         tier: granary::TierSetting::Off,
-        repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardRepair>),
+        repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardSource>),
         ..LoaderConfig::default()
     };
     let mut loader = Loader::new(dataset, config, granary::Position::default()).unwrap();
@@ -681,7 +681,7 @@ fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
         seed: 5,
         target: Target::Host,
         tier: granary::TierSetting::Off,
-        repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardRepair>),
+        repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardSource>),
         ..LoaderConfig::default()
     };
     let mut loader = Loader::new(granary::Dataset::open(&paths, &spec).unwrap(), config, Default::default()).unwrap();
@@ -744,7 +744,7 @@ fn two_processes_sharing_a_store_fetch_each_shard_once() {
 #[derive(Debug, Default)]
 struct PlanHeard(std::sync::Mutex<Vec<(u64, Vec<Vec<granary::ShardId>>)>>);
 
-impl granary::ShardRepair for PlanHeard {
+impl granary::ShardSource for PlanHeard {
     fn repair(&self, shard: granary::ShardId, _: &granary::Error) -> granary::Result<()> {
         panic!("shard {shard} needed repair in a whole store")
     }
@@ -796,7 +796,7 @@ fn the_cache_hears_the_plan_of_every_rank_of_its_node() {
 
     // Rank 0 of a node of two: its hook hears its own plan, then rank 1's (from a thread).
     let heard = Arc::new(PlanHeard::default());
-    let repair = Some(Arc::clone(&heard) as Arc<dyn granary::ShardRepair>);
+    let repair = Some(Arc::clone(&heard) as Arc<dyn granary::ShardSource>);
     let mut loader = Loader::new(Arc::clone(&dataset), config(0, 2, repair), Default::default()).unwrap();
     while loader.next().is_some() {}
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -858,7 +858,7 @@ impl Drop for Serve {
 
 /// Reads every record of `tok` at `root` through a loader whose repair hook is `node` (the
 /// store's origin cache wraps it); checks them against `input`; returns the cache's counters.
-fn read_all_through(root: &Path, node: Option<Arc<dyn granary::ShardRepair>>, input: &[u8]) -> granary::CacheStats {
+fn read_all_through(root: &Path, node: Option<Arc<dyn granary::ShardSource>>, input: &[u8]) -> granary::CacheStats {
     use granary::loader::{Loader, LoaderConfig, Target};
     use granary::store::{StorePaths, VersionSpec};
 
@@ -1020,7 +1020,7 @@ fn a_store_mounted_read_only_serves_its_cached_shards_and_names_the_rest() {
 
 #[test]
 fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
-    use granary::ShardRepair;
+    use granary::ShardSource;
     use granary::store::{StorePaths, VersionSpec};
 
     let dir = tempdir();
@@ -1183,7 +1183,7 @@ fn an_epoch_through_a_quarter_cache_holds_no_more_disk_than_the_bound() {
         seed: 2,
         target: Target::Host,
         epochs: Some(3),
-        repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardRepair>),
+        repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardSource>),
         ..LoaderConfig::default()
     };
     let mut loader = Loader::new(dataset, config, Default::default()).unwrap();

@@ -229,7 +229,7 @@ struct PutBack {
     repairs: std::sync::atomic::AtomicU64,
 }
 
-impl granary::ShardRepair for PutBack {
+impl granary::ShardSource for PutBack {
     fn repair(&self, _shard: granary::ShardId, _cause: &granary::Error) -> granary::Result<()> {
         let aside = self.path.with_extension("repaired");
         std::fs::write(&aside, &self.good).map_err(|e| granary::Error::io("write", &aside, e))?;
@@ -259,7 +259,7 @@ fn after_a_repair_the_page_cache_tier_reads_the_new_file_and_the_damage_counts_o
         let before = hook.repairs.load(std::sync::atomic::Ordering::Relaxed);
         let config = LoaderConfig {
             plan: PlanSource::Native(order),
-            repair: Some(Arc::clone(&hook) as Arc<dyn granary::ShardRepair>),
+            repair: Some(Arc::clone(&hook) as Arc<dyn granary::ShardSource>),
             ..config(1, TierSetting::Shared(Arc::clone(&tier)))
         };
         let mut loader = Loader::new(Arc::clone(&f.dataset), config, Position::default()).unwrap();

@@ -72,7 +72,7 @@ pub use ingest::{Ingest, IngestMode, IngestOptions};
 pub use io::{Backend, Io, IoConfig};
 pub use loader::{LoadedBatch, Loader, LoaderConfig, LoaderStats, PlanSource, Target, TierSetting};
 pub use plan::{EpochPlan, Order, Position, RankCursor, World};
-pub use read::{Batch, CacheStats, Dataset, PublishedStats, Reader, ShardRepair};
+pub use read::{Batch, CacheStats, Dataset, PublishedStats, Reader, ShardSource};
 pub use shard::{Dtype, FixedLayout, Layout};
 pub use staging::{Lease, StagingConfig, StagingPool};
 pub use store::{DatasetName, StorePaths, VersionSpec};

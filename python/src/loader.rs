@@ -154,7 +154,7 @@ impl State {
 /// `LoaderConfig::repair`): when `GRANARY_CLUSTER_KEY` is set and a node records where it
 /// listens there (`replication/listen`). For an attached dataset the engine puts it behind the
 /// origin cache, which asks it before the origin.
-fn node_beside(root: &std::path::Path) -> granary::Result<Option<Arc<dyn granary::read::ShardRepair>>> {
+fn node_beside(root: &std::path::Path) -> granary::Result<Option<Arc<dyn granary::read::ShardSource>>> {
     let Some(key) = granary::replication::ClusterKey::from_env()? else { return Ok(None) };
     match granary::replication::NodeClient::for_store(root, key) {
         Ok(client) => Ok(Some(Arc::new(client))),

@@ -98,7 +98,7 @@ pub struct LoaderConfig {
     /// then retried and the batches come in the same order. `None`: such a read fails. For an
     /// attached dataset the store's origin cache fetches missing shards, asking this node for
     /// a peer's copy before the origin.
-    pub repair: Option<Arc<dyn crate::read::ShardRepair>>,
+    pub repair: Option<Arc<dyn crate::read::ShardSource>>,
     /// The node's memory tier: records are served from verified extents in memory, filled
     /// ahead of the reader in plan order.
     pub tier: TierSetting,

@@ -18,7 +18,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::metrics::{AtomicHistogram, Samples, Source, Unit};
-use crate::read::{CacheStats, Dataset, PublishedStats, ShardRepair};
+use crate::read::{CacheStats, Dataset, PublishedStats, ShardSource};
 use crate::staging::StagingPool;
 use crate::tier::{MemoryTier, TierStats};
 
@@ -65,7 +65,7 @@ pub(crate) struct LoaderMetrics {
 pub(super) struct Live {
     pub(super) pool: StagingPool,
     pub(super) tier: Option<Arc<MemoryTier>>,
-    pub(super) repair: Option<Arc<dyn ShardRepair>>,
+    pub(super) repair: Option<Arc<dyn ShardSource>>,
 }
 
 impl LoaderMetrics {

@@ -110,7 +110,7 @@ pub struct Loader {
     device: Option<String>,
     coordinator: Option<Arc<Coordinator>>,
     /// The repair hook, for its cache's counters.
-    repair: Option<Arc<dyn crate::read::ShardRepair>>,
+    repair: Option<Arc<dyn crate::read::ShardSource>>,
     /// `None` with the metrics off.
     metrics: Option<Arc<LoaderMetrics>>,
     /// Measures the trainer's time per batch for rebalancing.

@@ -16,7 +16,7 @@ use super::{EpochPlanner, LoaderConfig, shards_by_step};
 use crate::error::Result;
 use crate::id::ShardId;
 use crate::plan::{Position, World};
-use crate::read::{Dataset, ShardRepair};
+use crate::read::{Dataset, ShardSource};
 
 /// The planning thread and the channel to it: dropped, it closes the channel, then joins the
 /// thread.
@@ -31,7 +31,7 @@ impl NodePlan {
     pub(super) fn start(
         dataset: &Arc<Dataset>,
         config: &LoaderConfig,
-        hook: Arc<dyn ShardRepair>,
+        hook: Arc<dyn ShardSource>,
         peers: Vec<World>,
     ) -> Result<Option<Self>> {
         if peers.is_empty() {

@@ -17,8 +17,8 @@ use crate::read::Dataset;
 #[cfg(feature = "origin")]
 pub(super) fn origin_hook(
     dataset: &Dataset,
-    given: Option<Arc<dyn crate::read::ShardRepair>>,
-) -> Result<Option<Arc<dyn crate::read::ShardRepair>>> {
+    given: Option<Arc<dyn crate::read::ShardSource>>,
+) -> Result<Option<Arc<dyn crate::read::ShardSource>>> {
     let Some((name, _)) = dataset.version() else { return Ok(given) };
     // A hook that is a cache of its own (an origin cache the caller opened) is used as given:
     // wrapped, its fetches would wait on the claims of the wrapping cache's.
@@ -37,8 +37,8 @@ pub(super) fn origin_hook(
 #[cfg(not(feature = "origin"))]
 pub(super) fn origin_hook(
     _: &Dataset,
-    given: Option<Arc<dyn crate::read::ShardRepair>>,
-) -> Result<Option<Arc<dyn crate::read::ShardRepair>>> {
+    given: Option<Arc<dyn crate::read::ShardSource>>,
+) -> Result<Option<Arc<dyn crate::read::ShardSource>>> {
     Ok(given)
 }
 

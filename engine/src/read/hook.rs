@@ -1,6 +1,6 @@
-//! What a read asks of the world beyond its files: `ShardRepair`, the hook a damaged or missing
-//! shard is repaired through (a replication node, an origin cache), told the plan and each
-//! batch's shards; and `CacheStats`, a cache's counters.
+//! What a read asks of the world beyond its files: `ShardSource`, where a shard the reader
+//! lacks or found damaged comes from (a replication node's peers, an origin cache's origin),
+//! told the plan and each batch's shards; and `CacheStats`, a cache's counters.
 //!
 //! Owns the trait and the counters. Never: implements a repair (the replication and origin
 //! modules do) or decides when to call one (the reader does).
@@ -8,10 +8,12 @@
 use crate::error::{Error, Result};
 use crate::id::ShardId;
 
-/// Replaces a damaged or missing shard with a verified copy from elsewhere (a peer of the
-/// replication layer), so that a read that failed on it can be retried. Implemented by
+/// Where shards the reader lacks come from: it replaces a damaged or missing shard with a
+/// verified copy from elsewhere (a peer of the replication layer, an origin), so that a read that
+/// failed on it can be retried, and a cache of fetched shards learns the plan and each access
+/// through it. Implemented by
 /// `replication::Node` (in the reading process) and `replication::NodeClient` (a node beside it).
-pub trait ShardRepair: Send + Sync + std::fmt::Debug {
+pub trait ShardSource: Send + Sync + std::fmt::Debug {
     /// Makes the file of shard `shard` intact again; `cause` is the error the read met. Returns
     /// once a verified copy is in place (or with the reason there is none).
     fn repair(&self, shard: ShardId, cause: &Error) -> Result<()>;

@@ -2,7 +2,7 @@
 //!
 //! Owns: `Reader` (one per thread or rank: a backend, its open files, reusable planning
 //! scratch); beside it `dataset.rs` (`Dataset`: an opened dataset version, its manifest and,
-//! loaded on first use, each shard's verified metadata), `hook.rs` (`ShardRepair`, what a read
+//! loaded on first use, each shard's verified metadata), `hook.rs` (`ShardSource`, what a read
 //! asks of a repairer or cache), `watch.rs` (how it learns its open files went), `pipeline.rs`
 //! (the stream of one read), `batch.rs`, `verify.rs`, `stats.rs`. A batch read maps indices to shard byte ranges, reads each block
 //! that any record touches exactly once, coalescing adjacent blocks into ops of up to the
@@ -42,7 +42,7 @@ use std::sync::{Arc, OnceLock};
 pub use batch::Batch;
 pub use dataset::Dataset;
 pub(crate) use dataset::forget_shard_reads;
-pub use hook::{CacheStats, ShardRepair};
+pub use hook::{CacheStats, ShardSource};
 pub use stats::{PublishedStats, ReadStats};
 pub use verify::{VERIFY_THREADS_MAX, default_verify_threads};
 
@@ -94,7 +94,7 @@ pub struct Reader {
     /// A copy of `stats` kept current for another thread (see `publish_stats`).
     published: Option<Arc<PublishedStats>>,
     staging: Option<StagingPool>,
-    repair: Option<Arc<dyn ShardRepair>>,
+    repair: Option<Arc<dyn ShardSource>>,
     tier: Option<TierReader>,
     /// Verify workers to start for long ops (0: every check on the reading thread).
     verify_threads: usize,
@@ -200,7 +200,7 @@ impl Reader {
     /// Repairs shards through `hook` when a read finds one damaged or missing, then reads again
     /// what was not delivered yet: the caller sees the same records in the same order, or the
     /// original error when no verified copy can be had.
-    pub fn set_repair(&mut self, hook: Arc<dyn ShardRepair>) {
+    pub fn set_repair(&mut self, hook: Arc<dyn ShardSource>) {
         self.repair = Some(hook);
     }
 

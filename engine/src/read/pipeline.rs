@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::batch::{self, Batch};
 use super::stats::publish;
-use super::{BatchSlot, Dataset, PublishedStats, ReadStats, ShardRepair, Watcher, inode_of, verify};
+use super::{BatchSlot, Dataset, PublishedStats, ReadStats, ShardSource, Watcher, inode_of, verify};
 use crate::error::{Error, Result};
 use crate::id::ShardId;
 use crate::io::{Dest, FileId, FileOpener, Next, ReadStream};
@@ -44,7 +44,7 @@ pub(super) struct Pipeline<'r, I> {
     pub(super) staging: Option<&'r StagingPool>,
     /// Scratch: the shards of a delivered batch, for the repair hook's access accounting.
     pub(super) touched: Vec<ShardId>,
-    pub(super) hook: Option<&'r dyn ShardRepair>,
+    pub(super) hook: Option<&'r dyn ShardSource>,
     /// A batch taken from the source whose planning failed.
     pub(super) unplanned: Option<Vec<u64>>,
     pub(super) tier: Option<&'r mut TierReader>,

@@ -2,7 +2,7 @@
 //! read-time repair hook of reader processes beside a `granary serve`.
 //!
 //! Owns: `NodeClient` (`status`, `replicate`, `repair`, `report_reads`; `for_store` finds the node
-//! of a store through `replication/listen`) and its `ShardRepair` hook, which counts a reader's
+//! of a store through `replication/listen`) and its `ShardSource` hook, which counts a reader's
 //! shard reads and reports them about once a second. Never: writes to the store (the node it asks
 //! repairs and publishes), or keeps a connection between calls (each call opens its own,
 //! authenticated).
@@ -15,7 +15,7 @@ use super::secure::{Channel, ClusterKey, Deadlines, Hello};
 use super::status::NodeStatus;
 use crate::error::{Error, Result, TransportError};
 use crate::id::ShardId;
-use crate::read::ShardRepair;
+use crate::read::ShardSource;
 
 /// Talks to one node. Each call opens its own authenticated connection.
 #[derive(Debug)]
@@ -230,7 +230,7 @@ fn unexpected(peer: SocketAddr, kind: super::frame::Kind) -> Error {
     }
 }
 
-impl ShardRepair for NodeClient {
+impl ShardSource for NodeClient {
     fn repair(&self, shard: ShardId, _cause: &Error) -> Result<()> {
         NodeClient::repair(self, shard).map(|_| ())
     }

@@ -29,7 +29,7 @@ pub use super::status::{CodedVersionStatus, GoalStatus, NodeStatus, PeerStatus};
 use crate::error::{Error, Result};
 use crate::id::ShardId;
 use crate::policy::{PolicyHost, ShardCache};
-use crate::read::ShardRepair;
+use crate::read::ShardSource;
 
 /// The node id derived from a listen address (when neither the user nor a launcher gives one).
 fn node_id_of(listen: &SocketAddr) -> u32 {
@@ -264,7 +264,7 @@ impl Drop for Node {
     }
 }
 
-impl ShardRepair for Node {
+impl ShardSource for Node {
     fn repair(&self, shard: ShardId, _cause: &Error) -> Result<()> {
         Node::repair(self, shard).map(|_| ())
     }

@@ -1,6 +1,6 @@
 //! A reader's shard: read-time repair and the read cache.
 //!
-//! A reader that found a shard damaged or missing asks the node (`ShardRepair`, or a `Repair`
+//! A reader that found a shard damaged or missing asks the node (`ShardSource`, or a `Repair`
 //! frame): a damaged local copy is quarantined, then a verified copy is pulled from a peer that
 //! lists it, or, for a coded shard no node that is up holds whole, rebuilt from `k` of its
 //! fragments (`coded.rs`). A shard fetched for a read and not placed here by the replicator is

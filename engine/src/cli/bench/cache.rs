@@ -176,7 +176,7 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
             .context("the dataset was just attached")?;
         cache.record_trace();
         let dataset = granary::Dataset::open(&paths, &spec)?;
-        let hook: Arc<dyn granary::ShardRepair> =
+        let hook: Arc<dyn granary::ShardSource> =
             if planned { Arc::clone(&cache) as _ } else { Arc::new(Unplanned(Arc::clone(&cache))) };
         let run = read_epochs(dataset, Some(hook), args, window)?;
         let stats = cache.stats();
@@ -215,7 +215,7 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
 #[derive(Debug)]
 struct Unplanned(Arc<OriginCache>);
 
-impl granary::ShardRepair for Unplanned {
+impl granary::ShardSource for Unplanned {
     fn repair(&self, shard: ShardId, cause: &granary::Error) -> granary::Result<()> {
         self.0.repair(shard, cause)
     }
@@ -243,7 +243,7 @@ struct Run {
 /// per batch standing for the training step, through `repair` (the cache) when given.
 fn read_epochs(
     dataset: Arc<granary::Dataset>,
-    repair: Option<Arc<dyn granary::ShardRepair>>,
+    repair: Option<Arc<dyn granary::ShardSource>>,
     args: &CacheArgs,
     window: u64,
 ) -> Result<Run> {

@@ -473,7 +473,7 @@ fn hot_run(host: &PolicyHost, dir: &Path, hot_bytes: u64, copies: usize) -> Resu
     let readers: Vec<std::thread::JoinHandle<Result<u64>>> = (0..3)
         .map(|i| {
             let dataset = Dataset::open(&StorePaths::new(&roots[i]), &VersionSpec::parse("hot")?)?;
-            let node: Arc<dyn granary::ShardRepair> = Arc::clone(&nodes[i]) as Arc<dyn granary::ShardRepair>;
+            let node: Arc<dyn granary::ShardSource> = Arc::clone(&nodes[i]) as Arc<dyn granary::ShardSource>;
             let config = LoaderConfig {
                 batch_size: 256,
                 plan: PlanSource::Native(granary::Order::Sequential),

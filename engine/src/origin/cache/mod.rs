@@ -36,7 +36,7 @@ use super::{FETCH_TRIES, Origin};
 use crate::error::{Error, Result};
 use crate::id::ShardId;
 use crate::policy::{Limits, PolicyHost, ShardCache};
-use crate::read::{CacheStats, ShardRepair};
+use crate::read::{CacheStats, ShardSource};
 use crate::store::attached::{attachments, cache_settings, origin_dir, store_shards};
 use crate::store::{StorePaths, sync_dir};
 
@@ -60,7 +60,7 @@ const PEERS_SLOW: Duration = Duration::from_secs(2);
 
 /// The replication node a cache asks before its origin, and until when it is left alone.
 struct Peers {
-    node: Arc<dyn ShardRepair>,
+    node: Arc<dyn ShardSource>,
     down_until: Option<Instant>,
 }
 
@@ -230,7 +230,7 @@ impl OriginCache {
     /// a peer that holds it, verified, or refuses at once when none does. `open` sets this
     /// itself when `GRANARY_CLUSTER_KEY` is set and a `granary serve` serves the store. `node`
     /// must not fetch through an origin cache of this store: it would wait on this one's claim.
-    pub fn set_peers(&self, node: Arc<dyn ShardRepair>) {
+    pub fn set_peers(&self, node: Arc<dyn ShardSource>) {
         *self.peers.lock() = Some(Peers { node, down_until: None });
     }
 
@@ -635,7 +635,7 @@ impl crate::engine::ShardFetcher for OriginCache {
     }
 }
 
-impl ShardRepair for OriginCache {
+impl ShardSource for OriginCache {
     fn repair(&self, shard: ShardId, cause: &Error) -> Result<()> {
         if !self.can_fetch(shard) {
             return Err(Error::NotFound {
