@@ -6,7 +6,8 @@
 //! room) is the same for both (`fill.rs`). Beside this file, which keeps the budget and the
 //! memory tier's files: `config.rs` (what a tier is asked for), `names.rs` (its file names),
 //! `dirs.rs` (which directory may be the tier's), `memory.rs` (the node's memory), `schedule.rs`
-//! (the plan as the tier sees it), `reader.rs` (a reader's look-ups).
+//! (the plan as the tier sees it), `reader.rs` (a reader's look-ups), `claim.rs` (the memory
+//! tier's fills: claim, read, check, publish).
 //!
 //! Owns (the memory tier): a directory in a memory file system (`/dev/shm/granary-tier-UID` by
 //! default, marked as the tier's by a `.granary-tier` file) holding one file per extent (a run
@@ -38,6 +39,8 @@
 //! other files and no marker), touches a file whose name is not the tier's, or touches disk
 //! shards except to read them (and to advise the kernel on their pages).
 
+mod claim;
+use claim::remove_if_same;
 mod config;
 mod dirs;
 mod fill;
@@ -48,7 +51,7 @@ mod reader;
 mod schedule;
 
 use std::collections::HashMap;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -528,68 +531,6 @@ impl MemoryTier {
         None
     }
 
-    /// Reads extent `info` from its shard into the tier: a claim, one O_DIRECT read into a
-    /// private file's mapping, every block checked against `meta`, then the private file linked
-    /// under the extent's name. The budget is the caller's affair (`fill_within_budget` keeps it).
-    pub fn fill(&self, info: &ExtentInfo) -> Result<Filled> {
-        if self.page_cache.is_some() {
-            return self.fill_page_cache(info);
-        }
-        let name = self.extent_name(&info.key);
-        if self.dir.join(&name).exists() {
-            return Ok(Filled::Elsewhere);
-        }
-        let Some(claim) = self.claim(&name, info.n_blocks * BLOCK_BYTES_U64)? else { return Ok(Filled::Elsewhere) };
-        self.fill_under(claim, info, &name)
-    }
-
-    /// `fill`, within the node-wide budget. Under the budget lock (a flock on the directory that
-    /// every filler of the node, in any process, takes in turn), the extent is claimed (or left
-    /// to the filler that holds it), then, with what the tier holds listed afresh and every other
-    /// fill under way counted at the length its claim says, `room` evicts what it chooses and says whether
-    /// the extent fits now; the lock goes after that, so two fillers never spend the same room.
-    /// `None`: no room was made, or the lock stayed taken for `BUDGET_LOCK_WAIT` (a process
-    /// forked while holding it keeps it until it exits).
-    pub fn fill_within_budget(
-        &self,
-        info: &ExtentInfo,
-        room: impl FnOnce(Holdings) -> Result<bool>,
-    ) -> Result<Option<Filled>> {
-        if let Some(page_cache) = &self.page_cache {
-            // The page cache is the node's: fills of other processes need no claim (two reads
-            // of one page are one read), and the budget is this process's plan's to keep.
-            let (extents, held) = self.resident()?;
-            let holdings = Holdings { extents, held, filling: page_cache.filling() };
-            if !room(holdings)? {
-                return Ok(None);
-            }
-            return self.fill_page_cache(info).map(Some);
-        }
-        let name = self.extent_name(&info.key);
-        if self.dir.join(&name).exists() {
-            return Ok(Some(Filled::Elsewhere));
-        }
-        let claim = {
-            let Some(_budget_lock) = self.budget_lock()? else { return Ok(None) };
-            if self.dir.join(&name).exists() {
-                return Ok(Some(Filled::Elsewhere));
-            }
-            let bytes = info.n_blocks * BLOCK_BYTES_U64;
-            let Some(claim) = self.claim(&name, bytes)? else { return Ok(Some(Filled::Elsewhere)) };
-            let mut holdings = self.holdings_now()?;
-            // Its own claim is what `room` is asked about.
-            holdings.filling = holdings.filling.saturating_sub(bytes);
-            match room(holdings) {
-                Ok(true) => claim,
-                outcome => {
-                    remove_if_same(&claim.path, &claim.file);
-                    return outcome.map(|_| None);
-                }
-            }
-        };
-        self.fill_under(claim, info, &name).map(Some)
-    }
-
     /// Counts a fill that failed before it reached the tier (a fault injected by a loader).
     pub(crate) fn count_fill_failure(&self) {
         self.counters.fill_failures.fetch_add(1, Ordering::Relaxed);
@@ -614,120 +555,6 @@ impl MemoryTier {
             }
         }
         outcome
-    }
-
-    /// The budget lock (an exclusive flock on the directory), held until the file is dropped;
-    /// `None` when it stayed taken for `BUDGET_LOCK_WAIT`. The descriptor is its own: a flock
-    /// is per open file, so this also orders the fillers of this process.
-    fn budget_lock(&self) -> Result<Option<std::fs::File>> {
-        let file = std::fs::File::open(&self.dir).map_err(|e| Error::io("open", &self.dir, e))?;
-        let deadline = Instant::now() + BUDGET_LOCK_WAIT;
-        while flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_err() {
-            if Instant::now() >= deadline {
-                return Ok(None);
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Ok(Some(file))
-    }
-
-    fn fill_under(&self, claim: Claim, info: &ExtentInfo, name: &str) -> Result<Filled> {
-        // Another filler may have published it between the check and the claim.
-        let outcome =
-            if self.dir.join(name).exists() { Ok(Filled::Elsewhere) } else { self.fill_claimed(info, name, &claim) };
-        if outcome.is_err() {
-            self.counters.fill_failures.fetch_add(1, Ordering::Relaxed);
-        }
-        remove_if_same(&claim.path, &claim.file);
-        outcome
-    }
-
-    fn fill_claimed(&self, info: &ExtentInfo, name: &str, claim: &Claim) -> Result<Filled> {
-        let len = usize::try_from(info.n_blocks * BLOCK_BYTES_U64)
-            .map_err(|_| Error::invalid_input("an extent larger than memory"))?;
-        let (file, private) = self.private_file(name)?;
-        let final_path = self.dir.join(name);
-        let outcome = (|| {
-            // The disk's DMA lands in the private file's own pages: no copy into the tier.
-            let mut map = WritableMap::new(&file, len, &private)?;
-            let bytes = map.as_mut_slice();
-            read_exact_direct(&info.path, DATA_OFFSET + info.first_block * BLOCK_BYTES_U64, bytes)?;
-            info.meta.check_blocks(info.first_block, bytes).map_err(|(block, expected, actual)| {
-                Error::ChecksumMismatch { shard: info.key.shard, block, expected, actual }
-            })?;
-            drop(map);
-            file.set_permissions(std::fs::Permissions::from_mode(0o400))
-                .map_err(|e| Error::io("chmod", &private, e))?;
-            // Only this call knows the private name, so what is linked is what was checked; the
-            // link fails rather than replace an extent someone else published.
-            // Under the budget lock, the extent appears and its claim goes in one step for a
-            // filler that lists the directory to count what is held (a listing is not atomic:
-            // it could miss both). A lock that stays taken does not stop the publication.
-            let _budget_lock = self.budget_lock()?;
-            let linked = match std::fs::hard_link(&private, &final_path) {
-                Ok(()) => Ok(Filled::Loaded),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(Filled::Elsewhere),
-                Err(e) => Err(Error::io("link", &final_path, e)),
-            };
-            remove_if_same(&claim.path, &claim.file);
-            linked
-        })();
-        let _ = std::fs::remove_file(&private);
-        if let Ok(Filled::Loaded) = outcome {
-            self.counters.extents_loaded.fetch_add(1, Ordering::Relaxed);
-            self.counters.bytes_loaded.fetch_add(len as u64, Ordering::Relaxed);
-            let ino = file.metadata().map(|m| m.ino()).unwrap_or(0);
-            let mut listing = self.listing.lock();
-            if listing.extents.insert(name.to_owned(), (len as u64, ino)).is_none() {
-                listing.bytes += len as u64;
-            }
-        }
-        outcome
-    }
-
-    /// A new file only this process names (`.new-PID-N-NAME`), for extent `name`.
-    fn private_file(&self, name: &str) -> Result<(std::fs::File, PathBuf)> {
-        let mut tries = 0;
-        loop {
-            // The pid alone is not unique across PID namespaces sharing the directory: a taken
-            // name is skipped.
-            let path = self.dir.join(format!(".new-{}-{}-{name}", std::process::id(), nonce()));
-            match std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path) {
-                Ok(file) => return Ok((file, path)),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 64 => tries += 1,
-                Err(e) => return Err(Error::io("create", &path, e)),
-            }
-        }
-    }
-
-    /// Takes the claim on extent `name`, `bytes` long: a fresh file, locked, as long as the fill
-    /// (sparse: no memory, the length tells other fillers the room it takes), then linked to `.fill-NAME` (the
-    /// link fails if another claim exists, so the lock is held before the name is visible).
-    /// `None` when a live filler holds it.
-    fn claim(&self, name: &str, bytes: u64) -> Result<Option<Claim>> {
-        let claim_path = self.dir.join(format!(".fill-{name}"));
-        let (file, fresh) = self.private_file(name)?;
-        let claimed = flock(&file, libc::LOCK_EX | libc::LOCK_NB)
-            .and_then(|()| file.set_len(bytes))
-            .map_err(|e| Error::io("claim", &fresh, e))
-            .and_then(|()| {
-                for _ in 0..2 {
-                    match std::fs::hard_link(&fresh, &claim_path) {
-                        Ok(()) => return Ok(true),
-                        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                            if self.claim_is_live(name) {
-                                return Ok(false);
-                            }
-                        }
-                        // A clear emptied the directory meanwhile: leave the extent for now.
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-                        Err(e) => return Err(Error::io("link", &claim_path, e)),
-                    }
-                }
-                Ok(false)
-            });
-        let _ = std::fs::remove_file(&fresh);
-        Ok(claimed?.then_some(Claim { file, path: claim_path }))
     }
 
     /// Removes extent `name` from the tier (mappings of it stay valid until dropped).
@@ -912,46 +739,11 @@ impl std::fmt::Debug for MemoryTier {
     }
 }
 
-/// A claim on an extent, locked by this process until it is removed.
-struct Claim {
-    file: std::fs::File,
-    path: PathBuf,
-}
-
-/// Removes `path` if it still names `file`. Another process's clean-up may have replaced a
-/// name since it was opened; what is left between the check and the removal is harmless: a
-/// live claim removed so lets a second filler load the same extent, and the second link fails.
-fn remove_if_same(path: &Path, file: &std::fs::File) {
-    let same = match (std::fs::symlink_metadata(path), file.metadata()) {
-        (Ok(named), Ok(held)) => named.dev() == held.dev() && named.ino() == held.ino(),
-        _ => false,
-    };
-    if same {
-        let _ = std::fs::remove_file(path);
-    }
-}
-
-/// Reads `bytes.len()` bytes at `offset` of `path`, with O_DIRECT where the file system takes it
-/// (the tier is the cache: the page cache would hold a second copy).
-fn read_exact_direct(path: &Path, offset: u64, bytes: &mut [u8]) -> Result<()> {
-    use std::os::unix::fs::FileExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .or_else(|_| std::fs::File::open(path))
-        .map_err(|e| Error::io("open", path, e))?;
-    file.read_exact_at(bytes, offset).map_err(|e| {
-        let mut named = PathBuf::from(path);
-        named.as_mut_os_string().push(format!(" at offset {offset} (+{} bytes)", bytes.len()));
-        Error::io("read", named, e)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::dirs::fs_type_of;
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn the_file_system_of_a_directory_is_its_deepest_mount_point() {
@@ -965,44 +757,6 @@ mod tests {
         // Component-wise: /data-other is not under /data.
         assert_eq!(fs_type_of(mounts, Path::new("/data-other/tier")), Some("ext4"));
         assert_eq!(fs_type_of("", Path::new("/x")), None);
-    }
-
-    #[test]
-    fn a_dead_fillers_claim_is_stale_and_a_live_one_is_not() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let config = TierConfig {
-            kind: TierKind::Memory,
-            budget_bytes: Some(1 << 30),
-            dir: Some(dir.path().join("t")),
-            ..TierConfig::default()
-        };
-        let tier = MemoryTier::open(&config).expect("open").expect("on");
-        let name = format!("{}.4096k.000000", "ab".repeat(32));
-        let claim = tier.claim(&name, 4 << 20).expect("claim").expect("free");
-        assert!(tier.claim_is_live(&name), "held by this process's open claim");
-        assert!(tier.claim(&name, 4 << 20).expect("claim").is_none(), "one claim at a time");
-        drop(claim);
-        assert!(!tier.claim_is_live(&name), "its lock went with it");
-        assert!(!dir.path().join(format!("t/.fill-{name}")).exists(), "the stale claim was removed");
-    }
-
-    #[test]
-    fn a_claim_removes_only_its_own_file() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let config = TierConfig {
-            kind: TierKind::Memory,
-            budget_bytes: Some(1 << 30),
-            dir: Some(dir.path().join("t")),
-            ..TierConfig::default()
-        };
-        let tier = MemoryTier::open(&config).expect("open").expect("on");
-        let name = format!("{}.4096k.000000", "cd".repeat(32));
-        let claim = tier.claim(&name, 4 << 20).expect("claim").expect("free");
-        // Someone else's clean-up replaced the name meanwhile (another filler's claim now).
-        std::fs::remove_file(&claim.path).expect("unlink");
-        std::fs::write(&claim.path, b"theirs").expect("write");
-        remove_if_same(&claim.path, &claim.file);
-        assert_eq!(std::fs::read(&claim.path).expect("read"), b"theirs", "another's claim stays");
     }
 
     #[test]
