@@ -228,6 +228,18 @@ struct Listing {
     bytes: u64,
 }
 
+impl Listing {
+    /// The budget is kept by `bytes`: it must be what the listed extents add up to, or every
+    /// fill decision that follows is made on a wrong figure.
+    fn debug_check(&self) {
+        debug_assert_eq!(
+            self.bytes,
+            self.extents.values().map(|&(bytes, _)| bytes).sum::<u64>(),
+            "the tier's held bytes drifted from its extents"
+        );
+    }
+}
+
 /// What the tier holds and is filling node-wide, listed under the budget lock.
 #[derive(Debug, Default)]
 pub struct Holdings {
@@ -599,6 +611,7 @@ impl MemoryTier {
         if self.page_cache.is_none() && listing.at.is_none_or(|at| at.elapsed() > SCAN_TTL) {
             self.list(&mut listing)?;
         }
+        listing.debug_check();
         Ok((listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect(), listing.bytes))
     }
 
@@ -628,6 +641,7 @@ impl MemoryTier {
         }
         let mut listing = self.listing.lock();
         let claims = self.list(&mut listing)?;
+        listing.debug_check();
         let extents = listing.extents.iter().map(|(name, &(bytes, _))| (name.clone(), bytes)).collect();
         let held = listing.bytes;
         drop(listing);
