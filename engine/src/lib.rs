@@ -47,6 +47,7 @@ pub mod store;
 pub mod catalog;
 pub mod ingest;
 pub mod plan;
+pub mod blend;
 pub mod io;
 pub mod staging;
 pub mod metrics;
@@ -65,6 +66,7 @@ pub mod cli;
 // The command line names the library's items as `granary::...`, as a user of the crate would.
 extern crate self as granary;
 
+pub use blend::Blend;
 pub use engine::Granary;
 pub use error::{Error, FormatError, PluginError, Result};
 pub use id::{ManifestId, ObjectId, ShardId};
@@ -72,7 +74,7 @@ pub use ingest::{Ingest, IngestMode, IngestOptions};
 pub use io::{Backend, Io, IoConfig};
 pub use loader::{LoadedBatch, Loader, LoaderConfig, LoaderStats, PlanSource, Target, TierSetting};
 pub use plan::{EpochPlan, Order, Position, RankCursor, World};
-pub use read::{Batch, CacheStats, Dataset, PublishedStats, Reader, ShardSource};
+pub use read::{Batch, CacheStats, Dataset, EpochLength, Mixture, MixtureSource, PublishedStats, Reader, ShardSource};
 pub use shard::{Dtype, FixedLayout, Layout};
 pub use staging::{Lease, StagingConfig, StagingPool};
 pub use store::{DatasetName, StorePaths, VersionSpec};

@@ -42,6 +42,19 @@ pub enum PlanSource {
         /// `key=value` options.
         options: Vec<(String, String)>,
     },
+    /// A mixture's order (`Mixture::blend`), over the mixture's dataset (`Mixture::dataset`):
+    /// an epoch is the blend's `epoch_samples` positions.
+    Mixture(std::sync::Arc<crate::blend::Blend>),
+}
+
+impl PlanSource {
+    /// Positions in an epoch of `dataset` under this plan: its records, or a mixture's samples.
+    pub fn epoch_len(&self, dataset: &crate::read::Dataset) -> u64 {
+        match self {
+            PlanSource::Mixture(blend) => blend.epoch_samples(),
+            _ => dataset.n_records(),
+        }
+    }
 }
 
 impl Default for PlanSource {

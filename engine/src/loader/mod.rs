@@ -226,9 +226,9 @@ impl Loader {
                 rebalancing.check(config.world.size())?;
                 let grid = rebalance::Grid::new(
                     u64::from(config.world.size()).saturating_mul(config.batch_size),
-                    dataset.n_records(),
+                    config.plan.epoch_len(&dataset),
                     rebalancing.every,
-                    normalized(start, dataset.n_records()),
+                    normalized(start, config.plan.epoch_len(&dataset)),
                 );
                 rebalancing.fit_resume(config.world.size(), &grid);
                 let (to_reader, from_meter) = std::sync::mpsc::channel();

@@ -75,6 +75,7 @@ pub(super) struct EpochPlanner {
 
 enum Source {
     Native(Order),
+    Blend(std::sync::Arc<crate::blend::Blend>),
     #[cfg(feature = "policy")]
     Plugin {
         partitioner: Box<crate::policy::Partitioner>,
@@ -94,7 +95,22 @@ impl EpochPlanner {
                      not a native order",
                 ));
             }
+            #[cfg(feature = "policy")]
+            PlanSource::Mixture(_) if config.rebalance.is_some() => {
+                return Err(Error::invalid_input(
+                    "rebalancing splits a partitioner plugin's steps, and a mixture is ordered by its blend: \
+                     read a mixture without rebalancing",
+                ));
+            }
             PlanSource::Native(order) => Source::Native(*order),
+            PlanSource::Mixture(blend) => {
+                if blend.sources().last().map(|s| s.start + s.n_records) != Some(dataset.n_records()) {
+                    return Err(Error::invalid_input(
+                        "a mixture's plan reads the mixture's own dataset (Mixture::dataset)",
+                    ));
+                }
+                Source::Blend(std::sync::Arc::clone(blend))
+            }
             #[cfg(feature = "policy")]
             PlanSource::Partitioner { plugin, options } => {
                 use crate::policy::{Limits, NodeInfo, PolicyHost, RankInfo, ShardInfo};
@@ -134,7 +150,7 @@ impl EpochPlanner {
             }
         };
         Ok(Self {
-            n_records: dataset.n_records(),
+            n_records: config.plan.epoch_len(dataset),
             seed: config.seed,
             world: config.world,
             batch_size: config.batch_size,
@@ -239,6 +255,31 @@ impl EpochPlanner {
                     }
                     out.push(batches);
                 }
+            }
+            Source::Blend(blend) => {
+                // One pass over the epoch's positions, each step's cut among the ranks asked.
+                let epoch = blend.epoch(self.seed, from.epoch);
+                let mut records = epoch.records_from(from.cursor).map(|(_, record)| record);
+                let mut outs: Vec<EpochBatches> = vec![Vec::new(); worlds.len()];
+                let mut step = Vec::new();
+                let mut cursor = from.cursor;
+                while cursor < n {
+                    let len = steps.step_len(cursor, self.world.size(), batch_size);
+                    step.clear();
+                    step.extend(records.by_ref().take(len as usize));
+                    if step.len() as u64 != len {
+                        return Err(Error::invalid_input("a mixture's epoch ended before its samples"));
+                    }
+                    for (world, batches) in worlds.iter().zip(outs.iter_mut()) {
+                        let range = steps.rank_positions(cursor, *world, batch_size);
+                        let batch = step[(range.start - cursor) as usize..(range.end - cursor) as usize].to_vec();
+                        if !batch.is_empty() {
+                            batches.push((batch, after(cursor, *world)));
+                        }
+                    }
+                    cursor += len;
+                }
+                out = outs;
             }
             #[cfg(feature = "policy")]
             Source::Plugin { partitioner, shards, ranks, nodes } => {

@@ -132,7 +132,7 @@ fn run_epochs(
     let Node { coordinator, peers: node_peers, from_meter } = node;
     #[cfg(not(feature = "policy"))]
     let Node { coordinator, peers: node_peers } = node;
-    let n_records = dataset.n_records();
+    let n_records = config.plan.epoch_len(dataset);
     let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
     out.clock.mark(StartStage::PlannerReady);
     let mut position = normalized(start, n_records);

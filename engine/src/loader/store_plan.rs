@@ -11,7 +11,8 @@ use crate::error::Result;
 use super::config::*;
 use crate::read::Dataset;
 
-/// The repair hook of a loader of `dataset` given `given`: for an attached dataset, the store's
+/// The repair hook of a loader of `dataset` given `given`: for an attached dataset (or a mixture
+/// with an attached source), the store's
 /// origin cache, through which its missing shards are fetched (asking `given`, a replication
 /// node, before the origin); otherwise, or when `given` is a cache itself, `given`.
 #[cfg(feature = "origin")]
@@ -19,12 +20,17 @@ pub(super) fn origin_hook(
     dataset: &Dataset,
     given: Option<Arc<dyn crate::read::ShardSource>>,
 ) -> Result<Option<Arc<dyn crate::read::ShardSource>>> {
-    let Some((name, _)) = dataset.version() else { return Ok(given) };
     // A hook that is a cache of its own (an origin cache the caller opened) is used as given:
-    // wrapped, its fetches would wait on the claims of the wrapping cache's.
-    if given.as_ref().is_some_and(|hook| hook.cache_stats().is_some())
-        || crate::origin::attachment(dataset.paths(), name)?.is_none()
-    {
+    // wrapped, its fetches would wait on the claims of the wrapping cache's. A mixture's dataset
+    // needs the cache when any of its sources is attached.
+    if given.as_ref().is_some_and(|hook| hook.cache_stats().is_some()) {
+        return Ok(given);
+    }
+    let mut attached = false;
+    for (name, _) in dataset.parts() {
+        attached |= crate::origin::attachment(dataset.paths(), name)?.is_some();
+    }
+    if !attached {
         return Ok(given);
     }
     let Some(cache) = crate::origin::OriginCache::open(dataset.paths(), None, &[])? else { return Ok(given) };

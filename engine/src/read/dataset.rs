@@ -19,6 +19,8 @@ pub struct Dataset {
     manifest_id: ManifestId,
     manifest: Manifest,
     version: Option<(DatasetName, u64)>,
+    /// The named versions it is made of: itself, or a concatenation's parts.
+    parts: Vec<(DatasetName, u64)>,
     /// `record_starts[s]` is the dataset index of shard `s`'s first record; one extra at the end.
     record_starts: Vec<u64>,
     metas: Vec<OnceLock<Arc<ShardMeta>>>,
@@ -84,7 +86,53 @@ impl Dataset {
         }
         let metas = manifest.entries().iter().map(|_| OnceLock::new()).collect();
         let shard_reads = shard_reads_of(manifest_id, manifest.entries().len());
-        Self { paths, manifest_id, manifest, version, record_starts, metas, shard_reads }
+        let parts = version.iter().cloned().collect();
+        Self { paths, manifest_id, manifest, version, parts, record_starts, metas, shard_reads }
+    }
+
+    /// The records of `parts` one after the other (a mixture's sources), as one dataset: their
+    /// shards in order, under an id that is the digest of theirs. The parts share a layout and
+    /// a store.
+    pub fn concatenation(parts: &[Arc<Dataset>]) -> Result<Self> {
+        let first = parts.first().ok_or_else(|| Error::invalid_input("a concatenation of no datasets"))?;
+        let mut entries = Vec::new();
+        let mut digest = blake3::Hasher::new();
+        digest.update(b"granary concatenation 1");
+        for part in parts {
+            if part.layout() != first.layout() {
+                return Err(Error::invalid_input(format!(
+                    "{} holds {} records and {} holds {}: a mixture's sources share one layout",
+                    part.label(),
+                    part.layout(),
+                    first.label(),
+                    first.layout()
+                )));
+            }
+            if part.paths().root() != first.paths().root() {
+                return Err(Error::invalid_input("a mixture's sources are datasets of one store"));
+            }
+            digest.update(part.manifest_id().0.as_bytes());
+            entries.extend(part.manifest().entries().iter().cloned());
+        }
+        let id = ManifestId(crate::id::ObjectId::from_hash(digest.finalize()));
+        let manifest = Manifest::new(first.layout().clone(), entries);
+        let mut dataset = Self::from_manifest(first.paths().clone(), id, manifest, None);
+        dataset.parts = parts.iter().flat_map(|part| part.parts.iter().cloned()).collect();
+        Ok(dataset)
+    }
+
+    /// The named versions it is made of: its own name and version when opened by name, a
+    /// concatenation's parts' (empty when opened by manifest id).
+    pub fn parts(&self) -> &[(DatasetName, u64)] {
+        &self.parts
+    }
+
+    /// `name@version`, or the manifest id's first digits.
+    pub fn label(&self) -> String {
+        match &self.version {
+            Some((name, version)) => format!("{name}@{version}"),
+            None => self.manifest_id.0.short(12),
+        }
     }
 
     /// Records in the version.

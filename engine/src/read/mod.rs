@@ -3,7 +3,8 @@
 //! Owns: `Reader` (one per thread or rank: a backend, its open files, reusable planning
 //! scratch); beside it `dataset.rs` (`Dataset`: an opened dataset version, its manifest and,
 //! loaded on first use, each shard's verified metadata), `hook.rs` (`ShardSource`, what a read
-//! asks of a repairer or cache), `watch.rs` (how it learns its open files went), `pipeline.rs`
+//! asks of a repairer or cache), `mixture.rs` (`Mixture`: weighted versions read as one
+//! concatenated dataset, ordered by `blend.rs`), `watch.rs` (how it learns its open files went), `pipeline.rs`
 //! (the stream of one read), `batch.rs`, `verify.rs`, `stats.rs`. A batch read maps indices to shard byte ranges, reads each block
 //! that any record touches exactly once, coalescing adjacent blocks into ops of up to the
 //! backend's op size, reads ops of whole block-aligned records straight into the batch's memory
@@ -32,6 +33,7 @@
 mod batch;
 mod dataset;
 mod hook;
+mod mixture;
 mod pipeline;
 mod stats;
 mod verify;
@@ -43,6 +45,7 @@ pub use batch::Batch;
 pub use dataset::Dataset;
 pub(crate) use dataset::forget_shard_reads;
 pub use hook::{CacheStats, ShardSource};
+pub use mixture::{EpochLength, Mixture, MixtureSource};
 pub use stats::{PublishedStats, ReadStats};
 pub use verify::{VERIFY_THREADS_MAX, default_verify_threads};
 

@@ -1,0 +1,413 @@
+//! The order of a mixture: which source, and which of its records, sits at each position of an
+//! epoch, for sources read in given proportions.
+//!
+//! A blend reads one long sequence cut into epochs of `epoch_samples` positions. At each
+//! position every source's target grows by its weight (weights are fixed-point fractions of
+//! `WEIGHT_UNIT` that add up to it exactly, so the order is the same on every machine), and one
+//! source is drawn by Tijdeman's rule for the chairman assignment problem: among the sources at
+//! least `1 / (2S - 2)` behind their target, the one that would fall a whole draw behind first.
+//! Each source's count then stays within `1 - 1 / (2S - 2)` of its target at every prefix, also
+//! across a change of weights (the greedy rule "the source furthest behind" drifts past 1 with
+//! more than a few sources). Weights may change at any position (a curriculum); the target
+//! restarts at zero with every epoch, so an epoch's proportions hold from its first position.
+//! A source's draws continue across epochs: its k-th draw overall is record
+//! `k mod n` of its pass `k / n`, each pass a fresh seeded permutation, so a small source is
+//! repeated with a new shuffle each pass and a large one is read partly, going on where the
+//! last epoch stopped.
+//!
+//! Owns `Blend`, `BlendSource`, `BlendEpoch` (one epoch's positions from any cursor, replayed
+//! from the epoch's start) and the weights' fixed point. Never: reads data or opens a source
+//! (`read::Mixture` does), or cuts positions between ranks (the plan's `World` arithmetic does,
+//! as for any other order: a blend's positions are global, so any world size reads the same
+//! sequence).
+
+use crate::plan::{EpochPlan, Order, Position};
+
+/// The fixed point of a weight: weights add up to this.
+pub const WEIGHT_UNIT: u64 = 1 << 32;
+
+/// Sources a blend may have.
+pub const SOURCES_MAX: usize = 256;
+
+/// One source of a blend, as its positions see it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BlendSource {
+    /// Where its records start in the sequence of every source's records (the mixture's
+    /// dataset: sources in order).
+    pub start: u64,
+    /// Its records.
+    pub n_records: u64,
+    /// Keys its passes' permutations (a digest of its version, so its order does not depend on
+    /// its place in the list).
+    pub key: u64,
+}
+
+/// The weights in force from a position on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Change {
+    at: Position,
+    units: Vec<u64>,
+}
+
+/// A mixture's order, a function of (sources, weights and their changes, epoch length, seed,
+/// epoch) alone.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Blend {
+    sources: Vec<BlendSource>,
+    epoch_samples: u64,
+    /// Sorted by position; the first is at (0, 0).
+    changes: Vec<Change>,
+}
+
+impl Blend {
+    /// A blend of `sources` in proportions `weights` (any non-negative numbers, at least one
+    /// positive; normalized), `epoch_samples` positions an epoch.
+    pub fn new(sources: Vec<BlendSource>, weights: &[f64], epoch_samples: u64) -> Result<Self, String> {
+        if sources.is_empty() || sources.len() > SOURCES_MAX {
+            return Err(format!("a mixture has 1 to {SOURCES_MAX} sources, not {}", sources.len()));
+        }
+        if epoch_samples == 0 {
+            return Err("a mixture's epoch has at least one sample".to_owned());
+        }
+        let units = to_units(weights, sources.len())?;
+        let blend = Self { sources, epoch_samples, changes: vec![Change { at: Position::default(), units }] };
+        blend.check_sources()?;
+        Ok(blend)
+    }
+
+    /// The same blend with `weights` in force from `at` on (replacing a change at the same
+    /// position; later changes stay).
+    pub fn with_change(mut self, at: Position, weights: &[f64]) -> Result<Self, String> {
+        if at.cursor >= self.epoch_samples {
+            return Err(format!("position {} is past the epoch's {} samples", at.cursor, self.epoch_samples));
+        }
+        let units = to_units(weights, self.sources.len())?;
+        self.changes.retain(|change| change.at != at);
+        let i = self.changes.partition_point(|change| (change.at.epoch, change.at.cursor) < (at.epoch, at.cursor));
+        self.changes.insert(i, Change { at, units });
+        self.check_sources()?;
+        Ok(self)
+    }
+
+    /// A source weighted above zero must have records to draw.
+    fn check_sources(&self) -> Result<(), String> {
+        for (s, source) in self.sources.iter().enumerate() {
+            if source.n_records == 0 && self.changes.iter().any(|change| change.units[s] > 0) {
+                return Err(format!("source {s} has no records and a weight above zero"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The sources.
+    pub fn sources(&self) -> &[BlendSource] {
+        &self.sources
+    }
+
+    /// Positions in an epoch.
+    pub fn epoch_samples(&self) -> u64 {
+        self.epoch_samples
+    }
+
+    /// Each change of weights: from which position, and the weights (fractions adding up to 1).
+    pub fn changes(&self) -> Vec<(Position, Vec<f64>)> {
+        self.changes
+            .iter()
+            .map(|change| (change.at, change.units.iter().map(|&u| u as f64 / WEIGHT_UNIT as f64).collect()))
+            .collect()
+    }
+
+    /// The weights in force at `at`, in fixed point.
+    pub fn units_at(&self, at: Position) -> &[u64] {
+        let i = self.changes.partition_point(|change| (change.at.epoch, change.at.cursor) <= (at.epoch, at.cursor));
+        &self.changes[i.saturating_sub(1)].units
+    }
+
+    /// The changes of weights inside epoch `epoch` (the weights at its start first).
+    fn epoch_changes(&self, epoch: u64) -> EpochChanges<'_> {
+        let mut out = vec![(0, self.units_at(Position { epoch, cursor: 0 }))];
+        out.extend(
+            self.changes.iter().filter(|c| c.at.epoch == epoch && c.at.cursor > 0).map(|c| (c.at.cursor, &c.units[..])),
+        );
+        out
+    }
+
+    /// Each source's draws in epoch `epoch`.
+    pub fn epoch_counts(&self, epoch: u64) -> Vec<u64> {
+        let mut draw = Draw::new(self.sources.len());
+        let changes = self.epoch_changes(epoch);
+        for (i, &(from, units)) in changes.iter().enumerate() {
+            let to = changes.get(i + 1).map_or(self.epoch_samples, |next| next.0);
+            for _ in from..to {
+                draw.next(units);
+            }
+        }
+        draw.counts
+    }
+
+    /// Epoch `epoch` of the blend under `seed`.
+    pub fn epoch(&self, seed: u64, epoch: u64) -> BlendEpoch<'_> {
+        // Draws before this epoch: epochs with the same weights throughout draw the same counts.
+        let mut before = vec![0u64; self.sources.len()];
+        let mut memo: Vec<(EpochChanges<'_>, Vec<u64>)> = Vec::new();
+        for e in 0..epoch {
+            let changes = self.epoch_changes(e);
+            let counts = match memo.iter().find(|(seen, _)| *seen == changes) {
+                Some((_, counts)) => counts.clone(),
+                None => {
+                    let counts = self.epoch_counts(e);
+                    memo.push((changes, counts.clone()));
+                    counts
+                }
+            };
+            for (total, count) in before.iter_mut().zip(counts) {
+                *total += count;
+            }
+        }
+        BlendEpoch { blend: self, seed, epoch, before }
+    }
+}
+
+/// The weights in force within one epoch: from which cursor, which units.
+type EpochChanges<'a> = Vec<(u64, &'a [u64])>;
+
+/// One epoch of a blend.
+pub struct BlendEpoch<'a> {
+    blend: &'a Blend,
+    seed: u64,
+    epoch: u64,
+    /// Each source's draws in the epochs before.
+    before: Vec<u64>,
+}
+
+impl BlendEpoch<'_> {
+    /// The positions from `cursor` to the epoch's end, as records of the mixture's dataset
+    /// (replayed from the epoch's start: O(cursor x sources) before the first).
+    pub fn records_from(&self, cursor: u64) -> BlendRecords<'_> {
+        let mut records = BlendRecords {
+            epoch: self,
+            draw: Draw::new(self.blend.sources.len()),
+            changes: self.blend.epoch_changes(self.epoch),
+            change: 0,
+            position: 0,
+            passes: vec![None; self.blend.sources.len()],
+        };
+        while records.position < cursor.min(self.blend.epoch_samples) {
+            records.next_source();
+        }
+        records
+    }
+
+    /// Each source's draws in the epochs before this one.
+    pub fn drawn_before(&self) -> &[u64] {
+        &self.before
+    }
+}
+
+/// The records of an epoch's positions, in order.
+pub struct BlendRecords<'a> {
+    epoch: &'a BlendEpoch<'a>,
+    draw: Draw,
+    changes: EpochChanges<'a>,
+    change: usize,
+    position: u64,
+    /// Each source's current pass and its permutation.
+    passes: Vec<Option<(u64, EpochPlan)>>,
+}
+
+impl BlendRecords<'_> {
+    /// The source drawn at the next position, and its draw's index within the epoch.
+    fn next_source(&mut self) -> (usize, u64) {
+        while self.changes.get(self.change + 1).is_some_and(|next| next.0 <= self.position) {
+            self.change += 1;
+        }
+        self.position += 1;
+        self.draw.next(self.changes[self.change].1)
+    }
+}
+
+impl Iterator for BlendRecords<'_> {
+    /// (source, record of the mixture's dataset).
+    type Item = (usize, u64);
+
+    fn next(&mut self) -> Option<(usize, u64)> {
+        if self.position >= self.epoch.blend.epoch_samples {
+            return None;
+        }
+        let (s, k) = self.next_source();
+        let source = &self.epoch.blend.sources[s];
+        let drawn = self.epoch.before[s] + k;
+        let (pass, index) = (drawn / source.n_records, drawn % source.n_records);
+        let plan = match self.passes[s] {
+            Some((at, plan)) if at == pass => plan,
+            _ => {
+                let plan = EpochPlan::new(source.n_records, self.epoch.seed ^ source.key, pass, Order::Shuffled);
+                self.passes[s] = Some((pass, plan));
+                plan
+            }
+        };
+        Some((s, source.start + plan.record_at(index)))
+    }
+}
+
+/// Tijdeman's draw, in fixed point: targets `t` (in `WEIGHT_UNIT`s) and counts.
+struct Draw {
+    targets: Vec<u128>,
+    counts: Vec<u64>,
+}
+
+impl Draw {
+    fn new(n: usize) -> Self {
+        Self { targets: vec![0; n], counts: vec![0; n] }
+    }
+
+    /// Draws one position under `units`; returns the source and its count before this draw.
+    fn next(&mut self, units: &[u64]) -> (usize, u64) {
+        let n = self.targets.len();
+        debug_assert_eq!(units.len(), n);
+        debug_assert_eq!(units.iter().sum::<u64>(), WEIGHT_UNIT, "weights add up to the unit");
+        for (target, &w) in self.targets.iter_mut().zip(units) {
+            *target += u128::from(w);
+        }
+        let chosen = if n == 1 { 0 } else { self.choose(units) };
+        let before = self.counts[chosen];
+        self.counts[chosen] += 1;
+        (chosen, before)
+    }
+
+    fn choose(&self, units: &[u64]) -> usize {
+        let unit = i128::from(WEIGHT_UNIT as i64);
+        let m = 2 * (self.targets.len() as i128) - 2;
+        // Behind its target by at least 1 / m of a draw: m (t - c) >= 1, in units.
+        let behind = |s: usize| self.targets[s] as i128 - i128::from(self.counts[s]) * unit;
+        // Falls a whole draw (less 1 / m) behind after `(c + 1 - 1/m - t) / w` more positions:
+        // compared as fractions, numerators scaled by m.
+        let numerator = |s: usize| m * (i128::from(self.counts[s] + 1) * unit - self.targets[s] as i128) - unit;
+        let mut best: Option<usize> = None;
+        for s in 0..self.targets.len() {
+            if m * behind(s) < unit {
+                continue;
+            }
+            best = match best {
+                None => Some(s),
+                Some(b) => {
+                    let (ws, wb) = (i128::from(units[s] as i64), i128::from(units[b] as i64));
+                    // A source whose weight is now zero never falls further behind: last.
+                    let earlier = match (ws, wb) {
+                        (0, _) => false,
+                        (_, 0) => true,
+                        _ => numerator(s) * wb < numerator(b) * ws,
+                    };
+                    Some(if earlier { s } else { b })
+                }
+            };
+        }
+        // None eligible cannot happen while the weights add up to one draw a position (the
+        // deficits add up to zero); the source furthest behind, then.
+        best.unwrap_or_else(|| (0..self.targets.len()).max_by_key(|&s| (behind(s), std::cmp::Reverse(s))).unwrap_or(0))
+    }
+}
+
+/// `weights` as fixed-point fractions adding up to `WEIGHT_UNIT` exactly (largest remainders).
+fn to_units(weights: &[f64], n: usize) -> Result<Vec<u64>, String> {
+    if weights.len() != n {
+        return Err(format!("{} weights for {n} sources", weights.len()));
+    }
+    if let Some(bad) = weights.iter().find(|w| !w.is_finite() || **w < 0.0) {
+        return Err(format!("weight {bad} is not a finite number >= 0"));
+    }
+    let total: f64 = weights.iter().sum();
+    if total <= 0.0 {
+        return Err("at least one weight is above zero".to_owned());
+    }
+    let exact: Vec<f64> = weights.iter().map(|w| w / total * WEIGHT_UNIT as f64).collect();
+    let mut units: Vec<u64> = exact.iter().map(|x| x.floor() as u64).collect();
+    let mut short = WEIGHT_UNIT.saturating_sub(units.iter().sum());
+    let mut by_remainder: Vec<usize> = (0..n).filter(|&s| weights[s] > 0.0).collect();
+    by_remainder
+        .sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b)));
+    for &s in by_remainder.iter().cycle().take(by_remainder.len() * 2) {
+        if short == 0 {
+            break;
+        }
+        units[s] += 1;
+        short -= 1;
+    }
+    while units.iter().sum::<u64>() > WEIGHT_UNIT {
+        // Rounding can only add: take the excess off the largest.
+        let s = (0..n).max_by_key(|&s| units[s]).unwrap_or(0);
+        units[s] -= 1;
+    }
+    if units.iter().sum::<u64>() != WEIGHT_UNIT {
+        return Err(format!("weights {weights:?} cannot be put in fixed point"));
+    }
+    Ok(units)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sources(sizes: &[u64]) -> Vec<BlendSource> {
+        let mut start = 0;
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| {
+                let source = BlendSource { start, n_records: n, key: s as u64 * 0x9e37_79b9 };
+                start += n;
+                source
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fixed_point_weights_add_up_to_the_unit() {
+        for weights in [vec![0.7, 0.2, 0.1], vec![1.0; 7], vec![1e-9, 1.0], vec![0.0, 3.0, 0.0]] {
+            let units = to_units(&weights, weights.len()).expect("weights");
+            assert_eq!(units.iter().sum::<u64>(), WEIGHT_UNIT, "{weights:?}");
+        }
+        assert!(to_units(&[0.0, 0.0], 2).is_err());
+        assert!(to_units(&[f64::NAN, 1.0], 2).is_err());
+        assert!(to_units(&[1.0], 2).is_err());
+    }
+
+    #[test]
+    fn a_source_reads_each_record_once_a_pass_and_goes_on_next_epoch() {
+        let blend = Blend::new(sources(&[10, 1000]), &[0.5, 0.5], 100).expect("blend");
+        let mut small = Vec::new();
+        let mut large = Vec::new();
+        for epoch in 0..3 {
+            for (s, record) in blend.epoch(7, epoch).records_from(0) {
+                if s == 0 { small.push(record) } else { large.push(record - 10) }
+            }
+        }
+        assert_eq!(small.len(), 150);
+        for pass in small.chunks(10) {
+            let mut pass = pass.to_vec();
+            pass.sort_unstable();
+            assert_eq!(pass, (0..10).collect::<Vec<_>>());
+        }
+        // The large source's 150 draws are distinct: epochs go on through its first pass.
+        let mut distinct = large.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 150);
+    }
+
+    #[test]
+    fn resuming_at_a_cursor_reads_the_rest_of_the_epoch() {
+        let blend = Blend::new(sources(&[5, 17, 40]), &[0.2, 0.5, 0.3], 90)
+            .and_then(|b| b.with_change(Position { epoch: 1, cursor: 33 }, &[0.0, 0.1, 0.9]))
+            .expect("blend");
+        let epoch = blend.epoch(3, 1);
+        let whole: Vec<_> = epoch.records_from(0).collect();
+        for cursor in [0, 1, 32, 33, 34, 89, 90] {
+            let rest: Vec<_> = epoch.records_from(cursor).collect();
+            assert_eq!(rest, whole[cursor as usize..], "from {cursor}");
+        }
+        // The change applies from its position: source 0 is drawn at most once more after it
+        // (what it was behind its target then).
+        assert!(whole[33..].iter().filter(|(s, _)| *s == 0).count() <= 1);
+    }
+}

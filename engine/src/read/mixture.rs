@@ -1,0 +1,161 @@
+//! A mixture: named dataset versions, each with a weight, read as one stream.
+//!
+//! Opening one opens each source (a name, `name@N` or a manifest id, fixed to the version it
+//! names now), concatenates them into one `Dataset` (so the reader, the tier and the origin
+//! cache see shards as for any dataset) and builds the `Blend` that orders its positions. Its
+//! identity is content: the sources' manifest ids, the weights and their changes, and the
+//! epoch's length, so a saved position names exactly what it read.
+//!
+//! Owns `Mixture`, `MixtureSource`, `EpochLength`. Never: orders records itself (`blend.rs`
+//! does) or reads record data.
+
+use std::sync::Arc;
+
+use crate::blend::{Blend, BlendSource};
+use crate::error::{Error, Result};
+use crate::id::ObjectId;
+use crate::plan::Position;
+use crate::store::{StorePaths, VersionSpec};
+
+use super::Dataset;
+
+/// How many samples an epoch of a mixture reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EpochLength {
+    /// As many as its sources hold together (the default).
+    Records,
+    /// This many.
+    Samples(u64),
+    /// As many as make one pass over source `i` at its weight (the first weights): the
+    /// smallest count whose share of it is the source's size.
+    PassOf(usize),
+}
+
+/// One source of a mixture.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MixtureSource {
+    /// `name@version`, or the manifest id's first digits.
+    pub label: String,
+    /// Its version.
+    pub manifest: crate::id::ManifestId,
+    /// Its records.
+    pub n_records: u64,
+    /// Its weight (normalized: the weights add up to 1).
+    pub weight: f64,
+}
+
+/// An opened mixture.
+#[derive(Clone)]
+pub struct Mixture {
+    dataset: Arc<Dataset>,
+    blend: Arc<Blend>,
+    sources: Vec<MixtureSource>,
+}
+
+impl Mixture {
+    /// Opens `parts` (each a version and its weight) of the store at `paths`.
+    pub fn open(paths: &StorePaths, parts: &[(VersionSpec, f64)], epoch: EpochLength) -> Result<Self> {
+        let datasets = parts.iter().map(|(spec, _)| Dataset::open(paths, spec)).collect::<Result<Vec<_>>>()?;
+        let weights: Vec<f64> = parts.iter().map(|(_, weight)| *weight).collect();
+        Self::of(&datasets, &weights, epoch)
+    }
+
+    /// A mixture of `datasets` (of one store and one layout) in proportions `weights`.
+    pub fn of(datasets: &[Arc<Dataset>], weights: &[f64], epoch: EpochLength) -> Result<Self> {
+        let dataset = Arc::new(Dataset::concatenation(datasets)?);
+        let mut start = 0;
+        let blend_sources: Vec<BlendSource> = datasets
+            .iter()
+            .map(|d| {
+                let id = d.manifest_id();
+                let mut key = [0u8; 8];
+                key.copy_from_slice(&id.0.as_bytes()[..8]);
+                let key = u64::from_le_bytes(key);
+                let source = BlendSource { start, n_records: d.n_records(), key };
+                start += d.n_records();
+                source
+            })
+            .collect();
+        let total: f64 = weights.iter().filter(|w| w.is_finite()).sum();
+        let samples = match epoch {
+            EpochLength::Records => dataset.n_records(),
+            EpochLength::Samples(n) => n,
+            EpochLength::PassOf(i) => {
+                let (Some(d), Some(&w)) = (datasets.get(i), weights.get(i)) else {
+                    return Err(Error::invalid_input(format!("an epoch of source {i}'s pass: no source {i}")));
+                };
+                if w.is_nan() || w <= 0.0 || total.is_nan() || total <= 0.0 {
+                    return Err(Error::invalid_input(format!("an epoch of source {i}'s pass: its weight is 0")));
+                }
+                (d.n_records() as f64 * total / w).ceil() as u64
+            }
+        };
+        let blend = Blend::new(blend_sources, weights, samples).map_err(Error::invalid_input)?;
+        let sources = datasets
+            .iter()
+            .zip(weights)
+            .map(|(d, w)| MixtureSource {
+                label: d.label(),
+                manifest: d.manifest_id(),
+                n_records: d.n_records(),
+                weight: w / total,
+            })
+            .collect();
+        Ok(Self { dataset, blend: Arc::new(blend), sources })
+    }
+
+    /// The same mixture with `weights` in force from `at` on (a curriculum's step).
+    pub fn with_change(mut self, at: Position, weights: &[f64]) -> Result<Self> {
+        let blend = (*self.blend).clone().with_change(at, weights).map_err(Error::invalid_input)?;
+        self.blend = Arc::new(blend);
+        Ok(self)
+    }
+
+    /// The dataset of every source's records, sources in order (what a loader reads).
+    pub fn dataset(&self) -> &Arc<Dataset> {
+        &self.dataset
+    }
+
+    /// The order of its positions.
+    pub fn blend(&self) -> &Arc<Blend> {
+        &self.blend
+    }
+
+    /// Its sources, in order.
+    pub fn sources(&self) -> &[MixtureSource] {
+        &self.sources
+    }
+
+    /// Its identity: a digest of the sources' versions, the weights and their changes, and the
+    /// epoch's length (64 hex digits).
+    pub fn id(&self) -> String {
+        let mut digest = blake3::Hasher::new();
+        digest.update(b"granary mixture 1");
+        for source in &self.sources {
+            digest.update(source.manifest.0.as_bytes());
+        }
+        digest.update(&self.blend.epoch_samples().to_le_bytes());
+        for (at, _) in self.blend.changes() {
+            digest.update(&at.epoch.to_le_bytes());
+            digest.update(&at.cursor.to_le_bytes());
+            for unit in self.blend.units_at(at) {
+                digest.update(&unit.to_le_bytes());
+            }
+        }
+        ObjectId::from_hash(digest.finalize()).to_string()
+    }
+
+    /// Each source's draws in epochs `0..epochs`, one row per epoch (what `granary mix` shows).
+    pub fn counts(&self, epochs: u64) -> Vec<Vec<u64>> {
+        (0..epochs).map(|epoch| self.blend.epoch_counts(epoch)).collect()
+    }
+}
+
+impl std::fmt::Debug for Mixture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mixture")
+            .field("sources", &self.sources)
+            .field("epoch_samples", &self.blend.epoch_samples())
+            .finish()
+    }
+}
