@@ -216,3 +216,31 @@ proptest! {
         prop_assert_eq!(counts.iter().sum::<u64>(), samples);
     }
 }
+
+#[test]
+fn granary_mix_counts_each_sources_draws_and_passes() {
+    let s = sources();
+    let root = s.granary.paths().root().to_path_buf();
+    drop(s.granary);
+    let out = granary_ok(&root, &["mix", "web=0.6", "code=0.3", "math=0.1", "--samples", "250", "--epochs", "2"]);
+    let m = {
+        let parts: Vec<(VersionSpec, f64)> = [("web", 0.6), ("code", 0.3), ("math", 0.1)]
+            .iter()
+            .map(|(n, w)| (VersionSpec::parse(n).unwrap(), *w))
+            .collect();
+        Mixture::open(&granary::StorePaths::new(&root), &parts, EpochLength::Samples(250)).unwrap()
+    };
+    assert!(out.contains(&format!("mixture {}", m.id())), "{out}");
+    // 500 draws in two epochs: 300, 150 and 50, so math (9 records) is read 5.556 times.
+    for line in ["web@1", "code@1", "math@1"] {
+        assert!(out.lines().any(|l| l.starts_with(line)), "{out}");
+    }
+    let math = out.lines().find(|l| l.starts_with("math@1")).unwrap();
+    let fields: Vec<&str> = math.split_whitespace().collect();
+    assert_eq!(fields[1..], ["9", "0.1000", "50", "5.556"], "{out}");
+    let error = granary(&root, &["mix", "web=0.6", "nope=1"]);
+    assert!(!error.status.success());
+    assert!(String::from_utf8_lossy(&error.stderr).contains("nope"));
+    let error = granary(&root, &["mix", "web"]);
+    assert!(String::from_utf8_lossy(&error.stderr).contains("NAME=WEIGHT"));
+}

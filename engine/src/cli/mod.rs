@@ -13,6 +13,7 @@ mod output;
 
 mod bench;
 mod cluster;
+mod mix;
 mod origin;
 mod plugin;
 mod show;
@@ -64,6 +65,9 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         records: u64,
     },
+    /// What a mixture of datasets reads: each source's version, records, weight, draws per
+    /// epoch and passes over it (NAME=WEIGHT ...).
+    Mix(mix::MixArgs),
     /// Write the raw bytes of one record to stdout (every block it touches is checked first).
     /// With a cluster key, a damaged or missing shard is repaired through the node serving the
     /// store before the read is retried.
@@ -345,6 +349,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Get { dataset, index, output, key } => {
             get(&paths, &dataset, index, output.as_deref(), &key).map(|()| ExitCode::SUCCESS)
         }
+        Command::Mix(args) => mix::mix(&paths, &args).map(|()| ExitCode::SUCCESS),
         Command::Verify { dataset } => show::verify(&paths, dataset.as_deref()),
         Command::Repair => show::repair(root).map(|()| ExitCode::SUCCESS),
         Command::Rm { dataset } => remove(root, &dataset).map(|()| ExitCode::SUCCESS),
