@@ -257,7 +257,7 @@ class Store:
             name, os.fspath(prefix), mode=_mode(mode, replace), shard_bytes=_shard_bytes(shard_bytes), progress=progress
         )
 
-    def loader(self, dataset: str, batch_size: int, **options: Any) -> "Loader":
+    def loader(self, dataset: Union[str, Sequence[Tuple[str, float]]], batch_size: int, **options: Any) -> "Loader":
         """A `Loader` of `dataset` (see `Loader` for the options)."""
         return Loader(self, dataset, batch_size, **options)
 
@@ -273,7 +273,15 @@ class Loader:
     """One rank's batches of a dataset, verified, prefetched, one epoch per iteration.
 
     `dataset`: a name (its version current when the loader is made: a missing one is
-    `NotFoundError` here), `name@version`, or a manifest id. On a replicated store (a `granary
+    `NotFoundError` here), `name@version`, or a manifest id; or a mixture, a list of `(dataset,
+    weight)` pairs (`[("web", 0.7), ("code", 0.2), ("math", 0.1)]`, datasets of one layout) read
+    as one stream: at every prefix of an epoch each source's count is within 1 of its weight
+    times the position, each source shuffled pass by pass (a small one repeated with a fresh
+    shuffle, a large one read partly and continued next epoch), the same global order on any
+    world size. A mixture's epoch is `mixture_samples` samples (default: as many as its sources
+    hold together) or one pass over source `mixture_pass_of` (its index); `change_weights`
+    changes the weights from the current position on (a curriculum), `mixture_changes` (a list
+    of `(epoch, cursor, weights)`) gives such changes ahead; both are recorded in `state_dict`. On a replicated store (a `granary
     serve` serving it, `GRANARY_CLUSTER_KEY` set in the environment), a damaged or missing shard
     is fetched from a peer through that node, or rebuilt from fragments, in the same order. `rank` and `world_size` default to
     torchrun's `RANK` and `WORLD_SIZE`; one without the other is refused unless the launcher set
@@ -346,9 +354,12 @@ class Loader:
     def __init__(
         self,
         store: Union[Store, PathLike],
-        dataset: str,
+        dataset: Union[str, Sequence[Tuple[str, float]]],
         batch_size: int,
         *,
+        mixture_samples: Optional[int] = None,
+        mixture_pass_of: Optional[int] = None,
+        mixture_changes: Optional[Sequence[Tuple[int, int, Sequence[float]]]] = None,
         seed: int = 0,
         epoch: int = 0,
         rank: Optional[int] = None,
@@ -441,7 +452,10 @@ class Loader:
         self._output = output
         self._with_indices = with_indices
         self._seed = seed
-        self._plan = (
+        mixture = not isinstance(dataset, str)
+        if mixture:
+            dataset = [(str(name), float(weight)) for name, weight in dataset]
+        self._plan = {"mixture": "weights"} if mixture else (
             {
                 "partitioner": "default" if partitioner is None else partitioner,
                 "options": {str(k): str(v) for k, v in (partitioner_options or {}).items()},
@@ -476,6 +490,16 @@ class Loader:
             rebalance_exchange=rebalance_exchange,
             partitioner_fallback=partitioner_fallback,
         )
+        if mixture:
+            options.update(
+                mixture_samples=mixture_samples,
+                mixture_pass_of=mixture_pass_of,
+                mixture_changes=None
+                if mixture_changes is None
+                else [(int(e), int(c), [float(w) for w in ws]) for e, c, ws in mixture_changes],
+            )
+        elif mixture_samples is not None or mixture_pass_of is not None or mixture_changes is not None:
+            raise ValueError("mixture_samples, mixture_pass_of and mixture_changes are a mixture's: pass a list of (dataset, weight)")
         source = store._native if isinstance(store, Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)
         window_given = "window-shards" in {str(k) for k in (partitioner_options or {})}
@@ -510,7 +534,17 @@ class Loader:
                 )
             # Samples are decoded on the host; the GPU chosen by default does not apply. The
             # same version (by manifest id), whatever was committed to the name meanwhile.
-            self._native = _native.Loader(source, self._native.manifest, batch_size, device="cpu", **options)
+            again = self._native.manifest
+            mixed = self._native.mixture
+            if mixed is not None:
+                # The same versions, weights, epoch and changes.
+                again = [(s["manifest"], s["weight"]) for s in mixed["sources"]]
+                options.update(
+                    mixture_samples=mixed["epoch_samples"],
+                    mixture_pass_of=None,
+                    mixture_changes=[c for c in mixed["changes"] if (c[0], c[1]) != (0, 0)],
+                )
+            self._native = _native.Loader(source, again, batch_size, device="cpu", **options)
         if widen is not None:
             self._native.check_dtype(widen)
         # A GPU this process cannot use is a DeviceError now, not at the first batch.
@@ -585,6 +619,19 @@ class Loader:
         rebalancing then keeps the shares in force)."""
         self._native.report_busy(float(seconds))
 
+    def change_weights(self, weights: Sequence[float]) -> None:
+        """A mixture's new weights (one per source, normalized) from the current position on: a
+        curriculum's step. Recorded in `state_dict`, so a resume repeats it; the batches already
+        read ahead are read again under the new weights."""
+        self._native.change_weights([float(w) for w in weights])
+
+    @property
+    def mixture(self) -> Optional[Dict[str, Any]]:
+        """The mixture read (`None` for one dataset): its `id` (a digest of the versions,
+        weights, changes and epoch length), `sources` (`label`, `manifest`, `records`,
+        `weight` each), `epoch_samples` and `changes`."""
+        return self._native.mixture
+
     def state_dict(self) -> Dict[str, Any]:
         """The exact position, to resume from (on any world size); with rebalancing also the
         rank weights in force and the measures already exchanged for the next point, so that
@@ -598,6 +645,9 @@ class Loader:
             "plan": dict(self._plan),
             "manifest": self._native.manifest,
         }
+        mixed = self._native.mixture
+        if mixed is not None:
+            state["mixture"] = mixed
         rebalance = self._native.rebalance_state()
         if rebalance is not None:
             state["rebalance"] = rebalance
@@ -627,6 +677,20 @@ class Loader:
                 f"the state was saved reading dataset version {state['manifest']}, this loader reads {manifest}; "
                 "open the same version (pass the manifest id as the dataset) to resume"
             )
+        mixed = self._native.mixture
+        if (state.get("mixture") is None) != (mixed is None):
+            raise ValueError("the state was saved reading " + ("a mixture" if mixed is None else "one dataset") + ", this loader reads " + ("one dataset" if mixed is None else "a mixture"))
+        if mixed is not None:
+            saved = state["mixture"]
+            def sources(m: Dict[str, Any]) -> Any:
+                return [(s["manifest"], round(s["weight"], 9)) for s in m["sources"]], m["epoch_samples"]
+            if sources(saved) != sources(mixed):
+                raise ValueError(
+                    f"the state was saved reading the mixture {sources(saved)}, this loader reads {sources(mixed)}; "
+                    "make it with the same versions (their manifest ids), weights and epoch length to resume"
+                )
+            # The changes of weights made before the save are repeated: the resumed order is the saved run's.
+            self._native.set_mixture_changes([tuple(c) for c in saved["changes"] if (c[0], c[1]) != (0, 0)])
         # The weights first: the position's place in the epoch's short last step depends on them.
         self._native.set_rebalance_state(state.get("rebalance"))
         self._native.seek(int(state["epoch"]), int(state["cursor"]))

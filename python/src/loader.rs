@@ -28,8 +28,8 @@ use granary::plan::RankCut;
 use granary::policy::RankMeasure;
 use granary::staging::cuda::Cuda;
 use granary::{
-    Dataset, LoaderConfig, LoaderStats, Order, PlanSource, Position, StorePaths, Target, TierConfig, TierKind,
-    TierSetting, VersionSpec, World,
+    Dataset, EpochLength, LoaderConfig, LoaderStats, Mixture, Order, PlanSource, Position, StorePaths, Target,
+    TierConfig, TierKind, TierSetting, VersionSpec, World,
 };
 
 use crate::batch::{NativeBatch, layout_name, widening};
@@ -57,9 +57,23 @@ pub(crate) struct Loader {
     state: Mutex<State>,
 }
 
+/// What a loader reads: one version, or a mixture of versions with their weights.
+enum DatasetArg {
+    One(VersionSpec),
+    /// The parts are pinned to their manifest ids once opened (a name committed to meanwhile
+    /// does not change what a restart reads).
+    Mixture {
+        parts: Vec<(VersionSpec, f64)>,
+        epoch: EpochLength,
+        changes: Vec<(Position, Vec<f64>)>,
+    },
+}
+
 struct State {
     root: PathBuf,
-    spec: VersionSpec,
+    spec: DatasetArg,
+    /// The mixture being read, once opened.
+    mixture: Option<Mixture>,
     config: LoaderConfig,
     /// The CUDA device batches go to, when they go to one.
     device: Option<u32>,
@@ -129,15 +143,55 @@ impl State {
         if let Some(dataset) = &self.dataset {
             return Ok(Arc::clone(dataset));
         }
-        let dataset = Dataset::open(&StorePaths::new(&self.root), &self.spec)?;
+        let paths = StorePaths::new(&self.root);
+        let dataset = match &mut self.spec {
+            DatasetArg::One(spec) => Dataset::open(&paths, spec)?,
+            DatasetArg::Mixture { parts, epoch, changes } => {
+                let mut mixture = Mixture::open(&paths, parts, *epoch)?;
+                for (at, weights) in changes.iter() {
+                    mixture = mixture.with_change(*at, weights)?;
+                }
+                for ((spec, _), source) in parts.iter_mut().zip(mixture.sources()) {
+                    *spec = VersionSpec::Manifest(source.manifest);
+                }
+                self.config.plan = PlanSource::Mixture(Arc::clone(mixture.blend()));
+                let dataset = Arc::clone(mixture.dataset());
+                self.mixture = Some(mixture);
+                dataset
+            }
+        };
         self.dataset = Some(Arc::clone(&dataset));
         Ok(dataset)
+    }
+
+    /// Replaces the mixture's changes of weights; it is opened again at the next use.
+    fn set_changes(&mut self, new: Vec<(Position, Vec<f64>)>) -> granary::Result<()> {
+        let DatasetArg::Mixture { changes, .. } = &mut self.spec else {
+            return Err(granary::Error::invalid_input("weights change in a mixture; this loader reads one dataset"));
+        };
+        let old = std::mem::replace(changes, new);
+        self.dataset = None;
+        self.mixture = None;
+        // Checked now (a change past the epoch's end, weights of the wrong count), not at the
+        // next batch; the old changes stay when the new ones are refused.
+        if let Err(e) = self.dataset() {
+            if let DatasetArg::Mixture { changes, .. } = &mut self.spec {
+                *changes = old;
+            }
+            self.dataset = None;
+            self.mixture = None;
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// How this rank's epochs are cut.
     fn cut(&mut self) -> granary::Result<RankCut> {
         Ok(RankCut {
-            n_records: self.dataset()?.n_records(),
+            n_records: {
+                let dataset = self.dataset()?;
+                self.config.plan.epoch_len(&dataset)
+            },
             world: self.config.world,
             batch_size: self.config.batch_size,
             drop_last: self.drop_last,
@@ -169,7 +223,7 @@ impl Loader {
     /// See `granary.Loader` for the arguments.
     #[new]
     #[pyo3(signature = (
-        store, dataset, batch_size, *, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
+        store, dataset, batch_size, *, mixture_samples = None, mixture_pass_of = None, mixture_changes = None, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
         prefetch = 4, read_depth = 2, hold = 4, order = None, partitioner = None,
         partitioner_options = None, io = None, drop_last = false, tier = None, tier_bytes = None,
         tier_evictor = None, tier_evictor_options = None, local_world_size = None, verify_threads = None,
@@ -178,8 +232,11 @@ impl Loader {
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
         store: &Bound<'_, PyAny>,
-        dataset: &str,
+        dataset: &Bound<'_, PyAny>,
         batch_size: u64,
+        mixture_samples: Option<u64>,
+        mixture_pass_of: Option<usize>,
+        mixture_changes: Option<Vec<(u64, u64, Vec<f64>)>>,
         seed: u64,
         epoch: u64,
         rank: u32,
@@ -207,7 +264,45 @@ impl Loader {
             Ok(store) => store.get().root().to_path_buf(),
             Err(_) => store.extract::<PathBuf>().map_err(|_| invalid("store is a granary.Store or a path"))?,
         };
-        let spec = StorePaths::new(&root).parse_spec(dataset).map_err(to_py)?;
+        let paths = StorePaths::new(&root);
+        let spec = match dataset.extract::<String>() {
+            Ok(name) => {
+                if mixture_samples.is_some() || mixture_pass_of.is_some() || mixture_changes.is_some() {
+                    return Err(invalid("mixture_samples, mixture_pass_of and mixture_changes are a mixture's"));
+                }
+                DatasetArg::One(paths.parse_spec(&name).map_err(to_py)?)
+            }
+            Err(_) => {
+                let given: Vec<(String, f64)> = dataset.extract().map_err(|_| {
+                    invalid("dataset is a name, name@version or manifest id, or a list of (name, weight) pairs")
+                })?;
+                if given.is_empty() {
+                    return Err(invalid("a mixture needs at least one (name, weight) pair"));
+                }
+                let parts = given
+                    .iter()
+                    .map(|(name, weight)| Ok((paths.parse_spec(name).map_err(to_py)?, *weight)))
+                    .collect::<PyResult<Vec<_>>>()?;
+                if order.is_some() || partitioner.is_some() || partitioner_options.is_some() {
+                    return Err(invalid(
+                        "a mixture is ordered by its weights (each source shuffled): drop order and partitioner",
+                    ));
+                }
+                let epoch = match (mixture_samples, mixture_pass_of) {
+                    (Some(_), Some(_)) => return Err(invalid("give mixture_samples or mixture_pass_of, not both")),
+                    (Some(n), None) => EpochLength::Samples(n),
+                    (None, Some(i)) => EpochLength::PassOf(i),
+                    (None, None) => EpochLength::Records,
+                };
+                let changes = mixture_changes
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(epoch, cursor, weights)| (Position { epoch, cursor }, weights))
+                    .collect();
+                DatasetArg::Mixture { parts, epoch, changes }
+            }
+        };
+        let is_mixture = matches!(spec, DatasetArg::Mixture { .. });
         if batch_size == 0 {
             return Err(invalid("batch_size must be at least 1"));
         }
@@ -256,7 +351,7 @@ impl Loader {
         };
         // No order and no partitioner: shuffled, windowed to the cache for an attached
         // dataset it cannot hold (see `plan_options`).
-        let windowable = order.is_none() && matches!(plan, PlanSource::Native(Order::Shuffled));
+        let windowable = !is_mixture && order.is_none() && matches!(plan, PlanSource::Native(Order::Shuffled));
         let mut config = LoaderConfig {
             batch_size,
             world,
@@ -318,6 +413,7 @@ impl Loader {
             state: Mutex::new(State {
                 root,
                 spec,
+                mixture: None,
                 config,
                 device,
                 drop_last,
@@ -529,7 +625,7 @@ impl Loader {
         state.config.plan = plan.clone();
         Ok(match plan {
             PlanSource::Partitioner { options, .. } => Some(options),
-            PlanSource::Native(_) => None,
+            PlanSource::Native(_) | PlanSource::Mixture(_) => None,
         })
     }
 
@@ -546,6 +642,63 @@ impl Loader {
     fn manifest(&self, py: Python<'_>) -> PyResult<String> {
         let mut state = self.lock(py)?;
         Ok(state.dataset().map_err(to_py)?.manifest_id().to_string())
+    }
+
+    /// The mixture read (`None` for one dataset): `id` (its identity: the versions, weights and
+    /// changes, the epoch's length), `sources` (each `label`, `manifest`, `records`, `weight`),
+    /// `epoch_samples`, `changes` (`(epoch, cursor, weights)` each, the first at (0, 0)).
+    #[getter]
+    fn mixture<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let mut state = self.lock(py)?;
+        state.dataset().map_err(to_py)?;
+        let Some(mixture) = &state.mixture else { return Ok(None) };
+        let out = PyDict::new(py);
+        out.set_item("id", mixture.id())?;
+        let sources = pyo3::types::PyList::empty(py);
+        for source in mixture.sources() {
+            let entry = PyDict::new(py);
+            entry.set_item("label", &source.label)?;
+            entry.set_item("manifest", source.manifest.to_string())?;
+            entry.set_item("records", source.n_records)?;
+            entry.set_item("weight", source.weight)?;
+            sources.append(entry)?;
+        }
+        out.set_item("sources", sources)?;
+        out.set_item("epoch_samples", mixture.blend().epoch_samples())?;
+        let changes: Vec<(u64, u64, Vec<f64>)> =
+            mixture.blend().changes().into_iter().map(|(at, weights)| (at.epoch, at.cursor, weights)).collect();
+        out.set_item("changes", changes)?;
+        Ok(Some(out))
+    }
+
+    /// Puts the mixture's changes of weights (`(epoch, cursor, weights)` each) in force, as a
+    /// saved state records them; applies from the next batch (the engine loader restarts).
+    fn set_mixture_changes(&self, py: Python<'_>, changes: Vec<(u64, u64, Vec<f64>)>) -> PyResult<()> {
+        let mut state = self.lock(py)?;
+        let changes =
+            changes.into_iter().map(|(epoch, cursor, weights)| (Position { epoch, cursor }, weights)).collect();
+        state.stop();
+        self.started_in.store(0, Ordering::Release);
+        state.set_changes(changes).map_err(to_py)
+    }
+
+    /// Changes the mixture's weights from the current position on (a curriculum's step): the
+    /// change is recorded in the state, so a resume repeats it.
+    fn change_weights(&self, py: Python<'_>, weights: Vec<f64>) -> PyResult<()> {
+        let mut state = self.lock(py)?;
+        let position = state.position;
+        let at = state.normalized(position).map_err(to_py)?;
+        let mut changes = match &state.spec {
+            DatasetArg::Mixture { changes, .. } => changes.clone(),
+            DatasetArg::One(_) => return Err(invalid("weights change in a mixture; this loader reads one dataset")),
+        };
+        changes.retain(|(when, _)| (when.epoch, when.cursor) < (at.epoch, at.cursor));
+        changes.push((at, weights));
+        state.stop();
+        self.started_in.store(0, Ordering::Release);
+        state.set_changes(changes).map_err(to_py)?;
+        state.position = at;
+        Ok(())
     }
 
     /// Records in the dataset version.

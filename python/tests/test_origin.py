@@ -205,3 +205,28 @@ def test_the_default_window_mixes_as_many_shards_as_the_cache_holds_and_a_second
         for index, row in zip(indices.tolist(), batch):
             assert np.array_equal(row, data[index]), f"record {index}"
         other.close()
+
+
+def test_a_mixture_reads_an_attached_dataset_beside_a_local_one(s3, tmp_path):
+    rng = np.random.default_rng(8)
+    remote = rng.integers(0, 65535, size=(200, RECORD), dtype=np.uint16)
+    source = granary.Store(tmp_path / "source", create=True)
+    source.ingest("remote", remote, dtype="uint16", shape=[RECORD], shard_bytes=128 << 10)
+    source.push("remote", f"{s3}/mix")
+    here = granary.Store(tmp_path / "here", create=True)
+    here.attach("remote", f"{s3}/mix")
+    local = rng.integers(0, 65535, size=(50, RECORD), dtype=np.uint16)
+    here.ingest("local", local, dtype="uint16", shape=[RECORD], shard_bytes=128 << 10)
+    assert _cached_bytes(tmp_path / "here") < remote.nbytes // 2, "the attached shards are not here yet"
+
+    data = np.concatenate([remote, local])
+    loader = here.loader([("remote", 0.75), ("local", 0.25)], 16, mixture_samples=320, output="numpy",
+                         with_indices=True, device="cpu")
+    seen = []
+    for indices, batch in loader:
+        for i, row in zip(indices.tolist(), batch):
+            np.testing.assert_array_equal(row, data[i])
+        seen.extend(indices.tolist())
+    assert len(seen) == 320
+    assert sum(1 for i in seen if i >= 200) == 80, "a quarter from the local dataset"
+    assert loader.metrics()["batches"] == 20

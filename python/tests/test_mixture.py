@@ -1,0 +1,127 @@
+"""Mixtures from Python: weighted datasets read as one stream, with every record's bytes, the
+proportions at every prefix, the same global order on any world size, and a position saved on
+three ranks after a change of weights resumed on two."""
+
+import numpy as np
+import pytest
+
+import granary
+
+from conftest import RECORD, records
+
+SIZES = {"web": 300, "code": 70, "math": 9}
+WEIGHTS = [("web", 0.6), ("code", 0.3), ("math", 0.1)]
+
+
+@pytest.fixture
+def sources(store):
+    """Three datasets of one layout; the mixture's record i is `data[i]` (sources in order)."""
+    data = []
+    for seed, (name, n) in enumerate(SIZES.items()):
+        part = records(n, seed=100 + seed)
+        store.ingest(name, part, dtype="uint16", shape=[RECORD], shard_bytes=8 << 10)
+        data.extend(part)
+    return store, data
+
+
+def source_of(index):
+    start = 0
+    for s, n in enumerate(SIZES.values()):
+        if index < start + n:
+            return s
+        start += n
+    raise AssertionError(index)
+
+
+def read_ranks(store, data, world_size, batch_size, **options):
+    """Every rank's epoch, put back in global order (steps are full: ranks in order per step)."""
+    per_rank = []
+    for rank in range(world_size):
+        loader = store.loader(WEIGHTS, batch_size, rank=rank, world_size=world_size, output="numpy",
+                              with_indices=True, device="cpu", **options)
+        batches = []
+        for indices, batch in loader:
+            for i, row in zip(indices.tolist(), batch):
+                np.testing.assert_array_equal(row, data[i])
+            batches.append(indices.tolist())
+        per_rank.append(batches)
+    assert len({len(b) for b in per_rank}) == 1, "full steps only"
+    return [i for step in zip(*per_rank) for batch in step for i in batch]
+
+
+def test_a_mixture_reads_in_proportion_at_every_prefix_with_every_records_bytes(sources):
+    store, data = sources
+    order = read_ranks(store, data, 1, 10, mixture_samples=400, seed=4)
+    assert len(order) == 400
+    counts = [0, 0, 0]
+    for p, index in enumerate(order, 1):
+        counts[source_of(index)] += 1
+        for s, (_, weight) in enumerate(WEIGHTS):
+            assert abs(counts[s] - weight * p) < 1, (p, counts)
+    # math (9 records) is read in passes, each a permutation of its records.
+    math = [i for i in order if source_of(i) == 2]
+    for start in range(0, len(math) - 8, 9):
+        assert sorted(math[start:start + 9]) == list(range(370, 379))
+
+
+def test_every_world_size_reads_the_same_global_order(sources):
+    store, data = sources
+    one = read_ranks(store, data, 1, 24, mixture_samples=240, seed=9)
+    assert read_ranks(store, data, 3, 8, mixture_samples=240, seed=9) == one
+    assert read_ranks(store, data, 2, 4, mixture_samples=240, seed=9) == one
+
+
+def test_a_state_saved_on_three_ranks_after_a_weight_change_resumes_on_two(sources):
+    store, data = sources
+    options = dict(mixture_samples=240, seed=2, output="numpy", with_indices=True, device="cpu")
+    # The reference: one rank, steps of 12, new weights after 5 steps.
+    ref = store.loader(WEIGHTS, 12, rank=0, world_size=1, **options)
+    it = iter(ref)
+    order = [i for _ in range(5) for i in next(it)[0].tolist()]
+    ref.change_weights([0.2, 0.2, 0.6])
+    order += [i for _ in range(5) for i in next(it)[0].tolist()]
+    order += [i for indices, _ in it for i in indices.tolist()]
+    assert len(order) == 240
+    after = [source_of(i) for i in order[60:]]
+    assert abs(after.count(2) / len(after) - 0.6) < 0.02, "the new weights are in force"
+
+    # Three ranks do the same and save after 10 steps.
+    states = []
+    for rank in range(3):
+        loader = store.loader(WEIGHTS, 4, rank=rank, world_size=3, **options)
+        it = iter(loader)
+        for _ in range(5):
+            next(it)
+        loader.change_weights([0.2, 0.2, 0.6])
+        for _ in range(5):
+            next(it)
+        states.append(loader.state_dict())
+    assert all(s == states[0] for s in states), "every rank saves the same state"
+    assert (states[0]["epoch"], states[0]["cursor"]) == (0, 120)
+    assert len(states[0]["mixture"]["changes"]) == 2
+
+    # Two fresh ranks, made with the original weights only, resume from it.
+    rest = []
+    per_rank = []
+    for rank in range(2):
+        loader = store.loader(WEIGHTS, 4, rank=rank, world_size=2, **options)
+        loader.load_state_dict(states[0])
+        per_rank.append([indices.tolist() for indices, _ in loader])
+    rest = [i for step in zip(*per_rank) for batch in step for i in batch]
+    assert rest == order[120:]
+
+
+def test_a_mixture_is_refused_what_it_cannot_read(sources, store):
+    data = records(3, seed=7)
+    store.ingest("bytes", [row.tobytes() for row in data])
+    with pytest.raises(granary.Error, match="layout"):
+        store.loader([("web", 1.0), ("bytes", 1.0)], 4, output="numpy", device="cpu").state_dict()
+    with pytest.raises(ValueError, match="ordered by its weights"):
+        store.loader(WEIGHTS, 4, order="sequential", output="numpy", device="cpu")
+    loader = store.loader(WEIGHTS, 4, output="numpy", device="cpu")
+    other = store.loader([("web", 0.5), ("code", 0.4), ("math", 0.1)], 4, output="numpy", device="cpu")
+    with pytest.raises(ValueError, match="mixture"):
+        loader.load_state_dict(other.state_dict())
+    single = store.loader("web", 4, output="numpy", device="cpu")
+    with pytest.raises(ValueError, match="mixture"):
+        single.load_state_dict(loader.state_dict())
