@@ -48,6 +48,7 @@ pub mod catalog;
 pub mod ingest;
 pub mod plan;
 pub mod blend;
+pub mod pack;
 pub mod io;
 pub mod staging;
 pub mod metrics;

@@ -625,7 +625,7 @@ impl Loader {
         state.config.plan = plan.clone();
         Ok(match plan {
             PlanSource::Partitioner { options, .. } => Some(options),
-            PlanSource::Native(_) | PlanSource::Mixture(_) => None,
+            PlanSource::Native(_) | PlanSource::Mixture(_) | PlanSource::Packed(..) => None,
         })
     }
 

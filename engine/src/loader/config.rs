@@ -45,6 +45,9 @@ pub enum PlanSource {
     /// A mixture's order (`Mixture::blend`), over the mixture's dataset (`Mixture::dataset`):
     /// an epoch is the blend's `epoch_samples` positions.
     Mixture(std::sync::Arc<crate::blend::Blend>),
+    /// Packed windows of tokens (`PackedLoader` reads with it): an epoch is the pack's windows,
+    /// over the documents in this order; a batch reads the documents of its windows.
+    Packed(std::sync::Arc<crate::pack::PackPlan>, Order),
 }
 
 impl PlanSource {
@@ -52,6 +55,7 @@ impl PlanSource {
     pub fn epoch_len(&self, dataset: &crate::read::Dataset) -> u64 {
         match self {
             PlanSource::Mixture(blend) => blend.epoch_samples(),
+            PlanSource::Packed(pack, _) => pack.n_windows(),
             _ => dataset.n_records(),
         }
     }

@@ -31,6 +31,7 @@ mod config;
 mod device;
 mod metrics;
 mod node_plan;
+mod packed;
 mod planner;
 #[cfg(feature = "policy")]
 mod rebalance;
@@ -45,6 +46,7 @@ pub use batch::{DeviceBatch, LoadedBatch, LoaderStats};
 use config::check;
 pub use config::{LoaderConfig, PlanSource, Target};
 use device::DeviceStage;
+pub use packed::{PackedBatch, PackedLoader, pack_plan};
 use reader_stage::ReaderStage;
 #[cfg(feature = "policy")]
 use reader_stage::normalized;

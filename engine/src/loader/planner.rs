@@ -76,6 +76,7 @@ pub(super) struct EpochPlanner {
 enum Source {
     Native(Order),
     Blend(std::sync::Arc<crate::blend::Blend>),
+    Packed(std::sync::Arc<crate::pack::PackPlan>, Order),
     #[cfg(feature = "policy")]
     Plugin {
         partitioner: Box<crate::policy::Partitioner>,
@@ -102,7 +103,20 @@ impl EpochPlanner {
                      read a mixture without rebalancing",
                 ));
             }
+            #[cfg(feature = "policy")]
+            PlanSource::Packed(..) if config.rebalance.is_some() => {
+                return Err(Error::invalid_input(
+                    "rebalancing splits a partitioner plugin's steps; packed windows are cut by their own plan: \
+                     read packed windows without rebalancing",
+                ));
+            }
             PlanSource::Native(order) => Source::Native(*order),
+            PlanSource::Packed(pack, order) => {
+                if pack.n_documents() != dataset.n_records() {
+                    return Err(Error::invalid_input("a pack's plan reads the dataset it was made of"));
+                }
+                Source::Packed(std::sync::Arc::clone(pack), *order)
+            }
             PlanSource::Mixture(blend) => {
                 if blend.sources().last().map(|s| s.start + s.n_records) != Some(dataset.n_records()) {
                     return Err(Error::invalid_input(
@@ -252,6 +266,21 @@ impl EpochPlanner {
                         if !records.is_empty() {
                             batches.push((records, after(at, world)));
                         }
+                    }
+                    out.push(batches);
+                }
+            }
+            Source::Packed(pack, order) => {
+                let epoch = pack.epoch(self.seed, from.epoch, *order);
+                for &world in worlds {
+                    let mut batches = Vec::new();
+                    let mut cursor = from.cursor;
+                    while cursor < n {
+                        let windows = steps.rank_positions(cursor, world, batch_size);
+                        if !windows.is_empty() {
+                            batches.push((epoch.span(pack, windows).records, after(cursor, world)));
+                        }
+                        cursor += steps.step_len(cursor, world.size(), batch_size);
                     }
                     out.push(batches);
                 }

@@ -1,0 +1,156 @@
+//! `PackedLoader`: batches of packed windows of `seq_len + 1` tokens, with their documents'
+//! boundaries, read through a `Loader` of the documents.
+//!
+//! The loader reads, for each batch of windows, the documents those windows cut (the
+//! `PlanSource::Packed` plan: the tier, the prefetch and the origin cache follow it as any
+//! plan); this stage cuts the windows out of them (`pack::pack_windows`). Windows are the
+//! epoch's positions, so a `Position` resumes on any world size as for records.
+//!
+//! Owns `PackedLoader`, `PackedBatch` and `pack_plan` (a dataset's document lengths, from its
+//! shards' metadata). Never: reads a document itself (the loader reads and verifies them) or
+//! hands out a window from a batch that failed.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::pack::{PackConfig, PackEpoch, PackPlan, Packed};
+use crate::plan::{EpochPlan, Order, Position, World};
+use crate::read::Dataset;
+use crate::shard::Layout;
+
+use super::{LoadedBatch, Loader, LoaderConfig, PlanSource, Target};
+
+/// The packing of `dataset`'s documents under `config`: each document's tokens from its shard's
+/// metadata (every shard's metadata is read, and checked, now). Documents are records of token
+/// arrays (`Layout::Arrays`), one-dimensional fixed records, or byte strings (one-byte tokens).
+pub fn pack_plan(dataset: &Dataset, config: PackConfig) -> Result<PackPlan> {
+    let token_bytes = match dataset.layout() {
+        Layout::Arrays(dtype) => dtype.size_bytes() as usize,
+        Layout::Fixed(fixed) if fixed.dims().len() == 1 => fixed.dtype().size_bytes() as usize,
+        Layout::Bytes => 1,
+        other => {
+            return Err(Error::invalid_input(format!(
+                "packing cuts token documents (arrays, one-dimensional fixed records or bytes), not {other} records"
+            )));
+        }
+    };
+    let mut lengths = Vec::with_capacity(usize::try_from(dataset.n_records()).unwrap_or(0));
+    for shard in 0..dataset.n_shards() {
+        let meta = dataset.shard_meta(shard)?;
+        for local in 0..meta.n_records() {
+            let range = meta.record_range(local);
+            lengths.push((range.end - range.start) / token_bytes as u64);
+        }
+    }
+    PackPlan::new(config, lengths.into(), token_bytes).map_err(Error::invalid_input)
+}
+
+/// One batch of packed windows (host memory).
+#[derive(Debug)]
+pub struct PackedBatch {
+    /// The windows, their segments and position ids.
+    pub packed: Packed,
+    /// Which windows of the epoch (global positions).
+    pub windows: Range<u64>,
+    /// The epoch.
+    pub epoch: u64,
+    /// After this batch: resume from here.
+    pub position: Position,
+}
+
+/// Packed windows of a token dataset, one rank's, in batches of `batch_size` windows.
+pub struct PackedLoader {
+    loader: Loader,
+    pack: Arc<PackPlan>,
+    order: Order,
+    seed: u64,
+    world: World,
+    batch_size: u64,
+    /// The epoch whose documents are placed, and where each begins.
+    epoch: Option<(u64, PackEpoch)>,
+    /// Where this rank's next step starts.
+    next_step: Position,
+}
+
+impl PackedLoader {
+    /// Packed windows of `dataset` as `pack` cuts them, documents in `order`, read by a loader
+    /// of `config` (its plan is replaced by the pack's, its batch size counts windows, its
+    /// target is the host: windows are built in host memory), from `start`.
+    pub fn new(
+        dataset: Arc<Dataset>,
+        mut config: LoaderConfig,
+        pack: Arc<PackPlan>,
+        order: Order,
+        start: Position,
+    ) -> Result<Self> {
+        if config.target == Target::Gpu {
+            return Err(Error::invalid_input(
+                "packed windows are built in host memory: load them with the host target",
+            ));
+        }
+        config.target = Target::Host;
+        config.plan = PlanSource::Packed(Arc::clone(&pack), order);
+        // A batch reads its windows' documents: their tokens and, at the edges, two whole documents.
+        let span = pack.span_bytes_max(config.batch_size);
+        config.batch_bytes_max =
+            Some(usize::try_from(span).map_err(|_| Error::invalid_input("a batch larger than memory"))?);
+        let (seed, world, batch_size) = (config.seed, config.world, config.batch_size);
+        let n = pack.n_windows();
+        let next_step = if n > 0 && start.cursor >= n { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
+        let loader = Loader::new(dataset, config, start)?;
+        Ok(Self { loader, pack, order, seed, world, batch_size, epoch: None, next_step })
+    }
+
+    /// The next batch, `None` after the last epoch.
+    #[allow(clippy::should_implement_trait, reason = "a fallible stream, like `Loader::next`")]
+    pub fn next(&mut self) -> Option<Result<PackedBatch>> {
+        let batch = match self.loader.next()? {
+            Ok(batch) => batch,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(self.pack_batch(&batch))
+    }
+
+    fn pack_batch(&mut self, batch: &LoadedBatch) -> Result<PackedBatch> {
+        let after = batch.position();
+        let epoch = if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch };
+        // A rank with no share of an epoch's short last step gets no batch of it: a batch of a
+        // later epoch than the step expected begins that epoch.
+        let step = if epoch == self.next_step.epoch { self.next_step.cursor } else { 0 };
+        let n = self.pack.n_windows();
+        let windows =
+            EpochPlan::new(n, self.seed, epoch, Order::Sequential).rank_positions(step, self.world, self.batch_size);
+        self.next_step = after;
+        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            self.epoch = Some((epoch, self.pack.epoch(self.seed, epoch, self.order)));
+        }
+        let (_, placed) = self.epoch.as_ref().ok_or_else(|| Error::invalid_input("no epoch placed"))?;
+        let span = placed.span(&self.pack, windows.clone());
+        if span.records != batch.indices() {
+            return Err(Error::invalid_input(format!(
+                "the batch before position {after:?} holds documents {:?}, its windows {windows:?} need {:?}",
+                batch.indices(),
+                span.records
+            )));
+        }
+        let documents: Vec<&[u8]> = (0..batch.len()).map(|i| batch.record(i)).collect();
+        let packed = crate::pack::pack_windows(&self.pack, placed, &span, &documents).map_err(Error::invalid_input)?;
+        Ok(PackedBatch { packed, windows, epoch, position: after })
+    }
+
+    /// After the last batch handed out.
+    pub fn position(&self) -> Position {
+        self.loader.position()
+    }
+
+    /// The documents' loader (its counters, its tier).
+    pub fn loader(&self) -> &Loader {
+        &self.loader
+    }
+
+    /// The packing.
+    pub fn pack(&self) -> &Arc<PackPlan> {
+        &self.pack
+    }
+}

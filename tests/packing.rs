@@ -1,0 +1,190 @@
+//! Packed sequences through the loader: every window `seq_len + 1` tokens, every token of an
+//! epoch in one window (but the one-token overlaps), `cu_seqlens` and position ids at the
+//! documents' boundaries, the same windows on 1, 3 and 8 ranks, and a resume from 3 ranks to 2.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use common::*;
+use granary::loader::{LoaderConfig, PackedLoader, Target, pack_plan};
+use granary::pack::{PackConfig, PackPlan};
+use granary::{Dataset, Dtype, Granary, Layout, Order, Position, VersionSpec, World};
+
+const EOD: u32 = u32::MAX;
+const SEQ: u64 = 16;
+
+/// Token `t` of document `d` is `d * 100_000 + t`: a token names its document and place.
+fn documents(n: u64) -> Vec<Vec<u32>> {
+    (0..n).map(|d| (0..(d * 37 % 53) + 1).map(|t| (d * 100_000 + t) as u32).collect()).collect()
+}
+
+struct Corpus {
+    _dir: tempfile::TempDir,
+    dataset: Arc<Dataset>,
+    documents: Vec<Vec<u32>>,
+}
+
+fn corpus(n: u64) -> Corpus {
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).expect("a store");
+    let documents = documents(n);
+    let records: Vec<Vec<u8>> =
+        documents.iter().map(|doc| doc.iter().flat_map(|t| t.to_le_bytes()).collect()).collect();
+    ingest(&mut granary, "docs", Layout::Arrays(Dtype::U32), small_shards(4 << 10), &records);
+    let dataset = granary.open_dataset(&VersionSpec::parse("docs").expect("spec")).expect("open");
+    Corpus { _dir: dir, dataset, documents }
+}
+
+fn plan(c: &Corpus, cross: bool) -> Arc<PackPlan> {
+    let config = PackConfig { seq_len: SEQ, eod: cross.then_some(u64::from(EOD)), cross_documents: cross, pad: 0 };
+    Arc::new(pack_plan(&c.dataset, config).expect("a pack"))
+}
+
+fn config(world: World, epochs: u64) -> LoaderConfig {
+    LoaderConfig {
+        batch_size: 4,
+        world,
+        seed: 5,
+        epochs: Some(epochs),
+        target: Target::Host,
+        ..LoaderConfig::default()
+    }
+}
+
+/// (window index, its tokens, its cu_seqlens within it, its position ids) of every window the
+/// ranks of `size` read from `from`, by (epoch, window).
+type Windows = BTreeMap<(u64, u64), (Vec<u32>, Vec<i32>, Vec<i32>)>;
+
+fn read(c: &Corpus, pack: &Arc<PackPlan>, size: u32, from: Position, epochs: u64) -> Windows {
+    let mut out = Windows::new();
+    for rank in 0..size {
+        let world = World::new(rank, size).expect("world");
+        let mut loader =
+            PackedLoader::new(Arc::clone(&c.dataset), config(world, epochs), Arc::clone(pack), Order::Shuffled, from)
+                .expect("a packed loader");
+        while let Some(batch) = loader.next() {
+            let batch = batch.expect("a batch");
+            let p = &batch.packed;
+            let width = SEQ as usize + 1;
+            assert_eq!(p.tokens.len(), p.windows * width * 4, "every window is seq_len + 1 tokens");
+            assert_eq!(p.windows as u64, batch.windows.end - batch.windows.start);
+            let tokens: Vec<u32> = p.tokens.chunks(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            for (i, w) in batch.windows.clone().enumerate() {
+                let (lo, hi) = (i * width, (i + 1) * width);
+                let cu: Vec<i32> = p
+                    .cu_seqlens
+                    .iter()
+                    .filter(|&&c| c as usize >= lo && c as usize <= hi)
+                    .map(|&c| c - lo as i32)
+                    .collect();
+                let previous =
+                    out.insert((batch.epoch, w), (tokens[lo..hi].to_vec(), cu, p.position_ids[lo..hi].to_vec()));
+                assert!(previous.is_none(), "window {w} of epoch {} read twice", batch.epoch);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn across_documents_every_token_is_read_once_and_segments_are_the_documents() {
+    let c = corpus(300);
+    let pack = plan(&c, true);
+    let windows = read(&c, &pack, 1, Position::default(), 2);
+    for epoch in 0..2 {
+        let mine: Vec<_> = windows.range((epoch, 0)..(epoch + 1, 0)).collect();
+        assert_eq!(mine.len() as u64, pack.n_windows());
+        // The stream: each window without its last token, then the last window's last.
+        let mut stream: Vec<u32> = Vec::new();
+        for (i, (_, (tokens, cu, ids))) in mine.iter().enumerate() {
+            stream.extend_from_slice(&tokens[..tokens.len() - usize::from(i + 1 < mine.len())]);
+            // Segments: each is one document's consecutive tokens (its end token last), and
+            // position ids restart at each.
+            assert_eq!(cu.first(), Some(&0));
+            assert_eq!(cu.last(), Some(&(SEQ as i32 + 1)));
+            for seg in cu.windows(2) {
+                let run = &tokens[seg[0] as usize..seg[1] as usize];
+                let doc = run.iter().find(|&&t| t != EOD).map(|t| t / 100_000);
+                for (k, pair) in run.windows(2).enumerate() {
+                    if pair[1] == EOD {
+                        assert_eq!(k + 2, run.len(), "the end token closes a segment");
+                    } else {
+                        assert_eq!(pair[1], pair[0] + 1, "consecutive tokens of document {doc:?}");
+                    }
+                }
+                assert_eq!(ids[seg[0] as usize..seg[1] as usize], (0..seg[1] - seg[0]).collect::<Vec<_>>());
+            }
+        }
+        // Split at the end tokens: every document whole and once, but the cut tail's.
+        let mut seen = vec![false; c.documents.len()];
+        let parts: Vec<&[u32]> = stream.split(|&t| t == EOD).collect();
+        let (whole, tail) = parts.split_at(parts.len() - 1);
+        for part in whole {
+            let d = (part[0] / 100_000) as usize;
+            assert_eq!(*part, &c.documents[d][..], "document {d} whole");
+            assert!(!std::mem::replace(&mut seen[d], true), "document {d} twice in epoch {epoch}");
+        }
+        let left: usize = seen.iter().filter(|s| !**s).count();
+        assert!(left <= 1 + SEQ as usize, "{left} documents not read");
+        let read_tokens: usize = whole.iter().map(|p| p.len() + 1).sum::<usize>() + tail[0].len();
+        let total: usize = c.documents.iter().map(|d| d.len() + 1).sum();
+        assert!(total - read_tokens < SEQ as usize, "only the tail shorter than a window is left out");
+    }
+    // Each epoch has its own order.
+    assert_ne!(windows[&(0, 0)].0, windows[&(1, 0)].0);
+}
+
+#[test]
+fn every_world_size_reads_the_same_windows_and_a_resume_goes_on_from_three_ranks_to_two() {
+    let c = corpus(200);
+    let pack = plan(&c, true);
+    let one = read(&c, &pack, 1, Position::default(), 1);
+    for size in [3, 8] {
+        assert_eq!(read(&c, &pack, size, Position::default(), 1), one, "{size} ranks");
+    }
+    // Three ranks stop after 5 steps of 12 windows; two go on from there.
+    let saved = Position { epoch: 0, cursor: 60 };
+    let rest = read(&c, &pack, 2, saved, 1);
+    let expected: Windows = one.range((0, 60)..).map(|(k, v)| (*k, v.clone())).collect();
+    assert_eq!(rest, expected);
+}
+
+#[test]
+fn within_documents_each_window_is_one_documents_padded() {
+    let c = corpus(120);
+    let pack = plan(&c, false);
+    let windows = read(&c, &pack, 2, Position::default(), 1);
+    assert_eq!(windows.len() as u64, pack.n_windows());
+    let mut covered: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    for (tokens, cu, _) in windows.values() {
+        let real = cu[1] as usize;
+        let doc = tokens[0] / 100_000;
+        assert!(tokens[..real].iter().all(|t| t / 100_000 == doc), "one document a window");
+        assert!(tokens[real..].iter().all(|&t| t == 0), "then padding");
+        covered.entry(doc).or_default().extend_from_slice(&tokens[..real]);
+    }
+    for (d, doc) in c.documents.iter().enumerate() {
+        let Some(tokens) = covered.get(&(d as u32)) else {
+            assert_eq!(doc.len(), 1, "only a one-token document has no window");
+            continue;
+        };
+        let mut tokens = tokens.clone();
+        tokens.sort_unstable();
+        tokens.dedup();
+        assert_eq!(tokens, *doc, "document {d}'s every token");
+    }
+}
+
+#[test]
+fn records_that_are_not_tokens_are_refused() {
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).expect("a store");
+    let layout = Layout::Fixed(granary::FixedLayout::new(Dtype::U16, &[2, 2]).expect("a layout"));
+    ingest(&mut granary, "wide", layout, small_shards(4 << 10), &[vec![0; 8]]);
+    let dataset = granary.open_dataset(&VersionSpec::parse("wide").unwrap()).unwrap();
+    let config = PackConfig { seq_len: 4, eod: None, cross_documents: true, pad: 0 };
+    let error = pack_plan(&dataset, config).unwrap_err().to_string();
+    assert!(error.contains("packing"), "{error}");
+}
