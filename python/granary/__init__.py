@@ -303,6 +303,17 @@ class Loader:
     `drop_last=True` ends each epoch before its short last step,
     so that every rank reads the same number of batches (DDP needs that; without it the last
     step gives some ranks one batch fewer when it holds fewer records than there are ranks).
+    `seq_len` packs a dataset of token documents (Megatron ingest, arrays or byte records) into
+    windows of `seq_len + 1` tokens cut over the documents in the plan's order (`order`:
+    shuffled by default), each document followed by the token `eod` when given, a window's last
+    token the next one's first; `within_documents=True` keeps each window inside one document,
+    padded with `pad`. A batch is then `batch_size` windows, a dict of `tokens` (`(windows,
+    seq_len + 1)`), `cu_seqlens` (int32 boundaries of the documents' runs over the flattened
+    windows, padding its own run, as variable-length attention takes them), `position_ids`
+    (restarting at 0 at each run) and `real_tokens` (each window's tokens that are not padding);
+    with `with_indices`, the windows' indices first. Every token of an epoch is in one window
+    but the overlaps and the tail shorter than a window; windows resume like records, on any
+    world size. Windows are built in host memory and copied to `device`.
     `output`: `"torch"` or `"numpy"` (default: torch when importable). `with_indices=True`
     yields `(indices, batch)`. `dtype`: `"int64"` or `"int32"` widens fixed-size integer
     records (u16 token ids, say, for `nn.Embedding`) in the same pass that hands the batch over,
@@ -360,6 +371,10 @@ class Loader:
         mixture_samples: Optional[int] = None,
         mixture_pass_of: Optional[int] = None,
         mixture_changes: Optional[Sequence[Tuple[int, int, Sequence[float]]]] = None,
+        seq_len: Optional[int] = None,
+        eod: Optional[int] = None,
+        pad: int = 0,
+        within_documents: bool = False,
         seed: int = 0,
         epoch: int = 0,
         rank: Optional[int] = None,
@@ -490,6 +505,19 @@ class Loader:
             rebalance_exchange=rebalance_exchange,
             partitioner_fallback=partitioner_fallback,
         )
+        self._pack_device = None
+        if seq_len is not None:
+            for name, value in (("seq_len", seq_len), ("pad", pad)) + ((("eod", eod),) if eod is not None else ()):
+                if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "seq_len" else 0):
+                    raise ValueError(f"{name} must be an integer of at least {1 if name == 'seq_len' else 0}, not {value!r}")
+            options.update(seq_len=seq_len, eod=eod, pad=pad, within_documents=bool(within_documents))
+            # Windows are cut in host memory; a GPU gets them by a copy.
+            self._pack_device = None if device == "cpu" else device
+            device = "cpu"
+            self._plan = {"pack": {"seq_len": seq_len, "eod": eod, "pad": pad, "within_documents": bool(within_documents),
+                                   "order": order or "shuffled"}}
+        elif eod is not None or pad != 0 or within_documents:
+            raise ValueError("eod, pad and within_documents are packing's: give seq_len too")
         if mixture:
             options.update(
                 mixture_samples=mixture_samples,
@@ -558,6 +586,11 @@ class Loader:
         return self
 
     def __next__(self) -> Any:
+        if self._plan.get("pack") is not None:
+            packed = self._native.next_packed()
+            if packed is None:
+                raise StopIteration
+            return self._convert_packed(packed)
         batch = self._native.next_batch()
         if batch is None:
             raise StopIteration
@@ -586,6 +619,29 @@ class Loader:
             out = (to(batch.data()), to(batch.offsets()))
         if self._with_indices:
             return to(batch.indices()), out
+        return out
+
+    def _convert_packed(self, packed: Dict[str, Any]) -> Any:
+        import numpy as np
+
+        n, width = packed["windows"], packed["width"]
+        tokens = np.frombuffer(packed["tokens"], dtype=packed["dtype"]).reshape(n, width)
+        if self._widen is not None:
+            tokens = tokens.astype(self._widen)
+        out = {
+            "tokens": tokens,
+            "cu_seqlens": np.frombuffer(packed["cu_seqlens"], dtype="<i4"),
+            "position_ids": np.frombuffer(packed["position_ids"], dtype="<i4").reshape(n, width),
+            "real_tokens": np.asarray(packed["real_tokens"], dtype=np.int32),
+        }
+        if self._output == "torch":
+            torch = _torch()
+            out = {k: torch.from_numpy(v.copy()) for k, v in out.items()}
+            if self._pack_device is not None:
+                out = {k: v.to(self._pack_device, non_blocking=True) for k, v in out.items()}
+        if self._with_indices:
+            first = packed["first_window"]
+            return np.arange(first, first + n, dtype=np.int64), out
         return out
 
     @property

@@ -23,7 +23,9 @@ use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::PyDict;
 
+use granary::loader::Packer;
 use granary::loader::{MeasureExchange, RebalanceConfig, RebalanceState, WeightsAt};
+use granary::pack::{PackConfig, PackPlan};
 use granary::plan::RankCut;
 use granary::policy::RankMeasure;
 use granary::staging::cuda::Cuda;
@@ -74,6 +76,12 @@ struct State {
     spec: DatasetArg,
     /// The mixture being read, once opened.
     mixture: Option<Mixture>,
+    /// Packed windows asked for: how, and the documents' order.
+    pack: Option<(PackConfig, Order)>,
+    /// The packing of the dataset, once opened.
+    pack_plan: Option<Arc<PackPlan>>,
+    /// The windows of the running loader's batches.
+    packer: Option<Packer>,
     config: LoaderConfig,
     /// The CUDA device batches go to, when they go to one.
     device: Option<u32>,
@@ -160,6 +168,13 @@ impl State {
                 dataset
             }
         };
+        if let Some((pack, order)) = self.pack.clone()
+            && self.pack_plan.is_none()
+        {
+            let plan = Arc::new(granary::loader::pack_plan(&dataset, pack)?);
+            self.config = Packer::loader_config(&plan, order, self.config.clone())?;
+            self.pack_plan = Some(plan);
+        }
         self.dataset = Some(Arc::clone(&dataset));
         Ok(dataset)
     }
@@ -223,7 +238,8 @@ impl Loader {
     /// See `granary.Loader` for the arguments.
     #[new]
     #[pyo3(signature = (
-        store, dataset, batch_size, *, mixture_samples = None, mixture_pass_of = None, mixture_changes = None, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
+        store, dataset, batch_size, *, mixture_samples = None, mixture_pass_of = None, mixture_changes = None, seq_len = None, eod = None, pad = 0,
+        within_documents = false, seed = 0, epoch = 0, rank = 0, world_size = 1, device = None,
         prefetch = 4, read_depth = 2, hold = 4, order = None, partitioner = None,
         partitioner_options = None, io = None, drop_last = false, tier = None, tier_bytes = None,
         tier_evictor = None, tier_evictor_options = None, local_world_size = None, verify_threads = None,
@@ -237,6 +253,10 @@ impl Loader {
         mixture_samples: Option<u64>,
         mixture_pass_of: Option<usize>,
         mixture_changes: Option<Vec<(u64, u64, Vec<f64>)>>,
+        seq_len: Option<u64>,
+        eod: Option<u64>,
+        pad: u64,
+        within_documents: bool,
         seed: u64,
         epoch: u64,
         rank: u32,
@@ -303,6 +323,34 @@ impl Loader {
             }
         };
         let is_mixture = matches!(spec, DatasetArg::Mixture { .. });
+        let pack = match seq_len {
+            None if eod.is_some() || pad != 0 || within_documents => {
+                return Err(invalid("eod, pad and within_documents are packing's: give seq_len too"));
+            }
+            None => None,
+            Some(_) if is_mixture => {
+                return Err(invalid("packing a mixture is not supported yet: pack one dataset"));
+            }
+            Some(_) if partitioner.is_some() || partitioner_options.is_some() || rebalance_every.is_some() => {
+                return Err(invalid(
+                    "packed windows are cut by their own plan: drop partitioner, partitioner_options and rebalance_every",
+                ));
+            }
+            Some(0) => return Err(invalid("seq_len must be at least 1")),
+            Some(seq_len) => {
+                let order = match order {
+                    None | Some("shuffled") => Order::Shuffled,
+                    Some("sequential") => Order::Sequential,
+                    Some(other) => {
+                        return Err(invalid(format!("order {other:?}: expected \"shuffled\" or \"sequential\"")));
+                    }
+                };
+                Some((PackConfig { seq_len, eod, cross_documents: !within_documents, pad }, order))
+            }
+        };
+        if pack.is_some() && !matches!(device, None | Some("cpu")) {
+            return Err(invalid("packed windows are built in host memory: the native loader takes device=\"cpu\""));
+        }
         if batch_size == 0 {
             return Err(invalid("batch_size must be at least 1"));
         }
@@ -351,7 +399,8 @@ impl Loader {
         };
         // No order and no partitioner: shuffled, windowed to the cache for an attached
         // dataset it cannot hold (see `plan_options`).
-        let windowable = !is_mixture && order.is_none() && matches!(plan, PlanSource::Native(Order::Shuffled));
+        let windowable =
+            !is_mixture && pack.is_none() && order.is_none() && matches!(plan, PlanSource::Native(Order::Shuffled));
         let mut config = LoaderConfig {
             batch_size,
             world,
@@ -414,6 +463,9 @@ impl Loader {
                 root,
                 spec,
                 mixture: None,
+                pack,
+                pack_plan: None,
+                packer: None,
                 config,
                 device,
                 drop_last,
@@ -443,54 +495,49 @@ impl Loader {
     /// released.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<NativeBatch>> {
         let mut state = self.lock(py)?;
-        if state.position.epoch > state.iterating {
-            state.len_from = state.position;
-            return Ok(None);
+        if state.pack.is_some() {
+            return Err(invalid("a loader of packed windows hands them out through next_packed"));
         }
-        let mut cut = state.cut().map_err(to_py)?;
-        if cut.batches_per_epoch() == 0 {
-            // Nothing for this rank in any epoch (fewer records than ranks, or with
-            // `drop_last` fewer than one step): each epoch ends at once.
-            state.position = Position { epoch: state.iterating + 1, cursor: 0 };
-            return Ok(None);
+        let Some(batch) = self.next_loaded(py, &mut state)? else { return Ok(None) };
+        let dataset = state.dataset().map_err(to_py)?;
+        NativeBatch::new(batch, &dataset, state.device).map(Some)
+    }
+
+    /// The next batch of packed windows of the epoch being iterated, or `None` at its end: a
+    /// dict of `tokens` (bytes of `windows x width` tokens of `dtype`), `cu_seqlens` and
+    /// `position_ids` (bytes of little-endian int32), `real_tokens` (a list), `windows` (the
+    /// count), `width` (seq_len + 1), `dtype` (NumPy's type string), `first_window`.
+    fn next_packed<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let mut state = self.lock(py)?;
+        if state.pack.is_none() {
+            return Err(invalid("this loader does not pack: give seq_len"));
         }
-        if state.running.is_none() {
-            self.start(py, &mut state)?;
-        }
-        loop {
-            let State { running, dataset, .. } = &mut *state;
-            let dataset = Arc::clone(dataset.as_ref().expect("opened by start"));
-            let loader = running.as_mut().expect("started above").loader();
-            let next = py.detach(|| loader.next());
-            let batch = match next {
-                None => {
-                    // The engine loader ran out: the dataset is empty (it runs epochs without end).
-                    return Ok(None);
-                }
-                Some(Err(e)) => {
-                    if loader.is_finished() {
-                        state.stop();
-                        self.started_in.store(0, Ordering::Release);
-                    }
-                    return Err(to_py(e));
-                }
-                Some(Ok(batch)) => batch,
-            };
-            let after = batch.position();
-            if epoch_of(after) < state.position.epoch || cut.dropped(after) {
-                // The short last step of an epoch (`drop_last`).
-                continue;
-            }
-            if let Some(weights) = batch.weights()
-                && state.weights.as_deref() != Some(weights.weights.as_slice())
-            {
-                // The weights change at rebalance points only: copied then, not per batch.
-                state.weights = Some(weights.weights.clone());
-                cut.weights.clone_from(&state.weights);
-            }
-            state.position = cut.normalized(after);
-            return NativeBatch::new(batch, &dataset, state.device).map(Some);
-        }
+        let Some(batch) = self.next_loaded(py, &mut state)? else { return Ok(None) };
+        let packer = state.packer.as_mut().ok_or_else(|| invalid("the packer starts with the loader"))?;
+        let packed = packer.pack(&batch).map_err(to_py)?;
+        drop(batch);
+        let plan = state.pack_plan.as_ref().ok_or_else(|| invalid("the pack opens with the dataset"))?;
+        let out = PyDict::new(py);
+        let p = &packed.packed;
+        out.set_item("tokens", pyo3::types::PyBytes::new(py, &p.tokens))?;
+        let cu: Vec<u8> = p.cu_seqlens.iter().flat_map(|v| v.to_le_bytes()).collect();
+        out.set_item("cu_seqlens", pyo3::types::PyBytes::new(py, &cu))?;
+        let ids: Vec<u8> = p.position_ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+        out.set_item("position_ids", pyo3::types::PyBytes::new(py, &ids))?;
+        out.set_item("real_tokens", p.real_tokens.clone())?;
+        out.set_item("windows", p.windows)?;
+        out.set_item("width", plan.config().seq_len + 1)?;
+        out.set_item("dtype", token_typestr(state.dataset().map_err(to_py)?.layout()))?;
+        out.set_item("first_window", packed.windows.start)?;
+        Ok(Some(out))
+    }
+
+    /// The windows of an epoch, when packing: `None` otherwise.
+    #[getter]
+    fn pack_windows(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        let mut state = self.lock(py)?;
+        state.dataset().map_err(to_py)?;
+        Ok(state.pack_plan.as_ref().map(|plan| plan.n_windows()))
     }
 
     /// Makes `epoch` the one the next iteration reads (as `DistributedSampler.set_epoch`):
@@ -917,6 +964,58 @@ impl Loader {
         Ok(self.state.lock_py_attached(py))
     }
 
+    /// The engine's next batch of the epoch being iterated (`drop_last`'s short step skipped),
+    /// the position moved past it; `None` at the epoch's end.
+    fn next_loaded(&self, py: Python<'_>, state: &mut State) -> PyResult<Option<granary::LoadedBatch>> {
+        if state.position.epoch > state.iterating {
+            state.len_from = state.position;
+            return Ok(None);
+        }
+        let mut cut = state.cut().map_err(to_py)?;
+        if cut.batches_per_epoch() == 0 {
+            // Nothing for this rank in any epoch (fewer records than ranks, or with
+            // `drop_last` fewer than one step): each epoch ends at once.
+            state.position = Position { epoch: state.iterating + 1, cursor: 0 };
+            return Ok(None);
+        }
+        if state.running.is_none() {
+            self.start(py, state)?;
+        }
+        loop {
+            let State { running, .. } = &mut *state;
+            let loader = running.as_mut().expect("started above").loader();
+            let next = py.detach(|| loader.next());
+            let batch = match next {
+                None => {
+                    // The engine loader ran out: the dataset is empty (it runs epochs without end).
+                    return Ok(None);
+                }
+                Some(Err(e)) => {
+                    if loader.is_finished() {
+                        state.stop();
+                        self.started_in.store(0, Ordering::Release);
+                    }
+                    return Err(to_py(e));
+                }
+                Some(Ok(batch)) => batch,
+            };
+            let after = batch.position();
+            if epoch_of(after) < state.position.epoch || cut.dropped(after) {
+                // The short last step of an epoch (`drop_last`).
+                continue;
+            }
+            if let Some(weights) = batch.weights()
+                && state.weights.as_deref() != Some(weights.weights.as_slice())
+            {
+                // The weights change at rebalance points only: copied then, not per batch.
+                state.weights = Some(weights.weights.clone());
+                cut.weights.clone_from(&state.weights);
+            }
+            state.position = cut.normalized(after);
+            return Ok(Some(batch));
+        }
+    }
+
     fn start(&self, py: Python<'_>, state: &mut State) -> PyResult<()> {
         if let Some(ordinal) = state.device {
             py.detach(|| Cuda::select(ordinal)).map_err(to_py)?;
@@ -933,6 +1032,9 @@ impl Loader {
         }
         let config = state.config.clone();
         let position = state.position;
+        if let (Some(plan), Some((_, order))) = (&state.pack_plan, &state.pack) {
+            state.packer = Some(Packer::new(Arc::clone(plan), *order, &config, position));
+        }
         let loader = py.detach(|| granary::Loader::new(dataset, config, position)).map_err(to_py)?;
         state.running = Some(Running { loader: Some(loader), pid: std::process::id() });
         self.started_in.store(std::process::id(), Ordering::Release);
@@ -952,4 +1054,19 @@ impl Loader {
 /// start of `e + 1`; no other batch ends at a cursor of 0).
 fn epoch_of(after: Position) -> u64 {
     if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch }
+}
+
+/// NumPy's type string of a packed dataset's tokens (`"<u2"`).
+fn token_typestr(layout: &granary::Layout) -> String {
+    let dtype = match layout {
+        granary::Layout::Arrays(dtype) => *dtype,
+        granary::Layout::Fixed(fixed) => fixed.dtype(),
+        _ => granary::Dtype::U8,
+    };
+    let kind = match dtype.name().as_bytes().first() {
+        Some(b'i') => 'i',
+        Some(b'f') | Some(b'b') => 'f',
+        _ => 'u',
+    };
+    format!("<{kind}{}", dtype.size_bytes())
 }

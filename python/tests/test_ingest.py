@@ -12,7 +12,7 @@ import pytest
 
 import granary
 
-from conftest import RECORD, records
+from conftest import RECORD, records, write_megatron
 
 
 def test_byte_records_come_with_offsets(store):
@@ -127,30 +127,6 @@ def test_dtypes_take_the_cli_names_too(store):
     (batch,) = list(loader)
     assert batch.dtype == np.uint16 and (batch == np.stack(data)).all()
 
-def _write_megatron(prefix, sequences, dtype, code, documents=None, modes=False):
-    """A `.bin` + `.idx` pair in Megatron-LM's published layout (MMapIndexedDataset, version 1)."""
-    import struct
-
-    lengths = np.array([len(s) for s in sequences], dtype=np.int32)
-    pointers = np.zeros(len(sequences), dtype=np.int64)
-    if len(sequences) > 1:
-        pointers[1:] = np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize)
-    documents = np.arange(len(sequences) + 1, dtype=np.int64) if documents is None else np.array(documents, dtype=np.int64)
-    with open(f"{prefix}.bin", "wb") as f:
-        for s in sequences:
-            f.write(np.asarray(s, dtype=dtype).tobytes(order="C"))
-    with open(f"{prefix}.idx", "wb") as f:
-        f.write(b"MMIDIDX\x00\x00")
-        f.write(struct.pack("<Q", 1))
-        f.write(struct.pack("<B", code))
-        f.write(struct.pack("<Q", len(sequences)))
-        f.write(struct.pack("<Q", len(documents)))
-        f.write(lengths.tobytes(order="C"))
-        f.write(pointers.tobytes(order="C"))
-        f.write(documents.tobytes(order="C"))
-        if modes:
-            f.write(np.zeros(len(sequences), dtype=np.int8).tobytes())
-
 def _read_megatron(prefix, i):
     """Sequence `i` as Megatron's IndexedDataset returns it: a view of the memory-mapped `.bin`."""
     import struct
@@ -170,7 +146,7 @@ def test_a_megatron_indexed_dataset_reads_back_as_megatron_reads_it(store, tmp_p
     sequences = [rng.integers(0, 50000, int(rng.integers(0, 300)), dtype=np.uint16) for _ in range(257)]
     prefix = str(tmp_path / "corpus_text_document")
     # Documents of several sequences (Megatron's sentence-split preprocessing) stay sequences.
-    _write_megatron(prefix, sequences, np.uint16, 8, documents=[0, 3, 100, 257])
+    write_megatron(prefix, sequences, np.uint16, 8, documents=[0, 3, 100, 257])
     committed = store.ingest_megatron("corpus", prefix + ".bin")
     assert committed["records"] == 257
     assert [d["layout"] for d in store.datasets() if d["name"] == "corpus"] == ["arrays u16"]
@@ -188,27 +164,27 @@ def test_a_megatron_indexed_dataset_reads_back_as_megatron_reads_it(store, tmp_p
     assert data.dtype == np.int64 and np.array_equal(data[offsets[1] : offsets[2]], sequences[1].astype(np.int64))
 
     # int32 tokens too.
-    _write_megatron(str(tmp_path / "wide"), [np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32)], np.int32, 4)
+    write_megatron(str(tmp_path / "wide"), [np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32)], np.int32, 4)
     store.ingest_megatron("wide", tmp_path / "wide")
     data, offsets = next(iter(store.loader("wide", batch_size=2, order="sequential", output="numpy")))
     assert data.dtype == np.int32 and offsets.tolist() == [0, 5, 8]
 
 def test_a_damaged_or_unsupported_megatron_index_is_refused_before_anything_is_written(store, tmp_path):
     prefix = str(tmp_path / "c")
-    _write_megatron(prefix, [np.arange(10, dtype=np.uint16)] * 4, np.uint16, 8)
+    write_megatron(prefix, [np.arange(10, dtype=np.uint16)] * 4, np.uint16, 8)
     with open(prefix + ".idx", "r+b") as f:
         f.truncate(40)
     with pytest.raises(granary.Error, match="not a Megatron index"):
         store.ingest_megatron("c", prefix)
-    _write_megatron(prefix, [np.arange(10, dtype=np.uint16)] * 4, np.uint16, 8)
+    write_megatron(prefix, [np.arange(10, dtype=np.uint16)] * 4, np.uint16, 8)
     with open(prefix + ".bin", "r+b") as f:
         f.truncate(50)
     with pytest.raises(granary.Error, match="runs past the end"):
         store.ingest_megatron("c", prefix)
-    _write_megatron(prefix, [np.arange(10, dtype=np.uint16)] * 4, np.uint16, 8, modes=True)
+    write_megatron(prefix, [np.arange(10, dtype=np.uint16)] * 4, np.uint16, 8, modes=True)
     with pytest.raises(granary.Error, match="multimodal"):
         store.ingest_megatron("c", prefix)
-    _write_megatron(prefix, [], np.uint16, 8)
+    write_megatron(prefix, [], np.uint16, 8)
     with pytest.raises(granary.Error, match="no sequences"):
         store.ingest_megatron("c", prefix)
     assert all(d["name"] != "c" for d in store.datasets())

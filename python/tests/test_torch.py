@@ -231,3 +231,22 @@ def test_an_error_in_a_dataloader_worker_keeps_its_class_and_kind(store, tmp_pat
     assert direct.value.kind == "not_found"
     with pytest.raises(AttributeError):
         direct.value.no_such_attribute
+
+
+def test_packed_windows_come_as_tensors_for_variable_length_attention(store, tmp_path):
+    from conftest import write_megatron
+
+    docs = [np.arange(d * 100, d * 100 + 5 + d % 7, dtype=np.uint16) for d in range(40)]
+    write_megatron(str(tmp_path / "c"), docs, np.uint16, 8)
+    store.ingest_megatron("c", tmp_path / "c")
+    loader = store.loader("c", 4, seq_len=8, eod=65535, dtype="int64", device="cpu")
+    batch = next(iter(loader))
+    assert batch["tokens"].dtype == torch.int64 and tuple(batch["tokens"].shape) == (4, 9)
+    assert batch["cu_seqlens"].dtype == torch.int32 and int(batch["cu_seqlens"][-1]) == 36
+    assert tuple(batch["position_ids"].shape) == (4, 9)
+    # The runs are documents: a run's tokens are consecutive ids of one document.
+    flat = batch["tokens"].reshape(-1).tolist()
+    cu = batch["cu_seqlens"].tolist()
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        run = [t for t in flat[lo:hi] if t != 65535]
+        assert len({t // 100 for t in run}) <= 1

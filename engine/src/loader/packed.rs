@@ -6,7 +6,8 @@
 //! plan); this stage cuts the windows out of them (`pack::pack_windows`). Windows are the
 //! epoch's positions, so a `Position` resumes on any world size as for records.
 //!
-//! Owns `PackedLoader`, `PackedBatch` and `pack_plan` (a dataset's document lengths, from its
+//! Owns `PackedLoader`, `Packer` (the windows of each batch a loader of documents hands out),
+//! `PackedBatch` and `pack_plan` (a dataset's document lengths, from its
 //! shards' metadata). Never: reads a document itself (the loader reads and verifies them) or
 //! hands out a window from a batch that failed.
 
@@ -25,13 +26,14 @@ use super::{LoadedBatch, Loader, LoaderConfig, PlanSource, Target};
 /// metadata (every shard's metadata is read, and checked, now). Documents are records of token
 /// arrays (`Layout::Arrays`), one-dimensional fixed records, or byte strings (one-byte tokens).
 pub fn pack_plan(dataset: &Dataset, config: PackConfig) -> Result<PackPlan> {
+    let integer = |dtype: crate::shard::Dtype| !matches!(dtype.name().as_bytes().first(), Some(b'f' | b'b'));
     let token_bytes = match dataset.layout() {
-        Layout::Arrays(dtype) => dtype.size_bytes() as usize,
-        Layout::Fixed(fixed) if fixed.dims().len() == 1 => fixed.dtype().size_bytes() as usize,
+        Layout::Arrays(dtype) if integer(*dtype) => dtype.size_bytes() as usize,
+        Layout::Fixed(fixed) if fixed.dims().len() == 1 && integer(fixed.dtype()) => fixed.dtype().size_bytes() as usize,
         Layout::Bytes => 1,
         other => {
             return Err(Error::invalid_input(format!(
-                "packing cuts token documents (arrays, one-dimensional fixed records or bytes), not {other} records"
+                "packing cuts documents of integer tokens (arrays, one-dimensional fixed records or bytes), not {other} records"
             )));
         }
     };
@@ -59,9 +61,10 @@ pub struct PackedBatch {
     pub position: Position,
 }
 
-/// Packed windows of a token dataset, one rank's, in batches of `batch_size` windows.
-pub struct PackedLoader {
-    loader: Loader,
+/// The windows of one rank's batches, cut from the documents its loader reads: which windows
+/// each batch holds (its step, from the positions the batches report) and their tokens. Made
+/// anew whenever the loader is (a seek, a restart), from the same start.
+pub struct Packer {
     pack: Arc<PackPlan>,
     order: Order,
     seed: u64,
@@ -73,46 +76,41 @@ pub struct PackedLoader {
     next_step: Position,
 }
 
-impl PackedLoader {
-    /// Packed windows of `dataset` as `pack` cuts them, documents in `order`, read by a loader
-    /// of `config` (its plan is replaced by the pack's, its batch size counts windows, its
-    /// target is the host: windows are built in host memory), from `start`.
-    pub fn new(
-        dataset: Arc<Dataset>,
-        mut config: LoaderConfig,
-        pack: Arc<PackPlan>,
-        order: Order,
-        start: Position,
-    ) -> Result<Self> {
+impl Packer {
+    /// The packer of a loader of `config` (its seed, world and batch size) started at `start`.
+    pub fn new(pack: Arc<PackPlan>, order: Order, config: &LoaderConfig, start: Position) -> Self {
+        let n = pack.n_windows();
+        let next_step = if n > 0 && start.cursor >= n { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
+        Self {
+            pack,
+            order,
+            seed: config.seed,
+            world: config.world,
+            batch_size: config.batch_size,
+            epoch: None,
+            next_step,
+        }
+    }
+
+    /// `config` made to read the documents of packed windows: the pack's plan, batches as
+    /// large as a batch of windows' documents can be, host memory.
+    pub fn loader_config(pack: &Arc<PackPlan>, order: Order, mut config: LoaderConfig) -> Result<LoaderConfig> {
         if config.target == Target::Gpu {
             return Err(Error::invalid_input(
                 "packed windows are built in host memory: load them with the host target",
             ));
         }
         config.target = Target::Host;
-        config.plan = PlanSource::Packed(Arc::clone(&pack), order);
+        config.plan = PlanSource::Packed(Arc::clone(pack), order);
         // A batch reads its windows' documents: their tokens and, at the edges, two whole documents.
         let span = pack.span_bytes_max(config.batch_size);
         config.batch_bytes_max =
             Some(usize::try_from(span).map_err(|_| Error::invalid_input("a batch larger than memory"))?);
-        let (seed, world, batch_size) = (config.seed, config.world, config.batch_size);
-        let n = pack.n_windows();
-        let next_step = if n > 0 && start.cursor >= n { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
-        let loader = Loader::new(dataset, config, start)?;
-        Ok(Self { loader, pack, order, seed, world, batch_size, epoch: None, next_step })
+        Ok(config)
     }
 
-    /// The next batch, `None` after the last epoch.
-    #[allow(clippy::should_implement_trait, reason = "a fallible stream, like `Loader::next`")]
-    pub fn next(&mut self) -> Option<Result<PackedBatch>> {
-        let batch = match self.loader.next()? {
-            Ok(batch) => batch,
-            Err(e) => return Some(Err(e)),
-        };
-        Some(self.pack_batch(&batch))
-    }
-
-    fn pack_batch(&mut self, batch: &LoadedBatch) -> Result<PackedBatch> {
+    /// The windows of `batch`, the loader's next batch (batches in order, none skipped).
+    pub fn pack(&mut self, batch: &LoadedBatch) -> Result<PackedBatch> {
         let after = batch.position();
         let epoch = if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch };
         // A rank with no share of an epoch's short last step gets no batch of it: a batch of a
@@ -138,6 +136,40 @@ impl PackedLoader {
         let packed = crate::pack::pack_windows(&self.pack, placed, &span, &documents).map_err(Error::invalid_input)?;
         Ok(PackedBatch { packed, windows, epoch, position: after })
     }
+}
+
+/// Packed windows of a token dataset, one rank's, in batches of `batch_size` windows.
+pub struct PackedLoader {
+    loader: Loader,
+    packer: Packer,
+}
+
+impl PackedLoader {
+    /// Packed windows of `dataset` as `pack` cuts them, documents in `order`, read by a loader
+    /// of `config` (its plan is replaced by the pack's, its batch size counts windows, its
+    /// target is the host: windows are built in host memory), from `start`.
+    pub fn new(
+        dataset: Arc<Dataset>,
+        config: LoaderConfig,
+        pack: Arc<PackPlan>,
+        order: Order,
+        start: Position,
+    ) -> Result<Self> {
+        let config = Packer::loader_config(&pack, order, config)?;
+        let packer = Packer::new(pack, order, &config, start);
+        let loader = Loader::new(dataset, config, start)?;
+        Ok(Self { loader, packer })
+    }
+
+    /// The next batch, `None` after the last epoch.
+    #[allow(clippy::should_implement_trait, reason = "a fallible stream, like `Loader::next`")]
+    pub fn next(&mut self) -> Option<Result<PackedBatch>> {
+        let batch = match self.loader.next()? {
+            Ok(batch) => batch,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(self.packer.pack(&batch))
+    }
 
     /// After the last batch handed out.
     pub fn position(&self) -> Position {
@@ -147,10 +179,5 @@ impl PackedLoader {
     /// The documents' loader (its counters, its tier).
     pub fn loader(&self) -> &Loader {
         &self.loader
-    }
-
-    /// The packing.
-    pub fn pack(&self) -> &Arc<PackPlan> {
-        &self.pack
     }
 }
