@@ -97,6 +97,11 @@ impl PackPlan {
         self.token_bytes
     }
 
+    /// Bytes of the tokens of `windows` windows.
+    pub fn tokens_bytes(&self, windows: u64) -> usize {
+        windows as usize * (self.config.seq_len as usize + 1) * self.token_bytes
+    }
+
     /// The most bytes of documents a run of `windows` windows reads: its tokens and two whole
     /// documents across documents; `windows` whole documents within them.
     pub fn span_bytes_max(&self, windows: u64) -> u64 {
@@ -190,10 +195,33 @@ pub struct Packed {
 /// Packs span `span` of `epoch` from its documents' bytes (`documents[i]` is record
 /// `span.records[i]`, whole).
 pub fn pack_windows(pack: &PackPlan, epoch: &PackEpoch, span: &Span, documents: &[&[u8]]) -> Result<Packed, String> {
+    let mut tokens = vec![0u8; pack.tokens_bytes(span.windows.end - span.windows.start)];
+    let mut packed = pack_windows_into(pack, epoch, span, documents, &mut tokens)?;
+    packed.tokens = tokens;
+    Ok(packed)
+}
+
+/// `pack_windows`, the tokens written into `tokens` (exactly `tokens_bytes` of the span's
+/// windows long; the caller's memory, a Python buffer say); the `Packed` returned holds none.
+pub fn pack_windows_into(
+    pack: &PackPlan,
+    epoch: &PackEpoch,
+    span: &Span,
+    documents: &[&[u8]],
+    tokens: &mut [u8],
+) -> Result<Packed, String> {
     let tb = pack.token_bytes;
     let width = pack.config.seq_len as usize + 1;
     let l = pack.config.seq_len;
     let n_windows = (span.windows.end - span.windows.start) as usize;
+    if tokens.len() != n_windows * width * tb {
+        return Err(format!("{} bytes for {n_windows} windows of {width} tokens of {tb} bytes", tokens.len()));
+    }
+    let mut at = 0usize;
+    let mut put = |bytes: &[u8]| {
+        tokens[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
+    };
     if documents.len() != span.records.len() {
         return Err(format!("{} documents for a span of {}", documents.len(), span.records.len()));
     }
@@ -206,7 +234,7 @@ pub fn pack_windows(pack: &PackPlan, epoch: &PackEpoch, span: &Span, documents: 
     let token = |value: u64| value.to_le_bytes()[..tb].to_vec();
     let eod = pack.config.eod.map(token);
     let mut out = Packed { windows: n_windows, cu_seqlens: vec![0], ..Packed::default() };
-    out.tokens.reserve(n_windows * width * tb);
+    out.position_ids.reserve(n_windows * width);
     // A window's tokens as runs of (document index in the span, first token, tokens).
     let mut runs: Vec<(usize, u64, u64)> = Vec::new();
     for w in span.windows.clone() {
@@ -237,10 +265,10 @@ pub fn pack_windows(pack: &PackPlan, epoch: &PackEpoch, span: &Span, documents: 
             // The document's own tokens, then its end token.
             let own_end = (first + take).min(doc_tokens);
             if first < own_end {
-                out.tokens.extend_from_slice(&doc[first as usize * tb..own_end as usize * tb]);
+                put(&doc[first as usize * tb..own_end as usize * tb]);
             }
             if first + take > doc_tokens {
-                out.tokens.extend_from_slice(eod.as_deref().unwrap_or_default());
+                put(eod.as_deref().unwrap_or_default());
             }
             real += take;
             push_segment(&mut out, take);
@@ -248,13 +276,15 @@ pub fn pack_windows(pack: &PackPlan, epoch: &PackEpoch, span: &Span, documents: 
         if real < width as u64 {
             let pad = token(pack.config.pad);
             for _ in real..width as u64 {
-                out.tokens.extend_from_slice(&pad);
+                put(&pad);
             }
             push_segment(&mut out, width as u64 - real);
         }
         out.real_tokens.push(real as u32);
     }
-    debug_assert_eq!(out.tokens.len(), n_windows * width * tb, "every window is seq_len + 1 tokens");
+    if at != tokens.len() {
+        return Err(format!("{at} bytes of tokens packed where {n_windows} windows take {}", tokens.len()));
+    }
     Ok(out)
 }
 

@@ -514,16 +514,22 @@ impl Loader {
         }
         let Some(batch) = self.next_loaded(py, &mut state)? else { return Ok(None) };
         let packer = state.packer.as_mut().ok_or_else(|| invalid("the packer starts with the loader"))?;
-        let packed = packer.pack(&batch).map_err(to_py)?;
+        let windows = packer.step(&batch);
+        let len = packer.pack_plan().tokens_bytes(windows.end - windows.start);
+        // The windows are cut straight into the bytes Python gets: no second copy.
+        let mut packed = None;
+        let tokens = pyo3::types::PyBytes::new_with(py, len, |buf| {
+            packed = Some(packer.pack_into(&batch, buf).map_err(to_py)?);
+            Ok(())
+        })?;
+        let packed = packed.ok_or_else(|| invalid("no windows packed"))?;
         drop(batch);
         let plan = state.pack_plan.as_ref().ok_or_else(|| invalid("the pack opens with the dataset"))?;
         let out = PyDict::new(py);
         let p = &packed.packed;
-        out.set_item("tokens", pyo3::types::PyBytes::new(py, &p.tokens))?;
-        let cu: Vec<u8> = p.cu_seqlens.iter().flat_map(|v| v.to_le_bytes()).collect();
-        out.set_item("cu_seqlens", pyo3::types::PyBytes::new(py, &cu))?;
-        let ids: Vec<u8> = p.position_ids.iter().flat_map(|v| v.to_le_bytes()).collect();
-        out.set_item("position_ids", pyo3::types::PyBytes::new(py, &ids))?;
+        out.set_item("tokens", tokens)?;
+        out.set_item("cu_seqlens", int32_bytes(py, &p.cu_seqlens)?)?;
+        out.set_item("position_ids", int32_bytes(py, &p.position_ids)?)?;
         out.set_item("real_tokens", p.real_tokens.clone())?;
         out.set_item("windows", p.windows)?;
         out.set_item("width", plan.config().seq_len + 1)?;
@@ -1054,6 +1060,16 @@ impl Loader {
 /// start of `e + 1`; no other batch ends at a cursor of 0).
 fn epoch_of(after: Position) -> u64 {
     if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch }
+}
+
+/// `values` as the bytes of little-endian int32s, written once.
+fn int32_bytes<'py>(py: Python<'py>, values: &[i32]) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    pyo3::types::PyBytes::new_with(py, values.len() * 4, |buf| {
+        for (out, value) in buf.chunks_exact_mut(4).zip(values) {
+            out.copy_from_slice(&value.to_le_bytes());
+        }
+        Ok(())
+    })
 }
 
 /// NumPy's type string of a packed dataset's tokens (`"<u2"`).

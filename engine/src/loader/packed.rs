@@ -29,7 +29,9 @@ pub fn pack_plan(dataset: &Dataset, config: PackConfig) -> Result<PackPlan> {
     let integer = |dtype: crate::shard::Dtype| !matches!(dtype.name().as_bytes().first(), Some(b'f' | b'b'));
     let token_bytes = match dataset.layout() {
         Layout::Arrays(dtype) if integer(*dtype) => dtype.size_bytes() as usize,
-        Layout::Fixed(fixed) if fixed.dims().len() == 1 && integer(fixed.dtype()) => fixed.dtype().size_bytes() as usize,
+        Layout::Fixed(fixed) if fixed.dims().len() == 1 && integer(fixed.dtype()) => {
+            fixed.dtype().size_bytes() as usize
+        }
         Layout::Bytes => 1,
         other => {
             return Err(Error::invalid_input(format!(
@@ -111,14 +113,31 @@ impl Packer {
 
     /// The windows of `batch`, the loader's next batch (batches in order, none skipped).
     pub fn pack(&mut self, batch: &LoadedBatch) -> Result<PackedBatch> {
+        let windows = self.step(batch);
+        let mut tokens = vec![0u8; self.pack.tokens_bytes(windows.end - windows.start)];
+        let mut packed = self.pack_into(batch, &mut tokens)?;
+        packed.packed.tokens = tokens;
+        Ok(packed)
+    }
+
+    /// The windows `batch` holds, once it is the next one: its tokens take
+    /// `pack().tokens_bytes(len)`. Call `pack_into` with the same batch next.
+    pub fn step(&mut self, batch: &LoadedBatch) -> Range<u64> {
         let after = batch.position();
         let epoch = if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch };
         // A rank with no share of an epoch's short last step gets no batch of it: a batch of a
         // later epoch than the step expected begins that epoch.
         let step = if epoch == self.next_step.epoch { self.next_step.cursor } else { 0 };
         let n = self.pack.n_windows();
-        let windows =
-            EpochPlan::new(n, self.seed, epoch, Order::Sequential).rank_positions(step, self.world, self.batch_size);
+        EpochPlan::new(n, self.seed, epoch, Order::Sequential).rank_positions(step, self.world, self.batch_size)
+    }
+
+    /// The windows of `batch` (the next one), their tokens written into `tokens`; the batch
+    /// returned holds no tokens of its own.
+    pub fn pack_into(&mut self, batch: &LoadedBatch, tokens: &mut [u8]) -> Result<PackedBatch> {
+        let windows = self.step(batch);
+        let after = batch.position();
+        let epoch = if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch };
         self.next_step = after;
         if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
             self.epoch = Some((epoch, self.pack.epoch(self.seed, epoch, self.order)));
@@ -133,8 +152,14 @@ impl Packer {
             )));
         }
         let documents: Vec<&[u8]> = (0..batch.len()).map(|i| batch.record(i)).collect();
-        let packed = crate::pack::pack_windows(&self.pack, placed, &span, &documents).map_err(Error::invalid_input)?;
+        let packed = crate::pack::pack_windows_into(&self.pack, placed, &span, &documents, tokens)
+            .map_err(Error::invalid_input)?;
         Ok(PackedBatch { packed, windows, epoch, position: after })
+    }
+
+    /// The packing.
+    pub fn pack_plan(&self) -> &Arc<PackPlan> {
+        &self.pack
     }
 }
 
