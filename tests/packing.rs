@@ -188,3 +188,88 @@ fn records_that_are_not_tokens_are_refused() {
     let error = pack_plan(&dataset, config).unwrap_err().to_string();
     assert!(error.contains("packing"), "{error}");
 }
+
+/// A store with two corpora, "a" (documents 0..) and "b" (documents 1000..): a token names its
+/// source, document and place.
+fn two_corpora() -> (tempfile::TempDir, granary::Mixture) {
+    let dir = tempdir();
+    let mut granary = Granary::create(dir.path().join("store")).expect("a store");
+    for (name, first, n) in [("a", 0u64, 150u64), ("b", 1000, 40)] {
+        let records: Vec<Vec<u8>> = (first..first + n)
+            .map(|d| (0..(d * 37 % 53) + 2).flat_map(|t| ((d * 100_000 + t) as u32).to_le_bytes()).collect())
+            .collect();
+        ingest(&mut granary, name, Layout::Arrays(Dtype::U32), small_shards(4 << 10), &records);
+    }
+    let parts = [(VersionSpec::parse("a").unwrap(), 0.7), (VersionSpec::parse("b").unwrap(), 0.3)];
+    let mixture = granary::Mixture::open(granary.paths(), &parts, granary::EpochLength::Samples(120)).expect("mixture");
+    (dir, mixture)
+}
+
+fn read_mixture(
+    mixture: &granary::Mixture,
+    packed: &Arc<granary::pack::PackedBlend>,
+    size: u32,
+    from: Position,
+) -> Windows {
+    let mut out = Windows::new();
+    for rank in 0..size {
+        let world = World::new(rank, size).expect("world");
+        let packing = granary::loader::Packing::Mixture(Arc::clone(packed));
+        let config = granary::loader::Packer::loader_config(&packing, config(world, 2)).expect("config");
+        let mut packer = granary::loader::Packer::new(packing, &config, from);
+        let mut loader = granary::Loader::new(Arc::clone(mixture.dataset()), config, from).expect("loader");
+        while let Some(batch) = loader.next() {
+            let batch = packer.pack(&batch.expect("a batch")).expect("packed");
+            let p = &batch.packed;
+            let width = SEQ as usize + 1;
+            let tokens: Vec<u32> = p.tokens.chunks(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            for (i, w) in batch.windows.clone().enumerate() {
+                let (lo, hi) = (i * width, (i + 1) * width);
+                let cu: Vec<i32> = p
+                    .cu_seqlens
+                    .iter()
+                    .filter(|&&c| c as usize >= lo && c as usize <= hi)
+                    .map(|&c| c - lo as i32)
+                    .collect();
+                assert!(
+                    out.insert((batch.epoch, w), (tokens[lo..hi].to_vec(), cu, p.position_ids[lo..hi].to_vec()))
+                        .is_none()
+                );
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_mixture_of_packed_sources_packs_each_source_and_blends_windows_exactly() {
+    let (_dir, mixture) = two_corpora();
+    let config = PackConfig { seq_len: SEQ, eod: Some(u64::from(EOD)), cross_documents: true, pad: 0 };
+    let packed = Arc::new(granary::loader::pack_mixture(&mixture, config).expect("packed"));
+    assert_eq!(packed.blend.epoch_samples(), 120);
+    let one = read_mixture(&mixture, &packed, 1, Position::default());
+    assert_eq!(one.len(), 240, "two epochs of 120 windows");
+    let mut counts = [0f64; 2];
+    for (p, ((epoch, _), (tokens, cu, _))) in one.iter().enumerate() {
+        // Each window is one source's: its documents are all of "a" or all of "b".
+        let sources: std::collections::BTreeSet<bool> =
+            tokens.iter().filter(|&&t| t != EOD).map(|t| t / 100_000 >= 1000).collect();
+        assert_eq!(sources.len(), 1, "window {p} mixes sources");
+        assert_eq!(cu.last(), Some(&(SEQ as i32 + 1)));
+        if *epoch == 0 {
+            counts[usize::from(*sources.iter().next().unwrap())] += 1.0;
+            let position = (p + 1) as f64;
+            assert!(
+                (counts[0] - 0.7 * position).abs() < 1.0 && (counts[1] - 0.3 * position).abs() < 1.0,
+                "{counts:?} at {p}"
+            );
+        }
+    }
+    for size in [3, 8] {
+        assert_eq!(read_mixture(&mixture, &packed, size, Position::default()), one, "{size} ranks");
+    }
+    let saved = Position { epoch: 0, cursor: 48 };
+    let rest = read_mixture(&mixture, &packed, 2, saved);
+    let expected: Windows = one.range((0, 48)..).map(|(k, v)| (*k, v.clone())).collect();
+    assert_eq!(rest, expected);
+}

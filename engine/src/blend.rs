@@ -15,7 +15,8 @@
 //! repeated with a new shuffle each pass and a large one is read partly, going on where the
 //! last epoch stopped.
 //!
-//! Owns `Blend`, `BlendSource`, `BlendEpoch` (one epoch's positions from any cursor, replayed
+//! Owns `Blend`, `BlendSource`, `BlendEpoch` and `BlendDraws` (one epoch's positions from any
+//! cursor, replayed
 //! from the epoch's start) and the weights' fixed point. Never: reads data or opens a source
 //! (`read::Mixture` does), or cuts positions between ranks (the plan's `World` arithmetic does,
 //! as for any other order: a blend's positions are global, so any world size reads the same
@@ -146,7 +147,7 @@ impl Blend {
     }
 
     /// Epoch `epoch` of the blend under `seed`.
-    pub fn epoch(&self, seed: u64, epoch: u64) -> BlendEpoch<'_> {
+    pub fn epoch(&self, seed: u64, epoch: u64) -> BlendEpoch {
         // Draws before this epoch: epochs with the same weights throughout draw the same counts.
         let mut before = vec![0u64; self.sources.len()];
         let mut memo: Vec<(EpochChanges<'_>, Vec<u64>)> = Vec::new();
@@ -164,38 +165,58 @@ impl Blend {
                 *total += count;
             }
         }
-        BlendEpoch { blend: self, seed, epoch, before }
+        BlendEpoch { blend: self.clone(), seed, epoch, before }
     }
 }
 
 /// The weights in force within one epoch: from which cursor, which units.
 type EpochChanges<'a> = Vec<(u64, &'a [u64])>;
 
-/// One epoch of a blend.
-pub struct BlendEpoch<'a> {
-    blend: &'a Blend,
+/// One epoch of a blend (it holds its own copy of the blend, so its draws can outlive it).
+#[derive(Clone, Debug)]
+pub struct BlendEpoch {
+    blend: Blend,
     seed: u64,
     epoch: u64,
     /// Each source's draws in the epochs before.
     before: Vec<u64>,
 }
 
-impl BlendEpoch<'_> {
+/// One position's draw: the source, its pass over the source, and the record of that pass
+/// (the pass's permutation applied: the source's own record index).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Drawn {
+    /// The source.
+    pub source: usize,
+    /// Its pass over the source (counted over the whole run).
+    pub pass: u64,
+    /// The record of the source.
+    pub record: u64,
+}
+
+impl BlendEpoch {
     /// The positions from `cursor` to the epoch's end, as records of the mixture's dataset
     /// (replayed from the epoch's start: O(cursor x sources) before the first).
-    pub fn records_from(&self, cursor: u64) -> BlendRecords<'_> {
-        let mut records = BlendRecords {
-            epoch: self,
+    pub fn records_from(&self, cursor: u64) -> impl Iterator<Item = (usize, u64)> + '_ {
+        self.draws_from(cursor).map(|d| (d.source, self.blend.sources[d.source].start + d.record))
+    }
+
+    /// The draws from `cursor` to the epoch's end.
+    pub fn draws_from(&self, cursor: u64) -> BlendDraws {
+        let changes =
+            self.blend.epoch_changes(self.epoch).into_iter().map(|(at, units)| (at, units.to_vec())).collect();
+        let mut draws = BlendDraws {
+            epoch: self.clone(),
+            changes,
             draw: Draw::new(self.blend.sources.len()),
-            changes: self.blend.epoch_changes(self.epoch),
             change: 0,
             position: 0,
             passes: vec![None; self.blend.sources.len()],
         };
-        while records.position < cursor.min(self.blend.epoch_samples) {
-            records.next_source();
+        while draws.position < cursor.min(self.blend.epoch_samples) {
+            draws.next_source();
         }
-        records
+        draws
     }
 
     /// Each source's draws in the epochs before this one.
@@ -204,33 +225,38 @@ impl BlendEpoch<'_> {
     }
 }
 
-/// The records of an epoch's positions, in order.
-pub struct BlendRecords<'a> {
-    epoch: &'a BlendEpoch<'a>,
+/// The draws of an epoch's positions, in order.
+pub struct BlendDraws {
+    epoch: BlendEpoch,
+    /// The weights in force within the epoch: from which cursor, which units.
+    changes: Vec<(u64, Vec<u64>)>,
     draw: Draw,
-    changes: EpochChanges<'a>,
     change: usize,
     position: u64,
     /// Each source's current pass and its permutation.
     passes: Vec<Option<(u64, EpochPlan)>>,
 }
 
-impl BlendRecords<'_> {
+impl BlendDraws {
     /// The source drawn at the next position, and its draw's index within the epoch.
     fn next_source(&mut self) -> (usize, u64) {
         while self.changes.get(self.change + 1).is_some_and(|next| next.0 <= self.position) {
             self.change += 1;
         }
         self.position += 1;
-        self.draw.next(self.changes[self.change].1)
+        self.draw.next(&self.changes[self.change].1)
+    }
+
+    /// The position the next draw is at.
+    pub fn at(&self) -> u64 {
+        self.position
     }
 }
 
-impl Iterator for BlendRecords<'_> {
-    /// (source, record of the mixture's dataset).
-    type Item = (usize, u64);
+impl Iterator for BlendDraws {
+    type Item = Drawn;
 
-    fn next(&mut self) -> Option<(usize, u64)> {
+    fn next(&mut self) -> Option<Drawn> {
         if self.position >= self.epoch.blend.epoch_samples {
             return None;
         }
@@ -246,7 +272,7 @@ impl Iterator for BlendRecords<'_> {
                 plan
             }
         };
-        Some((s, source.start + plan.record_at(index)))
+        Some(Drawn { source: s, pass, record: plan.record_at(index) })
     }
 }
 

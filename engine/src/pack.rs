@@ -21,6 +21,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use crate::blend::{Blend, Drawn};
 use crate::plan::{EpochPlan, Order};
 
 /// How documents are packed.
@@ -95,6 +96,11 @@ impl PackPlan {
     /// Bytes of a token.
     pub fn token_bytes(&self) -> usize {
         self.token_bytes
+    }
+
+    /// Tokens of document `record` (before its end token).
+    pub fn length(&self, record: u64) -> u64 {
+        self.lengths.get(record as usize).copied().unwrap_or(0)
     }
 
     /// Bytes of the tokens of `windows` windows.
@@ -311,6 +317,46 @@ impl PackEpoch {
             return Err(format!("window {window} is outside the span's documents {:?}", span.documents));
         }
         Ok(position)
+    }
+}
+
+/// A mixture of packed sources: each source packed on its own, the blend drawing windows (a
+/// source's pass over its windows is one epoch of its pack: a fresh order of its documents,
+/// seeded by the source).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PackedBlend {
+    /// Over the sources' windows.
+    pub blend: Arc<Blend>,
+    /// Each source's packing.
+    pub packs: Vec<Arc<PackPlan>>,
+    /// Where each source's documents start among the mixture's records.
+    pub doc_starts: Vec<u64>,
+}
+
+/// The epochs of the sources' packs a run of windows has placed (a source's current pass, and
+/// the one before it, which a batch may still straddle).
+#[derive(Default)]
+pub struct PlacedPasses {
+    placed: std::collections::HashMap<(usize, u64), PackEpoch>,
+}
+
+impl PackedBlend {
+    /// The documents window `drawn` reads (records of its source: add `doc_starts[source]` for
+    /// the mixture's), in order, and the source's pack epoch that places it.
+    pub fn window<'a>(&self, passes: &'a mut PlacedPasses, seed: u64, drawn: Drawn) -> (Span, &'a PackEpoch) {
+        let pack = &self.packs[drawn.source];
+        let key = self.blend.sources()[drawn.source].key;
+        passes.placed.retain(|&(s, p), _| s != drawn.source || p + 1 >= drawn.pass);
+        let placed = passes
+            .placed
+            .entry((drawn.source, drawn.pass))
+            .or_insert_with(|| pack.epoch(seed ^ key, drawn.pass, Order::Shuffled));
+        (placed.span(pack, drawn.record..drawn.record + 1), placed)
+    }
+
+    /// The most bytes of documents `windows` windows read.
+    pub fn span_bytes_max(&self, windows: u64) -> u64 {
+        self.packs.iter().map(|pack| pack.span_bytes_max(1)).max().unwrap_or(0).saturating_mul(windows)
     }
 }
 

@@ -313,7 +313,9 @@ class Loader:
     (restarting at 0 at each run) and `real_tokens` (each window's tokens that are not padding);
     with `with_indices`, the windows' indices first. Every token of an epoch is in one window
     but the overlaps and the tail shorter than a window; windows resume like records, on any
-    world size. Windows are built in host memory and copied to `device`.
+    world size. Windows are built in host memory and copied to `device`. A mixture with
+    `seq_len` packs each source on its own and draws windows by the weights (a window is one
+    source's; `mixture_samples` then counts windows).
     `output`: `"torch"` or `"numpy"` (default: torch when importable). `with_indices=True`
     yields `(indices, batch)`. `dtype`: `"int64"` or `"int32"` widens fixed-size integer
     records (u16 token ids, say, for `nn.Embedding`) in the same pass that hands the batch over,

@@ -23,9 +23,8 @@ use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::PyDict;
 
-use granary::loader::Packer;
-use granary::loader::{MeasureExchange, RebalanceConfig, RebalanceState, WeightsAt};
-use granary::pack::{PackConfig, PackPlan};
+use granary::loader::{MeasureExchange, Packer, Packing, RebalanceConfig, RebalanceState, WeightsAt};
+use granary::pack::PackConfig;
 use granary::plan::RankCut;
 use granary::policy::RankMeasure;
 use granary::staging::cuda::Cuda;
@@ -79,7 +78,7 @@ struct State {
     /// Packed windows asked for: how, and the documents' order.
     pack: Option<(PackConfig, Order)>,
     /// The packing of the dataset, once opened.
-    pack_plan: Option<Arc<PackPlan>>,
+    packing: Option<Packing>,
     /// The windows of the running loader's batches.
     packer: Option<Packer>,
     config: LoaderConfig,
@@ -169,11 +168,15 @@ impl State {
             }
         };
         if let Some((pack, order)) = self.pack.clone()
-            && self.pack_plan.is_none()
+            && self.packing.is_none()
         {
-            let plan = Arc::new(granary::loader::pack_plan(&dataset, pack)?);
-            self.config = Packer::loader_config(&plan, order, self.config.clone())?;
-            self.pack_plan = Some(plan);
+            // A mixture's sources are packed each on its own and blended by window.
+            let packing = match &self.mixture {
+                Some(mixture) => Packing::Mixture(Arc::new(granary::loader::pack_mixture(mixture, pack)?)),
+                None => Packing::One(Arc::new(granary::loader::pack_plan(&dataset, pack)?), order),
+            };
+            self.config = Packer::loader_config(&packing, self.config.clone())?;
+            self.packing = Some(packing);
         }
         self.dataset = Some(Arc::clone(&dataset));
         Ok(dataset)
@@ -187,6 +190,7 @@ impl State {
         let old = std::mem::replace(changes, new);
         self.dataset = None;
         self.mixture = None;
+        self.packing = None;
         // Checked now (a change past the epoch's end, weights of the wrong count), not at the
         // next batch; the old changes stay when the new ones are refused.
         if let Err(e) = self.dataset() {
@@ -195,6 +199,7 @@ impl State {
             }
             self.dataset = None;
             self.mixture = None;
+            self.packing = None;
             return Err(e);
         }
         Ok(())
@@ -328,9 +333,6 @@ impl Loader {
                 return Err(invalid("eod, pad and within_documents are packing's: give seq_len too"));
             }
             None => None,
-            Some(_) if is_mixture => {
-                return Err(invalid("packing a mixture is not supported yet: pack one dataset"));
-            }
             Some(_) if partitioner.is_some() || partitioner_options.is_some() || rebalance_every.is_some() => {
                 return Err(invalid(
                     "packed windows are cut by their own plan: drop partitioner, partitioner_options and rebalance_every",
@@ -464,7 +466,7 @@ impl Loader {
                 spec,
                 mixture: None,
                 pack,
-                pack_plan: None,
+                packing: None,
                 packer: None,
                 config,
                 device,
@@ -515,7 +517,7 @@ impl Loader {
         let Some(batch) = self.next_loaded(py, &mut state)? else { return Ok(None) };
         let packer = state.packer.as_mut().ok_or_else(|| invalid("the packer starts with the loader"))?;
         let windows = packer.step(&batch);
-        let len = packer.pack_plan().tokens_bytes(windows.end - windows.start);
+        let len = packer.packing().tokens_bytes(windows.end - windows.start);
         // The windows are cut straight into the bytes Python gets: no second copy.
         let mut packed = None;
         let tokens = pyo3::types::PyBytes::new_with(py, len, |buf| {
@@ -524,7 +526,8 @@ impl Loader {
         })?;
         let packed = packed.ok_or_else(|| invalid("no windows packed"))?;
         drop(batch);
-        let plan = state.pack_plan.as_ref().ok_or_else(|| invalid("the pack opens with the dataset"))?;
+        let config = state.packing.as_ref().and_then(Packing::config).ok_or_else(|| invalid("no packing"))?;
+        let width = config.seq_len + 1;
         let out = PyDict::new(py);
         let p = &packed.packed;
         out.set_item("tokens", tokens)?;
@@ -532,7 +535,7 @@ impl Loader {
         out.set_item("position_ids", int32_bytes(py, &p.position_ids)?)?;
         out.set_item("real_tokens", p.real_tokens.clone())?;
         out.set_item("windows", p.windows)?;
-        out.set_item("width", plan.config().seq_len + 1)?;
+        out.set_item("width", width)?;
         out.set_item("dtype", token_typestr(state.dataset().map_err(to_py)?.layout()))?;
         out.set_item("first_window", packed.windows.start)?;
         Ok(Some(out))
@@ -543,7 +546,7 @@ impl Loader {
     fn pack_windows(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         let mut state = self.lock(py)?;
         state.dataset().map_err(to_py)?;
-        Ok(state.pack_plan.as_ref().map(|plan| plan.n_windows()))
+        Ok(state.packing.as_ref().map(Packing::n_windows))
     }
 
     /// Makes `epoch` the one the next iteration reads (as `DistributedSampler.set_epoch`):
@@ -678,7 +681,9 @@ impl Loader {
         state.config.plan = plan.clone();
         Ok(match plan {
             PlanSource::Partitioner { options, .. } => Some(options),
-            PlanSource::Native(_) | PlanSource::Mixture(_) | PlanSource::Packed(..) => None,
+            PlanSource::Native(_) | PlanSource::Mixture(_) | PlanSource::Packed(..) | PlanSource::PackedMixture(_) => {
+                None
+            }
         })
     }
 
@@ -1038,8 +1043,8 @@ impl Loader {
         }
         let config = state.config.clone();
         let position = state.position;
-        if let (Some(plan), Some((_, order))) = (&state.pack_plan, &state.pack) {
-            state.packer = Some(Packer::new(Arc::clone(plan), *order, &config, position));
+        if let Some(packing) = &state.packing {
+            state.packer = Some(Packer::new(packing.clone(), &config, position));
         }
         let loader = py.detach(|| granary::Loader::new(dataset, config, position)).map_err(to_py)?;
         state.running = Some(Running { loader: Some(loader), pid: std::process::id() });

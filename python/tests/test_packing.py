@@ -110,3 +110,51 @@ def test_windows_within_documents_are_padded_and_packing_refuses_what_it_cannot_
         next(iter(store.loader("images", 2, seq_len=8, output="numpy", device="cpu")))
     with pytest.raises(ValueError, match="seq_len"):
         store.loader("corpus", 2, eod=1, output="numpy", device="cpu")
+
+
+def test_a_mixture_of_packed_sources_blends_windows_and_resumes_after_a_weight_change(store, tmp_path):
+    for name, first, n in (("a", 0, 120), ("b", 1000, 30)):
+        docs = [np.arange(d * 1000, d * 1000 + (d * 37 % 91) + 2, dtype=np.int32) for d in range(first, first + n)]
+        write_megatron(str(tmp_path / name), docs, np.int32, 4)
+        store.ingest_megatron(name, tmp_path / name)
+    mix = [("a", 0.7), ("b", 0.3)]
+    options = dict(seq_len=SEQ, eod=EOD, mixture_samples=96, output="numpy", device="cpu", seed=5)
+
+    def source(tokens):
+        ids = {int(t) // 1000 >= 1000 for t in tokens if t != EOD}
+        assert len(ids) == 1, "a window is one source's"
+        return ids.pop()
+
+    ref = store.loader(mix, 12, **options)
+    it = iter(ref)
+    windows = [w for _ in range(3) for w in next(it)["tokens"]]
+    ref.change_weights([0.2, 0.8])
+    windows += [w for batch in it for w in batch["tokens"]]
+    assert len(windows) == 96
+    counts = [0, 0]
+    for p, w in enumerate(windows[:36], 1):
+        counts[source(w)] += 1
+        assert abs(counts[0] - 0.7 * p) < 1 and abs(counts[1] - 0.3 * p) < 1
+    after = [source(w) for w in windows[36:]]
+    assert abs(sum(after) / len(after) - 0.8) < 0.05
+
+    # Three ranks make the same change after 3 steps and save after 5; two resume.
+    states = []
+    for rank in range(3):
+        loader = store.loader(mix, 4, rank=rank, world_size=3, **options)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        loader.change_weights([0.2, 0.8])
+        for _ in range(2):
+            next(it)
+        states.append(loader.state_dict())
+    assert states[0]["cursor"] == 60 and all(s == states[0] for s in states)
+    per_rank = []
+    for rank in range(2):
+        loader = store.loader(mix, 6, rank=rank, world_size=2, **options)
+        loader.load_state_dict(states[0])
+        per_rank.append([batch["tokens"] for batch in loader])
+    rest = [w for step in zip(*per_rank) for batch in step for w in batch]
+    assert len(rest) == 36
+    assert all((x == y).all() for x, y in zip(rest, windows[60:]))

@@ -48,6 +48,9 @@ pub enum PlanSource {
     /// Packed windows of tokens (`PackedLoader` reads with it): an epoch is the pack's windows,
     /// over the documents in this order; a batch reads the documents of its windows.
     Packed(std::sync::Arc<crate::pack::PackPlan>, Order),
+    /// A mixture of packed sources (`pack_mixture`): an epoch is the blend's positions, each a
+    /// window of one source; a batch reads its windows' documents.
+    PackedMixture(std::sync::Arc<crate::pack::PackedBlend>),
 }
 
 impl PlanSource {
@@ -56,6 +59,7 @@ impl PlanSource {
         match self {
             PlanSource::Mixture(blend) => blend.epoch_samples(),
             PlanSource::Packed(pack, _) => pack.n_windows(),
+            PlanSource::PackedMixture(packed) => packed.blend.epoch_samples(),
             _ => dataset.n_records(),
         }
     }

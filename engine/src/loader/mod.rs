@@ -46,7 +46,7 @@ pub use batch::{DeviceBatch, LoadedBatch, LoaderStats};
 use config::check;
 pub use config::{LoaderConfig, PlanSource, Target};
 use device::DeviceStage;
-pub use packed::{PackedBatch, PackedLoader, Packer, pack_plan};
+pub use packed::{PackedBatch, PackedLoader, Packer, Packing, pack_mixture, pack_plan};
 use reader_stage::ReaderStage;
 #[cfg(feature = "policy")]
 use reader_stage::normalized;

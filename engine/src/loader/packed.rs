@@ -7,17 +7,19 @@
 //! epoch's positions, so a `Position` resumes on any world size as for records.
 //!
 //! Owns `PackedLoader`, `Packer` (the windows of each batch a loader of documents hands out),
-//! `PackedBatch` and `pack_plan` (a dataset's document lengths, from its
+//! `Packing`, `PackedBatch`, `pack_plan` and `pack_mixture` (a mixture's sources packed each on
+//! its own, blended by window) (a dataset's document lengths, from its
 //! shards' metadata). Never: reads a document itself (the loader reads and verifies them) or
 //! hands out a window from a batch that failed.
 
 use std::ops::Range;
 use std::sync::Arc;
 
+use crate::blend::BlendDraws;
 use crate::error::{Error, Result};
-use crate::pack::{PackConfig, PackEpoch, PackPlan, Packed};
+use crate::pack::{PackConfig, PackEpoch, PackPlan, Packed, PackedBlend, PlacedPasses};
 use crate::plan::{EpochPlan, Order, Position, World};
-use crate::read::Dataset;
+use crate::read::{Dataset, Mixture};
 use crate::shard::Layout;
 
 use super::{LoadedBatch, Loader, LoaderConfig, PlanSource, Target};
@@ -63,72 +65,148 @@ pub struct PackedBatch {
     pub position: Position,
 }
 
+/// What a packer cuts: one dataset's windows, or a mixture of packed sources.
+#[derive(Clone, Debug)]
+pub enum Packing {
+    /// One dataset's documents in `Order`.
+    One(Arc<PackPlan>, Order),
+    /// A mixture's sources, each packed (`pack_mixture`).
+    Mixture(Arc<PackedBlend>),
+}
+
+impl Packing {
+    /// Windows' tokens bytes.
+    pub fn tokens_bytes(&self, windows: u64) -> usize {
+        match self {
+            Packing::One(pack, _) => pack.tokens_bytes(windows),
+            Packing::Mixture(packed) => packed.packs.first().map_or(0, |pack| pack.tokens_bytes(windows)),
+        }
+    }
+
+    /// The packing's config (a mixture's sources share it).
+    pub fn config(&self) -> Option<&PackConfig> {
+        match self {
+            Packing::One(pack, _) => Some(pack.config()),
+            Packing::Mixture(packed) => packed.packs.first().map(|pack| pack.config()),
+        }
+    }
+
+    /// Windows in an epoch.
+    pub fn n_windows(&self) -> u64 {
+        match self {
+            Packing::One(pack, _) => pack.n_windows(),
+            Packing::Mixture(packed) => packed.blend.epoch_samples(),
+        }
+    }
+}
+
+/// The packing of `mixture`'s sources under `config`, each packed on its own and blended by
+/// window with the mixture's weights, changes and epoch length (counted in windows).
+pub fn pack_mixture(mixture: &Mixture, config: PackConfig) -> Result<PackedBlend> {
+    let all = pack_plan(mixture.dataset(), config.clone())?;
+    let mut packs = Vec::new();
+    let mut doc_starts = Vec::new();
+    for source in mixture.blend().sources() {
+        let lengths: Vec<u64> = (source.start..source.start + source.n_records).map(|d| all.length(d)).collect();
+        packs.push(Arc::new(
+            PackPlan::new(config.clone(), lengths.into(), all.token_bytes()).map_err(Error::invalid_input)?,
+        ));
+        doc_starts.push(source.start);
+    }
+    let windows: Vec<u64> = packs.iter().map(|pack| pack.n_windows()).collect();
+    if let Some(i) = windows.iter().position(|&w| w == 0) {
+        return Err(Error::invalid_input(format!(
+            "source {} has no window of {} tokens to pack",
+            mixture.sources()[i].label,
+            config.seq_len + 1
+        )));
+    }
+    let blend = Arc::new(mixture.reblend(&windows)?);
+    Ok(PackedBlend { blend, packs, doc_starts })
+}
+
 /// The windows of one rank's batches, cut from the documents its loader reads: which windows
 /// each batch holds (its step, from the positions the batches report) and their tokens. Made
 /// anew whenever the loader is (a seek, a restart), from the same start.
 pub struct Packer {
-    pack: Arc<PackPlan>,
-    order: Order,
+    packing: Packing,
     seed: u64,
     world: World,
     batch_size: u64,
-    /// The epoch whose documents are placed, and where each begins.
+    /// The epoch whose documents are placed, and where each begins (one dataset).
     epoch: Option<(u64, PackEpoch)>,
+    /// A mixture's draws of the current epoch, and the sources' placed passes.
+    draws: Option<(u64, BlendDraws)>,
+    passes: PlacedPasses,
     /// Where this rank's next step starts.
     next_step: Position,
 }
 
 impl Packer {
     /// The packer of a loader of `config` (its seed, world and batch size) started at `start`.
-    pub fn new(pack: Arc<PackPlan>, order: Order, config: &LoaderConfig, start: Position) -> Self {
-        let n = pack.n_windows();
+    pub fn new(packing: Packing, config: &LoaderConfig, start: Position) -> Self {
+        let n = packing.n_windows();
         let next_step = if n > 0 && start.cursor >= n { Position { epoch: start.epoch + 1, cursor: 0 } } else { start };
         Self {
-            pack,
-            order,
+            packing,
             seed: config.seed,
             world: config.world,
             batch_size: config.batch_size,
             epoch: None,
+            draws: None,
+            passes: PlacedPasses::default(),
             next_step,
         }
     }
 
-    /// `config` made to read the documents of packed windows: the pack's plan, batches as
+    /// `config` made to read the documents of packed windows: the packing's plan, batches as
     /// large as a batch of windows' documents can be, host memory.
-    pub fn loader_config(pack: &Arc<PackPlan>, order: Order, mut config: LoaderConfig) -> Result<LoaderConfig> {
+    pub fn loader_config(packing: &Packing, mut config: LoaderConfig) -> Result<LoaderConfig> {
         if config.target == Target::Gpu {
             return Err(Error::invalid_input(
                 "packed windows are built in host memory: load them with the host target",
             ));
         }
         config.target = Target::Host;
-        config.plan = PlanSource::Packed(Arc::clone(pack), order);
-        // A batch reads its windows' documents: their tokens and, at the edges, two whole documents.
-        let span = pack.span_bytes_max(config.batch_size);
+        let span = match packing {
+            Packing::One(pack, order) => {
+                config.plan = PlanSource::Packed(Arc::clone(pack), *order);
+                pack.span_bytes_max(config.batch_size)
+            }
+            Packing::Mixture(packed) => {
+                config.plan = PlanSource::PackedMixture(Arc::clone(packed));
+                packed.span_bytes_max(config.batch_size)
+            }
+        };
+        // A batch reads its windows' documents: their tokens and, at the edges, whole documents.
         config.batch_bytes_max =
             Some(usize::try_from(span).map_err(|_| Error::invalid_input("a batch larger than memory"))?);
         Ok(config)
     }
 
+    /// What it cuts.
+    pub fn packing(&self) -> &Packing {
+        &self.packing
+    }
+
     /// The windows of `batch`, the loader's next batch (batches in order, none skipped).
     pub fn pack(&mut self, batch: &LoadedBatch) -> Result<PackedBatch> {
         let windows = self.step(batch);
-        let mut tokens = vec![0u8; self.pack.tokens_bytes(windows.end - windows.start)];
+        let mut tokens = vec![0u8; self.packing.tokens_bytes(windows.end - windows.start)];
         let mut packed = self.pack_into(batch, &mut tokens)?;
         packed.packed.tokens = tokens;
         Ok(packed)
     }
 
     /// The windows `batch` holds, once it is the next one: its tokens take
-    /// `pack().tokens_bytes(len)`. Call `pack_into` with the same batch next.
-    pub fn step(&mut self, batch: &LoadedBatch) -> Range<u64> {
+    /// `packing().tokens_bytes(len)`. Call `pack_into` with the same batch next.
+    pub fn step(&self, batch: &LoadedBatch) -> Range<u64> {
         let after = batch.position();
         let epoch = if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch };
         // A rank with no share of an epoch's short last step gets no batch of it: a batch of a
         // later epoch than the step expected begins that epoch.
         let step = if epoch == self.next_step.epoch { self.next_step.cursor } else { 0 };
-        let n = self.pack.n_windows();
+        let n = self.packing.n_windows();
         EpochPlan::new(n, self.seed, epoch, Order::Sequential).rank_positions(step, self.world, self.batch_size)
     }
 
@@ -139,27 +217,69 @@ impl Packer {
         let after = batch.position();
         let epoch = if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch };
         self.next_step = after;
-        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            self.epoch = Some((epoch, self.pack.epoch(self.seed, epoch, self.order)));
-        }
-        let (_, placed) = self.epoch.as_ref().ok_or_else(|| Error::invalid_input("no epoch placed"))?;
-        let span = placed.span(&self.pack, windows.clone());
-        if span.records != batch.indices() {
-            return Err(Error::invalid_input(format!(
-                "the batch before position {after:?} holds documents {:?}, its windows {windows:?} need {:?}",
-                batch.indices(),
-                span.records
-            )));
-        }
         let documents: Vec<&[u8]> = (0..batch.len()).map(|i| batch.record(i)).collect();
-        let packed = crate::pack::pack_windows_into(&self.pack, placed, &span, &documents, tokens)
-            .map_err(Error::invalid_input)?;
+        let mismatch = |need: &[u64]| {
+            Error::invalid_input(format!(
+                "the batch before position {after:?} holds documents {:?}, its windows {windows:?} need {need:?}",
+                batch.indices()
+            ))
+        };
+        let packed = match &self.packing {
+            Packing::One(pack, order) => {
+                if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                    self.epoch = Some((epoch, pack.epoch(self.seed, epoch, *order)));
+                }
+                let (_, placed) = self.epoch.as_ref().ok_or_else(|| Error::invalid_input("no epoch placed"))?;
+                let span = placed.span(pack, windows.clone());
+                if span.records != batch.indices() {
+                    return Err(mismatch(&span.records));
+                }
+                crate::pack::pack_windows_into(pack, placed, &span, &documents, tokens).map_err(Error::invalid_input)?
+            }
+            Packing::Mixture(mixed) => {
+                let behind = self.draws.as_ref().is_none_or(|(e, d)| *e != epoch || d.at() > windows.start);
+                if behind {
+                    let draws = mixed.blend.epoch(self.seed, epoch).draws_from(windows.start);
+                    self.draws = Some((epoch, draws));
+                }
+                let (_, draws) = self.draws.as_mut().ok_or_else(|| Error::invalid_input("no draws"))?;
+                while draws.at() < windows.start {
+                    draws.next();
+                }
+                let width = self.packing.tokens_bytes(1);
+                let mut out = Packed { windows: 0, cu_seqlens: vec![0], ..Packed::default() };
+                let mut at = 0usize;
+                for (i, _) in windows.clone().enumerate() {
+                    let drawn = draws.next().ok_or_else(|| Error::invalid_input("the epoch's draws ended early"))?;
+                    let (span, placed) = mixed.window(&mut self.passes, self.seed, drawn);
+                    let start = mixed.doc_starts[drawn.source];
+                    let k = span.records.len();
+                    let given = batch.indices().get(at..at + k).unwrap_or_default();
+                    if given.iter().zip(&span.records).any(|(g, r)| *g != r + start) || given.len() != k {
+                        return Err(mismatch(&span.records.iter().map(|r| r + start).collect::<Vec<_>>()));
+                    }
+                    let one = crate::pack::pack_windows_into(
+                        &mixed.packs[drawn.source],
+                        placed,
+                        &span,
+                        &documents[at..at + k],
+                        &mut tokens[i * width..(i + 1) * width],
+                    )
+                    .map_err(Error::invalid_input)?;
+                    let base = out.cu_seqlens.last().copied().unwrap_or(0);
+                    out.cu_seqlens.extend(one.cu_seqlens.iter().skip(1).map(|c| c + base));
+                    out.position_ids.extend(one.position_ids);
+                    out.real_tokens.extend(one.real_tokens);
+                    out.windows += 1;
+                    at += k;
+                }
+                if at != batch.len() {
+                    return Err(mismatch(&[]));
+                }
+                out
+            }
+        };
         Ok(PackedBatch { packed, windows, epoch, position: after })
-    }
-
-    /// The packing.
-    pub fn pack_plan(&self) -> &Arc<PackPlan> {
-        &self.pack
     }
 }
 
@@ -180,8 +300,9 @@ impl PackedLoader {
         order: Order,
         start: Position,
     ) -> Result<Self> {
-        let config = Packer::loader_config(&pack, order, config)?;
-        let packer = Packer::new(pack, order, &config, start);
+        let packing = Packing::One(pack, order);
+        let config = Packer::loader_config(&packing, config)?;
+        let packer = Packer::new(packing, &config, start);
         let loader = Loader::new(dataset, config, start)?;
         Ok(Self { loader, packer })
     }

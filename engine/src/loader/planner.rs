@@ -77,6 +77,7 @@ enum Source {
     Native(Order),
     Blend(std::sync::Arc<crate::blend::Blend>),
     Packed(std::sync::Arc<crate::pack::PackPlan>, Order),
+    PackedMixture(std::sync::Arc<crate::pack::PackedBlend>),
     #[cfg(feature = "policy")]
     Plugin {
         partitioner: Box<crate::policy::Partitioner>,
@@ -104,7 +105,7 @@ impl EpochPlanner {
                 ));
             }
             #[cfg(feature = "policy")]
-            PlanSource::Packed(..) if config.rebalance.is_some() => {
+            PlanSource::Packed(..) | PlanSource::PackedMixture(_) if config.rebalance.is_some() => {
                 return Err(Error::invalid_input(
                     "rebalancing splits a partitioner plugin's steps; packed windows are cut by their own plan: \
                      read packed windows without rebalancing",
@@ -116,6 +117,13 @@ impl EpochPlanner {
                     return Err(Error::invalid_input("a pack's plan reads the dataset it was made of"));
                 }
                 Source::Packed(std::sync::Arc::clone(pack), *order)
+            }
+            PlanSource::PackedMixture(packed) => {
+                let documents: u64 = packed.packs.iter().map(|pack| pack.n_documents()).sum();
+                if documents != dataset.n_records() {
+                    return Err(Error::invalid_input("a packed mixture's plan reads the mixture's own dataset"));
+                }
+                Source::PackedMixture(std::sync::Arc::clone(packed))
             }
             PlanSource::Mixture(blend) => {
                 if blend.sources().last().map(|s| s.start + s.n_records) != Some(dataset.n_records()) {
@@ -284,6 +292,37 @@ impl EpochPlanner {
                     }
                     out.push(batches);
                 }
+            }
+            Source::PackedMixture(packed) => {
+                // One pass over the epoch's draws; each window's documents, source by source.
+                let epoch = packed.blend.epoch(self.seed, from.epoch);
+                let mut draws = epoch.draws_from(from.cursor);
+                let mut passes = crate::pack::PlacedPasses::default();
+                let mut outs: Vec<EpochBatches> = vec![Vec::new(); worlds.len()];
+                let mut step = Vec::new();
+                let mut cursor = from.cursor;
+                while cursor < n {
+                    let len = steps.step_len(cursor, self.world.size(), batch_size);
+                    step.clear();
+                    step.extend(draws.by_ref().take(len as usize));
+                    if step.len() as u64 != len {
+                        return Err(Error::invalid_input("a packed mixture's epoch ended before its windows"));
+                    }
+                    for (world, batches) in worlds.iter().zip(outs.iter_mut()) {
+                        let range = steps.rank_positions(cursor, *world, batch_size);
+                        let mut records = Vec::new();
+                        for drawn in &step[(range.start - cursor) as usize..(range.end - cursor) as usize] {
+                            let (span, _) = packed.window(&mut passes, self.seed, *drawn);
+                            let start = packed.doc_starts[drawn.source];
+                            records.extend(span.records.iter().map(|r| r + start));
+                        }
+                        if !range.is_empty() {
+                            batches.push((records, after(cursor, *world)));
+                        }
+                    }
+                    cursor += len;
+                }
+                out = outs;
             }
             Source::Blend(blend) => {
                 // One pass over the epoch's positions, each step's cut among the ranks asked.

@@ -50,6 +50,9 @@ pub struct Mixture {
     dataset: Arc<Dataset>,
     blend: Arc<Blend>,
     sources: Vec<MixtureSource>,
+    /// The weights as given, and the epoch's length as asked (to blend other units: windows).
+    weights: Vec<f64>,
+    epoch: EpochLength,
 }
 
 impl Mixture {
@@ -63,34 +66,17 @@ impl Mixture {
     /// A mixture of `datasets` (of one store and one layout) in proportions `weights`.
     pub fn of(datasets: &[Arc<Dataset>], weights: &[f64], epoch: EpochLength) -> Result<Self> {
         let dataset = Arc::new(Dataset::concatenation(datasets)?);
-        let mut start = 0;
-        let blend_sources: Vec<BlendSource> = datasets
+        let keys: Vec<u64> = datasets
             .iter()
             .map(|d| {
-                let id = d.manifest_id();
                 let mut key = [0u8; 8];
-                key.copy_from_slice(&id.0.as_bytes()[..8]);
-                let key = u64::from_le_bytes(key);
-                let source = BlendSource { start, n_records: d.n_records(), key };
-                start += d.n_records();
-                source
+                key.copy_from_slice(&d.manifest_id().0.as_bytes()[..8]);
+                u64::from_le_bytes(key)
             })
             .collect();
+        let sizes: Vec<u64> = datasets.iter().map(|d| d.n_records()).collect();
+        let blend = blend_of(&keys, &sizes, weights, epoch)?;
         let total: f64 = weights.iter().filter(|w| w.is_finite()).sum();
-        let samples = match epoch {
-            EpochLength::Records => dataset.n_records(),
-            EpochLength::Samples(n) => n,
-            EpochLength::PassOf(i) => {
-                let (Some(d), Some(&w)) = (datasets.get(i), weights.get(i)) else {
-                    return Err(Error::invalid_input(format!("an epoch of source {i}'s pass: no source {i}")));
-                };
-                if w.is_nan() || w <= 0.0 || total.is_nan() || total <= 0.0 {
-                    return Err(Error::invalid_input(format!("an epoch of source {i}'s pass: its weight is 0")));
-                }
-                (d.n_records() as f64 * total / w).ceil() as u64
-            }
-        };
-        let blend = Blend::new(blend_sources, weights, samples).map_err(Error::invalid_input)?;
         let sources = datasets
             .iter()
             .zip(weights)
@@ -101,7 +87,22 @@ impl Mixture {
                 weight: w / total,
             })
             .collect();
-        Ok(Self { dataset, blend: Arc::new(blend), sources })
+        Ok(Self { dataset, blend: Arc::new(blend), sources, weights: weights.to_vec(), epoch })
+    }
+
+    /// The same mixture over other units of its sources (`sizes[i]` of source `i`: packed
+    /// windows, say): the same weights and changes, the epoch's length asked for counted in
+    /// those units, each source's passes keyed as its records' are.
+    pub fn reblend(&self, sizes: &[u64]) -> Result<Blend> {
+        if sizes.len() != self.sources.len() {
+            return Err(Error::invalid_input(format!("{} sizes for {} sources", sizes.len(), self.sources.len())));
+        }
+        let keys: Vec<u64> = self.blend.sources().iter().map(|s| s.key).collect();
+        let mut blend = blend_of(&keys, sizes, &self.weights, self.epoch)?;
+        for (at, weights) in self.blend.changes().into_iter().skip(1) {
+            blend = blend.with_change(at, &weights).map_err(Error::invalid_input)?;
+        }
+        Ok(blend)
     }
 
     /// The same mixture with `weights` in force from `at` on (a curriculum's step).
@@ -149,6 +150,35 @@ impl Mixture {
     pub fn counts(&self, epochs: u64) -> Vec<Vec<u64>> {
         (0..epochs).map(|epoch| self.blend.epoch_counts(epoch)).collect()
     }
+}
+
+/// The blend of sources of `sizes` (keyed by `keys`) in proportions `weights`, `epoch` long.
+fn blend_of(keys: &[u64], sizes: &[u64], weights: &[f64], epoch: EpochLength) -> Result<Blend> {
+    let mut start = 0;
+    let sources: Vec<BlendSource> = keys
+        .iter()
+        .zip(sizes)
+        .map(|(&key, &n)| {
+            let source = BlendSource { start, n_records: n, key };
+            start += n;
+            source
+        })
+        .collect();
+    let total: f64 = weights.iter().filter(|w| w.is_finite()).sum();
+    let samples = match epoch {
+        EpochLength::Records => start,
+        EpochLength::Samples(n) => n,
+        EpochLength::PassOf(i) => {
+            let (Some(&n), Some(&w)) = (sizes.get(i), weights.get(i)) else {
+                return Err(Error::invalid_input(format!("an epoch of source {i}'s pass: no source {i}")));
+            };
+            if w.is_nan() || w <= 0.0 || total.is_nan() || total <= 0.0 {
+                return Err(Error::invalid_input(format!("an epoch of source {i}'s pass: its weight is 0")));
+            }
+            (n as f64 * total / w).ceil() as u64
+        }
+    };
+    Blend::new(sources, weights, samples).map_err(Error::invalid_input)
 }
 
 impl std::fmt::Debug for Mixture {
