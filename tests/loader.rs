@@ -370,6 +370,25 @@ fn run_ranks(
     stop_after: Option<usize>,
     registry: &granary::metrics::Registry,
 ) -> Vec<RankRun> {
+    run_ranks_of(
+        dataset,
+        PlanSource::Partitioner { plugin: None, options: Vec::new() },
+        job,
+        starts,
+        stop_after,
+        registry,
+    )
+}
+
+/// `run_ranks` of `plan`.
+fn run_ranks_of(
+    dataset: &Arc<Dataset>,
+    plan: PlanSource,
+    job: Job,
+    starts: &[(Position, Option<RebalanceState>)],
+    stop_after: Option<usize>,
+    registry: &granary::metrics::Registry,
+) -> Vec<RankRun> {
     let Job { world, every, slow, slow_us, fast_us, epochs, sync } = job;
     let exchange: Arc<dyn granary::loader::MeasureExchange> =
         granary::loader::LocalExchange::new(world, Duration::from_secs(30));
@@ -381,6 +400,7 @@ fn run_ranks(
             let (start, resume) = starts[rank as usize].clone();
             let registry = registry.clone();
             let barrier = Arc::clone(&barrier);
+            let plan = plan.clone();
             std::thread::spawn(move || {
                 let mut rebalance = granary::loader::RebalanceConfig::every(every, Some(exchange));
                 rebalance.lead = 2;
@@ -389,10 +409,7 @@ fn run_ranks(
                     epochs: Some(epochs),
                     rebalance: Some(rebalance),
                     metrics: granary::metrics::Setting::Registry(registry),
-                    ..config(
-                        PlanSource::Partitioner { plugin: None, options: Vec::new() },
-                        World::new(rank, world).unwrap(),
-                    )
+                    ..config(plan, World::new(rank, world).unwrap())
                 };
                 let mut loader = Loader::new(dataset, config, start).unwrap();
                 let mut batches = Vec::new();
@@ -419,6 +436,36 @@ fn run_ranks(
         })
         .collect();
     threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+#[test]
+fn a_mixture_rebalances_and_its_global_order_stays_the_blends() {
+    const TWO: Job =
+        Job { world: 2, every: 10, slow: 1, slow_us: 400, fast_us: 40, epochs: 1, sync: Sync::FreeRunning };
+    let _serial = serial();
+    let fixture = fixture(32 * 48);
+    let mut granary = Granary::open(fixture.dir.path().join("store")).unwrap();
+    let more: Vec<Vec<u8>> = (0..300).map(|i| bytes(1_000_000 + i, TOKENS as usize * 2)).collect();
+    ingest(&mut granary, "more", tokens_layout(TOKENS), small_shards(16 << 10), &more);
+    let more = granary.open_dataset(&VersionSpec::parse("more").unwrap()).unwrap();
+    drop(granary);
+    let mixture = granary::Mixture::of(
+        &[Arc::clone(&fixture.dataset), more],
+        &[0.75, 0.25],
+        granary::EpochLength::Samples(32 * 48),
+    )
+    .unwrap();
+    let start = (Position::default(), None);
+    let registry = granary::metrics::Registry::default();
+    let plan = PlanSource::Mixture(Arc::clone(mixture.blend()));
+    let runs = run_ranks_of(mixture.dataset(), plan, TWO, &[start.clone(), start], None, &registry);
+    let (fast, slow) = (&runs[0].0, &runs[1].0);
+    assert_eq!((fast.len(), slow.len()), (48, 48));
+    assert!(slow[10].0.len() < 16 && fast[10].0.len() > 16, "step 10: {} and {}", fast[10].0.len(), slow[10].0.len());
+    // Step by step, the fast rank's share then the slow one's is the blend's order.
+    let order: Vec<u64> = mixture.blend().epoch(7, 0).records_from(0).map(|(_, r)| r).collect();
+    let read: Vec<u64> = (0..48).flat_map(|s| fast[s].0.iter().chain(&slow[s].0).copied()).collect();
+    assert_eq!(read, order);
 }
 
 #[test]

@@ -339,7 +339,8 @@ class Loader:
     cores, at most 8, none below 8 cores; `0` checks on the reading thread).
     `rebalance_every`: every this many steps the ranks exchange their measured speed and a slow
     rank gets a smaller share of each step from then on (the partitioner's `rebalance`; with
-    neither `order` nor `partitioner` given, the default partitioner plans; its
+    neither `order` nor `partitioner` given, the default partitioner plans (a mixture keeps its
+    order, the default partitioner deciding the shares); its
     `partitioner_options` `max-change` and `min-share` bound the moves). The global order is the
     same and every record is read once per epoch; a rank's batches then vary in size around
     `batch_size`. The ranks exchange through `rebalance_exchange`, a callable
@@ -440,7 +441,8 @@ class Loader:
         if rebalance_every is not None:
             if isinstance(rebalance_every, bool) or not isinstance(rebalance_every, int) or rebalance_every < 2:
                 raise ValueError(f"rebalance_every must be an integer of at least 2 steps, not {rebalance_every!r}")
-            if order is None and partitioner is None:
+            if order is None and partitioner is None and isinstance(dataset, str):
+                # (A mixture rebalances by the default partitioner's decisions without one.)
                 partitioner = "default"
             if rebalance_exchange is None and world_size > 1:
                 # Said now, not at the first rebalance point an epoch into the run.

@@ -22,14 +22,15 @@ class _ThreadExchange:
         return sorted(self.points[(epoch, step)].values())
 
 
-def _rebalanced_ranks(store, exchange, slow_seconds_per_record, stop_after=None, states=None):
+def _rebalanced_ranks(store, exchange, slow_seconds_per_record, stop_after=None, states=None, dataset="tokens",
+                      **options):
     """Two rank threads of a rebalancing loader (rank 1 slow); each rank's batches (indices,
     the position after) and its last state."""
     out = [None, None]
 
     def rank_thread(rank):
         loader = store.loader(
-            "tokens", batch_size=16, seed=5, rank=rank, world_size=2, output="numpy", with_indices=True,
+            dataset, batch_size=16, **options, seed=5, rank=rank, world_size=2, output="numpy", with_indices=True,
             rebalance_every=8, rebalance_exchange=exchange,
         )
         if states is not None:
@@ -90,3 +91,18 @@ def test_a_slow_rank_reads_less_of_each_step_and_a_resume_repeats_the_decisions(
     except ImportError:
         with pytest.raises(ImportError, match="output='numpy'"):
             store.loader("tokens", batch_size=16, output="torch")
+
+
+def test_a_mixture_rebalances_and_reads_its_blend_in_order(tokens):
+    store, _ = tokens
+    from conftest import RECORD, records
+
+    store.ingest("more", records(200, seed=9), dtype="uint16", shape=[RECORD], shard_bytes=16 << 10)
+    mix = [("tokens", 0.8), ("more", 0.2)]
+    runs = _rebalanced_ranks(store, _ThreadExchange(2), 0.0012, dataset=mix, mixture_samples=1024)
+    fast, slow = runs[0][0], runs[1][0]
+    assert len(slow[8][0]) < 16 < len(fast[8][0]), (len(slow[8][0]), len(fast[8][0]))
+    # Step by step, rank 0's share then rank 1's is the mixture's order on one rank.
+    read = [i for f, s in zip(fast, slow) for i in f[0] + s[0]]
+    one = store.loader(mix, 32, seed=5, mixture_samples=1024, output="numpy", with_indices=True, device="cpu")
+    assert read == [i for indices, _ in one for i in indices.tolist()]

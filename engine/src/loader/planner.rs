@@ -69,8 +69,11 @@ pub(super) struct EpochPlanner {
     batch_size: u64,
     source: Source,
     /// Each rank's weight (a plugin's steps are split by them); equal unless rebalanced.
-    #[cfg_attr(not(feature = "policy"), allow(dead_code, reason = "only plugins' steps are weighted"))]
     weights: Vec<u32>,
+    /// The partitioner a mixture's rebalancing asks (the blend orders; the plugin decides the
+    /// ranks' shares, as for its own plans).
+    #[cfg(feature = "policy")]
+    rebalancer: Option<Box<crate::policy::Partitioner>>,
 }
 
 enum Source {
@@ -95,13 +98,6 @@ impl EpochPlanner {
                 return Err(Error::invalid_input(
                     "rebalancing splits a partitioner plugin's steps: give a partitioner (the built-in elastic), \
                      not a native order",
-                ));
-            }
-            #[cfg(feature = "policy")]
-            PlanSource::Mixture(_) if config.rebalance.is_some() => {
-                return Err(Error::invalid_input(
-                    "rebalancing splits a partitioner plugin's steps, and a mixture is ordered by its blend: \
-                     read a mixture without rebalancing",
                 ));
             }
             #[cfg(feature = "policy")]
@@ -171,7 +167,19 @@ impl EpochPlanner {
                 Source::Plugin { partitioner: Box::new(partitioner), shards, ranks, nodes }
             }
         };
+        // A mixture rebalances by the built-in partitioner's decisions, its steps cut by them.
+        #[cfg(feature = "policy")]
+        let rebalancer = match (&config.plan, &config.rebalance) {
+            (PlanSource::Mixture(_), Some(_)) => {
+                let host = crate::policy::PolicyHost::new(crate::policy::Limits::default(), None)?;
+                let plugin = host.load_builtin(crate::policy::builtin::DEFAULT_PARTITIONER)?;
+                Some(Box::new(crate::policy::Partitioner::new(plugin, &[], None)?))
+            }
+            _ => None,
+        };
         Ok(Self {
+            #[cfg(feature = "policy")]
+            rebalancer,
             n_records: config.plan.epoch_len(dataset),
             seed: config.seed,
             world: config.world,
@@ -209,8 +217,9 @@ impl EpochPlanner {
         current: &[u32],
         measured: Vec<crate::policy::RankMeasure>,
     ) -> Result<Vec<u32>> {
-        let Source::Plugin { partitioner, .. } = &mut self.source else {
-            return Err(Error::invalid_input("rebalancing needs a partitioner plugin"));
+        let partitioner = match (&mut self.source, &mut self.rebalancer) {
+            (Source::Plugin { partitioner, .. }, _) | (_, Some(partitioner)) => partitioner,
+            _ => return Err(Error::invalid_input("rebalancing needs a partitioner plugin")),
         };
         let point = crate::policy::RebalancePoint {
             step,
@@ -339,7 +348,8 @@ impl EpochPlanner {
                         return Err(Error::invalid_input("a mixture's epoch ended before its samples"));
                     }
                     for (world, batches) in worlds.iter().zip(outs.iter_mut()) {
-                        let range = steps.rank_positions(cursor, *world, batch_size);
+                        // Equal weights cut as `rank_positions`; a rebalancing loader's, by its shares.
+                        let range = steps.weighted_rank_positions(cursor, *world, batch_size, &self.weights);
                         let batch = step[(range.start - cursor) as usize..(range.end - cursor) as usize].to_vec();
                         if !batch.is_empty() {
                             batches.push((batch, after(cursor, *world)));
