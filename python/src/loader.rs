@@ -24,18 +24,17 @@ use pyo3::sync::MutexExt;
 use pyo3::types::PyDict;
 
 use granary::loader::{MeasureExchange, Packer, Packing, RebalanceConfig, RebalanceState, WeightsAt};
-use granary::pack::PackConfig;
 use granary::plan::RankCut;
 use granary::policy::RankMeasure;
 use granary::staging::cuda::Cuda;
 use granary::{
-    Dataset, EpochLength, LoaderConfig, LoaderStats, Mixture, Order, PlanSource, Position, StorePaths, Target,
-    TierConfig, TierKind, TierSetting, VersionSpec, World,
+    Dataset, LoaderConfig, LoaderStats, Order, PlanSource, Position, Target, TierConfig, TierKind, TierSetting, World,
 };
 
 use crate::batch::{NativeBatch, layout_name, widening};
 use crate::errors::{forked, invalid, to_py};
 use crate::exchange::{MeasureTuple, PyExchange};
+use crate::source::{Source, SourceArgs, packed_dict};
 use crate::store::Store;
 
 /// Whether this process can load to a GPU, and if not, why: `(True, "N CUDA devices")` or
@@ -58,27 +57,9 @@ pub(crate) struct Loader {
     state: Mutex<State>,
 }
 
-/// What a loader reads: one version, or a mixture of versions with their weights.
-enum DatasetArg {
-    One(VersionSpec),
-    /// The parts are pinned to their manifest ids once opened (a name committed to meanwhile
-    /// does not change what a restart reads).
-    Mixture {
-        parts: Vec<(VersionSpec, f64)>,
-        epoch: EpochLength,
-        changes: Vec<(Position, Vec<f64>)>,
-    },
-}
-
 struct State {
-    root: PathBuf,
-    spec: DatasetArg,
-    /// The mixture being read, once opened.
-    mixture: Option<Mixture>,
-    /// Packed windows asked for: how, and the documents' order.
-    pack: Option<(PackConfig, Order)>,
-    /// The packing of the dataset, once opened.
-    packing: Option<Packing>,
+    /// What it reads (one version or a mixture, records or packed windows), once opened.
+    source: Source,
     /// The windows of the running loader's batches.
     packer: Option<Packer>,
     config: LoaderConfig,
@@ -86,7 +67,6 @@ struct State {
     device: Option<u32>,
     /// Stop each epoch before its short last step, so every rank reads as many batches.
     drop_last: bool,
-    dataset: Option<Arc<Dataset>>,
     /// The plan is the default shuffle, not asked for by name: an attached dataset that its
     /// store's cache cannot hold reads the default partitioner's windowed plan instead
     /// (decided once, by `plan_options`).
@@ -147,62 +127,12 @@ impl State {
     }
 
     fn dataset(&mut self) -> granary::Result<Arc<Dataset>> {
-        if let Some(dataset) = &self.dataset {
-            return Ok(Arc::clone(dataset));
-        }
-        let paths = StorePaths::new(&self.root);
-        let dataset = match &mut self.spec {
-            DatasetArg::One(spec) => Dataset::open(&paths, spec)?,
-            DatasetArg::Mixture { parts, epoch, changes } => {
-                let mut mixture = Mixture::open(&paths, parts, *epoch)?;
-                for (at, weights) in changes.iter() {
-                    mixture = mixture.with_change(*at, weights)?;
-                }
-                for ((spec, _), source) in parts.iter_mut().zip(mixture.sources()) {
-                    *spec = VersionSpec::Manifest(source.manifest);
-                }
-                self.config.plan = PlanSource::Mixture(Arc::clone(mixture.blend()));
-                let dataset = Arc::clone(mixture.dataset());
-                self.mixture = Some(mixture);
-                dataset
-            }
-        };
-        if let Some((pack, order)) = self.pack.clone()
-            && self.packing.is_none()
-        {
-            // A mixture's sources are packed each on its own and blended by window.
-            let packing = match &self.mixture {
-                Some(mixture) => Packing::Mixture(Arc::new(granary::loader::pack_mixture(mixture, pack)?)),
-                None => Packing::One(Arc::new(granary::loader::pack_plan(&dataset, pack)?), order),
-            };
-            self.config = Packer::loader_config(&packing, self.config.clone())?;
-            self.packing = Some(packing);
-        }
-        self.dataset = Some(Arc::clone(&dataset));
-        Ok(dataset)
+        self.source.open(&mut self.config)
     }
 
-    /// Replaces the mixture's changes of weights; it is opened again at the next use.
+    /// Replaces the mixture's changes of weights.
     fn set_changes(&mut self, new: Vec<(Position, Vec<f64>)>) -> granary::Result<()> {
-        let DatasetArg::Mixture { changes, .. } = &mut self.spec else {
-            return Err(granary::Error::invalid_input("weights change in a mixture; this loader reads one dataset"));
-        };
-        let old = std::mem::replace(changes, new);
-        self.dataset = None;
-        self.mixture = None;
-        self.packing = None;
-        // Checked now (a change past the epoch's end, weights of the wrong count), not at the
-        // next batch; the old changes stay when the new ones are refused.
-        if let Err(e) = self.dataset() {
-            if let DatasetArg::Mixture { changes, .. } = &mut self.spec {
-                *changes = old;
-            }
-            self.dataset = None;
-            self.mixture = None;
-            self.packing = None;
-            return Err(e);
-        }
-        Ok(())
+        self.source.set_changes(&mut self.config, new)
     }
 
     /// How this rank's epochs are cut.
@@ -289,70 +219,24 @@ impl Loader {
             Ok(store) => store.get().root().to_path_buf(),
             Err(_) => store.extract::<PathBuf>().map_err(|_| invalid("store is a granary.Store or a path"))?,
         };
-        let paths = StorePaths::new(&root);
-        let spec = match dataset.extract::<String>() {
-            Ok(name) => {
-                if mixture_samples.is_some() || mixture_pass_of.is_some() || mixture_changes.is_some() {
-                    return Err(invalid("mixture_samples, mixture_pass_of and mixture_changes are a mixture's"));
-                }
-                DatasetArg::One(paths.parse_spec(&name).map_err(to_py)?)
-            }
-            Err(_) => {
-                let given: Vec<(String, f64)> = dataset.extract().map_err(|_| {
-                    invalid("dataset is a name, name@version or manifest id, or a list of (name, weight) pairs")
-                })?;
-                if given.is_empty() {
-                    return Err(invalid("a mixture needs at least one (name, weight) pair"));
-                }
-                let parts = given
-                    .iter()
-                    .map(|(name, weight)| Ok((paths.parse_spec(name).map_err(to_py)?, *weight)))
-                    .collect::<PyResult<Vec<_>>>()?;
-                if order.is_some() || partitioner.is_some() || partitioner_options.is_some() {
-                    return Err(invalid(
-                        "a mixture is ordered by its weights (each source shuffled): drop order and partitioner",
-                    ));
-                }
-                let epoch = match (mixture_samples, mixture_pass_of) {
-                    (Some(_), Some(_)) => return Err(invalid("give mixture_samples or mixture_pass_of, not both")),
-                    (Some(n), None) => EpochLength::Samples(n),
-                    (None, Some(i)) => EpochLength::PassOf(i),
-                    (None, None) => EpochLength::Records,
-                };
-                let changes = mixture_changes
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|(epoch, cursor, weights)| (Position { epoch, cursor }, weights))
-                    .collect();
-                DatasetArg::Mixture { parts, epoch, changes }
-            }
-        };
-        let is_mixture = matches!(spec, DatasetArg::Mixture { .. });
-        let pack = match seq_len {
-            None if eod.is_some() || pad != 0 || within_documents => {
-                return Err(invalid("eod, pad and within_documents are packing's: give seq_len too"));
-            }
-            None => None,
-            Some(_) if partitioner.is_some() || partitioner_options.is_some() || rebalance_every.is_some() => {
-                return Err(invalid(
-                    "packed windows are cut by their own plan: drop partitioner, partitioner_options and rebalance_every",
-                ));
-            }
-            Some(0) => return Err(invalid("seq_len must be at least 1")),
-            Some(seq_len) => {
-                let order = match order {
-                    None | Some("shuffled") => Order::Shuffled,
-                    Some("sequential") => Order::Sequential,
-                    Some(other) => {
-                        return Err(invalid(format!("order {other:?}: expected \"shuffled\" or \"sequential\"")));
-                    }
-                };
-                Some((PackConfig { seq_len, eod, cross_documents: !within_documents, pad }, order))
-            }
-        };
-        if pack.is_some() && !matches!(device, None | Some("cpu")) {
-            return Err(invalid("packed windows are built in host memory: the native loader takes device=\"cpu\""));
-        }
+        let source = Source::parse(
+            root.clone(),
+            dataset,
+            SourceArgs {
+                mixture_samples,
+                mixture_pass_of,
+                mixture_changes,
+                seq_len,
+                eod,
+                pad,
+                within_documents,
+                order,
+                partitioner_given: partitioner.is_some() || partitioner_options.is_some(),
+                rebalance_given: rebalance_every.is_some(),
+                device,
+            },
+        )?;
+        let is_mixture = source.is_mixture();
         if batch_size == 0 {
             return Err(invalid("batch_size must be at least 1"));
         }
@@ -401,8 +285,10 @@ impl Loader {
         };
         // No order and no partitioner: shuffled, windowed to the cache for an attached
         // dataset it cannot hold (see `plan_options`).
-        let windowable =
-            !is_mixture && pack.is_none() && order.is_none() && matches!(plan, PlanSource::Native(Order::Shuffled));
+        let windowable = !is_mixture
+            && !source.is_packed()
+            && order.is_none()
+            && matches!(plan, PlanSource::Native(Order::Shuffled));
         let mut config = LoaderConfig {
             batch_size,
             world,
@@ -462,16 +348,11 @@ impl Loader {
         Ok(Self {
             started_in: AtomicU32::new(0),
             state: Mutex::new(State {
-                root,
-                spec,
-                mixture: None,
-                pack,
-                packing: None,
+                source,
                 packer: None,
                 config,
                 device,
                 drop_last,
-                dataset: None,
                 windowable,
                 position: Position { epoch, cursor: 0 },
                 iterating: epoch,
@@ -497,7 +378,7 @@ impl Loader {
     /// released.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<NativeBatch>> {
         let mut state = self.lock(py)?;
-        if state.pack.is_some() {
+        if state.source.is_packed() {
             return Err(invalid("a loader of packed windows hands them out through next_packed"));
         }
         let Some(batch) = self.next_loaded(py, &mut state)? else { return Ok(None) };
@@ -511,7 +392,7 @@ impl Loader {
     /// count), `width` (seq_len + 1), `dtype` (NumPy's type string), `first_window`.
     fn next_packed<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let mut state = self.lock(py)?;
-        if state.pack.is_none() {
+        if !state.source.is_packed() {
             return Err(invalid("this loader does not pack: give seq_len"));
         }
         let Some(batch) = self.next_loaded(py, &mut state)? else { return Ok(None) };
@@ -526,19 +407,9 @@ impl Loader {
         })?;
         let packed = packed.ok_or_else(|| invalid("no windows packed"))?;
         drop(batch);
-        let config = state.packing.as_ref().and_then(Packing::config).ok_or_else(|| invalid("no packing"))?;
-        let width = config.seq_len + 1;
-        let out = PyDict::new(py);
-        let p = &packed.packed;
-        out.set_item("tokens", tokens)?;
-        out.set_item("cu_seqlens", int32_bytes(py, &p.cu_seqlens)?)?;
-        out.set_item("position_ids", int32_bytes(py, &p.position_ids)?)?;
-        out.set_item("real_tokens", p.real_tokens.clone())?;
-        out.set_item("windows", p.windows)?;
-        out.set_item("width", width)?;
-        out.set_item("dtype", token_typestr(state.dataset().map_err(to_py)?.layout()))?;
-        out.set_item("first_window", packed.windows.start)?;
-        Ok(Some(out))
+        let layout = state.dataset().map_err(to_py)?.layout().clone();
+        let packing = state.source.packing().ok_or_else(|| invalid("no packing"))?;
+        packed_dict(py, &packed, tokens, packing, &layout).map(Some)
     }
 
     /// The windows of an epoch, when packing: `None` otherwise.
@@ -546,7 +417,7 @@ impl Loader {
     fn pack_windows(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         let mut state = self.lock(py)?;
         state.dataset().map_err(to_py)?;
-        Ok(state.packing.as_ref().map(Packing::n_windows))
+        Ok(state.source.packing().map(Packing::n_windows))
     }
 
     /// Makes `epoch` the one the next iteration reads (as `DistributedSampler.set_epoch`):
@@ -709,24 +580,7 @@ impl Loader {
     fn mixture<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let mut state = self.lock(py)?;
         state.dataset().map_err(to_py)?;
-        let Some(mixture) = &state.mixture else { return Ok(None) };
-        let out = PyDict::new(py);
-        out.set_item("id", mixture.id())?;
-        let sources = pyo3::types::PyList::empty(py);
-        for source in mixture.sources() {
-            let entry = PyDict::new(py);
-            entry.set_item("label", &source.label)?;
-            entry.set_item("manifest", source.manifest.to_string())?;
-            entry.set_item("records", source.n_records)?;
-            entry.set_item("weight", source.weight)?;
-            sources.append(entry)?;
-        }
-        out.set_item("sources", sources)?;
-        out.set_item("epoch_samples", mixture.blend().epoch_samples())?;
-        let changes: Vec<(u64, u64, Vec<f64>)> =
-            mixture.blend().changes().into_iter().map(|(at, weights)| (at.epoch, at.cursor, weights)).collect();
-        out.set_item("changes", changes)?;
-        Ok(Some(out))
+        state.source.mixture_dict(py)
     }
 
     /// Puts the mixture's changes of weights (`(epoch, cursor, weights)` each) in force, as a
@@ -746,10 +600,10 @@ impl Loader {
         let mut state = self.lock(py)?;
         let position = state.position;
         let at = state.normalized(position).map_err(to_py)?;
-        let mut changes = match &state.spec {
-            DatasetArg::Mixture { changes, .. } => changes.clone(),
-            DatasetArg::One(_) => return Err(invalid("weights change in a mixture; this loader reads one dataset")),
-        };
+        let mut changes = state
+            .source
+            .changes()
+            .ok_or_else(|| invalid("weights change in a mixture; this loader reads one dataset"))?;
         changes.retain(|(when, _)| (when.epoch, when.cursor) < (at.epoch, at.cursor));
         changes.push((at, weights));
         state.stop();
@@ -1043,7 +897,7 @@ impl Loader {
         }
         let config = state.config.clone();
         let position = state.position;
-        if let Some(packing) = &state.packing {
+        if let Some(packing) = state.source.packing() {
             state.packer = Some(Packer::new(packing.clone(), &config, position));
         }
         let loader = py.detach(|| granary::Loader::new(dataset, config, position)).map_err(to_py)?;
@@ -1065,29 +919,4 @@ impl Loader {
 /// start of `e + 1`; no other batch ends at a cursor of 0).
 fn epoch_of(after: Position) -> u64 {
     if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch }
-}
-
-/// `values` as the bytes of little-endian int32s, written once.
-fn int32_bytes<'py>(py: Python<'py>, values: &[i32]) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-    pyo3::types::PyBytes::new_with(py, values.len() * 4, |buf| {
-        for (out, value) in buf.chunks_exact_mut(4).zip(values) {
-            out.copy_from_slice(&value.to_le_bytes());
-        }
-        Ok(())
-    })
-}
-
-/// NumPy's type string of a packed dataset's tokens (`"<u2"`).
-fn token_typestr(layout: &granary::Layout) -> String {
-    let dtype = match layout {
-        granary::Layout::Arrays(dtype) => *dtype,
-        granary::Layout::Fixed(fixed) => fixed.dtype(),
-        _ => granary::Dtype::U8,
-    };
-    let kind = match dtype.name().as_bytes().first() {
-        Some(b'i') => 'i',
-        Some(b'f') | Some(b'b') => 'f',
-        _ => 'u',
-    };
-    format!("<{kind}{}", dtype.size_bytes())
 }
