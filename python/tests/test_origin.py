@@ -230,3 +230,26 @@ def test_a_mixture_reads_an_attached_dataset_beside_a_local_one(s3, tmp_path):
     assert len(seen) == 320
     assert sum(1 for i in seen if i >= 200) == 80, "a quarter from the local dataset"
     assert loader.metrics()["batches"] == 20
+
+
+def test_packed_windows_of_an_attached_corpus_read_lengths_from_the_origin_not_its_data(s3, tmp_path):
+    from conftest import write_megatron
+
+    docs = [np.arange(d * 1000, d * 1000 + 50 + (d * 37 % 400), dtype=np.int32) for d in range(300)]
+    write_megatron(str(tmp_path / "c"), docs, np.int32, 4)
+    source = granary.Store(tmp_path / "source", create=True)
+    source.ingest_megatron("corpus", tmp_path / "c")
+    source.push("corpus", f"{s3}/packed")
+    here = granary.Store(tmp_path / "here", create=True)
+    here.attach("corpus", f"{s3}/packed")
+    loader = here.loader("corpus", 8, seq_len=64, eod=2**31 - 1, output="numpy", device="cpu", order="sequential")
+    assert loader._native.pack_windows > 0
+    assert _cached_bytes(tmp_path / "here") == 0, "the plan read metadata only"
+    stream = []
+    batches = list(loader)
+    for k, batch in enumerate(batches):
+        for w, tokens in enumerate(batch["tokens"]):
+            last = k == len(batches) - 1 and w == len(batch["tokens"]) - 1
+            stream.extend(tokens.tolist() if last else tokens[:-1].tolist())
+    expected = [t for doc in docs for t in doc.tolist() + [2**31 - 1]]
+    assert stream == expected[: len(stream)] and len(expected) - len(stream) < 64

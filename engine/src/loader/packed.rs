@@ -25,7 +25,8 @@ use crate::shard::Layout;
 use super::{LoadedBatch, Loader, LoaderConfig, PlanSource, Target};
 
 /// The packing of `dataset`'s documents under `config`: each document's tokens from its shard's
-/// metadata (every shard's metadata is read, and checked, now). Documents are records of token
+/// metadata (every shard's metadata is read, and checked, now: an attached dataset's shards
+/// the cache does not hold have theirs read from the origin, without their data). Documents are records of token
 /// arrays (`Layout::Arrays`), one-dimensional fixed records, or byte strings (one-byte tokens).
 pub fn pack_plan(dataset: &Dataset, config: PackConfig) -> Result<PackPlan> {
     let integer = |dtype: crate::shard::Dtype| !matches!(dtype.name().as_bytes().first(), Some(b'f' | b'b'));
@@ -41,9 +42,29 @@ pub fn pack_plan(dataset: &Dataset, config: PackConfig) -> Result<PackPlan> {
             )));
         }
     };
-    let mut lengths = Vec::with_capacity(usize::try_from(dataset.n_records()).unwrap_or(0));
+    // Each shard's metadata: from its file, or, for a shard of an attached dataset the cache
+    // does not hold, from its origin (a few KiB each, checked as at attach), not its data.
+    let mut metas: Vec<Option<Arc<crate::shard::ShardMeta>>> = Vec::with_capacity(dataset.n_shards());
+    let mut missing = Vec::new();
     for shard in 0..dataset.n_shards() {
-        let meta = dataset.shard_meta(shard)?;
+        match dataset.shard_meta(shard) {
+            Ok(meta) => metas.push(Some(Arc::clone(meta))),
+            Err(Error::MissingShard { .. }) if cfg!(feature = "origin") => {
+                metas.push(None);
+                missing.push((shard, dataset.manifest().entries()[shard]));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    #[cfg(feature = "origin")]
+    for (shard, meta) in crate::origin::shard_metas_at_origins(dataset.paths(), &missing, dataset.layout())? {
+        metas[shard] = Some(Arc::new(meta));
+    }
+    let mut lengths = Vec::with_capacity(usize::try_from(dataset.n_records()).unwrap_or(0));
+    for (shard, meta) in metas.iter().enumerate() {
+        let meta = meta
+            .as_ref()
+            .ok_or_else(|| Error::MissingShard { shard: dataset.shard_id(shard), manifest: dataset.manifest_id() })?;
         for local in 0..meta.n_records() {
             let range = meta.record_range(local);
             lengths.push((range.end - range.start) / token_bytes as u64);

@@ -17,7 +17,7 @@ use crate::engine::Granary;
 use crate::error::{Error, Result};
 use crate::id::{ManifestId, ShardId};
 use crate::manifest::Manifest;
-use crate::shard::ShardMeta;
+use crate::shard::{Layout, ShardMeta};
 use crate::store::attached::{
     ATTACH_HEADER, CACHE_HEADER, attached_dir, attachment, cache_bound, cache_settings, encode_record, origin_dir,
 };
@@ -203,6 +203,65 @@ fn check_shard_metas(origin: &Origin, manifest: &Manifest) -> Result<()> {
 /// its manifest: metadata that fails to decode or differs is read again (damaged on the way),
 /// up to `FETCH_TRIES` times.
 fn check_shard_meta(origin: &Origin, manifest: &Manifest, entry: &crate::manifest::ManifestEntry) -> Result<()> {
+    fetch_shard_meta(origin, manifest.layout(), entry).map(drop)
+}
+
+/// The metadata of shards `wanted` (an index of the caller's, and the shard's manifest entry)
+/// of attached datasets of the store at `paths`, read from their origins (`META_THREADS` at
+/// once) and checked against their entries and `layout`, without the shards' data: what a
+/// reader of lengths (packing) needs of shards the cache does not hold.
+pub fn shard_metas_at_origins(
+    paths: &crate::store::StorePaths,
+    wanted: &[(usize, crate::manifest::ManifestEntry)],
+    layout: &Layout,
+) -> Result<Vec<(usize, ShardMeta)>> {
+    let shards = crate::store::attached::store_shards(paths)?;
+    let mut origins: std::collections::HashMap<String, Origin> = std::collections::HashMap::new();
+    let mut jobs = Vec::with_capacity(wanted.len());
+    for (index, entry) in wanted {
+        let Some((_, url)) = shards.attached.get(&entry.shard) else {
+            return Err(Error::NotFound {
+                what: format!("shard {} (not here, and no attached dataset names it)", entry.shard),
+            });
+        };
+        if !origins.contains_key(url) {
+            origins.insert(url.clone(), Origin::open(url)?);
+        }
+        jobs.push((*index, *entry, url.clone()));
+    }
+    let out = parking_lot::Mutex::new(Vec::with_capacity(jobs.len()));
+    let failed = parking_lot::Mutex::new(None);
+    std::thread::scope(|scope| {
+        for first in 0..META_THREADS.min(jobs.len()) {
+            let (jobs, origins, out, failed) = (&jobs, &origins, &out, &failed);
+            scope.spawn(move || {
+                for (index, entry, url) in jobs.iter().skip(first).step_by(META_THREADS) {
+                    if failed.lock().is_some() {
+                        return;
+                    }
+                    let Some(origin) = origins.get(url) else { return };
+                    match fetch_shard_meta(origin, layout, entry) {
+                        Ok(meta) => out.lock().push((*index, meta)),
+                        Err(e) => {
+                            *failed.lock() = Some(e);
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = failed.into_inner() {
+        return Err(e);
+    }
+    let mut out = out.into_inner();
+    out.sort_unstable_by_key(|(index, _)| *index);
+    Ok(out)
+}
+
+/// Shard `entry`'s metadata read at `origin` and checked against the entry and `layout` (read
+/// again when it fails, up to `FETCH_TRIES` times).
+fn fetch_shard_meta(origin: &Origin, layout: &Layout, entry: &crate::manifest::ManifestEntry) -> Result<ShardMeta> {
     let id = entry.shard;
     let mut problem = String::new();
     for _ in 0..FETCH_TRIES {
@@ -216,9 +275,9 @@ fn check_shard_meta(origin: &Origin, manifest: &Manifest, entry: &crate::manifes
             Ok(meta)
                 if meta.digest() == entry.meta_digest
                     && meta.n_records() == entry.n_records
-                    && meta.layout() == manifest.layout() =>
+                    && meta.layout() == layout =>
             {
-                return Ok(());
+                return Ok(meta);
             }
             Ok(_) => problem = "its metadata is not the one its manifest records".to_owned(),
             Err(Err(e)) => return Err(e),

@@ -33,7 +33,7 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
 
 pub use crate::read::CacheStats;
 pub use crate::store::attached::{Attachment, CacheSettings, attachment, attachments, cache_bound, cache_settings};
-pub use attach::{AttachReport, DetachReport, attach, detach};
+pub use attach::{AttachReport, DetachReport, attach, detach, shard_metas_at_origins};
 pub use cache::OriginCache;
 pub use push::{Progress as PushProgress, PushReport, push};
 
