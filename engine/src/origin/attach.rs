@@ -7,8 +7,9 @@
 //! a reader needs it (`OriginCache`). The records it writes (`origin/attached/<name>`,
 //! `origin/cache`) are `store::attached`'s, which reads them back.
 //!
-//! Owns `attach`, `detach` and their reports. Never: fetches record data, or touches a
-//! dataset that was not attached (a local name is refused).
+//! Owns `attach`, `detach`, their reports, and `shard_metas_at_origins` (attached shards'
+//! metadata read again for a reader of lengths: packing). Never: fetches record data, or
+//! touches a dataset that was not attached (a local name is refused).
 
 use std::collections::HashSet;
 
