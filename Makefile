@@ -42,7 +42,7 @@ prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
 		{ apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; } >/dev/null
 
-## An S3-compatible server for the object-store tests (tests/origin.rs, the Python origin test):
+## An S3-compatible server for the object-store tests (tests/origin/, the Python origin test):
 ## moto in server mode, from PyPI, in its own venv.
 MOTO_VENV := $(TARGET_DIR)/moto-venv
 export GRANARY_MOTO_SERVER := $(MOTO_VENV)/bin/moto_server

@@ -129,7 +129,7 @@ fn every_command_fails_in_one_line_on_a_full_stdout_and_ends_quietly_on_a_closed
     );
     // Writers: the work is done, then its report meets the full disk or the closed pipe.
     check(&root, &["ingest", "records", "--name", "A", "--record-bytes", "4096", "--shard-bytes", "64K", input]);
-    // Object storage, through a file:// origin (the S3 path is tests/origin.rs's).
+    // Object storage, through a file:// origin (the S3 path is tests/origin/'s).
     let origin = format!("file://{}", dir.path().join("origin").display());
     let other = dir.path().join("attached");
     for name in ["A", "R-full", "R-pipe"] {
