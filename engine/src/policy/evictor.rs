@@ -123,15 +123,11 @@ impl Evictor {
         fallback: Option<Plugin>,
         capacity: u64,
     ) -> Result<Self, Error> {
-        plugin.expect_kind(PolicyKind::Evictor)?;
-        if let Some(fallback) = &fallback {
-            fallback.expect_kind(PolicyKind::Evictor)?;
-        }
-        let options = options.to_vec();
-        let live = instantiate(&plugin, capacity, &options)?;
-        let limits = plugin.host().limits().clone();
+        let supervisor = Supervisor::of_kind(PolicyKind::Evictor, plugin, options, fallback, |plugin| {
+            instantiate(plugin, capacity, &options.to_vec())
+        })?;
         Ok(Self {
-            supervisor: Supervisor::new(plugin, options, Some(live), fallback, limits),
+            supervisor,
             state: State {
                 resident: ResidentSet::new(capacity),
                 snapshot: Snapshot::default(),
@@ -238,13 +234,13 @@ impl Evictor {
     /// Switches to `plugin` (run with `options`) now: it is restored from the current state
     /// first; on any failure the current plugin stays. The current one becomes the fallback.
     pub fn swap(&mut self, plugin: Plugin, options: &[(String, String)]) -> Result<(), Error> {
-        plugin.expect_kind(PolicyKind::Evictor)?;
         self.take_snapshot();
-        let options = options.to_vec();
-        let mut live = instantiate(&plugin, self.state.resident.capacity(), &options)?;
-        self.state.restore(&mut live, &plugin).map_err(Error::Plugin)?;
-        self.supervisor.promote(plugin, options, Some(live));
-        Ok(())
+        let Self { supervisor, state } = self;
+        supervisor.swap_to(PolicyKind::Evictor, plugin, options, |plugin| {
+            let mut live = instantiate(plugin, state.resident.capacity(), &options.to_vec())?;
+            state.restore(&mut live, plugin).map_err(Error::Plugin)?;
+            Ok(live)
+        })
     }
 
     /// A handle through which another thread can swap the plugin; the swap happens before the

@@ -139,13 +139,10 @@ impl Partitioner {
     /// A partitioner run by `plugin` with `options`, and `fallback` (with its defaults)
     /// answering when it fails.
     pub fn new(plugin: Plugin, options: &[(String, String)], fallback: Option<Plugin>) -> Result<Self, Error> {
-        plugin.expect_kind(PolicyKind::Partitioner)?;
-        if let Some(fallback) = &fallback {
-            fallback.expect_kind(PolicyKind::Partitioner)?;
-        }
-        let instance = instantiate(&plugin).map_err(Error::Plugin)?;
-        let limits = plugin.host().limits().clone();
-        Ok(Self { supervisor: Supervisor::new(plugin, options.to_vec(), Some(instance), fallback, limits) })
+        let supervisor = Supervisor::of_kind(PolicyKind::Partitioner, plugin, options, fallback, |plugin| {
+            instantiate(plugin).map_err(Error::Plugin)
+        })?;
+        Ok(Self { supervisor })
     }
 
     /// The plan of one epoch: every record from global position `epoch.start` on, read exactly
@@ -268,10 +265,8 @@ impl Partitioner {
     /// Switches to `plugin` (run with `options`) now; it must instantiate. The current one
     /// becomes the fallback.
     pub fn swap(&mut self, plugin: Plugin, options: &[(String, String)]) -> Result<(), Error> {
-        plugin.expect_kind(PolicyKind::Partitioner)?;
-        let instance = instantiate(&plugin).map_err(Error::Plugin)?;
-        self.supervisor.promote(plugin, options.to_vec(), Some(instance));
-        Ok(())
+        self.supervisor
+            .swap_to(PolicyKind::Partitioner, plugin, options, |plugin| instantiate(plugin).map_err(Error::Plugin))
     }
 
     /// A handle to swap the plugin from another thread.

@@ -136,13 +136,10 @@ impl Replicator {
     /// A replicator run by `plugin` with `options`, and `fallback` (with its defaults)
     /// answering when it fails.
     pub fn new(plugin: Plugin, options: &[(String, String)], fallback: Option<Plugin>) -> Result<Self, Error> {
-        plugin.expect_kind(PolicyKind::Replicator)?;
-        if let Some(fallback) = &fallback {
-            fallback.expect_kind(PolicyKind::Replicator)?;
-        }
-        let instance = instantiate(&plugin).map_err(Error::Plugin)?;
-        let limits = plugin.host().limits().clone();
-        Ok(Self { supervisor: Supervisor::new(plugin, options.to_vec(), Some(instance), fallback, limits) })
+        let supervisor = Supervisor::of_kind(PolicyKind::Replicator, plugin, options, fallback, |plugin| {
+            instantiate(plugin).map_err(Error::Plugin)
+        })?;
+        Ok(Self { supervisor })
     }
 
     /// The placement of every shard over `nodes` with `replicas` copies each; checked: every
@@ -282,10 +279,8 @@ impl Replicator {
 
     /// Switches to `plugin` (run with `options`) now; the current one becomes the fallback.
     pub fn swap(&mut self, plugin: Plugin, options: &[(String, String)]) -> Result<(), Error> {
-        plugin.expect_kind(PolicyKind::Replicator)?;
-        let instance = instantiate(&plugin).map_err(Error::Plugin)?;
-        self.supervisor.promote(plugin, options.to_vec(), Some(instance));
-        Ok(())
+        self.supervisor
+            .swap_to(PolicyKind::Replicator, plugin, options, |plugin| instantiate(plugin).map_err(Error::Plugin))
     }
 
     /// A handle to swap the plugin from another thread.

@@ -126,6 +126,41 @@ impl<I> Supervisor<I> {
         }
     }
 
+    /// A supervisor of `plugin`, run with `options` and instantiated by `instantiate` now (a
+    /// plugin that does not start is refused here), and `fallback` (run with its defaults); both
+    /// must be plugins of `kind`. What every policy kind's constructor does.
+    pub(crate) fn of_kind(
+        kind: super::PolicyKind,
+        plugin: Plugin,
+        options: &[(String, String)],
+        fallback: Option<Plugin>,
+        instantiate: impl FnOnce(&Plugin) -> Result<I, Error>,
+    ) -> Result<Self, Error> {
+        plugin.expect_kind(kind)?;
+        if let Some(fallback) = &fallback {
+            fallback.expect_kind(kind)?;
+        }
+        let instance = instantiate(&plugin)?;
+        let limits = plugin.host().limits().clone();
+        Ok(Self::new(plugin, options.to_vec(), Some(instance), fallback, limits))
+    }
+
+    /// Switches to `plugin` (of `kind`, run with `options`, instantiated by `instantiate` now:
+    /// on any failure the current plugin stays); the current one becomes the fallback. What
+    /// every policy kind's `swap` does.
+    pub(crate) fn swap_to(
+        &mut self,
+        kind: super::PolicyKind,
+        plugin: Plugin,
+        options: &[(String, String)],
+        instantiate: impl FnOnce(&Plugin) -> Result<I, Error>,
+    ) -> Result<(), Error> {
+        plugin.expect_kind(kind)?;
+        let instance = instantiate(&plugin)?;
+        self.promote(plugin, options.to_vec(), Some(instance));
+        Ok(())
+    }
+
     pub(crate) fn swap_handle(&self) -> SwapHandle {
         SwapHandle(self.pending.clone())
     }
