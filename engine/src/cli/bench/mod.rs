@@ -11,6 +11,7 @@
 
 pub(super) mod cache;
 pub(super) mod loader;
+mod loader_rows;
 mod measure;
 pub(super) mod read;
 pub(super) mod replication;
