@@ -57,6 +57,22 @@ fn config(world: World, epochs: u64) -> LoaderConfig {
 /// ranks of `size` read from `from`, by (epoch, window).
 type Windows = BTreeMap<(u64, u64), (Vec<u32>, Vec<i32>, Vec<i32>)>;
 
+/// Adds `batch`'s windows to `out` (each seq_len + 1 tokens; none read twice).
+fn collect(out: &mut Windows, batch: &granary::loader::PackedBatch) {
+    let p = &batch.packed;
+    let width = SEQ as usize + 1;
+    assert_eq!(p.tokens.len(), p.windows * width * 4, "every window is seq_len + 1 tokens");
+    assert_eq!(p.windows as u64, batch.windows.end - batch.windows.start);
+    let tokens: Vec<u32> = p.tokens.chunks(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    for (i, w) in batch.windows.clone().enumerate() {
+        let (lo, hi) = (i * width, (i + 1) * width);
+        let cu: Vec<i32> =
+            p.cu_seqlens.iter().filter(|&&c| c as usize >= lo && c as usize <= hi).map(|&c| c - lo as i32).collect();
+        let previous = out.insert((batch.epoch, w), (tokens[lo..hi].to_vec(), cu, p.position_ids[lo..hi].to_vec()));
+        assert!(previous.is_none(), "window {w} of epoch {} read twice", batch.epoch);
+    }
+}
+
 fn read(c: &Corpus, pack: &Arc<PackPlan>, size: u32, from: Position, epochs: u64) -> Windows {
     let mut out = Windows::new();
     for rank in 0..size {
@@ -66,23 +82,7 @@ fn read(c: &Corpus, pack: &Arc<PackPlan>, size: u32, from: Position, epochs: u64
                 .expect("a packed loader");
         while let Some(batch) = loader.next() {
             let batch = batch.expect("a batch");
-            let p = &batch.packed;
-            let width = SEQ as usize + 1;
-            assert_eq!(p.tokens.len(), p.windows * width * 4, "every window is seq_len + 1 tokens");
-            assert_eq!(p.windows as u64, batch.windows.end - batch.windows.start);
-            let tokens: Vec<u32> = p.tokens.chunks(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            for (i, w) in batch.windows.clone().enumerate() {
-                let (lo, hi) = (i * width, (i + 1) * width);
-                let cu: Vec<i32> = p
-                    .cu_seqlens
-                    .iter()
-                    .filter(|&&c| c as usize >= lo && c as usize <= hi)
-                    .map(|&c| c - lo as i32)
-                    .collect();
-                let previous =
-                    out.insert((batch.epoch, w), (tokens[lo..hi].to_vec(), cu, p.position_ids[lo..hi].to_vec()));
-                assert!(previous.is_none(), "window {w} of epoch {} read twice", batch.epoch);
-            }
+            collect(&mut out, &batch);
         }
     }
     out
@@ -220,22 +220,7 @@ fn read_mixture(
         let mut loader = granary::Loader::new(Arc::clone(mixture.dataset()), config, from).expect("loader");
         while let Some(batch) = loader.next() {
             let batch = packer.pack(&batch.expect("a batch")).expect("packed");
-            let p = &batch.packed;
-            let width = SEQ as usize + 1;
-            let tokens: Vec<u32> = p.tokens.chunks(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            for (i, w) in batch.windows.clone().enumerate() {
-                let (lo, hi) = (i * width, (i + 1) * width);
-                let cu: Vec<i32> = p
-                    .cu_seqlens
-                    .iter()
-                    .filter(|&&c| c as usize >= lo && c as usize <= hi)
-                    .map(|&c| c - lo as i32)
-                    .collect();
-                assert!(
-                    out.insert((batch.epoch, w), (tokens[lo..hi].to_vec(), cu, p.position_ids[lo..hi].to_vec()))
-                        .is_none()
-                );
-            }
+            collect(&mut out, &batch);
         }
     }
     out

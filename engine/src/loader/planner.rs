@@ -303,61 +303,24 @@ impl EpochPlanner {
                 }
             }
             Source::PackedMixture(packed) => {
-                // One pass over the epoch's draws; each window's documents, source by source.
+                // Each window's documents, source by source.
+                let packed = std::sync::Arc::clone(packed);
                 let epoch = packed.blend.epoch(self.seed, from.epoch);
-                let mut draws = epoch.draws_from(from.cursor);
                 let mut passes = crate::pack::PlacedPasses::default();
-                let mut outs: Vec<EpochBatches> = vec![Vec::new(); worlds.len()];
-                let mut step = Vec::new();
-                let mut cursor = from.cursor;
-                while cursor < n {
-                    let len = steps.step_len(cursor, self.world.size(), batch_size);
-                    step.clear();
-                    step.extend(draws.by_ref().take(len as usize));
-                    if step.len() as u64 != len {
-                        return Err(Error::invalid_input("a packed mixture's epoch ended before its windows"));
+                out = self.cut_in_order(&steps, from, worlds, epoch.draws_from(from.cursor), &after, |share| {
+                    let mut records = Vec::new();
+                    for drawn in share {
+                        let (span, _) = packed.window(&mut passes, self.seed, *drawn);
+                        let start = packed.doc_starts[drawn.source];
+                        records.extend(span.records.iter().map(|r| r + start));
                     }
-                    for (world, batches) in worlds.iter().zip(outs.iter_mut()) {
-                        let range = steps.rank_positions(cursor, *world, batch_size);
-                        let mut records = Vec::new();
-                        for drawn in &step[(range.start - cursor) as usize..(range.end - cursor) as usize] {
-                            let (span, _) = packed.window(&mut passes, self.seed, *drawn);
-                            let start = packed.doc_starts[drawn.source];
-                            records.extend(span.records.iter().map(|r| r + start));
-                        }
-                        if !range.is_empty() {
-                            batches.push((records, after(cursor, *world)));
-                        }
-                    }
-                    cursor += len;
-                }
-                out = outs;
+                    records
+                })?;
             }
             Source::Blend(blend) => {
-                // One pass over the epoch's positions, each step's cut among the ranks asked.
-                let epoch = blend.epoch(self.seed, from.epoch);
-                let mut records = epoch.records_from(from.cursor).map(|(_, record)| record);
-                let mut outs: Vec<EpochBatches> = vec![Vec::new(); worlds.len()];
-                let mut step = Vec::new();
-                let mut cursor = from.cursor;
-                while cursor < n {
-                    let len = steps.step_len(cursor, self.world.size(), batch_size);
-                    step.clear();
-                    step.extend(records.by_ref().take(len as usize));
-                    if step.len() as u64 != len {
-                        return Err(Error::invalid_input("a mixture's epoch ended before its samples"));
-                    }
-                    for (world, batches) in worlds.iter().zip(outs.iter_mut()) {
-                        // Equal weights cut as `rank_positions`; a rebalancing loader's, by its shares.
-                        let range = steps.weighted_rank_positions(cursor, *world, batch_size, &self.weights);
-                        let batch = step[(range.start - cursor) as usize..(range.end - cursor) as usize].to_vec();
-                        if !batch.is_empty() {
-                            batches.push((batch, after(cursor, *world)));
-                        }
-                    }
-                    cursor += len;
-                }
-                out = outs;
+                let epoch = std::sync::Arc::clone(blend).epoch(self.seed, from.epoch);
+                let records = epoch.records_from(from.cursor).map(|(_, record)| record);
+                out = self.cut_in_order(&steps, from, worlds, records, &after, <[u64]>::to_vec)?;
             }
             #[cfg(feature = "policy")]
             Source::Plugin { partitioner, shards, ranks, nodes } => {
@@ -395,6 +358,46 @@ impl EpochPlanner {
             }
         }
         Ok(out)
+    }
+}
+
+impl EpochPlanner {
+    /// The batches of each of `worlds` from `from` to the epoch's end when `positions` gives
+    /// the epoch's positions in order (one item each, from `from`): each step's items are cut
+    /// among the ranks (by their weights: equal ones as `rank_positions`), and a rank's share
+    /// becomes its batch's records through `records`.
+    fn cut_in_order<T>(
+        &self,
+        steps: &EpochPlan,
+        from: Position,
+        worlds: &[World],
+        mut positions: impl Iterator<Item = T>,
+        after: &dyn Fn(u64, World) -> Position,
+        mut records: impl FnMut(&[T]) -> Vec<u64>,
+    ) -> Result<Vec<EpochBatches>> {
+        let mut outs: Vec<EpochBatches> = vec![Vec::new(); worlds.len()];
+        let mut step = Vec::new();
+        let mut cursor = from.cursor;
+        while cursor < self.n_records {
+            let len = steps.step_len(cursor, self.world.size(), self.batch_size);
+            step.clear();
+            step.extend(positions.by_ref().take(len as usize));
+            if step.len() as u64 != len {
+                return Err(Error::invalid_input(format!(
+                    "the epoch's order ended at position {}",
+                    cursor + step.len() as u64
+                )));
+            }
+            for (world, batches) in worlds.iter().zip(outs.iter_mut()) {
+                let range = steps.weighted_rank_positions(cursor, *world, self.batch_size, &self.weights);
+                if !range.is_empty() {
+                    let share = &step[(range.start - cursor) as usize..(range.end - cursor) as usize];
+                    batches.push((records(share), after(cursor, *world)));
+                }
+            }
+            cursor += len;
+        }
+        Ok(outs)
     }
 }
 
