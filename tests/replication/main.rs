@@ -13,6 +13,7 @@ mod common;
 mod coded;
 mod copies;
 mod hot;
+mod peers;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
