@@ -31,7 +31,7 @@ clippy:
 unit: moto strace prometheus
 	$(CARGO) test --workspace --locked
 
-## strace, for the test that counts a reader's opens (tests/ingest_read_verify.rs): Debian's
+## strace, for the test that counts a reader's opens (tests/ingest_read_verify/open_files.rs): Debian's
 ## package, installed when the machine lacks it.
 strace:
 	@command -v strace >/dev/null || { apt-get update -q && apt-get install -y -q strace; } >/dev/null
