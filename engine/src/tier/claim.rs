@@ -4,7 +4,7 @@
 //! lock. (The page cache tier's fills are `page_cache.rs`'s.)
 //!
 //! Owns `Claim`, the private files and the publication of an extent file. Never: decides what to
-//! fill or what makes room (`fill.rs` does), or writes an extent file after its link.
+//! fill or what makes room (`fill/` does), or writes an extent file after its link.
 
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};

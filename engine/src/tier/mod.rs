@@ -3,7 +3,7 @@
 //! default, `page_cache.rs`: shard files mapped read-only, extents read in with `WILLNEED` and
 //! `MADV_POPULATE_READ`, found in memory with `mincore`), and a memory tier of extent files in a
 //! memory file system (this file). The plan's side (what to fill, in which order, what makes
-//! room) is the same for both (`fill.rs`). Beside this file, which keeps the budget and the
+//! room) is the same for both (`fill/`). Beside this file, which keeps the budget and the
 //! memory tier's files: `config.rs` (what a tier is asked for), `names.rs` (its file names),
 //! `dirs.rs` (which directory may be the tier's), `memory.rs` (the node's memory), `schedule.rs`
 //! (the plan as the tier sees it), `reader.rs` (a reader's look-ups), `claim.rs` (the memory
@@ -14,7 +14,7 @@
 //! of a shard's data blocks, `extent_bytes` long, the last of a shard shorter), named by the
 //! shard's content id, the extent size and the extent's index, so versions that share a shard
 //! share its extents and eight ranks of a node hold one copy. Readers map extent files read-only
-//! (`TierReader`) and keep no descriptor open; fillers (`fill.rs`, driven by the loader's plan)
+//! (`TierReader`) and keep no descriptor open; fillers (`fill/`, driven by the loader's plan)
 //! claim an extent with a flock'ed `.fill-` file, read it from disk in one large O_DIRECT read
 //! straight into a private file's mapping, check every block's CRC32C, and publish the private
 //! file by linking it under the extent's name (which fails if the name exists). The budget

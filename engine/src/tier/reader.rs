@@ -3,7 +3,7 @@
 //! read them, and let go of when a copy out of them fails or their shard is repaired.
 //!
 //! Owns: `TierReader` (its mapped extents and the ones it found absent lately). Never: fills or
-//! evicts on its own account (the fillers do, `fill.rs`; a failed copy's extent is the one it
+//! evicts on its own account (the fillers do, `fill/`; a failed copy's extent is the one it
 //! removes), or is shared between threads.
 
 use std::collections::HashMap;

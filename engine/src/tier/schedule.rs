@@ -4,7 +4,7 @@
 //! two steps, the horizon a tier that cannot hold everything chooses over).
 //!
 //! Owns `ExtentInfo` and `TierSchedule`. Never: fills, evicts or reads (the coordinator in
-//! `fill.rs` does, by these answers), or holds a lock.
+//! `fill/` does, by these answers), or holds a lock.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -14,7 +14,7 @@ use super::ExtentKey;
 use crate::shard::ShardMeta;
 
 /// Steps the tier looks ahead, at least, when it chooses what to hold of data that does not fit:
-/// two of the coordinator's replans (`fill.rs` checks it against its `REPLAN_STEPS`).
+/// two of the coordinator's replans (`fill/` checks it against its `REPLAN_STEPS`).
 pub(super) const HORIZON_STEPS_MIN: u64 = 32;
 
 /// A step that never comes: the extent is not used again.
