@@ -533,7 +533,9 @@ class Loader:
         return self._native.metrics()
 
     def close(self) -> None:
-        """Stops the I/O threads now (iterating again restarts them where it stopped)."""
+        """Stops the I/O threads now (iterating again restarts them where it stopped). Close
+        before forking a child that makes loaders of its own: a fork that catches one of these
+        threads inside a lock's slow path copies the lock held, and the child may wait on it."""
         self._native.close()
 
     def __enter__(self) -> "Loader":

@@ -83,6 +83,11 @@ def test_a_started_loader_refuses_a_forked_child_and_an_unstarted_one_works_ther
     # The parent's loader is unaffected.
     assert sum(len(b) for b in it) == 900
 
+    # A child's own loader works when the fork caught no loader thread of this process running:
+    # parking_lot's process-wide table of parked threads, copied by the fork while a parent
+    # thread held one of its locks, would keep the child's threads waiting for good (seen once
+    # in CI, with `started` still prefetching its next epoch). README.md says so; close first.
+    started.close()
     fresh = store.loader("tokens", batch_size=100, output="numpy", device="cpu")
     child = ctx.Process(target=_fresh_after_fork, args=(fresh, queue))
     child.start()
