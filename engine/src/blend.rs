@@ -6,9 +6,10 @@
 //! `WEIGHT_UNIT` that add up to it exactly, so the order is the same on every machine), and one
 //! source is drawn by Tijdeman's rule for the chairman assignment problem: among the sources at
 //! least `1 / (2S - 2)` behind their target, the one that would fall a whole draw behind first.
-//! Each source's count then stays within `1 - 1 / (2S - 2)` of its target at every prefix, also
-//! across a change of weights (the greedy rule "the source furthest behind" drifts past 1 with
-//! more than a few sources). Weights may change at any position (a curriculum); the target
+//! Each source's count then stays within `1 - 1 / (2S - 2)` of its target at every prefix under
+//! fixed weights (Tijdeman's bound), and within 1 across changes of weights (what the property
+//! test checks; not proven here). The greedy rule "the source furthest behind" drifts past 1
+//! with more than a few sources. Weights may change at any position (a curriculum); the target
 //! restarts at zero with every epoch, so an epoch's proportions hold from its first position.
 //! A source's draws continue across epochs: its k-th draw overall is record
 //! `k mod n` of its pass `k / n`, each pass a fresh seeded permutation, so a small source is
