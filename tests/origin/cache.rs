@@ -6,7 +6,6 @@ use super::*;
 
 #[test]
 fn a_pushed_dataset_is_read_back_whole_through_a_cache_a_quarter_its_size() {
-    let _serial = serial();
     let moto = Moto::start();
     let dir = tempdir();
     let (source, here) = (dir.path().join("source"), dir.path().join("here"));
@@ -48,7 +47,6 @@ fn a_pushed_dataset_is_read_back_whole_through_a_cache_a_quarter_its_size() {
 
 #[test]
 fn bench_cache_runs_end_to_end_at_a_small_scale() {
-    let _serial = serial();
     let dir = tempdir();
     let out = granary_ok(
         dir.path(),
@@ -84,7 +82,6 @@ fn bench_cache_runs_end_to_end_at_a_small_scale() {
 
 #[test]
 fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
-    let _serial = serial();
     use granary::loader::{Loader, LoaderConfig, Target};
     use granary::store::{StorePaths, VersionSpec};
 
@@ -124,7 +121,6 @@ fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
 
 #[test]
 fn two_processes_sharing_a_store_fetch_each_shard_once() {
-    let _serial = serial();
     use granary::store::{StorePaths, VersionSpec};
 
     let dir = tempdir();
@@ -179,7 +175,6 @@ impl granary::ShardSource for PlanHeard {
 
 #[test]
 fn the_cache_hears_the_plan_of_every_rank_of_its_node() {
-    let _serial = serial();
     use granary::loader::{Loader, LoaderConfig, Target};
     use granary::store::{StorePaths, VersionSpec};
 
@@ -278,7 +273,6 @@ impl Drop for Serve {
 
 #[test]
 fn a_shard_a_peer_holds_comes_from_the_peer_and_the_rest_from_the_origin_at_once() {
-    let _serial = serial();
     use granary::replication::{ClusterKey, NodeClient};
 
     const KEY: &str = "a cluster secret of this test, long enough";
@@ -351,7 +345,6 @@ fn a_shard_a_peer_holds_comes_from_the_peer_and_the_rest_from_the_origin_at_once
 
 #[test]
 fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
-    let _serial = serial();
     use granary::ShardSource;
     use granary::store::{StorePaths, VersionSpec};
 
@@ -398,7 +391,6 @@ fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
 /// ones gone but held) stays within the bound, but for the shards of the batches in flight.
 #[test]
 fn an_epoch_through_a_quarter_cache_holds_no_more_disk_than_the_bound() {
-    let _serial = serial();
     use granary::loader::{Loader, LoaderConfig, Target};
     use granary::store::{StorePaths, VersionSpec};
 

@@ -5,7 +5,6 @@ use super::*;
 
 #[test]
 fn a_damaged_shard_at_the_origin_is_named_and_never_delivered() {
-    let _serial = serial();
     let moto = Moto::start();
     let dir = tempdir();
     let (source, here) = (dir.path().join("source"), dir.path().join("here"));
@@ -44,7 +43,6 @@ fn a_damaged_shard_at_the_origin_is_named_and_never_delivered() {
 
 #[test]
 fn transient_failures_are_retried_and_flipped_bits_refetched_never_delivered() {
-    let _serial = serial();
     use granary::loader::{Loader, LoaderConfig, PlanSource, Target};
     use granary::store::{StorePaths, VersionSpec};
 
@@ -112,7 +110,6 @@ fn transient_failures_are_retried_and_flipped_bits_refetched_never_delivered() {
 
 #[test]
 fn a_fetch_or_a_push_killed_mid_way_leaves_nothing_partial_and_the_next_run_finishes() {
-    let _serial = serial();
     let moto = Moto::start();
     let dir = tempdir();
     let (source, here) = (dir.path().join("source"), dir.path().join("here"));
@@ -169,7 +166,6 @@ fn a_fetch_or_a_push_killed_mid_way_leaves_nothing_partial_and_the_next_run_fini
 
 #[test]
 fn a_store_mounted_read_only_serves_its_cached_shards_and_names_the_rest() {
-    let _serial = serial();
     let dir = tempdir();
     let (source, here) = (dir.path().join("source"), dir.path().join("here"));
     let (input, url) = pushed_to_file(dir.path(), &source, 256, 9);

@@ -24,16 +24,6 @@ use granary::origin::Origin;
 use granary::store::ObjectKind;
 use std::sync::Arc;
 
-/// The tests of this binary run one at a time: several assert how many bytes a cache fetched,
-/// which its prefetch and eviction timing decide, and tests running beside each other on two
-/// cores change that timing (the windowed test fetched 1.375 x its dataset beside the other
-/// cache tests, 1.0-1.19 x alone).
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 const BUCKET: &str = "granary-test";
 const RECORD: usize = 4096;
 

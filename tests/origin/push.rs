@@ -5,7 +5,6 @@ use super::*;
 
 #[test]
 fn a_second_history_under_one_name_is_refused_and_the_origin_keeps_the_first() {
-    let _serial = serial();
     let moto = Moto::start();
     let dir = tempdir();
     let (first, second, here) = (dir.path().join("first"), dir.path().join("second"), dir.path().join("here"));
@@ -22,7 +21,6 @@ fn a_second_history_under_one_name_is_refused_and_the_origin_keeps_the_first() {
 
 #[test]
 fn credentials_in_an_origin_url_are_refused_without_being_repeated() {
-    let _serial = serial();
     let moto = Moto::start();
     let dir = tempdir();
     let source = dir.path().join("source");
@@ -37,7 +35,6 @@ fn credentials_in_an_origin_url_are_refused_without_being_repeated() {
 
 #[test]
 fn a_file_origin_takes_a_second_version_and_refuses_a_stale_ref() {
-    let _serial = serial();
     let dir = tempdir();
     let (source, here) = (dir.path().join("source"), dir.path().join("here"));
     let (input, url) = pushed_to_file(dir.path(), &source, 16, 1);
@@ -67,7 +64,6 @@ fn a_file_origin_takes_a_second_version_and_refuses_a_stale_ref() {
 
 #[test]
 fn a_large_upload_tried_again_reports_its_bytes_once() {
-    let _serial = serial();
     let dir = tempdir();
     let file = dir.path().join("large.shard");
     let data = bytes(7, 20 << 20);
@@ -95,7 +91,6 @@ fn a_large_upload_tried_again_reports_its_bytes_once() {
 
 #[test]
 fn a_push_to_a_missing_bucket_says_so_in_one_line_without_the_xml() {
-    let _serial = serial();
     let moto = Moto::start();
     let dir = tempdir();
     let source = dir.path().join("source");
@@ -110,7 +105,6 @@ fn a_push_to_a_missing_bucket_says_so_in_one_line_without_the_xml() {
 /// set; with them set, the same command goes on to the bucket.
 #[test]
 fn no_credentials_and_no_metadata_service_say_what_to_set_within_seconds() {
-    let _serial = serial();
     let moto = Moto::start();
     let dir = tempdir();
     let source = dir.path().join("source");
