@@ -13,6 +13,7 @@ mod dlpack;
 mod errors;
 mod exchange;
 mod loader;
+mod loader_args;
 mod source;
 mod metrics;
 mod store;

@@ -18,22 +18,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use parking_lot::Mutex;
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::PyDict;
 
-use granary::loader::{MeasureExchange, Packer, Packing, RebalanceConfig, RebalanceState, WeightsAt};
+use granary::loader::{MeasureExchange, Packer, Packing, RebalanceConfig};
 use granary::plan::RankCut;
-use granary::policy::RankMeasure;
 use granary::staging::cuda::Cuda;
-use granary::{
-    Dataset, LoaderConfig, LoaderStats, Order, PlanSource, Position, Target, TierConfig, TierKind, TierSetting, World,
-};
+use granary::{Dataset, LoaderConfig, LoaderStats, Order, PlanSource, Position, TierSetting, World};
 
 use crate::batch::{NativeBatch, layout_name, widening};
 use crate::errors::{forked, invalid, to_py};
-use crate::exchange::{MeasureTuple, PyExchange};
+use crate::exchange::{PyExchange, rebalance_dict, rebalance_from_dict};
+use crate::loader_args::{backend_of, plan_of, target_of, tier_of};
 use crate::source::{Source, SourceArgs, packed_dict};
 use crate::store::Store;
 
@@ -242,47 +239,8 @@ impl Loader {
         }
         let world = World::new(rank, world_size)
             .ok_or_else(|| invalid(format!("rank {rank} is not in a world of {world_size}")))?;
-        let (target, device) = match device {
-            None => (Target::Auto, None),
-            Some("cpu") => (Target::Host, None),
-            Some(name) => {
-                let ordinal = match name {
-                    "cuda" => 0,
-                    other => other.strip_prefix("cuda:").and_then(|n| n.parse::<u32>().ok()).ok_or_else(|| {
-                        invalid(format!("device {other:?}: expected \"cpu\", \"cuda\" or \"cuda:N\""))
-                    })?,
-                };
-                (Target::Gpu, Some(ordinal))
-            }
-        };
-        let tier_kind = tier
-            .map(|name| {
-                TierKind::parse(name).ok_or_else(|| {
-                    PyValueError::new_err(format!("tier must be \"page-cache\" or \"memory\", not {name:?}"))
-                })
-            })
-            .transpose()?;
-        let plan = match (order, partitioner) {
-            (_, Some(plugin)) => PlanSource::Partitioner {
-                plugin: if plugin == "default" { None } else { Some(plugin) },
-                options: partitioner_options.unwrap_or_default(),
-            },
-            // Options alone are the default partitioner's (not dropped in silence).
-            (None, None) if partitioner_options.is_some() => {
-                PlanSource::Partitioner { plugin: None, options: partitioner_options.unwrap_or_default() }
-            }
-            (Some(order), None) if partitioner_options.is_some() => {
-                return Err(invalid(format!(
-                    "partitioner_options are a partitioner's, and order={order:?} reads without one: \
-                     drop order (the default partitioner takes them) or name a partitioner"
-                )));
-            }
-            (None | Some("shuffled"), None) => PlanSource::Native(Order::Shuffled),
-            (Some("sequential"), None) => PlanSource::Native(Order::Sequential),
-            (Some(other), None) => {
-                return Err(invalid(format!("order {other:?}: expected \"shuffled\" or \"sequential\"")));
-            }
-        };
+        let (target, device) = target_of(device)?;
+        let plan = plan_of(order, partitioner, partitioner_options)?;
         // No order and no partitioner: shuffled, windowed to the cache for an attached
         // dataset it cannot hold (see `plan_options`).
         let windowable = !is_mixture
@@ -300,29 +258,7 @@ impl Loader {
             prefetch,
             hold_max: hold,
             target,
-            tier: match (tier_bytes, tier_kind.is_some() || tier_evictor.is_some() || tier_evictor_options.is_some()) {
-                (None, false) => {
-                    // A bad GRANARY_TIER_BYTES is refused now, not at the first batch.
-                    TierConfig::from_env().map_err(to_py)?;
-                    TierSetting::Auto
-                }
-                (Some(0), _) => TierSetting::Off,
-                // The kind, budget and evictor given; the rest from the environment, as by default.
-                (bytes, _) => {
-                    let from_env = TierConfig::from_env().map_err(to_py)?;
-                    let kind = tier_kind.unwrap_or(from_env.kind);
-                    TierSetting::Config(TierConfig {
-                        kind,
-                        budget_bytes: bytes.or(from_env.budget_bytes),
-                        // A directory in the environment is the memory tier's.
-                        dir: if kind == TierKind::Memory { from_env.dir.clone() } else { None },
-                        keep: kind == TierKind::Memory && from_env.keep,
-                        evictor: tier_evictor.or(from_env.evictor.clone()),
-                        evictor_options: tier_evictor_options.unwrap_or_default(),
-                        ..from_env
-                    })
-                }
-            },
+            tier: tier_of(tier, tier_bytes, tier_evictor, tier_evictor_options)?,
             local_world_size,
             verify_threads,
             // A damaged or missing shard is fetched from a peer (or rebuilt from fragments) by
@@ -339,12 +275,7 @@ impl Loader {
             // Refused here rather than at the first batch.
             rebalance.check(world.size()).map_err(to_py)?;
         }
-        config.io.backend = match io {
-            None | Some("auto") => granary::Backend::Auto,
-            Some("uring") => granary::Backend::Uring,
-            Some("pread") => granary::Backend::Pread,
-            Some(other) => return Err(invalid(format!("io {other:?}: expected \"auto\", \"uring\" or \"pread\""))),
-        };
+        config.io.backend = backend_of(io)?;
         Ok(Self {
             started_in: AtomicU32::new(0),
             state: Mutex::new(State {
@@ -455,19 +386,7 @@ impl Loader {
         let Some(saved) = from_loader.or_else(|| state.config.rebalance.as_ref().and_then(|r| r.resume.clone())) else {
             return Ok(None);
         };
-        let out = PyDict::new(py);
-        out.set_item("epoch", saved.weights.epoch)?;
-        out.set_item("step", saved.weights.step)?;
-        out.set_item("weights", saved.weights.weights.clone())?;
-        match &saved.pending {
-            None => out.set_item("pending", py.None())?,
-            Some((step, measured)) => {
-                let measured: Vec<(u32, u64, u64)> =
-                    measured.iter().map(|m| (m.rank, m.records, m.busy_nanos)).collect();
-                out.set_item("pending", (step, measured))?;
-            }
-        }
-        Ok(Some(out))
+        rebalance_dict(py, &saved).map(Some)
     }
 
     /// Resumes the rebalancing from a saved state (`rebalance_state`'s dict, or `None` for
@@ -479,25 +398,7 @@ impl Loader {
         }
         let resume = match saved {
             None => None,
-            Some(saved) => {
-                let get = |key: &str| {
-                    saved.get_item(key)?.ok_or_else(|| invalid(format!("the rebalance state has no {key:?}")))
-                };
-                let weights = WeightsAt {
-                    epoch: get("epoch")?.extract()?,
-                    step: get("step")?.extract()?,
-                    weights: get("weights")?.extract()?,
-                };
-                let pending: Option<(u64, Vec<MeasureTuple>)> = get("pending")?.extract()?;
-                let pending = pending.map(|(step, measured)| {
-                    let measured = measured
-                        .into_iter()
-                        .map(|(rank, records, busy_nanos)| RankMeasure { rank, records, busy_nanos })
-                        .collect();
-                    (step, measured)
-                });
-                Some(RebalanceState { weights, pending })
-            }
+            Some(saved) => Some(rebalance_from_dict(&saved)?),
         };
         state.stop();
         self.started_in.store(0, Ordering::Release);
