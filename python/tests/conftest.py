@@ -56,3 +56,36 @@ def write_megatron(prefix, sequences, dtype, code, documents=None, modes=False):
         f.write(documents.tobytes(order="C"))
         if modes:
             f.write(np.zeros(len(sequences), dtype=np.int8).tobytes())
+
+
+def in_global_order(per_rank):
+    """Every rank's batches (one list per rank, full steps) put back in global order: step by
+    step, ranks in order."""
+    return [item for step in zip(*per_rank) for batch in step for item in batch]
+
+
+def save_after_a_weight_change(store, mixture, batch_size, world_size, before, weights, after, **options):
+    """Each of `world_size` ranks of a loader of `mixture` reads `before` batches, changes the
+    weights to `weights`, reads `after` more and saves its state; the states, one per rank."""
+    states = []
+    for rank in range(world_size):
+        loader = store.loader(mixture, batch_size, rank=rank, world_size=world_size, **options)
+        it = iter(loader)
+        for _ in range(before):
+            next(it)
+        loader.change_weights(weights)
+        for _ in range(after):
+            next(it)
+        states.append(loader.state_dict())
+    return states
+
+
+def resumed(store, mixture, batch_size, world_size, state, item, **options):
+    """What `world_size` fresh ranks of a loader of `mixture` (made with its first weights only)
+    read after `load_state_dict(state)`, in global order; `item` picks what a batch holds."""
+    per_rank = []
+    for rank in range(world_size):
+        loader = store.loader(mixture, batch_size, rank=rank, world_size=world_size, **options)
+        loader.load_state_dict(state)
+        per_rank.append([item(batch) for batch in loader])
+    return in_global_order(per_rank)

@@ -7,7 +7,7 @@ import pytest
 
 import granary
 
-from conftest import RECORD, records
+from conftest import RECORD, in_global_order, records, resumed, save_after_a_weight_change
 
 SIZES = {"web": 300, "code": 70, "math": 9}
 WEIGHTS = [("web", 0.6), ("code", 0.3), ("math", 0.1)]
@@ -46,7 +46,7 @@ def read_ranks(store, data, world_size, batch_size, **options):
             batches.append(indices.tolist())
         per_rank.append(batches)
     assert len({len(b) for b in per_rank}) == 1, "full steps only"
-    return [i for step in zip(*per_rank) for batch in step for i in batch]
+    return in_global_order(per_rank)
 
 
 def test_a_mixture_reads_in_proportion_at_every_prefix_with_every_records_bytes(sources):
@@ -86,28 +86,13 @@ def test_a_state_saved_on_three_ranks_after_a_weight_change_resumes_on_two(sourc
     assert abs(after.count(2) / len(after) - 0.6) < 0.02, "the new weights are in force"
 
     # Three ranks do the same and save after 10 steps.
-    states = []
-    for rank in range(3):
-        loader = store.loader(WEIGHTS, 4, rank=rank, world_size=3, **options)
-        it = iter(loader)
-        for _ in range(5):
-            next(it)
-        loader.change_weights([0.2, 0.2, 0.6])
-        for _ in range(5):
-            next(it)
-        states.append(loader.state_dict())
+    states = save_after_a_weight_change(store, WEIGHTS, 4, 3, 5, [0.2, 0.2, 0.6], 5, **options)
     assert all(s == states[0] for s in states), "every rank saves the same state"
     assert (states[0]["epoch"], states[0]["cursor"]) == (0, 120)
     assert len(states[0]["mixture"]["changes"]) == 2
 
     # Two fresh ranks, made with the original weights only, resume from it.
-    rest = []
-    per_rank = []
-    for rank in range(2):
-        loader = store.loader(WEIGHTS, 4, rank=rank, world_size=2, **options)
-        loader.load_state_dict(states[0])
-        per_rank.append([indices.tolist() for indices, _ in loader])
-    rest = [i for step in zip(*per_rank) for batch in step for i in batch]
+    rest = resumed(store, WEIGHTS, 4, 2, states[0], lambda batch: batch[0].tolist(), **options)
     assert rest == order[120:]
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import granary
 
-from conftest import write_megatron
+from conftest import resumed, save_after_a_weight_change, write_megatron
 
 EOD = 2**31 - 1
 SEQ = 32
@@ -139,22 +139,8 @@ def test_a_mixture_of_packed_sources_blends_windows_and_resumes_after_a_weight_c
     assert abs(sum(after) / len(after) - 0.8) < 0.05
 
     # Three ranks make the same change after 3 steps and save after 5; two resume.
-    states = []
-    for rank in range(3):
-        loader = store.loader(mix, 4, rank=rank, world_size=3, **options)
-        it = iter(loader)
-        for _ in range(3):
-            next(it)
-        loader.change_weights([0.2, 0.8])
-        for _ in range(2):
-            next(it)
-        states.append(loader.state_dict())
+    states = save_after_a_weight_change(store, mix, 4, 3, 3, [0.2, 0.8], 2, **options)
     assert states[0]["cursor"] == 60 and all(s == states[0] for s in states)
-    per_rank = []
-    for rank in range(2):
-        loader = store.loader(mix, 6, rank=rank, world_size=2, **options)
-        loader.load_state_dict(states[0])
-        per_rank.append([batch["tokens"] for batch in loader])
-    rest = [w for step in zip(*per_rank) for batch in step for w in batch]
+    rest = resumed(store, mix, 6, 2, states[0], lambda batch: batch["tokens"], **options)
     assert len(rest) == 36
     assert all((x == y).all() for x, y in zip(rest, windows[60:]))
