@@ -103,18 +103,24 @@ fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
         repair: Some(Arc::clone(&cache) as Arc<dyn granary::ShardSource>),
         ..LoaderConfig::default()
     };
-    let mut loader = Loader::new(granary::Dataset::open(&paths, &spec).unwrap(), config, Default::default()).unwrap();
+    let dataset = granary::Dataset::open(&paths, &spec).unwrap();
+    // What the name promises: the plan the loader reads with is windowed to the cache.
+    let planned = granary::loader::plan_for_store(&dataset, config.plan.clone()).unwrap();
+    let granary::PlanSource::Partitioner { options, .. } = &planned else { panic!("{planned:?}") };
+    let window: u64 = options.iter().find(|(k, _)| k == "window-shards").map(|(_, v)| v.parse().unwrap()).unwrap();
+    assert!((1..4).contains(&window), "a window within the 4-shard cache: {options:?}");
+    let mut loader = Loader::new(dataset, config, Default::default()).unwrap();
     assert_every_record_read(&mut loader, &input);
-    // A full shuffle would need every shard at every step, and fetch the dataset many times
-    // over through a quarter cache; windowed, each shard comes about once. (1.00-1.06 x while
-    // readers kept evicted shards open to the end of an epoch, past the bound; since they let
-    // go within a batch or two, a window sliding over these tiny shards, 4 batches' worth
-    // each, fetches some of the 16 again, in threes as the prefetch and the reader's pace fall:
-    // 16 or 19 shards alone (10 runs), 19 or 22 among the other tests (1.375 x, seen in CI).
-    // Shards of 4 MiB fetch nothing twice: `python/bench/cache_disk.py`, BENCHMARKS.md.)
+    // And what it buys: the same loader with a window of all 16 shards (a full shuffle) fetched
+    // 11.4 x the dataset through this quarter cache; windowed, each shard comes about once.
+    // (1.00-1.06 x while readers kept evicted shards open to the end of an epoch; since they let
+    // go within a batch or two, a window sliding over these tiny shards, 4 batches' worth each,
+    // fetches some again as the prefetch and the reader's pace fall: 16 or 19 of the 16 shards
+    // alone, 19 to 27 among the other tests, up to 1.69 x in CI. Shards of 4 MiB fetch nothing
+    // twice: `python/bench/cache_disk.py`, BENCHMARKS.md.)
     let fetched = cache.stats().bytes_from_origin;
     assert!(
-        fetched as f64 <= 1.4 * dataset_bytes as f64,
+        fetched as f64 <= 2.0 * dataset_bytes as f64,
         "{fetched} bytes from the origin for a dataset of {dataset_bytes}: {:?}",
         cache.stats()
     );
