@@ -2,7 +2,7 @@
 //! embed the default ones and the tests can load the rest. In the style of wasmtime's
 //! test-programs crate: a nested `cargo build` with its own target directory (`granary-plugins`
 //! inside the outer build's), run only when the `policy` feature is on and rerun only when the
-//! plugins or the WIT change.
+//! plugins, the WIT or the records they share with the host (`policy-types/`) change.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,7 +30,8 @@ fn main() {
     let root = manifest_dir.parent().expect("engine/ sits in the workspace root").to_owned();
     let plugins = root.join("plugins");
     let wit = root.join("wit");
-    for dir in [&plugins, &wit] {
+    let records = root.join("policy-types");
+    for dir in [&plugins, &wit, &records] {
         rerun_if_changed_tree(dir);
     }
     // A target directory of their own (the outer build holds the lock on its own), inside the

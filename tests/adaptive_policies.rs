@@ -199,7 +199,7 @@ fn hot_shards_get_more_copies_and_cool_ones_drop_back_to_the_factor() {
                 key,
                 bytes: 1 << 20,
                 reads: (100_000.0 / (i + 1) as f64) as u64,
-                holders: placement.nodes_of_key(key).to_vec(),
+                holders: placement.nodes(key).to_vec(),
                 previous: Vec::new(),
             }
         })
@@ -212,7 +212,7 @@ fn hot_shards_get_more_copies_and_cool_ones_drop_back_to_the_factor() {
     assert_eq!(goals.iter().map(|g| g.key).collect::<Vec<_>>(), hot);
     for goal in &goals {
         assert_eq!(goal.nodes.len(), 3);
-        assert_eq!(goal.nodes[0], placement.nodes_of_key(goal.key)[0], "the table's node stays first");
+        assert_eq!(goal.nodes[0], placement.nodes(goal.key)[0], "the table's node stays first");
         assert_eq!(goal.mode, ReplicationMode::Synchronous);
     }
     // A shard hot at the previous answer stays hot until it falls below half the line; then no

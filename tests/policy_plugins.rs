@@ -387,7 +387,7 @@ fn rendezvous_replication_moves_little_spreads_domains_and_repairs() {
     let holdings: Vec<Holding> = (0..200u64)
         .map(|i| {
             let key = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            Holding { key, nodes: placement.nodes_of_key(key).to_vec() }
+            Holding { key, nodes: placement.nodes(key).to_vec() }
         })
         .collect();
     let transfers = replicator.repair(&after, 2, &holdings).unwrap();

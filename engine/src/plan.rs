@@ -132,32 +132,7 @@ impl EpochPlan {
     }
 }
 
-/// How a step of `step` positions is split among ranks of `weights` (in rank order): each
-/// takes `floor(step * w / W)` and the positions left over go one each to the ranks of largest
-/// remainder `step * w mod W`, ties to the lower rank; equal weights (all 0 included) split as
-/// evenly as possible, the first ranks one more. The rule of the WIT's `plan` (and of the
-/// plugin SDK's `step_shares`), by which a weighted plan is cut into batches.
-pub fn step_shares(step: u64, weights: &[u32]) -> Vec<u64> {
-    if weights.iter().all(|&w| w == weights[0]) {
-        let n = weights.len().max(1) as u64;
-        return (0..weights.len() as u64).map(|i| step / n + u64::from(i < step % n)).collect();
-    }
-    let total: u128 = weights.iter().map(|&w| u128::from(w)).sum();
-    let mut shares = Vec::with_capacity(weights.len());
-    let mut remainders = Vec::with_capacity(weights.len());
-    for (i, &w) in weights.iter().enumerate() {
-        let product = u128::from(step) * u128::from(w);
-        // At most `step`: the quotient fits.
-        shares.push(u64::try_from(product / total).unwrap_or(step));
-        remainders.push((product % total, i));
-    }
-    let left = step - shares.iter().sum::<u64>();
-    remainders.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-    for &(_, i) in remainders.iter().take(usize::try_from(left).unwrap_or(usize::MAX)) {
-        shares[i] += 1;
-    }
-    shares
-}
+pub use granary_policy_types::partition::step_shares;
 
 /// The cut of an epoch as one rank sees it, without the order: steps of `world x batch_size`
 /// records, the short last step spread one record at a time over the first ranks (or split by

@@ -4,9 +4,10 @@
 //! checked to be one bounded weight per rank. Plugins built against `@0.1.0` plan as they did
 //! and cannot rebalance.
 //!
-//! Owns: `Partitioner` (a supervised partitioner plugin), what it is given and answers
-//! (`ShardInfo`, `RankInfo`, `NodeInfo`, `EpochSpec`, `RankPlan`, `RebalancePoint`, `RankMeasure`,
-//! `WEIGHT_MAX`), and the checks of its input and its answers (`check_plan`, the weights' checks).
+//! Owns: `Partitioner` (a supervised partitioner plugin) and the checks of its input and its
+//! answers (`check_plan`, the weights' checks). What it is given and answers are the records of
+//! `granary-policy-types` (one definition with the plugin SDK), here under the engine's names:
+//! `ShardInfo`, `RankInfo`, `NodeInfo`, `EpochSpec`, `RankPlan`, `RebalancePoint`, `RankMeasure`.
 //! Never: reads a record (a plan is index ranges the loader reads), or returns a plan or weights
 //! that failed their check.
 
@@ -18,116 +19,15 @@ use super::supervise::{PolicyStatus, Supervisor, SwapHandle};
 use super::{Instance, Plugin, PolicyKind, WitVersion, invalid, rejected};
 use crate::error::{Error, PluginError};
 
-/// The largest rank weight a plugin may answer (`rebalance`).
-pub const WEIGHT_MAX: u32 = 1 << 20;
-
-/// What one rank measured over the window before a rebalance point.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RankMeasure {
-    /// The rank.
-    pub rank: u32,
-    /// Records its trainer took in the window.
-    pub records: u64,
-    /// Nanoseconds the trainer spent on them.
-    pub busy_nanos: u64,
-}
-
-impl RankMeasure {
-    /// Records per second (0 when nothing was measured).
-    pub fn records_per_second(&self) -> f64 {
-        if self.busy_nanos == 0 { 0.0 } else { self.records as f64 * 1e9 / self.busy_nanos as f64 }
-    }
-}
-
-/// A rebalance point: the step the new weights apply from, the weights until then (rank,
-/// weight) and each rank's measure.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RebalancePoint {
-    /// The global step.
-    pub step: u64,
-    /// (rank, weight), one per rank that is up.
-    pub weights: Vec<(u32, u32)>,
-    /// One per rank of `weights`.
-    pub measured: Vec<RankMeasure>,
-}
+pub use granary_policy_types::partition::{
+    Epoch as EpochSpec, Node as NodeInfo, Rank as RankInfo, RankMeasure, RankPlan, RebalancePoint, Shard as ShardInfo,
+    WEIGHT_MAX,
+};
 
 /// A partitioner instance's bindings, of the version its plugin was built against.
 enum Bindings {
     V2(PartitionerPlugin),
     V1(PartitionerPluginV1),
-}
-
-/// A shard as a partitioner sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShardInfo {
-    /// The 32-byte content id.
-    pub id: [u8; 32],
-    /// Bytes of the shard file.
-    pub bytes: u64,
-    /// Records in the shard.
-    pub records: u64,
-    /// Nodes with a copy.
-    pub replicas: Vec<u32>,
-}
-
-/// A rank (one training process).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RankInfo {
-    /// 0..n-1.
-    pub id: u32,
-    /// Its node.
-    pub node: u32,
-    /// Relative share.
-    pub weight: u32,
-    /// Taking part.
-    pub up: bool,
-}
-
-/// A node of the job.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NodeInfo {
-    /// Stable id.
-    pub id: u32,
-    /// Relative capacity.
-    pub weight: u32,
-    /// Nodes that fail together share it.
-    pub failure_domain: u32,
-    /// Reachable now.
-    pub up: bool,
-}
-
-/// Which epoch to plan.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EpochSpec {
-    /// The run's seed.
-    pub seed: u64,
-    /// The epoch.
-    pub epoch: u64,
-    /// Records per rank per step.
-    pub batch_size: u64,
-    /// Global positions already consumed in the epoch.
-    pub start: u64,
-}
-
-/// One rank's reads: dataset index ranges, in order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RankPlan {
-    /// The rank.
-    pub rank: u32,
-    /// Half-open ranges.
-    pub ranges: Vec<std::ops::Range<u64>>,
-}
-
-impl RankPlan {
-    /// Records the rank reads.
-    pub fn n_records(&self) -> u64 {
-        self.ranges.iter().map(|r| r.end - r.start).sum()
-    }
-
-    /// The dataset indices, in read order.
-    pub fn records(&self) -> impl Iterator<Item = u64> + '_ {
-        self.ranges.iter().flat_map(|r| r.clone())
-    }
 }
 
 /// A supervised partitioner plugin.

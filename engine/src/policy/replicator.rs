@@ -3,10 +3,11 @@
 //! and space (`adapt`), all checked before use. A plugin built against `@0.1.0` has no `adapt`:
 //! it answers no goals, and every shard keeps the table's placement.
 //!
-//! Owns: `Replicator` (a supervised replicator plugin), `Placement` (looked up natively: `nodes`,
-//! `nodes_of_key`) and `shard_key`, what it is given and answers (`Holding`, `Transfer`,
-//! `ShardHeat`, `NodeSpace`, `ShardGoal`, `ReplicationMode`), and their checks (`check_placement`,
-//! `check_transfers`, `check_goals`). Never: moves a shard (`replication` pulls and publishes what
+//! Owns: `Replicator` (a supervised replicator plugin) and the checks of its answers
+//! (`check_placement`, `check_transfers`, `check_goals`). What it is given and answers are the
+//! records of `granary-policy-types` (one definition with the plugin SDK; `Placement` is looked up
+//! natively by `shard_key`): `Holding`, `Transfer`, `ShardHeat`, `NodeSpace`, `ShardGoal`, and its
+//! `Mode` here named `ReplicationMode`. Never: moves a shard (`replication` pulls and publishes what
 //! it plans), or returns an answer that failed its check.
 
 use std::collections::{HashMap, HashSet};
@@ -26,99 +27,9 @@ enum Bindings {
     V1(ReplicatorPluginV1),
 }
 
-/// A shard as the job reads it: the input of `adapt`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShardHeat {
-    /// The shard key.
-    pub key: u64,
-    /// Bytes of the shard file.
-    pub bytes: u64,
-    /// How often it was read over the window, summed over the nodes (each batch of a node's
-    /// readers that reads its records counts once).
-    pub reads: u64,
-    /// Nodes holding a copy now.
-    pub holders: Vec<u32>,
-    /// The nodes the previous answer named for it (empty: it had no goal).
-    pub previous: Vec<u32>,
-}
-
-/// A node's free space, as it last reported it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NodeSpace {
-    /// The node.
-    pub id: u32,
-    /// Bytes its store may still take.
-    pub free_bytes: u64,
-}
-
-/// Where one shard's copies should be, when not where the table puts them.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShardGoal {
-    /// The shard key.
-    pub key: u64,
-    /// The nodes that should hold a copy, most preferred first (distinct, up).
-    pub nodes: Vec<u32>,
-    /// Whether the policy calls it core (synchronous); reported, hot copies are pulled in the
-    /// background either way.
-    pub mode: ReplicationMode,
-}
-
-/// Whether an ingest waits for its copies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReplicationMode {
-    /// Wait until the copies are verified on their nodes.
-    Synchronous,
-    /// Copy in the background.
-    Asynchronous,
-}
-
-/// Where every shard's copies go, as a table.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Placement {
-    /// Sync or async.
-    pub mode: ReplicationMode,
-    /// Shard key k lives on `buckets[k % len]`, most preferred first.
-    pub buckets: Vec<Vec<u32>>,
-}
-
-impl Placement {
-    /// The nodes of a shard, by its id.
-    pub fn nodes(&self, shard_id: &[u8; 32]) -> &[u32] {
-        self.nodes_of_key(shard_key(shard_id))
-    }
-
-    /// The nodes of a shard key.
-    pub fn nodes_of_key(&self, key: u64) -> &[u32] {
-        &self.buckets[(key % self.buckets.len() as u64) as usize]
-    }
-}
-
-/// The placement key of a shard: the first 8 bytes of its id, little-endian.
-pub fn shard_key(shard_id: &[u8; 32]) -> u64 {
-    let mut word = [0u8; 8];
-    word.copy_from_slice(&shard_id[..8]);
-    u64::from_le_bytes(word)
-}
-
-/// Where a shard's copies are now.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Holding {
-    /// The shard key.
-    pub key: u64,
-    /// Nodes with a copy.
-    pub nodes: Vec<u32>,
-}
-
-/// One copy to make.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Transfer {
-    /// The shard key.
-    pub key: u64,
-    /// A node with a copy.
-    pub source: u32,
-    /// The node to copy to.
-    pub target: u32,
-}
+pub use granary_policy_types::replicate::{
+    Holding, Mode as ReplicationMode, NodeSpace, Placement, ShardGoal, ShardHeat, Transfer, shard_key,
+};
 
 /// A supervised replicator plugin.
 pub struct Replicator {

@@ -32,7 +32,7 @@ use super::shared::{Pulled, Shared};
 use crate::erasure::{Coding, Fragment, fragment_id};
 use crate::error::{Error, Result};
 use crate::id::{ObjectId, ShardId};
-use crate::policy::{Placement, ReplicationMode};
+use crate::policy::{Placement, ReplicationMode, shard_key};
 
 /// Shards encoded (or rebuilt and encoded) at once by one node (`Shared::encode_slots`): each
 /// holds the shard and its fragments in memory (`(2k + m) / k` times the shard's bytes).
@@ -427,7 +427,7 @@ impl Shared {
         up: &BTreeSet<u32>,
     ) -> Vec<Option<u32>> {
         let n = holders.coding.n();
-        let placed: Vec<u32> = placement.nodes(shard.0.as_bytes()).to_vec();
+        let placed: Vec<u32> = placement.nodes(shard_key(shard.0.as_bytes())).to_vec();
         let mut targets: Vec<Option<u32>> = holders.by_index.iter().map(|h| h.first().copied()).collect();
         let mut taken: BTreeSet<u32> = holders.nodes();
         // A fresh shard: fragment i on placed node i, as the replicator ordered them.

@@ -23,7 +23,7 @@ use super::shared::{Pulled, Shared};
 use crate::erasure::Coding;
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
-use crate::policy::{NodeInfo, ReplicationMode};
+use crate::policy::{NodeInfo, ReplicationMode, shard_key};
 use crate::store::{DatasetName, VersionSpec};
 
 impl Shared {
@@ -302,7 +302,7 @@ impl Shared {
                 continue;
             }
             let targets: Vec<u32> = placement
-                .nodes(shard.0.as_bytes())
+                .nodes(shard_key(shard.0.as_bytes()))
                 .iter()
                 .copied()
                 .filter(|t| up.contains(t) && !holders.contains(t))

@@ -27,7 +27,7 @@ use super::peers::PeerTable;
 use super::secure::{Channel, Hello};
 use crate::error::{Error, Result, TransportError};
 use crate::id::{ObjectId, ShardId};
-use crate::policy::{Holding, NodeInfo, Placement, Replicator, ShardCache, Transfer};
+use crate::policy::{Holding, NodeInfo, Placement, Replicator, ShardCache, Transfer, shard_key};
 use crate::store::DatasetName;
 
 /// Pulls running at once on a node.
@@ -293,7 +293,9 @@ impl Shared {
                 Err(_) => return true,
             }
             match self.placement(self.node_infos(), replicas).await {
-                Ok(placement) if placement.nodes(id.0.as_bytes()).contains(&self.hello.node_id) => return true,
+                Ok(placement) if placement.nodes(shard_key(id.0.as_bytes())).contains(&self.hello.node_id) => {
+                    return true;
+                }
                 Ok(_) => {}
                 Err(_) => return true,
             }

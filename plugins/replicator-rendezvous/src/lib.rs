@@ -77,7 +77,7 @@ impl Replicator for Rendezvous {
                 }
             }
             if chosen.len() > table.len() {
-                goals.push(ShardGoal { key: shard.key, nodes: chosen, mode: Mode::Sync });
+                goals.push(ShardGoal { key: shard.key, nodes: chosen, mode: Mode::Synchronous });
             }
         }
         Ok(goals)
@@ -90,8 +90,8 @@ impl Replicator for Rendezvous {
             return Err(Error::InvalidInput("buckets must be in 1..=1048576".into()));
         }
         let mode = match options.get("mode").unwrap_or("async") {
-            "async" => Mode::Async,
-            "sync" => Mode::Sync,
+            "async" => Mode::Asynchronous,
+            "sync" => Mode::Synchronous,
             other => return Err(Error::InvalidInput(format!("unknown mode {other:?} (sync or async)"))),
         };
         let up: Vec<&Node> = nodes.iter().filter(|n| n.up && n.weight > 0).collect();

@@ -37,10 +37,14 @@ mod partitioner {
             epoch: wit::Epoch,
             options: Vec<(String, String)>,
         ) -> Result<Vec<wit::RankPlan>, PolicyError> {
-            let shards: Vec<Shard> = shards
+            let shards = shards
                 .into_iter()
-                .map(|s| Shard { id: s.id, bytes: s.bytes, records: s.records, replicas: s.replicas })
-                .collect();
+                .map(|s| {
+                    let id = <[u8; 32]>::try_from(s.id.as_slice())
+                        .map_err(|_| Error::InvalidInput(format!("a shard id of {} bytes, not 32", s.id.len())))?;
+                    Ok(Shard { id, bytes: s.bytes, records: s.records, replicas: s.replicas })
+                })
+                .collect::<Result<Vec<Shard>, Error>>()?;
             let ranks: Vec<Rank> =
                 membership.ranks.iter().map(|r| Rank { id: r.id, node: r.node, weight: r.weight, up: r.up }).collect();
             let nodes: Vec<Node> = membership
@@ -55,7 +59,7 @@ mod partitioner {
                 .into_iter()
                 .map(|plan| wit::RankPlan {
                     rank: plan.rank,
-                    ranges: plan.ranges.into_iter().map(|(start, end)| wit::RecordRange { start, end }).collect(),
+                    ranges: plan.ranges.into_iter().map(|r| wit::RecordRange { start: r.start, end: r.end }).collect(),
                 })
                 .collect())
         }
@@ -214,8 +218,8 @@ mod replicator {
 
     fn mode(mode: Mode) -> wit::Mode {
         match mode {
-            Mode::Sync => wit::Mode::Synchronous,
-            Mode::Async => wit::Mode::Asynchronous,
+            Mode::Synchronous => wit::Mode::Synchronous,
+            Mode::Asynchronous => wit::Mode::Asynchronous,
         }
     }
 }
