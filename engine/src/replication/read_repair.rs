@@ -3,7 +3,7 @@
 //! A reader that found a shard damaged or missing asks the node (`ShardSource`, or a `Repair`
 //! frame): a damaged local copy is quarantined, then a verified copy is pulled from a peer that
 //! lists it, or, for a coded shard no node that is up holds whole, rebuilt from `k` of its
-//! fragments (`coded.rs`). A shard fetched for a read and not placed here by the replicator is
+//! fragments (`coded/`). A shard fetched for a read and not placed here by the replicator is
 //! a cache entry: the evictor plugin (`ShardCache`) proposes victims as readers touch shards,
 //! and a victim is deleted only when a node that is up holds a copy that is not itself a cache
 //! entry, or the shard is coded (and no goal wants it copied) with more than `k` fragments up.

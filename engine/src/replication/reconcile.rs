@@ -9,7 +9,7 @@
 //! it reads the goals, asks the replicator plugin for the repair plan of each goal's shards over
 //! the nodes that are up, and asks each target of a transfer whose source is this node to pull
 //! the shard (`Fetch`, through `replicate.rs`); coded goals' lost fragments are rebuilt by
-//! `coded.rs`. It brings refs and manifests to peers that lack them (and a goal set here to
+//! `coded/reconcile.rs`. It brings refs and manifests to peers that lack them (and a goal set here to
 //! peers it has not reached), and measures the replication lag. Never: starts more than
 //! `FETCHES_PER_PASS_MAX` fetch requests and coded rebuilds together in one pass (counting the
 //! rebuilds still running; each asks up to `m` targets), or a second request for a (shard,

@@ -310,7 +310,7 @@ async fn send_object(
     let (tx, mut rx) = mpsc::channel::<Result<Piece>>(READ_AHEAD_MAX);
     let (spare_tx, spare_rx) = mpsc::channel::<Vec<u8>>(READ_AHEAD_MAX + 1);
     let reader_path = path.clone();
-    // A fragment this node encoded for a peer to pull is served from memory (`coded.rs`).
+    // A fragment this node encoded for a peer to pull is served from memory (`coded/place.rs`).
     let outgoing = if kind == WireKind::Fragment { shared.outgoing.lock().get(&id).cloned() } else { None };
     let reader = tokio::task::spawn_blocking(move || match outgoing {
         Some(file) => send_outgoing(id, &file, offset, &tx),

@@ -104,7 +104,7 @@ pub(crate) struct Shared {
     pub(super) pushing: Mutex<HashSet<(u32, DatasetName)>>,
     /// Coded shards whose lost fragments this node is rebuilding: one rebuild at a time each.
     pub(super) coding_work: Mutex<HashSet<ShardId>>,
-    /// Shards encoded at once (`coded.rs`, `ENCODES_MAX`): each is in memory with its fragments.
+    /// Shards encoded at once (`coded/`, `ENCODES_MAX`): each is in memory with its fragments.
     pub(super) encode_slots: Semaphore,
     /// Peers a goal set here (by `replicate`) has not reached yet, by (peer, dataset): the
     /// reconciler brings them the ref and goal once they are up. Only the node a goal was set
