@@ -5,7 +5,7 @@
 //! loaded on first use, each shard's verified metadata), `hook.rs` (`ShardSource`, what a read
 //! asks of a repairer or cache), `mixture.rs` (`Mixture`: weighted versions read as one
 //! concatenated dataset, ordered by `blend.rs`), `watch.rs` (how it learns its open files went), `pipeline.rs`
-//! (the stream of one read), `batch.rs`, `verify.rs`, `stats.rs`. A batch read maps indices to shard byte ranges, reads each block
+//! (the stream of one read), `batch.rs`, `batch_plan.rs`, `verify.rs`, `stats.rs`. A batch read maps indices to shard byte ranges, reads each block
 //! that any record touches exactly once, coalescing adjacent blocks into ops of up to the
 //! backend's op size, reads ops of whole block-aligned records straight into the batch's memory
 //! and the rest into a buffer, checks every block's CRC32C as its op completes, and copies the
@@ -31,6 +31,7 @@
 //! share a store with one writer).
 
 mod batch;
+mod batch_plan;
 mod dataset;
 mod hook;
 mod mixture;
@@ -110,7 +111,7 @@ pub struct Reader {
 /// A batch being read: its plan, its bytes, and how far its ops have got.
 #[derive(Default)]
 struct BatchSlot {
-    planner: batch::Planner,
+    planner: batch_plan::Planner,
     batch: Batch,
     /// Sequence number of the batch's first op in the current stream.
     first_seq: u64,

@@ -8,7 +8,8 @@
 
 use std::sync::Arc;
 
-use super::batch::{self, Batch};
+use super::batch::Batch;
+use super::batch_plan;
 use super::stats::publish;
 use super::{BatchSlot, Dataset, PublishedStats, ReadStats, ShardSource, Watcher, inode_of, verify};
 use crate::error::{Error, Result};
@@ -168,7 +169,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
         let (shard, _) = slot.planner.extent_blocks(extent);
         Err(match why {
             verify::Failure::Mismatch(block, expected, actual) => {
-                batch::mismatch(self.dataset, shard, block, expected, actual)
+                batch_plan::mismatch(self.dataset, shard, block, expected, actual)
             }
             verify::Failure::Panicked => Error::invalid_input(format!(
                 "the check of extent {extent} of shard {} panicked",

@@ -14,7 +14,8 @@ use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
 
-use super::batch::{BatchMemory, Piece};
+use super::batch::BatchMemory;
+use super::batch_plan::Piece;
 use crate::error::{Error, Result};
 use crate::shard::ShardMeta;
 
@@ -233,7 +234,7 @@ fn check(job: &Job) -> Verdict {
         #[allow(unsafe_code, reason = "copies into ranges of a batch this job owns")]
         // SAFETY: the pieces' ranges of the batch are this job's alone until its verdict is
         // taken (`submit`'s caller); the bytes checked out above.
-        unsafe { super::batch::gather(pieces, bytes, gather.memory) }.map_err(|e| Failure::Copy(e.to_string()))
+        unsafe { super::batch_plan::gather(pieces, bytes, gather.memory) }.map_err(|e| Failure::Copy(e.to_string()))
     }));
     let outcome = match outcome {
         Ok(outcome) => outcome,

@@ -1,4 +1,4 @@
-//! `batch.rs`'s unit tests: a copy from the tier checks every block a record touches.
+//! `batch_plan.rs`'s unit tests: a copy from the tier checks every block a record touches.
 //!
 //! Owns the tests and their shard fixture. Never: is built outside `cargo test`.
 
