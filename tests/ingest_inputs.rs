@@ -178,3 +178,68 @@ fn a_fifo_or_device_input_is_refused_before_the_store_is_touched() {
         assert!(!root.exists(), "{args:?} made a store before refusing its input");
     }
 }
+
+/// A Parquet file of `ids` (a list of int32, one row null) and `text` (strings), written by
+/// arrow-rs's writer in row groups of 3, zstd-compressed.
+fn write_parquet(path: &Path) {
+    use std::sync::Arc;
+
+    use arrow_array::builder::{Int32Builder, ListBuilder};
+    use arrow_array::{ArrayRef, RecordBatch, StringArray};
+    use parquet::arrow::ArrowWriter;
+    use parquet::basic::{Compression, ZstdLevel};
+    use parquet::file::properties::WriterProperties;
+
+    let mut ids = ListBuilder::new(Int32Builder::new());
+    for row in 0..10i32 {
+        if row == 4 {
+            ids.append_null();
+        } else {
+            ids.values().append_slice(&(0..row).map(|t| t * 1000 - 7).collect::<Vec<_>>());
+            ids.append(true);
+        }
+    }
+    let text = StringArray::from((0..10).map(|row| format!("row {row}")).collect::<Vec<_>>());
+    let batch =
+        RecordBatch::try_from_iter([("ids", Arc::new(ids.finish()) as ArrayRef), ("text", Arc::new(text) as ArrayRef)])
+            .unwrap();
+    let props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(ZstdLevel::default()))
+        .set_max_row_group_row_count(Some(3))
+        .build();
+    let mut writer = ArrowWriter::try_new(std::fs::File::create(path).unwrap(), batch.schema(), Some(props)).unwrap();
+    writer.write(&batch).unwrap();
+    writer.close().unwrap();
+}
+
+#[test]
+fn parquet_rows_become_records_and_a_null_is_refused_unless_skipped() {
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let file = dir.path().join("part-0.parquet");
+    write_parquet(&file);
+    let file = file.to_str().unwrap();
+
+    let err = granary_err(&root, &["ingest", "parquet", "--name", "p", file]);
+    assert!(err.contains("2 columns (ids, text)") && err.contains("--column"), "{err}");
+    let err = granary_err(&root, &["ingest", "parquet", "--name", "p", "--column", "ids", file]);
+    assert!(err.contains("row 4 has a null in column \"ids\"") && err.contains("--skip-nulls"), "{err}");
+    assert!(!root.join("refs").join("p").exists());
+
+    let out = granary(&root, &["ingest", "parquet", "--name", "p", "--column", "ids", "--skip-nulls", file]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("p@1: 9 records"), "{stdout}");
+    assert!(stderr.contains("skipped 1 rows with a null"), "{stderr}");
+    // Record 4 is row 5: five int32 token ids, little-endian.
+    let record = granary(&root, &["get", "p", "4"]).stdout;
+    let expected: Vec<u8> = (0..5i32).flat_map(|t| (t * 1000 - 7).to_le_bytes()).collect();
+    assert_eq!(record, expected);
+
+    // The strings, as byte records.
+    granary_ok(&root, &["ingest", "parquet", "--name", "t", "--column", "text", file]);
+    assert_eq!(granary(&root, &["get", "t", "9"]).stdout, b"row 9");
+    let err = granary_err(&root, &["ingest", "parquet", "--name", "x", "--column", "nope", file]);
+    assert!(err.contains("no column \"nope\""), "{err}");
+    granary_ok(&root, &["verify"]);
+}

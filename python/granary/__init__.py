@@ -252,6 +252,35 @@ class Store:
             name, os.fspath(prefix), mode=_mode(mode, replace), shard_bytes=_shard_bytes(shard_bytes), progress=progress
         )
 
+    def ingest_parquet(
+        self,
+        name: str,
+        source: Union[PathLike, Sequence[PathLike]],
+        *,
+        columns: Optional[Sequence[str]] = None,
+        nulls: str = "refuse",
+        mode: Optional[str] = None,
+        replace: bool = False,
+        shard_bytes: Optional[int] = None,
+        progress: Union[bool, Callable[[int, int], None], None] = None,
+    ) -> Dict[str, Any]:
+        """Parquet files (a path, a directory of `.parquet` files, a glob pattern, or a list of
+        them): one record per row, in file order. With one column (`columns`, default the files'
+        only one): lists of numbers (token ids) become arrays of their type, batches coming as
+        `(data, offsets)`; binary and strings, byte records; numbers, records of one number.
+        With several, each row is a sample (a dict): binary and strings as bytes, lists as
+        little-endian arrays, numbers as decimal text, and `__key__` the row's position. A null
+        is refused (`nulls="refuse"`) or its row left out (`nulls="skip"`, counted in `skipped`)."""
+        return self._native.ingest_parquet(
+            name,
+            _paths(source),
+            columns=None if columns is None else [str(c) for c in columns],
+            nulls=nulls,
+            mode=_mode(mode, replace),
+            shard_bytes=_shard_bytes(shard_bytes),
+            progress=progress,
+        )
+
     def loader(self, dataset: Union[str, Sequence[Tuple[str, float]]], batch_size: int, **options: Any) -> "Loader":
         """A `Loader` of `dataset` (see `Loader` for the options)."""
         return Loader(self, dataset, batch_size, **options)

@@ -248,6 +248,54 @@ impl Store {
         })
     }
 
+    /// Ingests Parquet files as a new version of dataset `name`: one record per row, rows in
+    /// file order. `source` is a path, a directory (its `.parquet` files, in path order), a glob
+    /// pattern, or a list of them. `columns` names the columns (default: the files' only one):
+    /// one column of lists of numbers makes array records of their type (token ids); of binary
+    /// or strings, byte records; of numbers, records of one number; several columns make samples
+    /// (dicts) of named parts: binary and strings as bytes, lists as little-endian arrays, numbers
+    /// as decimal text. A null in a chosen column is refused (`nulls="refuse"`) or its row left
+    /// out (`nulls="skip"`, counted in the result's `skipped`). Every file's schema is checked
+    /// before anything is written. The GIL is released while it runs. Returns what was committed
+    /// (see `ingest_files`) and `skipped`.
+    #[pyo3(signature = (name, source, *, columns = None, nulls = "refuse", mode = "new", shard_bytes = None, progress = None))]
+    #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+    fn ingest_parquet<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        source: &Bound<'py, PyAny>,
+        columns: Option<Vec<String>>,
+        nulls: &str,
+        mode: &str,
+        shard_bytes: Option<u64>,
+        progress: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let inputs: Vec<String> = paths_of(source)?.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        let nulls = match nulls {
+            "refuse" => sources::Nulls::Refuse,
+            "skip" => sources::Nulls::Skip,
+            other => return Err(invalid(format!("nulls={other:?}: expected 'refuse' or 'skip'"))),
+        };
+        let columns = columns.unwrap_or_default();
+        let input = py.detach(|| sources::ParquetInput::open(&inputs, &columns, nulls)).map_err(to_py)?;
+        let skipped = AtomicU64::new(0);
+        let committed = self.ingest_detached(
+            py,
+            name,
+            input.layout(),
+            options_of(mode, shard_bytes)?,
+            progress,
+            |ingest, report| {
+                let done = sources::records_from_parquet(ingest, &input, report)?;
+                skipped.store(done.skipped, Ordering::Relaxed);
+                Ok(())
+            },
+        )?;
+        committed.set_item("skipped", skipped.load(Ordering::Relaxed))?;
+        Ok(committed)
+    }
+
     /// Ingests WebDataset tar files (a path or a list) as a new version of dataset `name`: the
     /// entries that share a key form one sample, stored as one record. The GIL is released while
     /// it runs. Returns what was committed (see `ingest_files`).

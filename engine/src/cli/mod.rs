@@ -207,6 +207,24 @@ enum IngestCommand {
         /// The dataset's path without .bin/.idx (or either file).
         prefix: PathBuf,
     },
+    /// Parquet files: one record per row. One column of lists of numbers (token ids) makes
+    /// array records of their type; one of binary or strings, byte records; one of numbers,
+    /// records of one number; several columns, samples of named parts (binary and strings as
+    /// bytes, lists as little-endian arrays, numbers as decimal text), as WebDataset samples.
+    Parquet {
+        #[command(flatten)]
+        common: IngestArgs,
+        /// A column to ingest (repeat for several; default: the files' only column).
+        #[arg(long = "column")]
+        columns: Vec<String>,
+        /// Leave out rows that hold a null in a chosen column (default: refuse them).
+        #[arg(long)]
+        skip_nulls: bool,
+        /// The Parquet files, in order: paths, directories (their .parquet files) or glob
+        /// patterns ('data/train-*.parquet', quoted).
+        #[arg(required = true)]
+        inputs: Vec<String>,
+    },
 }
 
 #[derive(Args)]
@@ -380,6 +398,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     // A Megatron index is read and checked whole before the store is touched; it decides the
     // layout (its dtype). Tar arguments (patterns, directories) are expanded once.
     let mut megatron = None;
+    let mut parquet = None;
     let mut tar_paths = Vec::new();
     let (common, layout) = match &command {
         IngestCommand::Records { common, record_bytes, dtype, shape, .. } => {
@@ -394,6 +413,13 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
             let index = ingest::MegatronIndex::open(prefix)?;
             let layout = index.layout();
             megatron = Some(index);
+            (common, layout)
+        }
+        IngestCommand::Parquet { common, columns, skip_nulls, inputs } => {
+            let nulls = if *skip_nulls { ingest::Nulls::Skip } else { ingest::Nulls::Refuse };
+            let input = ingest::ParquetInput::open(inputs, columns, nulls)?;
+            let layout = input.layout();
+            parquet = Some(input);
             (common, layout)
         }
     };
@@ -419,7 +445,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     match &command {
         IngestCommand::Records { files, .. } => _ = ingest::check_regular_files(files)?,
         IngestCommand::Tar { .. } => _ = ingest::check_regular_files(&tar_paths)?,
-        IngestCommand::Files { .. } | IngestCommand::Megatron { .. } => {}
+        IngestCommand::Files { .. } | IngestCommand::Megatron { .. } | IngestCommand::Parquet { .. } => {}
     }
     // A typo in --root would otherwise make a new empty store without a word.
     let created = StorePaths::new(&root).check().is_err();
@@ -439,6 +465,13 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         IngestCommand::Megatron { .. } => {
             let index = megatron.as_ref().context("the index was read above")?;
             ingest::records_from_megatron(&mut session, index, &bar)?;
+        }
+        IngestCommand::Parquet { .. } => {
+            let input = parquet.as_ref().context("the files were read above")?;
+            let done = ingest::records_from_parquet(&mut session, input, &bar)?;
+            if done.skipped > 0 {
+                errln!("skipped {} rows with a null in a chosen column", done.skipped);
+            }
         }
     }
     let committed = session.commit().map_err(|e| match e {
