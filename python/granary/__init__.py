@@ -26,13 +26,14 @@ import re
 import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from . import _native
+from . import _native, formats
 from ._common import _canonical_dtype, _dtype_name, world_from_env
 from ._loader import Loader
 from ._native import CorruptionError, DeviceError, Error, ForkError, IngestIntentError, NotFoundError, PluginError
 
 __all__ = [
     "Store",
+    "formats",
     "Loader",
     "Error",
     "CorruptionError",
@@ -276,6 +277,33 @@ class Store:
             _paths(source),
             columns=None if columns is None else [str(c) for c in columns],
             nulls=nulls,
+            mode=_mode(mode, replace),
+            shard_bytes=_shard_bytes(shard_bytes),
+            progress=progress,
+        )
+
+    def ingest_mds(
+        self,
+        name: str,
+        dir: PathLike,
+        *,
+        columns: Optional[Sequence[str]] = None,
+        mode: Optional[str] = None,
+        replace: bool = False,
+        shard_bytes: Optional[int] = None,
+        progress: Union[bool, Callable[[int, int], None], None] = None,
+    ) -> Dict[str, Any]:
+        """A Mosaic Streaming MDS directory (what `MDSWriter` writes, compressed or not): one
+        record per sample, in order. With one column (`columns=["tokens"]`): arrays become arrays
+        of their dtype (batches as `(data, offsets)`), bytes, strings, JSON and images byte
+        records, numbers records of one number. Otherwise (default: every column) each sample is
+        a dict of parts named `COLUMN.EXT` (`.npy` arrays, `.cls`/`.txt` numbers as text, `.txt`
+        strings, `.jpg`/`.png` images, `.bin` bytes, `.json`); `granary.formats.decode` turns one
+        into Python values."""
+        return self._native.ingest_mds(
+            name,
+            os.fspath(dir),
+            columns=None if columns is None else [str(c) for c in columns],
             mode=_mode(mode, replace),
             shard_bytes=_shard_bytes(shard_bytes),
             progress=progress,

@@ -296,6 +296,32 @@ impl Store {
         Ok(committed)
     }
 
+    /// Ingests a Mosaic Streaming MDS directory (`index.json` and its shards, as `MDSWriter`
+    /// writes them, compressed or not) as a new version of dataset `name`: one record per sample,
+    /// in order. With one of `columns`: arrays become array records of their dtype; bytes,
+    /// strings, JSON and images byte records; numbers records of one number. Otherwise (default:
+    /// every column) samples of parts named `COLUMN.EXT` (arrays as `.npy`, numbers as decimal
+    /// text). An encoding that is not ingested (`pkl`, `pil`, lists) is refused, naming it. The
+    /// GIL is released while it runs. Returns what was committed (see `ingest_files`).
+    #[pyo3(signature = (name, dir, *, columns = None, mode = "new", shard_bytes = None, progress = None))]
+    #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+    fn ingest_mds<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        dir: PathBuf,
+        columns: Option<Vec<String>>,
+        mode: &str,
+        shard_bytes: Option<u64>,
+        progress: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let columns = columns.unwrap_or_default();
+        let input = py.detach(|| sources::MdsInput::open(&dir, &columns)).map_err(to_py)?;
+        self.ingest_detached(py, name, input.layout(), options_of(mode, shard_bytes)?, progress, |ingest, report| {
+            sources::records_from_mds(ingest, &input, report).map(drop)
+        })
+    }
+
     /// Ingests WebDataset tar files (a path or a list) as a new version of dataset `name`: the
     /// entries that share a key form one sample, stored as one record. The GIL is released while
     /// it runs. Returns what was committed (see `ingest_files`).

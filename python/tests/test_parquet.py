@@ -110,22 +110,26 @@ def test_several_columns_make_samples_of_named_parts(store, tmp_path):
             "input_ids": pa.array(ids, type=pa.list_(pa.int32())),
             "label": pa.array([i % 10 for i in range(n)], type=pa.int16()),
             "image": [bytes([i % 256, 0xFF, 0xD8]) for i in range(n)],
+            "score": pa.array([i / 3 for i in range(n)], type=pa.float64()),
         }
     )
     path = tmp_path / "samples.parquet"
     pq.write_table(table, path, row_group_size=64, compression="zstd")
-    store.ingest_parquet("samples", path, columns=["text", "input_ids", "label", "image"])
+    store.ingest_parquet("samples", path, columns=["text", "input_ids", "label", "image", "score"])
     assert layout_of(store, "samples") == "samples"
     expected = pq.read_table(path).to_pylist()
     got = rows_of(store, "samples")
     assert len(got) == n
     for i, (sample, row) in enumerate(zip(got, expected)):
+        assert set(sample) == {"__key__", "text.txt", "input_ids.npy", "label.cls", "image.bin", "score.float"}
         assert sample["__key__"] == f"{i:012d}"
-        assert sample["text"] == row["text"].encode()
-        assert np.frombuffer(sample["input_ids"], dtype="<i4").tolist() == row["input_ids"]
-        assert sample["label"] == str(row["label"]).encode()
-        assert sample["image"] == row["image"]
-        assert set(sample) == {"__key__", "text", "input_ids", "label", "image"}
+        assert sample["text.txt"] == row["text"].encode()
+        assert sample["label.cls"] == str(row["label"]).encode()
+        assert sample["image.bin"] == row["image"]
+        decoded = granary.formats.decode(sample)
+        assert decoded["input_ids"].dtype == np.int32 and decoded["input_ids"].tolist() == row["input_ids"]
+        assert (decoded["text"], decoded["label"], decoded["image"]) == (row["text"], row["label"], row["image"])
+        assert decoded["score"] == row["score"]  # the shortest text that parses back exactly
 
 
 def test_nulls_are_refused_or_their_rows_skipped(store, tmp_path):

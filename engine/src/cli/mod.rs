@@ -225,6 +225,19 @@ enum IngestCommand {
         #[arg(required = true)]
         inputs: Vec<String>,
     },
+    /// A Mosaic Streaming MDS directory (index.json + shard.NNNNN.mds[.zstd]): one record per
+    /// sample, in order. One column (--column) of arrays makes array records of their dtype;
+    /// of bytes, strings, JSON or images, byte records; of numbers, records of one number.
+    /// Otherwise samples of parts named COLUMN.EXT (arrays as .npy, numbers as decimal text).
+    Mds {
+        #[command(flatten)]
+        common: IngestArgs,
+        /// A column to ingest (repeat for several; default: every column, as samples).
+        #[arg(long = "column")]
+        columns: Vec<String>,
+        /// The directory holding index.json.
+        dir: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -399,6 +412,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     // layout (its dtype). Tar arguments (patterns, directories) are expanded once.
     let mut megatron = None;
     let mut parquet = None;
+    let mut mds = None;
     let mut tar_paths = Vec::new();
     let (common, layout) = match &command {
         IngestCommand::Records { common, record_bytes, dtype, shape, .. } => {
@@ -420,6 +434,12 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
             let input = ingest::ParquetInput::open(inputs, columns, nulls)?;
             let layout = input.layout();
             parquet = Some(input);
+            (common, layout)
+        }
+        IngestCommand::Mds { common, columns, dir } => {
+            let input = ingest::MdsInput::open(dir, columns)?;
+            let layout = input.layout();
+            mds = Some(input);
             (common, layout)
         }
     };
@@ -445,7 +465,10 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     match &command {
         IngestCommand::Records { files, .. } => _ = ingest::check_regular_files(files)?,
         IngestCommand::Tar { .. } => _ = ingest::check_regular_files(&tar_paths)?,
-        IngestCommand::Files { .. } | IngestCommand::Megatron { .. } | IngestCommand::Parquet { .. } => {}
+        IngestCommand::Files { .. }
+        | IngestCommand::Megatron { .. }
+        | IngestCommand::Parquet { .. }
+        | IngestCommand::Mds { .. } => {}
     }
     // A typo in --root would otherwise make a new empty store without a word.
     let created = StorePaths::new(&root).check().is_err();
@@ -472,6 +495,10 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
             if done.skipped > 0 {
                 errln!("skipped {} rows with a null in a chosen column", done.skipped);
             }
+        }
+        IngestCommand::Mds { .. } => {
+            let input = mds.as_ref().context("the index was read above")?;
+            ingest::records_from_mds(&mut session, input, &bar)?;
         }
     }
     let committed = session.commit().map_err(|e| match e {

@@ -3,8 +3,9 @@
 //! Owns the `Ingest` session (records are streamed into a `ShardWriter`, shards roll over at a
 //! target size, each finished shard is synced, published and cataloged at once, so memory stays
 //! bounded whatever the dataset size) and the sources in `sources` (fixed-size record files,
-//! directory trees, WebDataset tars), `megatron` (Megatron-LM indexed datasets) and `parquet`
-//! (Parquet files, behind the `parquet` feature). Commit order, the crash-safety contract: shard files durable
+//! directory trees, WebDataset tars), `megatron` (Megatron-LM indexed datasets), and behind the
+//! `formats` feature `parquet` (Parquet files) and `mds` (Mosaic Streaming's MDS), whose samples
+//! are named as `parts` names them. Commit order, the crash-safety contract: shard files durable
 //! -> shard entries -> manifest file durable -> manifest entry -> catalog flush -> ref history
 //! line durable -> ref file durable -> dataset entry -> catalog flush. A crash at any point leaves
 //! the previous version current and no partial file visible; published but unreferenced files
@@ -15,17 +16,23 @@
 //! shard and the shard files it newly published (not those it found already stored). Never:
 //! reads records back (the read path does) or decides placement.
 
+#[cfg(feature = "formats")]
+mod mds;
 mod megatron;
-#[cfg(feature = "parquet")]
+#[cfg(feature = "formats")]
 mod parquet;
+#[cfg(feature = "formats")]
+mod parts;
 mod sources;
 
 use std::fs::File;
 use std::io::Read;
 use std::path::PathBuf;
 
-#[cfg(feature = "parquet")]
+#[cfg(feature = "formats")]
 pub use self::parquet::{Nulls, ParquetIngested, ParquetInput, records_from_parquet};
+#[cfg(feature = "formats")]
+pub use mds::{MdsInput, records_from_mds};
 pub use megatron::{MegatronIndex, records_from_megatron};
 pub use sources::{
     Progress, SampleSink, check_regular_files, expand_tar_inputs, files_from_dir, records_from_files,

@@ -7,9 +7,10 @@
 //!   element's type (`Layout::Arrays`);
 //! - one column of binary or string values: a byte record (`Layout::Bytes`, UTF-8 for strings);
 //! - one column of numbers: a fixed record of one element (`Layout::Fixed`, shape `[1]`);
-//! - several columns: a sample of named parts, one per column, as WebDataset samples are
-//!   stored (`Layout::Samples`, key the row's position in the input as 12 digits): binary and
-//!   strings as their bytes, lists of numbers as little-endian arrays, numbers as decimal text.
+//! - several columns: a sample of parts named `COLUMN.EXT` as `parts.rs` names them, as
+//!   WebDataset samples are stored (`Layout::Samples`, key the row's position in the input as 12
+//!   digits): binary (`.bin`) and strings (`.txt`) as their bytes, lists of numbers as `.npy`
+//!   arrays, numbers as decimal text (`.cls` for integers, `.float` for floats).
 //!
 //! A null (a null value, or a null element inside a list) is refused, naming the file, the row
 //! and the column, unless the caller asked to skip such rows (`Nulls::Skip`, counted).
@@ -33,6 +34,7 @@ use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 use super::Ingest;
+use super::parts::{PartKind, part_name, push_npy};
 use super::sources::Progress;
 use crate::error::{Error, Result};
 use crate::shard::{Dtype, FixedLayout, Layout, encode_sample};
@@ -61,6 +63,18 @@ enum Kind {
     Number(Dtype),
     /// A list of numbers of this type (`list`, `large_list`, `fixed_size_list`).
     List(Dtype),
+}
+
+impl Kind {
+    /// What it becomes as a sample's part.
+    fn part_kind(self) -> PartKind {
+        match self {
+            Kind::Binary => PartKind::Bytes,
+            Kind::Text => PartKind::Text,
+            Kind::Number(dtype) => PartKind::of_number(dtype),
+            Kind::List(_) => PartKind::Array,
+        }
+    }
 }
 
 /// A set of Parquet files to ingest, checked: every file readable, every chosen column present
@@ -177,6 +191,7 @@ pub fn records_from_parquet(
     let mut row_in_input = 0u64;
     let mut record = Vec::new();
     let mut parts: Vec<Vec<u8>> = vec![Vec::new(); input.columns.len()];
+    let part_names: Vec<String> = input.columns.iter().map(|(name, kind)| part_name(name, kind.part_kind())).collect();
     for (path, bytes) in &input.files {
         let (_, builder) = open_file(path)?;
         let indices = input
@@ -219,12 +234,8 @@ pub fn records_from_parquet(
                     done.skipped += 1;
                 } else if samples {
                     let key = format!("{row_in_input:012}");
-                    let named: Vec<(&str, &[u8])> = input
-                        .columns
-                        .iter()
-                        .zip(&parts)
-                        .map(|((name, _), data)| (name.as_str(), data.as_slice()))
-                        .collect();
+                    let named: Vec<(&str, &[u8])> =
+                        part_names.iter().zip(&parts).map(|(name, data)| (name.as_str(), data.as_slice())).collect();
                     record.clear();
                     record.extend_from_slice(&encode_sample(&key, &named));
                     ingest.push(&record)?;
@@ -253,8 +264,9 @@ pub fn records_from_parquet(
     Ok(done)
 }
 
-/// Appends row `row` of `array` to `out` (numbers as decimal text when `text`, else
-/// little-endian); false when the row is null or a list holds a null.
+/// Appends row `row` of `array` to `out`: as a sample's part when `text` (numbers as decimal
+/// text, lists as `.npy`), else as a record (little-endian); false when the row is null or a
+/// list holds a null.
 fn append(array: &dyn Array, kind: Kind, row: usize, text: bool, out: &mut Vec<u8>) -> bool {
     if array.is_null(row) {
         return false;
@@ -299,6 +311,13 @@ fn append(array: &dyn Array, kind: Kind, row: usize, text: bool, out: &mut Vec<u
             };
             if values.null_count() > 0 && range.clone().any(|i| values.is_null(i)) {
                 return false;
+            }
+            if text {
+                // A sample's part: an `.npy` of the list's elements.
+                let mut elements = Vec::with_capacity(range.len() * 8);
+                let len = range.len() as u64;
+                numbers(values.as_ref(), dtype, range, false, &mut elements);
+                return push_npy(dtype, &[len], &elements, out);
             }
             numbers(values.as_ref(), dtype, range, false, out);
         }

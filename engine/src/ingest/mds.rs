@@ -1,0 +1,622 @@
+//! Mosaic Streaming's MDS directories (what `streaming.MDSWriter` writes: `index.json` and
+//! `shard.NNNNN.mds`, optionally compressed to `shard.NNNNN.mds.zstd` and the like) as an ingest
+//! source: one record per sample, in the index's order.
+//!
+//! A shard file is `u32` sample count, `count + 1` `u32` offsets from the file's start, then the
+//! samples; a sample is one `u32` size per column of no fixed size, then each column's bytes in
+//! column order (all little-endian). What a sample becomes: with one column chosen, an `ndarray`
+//! column of one dtype makes array records of it, `bytes`/`str`/`json`/`jpeg`/`png` byte records,
+//! a number (`int`, `uint8` ... `float64`) records of one number; otherwise a sample of parts
+//! named `COLUMN.EXT` as `parts.rs` names them (arrays as `.npy` with their dtype and shape,
+//! numbers as decimal text, images and bytes as they are).
+//!
+//! Owns: `MdsInput` (the index read and checked: one set of columns, known encodings and
+//! compressions, every shard file present) and `records_from_mds`. Never: unpickles (`pkl` is
+//! refused, as Streaming refuses it by default), decodes an image (JPEG and PNG stay the files
+//! they are), or takes a sample whose offsets or sizes run outside its shard.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::Ingest;
+use super::parts::{PartKind, part_name, push_npy, push_number_text};
+use super::sources::Progress;
+use crate::error::{Error, Result};
+use crate::shard::{Dtype, FixedLayout, Layout, encode_sample};
+
+/// How an MDS column's values are encoded (`column_encodings`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Encoding {
+    Bytes,
+    Str,
+    /// `int`: an int64.
+    Int,
+    /// `uint8` ... `float64`: one number.
+    Scalar(Dtype),
+    /// `str_int`, `str_float`, `str_decimal`: a number's text.
+    NumberText(PartKind),
+    /// `ndarray[:dtype[:shape]]`.
+    NdArray {
+        dtype: Option<Dtype>,
+        shape: Option<Vec<u64>>,
+    },
+    Json,
+    Jpeg,
+    Png,
+}
+
+impl Encoding {
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        let scalar = |name: &str| -> Option<Dtype> {
+            Some(match name {
+                "uint8" => Dtype::U8,
+                "uint16" => Dtype::U16,
+                "uint32" => Dtype::U32,
+                "uint64" => Dtype::U64,
+                "int8" => Dtype::I8,
+                "int16" => Dtype::I16,
+                "int32" => Dtype::I32,
+                "int64" => Dtype::I64,
+                "float16" => Dtype::F16,
+                "float32" => Dtype::F32,
+                "float64" => Dtype::F64,
+                _ => return None,
+            })
+        };
+        Ok(match text {
+            "bytes" => Encoding::Bytes,
+            "str" => Encoding::Str,
+            "int" => Encoding::Int,
+            "str_int" => Encoding::NumberText(PartKind::Integer),
+            "str_float" => Encoding::NumberText(PartKind::Float),
+            "str_decimal" => Encoding::NumberText(PartKind::Text),
+            "json" => Encoding::Json,
+            "jpeg" => Encoding::Jpeg,
+            "png" => Encoding::Png,
+            "pkl" => return Err("pkl (pickle runs code when it is read; Streaming refuses it by default too)".into()),
+            other if other == "ndarray" || other.starts_with("ndarray:") => {
+                let mut args = other.split(':').skip(1);
+                let dtype = match args.next() {
+                    None | Some("") => None,
+                    Some(name) => Some(scalar(name).ok_or_else(|| format!("{other} (dtype {name})"))?),
+                };
+                let shape = match args.next() {
+                    None => None,
+                    Some(dims) => Some(
+                        dims.split(',')
+                            .map(|d| d.parse::<u64>().ok().filter(|&d| d > 0))
+                            .collect::<Option<Vec<u64>>>()
+                            .ok_or_else(|| format!("{other} (shape {dims})"))?,
+                    ),
+                };
+                Encoding::NdArray { dtype, shape }
+            }
+            other => match scalar(other) {
+                Some(dtype) => Encoding::Scalar(dtype),
+                None => return Err(other.to_owned()),
+            },
+        })
+    }
+
+    /// The part kind it becomes in a sample.
+    fn part_kind(&self) -> PartKind {
+        match self {
+            Encoding::Bytes => PartKind::Bytes,
+            Encoding::Str => PartKind::Text,
+            Encoding::Int => PartKind::Integer,
+            Encoding::Scalar(dtype) => PartKind::of_number(*dtype),
+            Encoding::NumberText(kind) => *kind,
+            Encoding::NdArray { .. } => PartKind::Array,
+            Encoding::Json => PartKind::Json,
+            Encoding::Jpeg => PartKind::Jpeg,
+            Encoding::Png => PartKind::Png,
+        }
+    }
+}
+
+/// A column of the dataset.
+#[derive(Clone, Debug)]
+struct Column {
+    name: String,
+    encoding: Encoding,
+    /// Its bytes in every sample, when fixed (`column_sizes`).
+    size: Option<u32>,
+}
+
+/// How a shard file is compressed (`compression`: `zstd`, `gz`, `snappy`, `br`, with a level or
+/// not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Codec {
+    Zstd,
+    Gzip,
+    Snappy,
+    Brotli,
+}
+
+/// A shard of the index.
+#[derive(Debug)]
+struct ShardFile {
+    /// The uncompressed file, read when present.
+    raw: PathBuf,
+    /// Its bytes, as the index gives them.
+    raw_bytes: u64,
+    /// The compressed file and its codec, read when the raw file is not there.
+    zip: Option<(PathBuf, Codec)>,
+    samples: u64,
+}
+
+/// An MDS directory to ingest, its index read and checked.
+#[derive(Debug)]
+pub struct MdsInput {
+    dir: PathBuf,
+    /// Every column of the shards, in order.
+    columns: Vec<Column>,
+    /// The ones ingested (indices into `columns`).
+    chosen: Vec<usize>,
+    shards: Vec<ShardFile>,
+    layout: Layout,
+}
+
+impl MdsInput {
+    /// The MDS dataset in `dir` (`dir/index.json`), its columns `wanted` (none: every column,
+    /// as samples). A column whose encoding is not supported is refused, naming it; so is an
+    /// index whose shards disagree on the columns, or a shard file that is missing.
+    pub fn open(dir: &Path, wanted: &[String]) -> Result<Self> {
+        let index_path = dir.join("index.json");
+        let bad = |detail: String| Error::invalid_input(format!("{}: {detail}", index_path.display()));
+        let text = std::fs::read(&index_path).map_err(|e| Error::io("read", &index_path, e))?;
+        let index: Value = serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        if index.get("version").and_then(Value::as_u64) != Some(2) {
+            return Err(bad("not an MDS index of version 2".into()));
+        }
+        let shards_json = index.get("shards").and_then(Value::as_array).ok_or_else(|| bad("no shards".into()))?;
+        let mut all: Option<Vec<Column>> = None;
+        let mut shards = Vec::with_capacity(shards_json.len());
+        for (s, shard) in shards_json.iter().enumerate() {
+            let field = |name: &str| shard.get(name).ok_or_else(|| bad(format!("shard {s} has no {name}")));
+            let format = field("format")?.as_str().unwrap_or("");
+            if format != "mds" {
+                return Err(bad(format!("shard {s} is of format {format:?}: only mds shards are ingested")));
+            }
+            let strings = |name: &str| -> Result<Vec<String>> {
+                field(name)?
+                    .as_array()
+                    .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_owned)).collect())
+                    .ok_or_else(|| bad(format!("shard {s}: {name} is not a list of strings")))
+            };
+            let names = strings("column_names")?;
+            let encodings = strings("column_encodings")?;
+            let sizes: Vec<Option<u32>> = field("column_sizes")?
+                .as_array()
+                .map(|a| a.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok())).collect())
+                .ok_or_else(|| bad(format!("shard {s}: column_sizes is not a list")))?;
+            if names.len() != encodings.len() || names.len() != sizes.len() || names.is_empty() {
+                return Err(bad(format!("shard {s}: its column names, encodings and sizes do not match")));
+            }
+            let mut these = Vec::with_capacity(names.len());
+            for ((name, encoding), size) in names.into_iter().zip(&encodings).zip(sizes) {
+                let encoding = Encoding::parse(encoding).map_err(|what| {
+                    Error::invalid_input(format!(
+                        "{}: column {name:?} is encoded as {what}, which is not ingested (bytes, str, int, \
+                         uint8..float64, str_int, str_float, str_decimal, ndarray, json, jpeg, png are)",
+                        dir.display()
+                    ))
+                })?;
+                these.push(Column { name, encoding, size });
+            }
+            match &all {
+                None => all = Some(these),
+                Some(first) => {
+                    let same = first.len() == these.len()
+                        && first.iter().zip(&these).all(|(a, b)| a.name == b.name && a.encoding == b.encoding);
+                    if !same {
+                        return Err(bad(format!("shard {s} has other columns than shard 0")));
+                    }
+                }
+            }
+            let codec = match shard.get("compression").and_then(Value::as_str) {
+                None => None,
+                Some(text) => Some(match text.split(':').next().unwrap_or("") {
+                    "zstd" => Codec::Zstd,
+                    "gz" => Codec::Gzip,
+                    "snappy" => Codec::Snappy,
+                    "br" => Codec::Brotli,
+                    other => {
+                        return Err(bad(format!(
+                            "shard {s} is compressed with {other:?}: zstd, gz, snappy and br are read"
+                        )));
+                    }
+                }),
+            };
+            let raw_data = field("raw_data")?;
+            let basename = |info: &Value| info.get("basename").and_then(Value::as_str).map(|b| dir.join(b));
+            let raw = basename(raw_data).ok_or_else(|| bad(format!("shard {s}: raw_data has no basename")))?;
+            let raw_bytes = raw_data.get("bytes").and_then(Value::as_u64).unwrap_or(0);
+            let zip = match (shard.get("zip_data").filter(|z| !z.is_null()), codec) {
+                (Some(info), Some(codec)) => {
+                    Some((basename(info).ok_or_else(|| bad(format!("shard {s}: zip_data has no basename")))?, codec))
+                }
+                _ => None,
+            };
+            if !raw.is_file() && !zip.as_ref().is_some_and(|(p, _)| p.is_file()) {
+                return Err(Error::invalid_input(format!(
+                    "{}: shard {s}'s file {} is missing",
+                    dir.display(),
+                    raw.file_name().unwrap_or_default().to_string_lossy()
+                )));
+            }
+            let samples =
+                field("samples")?.as_u64().ok_or_else(|| bad(format!("shard {s}: samples is not a count")))?;
+            shards.push(ShardFile { raw, raw_bytes, zip, samples });
+        }
+        let columns = all.ok_or_else(|| bad("no shards".into()))?;
+        let mut chosen = Vec::new();
+        for name in wanted {
+            let at = columns.iter().position(|c| &c.name == name).ok_or_else(|| {
+                let names: Vec<&str> = columns.iter().map(|c| c.name.as_str()).collect();
+                Error::invalid_input(format!(
+                    "{}: no column {name:?} (its columns: {})",
+                    dir.display(),
+                    names.join(", ")
+                ))
+            })?;
+            if chosen.contains(&at) {
+                return Err(Error::invalid_input(format!("column {name:?} is named twice")));
+            }
+            chosen.push(at);
+        }
+        if chosen.is_empty() {
+            chosen = (0..columns.len()).collect();
+        }
+        let mut input = Self { dir: dir.to_owned(), columns, chosen, shards, layout: Layout::Samples };
+        input.layout = input.decide_layout()?;
+        Ok(input)
+    }
+
+    /// The layout of the records it becomes.
+    pub fn layout(&self) -> Layout {
+        self.layout.clone()
+    }
+
+    /// Samples in the index.
+    pub fn samples(&self) -> u64 {
+        self.shards.iter().map(|s| s.samples).sum()
+    }
+
+    /// Samples for several columns; for one, records of its values (an array's dtype read from
+    /// the first sample when the encoding does not fix it).
+    fn decide_layout(&self) -> Result<Layout> {
+        let &[only] = self.chosen.as_slice() else { return Ok(Layout::Samples) };
+        let column = &self.columns[only];
+        Ok(match &column.encoding {
+            Encoding::Bytes
+            | Encoding::Str
+            | Encoding::NumberText(_)
+            | Encoding::Json
+            | Encoding::Jpeg
+            | Encoding::Png => Layout::Bytes,
+            Encoding::Int => Layout::Fixed(fixed_of(Dtype::I64)?),
+            Encoding::Scalar(dtype) => Layout::Fixed(fixed_of(*dtype)?),
+            Encoding::NdArray { dtype: Some(dtype), .. } => Layout::Arrays(*dtype),
+            Encoding::NdArray { dtype: None, .. } => {
+                let first = self.shards.iter().find(|s| s.samples > 0).ok_or_else(|| {
+                    Error::invalid_input(format!("{}: no sample in the index: nothing to ingest", self.dir.display()))
+                })?;
+                let data = self.read_shard(first)?;
+                let samples = split_samples(&data, first.samples).map_err(|e| self.bad_shard(first, &e))?;
+                let values =
+                    self.values_of(samples[0]).map_err(|e| self.bad_shard(first, &format!("sample 0: {e}")))?;
+                let (dtype, _, _) = ndarray(&column.encoding, values[only]).map_err(|e| self.bad_shard(first, &e))?;
+                Layout::Arrays(dtype)
+            }
+        })
+    }
+
+    /// The decompressed bytes of `shard`: the raw file when it is there, else the compressed
+    /// one, decompressed; either is checked against the index's length.
+    fn read_shard(&self, shard: &ShardFile) -> Result<Vec<u8>> {
+        let data = if shard.raw.is_file() || shard.zip.is_none() {
+            std::fs::read(&shard.raw).map_err(|e| Error::io("read", &shard.raw, e))?
+        } else {
+            let Some((path, codec)) = &shard.zip else { return Err(self.bad_shard(shard, "no file")) };
+            let packed = std::fs::read(path).map_err(|e| Error::io("read", path, e))?;
+            decompress(*codec, &packed, shard.raw_bytes)
+                .map_err(|e| Error::invalid_input(format!("{}: cannot be decompressed: {e}", path.display())))?
+        };
+        if shard.raw_bytes != 0 && data.len() as u64 != shard.raw_bytes {
+            return Err(
+                self.bad_shard(shard, &format!("{} bytes where the index says {}", data.len(), shard.raw_bytes))
+            );
+        }
+        Ok(data)
+    }
+
+    fn bad_shard(&self, shard: &ShardFile, detail: &str) -> Error {
+        let name = shard.raw.strip_prefix(&self.dir).unwrap_or(&shard.raw);
+        Error::invalid_input(format!("{}: {}: {detail}", self.dir.display(), name.display()))
+    }
+
+    /// Each column's bytes in one sample.
+    fn values_of<'a>(&self, sample: &'a [u8]) -> std::result::Result<Vec<&'a [u8]>, String> {
+        let variable = self.columns.iter().filter(|c| c.size.is_none()).count();
+        let mut at = 4 * variable;
+        if sample.len() < at {
+            return Err(format!("{} bytes, too few for its {variable} sizes", sample.len()));
+        }
+        let mut sizes = sample[..at].chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        let mut values = Vec::with_capacity(self.columns.len());
+        for column in &self.columns {
+            let size = match column.size {
+                Some(size) => size,
+                None => sizes.next().unwrap_or(0),
+            };
+            let end = at
+                .checked_add(size as usize)
+                .filter(|&end| end <= sample.len())
+                .ok_or_else(|| format!("column {:?} runs past the sample's {} bytes", column.name, sample.len()))?;
+            values.push(&sample[at..end]);
+            at = end;
+        }
+        Ok(values)
+    }
+}
+
+/// One number of `dtype`, as a record's layout.
+fn fixed_of(dtype: Dtype) -> Result<FixedLayout> {
+    FixedLayout::new(dtype, &[1]).map_err(|e| Error::invalid_input(e.to_string()))
+}
+
+/// The samples of a shard file: its count checked against the index's, its offsets against
+/// the file.
+fn split_samples(data: &[u8], expected: u64) -> std::result::Result<Vec<&[u8]>, String> {
+    let u32_at = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let count = u32_at(0).ok_or("shorter than its header")?;
+    if u64::from(count) != expected {
+        return Err(format!("{count} samples where the index says {expected}"));
+    }
+    let count = count as usize;
+    let offsets: Vec<usize> = (0..=count)
+        .map(|i| u32_at(4 + 4 * i).map(|o| o as usize))
+        .collect::<Option<_>>()
+        .ok_or("its offsets run past its end")?;
+    let header_end = 4 + 4 * (count + 1);
+    let mut samples = Vec::with_capacity(count);
+    for (i, pair) in offsets.windows(2).enumerate() {
+        let (start, end) = (pair[0], pair[1]);
+        if start < header_end || start > end || end > data.len() {
+            return Err(format!("sample {i} at bytes {start}..{end} of {}", data.len()));
+        }
+        samples.push(&data[start..end]);
+    }
+    Ok(samples)
+}
+
+/// An `ndarray` value: its dtype, its shape and its elements' bytes.
+fn ndarray<'a>(encoding: &Encoding, value: &'a [u8]) -> std::result::Result<(Dtype, Vec<u64>, &'a [u8]), String> {
+    let Encoding::NdArray { dtype, shape } = encoding else { return Err("not an ndarray".into()) };
+    let mut at = 0;
+    let dtype = match dtype {
+        Some(dtype) => *dtype,
+        None => {
+            let code = *value.first().ok_or("an empty ndarray value")?;
+            at = 1;
+            match code {
+                8 => Dtype::U8,
+                9 => Dtype::I8,
+                16 => Dtype::U16,
+                17 => Dtype::I16,
+                18 => Dtype::F16,
+                32 => Dtype::U32,
+                33 => Dtype::I32,
+                34 => Dtype::F32,
+                64 => Dtype::U64,
+                65 => Dtype::I64,
+                66 => Dtype::F64,
+                other => return Err(format!("an ndarray of dtype code {other}")),
+            }
+        }
+    };
+    let shape = match shape {
+        Some(shape) => shape.clone(),
+        None => {
+            let byte = *value.get(at).ok_or("an ndarray value without its shape")?;
+            at += 1;
+            let (ndim, width) = (usize::from(byte >> 2), 1usize << (byte & 3));
+            let mut shape = Vec::with_capacity(ndim);
+            for d in 0..ndim {
+                let bytes = value.get(at + d * width..at + (d + 1) * width).ok_or("an ndarray's shape runs past it")?;
+                let mut word = [0u8; 8];
+                word[..width].copy_from_slice(bytes);
+                shape.push(u64::from_le_bytes(word));
+            }
+            at += ndim * width;
+            shape
+        }
+    };
+    let elements = &value[at..];
+    let expected = shape.iter().try_fold(dtype.size_bytes(), |n, &d| n.checked_mul(d));
+    if expected != Some(elements.len() as u64) {
+        return Err(format!("an ndarray of shape {shape:?} and {} bytes of elements", elements.len()));
+    }
+    Ok((dtype, shape, elements))
+}
+
+/// `packed` decompressed with `codec` (`raw_bytes`, when known, sizes the buffer).
+fn decompress(codec: Codec, packed: &[u8], raw_bytes: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut out = Vec::with_capacity(usize::try_from(raw_bytes).unwrap_or(0).min(1 << 30));
+    match codec {
+        Codec::Zstd => {
+            zstd::stream::read::Decoder::new(packed)?.read_to_end(&mut out)?;
+        }
+        Codec::Gzip => {
+            flate2::read::MultiGzDecoder::new(packed).read_to_end(&mut out)?;
+        }
+        Codec::Snappy => {
+            out = snap::raw::Decoder::new().decompress_vec(packed).map_err(std::io::Error::other)?;
+        }
+        Codec::Brotli => {
+            brotli::Decompressor::new(packed, 1 << 16).read_to_end(&mut out)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Ingests every sample of `input`, shard by shard in the index's order, as records of
+/// `input.layout()`. Returns the records ingested; an index of no sample is refused.
+pub fn records_from_mds(ingest: &mut Ingest<'_>, input: &MdsInput, progress: &dyn Progress) -> Result<u64> {
+    progress.start(input.shards.iter().map(|s| s.raw_bytes).sum());
+    let single = input.layout != Layout::Samples;
+    let mut n = 0u64;
+    let mut record = Vec::new();
+    let mut parts: Vec<Vec<u8>> = vec![Vec::new(); input.chosen.len()];
+    let names: Vec<String> = input
+        .chosen
+        .iter()
+        .map(|&c| part_name(&input.columns[c].name, input.columns[c].encoding.part_kind()))
+        .collect();
+    for shard in &input.shards {
+        let data = input.read_shard(shard)?;
+        let samples = split_samples(&data, shard.samples).map_err(|e| input.bad_shard(shard, &e))?;
+        for (i, sample) in samples.into_iter().enumerate() {
+            let bad = |detail: String| input.bad_shard(shard, &format!("sample {i}: {detail}"));
+            let values = input.values_of(sample).map_err(bad)?;
+            for (part, &c) in parts.iter_mut().zip(&input.chosen) {
+                part.clear();
+                let column = &input.columns[c];
+                value_into(column, values[c], single, &input.layout, part)
+                    .map_err(|e| bad(format!("column {:?}: {e}", column.name)))?;
+            }
+            if single {
+                ingest.push(&parts[0])?;
+            } else {
+                let key = format!("{n:012}");
+                let named: Vec<(&str, &[u8])> =
+                    names.iter().zip(&parts).map(|(name, data)| (name.as_str(), data.as_slice())).collect();
+                record.clear();
+                record.extend_from_slice(&encode_sample(&key, &named));
+                ingest.push(&record)?;
+            }
+            n += 1;
+        }
+        progress.advance(shard.raw_bytes);
+    }
+    if n == 0 {
+        return Err(Error::invalid_input(format!(
+            "{}: no sample in the index: nothing to ingest",
+            input.dir.display()
+        )));
+    }
+    Ok(n)
+}
+
+/// Appends what one column's value becomes: in a record of its own (`single`, of `layout`), or
+/// as a sample's part.
+fn value_into(
+    column: &Column,
+    value: &[u8],
+    single: bool,
+    layout: &Layout,
+    out: &mut Vec<u8>,
+) -> std::result::Result<(), String> {
+    match &column.encoding {
+        Encoding::Int | Encoding::Scalar(_) => {
+            let dtype = match column.encoding {
+                Encoding::Scalar(dtype) => dtype,
+                _ => Dtype::I64,
+            };
+            if value.len() as u64 != dtype.size_bytes() {
+                return Err(format!("{} bytes for one {dtype:?}", value.len()));
+            }
+            if single {
+                out.extend_from_slice(value);
+            } else {
+                push_number_text(dtype, value, out);
+            }
+        }
+        Encoding::NdArray { .. } => {
+            let (dtype, shape, elements) = ndarray(&column.encoding, value)?;
+            if single {
+                if *layout != Layout::Arrays(dtype) {
+                    return Err(format!("an array of {dtype:?} among arrays of another dtype"));
+                }
+                if shape.len() != 1 {
+                    return Err(format!(
+                        "an array of shape {shape:?}: arrays of more than one dimension keep their shape only in \
+                         samples (ingest without --column)"
+                    ));
+                }
+                out.extend_from_slice(elements);
+            } else if !push_npy(dtype, &shape, elements, out) {
+                return Err(format!("an array of {dtype:?}"));
+            }
+        }
+        Encoding::Bytes | Encoding::Str | Encoding::NumberText(_) | Encoding::Json | Encoding::Jpeg | Encoding::Png => {
+            out.extend_from_slice(value)
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shard file of `samples`, as MDSWriter lays it out (no config bytes between).
+    fn shard(samples: &[&[u8]]) -> Vec<u8> {
+        let mut out = (samples.len() as u32).to_le_bytes().to_vec();
+        let mut at = 4 + 4 * (samples.len() as u32 + 1);
+        out.extend_from_slice(&at.to_le_bytes());
+        for s in samples {
+            at += s.len() as u32;
+            out.extend_from_slice(&at.to_le_bytes());
+        }
+        for s in samples {
+            out.extend_from_slice(s);
+        }
+        out
+    }
+
+    #[test]
+    fn samples_split_at_their_offsets_and_bad_offsets_are_refused() {
+        let data = shard(&[b"ab", b"", b"cde"]);
+        assert_eq!(split_samples(&data, 3).unwrap(), [&b"ab"[..], b"", b"cde"]);
+        assert!(split_samples(&data, 4).unwrap_err().contains("3 samples where the index says 4"));
+        let mut past = data.clone();
+        past[8..12].copy_from_slice(&100u32.to_le_bytes());
+        assert!(split_samples(&past, 3).unwrap_err().contains("sample 0 at bytes"));
+        assert!(split_samples(&data[..10], 3).is_err());
+        assert!(split_samples(&[], 0).is_err());
+        // Every prefix and every single-byte change of a shard is a sample list or an error.
+        for cut in 0..data.len() {
+            let _ = split_samples(&data[..cut], 3);
+            for bit in 0..8 {
+                let mut flipped = data.clone();
+                flipped[cut] ^= 1 << bit;
+                let _ = split_samples(&flipped, 3);
+            }
+        }
+    }
+
+    #[test]
+    fn ndarray_values_of_each_form_are_read_and_bad_ones_refused() {
+        let dynamic = Encoding::parse("ndarray").unwrap();
+        // int32 (code 33), 2 dims of one-byte sizes (2 << 2 | 0), shape (1, 2), elements.
+        let value = [33, 8, 1, 2, 1, 0, 0, 0, 2, 0, 0, 0];
+        let (dtype, shape, elements) = ndarray(&dynamic, &value).unwrap();
+        assert_eq!((dtype, shape, elements.len()), (Dtype::I32, vec![1, 2], 8));
+        assert!(ndarray(&dynamic, &value[..11]).unwrap_err().contains("shape [1, 2]"));
+        assert!(ndarray(&dynamic, &[200, 4, 1, 0]).unwrap_err().contains("dtype code 200"));
+        assert!(ndarray(&dynamic, &[]).is_err());
+        let fixed = Encoding::parse("ndarray:uint16:2,3").unwrap();
+        assert_eq!(ndarray(&fixed, &[0; 12]).unwrap().1, [2, 3]);
+        assert!(ndarray(&fixed, &[0; 11]).is_err());
+        for bad in ["pkl", "ndarray:complex64", "ndarray:int8:0", "list[str]", "pil"] {
+            assert!(Encoding::parse(bad).is_err(), "{bad}");
+        }
+        for cut in 0..value.len() {
+            let _ = ndarray(&dynamic, &value[..cut]);
+        }
+    }
+}

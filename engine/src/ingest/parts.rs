@@ -1,0 +1,196 @@
+//! How a value of another format becomes a part of a WebDataset-style sample: named
+//! `COLUMN.EXT`, the extension saying how to decode it, as webdataset's decoders do (`npy` an
+//! array with its dtype and shape, `cls` an integer's decimal text, `txt` text, `json`, `jpg`,
+//! `png`, `bin` raw bytes), and `float` a float's decimal text (webdataset has no name for it;
+//! `granary.formats.decode` reads every one of them). Parquet's and MDS's samples are written through it, so one decoder
+//! reads both.
+//!
+//! Owns: `PartKind` (the extension of each kind of value) and the encodings of numbers and
+//! arrays (`push_number_text`, `push_npy`). Never: decides which columns a sample has (the
+//! sources do), or stores a value other than as the format held it (an array's elements keep
+//! their type; a number's text parses back to the same value).
+
+use crate::shard::Dtype;
+
+/// What a part holds, which names its extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PartKind {
+    /// Raw bytes.
+    Bytes,
+    /// UTF-8 text.
+    Text,
+    /// An integer's decimal text.
+    Integer,
+    /// A float's decimal text (the shortest that parses back to the same value).
+    Float,
+    /// A NumPy `.npy` file: dtype, shape and the elements.
+    Array,
+    /// JSON text.
+    Json,
+    /// A JPEG file.
+    Jpeg,
+    /// A PNG file.
+    Png,
+}
+
+impl PartKind {
+    /// The extension a part of this kind is named with.
+    pub(super) fn extension(self) -> &'static str {
+        match self {
+            PartKind::Bytes => "bin",
+            PartKind::Text => "txt",
+            PartKind::Integer => "cls",
+            PartKind::Float => "float",
+            PartKind::Array => "npy",
+            PartKind::Json => "json",
+            PartKind::Jpeg => "jpg",
+            PartKind::Png => "png",
+        }
+    }
+
+    /// The kind of a number of `dtype`.
+    pub(super) fn of_number(dtype: Dtype) -> Self {
+        match dtype {
+            Dtype::F16 | Dtype::Bf16 | Dtype::F32 | Dtype::F64 => PartKind::Float,
+            _ => PartKind::Integer,
+        }
+    }
+}
+
+/// The part name of column `column` holding values of `kind`.
+pub(super) fn part_name(column: &str, kind: PartKind) -> String {
+    format!("{column}.{}", kind.extension())
+}
+
+/// Appends the decimal text of the one number of `dtype` in `le` (its little-endian bytes).
+/// Returns false when `le` is not one number of `dtype`.
+pub(super) fn push_number_text(dtype: Dtype, le: &[u8], out: &mut Vec<u8>) -> bool {
+    macro_rules! text {
+        ($t:ty) => {{
+            let Ok(bytes) = <[u8; std::mem::size_of::<$t>()]>::try_from(le) else { return false };
+            out.extend_from_slice(<$t>::from_le_bytes(bytes).to_string().as_bytes());
+        }};
+    }
+    match dtype {
+        Dtype::U8 => text!(u8),
+        Dtype::I8 => text!(i8),
+        Dtype::U16 => text!(u16),
+        Dtype::I16 => text!(i16),
+        Dtype::U32 => text!(u32),
+        Dtype::I32 => text!(i32),
+        Dtype::U64 => text!(u64),
+        Dtype::I64 => text!(i64),
+        Dtype::F32 => text!(f32),
+        Dtype::F64 => text!(f64),
+        // Half floats widen exactly to f32, whose shortest text parses back to the same half.
+        Dtype::F16 => {
+            let Ok(bytes) = <[u8; 2]>::try_from(le) else { return false };
+            out.extend_from_slice(f16_to_f32(u16::from_le_bytes(bytes)).to_string().as_bytes());
+        }
+        Dtype::Bf16 => {
+            let Ok(bytes) = <[u8; 2]>::try_from(le) else { return false };
+            out.extend_from_slice(f32::from_bits(u32::from(u16::from_le_bytes(bytes)) << 16).to_string().as_bytes());
+        }
+    }
+    true
+}
+
+/// An IEEE 754 half as the f32 of the same value.
+fn f16_to_f32(bits: u16) -> f32 {
+    let sign = u32::from(bits >> 15) << 31;
+    let exponent = u32::from((bits >> 10) & 0x1f);
+    let mantissa = u32::from(bits & 0x3ff);
+    let magnitude = match (exponent, mantissa) {
+        (0, 0) => 0,
+        // Subnormal: mantissa x 2^-24, exact in f32.
+        (0, m) => (m as f32 * 2f32.powi(-24)).to_bits(),
+        (0x1f, 0) => 0x7f80_0000,
+        (0x1f, m) => 0x7f80_0000 | (m << 13),
+        (e, m) => ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(sign | magnitude)
+}
+
+/// NumPy's name of `dtype` in an `.npy` header (`<i4`, ...); bfloat16 has none.
+fn npy_descr(dtype: Dtype) -> Option<&'static str> {
+    Some(match dtype {
+        Dtype::U8 => "|u1",
+        Dtype::I8 => "|i1",
+        Dtype::U16 => "<u2",
+        Dtype::I16 => "<i2",
+        Dtype::U32 => "<u4",
+        Dtype::I32 => "<i4",
+        Dtype::U64 => "<u8",
+        Dtype::I64 => "<i8",
+        Dtype::F16 => "<f2",
+        Dtype::F32 => "<f4",
+        Dtype::F64 => "<f8",
+        Dtype::Bf16 => return None,
+    })
+}
+
+/// Appends an `.npy` file (format 1.0) of an array of `dtype` and `shape` whose elements are
+/// `le` (little-endian, C order). Returns false for a dtype NumPy has no name for.
+pub(super) fn push_npy(dtype: Dtype, shape: &[u64], le: &[u8], out: &mut Vec<u8>) -> bool {
+    let Some(descr) = npy_descr(dtype) else { return false };
+    let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
+    let shape = match dims.len() {
+        1 => format!("({},)", dims[0]),
+        _ => format!("({})", dims.join(", ")),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    // Magic (6) + version (2) + length (2) + header + '\n', padded with spaces to 64 bytes.
+    let unpadded = 10 + header.len() + 1;
+    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    header.push('\n');
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&u16::try_from(header.len()).unwrap_or(u16::MAX).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(le);
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_npy_header_is_aligned_and_names_dtype_and_shape() {
+        let mut out = Vec::new();
+        assert!(push_npy(Dtype::I32, &[3], &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0], &mut out));
+        assert_eq!(&out[..8], b"\x93NUMPY\x01\x00");
+        let len = usize::from(u16::from_le_bytes([out[8], out[9]]));
+        assert_eq!((10 + len) % 64, 0);
+        let header = std::str::from_utf8(&out[10..10 + len]).unwrap();
+        assert!(header.starts_with("{'descr': '<i4', 'fortran_order': False, 'shape': (3,), }"), "{header}");
+        assert!(header.ends_with('\n'));
+        assert_eq!(out.len(), 10 + len + 12);
+        out.clear();
+        assert!(push_npy(Dtype::U8, &[2, 2], &[1, 2, 3, 4], &mut out));
+        let len = usize::from(u16::from_le_bytes([out[8], out[9]]));
+        assert!(
+            std::str::from_utf8(&out[10..10 + len])
+                .unwrap()
+                .contains("'descr': '|u1', 'fortran_order': False, 'shape': (2, 2), }")
+        );
+        assert_eq!(&out[10 + len..], [1, 2, 3, 4]);
+        assert!(!push_npy(Dtype::Bf16, &[1], &[0, 0], &mut out));
+    }
+
+    #[test]
+    fn numbers_become_text_that_parses_back() {
+        let mut out = Vec::new();
+        assert!(push_number_text(Dtype::I64, &(-42i64).to_le_bytes(), &mut out));
+        assert_eq!(out, b"-42");
+        out.clear();
+        assert!(push_number_text(Dtype::F32, &0.1f32.to_le_bytes(), &mut out));
+        assert_eq!(out, b"0.1");
+        out.clear();
+        // 1.5 as a half: sign 0, exponent 15, mantissa 0x200.
+        assert!(push_number_text(Dtype::F16, &0x3e00u16.to_le_bytes(), &mut out));
+        assert_eq!(out, b"1.5");
+        assert!(!push_number_text(Dtype::I32, &[0, 0], &mut out));
+        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+        assert_eq!(f16_to_f32(0xfc00), f32::NEG_INFINITY);
+    }
+}

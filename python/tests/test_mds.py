@@ -1,0 +1,177 @@
+"""Mosaic Streaming's MDS directories ingest sample for sample as `StreamingDataset` yields
+them (issue 43): written by Streaming's own `MDSWriter`, for the common encodings, uncompressed
+and compressed, in several shards; one column as records of its own; unsupported encodings and
+damaged shards refused. Skipped where mosaicml-streaming is not installed (it needs torch);
+`make readme-example` runs it in the torch venv, which installs it."""
+
+import io
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import granary
+
+streaming = pytest.importorskip("streaming")
+PIL = pytest.importorskip("PIL.Image")
+
+
+@pytest.fixture
+def store(tmp_path):
+    return granary.Store(tmp_path / "store", create=True)
+
+
+def theirs(directory, tmp_path):
+    """Every sample StreamingDataset yields for the local directory, in order."""
+    os.environ.setdefault("STREAMING_SHM_PREFIX", f"granary{os.getpid()}")
+    dataset = streaming.StreamingDataset(local=directory, shuffle=False, batch_size=1)
+    try:
+        return [dataset[i] for i in range(len(dataset))]
+    finally:
+        del dataset
+        streaming.base.util.clean_stale_shared_memory()
+
+
+def ours(store, name):
+    loader = store.loader(name, batch_size=256, order="sequential", output="numpy")
+    out = []
+    for batch in loader:
+        out.extend(batch if isinstance(batch, list) else [batch])
+    return out
+
+
+def jpeg(i):
+    image = PIL.new("RGB", (8 + i % 5, 6), (i % 256, 40, 200))
+    out = io.BytesIO()
+    image.save(out, format="JPEG")
+    return PIL.open(io.BytesIO(out.getvalue()))
+
+
+COLUMNS = {
+    "tokens": "ndarray:int32",
+    "matrix": "ndarray",
+    "fixed": "ndarray:uint16:2,3",
+    "text": "str",
+    "raw": "bytes",
+    "label": "int",
+    "small": "uint8",
+    "score": "float32",
+    "wide": "float64",
+    "count": "str_int",
+    "meta": "json",
+    "image": "jpeg",
+}
+
+
+def sample(i, rng):
+    return {
+        "tokens": rng.integers(0, 50000, int(rng.integers(1, 300)), dtype=np.int32),
+        "matrix": rng.standard_normal((2, 1 + i % 4)).astype(np.float16 if i % 2 else np.float64),
+        "fixed": np.arange(6, dtype=np.uint16).reshape(2, 3) + i,
+        "text": f"document {i} ✓",
+        "raw": bytes([i % 256]) * (i % 17),
+        "label": i - 100,
+        "small": np.uint8(i % 256),
+        "score": np.float32(i / 7),
+        "wide": i / 3,
+        "count": i * 1000,
+        "meta": {"i": i, "tags": ["a", str(i)]},
+        "image": jpeg(i),
+    }
+
+
+def check_equal(granary_sample, their_sample):
+    decoded = granary.formats.decode(granary_sample, images=True)
+    assert set(decoded) - {"__key__"} == set(their_sample)
+    for column, value in their_sample.items():
+        mine = decoded[column]
+        if isinstance(value, np.ndarray):
+            assert mine.dtype == value.dtype and mine.shape == value.shape and np.array_equal(mine, value), column
+        elif column == "image":
+            assert np.array_equal(np.asarray(mine), np.asarray(value))
+        elif column in ("small", "score"):
+            assert type(value)(mine) == value, column  # the number, read back from its text in its type
+        else:
+            assert mine == value, column
+
+
+@pytest.mark.parametrize("compression", [None, "zstd", "zstd:7", "gz", "snappy", "br"])
+def test_every_sample_equals_what_streaming_dataset_yields(store, tmp_path, compression):
+    out = str(tmp_path / "mds")
+    rng = np.random.default_rng(1)
+    written = [sample(i, rng) for i in range(230)]
+    # Small shards: several files, samples in each.
+    with streaming.MDSWriter(out=out, columns=COLUMNS, compression=compression, size_limit=1 << 15) as writer:
+        for s in written:
+            writer.write(s)
+    with open(os.path.join(out, "index.json")) as f:
+        assert len(json.load(f)["shards"]) > 3
+    if compression:
+        # What a user who downloaded only the compressed shards has.
+        for name in os.listdir(out):
+            if name.endswith(".mds"):
+                os.remove(os.path.join(out, name))
+    expected = theirs(out, tmp_path)
+    committed = store.ingest_mds("mds", out)
+    assert committed["records"] == 230
+    got = ours(store, "mds")
+    assert len(got) == len(expected) == 230
+    for i, (mine, their) in enumerate(zip(got, expected)):
+        assert mine["__key__"] == f"{i:012d}"
+        check_equal(mine, their)
+
+
+def test_one_column_becomes_records_of_its_own(store, tmp_path):
+    out = str(tmp_path / "mds")
+    rng = np.random.default_rng(2)
+    written = [sample(i, rng) for i in range(120)]
+    with streaming.MDSWriter(out=out, columns=COLUMNS, compression="zstd", size_limit=1 << 14) as writer:
+        for s in written:
+            writer.write(s)
+    expected = theirs(out, tmp_path)
+    store.ingest_mds("tokens", out, columns=["tokens"])
+    assert [d["layout"] for d in store.datasets() if d["name"] == "tokens"] == ["arrays i32"]
+    loader = store.loader("tokens", batch_size=1000, order="sequential", output="numpy")
+    (data, offsets), = list(loader)
+    for k, their in enumerate(expected):
+        assert np.array_equal(data[offsets[k] : offsets[k + 1]], their["tokens"])
+    store.ingest_mds("text", out, columns=["text"])
+    (values, offsets), = list(store.loader("text", batch_size=1000, order="sequential", output="numpy"))
+    assert [values[offsets[k] : offsets[k + 1]].tobytes().decode() for k in range(120)] == [
+        s["text"] for s in expected
+    ]
+    store.ingest_mds("label", out, columns=["label"])
+    (labels,) = list(store.loader("label", batch_size=1000, order="sequential", output="numpy"))
+    assert labels.reshape(-1).tolist() == [s["label"] for s in expected]
+    with pytest.raises(granary.Error, match="more than one dimension"):
+        store.ingest_mds("matrix", out, columns=["matrix"])
+    with pytest.raises(granary.Error, match=r'no column "nope" \(its columns: count, fixed, image'):
+        store.ingest_mds("nope", out, columns=["nope"])
+
+
+def test_unsupported_encodings_and_damaged_shards_are_refused(store, tmp_path):
+    pickled = str(tmp_path / "pkl")
+    with streaming.MDSWriter(out=pickled, columns={"x": "pkl"}) as writer:
+        writer.write({"x": {"a": 1}})
+    with pytest.raises(granary.Error, match=r'column "x" is encoded as pkl'):
+        store.ingest_mds("p", pickled)
+    out = str(tmp_path / "mds")
+    with streaming.MDSWriter(out=out, columns={"t": "str"}, size_limit=1 << 12) as writer:
+        for i in range(400):
+            writer.write({"t": f"sample {i:05d} " * 3})
+    shard = os.path.join(out, "shard.00001.mds")
+    data = bytearray(open(shard, "rb").read())
+    # An offset past the end of the file.
+    data[8:12] = (len(data) + 100).to_bytes(4, "little")
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(granary.Error, match=r"shard.00001.mds: sample 0 at bytes"):
+        store.ingest_mds("d", out)
+    os.remove(shard)
+    with pytest.raises(granary.Error, match=r"shard 1's file shard.00001.mds is missing"):
+        store.ingest_mds("d", out)
+    shutil.rmtree(out)
+    with pytest.raises(granary.Error, match="index.json"):
+        store.ingest_mds("d", out)
+    assert store.datasets() == []
