@@ -73,9 +73,9 @@ python: python-env moto
 	cd $(TARGET_DIR)/py-test && PYTHONPATH=$(TARGET_DIR)/py-test GRANARY_BIN=$(TARGET_DIR)/debug/granary \
 		$(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests
 
-## The oracles of the format tests (webdataset, pyarrow, Hugging Face datasets) are pinned; the
+## The oracles of the format tests (webdataset, pyarrow, Hugging Face datasets, grain, jax) are pinned; the
 ## venv is brought up to this list whenever it changes (a stamp file names it).
-PY_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2' 'pyarrow==26.0.1' 'datasets==5.2.0'
+PY_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2' 'pyarrow==26.0.1' 'datasets==5.2.0' 'grain==0.2.18' 'jax[cpu]==0.10.2'
 PY_TEST_STAMP := $(PYVENV)/.deps-$(shell echo "$(PY_TEST_DEPS)" | cksum | cut -d' ' -f1)
 python-env:
 	@test -f $(PY_TEST_STAMP) || { { test -x $(PYVENV)/bin/pip || python3 -m venv $(PYVENV); } && \

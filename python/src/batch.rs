@@ -224,45 +224,8 @@ impl NativeBatch {
         }
         // Decoded into owned memory first: no Python object is made (no code that could run a
         // finalizer touching this batch) while the batch's lock is held.
-        type Owned = (String, Vec<(String, Vec<u8>)>);
-        let decoded: Vec<Owned> = self.held.with(|batch| {
-            let mut decoded = Vec::with_capacity(batch.len());
-            for (i, &index) in batch.indices().iter().enumerate() {
-                let record_path = || match dataset.locate(index) {
-                    Ok((shard, local)) => {
-                        let mut path = dataset.shard_path(shard).into_os_string();
-                        path.push(format!(" (record {local})"));
-                        PathBuf::from(path)
-                    }
-                    Err(_) => PathBuf::from(format!("record {index}")),
-                };
-                let sample = Sample::decode(batch.record(i))
-                    .map_err(|source| to_py(granary::Error::Format { path: record_path(), source }))?;
-                // Ingest refuses these; a store written before it did may hold them.
-                for (k, (name, _)) in sample.parts.iter().enumerate() {
-                    if *name == "__key__" || sample.parts[..k].iter().any(|(other, _)| other == name) {
-                        return Err(invalid(format!(
-                            "{}: sample {} has a part named {name:?} twice or one named \"__key__\"",
-                            record_path().display(),
-                            sample.key
-                        )));
-                    }
-                }
-                let parts = sample.parts.iter().map(|(name, bytes)| ((*name).to_owned(), bytes.to_vec())).collect();
-                decoded.push((sample.key.to_owned(), parts));
-            }
-            Ok::<_, PyErr>(decoded)
-        })?;
-        let out = PyList::empty(py);
-        for (key, parts) in decoded {
-            let dict = PyDict::new(py);
-            dict.set_item("__key__", key)?;
-            for (name, bytes) in parts {
-                dict.set_item(name, PyBytes::new(py, &bytes))?;
-            }
-            out.append(dict)?;
-        }
-        Ok(out)
+        let decoded = self.held.with(|batch| decode_samples(dataset, batch.indices(), &|i| batch.record(i)))?;
+        samples_to_py(py, decoded)
     }
 
     /// Where each record starts and ends in `data`, in its elements (bytes, but for arrays):
@@ -315,4 +278,57 @@ impl NativeBatch {
     fn device(&self) -> String {
         if self.device.0 == DEVICE_CUDA { format!("cuda:{}", self.device.1) } else { "cpu".to_owned() }
     }
+}
+
+/// A sample decoded into owned memory: its key and its parts (name, bytes).
+pub(crate) type OwnedSample = (String, Vec<(String, Vec<u8>)>);
+
+/// The records `record(0..)` of `dataset` (its records `indices`) decoded as WebDataset samples.
+/// A record that does not decode (it passed its checksum, so it was written wrong) is a
+/// `CorruptionError` naming its shard and place; a part named twice or `__key__` is refused.
+pub(crate) fn decode_samples<'a>(
+    dataset: &Dataset,
+    indices: &[u64],
+    record: &dyn Fn(usize) -> &'a [u8],
+) -> PyResult<Vec<OwnedSample>> {
+    let mut decoded = Vec::with_capacity(indices.len());
+    for (i, &index) in indices.iter().enumerate() {
+        let record_path = || match dataset.locate(index) {
+            Ok((shard, local)) => {
+                let mut path = dataset.shard_path(shard).into_os_string();
+                path.push(format!(" (record {local})"));
+                PathBuf::from(path)
+            }
+            Err(_) => PathBuf::from(format!("record {index}")),
+        };
+        let sample = Sample::decode(record(i))
+            .map_err(|source| to_py(granary::Error::Format { path: record_path(), source }))?;
+        // Ingest refuses these; a store written before it did may hold them.
+        for (k, (name, _)) in sample.parts.iter().enumerate() {
+            if *name == "__key__" || sample.parts[..k].iter().any(|(other, _)| other == name) {
+                return Err(invalid(format!(
+                    "{}: sample {} has a part named {name:?} twice or one named \"__key__\"",
+                    record_path().display(),
+                    sample.key
+                )));
+            }
+        }
+        let parts = sample.parts.iter().map(|(name, bytes)| ((*name).to_owned(), bytes.to_vec())).collect();
+        decoded.push((sample.key.to_owned(), parts));
+    }
+    Ok(decoded)
+}
+
+/// Decoded samples as Python dicts: the key under `"__key__"`, each part's bytes under its name.
+pub(crate) fn samples_to_py(py: Python<'_>, decoded: Vec<OwnedSample>) -> PyResult<Bound<'_, PyList>> {
+    let out = PyList::empty(py);
+    for (key, parts) in decoded {
+        let dict = PyDict::new(py);
+        dict.set_item("__key__", key)?;
+        for (name, bytes) in parts {
+            dict.set_item(name, PyBytes::new(py, &bytes))?;
+        }
+        out.append(dict)?;
+    }
+    Ok(out)
 }

@@ -16,6 +16,7 @@ mod loader;
 mod loader_args;
 mod source;
 mod metrics;
+mod records;
 mod store;
 
 use pyo3::prelude::*;
@@ -36,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batch::NativeBatch>()?;
     m.add_class::<dlpack::Exported>()?;
     m.add_class::<metrics::MetricsEndpoint>()?;
+    m.add_class::<records::RecordReader>()?;
     m.add("Error", py.get_type::<errors::Error>())?;
     m.add("CorruptionError", py.get_type::<errors::CorruptionError>())?;
     m.add("NotFoundError", py.get_type::<errors::NotFoundError>())?;
