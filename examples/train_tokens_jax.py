@@ -18,7 +18,6 @@ import math
 import os
 import tempfile
 
-import grain  # noqa: F401  (granary.grain needs it; imported first so a missing one says so here)
 import jax
 import jax.numpy as jnp
 import numpy as np
