@@ -28,7 +28,7 @@ use arrow_array::types::{
     Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type,
     UInt32Type, UInt64Type,
 };
-use arrow_array::{Array, RecordBatch};
+use arrow_array::{Array, ArrowPrimitiveType, RecordBatch};
 use arrow_schema::DataType;
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
@@ -330,11 +330,17 @@ fn append(array: &dyn Array, kind: Kind, row: usize, text: bool, out: &mut Vec<u
 fn numbers(array: &dyn Array, dtype: Dtype, range: std::ops::Range<usize>, text: bool, out: &mut Vec<u8>) {
     macro_rules! put {
         ($arrow:ty) => {{
-            let values = &array.as_primitive::<$arrow>().values()[range];
+            let buffer = array.as_primitive::<$arrow>().values();
+            let values = &buffer[range.clone()];
             if text {
                 for value in values {
                     out.extend_from_slice(value.to_string().as_bytes());
                 }
+            } else if cfg!(target_endian = "little") {
+                // Arrow's buffers are in the machine's order, which here is the records'
+                // little-endian: the elements' bytes are copied as one run.
+                let width = std::mem::size_of::<<$arrow as ArrowPrimitiveType>::Native>();
+                out.extend_from_slice(&buffer.inner().as_slice()[range.start * width..range.end * width]);
             } else {
                 for value in values {
                     out.extend_from_slice(&value.to_le_bytes());
