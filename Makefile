@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 15
 
-.PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc plugins python python-env readme-example gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc plugins wheel python python-env readme-example gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
 
 # Where cargo builds: CARGO_TARGET_DIR when set (the scripts follow it too), target/ otherwise.
 TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),target))
@@ -58,19 +58,27 @@ plugins:
 	cd plugins && $(CARGO) clippy --workspace --release --locked --target-dir $(TARGET_DIR)/plugins -- -D warnings
 	cd plugins && $(CARGO) test --workspace --locked --target $$(rustc -vV | sed -n 's/^host: //p') --target-dir $(TARGET_DIR)/plugins-native
 
-## The Python bindings' pytest suite (NumPy only; the torch tests skip without torch; the
-## replication test runs the `granary` binary the build makes for the Rust tests), run on
-## the package assembled in target/py-test around the extension as cargo builds it beside the
-## tests: `--lib --tests` unifies features as `cargo test` does, so after `unit` only the
-## extension itself is compiled (maturin builds the one package alone, with other features,
-## and would rebuild the engine). `pip install ./python` is the packaged build.
+## The Python package as users install it: `make wheel` builds the wheel once (maturin, release,
+## stripped, abi3), checks it with auditwheel, and the Python suites below install it into their
+## virtual environments and run from outside the source tree, so the tests exercise the installed
+## package (its console script `granary` included), not python/granary.
+WHEEL_VENV := $(TARGET_DIR)/wheel-venv
+WHEELS := $(TARGET_DIR)/wheels
+wheel:
+	@test -x $(WHEEL_VENV)/bin/maturin || { python3 -m venv $(WHEEL_VENV) && \
+		$(WHEEL_VENV)/bin/pip install -q 'maturin==1.16.0' 'auditwheel==6.8.2'; }
+	rm -rf $(WHEELS)
+	cd python && $(WHEEL_VENV)/bin/maturin build --release --locked --out $(WHEELS)
+	$(WHEEL_VENV)/bin/auditwheel show $(WHEELS)/granary-*.whl | tee $(WHEELS)/auditwheel.txt
+	@tr '\n' ' ' < $(WHEELS)/auditwheel.txt | grep -q 'platform tag: "manylinux_' || \
+		{ echo "wheel: auditwheel finds no manylinux tag"; exit 1; }
+
+## The Python bindings' pytest suite (NumPy, pyarrow, grain, jax; the torch tests skip without
+## torch), on the installed wheel; the replication test runs its console script.
 PYVENV := $(TARGET_DIR)/py-venv
-python: python-env moto
-	$(CARGO) build --workspace --lib --tests --locked
-	rm -rf $(TARGET_DIR)/py-test && mkdir -p $(TARGET_DIR)/py-test/granary
-	cp python/granary/*.py $(TARGET_DIR)/py-test/granary/
-	cp $(TARGET_DIR)/debug/lib_native.so $(TARGET_DIR)/py-test/granary/_native.abi3.so
-	cd $(TARGET_DIR)/py-test && PYTHONPATH=$(TARGET_DIR)/py-test GRANARY_BIN=$(TARGET_DIR)/debug/granary \
+python: python-env moto wheel
+	$(PYVENV)/bin/pip install -q --force-reinstall --no-deps $(WHEELS)/granary-*.whl
+	cd $(TARGET_DIR) && GRANARY_BIN=$(PYVENV)/bin/granary GRANARY_TEST_INSTALLED=1 \
 		$(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests
 
 ## The oracles of the format tests (webdataset, pyarrow, Hugging Face datasets, grain, jax) are pinned; the
@@ -91,7 +99,8 @@ TORCH_TEST_STAMP := $(TORCH_VENV)/.deps-$(shell echo "$(TORCH_TEST_DEPS)" | cksu
 readme-example: python
 	@test -f $(TORCH_TEST_STAMP) || { { test -x $(TORCH_VENV)/bin/pip || python3 -m venv $(TORCH_VENV); } && \
 		$(TORCH_VENV)/bin/pip install -q $(TORCH_TEST_DEPS) && touch $(TORCH_TEST_STAMP); }
-	cd $(TARGET_DIR)/py-test && PYTHONPATH=$(TARGET_DIR)/py-test \
+	$(TORCH_VENV)/bin/pip install -q --force-reinstall --no-deps $(WHEELS)/granary-*.whl
+	cd $(TARGET_DIR) && GRANARY_TEST_INSTALLED=1 \
 		$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_readme.py \
 		$(CURDIR)/python/tests/test_torch.py $(CURDIR)/python/tests/test_mds.py
 
@@ -109,8 +118,7 @@ fake-cuda:
 
 gpu-fake: fake-cuda python
 	LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 FAKE_CUDA_DEVICES=2 $(CARGO) test --locked --test gpu --test loader -- --include-ignored
-	cd $(TARGET_DIR)/py-test && LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_DELAY_US=5000 \
-		PYTHONPATH=$(TARGET_DIR)/py-test \
+	cd $(TARGET_DIR) && LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_DELAY_US=5000 \
 		$(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_cuda.py
 
 ## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces

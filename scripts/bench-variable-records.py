@@ -2,7 +2,7 @@
 
 Usage: python scripts/bench-variable-records.py PACKAGE_DIR STORE RUNS
 
-PACKAGE_DIR holds the `granary` package to measure (target/py-test after `make python`). STORE
+PACKAGE_DIR holds the `granary` package to measure (a venv's site-packages after `make python`). STORE
 is made on first use: 1 GiB of random documents of 512-7680 bytes (mean 4 KiB) as dataset
 `docs`. Each run drops the page cache (root only) and drains one epoch in batches of 256 (about
 1 MiB) through the engine loader alone (`drain`: no Python per batch), memory tier off, no verify

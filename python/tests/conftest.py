@@ -1,9 +1,20 @@
-"""Fixtures the test files share: a store, and a dataset of u16 token records in it."""
+"""Fixtures the test files share: a store, and a dataset of u16 token records in it.
+
+With GRANARY_TEST_INSTALLED set (`make python` sets it), the suite refuses to run on anything
+but an installed package: what users install is what is tested."""
+
+import os
 
 import numpy as np
 import pytest
 
 import granary
+
+if os.environ.get("GRANARY_TEST_INSTALLED"):
+    _source = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "granary"))
+    _imported = os.path.realpath(os.path.dirname(granary.__file__))
+    if _imported == _source or "site-packages" not in _imported:
+        raise RuntimeError(f"GRANARY_TEST_INSTALLED: granary was imported from {_imported}, not an installed wheel")
 
 RECORD = 64  # u16 tokens per record
 

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -204,6 +205,11 @@ def test_cuda_after_a_fork_is_refused_with_the_remedy_and_host_loading_still_wor
     started = granary._native.Loader(store._native, "tokens", 4, device="cuda")
     started.begin_epoch()
     assert started.next_batch().data().__dlpack_device__()[0] == 2
+    # The loader's threads read the epoch's rest meanwhile; fork once they are done. A fork while
+    # one of them is inside a lock can leave the child that lock held for good (README: fork
+    # before starting a loader, or use 'spawn'); once in the whole suite on the installed wheel
+    # the child hung here for the join's 60 s.
+    time.sleep(0.5)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_in_forked_child, args=(started, str(tmp_path / "store"), queue))
