@@ -16,11 +16,6 @@ from conftest import write_megatron
 grain = pytest.importorskip("grain")
 
 
-@pytest.fixture
-def store(tmp_path):
-    return granary.Store(tmp_path / "store", create=True)
-
-
 def documents(n, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 50000, int(rng.integers(1, 100)), dtype=np.uint16) for _ in range(n)]

@@ -18,11 +18,6 @@ streaming = pytest.importorskip("streaming")
 PIL = pytest.importorskip("PIL.Image")
 
 
-@pytest.fixture
-def store(tmp_path):
-    return granary.Store(tmp_path / "store", create=True)
-
-
 def theirs(directory, tmp_path):
     """Every sample StreamingDataset yields for the local directory, in order."""
     os.environ.setdefault("STREAMING_SHM_PREFIX", f"granary{os.getpid()}")

@@ -12,11 +12,6 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 
-@pytest.fixture
-def store(tmp_path):
-    return granary.Store(tmp_path / "store", create=True)
-
-
 def rows_of(store, name):
     """Every record of `name`, in order, as Python values: bytes, lists of numbers, or dicts."""
     loader = store.loader(name, batch_size=1000, order="sequential", output="numpy")

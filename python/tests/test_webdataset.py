@@ -51,11 +51,6 @@ def from_granary(store, name, inputs):
     return out
 
 
-@pytest.fixture
-def store(tmp_path):
-    return granary.Store(tmp_path / "store", create=True)
-
-
 CASES = {
     "plain": [("000.jpg", b"j0"), ("000.cls", b"0"), ("001.jpg", b"j1"), ("001.cls", b"1")],
     "dot-slash prefixes": [("./000.jpg", b"j0"), ("./000.txt", b"t0"), ("./001.jpg", b"j1")],
