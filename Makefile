@@ -91,10 +91,10 @@ python-env:
 
 ## The README's Python example, run as written with torch installed (PyPI's build; no GPU
 ## needed), the torch tests, and the format tests whose oracles need torch (Mosaic Streaming's
-## MDSWriter and StreamingDataset), in a venv of their own: with torch present batches are
+## MDSWriter and StreamingDataset, LitData's optimize and StreamingDataset), in a venv of their own: with torch present batches are
 ## tensors, and the suite above runs on NumPy alone.
 TORCH_VENV := $(TARGET_DIR)/torch-venv
-TORCH_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'torch==2.15.0' 'mosaicml-streaming==0.13.0'
+TORCH_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'torch==2.15.0' 'mosaicml-streaming==0.13.0' 'litdata==0.2.76'
 TORCH_TEST_STAMP := $(TORCH_VENV)/.deps-$(shell echo "$(TORCH_TEST_DEPS)" | cksum | cut -d' ' -f1)
 readme-example: python
 	@test -f $(TORCH_TEST_STAMP) || { { test -x $(TORCH_VENV)/bin/pip || python3 -m venv $(TORCH_VENV); } && \
@@ -102,7 +102,7 @@ readme-example: python
 	$(TORCH_VENV)/bin/pip install -q --force-reinstall --no-deps $(WHEELS)/granary-*.whl
 	cd $(TARGET_DIR) && GRANARY_TEST_INSTALLED=1 \
 		$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_readme.py \
-		$(CURDIR)/python/tests/test_torch.py $(CURDIR)/python/tests/test_mds.py
+		$(CURDIR)/python/tests/test_torch.py $(CURDIR)/python/tests/test_mds.py $(CURDIR)/python/tests/test_litdata.py
 
 ## The GPU path on a machine without a GPU: the GPU tests (Rust and Python) against
 ## tests/fake-cuda, a strict stand-in for the CUDA driver (libcuda.so.1) that runs each stream's

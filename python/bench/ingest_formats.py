@@ -8,6 +8,9 @@ same data, in the same run.
   mds      the same documents written by Mosaic's MDSWriter (ndarray:int32 and str columns,
            zstd), by `granary ingest mds` against StreamingDataset iterating every sample of
            the local directory (only when mosaicml-streaming is installed)
+  litdata  the same documents through litdata.optimize (a dict of a NumPy array and a str, zstd),
+           by `granary ingest litdata` against LitData's StreamingDataset iterating every item
+           (only when litdata is installed)
 
 Rounds alternate the sides once every file is in the page cache; each round's ratios are taken
 within the round and the medians printed as one JSON line (ratio = granary time / theirs:
@@ -38,6 +41,12 @@ def documents(mib: int, seed: int):
         docs.append(rng.integers(0, 50000, n, dtype=np.int32))
         size += 4 * n
     return docs
+
+
+def _lit_item(pair: tuple) -> dict:
+    # litdata.optimize calls this in a worker process of its own, with one input.
+    i, doc = pair
+    return {"input_ids": doc, "text": f"d{i}"}
 
 
 def timed(fn) -> float:
@@ -100,6 +109,26 @@ def main() -> None:
         sides["streaming_read"] = streaming_read
     except ImportError:
         pass
+    lit_dir = os.path.join(args.dir, "litdata")
+    try:
+        if args.skip_mds:
+            raise ImportError
+        import litdata
+
+        shutil.rmtree(lit_dir, ignore_errors=True)
+        litdata.optimize(
+            fn=_lit_item, inputs=list(enumerate(docs)), output_dir=lit_dir, chunk_bytes="64MB", num_workers=1,
+            compression="zstd",
+        )
+
+        def litdata_read() -> None:
+            for _ in litdata.StreamingDataset(input_dir=lit_dir):
+                pass
+
+        sides["granary_litdata"] = lambda: granary_ingest(args.granary, root, ["litdata", "--name", "l", lit_dir])
+        sides["litdata_read"] = litdata_read
+    except ImportError:
+        pass
     for fn in sides.values():  # warm: every file in the page cache
         fn()
     rounds = {name: [] for name in sides}
@@ -119,6 +148,10 @@ def main() -> None:
             statistics.median(g / p for g, p in zip(rounds["granary"], rounds["pyarrow_rows"])), 2
         ),
     }
+    if "granary_litdata" in rounds:
+        result["litdata_vs_streaming_read"] = round(
+            statistics.median(g / s for g, s in zip(rounds["granary_litdata"], rounds["litdata_read"])), 2
+        )
     if "granary_mds" in rounds:
         result["mds_vs_streaming_read"] = round(
             statistics.median(g / s for g, s in zip(rounds["granary_mds"], rounds["streaming_read"])), 2

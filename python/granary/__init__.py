@@ -309,6 +309,32 @@ class Store:
             progress=progress,
         )
 
+    def ingest_litdata(
+        self,
+        name: str,
+        dir: PathLike,
+        *,
+        columns: Optional[Sequence[str]] = None,
+        mode: Optional[str] = None,
+        replace: bool = False,
+        shard_bytes: Optional[int] = None,
+        progress: Union[bool, Callable[[int, int], None], None] = None,
+    ) -> Dict[str, Any]:
+        """A LitData optimized directory (what `litdata.optimize` writes with its default item
+        loader, zstd-compressed or not): one record per item, in order. With one leaf
+        (`columns=["tokens"]`, a dict's key): 1-D arrays become arrays of their dtype, str and
+        bytes byte records, int and float records of one number. Otherwise (default: every leaf)
+        each item is a dict of parts named `LEAF.EXT`, as `ingest_mds` names them
+        (`granary.formats.decode` turns one into Python values)."""
+        return self._native.ingest_litdata(
+            name,
+            os.fspath(dir),
+            columns=None if columns is None else [str(c) for c in columns],
+            mode=_mode(mode, replace),
+            shard_bytes=_shard_bytes(shard_bytes),
+            progress=progress,
+        )
+
     def loader(self, dataset: Union[str, Sequence[Tuple[str, float]]], batch_size: int, **options: Any) -> "Loader":
         """A `Loader` of `dataset` (see `Loader` for the options)."""
         return Loader(self, dataset, batch_size, **options)

@@ -1,4 +1,4 @@
-"""Samples ingested from other formats (Parquet's and MDS's several columns), decoded to Python
+"""Samples ingested from other formats (Parquet's, MDS's and LitData's several columns), decoded to Python
 values by the extension of each part's name, as webdataset's decoders do:
 
   COLUMN.npy    a NumPy array (dtype and shape kept)      COLUMN.cls    an int

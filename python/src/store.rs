@@ -322,6 +322,32 @@ impl Store {
         })
     }
 
+    /// Ingests a LitData optimized directory (`index.json` and its chunks, as `litdata.optimize`
+    /// writes them with its default item loader, zstd-compressed or not) as a new version of
+    /// dataset `name`: one record per item, in order. With one of `columns` (a dict's key): 1-D
+    /// arrays become array records of their dtype; `str`/`bytes` byte records; `int`/`float`
+    /// records of one number. Otherwise (default: every leaf) samples of parts named `LEAF.EXT`.
+    /// A serializer that is not ingested (`pickle`, images, video) is refused, naming it. The GIL
+    /// is released while it runs. Returns what was committed (see `ingest_files`).
+    #[pyo3(signature = (name, dir, *, columns = None, mode = "new", shard_bytes = None, progress = None))]
+    #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+    fn ingest_litdata<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        dir: PathBuf,
+        columns: Option<Vec<String>>,
+        mode: &str,
+        shard_bytes: Option<u64>,
+        progress: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let columns = columns.unwrap_or_default();
+        let input = py.detach(|| sources::LitDataInput::open(&dir, &columns)).map_err(to_py)?;
+        self.ingest_detached(py, name, input.layout(), options_of(mode, shard_bytes)?, progress, |ingest, report| {
+            sources::records_from_litdata(ingest, &input, report).map(drop)
+        })
+    }
+
     /// Ingests WebDataset tar files (a path or a list) as a new version of dataset `name`: the
     /// entries that share a key form one sample, stored as one record. The GIL is released while
     /// it runs. Returns what was committed (see `ingest_files`).

@@ -238,6 +238,20 @@ enum IngestCommand {
         /// The directory holding index.json.
         dir: PathBuf,
     },
+    /// A LitData optimized directory (index.json + chunk-*.bin, as litdata.optimize writes it
+    /// with its default item loader): one record per item, in order. One leaf (--column, a
+    /// dict's key) of 1-D arrays makes array records of their dtype; of str or bytes, byte
+    /// records; of int or float, records of one number. Otherwise samples of parts named
+    /// LEAF.EXT (arrays as .npy, numbers as decimal text).
+    Litdata {
+        #[command(flatten)]
+        common: IngestArgs,
+        /// A leaf to ingest (repeat for several; default: every leaf, as samples).
+        #[arg(long = "column")]
+        columns: Vec<String>,
+        /// The directory holding index.json.
+        dir: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -413,6 +427,7 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     let mut megatron = None;
     let mut parquet = None;
     let mut mds = None;
+    let mut litdata = None;
     let mut tar_paths = Vec::new();
     let (common, layout) = match &command {
         IngestCommand::Records { common, record_bytes, dtype, shape, .. } => {
@@ -442,6 +457,12 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
             mds = Some(input);
             (common, layout)
         }
+        IngestCommand::Litdata { common, columns, dir } => {
+            let input = ingest::LitDataInput::open(dir, columns)?;
+            let layout = input.layout();
+            litdata = Some(input);
+            (common, layout)
+        }
     };
     let name = DatasetName::new(&common.name)?;
     // What replicating afterwards needs is checked before anything is ingested: a failure
@@ -468,7 +489,8 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         IngestCommand::Files { .. }
         | IngestCommand::Megatron { .. }
         | IngestCommand::Parquet { .. }
-        | IngestCommand::Mds { .. } => {}
+        | IngestCommand::Mds { .. }
+        | IngestCommand::Litdata { .. } => {}
     }
     // A typo in --root would otherwise make a new empty store without a word.
     let created = StorePaths::new(&root).check().is_err();
@@ -499,6 +521,10 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         IngestCommand::Mds { .. } => {
             let input = mds.as_ref().context("the index was read above")?;
             ingest::records_from_mds(&mut session, input, &bar)?;
+        }
+        IngestCommand::Litdata { .. } => {
+            let input = litdata.as_ref().context("the index was read above")?;
+            ingest::records_from_litdata(&mut session, input, &bar)?;
         }
     }
     let committed = session.commit().map_err(|e| match e {

@@ -4,8 +4,8 @@
 //! target size, each finished shard is synced, published and cataloged at once, so memory stays
 //! bounded whatever the dataset size) and the sources in `sources` (fixed-size record files,
 //! directory trees, WebDataset tars), `megatron` (Megatron-LM indexed datasets), and behind the
-//! `formats` feature `parquet` (Parquet files) and `mds` (Mosaic Streaming's MDS), whose samples
-//! are named as `parts` names them. Commit order, the crash-safety contract: shard files durable
+//! `formats` feature `parquet` (Parquet files), `mds` (Mosaic Streaming's MDS) and `litdata`
+//! (LitData's optimized chunks), whose samples are named as `parts` names them. Commit order, the crash-safety contract: shard files durable
 //! -> shard entries -> manifest file durable -> manifest entry -> catalog flush -> ref history
 //! line durable -> ref file durable -> dataset entry -> catalog flush. A crash at any point leaves
 //! the previous version current and no partial file visible; published but unreferenced files
@@ -16,6 +16,8 @@
 //! shard and the shard files it newly published (not those it found already stored). Never:
 //! reads records back (the read path does) or decides placement.
 
+#[cfg(feature = "formats")]
+mod litdata;
 #[cfg(feature = "formats")]
 mod mds;
 mod megatron;
@@ -31,6 +33,8 @@ use std::path::PathBuf;
 
 #[cfg(feature = "formats")]
 pub use self::parquet::{Nulls, ParquetIngested, ParquetInput, records_from_parquet};
+#[cfg(feature = "formats")]
+pub use litdata::{LitDataInput, records_from_litdata};
 #[cfg(feature = "formats")]
 pub use mds::{MdsInput, records_from_mds};
 pub use megatron::{MegatronIndex, records_from_megatron};

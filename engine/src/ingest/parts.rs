@@ -2,7 +2,7 @@
 //! `COLUMN.EXT`, the extension saying how to decode it, as webdataset's decoders do (`npy` an
 //! array with its dtype and shape, `cls` an integer's decimal text, `txt` text, `json`, `jpg`,
 //! `png`, `bin` raw bytes), and `float` a float's decimal text (webdataset has no name for it;
-//! `granary.formats.decode` reads every one of them). Parquet's and MDS's samples are written through it, so one decoder
+//! `granary.formats.decode` reads every one of them). Parquet's, MDS's and LitData's samples are written through it, so one decoder
 //! reads both.
 //!
 //! Owns: `PartKind` (the extension of each kind of value) and the encodings of numbers and

@@ -1,0 +1,642 @@
+//! LitData's optimized directories (what `litdata.optimize` writes with its default item
+//! loader: `index.json` and `chunk-*.bin`) as an ingest source: one record per item, chunk by
+//! chunk in the index's order.
+//!
+//! A chunk is `u32` item count, `count + 1` `u32` offsets from the file's start, then the items;
+//! zstd-compressed, it is the whole file (`compression_level` "chunk", `*.zstd.bin`), every
+//! item its own frame ("sample"), or frames of `K` items behind an `LDFZ01` directory ("batch",
+//! the default for zstd). An item is one `u32` size per leaf of the item's tree (`data_spec`),
+//! then each leaf's bytes, as its serializer (`data_format`) wrote them. What an item becomes:
+//! with one leaf chosen, a 1-D array makes array records of its dtype, `str`/`bytes` byte
+//! records, `int`/`float` records of one number; otherwise a sample of parts named
+//! `LEAF.EXT` as `parts.rs` names them (a dict's keys, a tuple's or list's positions).
+//!
+//! Owns: `LitDataInput` (the index read and checked: its item loader, the tree's leaves, known
+//! serializers and compressions, every chunk present) and `records_from_litdata`. Never:
+//! unpickles (`pickle` is refused), decodes an image or a video (those serializers are refused,
+//! naming them), or takes an item whose offsets or sizes run outside its chunk.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::Ingest;
+use super::parts::{PartKind, part_name, push_npy, push_number_text};
+use super::sources::Progress;
+use crate::error::{Error, Result};
+use crate::shard::{Dtype, FixedLayout, Layout, encode_sample};
+
+/// How one leaf was serialized (`data_format`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Serializer {
+    /// `str`: UTF-8.
+    Str,
+    /// `bytes`.
+    Bytes,
+    /// `int`: an int64.
+    Int,
+    /// `float`: a float64.
+    Float,
+    /// `bool`: one byte.
+    Bool,
+    /// `no_header_numpy:I` / `no_header_tensor:I`: a 1-D array of one dtype.
+    Flat(Dtype),
+    /// `numpy`: dtype index, rank and dims as `u32`, then the elements.
+    Numpy,
+    /// `tensor`: dtype index and rank as big-endian `u32`, the dims likewise, then the elements.
+    Tensor,
+}
+
+impl Serializer {
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        let (name, arg) = match text.split_once(':') {
+            Some((name, arg)) => (name, Some(arg)),
+            None => (text, None),
+        };
+        let index = || arg.and_then(|a| a.parse::<u32>().ok()).ok_or_else(|| text.to_owned());
+        Ok(match name {
+            "str" => Serializer::Str,
+            "bytes" => Serializer::Bytes,
+            "int" => Serializer::Int,
+            "float" => Serializer::Float,
+            "bool" => Serializer::Bool,
+            "no_header_numpy" => Serializer::Flat(numpy_dtype(index()?).ok_or_else(|| text.to_owned())?),
+            "no_header_tensor" => Serializer::Flat(torch_dtype(index()?).ok_or_else(|| text.to_owned())?),
+            "numpy" => Serializer::Numpy,
+            "tensor" => Serializer::Tensor,
+            "pickle" => return Err("pickle (it runs code when it is read)".into()),
+            _ => return Err(text.to_owned()),
+        })
+    }
+
+    fn part_kind(&self) -> PartKind {
+        match self {
+            Serializer::Str => PartKind::Text,
+            Serializer::Bytes => PartKind::Bytes,
+            Serializer::Int | Serializer::Bool => PartKind::Integer,
+            Serializer::Float => PartKind::Float,
+            Serializer::Flat(_) | Serializer::Numpy | Serializer::Tensor => PartKind::Array,
+        }
+    }
+}
+
+/// NumPy's types in LitData's order of them (`_NUMPY_SCTYPES`).
+fn numpy_dtype(index: u32) -> Option<Dtype> {
+    Some(match index {
+        0 => Dtype::I8,
+        1 => Dtype::I16,
+        2 => Dtype::I32,
+        3 => Dtype::I64,
+        4 => Dtype::U8,
+        5 => Dtype::U16,
+        6 => Dtype::U32,
+        7 => Dtype::U64,
+        8 => Dtype::F16,
+        9 => Dtype::F32,
+        10 => Dtype::F64,
+        _ => return None,
+    })
+}
+
+/// torch's types by LitData's index of them (`_TORCH_DTYPES_MAPPING`).
+fn torch_dtype(index: u32) -> Option<Dtype> {
+    Some(match index {
+        0 | 1 => Dtype::F32,
+        2 | 3 => Dtype::F64,
+        8 | 9 => Dtype::F16,
+        10 => Dtype::Bf16,
+        11 => Dtype::U8,
+        12 => Dtype::I8,
+        13 | 14 => Dtype::I16,
+        15 | 16 => Dtype::I32,
+        17 | 18 => Dtype::I64,
+        20 => Dtype::U16,
+        _ => return None,
+    })
+}
+
+/// How the chunks are compressed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Packing {
+    None,
+    /// The whole file is one zstd stream.
+    Chunk,
+    /// Each item's bytes are a zstd frame.
+    Sample,
+    /// `LDFZ01`: frames of items behind a directory.
+    Batch,
+}
+
+/// A chunk of the index.
+#[derive(Debug)]
+struct Chunk {
+    path: PathBuf,
+    items: u64,
+    bytes: u64,
+    /// A whole-file zstd chunk found already decompressed.
+    unpacked: bool,
+}
+
+/// A LitData directory to ingest, its index read and checked.
+#[derive(Debug)]
+pub struct LitDataInput {
+    dir: PathBuf,
+    /// Each leaf's name (a dict's key, a sequence's position; empty for an item that is one
+    /// leaf) and serializer, in `data_format`'s order.
+    leaves: Vec<(String, Serializer)>,
+    chosen: Vec<usize>,
+    packing: Packing,
+    chunks: Vec<Chunk>,
+    layout: Layout,
+}
+
+impl LitDataInput {
+    /// The LitData directory `dir` (`dir/index.json`), its leaves `wanted` (none: every leaf).
+    pub fn open(dir: &Path, wanted: &[String]) -> Result<Self> {
+        let index_path = dir.join("index.json");
+        let bad = |detail: String| Error::invalid_input(format!("{}: {detail}", index_path.display()));
+        let text = std::fs::read(&index_path).map_err(|e| Error::io("read", &index_path, e))?;
+        let index: Value = serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let config = index.get("config").ok_or_else(|| bad("no config".into()))?;
+        match config.get("item_loader").and_then(Value::as_str) {
+            None | Some("PyTreeLoader") => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "items written for LitData's {other}: only its default item loader (PyTreeLoader) is ingested"
+                )));
+            }
+        }
+        if config.get("encryption").is_some_and(|e| !e.is_null()) {
+            return Err(bad("the chunks are encrypted".into()));
+        }
+        let formats: Vec<String> = config
+            .get("data_format")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_owned)).collect())
+            .ok_or_else(|| bad("data_format is not a list of names".into()))?;
+        let names = leaf_names(config.get("data_spec").and_then(Value::as_str).unwrap_or(""))
+            .map_err(|e| bad(format!("data_spec: {e}")))?;
+        if names.len() != formats.len() {
+            return Err(bad(format!("{} leaves in data_spec, {} in data_format", names.len(), formats.len())));
+        }
+        let mut leaves = Vec::with_capacity(names.len());
+        for (name, format) in names.into_iter().zip(&formats) {
+            let serializer = Serializer::parse(format).map_err(|what| {
+                Error::invalid_input(format!(
+                    "{}: leaf {name:?} was serialized as {what}, which is not ingested (str, bytes, int, float, \
+                     bool, numpy, no_header_numpy, tensor, no_header_tensor are)",
+                    dir.display()
+                ))
+            })?;
+            leaves.push((name, serializer));
+        }
+        let packing = match config.get("compression").and_then(Value::as_str) {
+            None => Packing::None,
+            Some(codec) if codec == "zstd" || codec.starts_with("zstd:") => {
+                match config.get("compression_level").and_then(Value::as_str) {
+                    None | Some("chunk") => Packing::Chunk,
+                    Some("sample") => Packing::Sample,
+                    Some("batch") => Packing::Batch,
+                    Some(other) => return Err(bad(format!("compression_level {other:?}"))),
+                }
+            }
+            Some(other) => return Err(bad(format!("chunks compressed with {other:?}: zstd is read"))),
+        };
+        let chunks_json = index.get("chunks").and_then(Value::as_array).ok_or_else(|| bad("no chunks".into()))?;
+        let mut chunks = Vec::with_capacity(chunks_json.len());
+        for (c, chunk) in chunks_json.iter().enumerate() {
+            let filename = chunk
+                .get("filename")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(format!("chunk {c} has no filename")))?;
+            if filename.contains('/') || filename.starts_with('.') {
+                return Err(bad(format!("chunk {c} names {filename:?}, not a file of the directory")));
+            }
+            let mut path = dir.join(filename);
+            let mut unpacked = false;
+            if !path.is_file()
+                && packing == Packing::Chunk
+                && let Some(stem) = filename.strip_suffix(".zstd.bin")
+                && dir.join(format!("{stem}.bin")).is_file()
+            {
+                // LitData's own reader, given a local directory, leaves a chunk decompressed
+                // beside where the compressed one was: the same items.
+                path = dir.join(format!("{stem}.bin"));
+                unpacked = true;
+            }
+            if !path.is_file() {
+                return Err(Error::invalid_input(format!("{}: chunk {c}'s file {filename} is missing", dir.display())));
+            }
+            let items = chunk
+                .get("chunk_size")
+                .and_then(Value::as_u64)
+                .ok_or_else(|| bad(format!("chunk {c} has no chunk_size")))?;
+            let bytes = chunk.get("chunk_bytes").and_then(Value::as_u64).unwrap_or(0);
+            chunks.push(Chunk { path, items, bytes, unpacked });
+        }
+        let mut chosen = Vec::new();
+        for name in wanted {
+            let at = leaves.iter().position(|(leaf, _)| leaf == name).ok_or_else(|| {
+                let all: Vec<&str> = leaves.iter().map(|(leaf, _)| leaf.as_str()).collect();
+                Error::invalid_input(format!("{}: no leaf {name:?} (its leaves: {})", dir.display(), all.join(", ")))
+            })?;
+            if chosen.contains(&at) {
+                return Err(Error::invalid_input(format!("leaf {name:?} is named twice")));
+            }
+            chosen.push(at);
+        }
+        if chosen.is_empty() {
+            chosen = (0..leaves.len()).collect();
+        }
+        let layout = match chosen.as_slice() {
+            &[only] => match &leaves[only].1 {
+                Serializer::Str | Serializer::Bytes => Layout::Bytes,
+                Serializer::Int => Layout::Fixed(fixed_of(Dtype::I64)?),
+                Serializer::Float => Layout::Fixed(fixed_of(Dtype::F64)?),
+                Serializer::Bool => Layout::Fixed(fixed_of(Dtype::U8)?),
+                Serializer::Flat(dtype) => Layout::Arrays(*dtype),
+                Serializer::Numpy | Serializer::Tensor => {
+                    return Err(Error::invalid_input(format!(
+                        "{}: leaf {:?} holds arrays of several dimensions, which keep their shape only in \
+                         samples (ingest without --column)",
+                        dir.display(),
+                        leaves[only].0
+                    )));
+                }
+            },
+            _ => Layout::Samples,
+        };
+        Ok(Self { dir: dir.to_owned(), leaves, chosen, packing, chunks, layout })
+    }
+
+    /// The layout of the records it becomes.
+    pub fn layout(&self) -> Layout {
+        self.layout.clone()
+    }
+
+    /// Items in the index.
+    pub fn items(&self) -> u64 {
+        self.chunks.iter().map(|c| c.items).sum()
+    }
+
+    fn bad_chunk(&self, chunk: &Chunk, detail: &str) -> Error {
+        let name = chunk.path.strip_prefix(&self.dir).unwrap_or(&chunk.path);
+        Error::invalid_input(format!("{}: {}: {detail}", self.dir.display(), name.display()))
+    }
+
+    /// Each item of `chunk`, uncompressed.
+    fn read_items(&self, chunk: &Chunk) -> Result<Vec<Vec<u8>>> {
+        let data = std::fs::read(&chunk.path).map_err(|e| Error::io("read", &chunk.path, e))?;
+        let bad = |detail: String| self.bad_chunk(chunk, &detail);
+        let packing = if chunk.unpacked { Packing::None } else { self.packing };
+        let items = match packing {
+            Packing::None => classic(&data, chunk.items).map_err(bad)?.into_iter().map(<[u8]>::to_vec).collect(),
+            Packing::Chunk => {
+                let data = zstd::stream::decode_all(data.as_slice()).map_err(|e| bad(format!("not zstd: {e}")))?;
+                classic(&data, chunk.items).map_err(bad)?.into_iter().map(<[u8]>::to_vec).collect()
+            }
+            Packing::Sample => classic(&data, chunk.items)
+                .map_err(&bad)?
+                .into_iter()
+                .map(|item| zstd::stream::decode_all(item).map_err(|e| bad(format!("an item is not zstd: {e}"))))
+                .collect::<Result<Vec<_>>>()?,
+            Packing::Batch => framed(&data, chunk.items).map_err(bad)?,
+        };
+        Ok(items)
+    }
+
+    /// Each leaf's bytes in one item.
+    fn leaves_of<'a>(&self, item: &'a [u8]) -> std::result::Result<Vec<&'a [u8]>, String> {
+        let n = self.leaves.len();
+        let mut at = 4 * n;
+        if item.len() < at {
+            return Err(format!("{} bytes, too few for its {n} sizes", item.len()));
+        }
+        let mut values = Vec::with_capacity(n);
+        for (i, size) in item[..4 * n].chunks_exact(4).enumerate() {
+            let size = u32::from_le_bytes([size[0], size[1], size[2], size[3]]) as usize;
+            let end = at
+                .checked_add(size)
+                .filter(|&end| end <= item.len())
+                .ok_or_else(|| format!("leaf {:?} runs past the item's {} bytes", self.leaves[i].0, item.len()))?;
+            values.push(&item[at..end]);
+            at = end;
+        }
+        Ok(values)
+    }
+}
+
+/// One number of `dtype`, as a record's layout.
+fn fixed_of(dtype: Dtype) -> Result<FixedLayout> {
+    FixedLayout::new(dtype, &[1]).map_err(|e| Error::invalid_input(e.to_string()))
+}
+
+/// The names of the leaves of a torch pytree spec as LitData stores it (`treespec_dumps`): a
+/// single leaf (""), or one dict, tuple or list of leaves (the dict's keys, the positions).
+fn leaf_names(spec: &str) -> std::result::Result<Vec<String>, String> {
+    let value: Value = serde_json::from_str(spec).map_err(|e| format!("not JSON: {e}"))?;
+    let tree = value.get(1).ok_or("not a [version, tree] pair")?;
+    let children = tree.get("children_spec").and_then(Value::as_array).ok_or("a node without children_spec")?;
+    let kind = tree.get("type").and_then(Value::as_str);
+    if kind.is_none() {
+        return Ok(vec![String::new()]);
+    }
+    if children.iter().any(|c| !c.get("type").is_none_or(Value::is_null)) {
+        return Err("items nested more than one level deep are not ingested".into());
+    }
+    match kind {
+        Some("builtins.dict" | "collections.OrderedDict") => {
+            let context = tree.get("context").and_then(Value::as_str).ok_or("a dict without its keys")?;
+            let keys: Vec<Value> = serde_json::from_str(context).map_err(|e| format!("the dict's keys: {e}"))?;
+            let keys: Vec<String> = keys
+                .iter()
+                .map(|k| match k {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                })
+                .collect();
+            if keys.len() != children.len() {
+                return Err(format!("{} keys for {} leaves", keys.len(), children.len()));
+            }
+            Ok(keys)
+        }
+        Some("builtins.tuple" | "builtins.list") => Ok((0..children.len()).map(|i| i.to_string()).collect()),
+        Some(other) => Err(format!("items of type {other} are not ingested (a dict, tuple, list or one value are)")),
+        None => Ok(vec![String::new()]),
+    }
+}
+
+/// The items of an uncompressed chunk: its count checked against the index's, its offsets
+/// against the file.
+fn classic(data: &[u8], expected: u64) -> std::result::Result<Vec<&[u8]>, String> {
+    let u32_at = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let count = u32_at(0).ok_or("shorter than its header")?;
+    if u64::from(count) != expected {
+        return Err(format!("{count} items where the index says {expected}"));
+    }
+    let count = count as usize;
+    let offsets: Vec<usize> = (0..=count)
+        .map(|i| u32_at(4 + 4 * i).map(|o| o as usize))
+        .collect::<Option<_>>()
+        .ok_or("its offsets run past its end")?;
+    let header_end = 4 + 4 * (count + 1);
+    let mut items = Vec::with_capacity(count);
+    for (i, pair) in offsets.windows(2).enumerate() {
+        let (start, end) = (pair[0], pair[1]);
+        if start < header_end || start > end || end > data.len() {
+            return Err(format!("item {i} at bytes {start}..{end} of {}", data.len()));
+        }
+        items.push(&data[start..end]);
+    }
+    Ok(items)
+}
+
+/// The items of an `LDFZ01` chunk: each frame decompressed and checked against its lengths, the
+/// items cut at the directory's offsets.
+fn framed(data: &[u8], expected: u64) -> std::result::Result<Vec<Vec<u8>>, String> {
+    const PREFIX: usize = 24;
+    const FRAME: usize = 24;
+    if data.len() < PREFIX || &data[..8] != b"LDFZ01\0\0" {
+        return Err("no LDFZ01 directory".into());
+    }
+    let u16_at = |at: usize| u16::from_le_bytes([data[at], data[at + 1]]);
+    let u32_at = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let version = u16_at(8);
+    if version != 1 {
+        return Err(format!("LDFZ01 version {version}"));
+    }
+    let (count, frames) = (u32_at(12).unwrap_or(0), u32_at(20).unwrap_or(0) as usize);
+    if u64::from(count) != expected || count == 0 {
+        return Err(format!("{count} items where the index says {expected}"));
+    }
+    let count = count as usize;
+    let offsets: Vec<usize> = (0..=count)
+        .map(|i| u32_at(PREFIX + 4 * i).map(|o| o as usize))
+        .collect::<Option<_>>()
+        .ok_or("its offsets run past its end")?;
+    let table = PREFIX + 4 * (count + 1);
+    let mut joined = Vec::with_capacity(offsets[count]);
+    for f in 0..frames {
+        let at = table + FRAME * f;
+        let entry = data.get(at..at + FRAME).ok_or("its frame table runs past its end")?;
+        let word = |i: usize| u32::from_le_bytes([entry[i], entry[i + 1], entry[i + 2], entry[i + 3]]) as usize;
+        let offset =
+            u64::from_le_bytes([entry[8], entry[9], entry[10], entry[11], entry[12], entry[13], entry[14], entry[15]]);
+        let (packed_len, raw_len) = (word(16), word(20));
+        let start = usize::try_from(offset).map_err(|_| "a frame past the end".to_owned())?;
+        let packed = start
+            .checked_add(packed_len)
+            .and_then(|end| data.get(start..end))
+            .ok_or_else(|| format!("frame {f} runs past the chunk"))?;
+        let raw = zstd::stream::decode_all(packed).map_err(|e| format!("frame {f} is not zstd: {e}"))?;
+        if raw.len() != raw_len {
+            return Err(format!("frame {f} holds {} bytes where its entry says {raw_len}", raw.len()));
+        }
+        joined.extend_from_slice(&raw);
+    }
+    let mut items = Vec::with_capacity(count);
+    for (i, pair) in offsets.windows(2).enumerate() {
+        let (start, end) = (pair[0], pair[1]);
+        if start > end || end > joined.len() {
+            return Err(format!("item {i} at bytes {start}..{end} of {}", joined.len()));
+        }
+        items.push(joined[start..end].to_vec());
+    }
+    Ok(items)
+}
+
+/// An array leaf: its dtype, shape and elements.
+fn array<'a>(serializer: &Serializer, value: &'a [u8]) -> std::result::Result<(Dtype, Vec<u64>, &'a [u8]), String> {
+    let word = |at: usize, big: bool| {
+        value.get(at..at + 4).map(|b| {
+            let b = [b[0], b[1], b[2], b[3]];
+            if big { big_endian_u32(b) } else { u32::from_le_bytes(b) }
+        })
+    };
+    let (dtype, shape, at) = match serializer {
+        Serializer::Flat(dtype) => {
+            let n = value.len() as u64 / dtype.size_bytes();
+            (*dtype, vec![n], 0)
+        }
+        Serializer::Numpy | Serializer::Tensor => {
+            let big = *serializer == Serializer::Tensor;
+            let (index, rank) = (word(0, big).ok_or("a truncated header")?, word(4, big).ok_or("a truncated header")?);
+            let dtype = if big { torch_dtype(index) } else { numpy_dtype(index) }
+                .ok_or_else(|| format!("an array of dtype index {index}"))?;
+            let rank = rank as usize;
+            if rank > 32 {
+                return Err(format!("an array of {rank} dimensions"));
+            }
+            let shape = (0..rank)
+                .map(|d| word(8 + 4 * d, big).map(u64::from))
+                .collect::<Option<Vec<u64>>>()
+                .ok_or("a truncated shape")?;
+            (dtype, shape, 8 + 4 * rank)
+        }
+        _ => return Err("not an array".into()),
+    };
+    let elements = &value[at..];
+    let expected = shape.iter().try_fold(dtype.size_bytes(), |n, &d| n.checked_mul(d));
+    if expected != Some(elements.len() as u64) {
+        return Err(format!("an array of shape {shape:?} and {} bytes of elements", elements.len()));
+    }
+    Ok((dtype, shape, elements))
+}
+
+/// A big-endian `u32`: LitData's tensor header is written with struct's `>II`.
+#[allow(clippy::big_endian_bytes, reason = "a foreign format's header, read as its writer wrote it")]
+fn big_endian_u32(bytes: [u8; 4]) -> u32 {
+    u32::from_be_bytes(bytes)
+}
+
+/// Ingests every item of `input`, chunk by chunk in the index's order, as records of
+/// `input.layout()`. Returns the records ingested; an index of no item is refused.
+pub fn records_from_litdata(ingest: &mut Ingest<'_>, input: &LitDataInput, progress: &dyn Progress) -> Result<u64> {
+    progress.start(input.chunks.iter().map(|c| c.bytes).sum());
+    let single = input.layout != Layout::Samples;
+    let names: Vec<String> = input
+        .chosen
+        .iter()
+        .map(|&l| {
+            let (name, serializer) = &input.leaves[l];
+            part_name(if name.is_empty() { "item" } else { name }, serializer.part_kind())
+        })
+        .collect();
+    let mut parts: Vec<Vec<u8>> = vec![Vec::new(); input.chosen.len()];
+    let mut record = Vec::new();
+    let mut n = 0u64;
+    for chunk in &input.chunks {
+        for (i, item) in input.read_items(chunk)?.iter().enumerate() {
+            let bad = |detail: String| input.bad_chunk(chunk, &format!("item {i}: {detail}"));
+            let values = input.leaves_of(item).map_err(bad)?;
+            for (part, &l) in parts.iter_mut().zip(&input.chosen) {
+                part.clear();
+                let (name, serializer) = &input.leaves[l];
+                leaf_into(serializer, values[l], single, &input.layout, part)
+                    .map_err(|e| bad(format!("leaf {name:?}: {e}")))?;
+            }
+            if single {
+                ingest.push(&parts[0])?;
+            } else {
+                let key = format!("{n:012}");
+                let named: Vec<(&str, &[u8])> =
+                    names.iter().zip(&parts).map(|(name, data)| (name.as_str(), data.as_slice())).collect();
+                record.clear();
+                record.extend_from_slice(&encode_sample(&key, &named));
+                ingest.push(&record)?;
+            }
+            n += 1;
+        }
+        progress.advance(chunk.bytes);
+    }
+    if n == 0 {
+        return Err(Error::invalid_input(format!("{}: no item in the index: nothing to ingest", input.dir.display())));
+    }
+    Ok(n)
+}
+
+/// Appends what one leaf becomes: a record of its own (`single`, of `layout`), or a part.
+fn leaf_into(
+    serializer: &Serializer,
+    value: &[u8],
+    single: bool,
+    layout: &Layout,
+    out: &mut Vec<u8>,
+) -> std::result::Result<(), String> {
+    let number = |dtype: Dtype, out: &mut Vec<u8>| {
+        if value.len() as u64 != dtype.size_bytes() {
+            return Err(format!("{} bytes for one {dtype:?}", value.len()));
+        }
+        if single {
+            out.extend_from_slice(value);
+        } else {
+            push_number_text(dtype, value, out);
+        }
+        Ok(())
+    };
+    match serializer {
+        Serializer::Str | Serializer::Bytes => out.extend_from_slice(value),
+        Serializer::Int => number(Dtype::I64, out)?,
+        Serializer::Float => number(Dtype::F64, out)?,
+        Serializer::Bool => number(Dtype::U8, out)?,
+        Serializer::Flat(_) | Serializer::Numpy | Serializer::Tensor => {
+            let (dtype, shape, elements) = array(serializer, value)?;
+            if single {
+                if *layout != Layout::Arrays(dtype) {
+                    return Err(format!("an array of {dtype:?} among arrays of another dtype"));
+                }
+                out.extend_from_slice(elements);
+            } else if !push_npy(dtype, &shape, elements, out) {
+                return Err(format!("an array of {dtype:?}, which NumPy has no type for"));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tree_spec_names_the_leaves() {
+        let dict = r#"[1, {"type": "builtins.dict", "context": "[\"tokens\", \"text\"]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]"#;
+        assert_eq!(leaf_names(dict).unwrap(), ["tokens", "text"]);
+        let leaf = r#"[1, {"type": null, "context": null, "children_spec": []}]"#;
+        assert_eq!(leaf_names(leaf).unwrap(), [""]);
+        let tuple = r#"[1, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]"#;
+        assert_eq!(leaf_names(tuple).unwrap(), ["0", "1"]);
+        let nested = r#"[1, {"type": "builtins.dict", "context": "[\"a\"]", "children_spec": [{"type": "builtins.list", "context": "null", "children_spec": []}]}]"#;
+        assert!(leaf_names(nested).unwrap_err().contains("nested"));
+        assert!(leaf_names("not json").is_err());
+    }
+
+    #[test]
+    fn framed_chunks_are_read_and_bad_ones_refused() {
+        // Two items, "ab" and "cde", in one frame.
+        let raw = b"abcde";
+        let packed = zstd::stream::encode_all(&raw[..], 3).unwrap();
+        let mut data = b"LDFZ01\0\0".to_vec();
+        data.extend_from_slice(&1u16.to_le_bytes());
+        data.extend_from_slice(&0u16.to_le_bytes());
+        data.extend_from_slice(&2u32.to_le_bytes());
+        data.extend_from_slice(&256u32.to_le_bytes());
+        data.extend_from_slice(&1u32.to_le_bytes());
+        for offset in [0u32, 2, 5] {
+            data.extend_from_slice(&offset.to_le_bytes());
+        }
+        let payload_at = (data.len() + 24) as u64;
+        data.extend_from_slice(&0u32.to_le_bytes());
+        data.extend_from_slice(&2u32.to_le_bytes());
+        data.extend_from_slice(&payload_at.to_le_bytes());
+        data.extend_from_slice(&(packed.len() as u32).to_le_bytes());
+        data.extend_from_slice(&5u32.to_le_bytes());
+        data.extend_from_slice(&packed);
+        assert_eq!(framed(&data, 2).unwrap(), [b"ab".to_vec(), b"cde".to_vec()]);
+        assert!(framed(&data, 3).unwrap_err().contains("index says 3"));
+        for cut in 0..data.len() {
+            assert!(framed(&data[..cut], 2).is_err(), "a chunk cut at {cut}");
+        }
+        let mut wrong = data.clone();
+        let at = wrong.len() - packed.len() - 4;
+        wrong[at..at + 4].copy_from_slice(&6u32.to_le_bytes());
+        assert!(framed(&wrong, 2).unwrap_err().contains("where its entry says 6"));
+    }
+
+    #[test]
+    fn serializers_are_known_or_refused_by_name() {
+        assert_eq!(Serializer::parse("no_header_numpy:2").unwrap(), Serializer::Flat(Dtype::I32));
+        assert_eq!(Serializer::parse("no_header_tensor:18").unwrap(), Serializer::Flat(Dtype::I64));
+        for bad in ["pickle", "jpeg", "no_header_numpy:13", "no_header_tensor", "video"] {
+            assert!(Serializer::parse(bad).is_err(), "{bad}");
+        }
+        // numpy: int16 (index 1), 2 x 1.
+        let value = [1, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 7, 0, 8, 0];
+        let (dtype, shape, elements) = array(&Serializer::Numpy, &value).unwrap();
+        assert_eq!((dtype, shape, elements), (Dtype::I16, vec![2, 1], &value[16..]));
+        assert!(array(&Serializer::Numpy, &value[..19]).is_err());
+        // tensor: big-endian header, int32 (16), 1-D of 1.
+        let value = [0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 1, 5, 0, 0, 0];
+        assert_eq!(array(&Serializer::Tensor, &value).unwrap().1, [1]);
+    }
+}

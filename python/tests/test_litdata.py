@@ -1,0 +1,115 @@
+"""LitData's optimized directories ingest item for item as LitData's `StreamingDataset` yields
+them (issue 43): written by `litdata.optimize` itself, for its common serializers, uncompressed
+and zstd-compressed at each of its levels (the whole chunk, batches of items, each item); one
+leaf as records of its own; unsupported serializers and damaged chunks refused. Skipped where
+litdata is not installed (it needs torch); `make readme-example` runs it in the torch venv."""
+
+import os
+
+import numpy as np
+import pytest
+
+import granary
+
+litdata = pytest.importorskip("litdata")
+torch = pytest.importorskip("torch")
+
+
+def item(i):
+    return {
+        "tokens": (np.arange(1 + i % 9, dtype=np.int32) * 7 + i),
+        "matrix": np.full((2, 1 + i % 3), i / 4, dtype=np.float32),
+        "ids": torch.arange(1 + i % 5, dtype=torch.int64) + i,
+        "grid": torch.ones((2, 2), dtype=torch.int16) * i,
+        "text": f"item {i} ✓",
+        "label": i - 20,
+        "score": i / 3,
+        "raw": bytes([i % 256]) * (i % 4),
+        "flag": i % 2 == 0,
+    }
+
+
+def pickled(i):
+    return {"x": {i, i + 1}}
+
+
+def optimize(out, fn=item, n=120, **options):
+    litdata.optimize(fn=fn, inputs=list(range(n)), output_dir=str(out), chunk_bytes="4KB", num_workers=1, **options)
+    return str(out)
+
+
+def theirs(directory):
+    dataset = litdata.StreamingDataset(input_dir=directory)
+    return [dataset[i] for i in range(len(dataset))]
+
+
+def ours(store, name):
+    out = []
+    for batch in store.loader(name, batch_size=256, order="sequential", output="numpy"):
+        out.extend(batch)
+    return out
+
+
+def as_numpy(value):
+    return value.numpy() if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"compression": "zstd"}, {"compression": "zstd", "compression_level": "chunk"}, {"compression": "zstd", "compression_level": "sample"}],
+    ids=["plain", "zstd-batch", "zstd-chunk", "zstd-sample"],
+)
+def test_every_item_equals_what_streaming_dataset_yields(store, tmp_path, options):
+    directory = optimize(tmp_path / "lit", **options)
+    expected = theirs(directory)
+    committed = store.ingest_litdata("lit", directory)
+    assert committed["records"] == 120
+    got = ours(store, "lit")
+    assert len(got) == len(expected) == 120
+    for i, (mine, their) in enumerate(zip(got, expected)):
+        assert mine["__key__"] == f"{i:012d}"
+        decoded = granary.formats.decode(mine)
+        assert set(decoded) - {"__key__"} == set(their)
+        for key, value in their.items():
+            value = as_numpy(value)
+            if isinstance(value, np.ndarray):
+                assert decoded[key].dtype == value.dtype and decoded[key].shape == value.shape, key
+                assert np.array_equal(decoded[key], value), key
+            else:
+                assert decoded[key] == value, key
+
+
+def test_one_leaf_becomes_records_of_its_own(store, tmp_path):
+    directory = optimize(tmp_path / "lit", compression="zstd")
+    expected = theirs(directory)
+    store.ingest_litdata("tokens", directory, columns=["tokens"])
+    assert [d["layout"] for d in store.datasets() if d["name"] == "tokens"] == ["arrays i32"]
+    (data, offsets), = list(store.loader("tokens", batch_size=1000, order="sequential", output="numpy"))
+    for k, their in enumerate(expected):
+        assert np.array_equal(data[offsets[k] : offsets[k + 1]], their["tokens"])
+    store.ingest_litdata("label", directory, columns=["label"])
+    (labels,) = list(store.loader("label", batch_size=1000, order="sequential", output="numpy"))
+    assert labels.reshape(-1).tolist() == [t["label"] for t in expected]
+    with pytest.raises(granary.Error, match="several dimensions"):
+        store.ingest_litdata("matrix", directory, columns=["matrix"])
+    with pytest.raises(granary.Error, match=r'no leaf "nope"'):
+        store.ingest_litdata("nope", directory, columns=["nope"])
+
+
+def test_unsupported_serializers_and_damaged_chunks_are_refused(store, tmp_path):
+    directory = optimize(tmp_path / "pickled", fn=pickled, n=5)
+    with pytest.raises(granary.Error, match=r'leaf "x" was serialized as pickle'):
+        store.ingest_litdata("p", directory)
+    directory = optimize(tmp_path / "lit")
+    chunks = sorted(f for f in os.listdir(directory) if f.endswith(".bin"))
+    assert len(chunks) > 2
+    path = os.path.join(directory, chunks[1])
+    data = bytearray(open(path, "rb").read())
+    data[8:12] = (len(data) + 50).to_bytes(4, "little")  # item 0 ends past the file
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(granary.Error, match=chunks[1] + r": item 0 at bytes"):
+        store.ingest_litdata("d", directory)
+    os.remove(path)
+    with pytest.raises(granary.Error, match=f"chunk 1's file {chunks[1]} is missing"):
+        store.ingest_litdata("d", directory)
+    assert store.datasets() == []
