@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::Ingest;
-use super::parts::{PartKind, part_name, push_npy, push_number_text};
+use super::parts::{PartKind, offset_table, part_name, push_npy, push_number_text};
 use super::sources::Progress;
 use crate::error::{Error, Result};
 use crate::shard::{Dtype, FixedLayout, Layout, encode_sample};
@@ -290,12 +290,14 @@ impl LitDataInput {
         let bad = |detail: String| self.bad_chunk(chunk, &detail);
         let packing = if chunk.unpacked { Packing::None } else { self.packing };
         let items = match packing {
-            Packing::None => classic(&data, chunk.items).map_err(bad)?.into_iter().map(<[u8]>::to_vec).collect(),
+            Packing::None => {
+                offset_table(&data, chunk.items, "item").map_err(bad)?.into_iter().map(<[u8]>::to_vec).collect()
+            }
             Packing::Chunk => {
                 let data = zstd::stream::decode_all(data.as_slice()).map_err(|e| bad(format!("not zstd: {e}")))?;
-                classic(&data, chunk.items).map_err(bad)?.into_iter().map(<[u8]>::to_vec).collect()
+                offset_table(&data, chunk.items, "item").map_err(bad)?.into_iter().map(<[u8]>::to_vec).collect()
             }
-            Packing::Sample => classic(&data, chunk.items)
+            Packing::Sample => offset_table(&data, chunk.items, "item")
                 .map_err(&bad)?
                 .into_iter()
                 .map(|item| zstd::stream::decode_all(item).map_err(|e| bad(format!("an item is not zstd: {e}"))))
@@ -364,31 +366,6 @@ fn leaf_names(spec: &str) -> std::result::Result<Vec<String>, String> {
         Some(other) => Err(format!("items of type {other} are not ingested (a dict, tuple, list or one value are)")),
         None => Ok(vec![String::new()]),
     }
-}
-
-/// The items of an uncompressed chunk: its count checked against the index's, its offsets
-/// against the file.
-fn classic(data: &[u8], expected: u64) -> std::result::Result<Vec<&[u8]>, String> {
-    let u32_at = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-    let count = u32_at(0).ok_or("shorter than its header")?;
-    if u64::from(count) != expected {
-        return Err(format!("{count} items where the index says {expected}"));
-    }
-    let count = count as usize;
-    let offsets: Vec<usize> = (0..=count)
-        .map(|i| u32_at(4 + 4 * i).map(|o| o as usize))
-        .collect::<Option<_>>()
-        .ok_or("its offsets run past its end")?;
-    let header_end = 4 + 4 * (count + 1);
-    let mut items = Vec::with_capacity(count);
-    for (i, pair) in offsets.windows(2).enumerate() {
-        let (start, end) = (pair[0], pair[1]);
-        if start < header_end || start > end || end > data.len() {
-            return Err(format!("item {i} at bytes {start}..{end} of {}", data.len()));
-        }
-        items.push(&data[start..end]);
-    }
-    Ok(items)
 }
 
 /// The items of an `LDFZ01` chunk: each frame decompressed and checked against its lengths, the

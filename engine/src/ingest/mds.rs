@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::Ingest;
-use super::parts::{PartKind, part_name, push_npy, push_number_text};
+use super::parts::{PartKind, offset_table, part_name, push_npy, push_number_text};
 use super::sources::Progress;
 use crate::error::{Error, Result};
 use crate::shard::{Dtype, FixedLayout, Layout, encode_sample};
@@ -304,7 +304,7 @@ impl MdsInput {
                     Error::invalid_input(format!("{}: no sample in the index: nothing to ingest", self.dir.display()))
                 })?;
                 let data = self.read_shard(first)?;
-                let samples = split_samples(&data, first.samples).map_err(|e| self.bad_shard(first, &e))?;
+                let samples = offset_table(&data, first.samples, "sample").map_err(|e| self.bad_shard(first, &e))?;
                 let values =
                     self.values_of(samples[0]).map_err(|e| self.bad_shard(first, &format!("sample 0: {e}")))?;
                 let (dtype, _, _) = ndarray(&column.encoding, values[only]).map_err(|e| self.bad_shard(first, &e))?;
@@ -365,31 +365,6 @@ impl MdsInput {
 /// One number of `dtype`, as a record's layout.
 fn fixed_of(dtype: Dtype) -> Result<FixedLayout> {
     FixedLayout::new(dtype, &[1]).map_err(|e| Error::invalid_input(e.to_string()))
-}
-
-/// The samples of a shard file: its count checked against the index's, its offsets against
-/// the file.
-fn split_samples(data: &[u8], expected: u64) -> std::result::Result<Vec<&[u8]>, String> {
-    let u32_at = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-    let count = u32_at(0).ok_or("shorter than its header")?;
-    if u64::from(count) != expected {
-        return Err(format!("{count} samples where the index says {expected}"));
-    }
-    let count = count as usize;
-    let offsets: Vec<usize> = (0..=count)
-        .map(|i| u32_at(4 + 4 * i).map(|o| o as usize))
-        .collect::<Option<_>>()
-        .ok_or("its offsets run past its end")?;
-    let header_end = 4 + 4 * (count + 1);
-    let mut samples = Vec::with_capacity(count);
-    for (i, pair) in offsets.windows(2).enumerate() {
-        let (start, end) = (pair[0], pair[1]);
-        if start < header_end || start > end || end > data.len() {
-            return Err(format!("sample {i} at bytes {start}..{end} of {}", data.len()));
-        }
-        samples.push(&data[start..end]);
-    }
-    Ok(samples)
 }
 
 /// An `ndarray` value: its dtype, its shape and its elements' bytes.
@@ -478,7 +453,7 @@ pub fn records_from_mds(ingest: &mut Ingest<'_>, input: &MdsInput, progress: &dy
         .collect();
     for shard in &input.shards {
         let data = input.read_shard(shard)?;
-        let samples = split_samples(&data, shard.samples).map_err(|e| input.bad_shard(shard, &e))?;
+        let samples = offset_table(&data, shard.samples, "sample").map_err(|e| input.bad_shard(shard, &e))?;
         for (i, sample) in samples.into_iter().enumerate() {
             let bad = |detail: String| input.bad_shard(shard, &format!("sample {i}: {detail}"));
             let values = input.values_of(sample).map_err(bad)?;
@@ -581,20 +556,20 @@ mod tests {
     #[test]
     fn samples_split_at_their_offsets_and_bad_offsets_are_refused() {
         let data = shard(&[b"ab", b"", b"cde"]);
-        assert_eq!(split_samples(&data, 3).unwrap(), [&b"ab"[..], b"", b"cde"]);
-        assert!(split_samples(&data, 4).unwrap_err().contains("3 samples where the index says 4"));
+        assert_eq!(offset_table(&data, 3, "sample").unwrap(), [&b"ab"[..], b"", b"cde"]);
+        assert!(offset_table(&data, 4, "sample").unwrap_err().contains("3 samples where the index says 4"));
         let mut past = data.clone();
         past[8..12].copy_from_slice(&100u32.to_le_bytes());
-        assert!(split_samples(&past, 3).unwrap_err().contains("sample 0 at bytes"));
-        assert!(split_samples(&data[..10], 3).is_err());
-        assert!(split_samples(&[], 0).is_err());
+        assert!(offset_table(&past, 3, "sample").unwrap_err().contains("sample 0 at bytes"));
+        assert!(offset_table(&data[..10], 3, "sample").is_err());
+        assert!(offset_table(&[], 0, "sample").is_err());
         // Every prefix and every single-byte change of a shard is a sample list or an error.
         for cut in 0..data.len() {
-            let _ = split_samples(&data[..cut], 3);
+            let _ = offset_table(&data[..cut], 3, "sample");
             for bit in 0..8 {
                 let mut flipped = data.clone();
                 flipped[cut] ^= 1 << bit;
-                let _ = split_samples(&flipped, 3);
+                let _ = offset_table(&flipped, 3, "sample");
             }
         }
     }

@@ -5,8 +5,9 @@
 //! `granary.formats.decode` reads every one of them). Parquet's, MDS's and LitData's samples are written through it, so one decoder
 //! reads both.
 //!
-//! Owns: `PartKind` (the extension of each kind of value) and the encodings of numbers and
-//! arrays (`push_number_text`, `push_npy`). Never: decides which columns a sample has (the
+//! Owns: `PartKind` (the extension of each kind of value), the encodings of numbers and
+//! arrays (`push_number_text`, `push_npy`), and the offset table MDS shards and LitData chunks
+//! share (`offset_table`). Never: decides which columns a sample has (the
 //! sources do), or stores a value other than as the format held it (an array's elements keep
 //! their type; a number's text parses back to the same value).
 
@@ -148,6 +149,36 @@ pub(super) fn push_npy(dtype: Dtype, shape: &[u64], le: &[u8], out: &mut Vec<u8>
     out.extend_from_slice(header.as_bytes());
     out.extend_from_slice(le);
     true
+}
+
+/// The records of a file in the offset-table layout MDS shards and LitData chunks share: a
+/// `u32` count (checked against `expected`, the index's), `count + 1` `u32` offsets from the
+/// file's start (checked against the file), then the records. `noun` names a record in errors.
+pub(super) fn offset_table<'a>(
+    data: &'a [u8],
+    expected: u64,
+    noun: &str,
+) -> std::result::Result<Vec<&'a [u8]>, String> {
+    let u32_at = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let count = u32_at(0).ok_or("shorter than its header")?;
+    if u64::from(count) != expected {
+        return Err(format!("{count} {noun}s where the index says {expected}"));
+    }
+    let count = count as usize;
+    let offsets: Vec<usize> = (0..=count)
+        .map(|i| u32_at(4 + 4 * i).map(|o| o as usize))
+        .collect::<Option<_>>()
+        .ok_or("its offsets run past its end")?;
+    let header_end = 4 + 4 * (count + 1);
+    let mut records = Vec::with_capacity(count);
+    for (i, pair) in offsets.windows(2).enumerate() {
+        let (start, end) = (pair[0], pair[1]);
+        if start < header_end || start > end || end > data.len() {
+            return Err(format!("{noun} {i} at bytes {start}..{end} of {}", data.len()));
+        }
+        records.push(&data[start..end]);
+    }
+    Ok(records)
 }
 
 #[cfg(test)]
