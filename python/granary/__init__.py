@@ -273,13 +273,7 @@ class Store:
         little-endian arrays, numbers as decimal text, and `__key__` the row's position. A null
         is refused (`nulls="refuse"`) or its row left out (`nulls="skip"`, counted in `skipped`)."""
         return self._native.ingest_parquet(
-            name,
-            _paths(source),
-            columns=None if columns is None else [str(c) for c in columns],
-            nulls=nulls,
-            mode=_mode(mode, replace),
-            shard_bytes=_shard_bytes(shard_bytes),
-            progress=progress,
+            name, _paths(source), nulls=nulls, **_column_options(columns, mode, replace, shard_bytes, progress)
         )
 
     def ingest_mds(
@@ -301,12 +295,7 @@ class Store:
         strings, `.jpg`/`.png` images, `.bin` bytes, `.json`); `granary.formats.decode` turns one
         into Python values."""
         return self._native.ingest_mds(
-            name,
-            os.fspath(dir),
-            columns=None if columns is None else [str(c) for c in columns],
-            mode=_mode(mode, replace),
-            shard_bytes=_shard_bytes(shard_bytes),
-            progress=progress,
+            name, os.fspath(dir), **_column_options(columns, mode, replace, shard_bytes, progress)
         )
 
     def ingest_litdata(
@@ -327,12 +316,7 @@ class Store:
         each item is a dict of parts named `LEAF.EXT`, as `ingest_mds` names them
         (`granary.formats.decode` turns one into Python values)."""
         return self._native.ingest_litdata(
-            name,
-            os.fspath(dir),
-            columns=None if columns is None else [str(c) for c in columns],
-            mode=_mode(mode, replace),
-            shard_bytes=_shard_bytes(shard_bytes),
-            progress=progress,
+            name, os.fspath(dir), **_column_options(columns, mode, replace, shard_bytes, progress)
         )
 
     def loader(self, dataset: Union[str, Sequence[Tuple[str, float]]], batch_size: int, **options: Any) -> "Loader":
@@ -395,6 +379,18 @@ def _record_sources(records: Iterable[Any], dtype: Optional[str]) -> Iterator[An
                     "machine's arrays are (convert it with .astype(dtype.newbyteorder('=')))"
                 )
         yield record
+
+
+def _column_options(
+    columns: Optional[Sequence[str]], mode: Optional[str], replace: bool, shard_bytes: Optional[int], progress: Any
+) -> Dict[str, Any]:
+    """The keyword arguments the native ingests of other formats share."""
+    return {
+        "columns": None if columns is None else [str(c) for c in columns],
+        "mode": _mode(mode, replace),
+        "shard_bytes": _shard_bytes(shard_bytes),
+        "progress": progress,
+    }
 
 
 def _paths(source: Any) -> Any:

@@ -21,10 +21,10 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::Ingest;
-use super::parts::{PartKind, offset_table, part_name, push_npy, push_number_text};
+use super::parts::{PartKind, RecordParts, offset_table, part_name, push_npy, push_number_text};
 use super::sources::Progress;
 use crate::error::{Error, Result};
-use crate::shard::{Dtype, FixedLayout, Layout, encode_sample};
+use crate::shard::{Dtype, FixedLayout, Layout};
 
 /// How one leaf was serialized (`data_format`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -471,37 +471,27 @@ fn big_endian_u32(bytes: [u8; 4]) -> u32 {
 pub fn records_from_litdata(ingest: &mut Ingest<'_>, input: &LitDataInput, progress: &dyn Progress) -> Result<u64> {
     progress.start(input.chunks.iter().map(|c| c.bytes).sum());
     let single = input.layout != Layout::Samples;
-    let names: Vec<String> = input
-        .chosen
-        .iter()
-        .map(|&l| {
-            let (name, serializer) = &input.leaves[l];
-            part_name(if name.is_empty() { "item" } else { name }, serializer.part_kind())
-        })
-        .collect();
-    let mut parts: Vec<Vec<u8>> = vec![Vec::new(); input.chosen.len()];
-    let mut record = Vec::new();
+    let mut record = RecordParts::new(
+        input
+            .chosen
+            .iter()
+            .map(|&l| {
+                let (name, serializer) = &input.leaves[l];
+                part_name(if name.is_empty() { "item" } else { name }, serializer.part_kind())
+            })
+            .collect(),
+    );
     let mut n = 0u64;
     for chunk in &input.chunks {
         for (i, item) in input.read_items(chunk)?.iter().enumerate() {
             let bad = |detail: String| input.bad_chunk(chunk, &format!("item {i}: {detail}"));
             let values = input.leaves_of(item).map_err(bad)?;
-            for (part, &l) in parts.iter_mut().zip(&input.chosen) {
-                part.clear();
+            for (part, &l) in record.clear().iter_mut().zip(&input.chosen) {
                 let (name, serializer) = &input.leaves[l];
                 leaf_into(serializer, values[l], single, &input.layout, part)
                     .map_err(|e| bad(format!("leaf {name:?}: {e}")))?;
             }
-            if single {
-                ingest.push(&parts[0])?;
-            } else {
-                let key = format!("{n:012}");
-                let named: Vec<(&str, &[u8])> =
-                    names.iter().zip(&parts).map(|(name, data)| (name.as_str(), data.as_slice())).collect();
-                record.clear();
-                record.extend_from_slice(&encode_sample(&key, &named));
-                ingest.push(&record)?;
-            }
+            record.push(ingest, single, n)?;
             n += 1;
         }
         progress.advance(chunk.bytes);

@@ -20,10 +20,10 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::Ingest;
-use super::parts::{PartKind, offset_table, part_name, push_npy, push_number_text};
+use super::parts::{PartKind, RecordParts, offset_table, part_name, push_npy, push_number_text};
 use super::sources::Progress;
 use crate::error::{Error, Result};
-use crate::shard::{Dtype, FixedLayout, Layout, encode_sample};
+use crate::shard::{Dtype, FixedLayout, Layout};
 
 /// How an MDS column's values are encoded (`column_encodings`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -444,35 +444,25 @@ pub fn records_from_mds(ingest: &mut Ingest<'_>, input: &MdsInput, progress: &dy
     progress.start(input.shards.iter().map(|s| s.raw_bytes).sum());
     let single = input.layout != Layout::Samples;
     let mut n = 0u64;
-    let mut record = Vec::new();
-    let mut parts: Vec<Vec<u8>> = vec![Vec::new(); input.chosen.len()];
-    let names: Vec<String> = input
-        .chosen
-        .iter()
-        .map(|&c| part_name(&input.columns[c].name, input.columns[c].encoding.part_kind()))
-        .collect();
+    let mut record = RecordParts::new(
+        input
+            .chosen
+            .iter()
+            .map(|&c| part_name(&input.columns[c].name, input.columns[c].encoding.part_kind()))
+            .collect(),
+    );
     for shard in &input.shards {
         let data = input.read_shard(shard)?;
         let samples = offset_table(&data, shard.samples, "sample").map_err(|e| input.bad_shard(shard, &e))?;
         for (i, sample) in samples.into_iter().enumerate() {
             let bad = |detail: String| input.bad_shard(shard, &format!("sample {i}: {detail}"));
             let values = input.values_of(sample).map_err(bad)?;
-            for (part, &c) in parts.iter_mut().zip(&input.chosen) {
-                part.clear();
+            for (part, &c) in record.clear().iter_mut().zip(&input.chosen) {
                 let column = &input.columns[c];
                 value_into(column, values[c], single, &input.layout, part)
                     .map_err(|e| bad(format!("column {:?}: {e}", column.name)))?;
             }
-            if single {
-                ingest.push(&parts[0])?;
-            } else {
-                let key = format!("{n:012}");
-                let named: Vec<(&str, &[u8])> =
-                    names.iter().zip(&parts).map(|(name, data)| (name.as_str(), data.as_slice())).collect();
-                record.clear();
-                record.extend_from_slice(&encode_sample(&key, &named));
-                ingest.push(&record)?;
-            }
+            record.push(ingest, single, n)?;
             n += 1;
         }
         progress.advance(shard.raw_bytes);

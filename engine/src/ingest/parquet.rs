@@ -34,10 +34,10 @@ use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 use super::Ingest;
-use super::parts::{PartKind, part_name, push_npy};
+use super::parts::{PartKind, RecordParts, part_name, push_npy};
 use super::sources::Progress;
 use crate::error::{Error, Result};
-use crate::shard::{Dtype, FixedLayout, Layout, encode_sample};
+use crate::shard::{Dtype, FixedLayout, Layout};
 
 /// Rows read at once.
 const BATCH_ROWS: usize = 4096;
@@ -189,9 +189,8 @@ pub fn records_from_parquet(
     let samples = input.columns.len() > 1;
     let mut done = ParquetIngested::default();
     let mut row_in_input = 0u64;
-    let mut record = Vec::new();
-    let mut parts: Vec<Vec<u8>> = vec![Vec::new(); input.columns.len()];
-    let part_names: Vec<String> = input.columns.iter().map(|(name, kind)| part_name(name, kind.part_kind())).collect();
+    let mut record =
+        RecordParts::new(input.columns.iter().map(|(name, kind)| part_name(name, kind.part_kind())).collect());
     for (path, bytes) in &input.files {
         let (_, builder) = open_file(path)?;
         let indices = input
@@ -214,9 +213,8 @@ pub fn records_from_parquet(
             let arrays: Vec<&dyn Array> = (0..input.columns.len()).map(|c| batch.column(c).as_ref()).collect();
             for row in 0..batch.num_rows() {
                 let mut null = None;
-                for (c, array) in arrays.iter().enumerate() {
-                    parts[c].clear();
-                    if !append(*array, input.columns[c].1, row, samples, &mut parts[c]) {
+                for ((c, array), part) in arrays.iter().enumerate().zip(record.clear()) {
+                    if !append(*array, input.columns[c].1, row, samples, part) {
                         null = Some(c);
                         break;
                     }
@@ -232,16 +230,9 @@ pub fn records_from_parquet(
                         )));
                     }
                     done.skipped += 1;
-                } else if samples {
-                    let key = format!("{row_in_input:012}");
-                    let named: Vec<(&str, &[u8])> =
-                        part_names.iter().zip(&parts).map(|(name, data)| (name.as_str(), data.as_slice())).collect();
-                    record.clear();
-                    record.extend_from_slice(&encode_sample(&key, &named));
-                    ingest.push(&record)?;
-                    done.records += 1;
                 } else {
-                    ingest.push(&parts[0])?;
+                    // A sample's key is its row's position in the input, skipped rows counted.
+                    record.push(ingest, !samples, row_in_input)?;
                     done.records += 1;
                 }
                 row_in_file += 1;

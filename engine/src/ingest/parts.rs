@@ -7,11 +7,13 @@
 //!
 //! Owns: `PartKind` (the extension of each kind of value), the encodings of numbers and
 //! arrays (`push_number_text`, `push_npy`), and the offset table MDS shards and LitData chunks
-//! share (`offset_table`). Never: decides which columns a sample has (the
+//! share (`offset_table`), and a record's parts on their way to the ingest (`RecordParts`). Never: decides which columns a sample has (the
 //! sources do), or stores a value other than as the format held it (an array's elements keep
 //! their type; a number's text parses back to the same value).
 
-use crate::shard::Dtype;
+use super::Ingest;
+use crate::error::Result;
+use crate::shard::{Dtype, encode_sample};
 
 /// What a part holds, which names its extension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,6 +151,38 @@ pub(super) fn push_npy(dtype: Dtype, shape: &[u64], le: &[u8], out: &mut Vec<u8>
     out.extend_from_slice(header.as_bytes());
     out.extend_from_slice(le);
     true
+}
+
+/// The parts of one record being made, and how it goes to the ingest: as a record of its own
+/// (one part, `single`) or as a sample of named parts keyed by a position (12 digits). The
+/// parts' memory is reused from record to record.
+pub(super) struct RecordParts {
+    names: Vec<String>,
+    parts: Vec<Vec<u8>>,
+}
+
+impl RecordParts {
+    /// Parts named `names` (as `part_name` makes them), in that order.
+    pub(super) fn new(names: Vec<String>) -> Self {
+        let parts = vec![Vec::new(); names.len()];
+        Self { names, parts }
+    }
+
+    /// The parts, emptied, for the next record.
+    pub(super) fn clear(&mut self) -> &mut [Vec<u8>] {
+        self.parts.iter_mut().for_each(Vec::clear);
+        &mut self.parts
+    }
+
+    /// Pushes the record: the first part alone when `single`, else the sample keyed `key`.
+    pub(super) fn push(&self, ingest: &mut Ingest<'_>, single: bool, key: u64) -> Result<()> {
+        if single {
+            return ingest.push(&self.parts[0]);
+        }
+        let named: Vec<(&str, &[u8])> =
+            self.names.iter().zip(&self.parts).map(|(name, data)| (name.as_str(), data.as_slice())).collect();
+        ingest.push(&encode_sample(&format!("{key:012}"), &named))
+    }
 }
 
 /// The records of a file in the offset-table layout MDS shards and LitData chunks share: a
