@@ -73,7 +73,23 @@ def test_fixed_records_bytes_and_samples_come_as_the_loader_gives_them(store, tm
     assert np.array_equal(np.stack(source.__getitems__([5, 1, 5])), tokens[[5, 1, 5]])
     blobs = [bytes([i]) * i for i in range(1, 30)]
     store.ingest("blobs", blobs)
+    assert granary.grain.DataSource(store, "blobs")[10] == blobs[10]
     assert granary.grain.DataSource(store, "blobs", decode=len)[10] == 11
+    # WebDataset samples come as the loader's dicts.
+    import io
+    import tarfile
+
+    tar_path = tmp_path / "samples.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        for i in range(6):
+            for ext, data in (("txt", f"text {i}".encode()), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"{i:03d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    store.ingest_tars("samples", tar_path)
+    samples = granary.grain.DataSource(store, "samples")
+    assert samples[4] == {"__key__": "004", "txt": b"text 4", "cls": b"4"}
+    assert [s["__key__"] for s in samples.__getitems__([5, 0])] == ["005", "000"]
 
 
 def test_a_damaged_record_is_refused_not_returned(store, tmp_path):
