@@ -391,6 +391,48 @@ fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
     assert!(shard_bytes_here(&here) <= bound);
 }
 
+/// Two shards one batch reads: fetching the second never evicts the first for it (it would be
+/// fetched again for the same read, and the two would push each other out in turn); a shard
+/// needed later makes the room.
+#[test]
+fn a_shard_the_same_batch_reads_stays_whatever_the_evictor_chooses() {
+    use granary::ShardSource;
+    use granary::store::{StorePaths, VersionSpec};
+
+    let dir = tempdir();
+    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
+    store_with(&source, 256, 4);
+    let paths = StorePaths::new(&here);
+    let spec = VersionSpec::parse("tok").unwrap();
+    let entries = {
+        let source_paths = StorePaths::new(&source);
+        source_paths.read_manifest(source_paths.resolve(&spec).unwrap().0).unwrap().entries().to_vec()
+    };
+    assert!(entries.len() == 4 && entries.iter().all(|e| e.file_bytes == entries[0].file_bytes));
+    let bound = 2 * entries[0].file_bytes;
+    let origin = pushed_and_attached(Arc::new(object_store::memory::InMemory::new()), &source, &here, bound);
+    let cache = granary::origin::OriginCache::open_with(&paths, Some("lru"), &[], &[origin]).unwrap().unwrap();
+    let (a, b, c) = (entries[0].shard, entries[1].shard, entries[2].shard);
+    // The plan: a at steps 0 and 10, b at 1 and 50, c at 10 (with a: one batch reads both).
+    let mut steps = vec![Vec::new(); 51];
+    steps[0].push(a);
+    steps[1].push(b);
+    steps[10].extend([a, c]);
+    steps[50].push(b);
+    cache.add_plan(0, &steps);
+    for shard in [a, b] {
+        cache.fetch(shard).unwrap();
+        cache.accessed(&[shard]);
+    }
+    // At step 2, c comes for step 10: LRU would evict a, the least recently used, which the
+    // same batch reads; b (step 50) goes instead.
+    cache.fetch(c).unwrap();
+    assert!(paths.shard(a).exists(), "a, read by the batch c is fetched for, was evicted for it");
+    assert!(!paths.shard(b).exists(), "b, needed last, was kept");
+    assert!(paths.shard(c).exists());
+    assert!(shard_bytes_here(&here) <= bound);
+}
+
 /// Issue 40: a reader kept the shards its cache evicted open until its epoch ended, so the
 /// store's file system held several times the cache's bound (60 MiB of deleted files under a
 /// 16 MiB bound, and ENOSPC on a disk where the bound fit). Read as a trainer does, with the

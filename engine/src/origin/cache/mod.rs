@@ -44,8 +44,8 @@ use crate::store::{StorePaths, sync_dir};
 const PREFETCH_LOOKAHEAD: usize = 64;
 /// How long a shard a read waited for stays pinned at most (the read normally comes at once).
 const PIN_FOR: Duration = Duration::from_secs(30);
-/// Steps after an eviction of a shard needed sooner than the one it made room for during which
-/// fetches ahead use free room only.
+/// Steps after the evictor chose a shard needed no later than the one it made room for (which
+/// then stayed) during which fetches ahead use free room only.
 const REGRET_STEPS: u64 = 64;
 /// How long an idle prefetch thread waits at most for the reader to move on (a step, a plan)
 /// before it looks again (a fetch by another process may have made room meanwhile).
@@ -104,7 +104,7 @@ pub struct OriginCache {
     /// last reader does (and its drop wakes the threads to end), not after one more round of
     /// fetches for a plan nobody reads, evicting what another loader just fetched (issue 40).
     signal: Arc<Signal>,
-    /// The step at which the evictor last gave up a shard needed sooner than the one it made
+    /// The step at which the evictor last chose a shard needed no later than the one it made
     /// room for (an evictor that does not follow the plan, LRU say): for `REGRET_STEPS` steps
     /// from then, fetches ahead use free room only, so prefetch and eviction cannot chase each
     /// other.
@@ -485,10 +485,12 @@ impl OriginCache {
             if victim == id || self.is_pinned(victim) {
                 continue;
             }
-            // A shard needed before the one admitted stays, whatever the evictor chose (it
-            // would be fetched again before this one is read): the shards next used last make
-            // the room instead, and fetches ahead use free room only for a while.
-            if self.next_use(victim, now) < wanted {
+            // A shard needed before the one admitted, or by the same batch, stays, whatever the
+            // evictor chose (it would be fetched again before this one is read, or for the same
+            // read): the shards next used last make the room instead, and fetches ahead use free
+            // room only for a while. Without a plan (every next use unknown) the evictor decides.
+            let victim_next = self.next_use(victim, now);
+            if victim_next < wanted || (victim_next == wanted && wanted != u64::MAX) {
                 self.regret_at.store(now, Ordering::Release);
                 continue;
             }
