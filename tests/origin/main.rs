@@ -14,7 +14,7 @@ mod push;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -408,37 +408,38 @@ fn assert_every_record_read(loader: &mut granary::loader::Loader, input: &[u8]) 
     assert!(seen.iter().all(|&s| s), "every record once");
 }
 
-/// The bytes of shard files under `root/shards` this process holds though they are gone from
-/// their directory (evicted, still open or mapped): the space `df` counts that a listing does not.
-fn held_after_removal(root: &Path) -> u64 {
+/// The shard files under `root/shards` this process holds though they are gone from their
+/// directory (evicted, still open or mapped: the space `df` counts that a listing does not),
+/// each with the path it had and its bytes.
+fn held_files(root: &Path) -> Vec<(PathBuf, u64)> {
     use std::collections::HashMap;
     let shards = root.join("shards").canonicalize().unwrap();
-    let under = |target: &str| target.starts_with(shards.to_str().unwrap()) && target.ends_with(" (deleted)");
+    let deleted = |target: &str| {
+        target.strip_suffix(" (deleted)").filter(|path| path.starts_with(shards.to_str().unwrap())).map(PathBuf::from)
+    };
     // By (device, inode): a file both open and mapped is counted once.
-    let mut held: HashMap<String, u64> = HashMap::new();
+    let mut held: HashMap<String, (PathBuf, u64)> = HashMap::new();
     for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
         let Ok(target) = std::fs::read_link(entry.path()) else { continue };
-        if under(&target.to_string_lossy()) {
+        if let Some(path) = deleted(&target.to_string_lossy()) {
             // Through the descriptor: a stat of the open (deleted) file.
             if let Ok(meta) = std::fs::metadata(entry.path()) {
                 use std::os::unix::fs::MetadataExt;
-                held.insert(format!("{:x}:{}", meta.dev(), meta.ino()), meta.len());
+                held.insert(format!("{:x}:{}", meta.dev(), meta.ino()), (path, meta.len()));
             }
         }
     }
     for line in std::fs::read_to_string("/proc/self/maps").unwrap().lines() {
         let fields: Vec<&str> = line.splitn(6, ' ').collect();
         let [range, _, _, _, inode, path] = fields[..] else { continue };
-        if !under(path.trim_start()) {
-            continue;
-        }
+        let Some(path) = deleted(path.trim_start()) else { continue };
         let (start, end) = range.split_once('-').unwrap();
         let len = u64::from_str_radix(end, 16).unwrap() - u64::from_str_radix(start, 16).unwrap();
         // A whole-file mapping: its length is the file's, to a page. The device field is
         // "major:minor" in hex, not the stat one: keyed by inode alone then, the store's one file system.
         let key = held.keys().find(|k| k.ends_with(&format!(":{inode}"))).cloned().unwrap_or(format!("map:{inode}"));
-        let entry = held.entry(key).or_insert(0);
-        *entry = (*entry).max(len);
+        let entry = held.entry(key).or_insert((path, 0));
+        entry.1 = entry.1.max(len);
     }
-    held.values().sum()
+    held.into_values().collect()
 }

@@ -128,6 +128,19 @@ pub trait FileOpener {
     fn close(&mut self, file: FileId) -> Result<()>;
 }
 
+/// A backend's files between two streams (nothing in flight), as a stream's `FileOpener`.
+pub struct BackendFiles<'a>(pub &'a mut dyn Io);
+
+impl FileOpener for BackendFiles<'_> {
+    fn open(&mut self, path: &Path) -> Result<FileId> {
+        self.0.open(path)
+    }
+
+    fn close(&mut self, file: FileId) -> Result<()> {
+        self.0.close(file)
+    }
+}
+
 /// A source of ops and a sink of their bytes, pulled by a backend: ops are asked for only when a
 /// buffer slot is free, so a stream can plan its next batch while the disk reads the current one.
 pub trait ReadStream {

@@ -107,6 +107,12 @@ impl Planner {
         self.batch_shards.len() as u64
     }
 
+    /// The shards the planned batch draws its records from, read from their files or copied
+    /// from the tier (`shards_touched`: those its ops read).
+    pub(super) fn batch_shards(&self) -> impl Iterator<Item = usize> + '_ {
+        self.batch_shards.iter().map(|&s| s as usize)
+    }
+
     /// Plans reading `indices`; sizes `batch` for them (indices and ends final, data to be filled).
     pub(super) fn plan(
         &mut self,

@@ -35,6 +35,17 @@ pub trait ShardSource: Send + Sync + std::fmt::Debug {
         let _ = (first_step, shards_by_step);
     }
 
+    /// Whether the reader keeps the file of `shard` open after a batch that read it, for the
+    /// next reads (the default: files stay open from read to read). A cache that evicts fetched
+    /// shards says no for one its plan does not read again soon: the reader then closes it
+    /// (once no other batch in flight reads it) before it hands that batch on, so that evicting
+    /// it frees its space at once, also while the reader waits on a slow consumer (it reads its
+    /// notifications only when it plans its next batch).
+    fn keeps_open(&self, shard: ShardId) -> bool {
+        let _ = shard;
+        true
+    }
+
     /// The counters of a hook that is a cache of shards fetched from elsewhere (an origin).
     fn cache_stats(&self) -> Option<CacheStats> {
         None

@@ -26,7 +26,10 @@
 //! at the next read, or within a read before the next batch is planned once no batch in flight
 //! reads it: an inotify watch on its directory tells the reader (looked at once a
 //! millisecond at most), or, where inotify is unavailable, a stat of every open file once a
-//! second; and every file is closed when a read fails.
+//! second; and every file is closed when a read fails. Behind a hook that evicts (an origin
+//! cache), a shard's file no batch in flight reads is closed before the batch that read it is
+//! handed on when the hook does not keep it open (`ShardSource::keeps_open`: the plan does not
+//! read it again soon), so its eviction frees the disk while the sink waits.
 //! Never: writes, or touches the catalog (refs and manifests are files, so many reader processes
 //! share a store with one writer).
 
@@ -371,6 +374,7 @@ impl Reader {
                 staging: self.staging.as_ref(),
                 published: self.published.as_deref(),
                 touched: Vec::new(),
+                letting_go: Vec::new(),
                 hook: self.repair.as_deref(),
                 unplanned: None,
                 tier: self.tier.as_mut(),
@@ -378,7 +382,10 @@ impl Reader {
                 verify_threads: self.verify_threads,
                 count_shard_reads: self.count_shard_reads,
             };
-            let outcome = self.io.read_stream(&mut pipeline).and_then(|()| pipeline.finish());
+            let outcome = self
+                .io
+                .read_stream(&mut pipeline)
+                .and_then(|()| pipeline.finish(&mut crate::io::BackendFiles(&mut *self.io)));
             let error = match outcome {
                 Ok(()) => {
                     debug_assert!(pipeline.in_order.is_empty(), "every planned batch was delivered");

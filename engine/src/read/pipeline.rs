@@ -2,8 +2,8 @@
 //!
 //! Owns: `Pipeline` (batch slots planned as they free up, their extents issued in order, each
 //! completion routed to its batch, checked on this thread or handed to a verify worker, complete
-//! batches handed to the sink in plan order) and `Replay` (batches to read again after a repair,
-//! before the caller's).
+//! batches handed to the sink in plan order, after closing the files the hook lets go of) and
+//! `Replay` (batches to read again after a repair, before the caller's).
 //! Never: opens a backend, repairs a shard or decides to read again: `Reader` does, around it.
 
 use std::sync::Arc;
@@ -45,6 +45,8 @@ pub(super) struct Pipeline<'r, I> {
     pub(super) staging: Option<&'r StagingPool>,
     /// Scratch: the shards of a delivered batch, for the repair hook's access accounting.
     pub(super) touched: Vec<ShardId>,
+    /// Scratch: the shards whose files a delivered batch lets go of.
+    pub(super) letting_go: Vec<usize>,
     pub(super) hook: Option<&'r dyn ShardSource>,
     /// A batch taken from the source whose planning failed.
     pub(super) unplanned: Option<Vec<u64>>,
@@ -98,13 +100,15 @@ impl<B, I: Iterator<Item = B>> Iterator for Replay<'_, I> {
 }
 
 impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
-    /// Hands every complete batch at the front of the queue to the sink and frees its slot.
-    fn deliver_ready(&mut self) -> Result<()> {
+    /// Hands every complete batch at the front of the queue to the sink and frees its slot,
+    /// first closing the files the hook does not keep open (`let_go_of_read_files`); without an
+    /// `opener` to close them, such a batch waits for the next `next_op` or the stream's end.
+    fn deliver_ready<'o>(&mut self, mut opener: Option<&mut (dyn FileOpener + 'o)>) -> Result<()> {
         while let Some(&front) = self.in_order.front() {
-            let slot = &mut self.slots[front];
-            if !slot.is_complete() {
+            if !self.slots[front].is_complete() || !self.let_go_of_read_files(front, opener.as_deref_mut())? {
                 break;
             }
+            let slot = &mut self.slots[front];
             let read_bytes = slot.planner.read_bytes();
             self.stats.records += slot.batch.len() as u64;
             self.stats.batches += 1;
@@ -195,10 +199,47 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
         Ok((owner, extent))
     }
 
-    /// After the backend read the last op: waits for the last checks and delivers the rest.
-    pub(super) fn finish(&mut self) -> Result<()> {
+    /// After the backend read the last op: waits for the last checks and delivers the rest
+    /// (`opener`: the backend, with nothing in flight).
+    pub(super) fn finish(&mut self, opener: &mut dyn FileOpener) -> Result<()> {
         self.take_verdicts(true)?;
-        self.deliver_ready()
+        self.deliver_ready(Some(opener))
+    }
+
+    /// Closes the files of the batch in `slot` that the hook does not keep open
+    /// (`ShardSource::keeps_open`: a fetched shard the plan does not read again soon) and no
+    /// other batch in flight reads, before the batch is handed on: the sink may wait long (a
+    /// full queue before a slow trainer), and a file the cache evicts meanwhile would hold its
+    /// space until the next look. False when there are such files but no `opener`.
+    fn let_go_of_read_files(&mut self, slot: usize, opener: Option<&mut (dyn FileOpener + '_)>) -> Result<bool> {
+        let Some(hook) = self.hook else { return Ok(true) };
+        let mut done = std::mem::take(&mut self.letting_go);
+        done.clear();
+        for shard in self.slots[slot].planner.batch_shards() {
+            let read_by_another = self
+                .in_order
+                .iter()
+                .any(|&other| other != slot && self.slots[other].planner.shards_touched().any(|s| s == shard));
+            if self.files[shard].is_some() && !read_by_another && !hook.keeps_open(self.dataset.shard_id(shard)) {
+                done.push(shard);
+            }
+        }
+        let closed = match opener {
+            _ if done.is_empty() => true,
+            None => false,
+            Some(opener) => {
+                for &shard in &done {
+                    self.inodes[shard] = None;
+                    if let Some(id) = self.files[shard].take() {
+                        self.watcher.closed(&self.dataset.shard_path(shard), shard);
+                        opener.close(id)?;
+                    }
+                }
+                true
+            }
+        };
+        self.letting_go = done;
+        Ok(closed)
     }
 
     /// Closes the open files removed or replaced since they were opened that no batch in flight
@@ -238,7 +279,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
 impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
     fn next_op(&mut self, opener: &mut dyn FileOpener) -> Result<Next> {
         self.take_verdicts(false)?;
-        self.deliver_ready()?;
+        self.deliver_ready(Some(&mut *opener))?;
         loop {
             if let Some(&current) = self.in_order.back() {
                 let slot = &mut self.slots[current];
@@ -289,7 +330,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                     if let Some(verdict) = pool.take()? {
                         self.apply(verdict)?;
                         self.take_verdicts(false)?;
-                        self.deliver_ready()?;
+                        self.deliver_ready(Some(&mut *opener))?;
                         continue;
                     }
                 }
@@ -374,7 +415,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             slot.completed.resize(slot.planner.n_extents(), false);
             self.in_order.push_back(free);
             // A batch with nothing to read (no records, or only empty ones) is complete already.
-            self.deliver_ready()?;
+            self.deliver_ready(Some(&mut *opener))?;
         }
     }
 
@@ -396,9 +437,9 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
         };
         slot.remaining -= 1;
         // The bytes are a backend's buffer, not a batch: delivering here touches no memory the
-        // caller holds.
+        // caller holds (a batch with files to let go waits for `next_op`, which has the files).
         self.take_verdicts(false)?;
-        self.deliver_ready()
+        self.deliver_ready(None)
     }
 
     fn complete_into(&mut self, seq: u64, bytes: &mut [u8]) -> Result<()> {
@@ -473,7 +514,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
         let Some(verdict) = pool.take()? else { return Ok(false) };
         self.apply(verdict)?;
         self.take_verdicts(false)?;
-        self.deliver_ready()?;
+        self.deliver_ready(None)?;
         Ok(true)
     }
 }

@@ -77,6 +77,17 @@ impl Watcher {
         }
     }
 
+    /// Shard `shard`'s file at `path` was closed while its path still named it (the reader let
+    /// go of it): a later notification for the path is not about a file this reader holds.
+    pub(super) fn closed(&mut self, path: &std::path::Path, shard: usize) {
+        if let Some(shards) = self.open_paths.get_mut(path) {
+            shards.retain(|&s| s != shard);
+            if shards.is_empty() {
+                self.open_paths.remove(path);
+            }
+        }
+    }
+
     /// Notifications cannot be relied on: the reader stats its files instead, and the watches
     /// go (they count against a per-user limit).
     pub(super) fn give_up(&mut self) {

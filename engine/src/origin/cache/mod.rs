@@ -10,8 +10,9 @@
 //! look at which shards are here, so the bound holds across processes (exceeded at most by the
 //! shards being fetched at that moment, which are published only after room was made). A shard
 //! already open by a reader stays readable after it is evicted (its file lives until closed;
-//! readers close it once no batch they have in flight reads it, so the bound holds for the
-//! disk but for those).
+//! readers close it once no batch they have in flight reads it, and close a fetched shard's
+//! file as soon as the plan does not read it again soon, `keeps_open`, so the bound holds for
+//! the disk but for those).
 //! A store this process cannot write is only read (its cached shards serve; nothing is fetched
 //! or evicted). The plan's side (next uses, fetches ahead) is `prefetch.rs`. Invariant: no
 //! shard is published before its bytes hashed to its id. Never:
@@ -47,6 +48,11 @@ const PIN_FOR: Duration = Duration::from_secs(30);
 /// Steps after the evictor chose a shard needed no later than the one it made room for (which
 /// then stayed) during which fetches ahead use free room only.
 const REGRET_STEPS: u64 = 64;
+/// Steps ahead within which a reader keeps the file of a fetched shard the plan reads again
+/// open: one read again later is closed once read (`ShardSource::keeps_open`), so that its
+/// eviction frees the disk at once; reopening one read again this soon would cost more than its
+/// rare eviction (the shards needed last go first).
+const KEEP_OPEN_STEPS: u64 = 8;
 /// How long an idle prefetch thread waits at most for the reader to move on (a step, a plan)
 /// before it looks again (a fetch by another process may have made room meanwhile).
 const PREFETCH_IDLE: Duration = Duration::from_millis(100);
@@ -679,6 +685,14 @@ impl ShardSource for OriginCache {
         self.add_plan(first_step, shards_by_step);
         self.start_prefetch();
         self.moved();
+    }
+
+    fn keeps_open(&self, shard: ShardId) -> bool {
+        if self.bound == 0 || !self.writable || self.local.contains(&shard) || !self.fetchable.contains_key(&shard) {
+            return true;
+        }
+        // Called as the batch of step `step()` is handed on: its next reads come after it.
+        self.read_within(shard, self.step() + 1, KEEP_OPEN_STEPS)
     }
 
     fn accessed(&self, shards: &[ShardId]) {

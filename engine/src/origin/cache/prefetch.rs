@@ -2,7 +2,7 @@
 //! uses (as the loader tells them, this rank's and the node's other ranks'), Belady's rule for
 //! whether a fetch ahead is worth what it would push out, and the prefetch threads.
 //!
-//! Owns the `OriginCache` methods of the plan (`step`, `add_plan`, `next_use`, `upcoming`,
+//! Owns the `OriginCache` methods of the plan (`step`, `add_plan`, `next_use`, `read_within`, `upcoming`,
 //! `worth_fetching`) and of prefetching (`prefetch_one`, `start_prefetch`, `moved`), and the
 //! `Signal` idle prefetch threads wait on. Never: evicts for a fetch ahead what the plan needs
 //! sooner than it, or keeps the cache alive from an idle thread (it holds only the signal).
@@ -50,6 +50,16 @@ impl OriginCache {
             uses.pop_front();
         }
         uses.front().copied().unwrap_or(u64::MAX)
+    }
+
+    /// Whether the plan reads shard `id` at a step in `from..from + steps`; true without a plan
+    /// (a reader that is not told one reads anything next). Changes nothing.
+    pub fn read_within(&self, id: ShardId, from: u64, steps: u64) -> bool {
+        let plan = self.plan.lock();
+        if plan.is_empty() {
+            return true;
+        }
+        plan.get(&id).and_then(|uses| uses.iter().find(|&&step| step >= from)).is_some_and(|&step| step - from < steps)
     }
 
     /// Up to `limit` shards of the plan, soonest next use first, with that use.
