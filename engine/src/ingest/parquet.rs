@@ -16,7 +16,8 @@
 //! and the column, unless the caller asked to skip such rows (`Nulls::Skip`, counted).
 //!
 //! Owns: `ParquetInput` (the files, the columns and the layout, every file's schema checked
-//! before anything is ingested) and `records_from_parquet`. Never: reads a column the caller
+//! before anything is ingested) and `records_from_parquet` (a file's row batches decoded on a
+//! thread of their own, two ahead of the rows being copied and written). Never: reads a column the caller
 //! did not choose, or changes a value (a number is stored in its own type; a string's bytes
 //! are its UTF-8).
 
@@ -41,6 +42,8 @@ use crate::shard::{Dtype, FixedLayout, Layout};
 
 /// Rows read at once.
 const BATCH_ROWS: usize = 4096;
+/// Batches of rows decoded ahead of the ingest (each `BATCH_ROWS` rows of the chosen columns).
+const DECODED_AHEAD: usize = 2;
 
 /// What to do with a row that holds a null in a chosen column.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -208,41 +211,55 @@ pub fn records_from_parquet(
             .map_err(|e| bad_file(path, &e.to_string()))?;
         let mut row_in_file = 0u64;
         let mut advanced = 0u64;
-        for batch in reader {
-            let batch: RecordBatch = batch.map_err(|e| bad_file(path, &e.to_string()))?;
-            let arrays: Vec<&dyn Array> = (0..input.columns.len()).map(|c| batch.column(c).as_ref()).collect();
-            for row in 0..batch.num_rows() {
-                let mut null = None;
-                for ((c, array), part) in arrays.iter().enumerate().zip(record.clear()) {
-                    if !append(*array, input.columns[c].1, row, samples, part) {
-                        null = Some(c);
+        // Decoding (arrow-rs, one thread) runs ahead on a thread of its own while this one copies
+        // the rows into records and the ingest writes and hashes them.
+        std::thread::scope(|scope| -> Result<()> {
+            let (decoded, batches) = std::sync::mpsc::sync_channel(DECODED_AHEAD);
+            scope.spawn(move || {
+                for batch in reader {
+                    let failed = batch.is_err();
+                    if decoded.send(batch).is_err() || failed {
                         break;
                     }
                 }
-                if let Some(c) = null {
-                    if input.nulls == Nulls::Refuse {
-                        return Err(Error::invalid_input(format!(
-                            "{}: row {} has a null in column {:?} (skip such rows with --skip-nulls, \
-                             nulls=\"skip\" in Python)",
-                            path.display(),
-                            row_in_file,
-                            input.columns[c].0
-                        )));
+            });
+            for batch in batches {
+                let batch: RecordBatch = batch.map_err(|e| bad_file(path, &e.to_string()))?;
+                let arrays: Vec<&dyn Array> = (0..input.columns.len()).map(|c| batch.column(c).as_ref()).collect();
+                for row in 0..batch.num_rows() {
+                    let mut null = None;
+                    for ((c, array), part) in arrays.iter().enumerate().zip(record.clear()) {
+                        if !append(*array, input.columns[c].1, row, samples, part) {
+                            null = Some(c);
+                            break;
+                        }
                     }
-                    done.skipped += 1;
-                } else {
-                    // A sample's key is its row's position in the input, skipped rows counted.
-                    record.push(ingest, !samples, row_in_input)?;
-                    done.records += 1;
+                    if let Some(c) = null {
+                        if input.nulls == Nulls::Refuse {
+                            return Err(Error::invalid_input(format!(
+                                "{}: row {} has a null in column {:?} (skip such rows with --skip-nulls, \
+                                 nulls=\"skip\" in Python)",
+                                path.display(),
+                                row_in_file,
+                                input.columns[c].0
+                            )));
+                        }
+                        done.skipped += 1;
+                    } else {
+                        // A sample's key is its row's position in the input, skipped rows counted.
+                        record.push(ingest, !samples, row_in_input)?;
+                        done.records += 1;
+                    }
+                    row_in_file += 1;
+                    row_in_input += 1;
                 }
-                row_in_file += 1;
-                row_in_input += 1;
+                // Progress in file bytes, in proportion to the rows read.
+                let now = (bytes * row_in_file.min(rows_in_file)).checked_div(rows_in_file).unwrap_or(*bytes);
+                progress.advance(now.saturating_sub(advanced));
+                advanced = now;
             }
-            // Progress in file bytes, in proportion to the rows read.
-            let now = (bytes * row_in_file.min(rows_in_file)).checked_div(rows_in_file).unwrap_or(*bytes);
-            progress.advance(now.saturating_sub(advanced));
-            advanced = now;
-        }
+            Ok(())
+        })?;
         progress.advance(bytes.saturating_sub(advanced));
     }
     if done.records == 0 {
