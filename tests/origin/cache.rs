@@ -433,6 +433,82 @@ fn a_shard_the_same_batch_reads_stays_whatever_the_evictor_chooses() {
     assert!(shard_bytes_here(&here) <= bound);
 }
 
+/// Behind an origin cache, a reader closes a fetched shard's file before it hands on the batch
+/// that reads it last for a while (by the plan it told the cache), so that evicting the shard
+/// while the trainer holds the reader up frees its space at once; one the plan reads again
+/// within 8 steps stays open, and so does one the batch did not read. Seen from the sink, as a
+/// trainer's wait would see it.
+#[test]
+fn a_reader_lets_go_of_a_fetched_shard_before_handing_on_its_last_batch() {
+    use granary::store::{StorePaths, VersionSpec};
+    use granary::{IoConfig, Reader, ShardSource};
+    use std::collections::{BTreeSet, HashMap};
+
+    let dir = tempdir();
+    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
+    // Four shards of 64 records: shard k holds records 64 k .. 64 k + 63.
+    let input = store_with(&source, 256, 5);
+    let paths = StorePaths::new(&here);
+    let spec = VersionSpec::parse("tok").unwrap();
+    let entries = {
+        let source_paths = StorePaths::new(&source);
+        source_paths.read_manifest(source_paths.resolve(&spec).unwrap().0).unwrap().entries().to_vec()
+    };
+    assert!(entries.len() == 4 && entries.iter().all(|e| e.n_records == 64));
+    let bound = entries.iter().map(|e| e.file_bytes).sum();
+    let origin = pushed_and_attached(Arc::new(object_store::memory::InMemory::new()), &source, &here, bound);
+    let cache = granary::origin::OriginCache::open_with(&paths, None, &[], &[origin]).unwrap().unwrap();
+    let names: HashMap<PathBuf, char> = entries
+        .iter()
+        .zip(['a', 'b', 'c', 'd'])
+        .map(|(e, name)| (StorePaths::new(here.canonicalize().unwrap()).shard(e.shard), name))
+        .collect();
+    let (a, b, c, d) = (entries[0].shard, entries[1].shard, entries[2].shard, entries[3].shard);
+    // The batches: a and b, a and c, d, b. The plan told the cache also reads c at step 40.
+    let batches: Vec<Vec<u64>> = vec![vec![0, 64], vec![1, 128], vec![192], vec![65]];
+    let mut steps = vec![vec![a, b], vec![a, c], vec![d], vec![b]];
+    steps.resize(41, Vec::new());
+    steps[40].push(c);
+    cache.add_plan(0, &steps);
+    let dataset = granary::Dataset::open(&paths, &spec).unwrap();
+    let mut reader = Reader::new(dataset, IoConfig::default().build().unwrap());
+    reader.set_repair(Arc::clone(&cache) as Arc<dyn ShardSource>);
+    // The shards whose files this process holds open, by name (none is removed here).
+    let open = || -> BTreeSet<char> {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+            .filter_map(|target| names.get(&target).copied())
+            .collect()
+    };
+    let mut seen = Vec::new();
+    reader
+        .read_batches(batches.iter(), 1, &mut |batch| {
+            for (i, &index) in batch.indices().iter().enumerate() {
+                let index = usize::try_from(index).unwrap();
+                assert_eq!(batch.record(i), &input[index * RECORD..(index + 1) * RECORD], "record {index}");
+            }
+            seen.push(open());
+            Ok(())
+        })
+        .unwrap();
+    let expected: Vec<BTreeSet<char>> = [
+        // a is read next at step 1, b at step 3: both within 8 steps.
+        &['a', 'b'][..],
+        // a is not read again, c not before step 40; b, not read by this batch, stays.
+        &['b'],
+        // d is not read again.
+        &['b'],
+        // b is not read again.
+        &[],
+    ]
+    .iter()
+    .map(|names| names.iter().copied().collect())
+    .collect();
+    assert_eq!(seen, expected, "the shards held open as each batch was handed on");
+}
+
 /// Issue 40: a reader kept the shards its cache evicted open until its epoch ended, so the
 /// store's file system held several times the cache's bound (60 MiB of deleted files under a
 /// 16 MiB bound, and ENOSPC on a disk where the bound fit). Read as a trainer does, with the
@@ -481,6 +557,8 @@ fn an_epoch_through_a_quarter_cache_holds_no_more_disk_than_the_bound() {
     };
     let read_depth = config.read_depth as u64;
     let mut loader = Loader::new(dataset, config, Default::default()).unwrap();
+    // With a tier the reader keeps the read depth asked for (without one it reads deeper).
+    assert!(loader.stats().tier.is_some(), "the default tier did not open");
     let mut looks = Vec::new();
     // Per step (one batch of this one rank), the shards its records come from: read from their
     // files or copied from the tier.

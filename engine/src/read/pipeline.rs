@@ -215,14 +215,21 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
         let Some(hook) = self.hook else { return Ok(true) };
         let mut done = std::mem::take(&mut self.letting_go);
         done.clear();
-        for shard in self.slots[slot].planner.batch_shards() {
-            let read_by_another = self
+        done.extend(
+            self.slots[slot]
+                .planner
+                .batch_shards()
+                .filter(|&shard| self.files[shard].is_some() && !hook.keeps_open(self.dataset.shard_id(shard))),
+        );
+        if !done.is_empty() {
+            // Not those another batch in flight reads: its ops may be in flight.
+            let busy: std::collections::HashSet<usize> = self
                 .in_order
                 .iter()
-                .any(|&other| other != slot && self.slots[other].planner.shards_touched().any(|s| s == shard));
-            if self.files[shard].is_some() && !read_by_another && !hook.keeps_open(self.dataset.shard_id(shard)) {
-                done.push(shard);
-            }
+                .filter(|&&other| other != slot)
+                .flat_map(|&other| self.slots[other].planner.shards_touched())
+                .collect();
+            done.retain(|shard| !busy.contains(shard));
         }
         let closed = match opener {
             _ if done.is_empty() => true,
@@ -506,6 +513,10 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
     }
 
     fn idle(&mut self) -> Result<bool> {
+        // A complete batch waits for files to be let go: the next `next_op` delivers it.
+        if self.in_order.front().is_some_and(|&front| self.slots[front].is_complete()) {
+            return Ok(true);
+        }
         if self.verify.as_ref().is_none_or(|pool| pool.pending() == 0) {
             return Ok(false);
         }
