@@ -215,14 +215,17 @@ pub fn records_from_parquet(
         // the rows into records and the ingest writes and hashes them.
         std::thread::scope(|scope| -> Result<()> {
             let (decoded, batches) = std::sync::mpsc::sync_channel(DECODED_AHEAD);
-            scope.spawn(move || {
-                for batch in reader {
-                    let failed = batch.is_err();
-                    if decoded.send(batch).is_err() || failed {
-                        break;
+            std::thread::Builder::new()
+                .name("parquet-decode".into())
+                .spawn_scoped(scope, move || {
+                    for batch in reader {
+                        let failed = batch.is_err();
+                        if decoded.send(batch).is_err() || failed {
+                            break;
+                        }
                     }
-                }
-            });
+                })
+                .map_err(|e| Error::io("spawn", "a Parquet decoding thread", e))?;
             for batch in batches {
                 let batch: RecordBatch = batch.map_err(|e| bad_file(path, &e.to_string()))?;
                 let arrays: Vec<&dyn Array> = (0..input.columns.len()).map(|c| batch.column(c).as_ref()).collect();
