@@ -350,31 +350,51 @@ fn a_shard_a_peer_holds_comes_from_the_peer_and_the_rest_from_the_origin_at_once
     drop(serves);
 }
 
-#[test]
-fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
-    use granary::ShardSource;
+/// Four shards of 64 records of one size, pushed to an origin in memory and attached at
+/// `here` under a cache of `bound_shards` of them with evictor `evictor`.
+struct FourShards {
+    /// Holds the stores.
+    _dir: tempfile::TempDir,
+    here: PathBuf,
+    paths: granary::store::StorePaths,
+    /// The records, in order (shard k holds records 64 k .. 64 k + 63).
+    input: Vec<u8>,
+    entries: Vec<granary::manifest::ManifestEntry>,
+    cache: Arc<granary::origin::OriginCache>,
+}
+
+fn four_shards(seed: u64, bound_shards: u64, evictor: Option<&str>) -> FourShards {
     use granary::store::{StorePaths, VersionSpec};
 
     let dir = tempdir();
     let (source, here) = (dir.path().join("source"), dir.path().join("here"));
-    // Four shards of 64 records, all of one size.
-    store_with(&source, 256, 4);
-    let paths = StorePaths::new(&here);
+    let input = store_with(&source, 256, seed);
     let spec = VersionSpec::parse("tok").unwrap();
     let entries = {
         let source_paths = StorePaths::new(&source);
         source_paths.read_manifest(source_paths.resolve(&spec).unwrap().0).unwrap().entries().to_vec()
     };
-    assert!(entries.len() == 4 && entries.iter().all(|e| e.file_bytes == entries[0].file_bytes));
-    let bound = 2 * entries[0].file_bytes;
+    assert!(entries.len() == 4 && entries.iter().all(|e| e.file_bytes == entries[0].file_bytes && e.n_records == 64));
+    let bound = bound_shards * entries[0].file_bytes;
     let origin = pushed_and_attached(Arc::new(object_store::memory::InMemory::new()), &source, &here, bound);
-    let cache = granary::origin::OriginCache::open_with(&paths, Some("lru"), &[], &[origin]).unwrap().unwrap();
+    let paths = StorePaths::new(&here);
+    let cache = granary::origin::OriginCache::open_with(&paths, evictor, &[], &[origin]).unwrap().unwrap();
+    FourShards { _dir: dir, here, paths, input, entries, cache }
+}
+
+/// With a cache of two shards and LRU choosing: a is read at step 0 and again at `a_again`, b at
+/// 1 and 50, c at 10. At step 2, c comes: LRU would evict a, the least recently used; as a is
+/// needed no later than c, b (step 50) goes instead, and the cache stays within its bound.
+fn lru_makes_room_for_c(a_again: usize, why: &str) {
+    use granary::ShardSource;
+
+    let FourShards { here, paths, entries, cache, .. } = &four_shards(4, 2, Some("lru"));
+    let bound = 2 * entries[0].file_bytes;
     let (a, b, c) = (entries[0].shard, entries[1].shard, entries[2].shard);
-    // The plan: a at steps 0 and 5, b at 1 and 50, c at 10.
     let mut steps = vec![Vec::new(); 51];
     steps[0].push(a);
     steps[1].push(b);
-    steps[5].push(a);
+    steps[a_again].push(a);
     steps[10].push(c);
     steps[50].push(b);
     cache.add_plan(0, &steps);
@@ -382,13 +402,16 @@ fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
         cache.fetch(shard).unwrap();
         cache.accessed(&[shard]);
     }
-    // At step 2, c comes: LRU would evict a, the least recently used, which is needed at
-    // step 5, before c; b (step 50) goes instead.
     cache.fetch(c).unwrap();
-    assert!(paths.shard(a).exists(), "a, needed sooner than c, was evicted");
+    assert!(paths.shard(a).exists(), "a, {why}, was evicted for c");
     assert!(!paths.shard(b).exists(), "b, needed last, was kept");
     assert!(paths.shard(c).exists());
-    assert!(shard_bytes_here(&here) <= bound);
+    assert!(shard_bytes_here(here) <= bound);
+}
+
+#[test]
+fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
+    lru_makes_room_for_c(5, "needed sooner than c");
 }
 
 /// Two shards one batch reads: fetching the second never evicts the first for it (it would be
@@ -396,41 +419,7 @@ fn a_shard_needed_sooner_stays_whatever_the_evictor_chooses() {
 /// needed later makes the room.
 #[test]
 fn a_shard_the_same_batch_reads_stays_whatever_the_evictor_chooses() {
-    use granary::ShardSource;
-    use granary::store::{StorePaths, VersionSpec};
-
-    let dir = tempdir();
-    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
-    store_with(&source, 256, 4);
-    let paths = StorePaths::new(&here);
-    let spec = VersionSpec::parse("tok").unwrap();
-    let entries = {
-        let source_paths = StorePaths::new(&source);
-        source_paths.read_manifest(source_paths.resolve(&spec).unwrap().0).unwrap().entries().to_vec()
-    };
-    assert!(entries.len() == 4 && entries.iter().all(|e| e.file_bytes == entries[0].file_bytes));
-    let bound = 2 * entries[0].file_bytes;
-    let origin = pushed_and_attached(Arc::new(object_store::memory::InMemory::new()), &source, &here, bound);
-    let cache = granary::origin::OriginCache::open_with(&paths, Some("lru"), &[], &[origin]).unwrap().unwrap();
-    let (a, b, c) = (entries[0].shard, entries[1].shard, entries[2].shard);
-    // The plan: a at steps 0 and 10, b at 1 and 50, c at 10 (with a: one batch reads both).
-    let mut steps = vec![Vec::new(); 51];
-    steps[0].push(a);
-    steps[1].push(b);
-    steps[10].extend([a, c]);
-    steps[50].push(b);
-    cache.add_plan(0, &steps);
-    for shard in [a, b] {
-        cache.fetch(shard).unwrap();
-        cache.accessed(&[shard]);
-    }
-    // At step 2, c comes for step 10: LRU would evict a, the least recently used, which the
-    // same batch reads; b (step 50) goes instead.
-    cache.fetch(c).unwrap();
-    assert!(paths.shard(a).exists(), "a, read by the batch c is fetched for, was evicted for it");
-    assert!(!paths.shard(b).exists(), "b, needed last, was kept");
-    assert!(paths.shard(c).exists());
-    assert!(shard_bytes_here(&here) <= bound);
+    lru_makes_room_for_c(10, "read by the batch c is fetched for");
 }
 
 /// Behind an origin cache, a reader closes a fetched shard's file before it hands on the batch
@@ -444,20 +433,8 @@ fn a_reader_lets_go_of_a_fetched_shard_before_handing_on_its_last_batch() {
     use granary::{IoConfig, Reader, ShardSource};
     use std::collections::{BTreeSet, HashMap};
 
-    let dir = tempdir();
-    let (source, here) = (dir.path().join("source"), dir.path().join("here"));
-    // Four shards of 64 records: shard k holds records 64 k .. 64 k + 63.
-    let input = store_with(&source, 256, 5);
-    let paths = StorePaths::new(&here);
-    let spec = VersionSpec::parse("tok").unwrap();
-    let entries = {
-        let source_paths = StorePaths::new(&source);
-        source_paths.read_manifest(source_paths.resolve(&spec).unwrap().0).unwrap().entries().to_vec()
-    };
-    assert!(entries.len() == 4 && entries.iter().all(|e| e.n_records == 64));
-    let bound = entries.iter().map(|e| e.file_bytes).sum();
-    let origin = pushed_and_attached(Arc::new(object_store::memory::InMemory::new()), &source, &here, bound);
-    let cache = granary::origin::OriginCache::open_with(&paths, None, &[], &[origin]).unwrap().unwrap();
+    // Shard k holds records 64 k .. 64 k + 63; all of them fit in the cache.
+    let FourShards { here, paths, input, entries, cache, .. } = &four_shards(5, 4, None);
     let names: HashMap<PathBuf, char> = entries
         .iter()
         .zip(['a', 'b', 'c', 'd'])
@@ -470,9 +447,9 @@ fn a_reader_lets_go_of_a_fetched_shard_before_handing_on_its_last_batch() {
     steps.resize(41, Vec::new());
     steps[40].push(c);
     cache.add_plan(0, &steps);
-    let dataset = granary::Dataset::open(&paths, &spec).unwrap();
+    let dataset = granary::Dataset::open(paths, &VersionSpec::parse("tok").unwrap()).unwrap();
     let mut reader = Reader::new(dataset, IoConfig::default().build().unwrap());
-    reader.set_repair(Arc::clone(&cache) as Arc<dyn ShardSource>);
+    reader.set_repair(Arc::clone(cache) as Arc<dyn ShardSource>);
     // The shards whose files this process holds open, by name (none is removed here).
     let open = || -> BTreeSet<char> {
         std::fs::read_dir("/proc/self/fd")
