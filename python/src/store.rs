@@ -301,8 +301,9 @@ impl Store {
     /// in order. With one of `columns`: arrays become array records of their dtype; bytes,
     /// strings, JSON and images byte records; numbers records of one number. Otherwise (default:
     /// every column) samples of parts named `COLUMN.EXT` (arrays as `.npy`, numbers as decimal
-    /// text). An encoding that is not ingested (`pkl`, `pil`, lists) is refused, naming it. The
-    /// GIL is released while it runs. Returns what was committed (see `ingest_files`).
+    /// text, a `pil` image's raw pixels as `.npy`). An encoding that is not ingested (`pkl`,
+    /// lists) is refused, naming it. The GIL is released while it runs. Returns what was
+    /// committed (see `ingest_files`).
     #[pyo3(signature = (name, dir, *, columns = None, mode = "new", shard_bytes = None, progress = None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn ingest_mds<'py>(

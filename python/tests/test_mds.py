@@ -146,6 +146,42 @@ def test_one_column_becomes_records_of_its_own(store, tmp_path):
         store.ingest_mds("nope", out, columns=["nope"])
 
 
+def test_raw_pil_images_become_the_arrays_numpy_makes_of_them(store, tmp_path):
+    out = str(tmp_path / "pil")
+    rng = np.random.default_rng(3)
+    images = [
+        PIL.fromarray(rng.integers(0, 256, (4, 7), dtype=np.uint8), mode="L"),
+        PIL.fromarray(rng.integers(0, 256, (5, 3, 3), dtype=np.uint8), mode="RGB"),
+        PIL.fromarray(rng.integers(0, 256, (2, 9, 4), dtype=np.uint8), mode="RGBA"),
+        PIL.fromarray(rng.integers(0, 60000, (3, 4), dtype=np.uint16)),
+        PIL.fromarray(rng.integers(-(2**31), 2**31 - 1, (3, 2), dtype=np.int32)),
+        PIL.fromarray(rng.standard_normal((6, 5)).astype(np.float32)),
+        PIL.new("P", (3, 2), 7),
+    ]
+    assert [image.mode for image in images] == ["L", "RGB", "RGBA", "I;16", "I", "F", "P"]
+    with streaming.MDSWriter(out=out, columns={"image": "pil", "n": "int"}, compression="zstd") as writer:
+        for n, image in enumerate(images):
+            writer.write({"image": image, "n": n})
+    expected = theirs(out, tmp_path)
+    assert store.ingest_mds("pil", out)["records"] == len(images)
+    got = ours(store, "pil")
+    for mine, their in zip(got, expected, strict=True):
+        decoded = granary.formats.decode(mine)
+        want = np.asarray(their["image"])
+        assert decoded["image"].dtype == want.dtype and np.array_equal(decoded["image"], want), their["image"].mode
+        assert decoded["n"] == their["n"]
+    # Chosen alone, images are still samples: an array keeps its shape only as a sample's part.
+    store.ingest_mds("one", out, columns=["image"])
+    alone = [granary.formats.decode(s) for s in ours(store, "one")]
+    assert [set(s) for s in alone] == [{"__key__", "image"}] * len(images)
+    assert all(np.array_equal(s["image"], np.asarray(t["image"])) for s, t in zip(alone, expected, strict=True))
+    bits = str(tmp_path / "bits")
+    with streaming.MDSWriter(out=bits, columns={"image": "pil"}) as writer:
+        writer.write({"image": PIL.new("1", (9, 2), 1)})
+    with pytest.raises(granary.Error, match='mode "1"'):
+        store.ingest_mds("bits", bits)
+
+
 def test_unsupported_encodings_and_damaged_shards_are_refused(store, tmp_path):
     pickled = str(tmp_path / "pkl")
     with streaming.MDSWriter(out=pickled, columns={"x": "pkl"}) as writer:

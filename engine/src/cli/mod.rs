@@ -228,7 +228,8 @@ enum IngestCommand {
     /// A Mosaic Streaming MDS directory (index.json + shard.NNNNN.mds[.zstd]): one record per
     /// sample, in order. One column (--column) of arrays makes array records of their dtype;
     /// of bytes, strings, JSON or images, byte records; of numbers, records of one number.
-    /// Otherwise samples of parts named COLUMN.EXT (arrays as .npy, numbers as decimal text).
+    /// Otherwise samples of parts named COLUMN.EXT (arrays and `pil` images' raw pixels as .npy,
+    /// numbers as decimal text).
     Mds {
         #[command(flatten)]
         common: IngestArgs,

@@ -6,9 +6,11 @@
 //! samples; a sample is one `u32` size per column of no fixed size, then each column's bytes in
 //! column order (all little-endian). What a sample becomes: with one column chosen, an `ndarray`
 //! column of one dtype makes array records of it, `bytes`/`str`/`json`/`jpeg`/`png` byte records,
-//! a number (`int`, `uint8` ... `float64`) records of one number; otherwise a sample of parts
-//! named `COLUMN.EXT` as `parts.rs` names them (arrays as `.npy` with their dtype and shape,
-//! numbers as decimal text, images and bytes as they are).
+//! a number (`int`, `uint8` ... `float64`) records of one number; otherwise (or for `pil`) a
+//! sample of parts named `COLUMN.EXT` as `parts.rs` names them (arrays as `.npy` with their dtype
+//! and shape, numbers as decimal text, images and bytes as they are, a `pil` image's raw pixels
+//! as a `.npy` array of shape `[height, width]` or `[height, width, channels]`, as `np.asarray`
+//! gives them).
 //!
 //! Owns: `MdsInput` (the index read and checked: one set of columns, known encodings and
 //! compressions, every shard file present) and `records_from_mds`. Never: unpickles (`pkl` is
@@ -44,6 +46,9 @@ enum Encoding {
     Json,
     Jpeg,
     Png,
+    /// `pil`: a PIL image's raw pixels (`[width, height, mode length]` as `u32`s, the mode's
+    /// name, then `Image.tobytes()`).
+    Pil,
 }
 
 impl Encoding {
@@ -74,6 +79,7 @@ impl Encoding {
             "json" => Encoding::Json,
             "jpeg" => Encoding::Jpeg,
             "png" => Encoding::Png,
+            "pil" => Encoding::Pil,
             "pkl" => return Err("pkl (pickle runs code when it is read; Streaming refuses it by default too)".into()),
             other if other == "ndarray" || other.starts_with("ndarray:") => {
                 let mut args = other.split(':').skip(1);
@@ -107,7 +113,7 @@ impl Encoding {
             Encoding::Int => PartKind::Integer,
             Encoding::Scalar(dtype) => PartKind::of_number(*dtype),
             Encoding::NumberText(kind) => *kind,
-            Encoding::NdArray { .. } => PartKind::Array,
+            Encoding::NdArray { .. } | Encoding::Pil => PartKind::Array,
             Encoding::Json => PartKind::Json,
             Encoding::Jpeg => PartKind::Jpeg,
             Encoding::Png => PartKind::Png,
@@ -199,7 +205,7 @@ impl MdsInput {
                 let encoding = Encoding::parse(encoding).map_err(|what| {
                     Error::invalid_input(format!(
                         "{}: column {name:?} is encoded as {what}, which is not ingested (bytes, str, int, \
-                         uint8..float64, str_int, str_float, str_decimal, ndarray, json, jpeg, png are)",
+                         uint8..float64, str_int, str_float, str_decimal, ndarray, json, jpeg, png, pil are)",
                         dir.display()
                     ))
                 })?;
@@ -284,8 +290,8 @@ impl MdsInput {
         self.shards.iter().map(|s| s.samples).sum()
     }
 
-    /// Samples for several columns; for one, records of its values (an array's dtype read from
-    /// the first sample when the encoding does not fix it).
+    /// Samples for several columns, or for one of `pil` images; for another one, records of its
+    /// values (an array's dtype read from the first sample when the encoding does not fix it).
     fn decide_layout(&self) -> Result<Layout> {
         let &[only] = self.chosen.as_slice() else { return Ok(Layout::Samples) };
         let column = &self.columns[only];
@@ -298,6 +304,8 @@ impl MdsInput {
             | Encoding::Png => Layout::Bytes,
             Encoding::Int => Layout::Fixed(fixed_of(Dtype::I64)?),
             Encoding::Scalar(dtype) => Layout::Fixed(fixed_of(*dtype)?),
+            // An image keeps its shape only as a sample's `.npy` part.
+            Encoding::Pil => Layout::Samples,
             Encoding::NdArray { dtype: Some(dtype), .. } => Layout::Arrays(*dtype),
             Encoding::NdArray { dtype: None, .. } => {
                 let first = self.shards.iter().find(|s| s.samples > 0).ok_or_else(|| {
@@ -417,6 +425,42 @@ fn ndarray<'a>(encoding: &Encoding, value: &'a [u8]) -> std::result::Result<(Dty
     Ok((dtype, shape, elements))
 }
 
+/// A `pil` value as an array: its dtype, its shape (`[height, width]`, and the channels when
+/// there are several: what `np.asarray` makes of the image) and its pixels' bytes. Modes of
+/// bytes per channel, `I;16` (little-endian `u16`), `I` (`i32`) and `F` (`f32`), as PIL lays
+/// them out on a little-endian machine; bit-packed `1` and the rest are refused by name.
+fn pil(value: &[u8]) -> std::result::Result<(Dtype, Vec<u64>, &[u8]), String> {
+    let word = |i: usize| -> Option<u32> { Some(u32::from_le_bytes(value.get(4 * i..4 * i + 4)?.try_into().ok()?)) };
+    let (Some(width), Some(height), Some(mode_len)) = (word(0), word(1), word(2)) else {
+        return Err("an image value shorter than its header".into());
+    };
+    let pixels_at = 12 + usize::try_from(mode_len).map_err(|_| "an image's mode longer than memory")?;
+    let mode = value
+        .get(12..pixels_at)
+        .and_then(|mode| std::str::from_utf8(mode).ok())
+        .ok_or("an image's mode runs past it or is not text")?;
+    let (dtype, channels) = match mode {
+        "L" | "P" => (Dtype::U8, 1),
+        "LA" | "La" | "PA" => (Dtype::U8, 2),
+        "RGB" | "YCbCr" | "LAB" | "HSV" => (Dtype::U8, 3),
+        "RGBA" | "RGBa" | "RGBX" | "CMYK" => (Dtype::U8, 4),
+        "I;16" => (Dtype::U16, 1),
+        "I" => (Dtype::I32, 1),
+        "F" => (Dtype::F32, 1),
+        other => return Err(format!("an image of mode {other:?} (not one array of one dtype: not ingested)")),
+    };
+    let pixels = &value[pixels_at..];
+    let expected = u64::from(width) * u64::from(height) * channels * dtype.size_bytes();
+    if pixels.len() as u64 != expected {
+        return Err(format!("an image of {width} x {height} {mode} with {} bytes of pixels", pixels.len()));
+    }
+    let mut shape = vec![u64::from(height), u64::from(width)];
+    if channels > 1 {
+        shape.push(channels);
+    }
+    Ok((dtype, shape, pixels))
+}
+
 /// `packed` decompressed with `codec` (`raw_bytes`, when known, sizes the buffer).
 fn decompress(codec: Codec, packed: &[u8], raw_bytes: u64) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
@@ -517,6 +561,12 @@ fn value_into(
                 return Err(format!("an array of {dtype:?}"));
             }
         }
+        Encoding::Pil => {
+            let (dtype, shape, pixels) = pil(value)?;
+            if !push_npy(dtype, &shape, pixels, out) {
+                return Err(format!("an image of {dtype:?}"));
+            }
+        }
         Encoding::Bytes | Encoding::Str | Encoding::NumberText(_) | Encoding::Json | Encoding::Jpeg | Encoding::Png => {
             out.extend_from_slice(value)
         }
@@ -577,11 +627,32 @@ mod tests {
         let fixed = Encoding::parse("ndarray:uint16:2,3").unwrap();
         assert_eq!(ndarray(&fixed, &[0; 12]).unwrap().1, [2, 3]);
         assert!(ndarray(&fixed, &[0; 11]).is_err());
-        for bad in ["pkl", "ndarray:complex64", "ndarray:int8:0", "list[str]", "pil"] {
+        for bad in ["pkl", "ndarray:complex64", "ndarray:int8:0", "list[str]", "list[pil]"] {
             assert!(Encoding::parse(bad).is_err(), "{bad}");
         }
         for cut in 0..value.len() {
             let _ = ndarray(&dynamic, &value[..cut]);
+        }
+    }
+
+    #[test]
+    fn pil_images_become_arrays_of_their_mode_and_bad_ones_are_refused() {
+        let image = |width: u32, height: u32, mode: &str, pixels: usize| {
+            let mut value = [width, height, mode.len() as u32].map(u32::to_le_bytes).concat();
+            value.extend_from_slice(mode.as_bytes());
+            value.extend((0..pixels).map(|i| i as u8));
+            value
+        };
+        let rgb = image(5, 3, "RGB", 45);
+        let (dtype, shape, pixels) = pil(&rgb).unwrap();
+        assert_eq!((dtype, shape, pixels.len()), (Dtype::U8, vec![3, 5, 3], 45));
+        assert_eq!(pil(&image(5, 3, "L", 15)).unwrap().1, [3, 5]);
+        assert_eq!(pil(&image(2, 2, "I;16", 8)).unwrap().0, Dtype::U16);
+        assert_eq!(pil(&image(2, 2, "F", 16)).unwrap().0, Dtype::F32);
+        assert!(pil(&image(5, 3, "RGB", 44)).is_err());
+        assert!(pil(&image(8, 1, "1", 1)).unwrap_err().contains("mode \"1\""));
+        for cut in 0..rgb.len() {
+            assert!(pil(&rgb[..cut]).is_err(), "{cut} bytes");
         }
     }
 }
