@@ -298,7 +298,7 @@ impl Store {
 
     /// Ingests a Mosaic Streaming MDS directory (`index.json` and its shards, as `MDSWriter`
     /// writes them, compressed or not) as a new version of dataset `name`: one record per sample,
-    /// in order. With one of `columns`: arrays become array records of their dtype; bytes,
+    /// in order. With one of `columns`: 1-D arrays become array records of their dtype; bytes,
     /// strings, JSON and images byte records; numbers records of one number. Otherwise (default:
     /// every column) samples of parts named `COLUMN.EXT` (arrays as `.npy`, numbers as decimal
     /// text, a `pil` image's raw pixels as `.npy`). An encoding that is not ingested (`pkl`,

@@ -140,8 +140,20 @@ def test_one_column_becomes_records_of_its_own(store, tmp_path):
     store.ingest_mds("label", out, columns=["label"])
     (labels,) = list(store.loader("label", batch_size=1000, order="sequential", output="numpy"))
     assert labels.reshape(-1).tolist() == [s["label"] for s in expected]
-    with pytest.raises(granary.Error, match="more than one dimension"):
-        store.ingest_mds("matrix", out, columns=["matrix"])
+    # Arrays of two dimensions keep their shape as samples' parts, the column chosen alone too.
+    store.ingest_mds("matrix", out, columns=["matrix"])
+    matrices = [granary.formats.decode(s) for s in ours(store, "matrix")]
+    assert [set(s) for s in matrices] == [{"__key__", "matrix"}] * 120
+    for mine, their in zip(matrices, expected, strict=True):
+        assert mine["matrix"].dtype == their["matrix"].dtype and np.array_equal(mine["matrix"], their["matrix"])
+    # A column whose first array is one-dimensional makes array records, which a later array
+    # of two dimensions cannot join.
+    mixed = str(tmp_path / "mixed")
+    with streaming.MDSWriter(out=mixed, columns={"a": "ndarray:int16"}) as writer:
+        writer.write({"a": np.arange(3, dtype=np.int16)})
+        writer.write({"a": np.zeros((2, 2), dtype=np.int16)})
+    with pytest.raises(granary.Error, match=r"shape \[2, 2\] in a column of one-dimensional arrays"):
+        store.ingest_mds("mixed", mixed)
     with pytest.raises(granary.Error, match=r'no column "nope" \(its columns: count, fixed, image'):
         store.ingest_mds("nope", out, columns=["nope"])
 

@@ -226,7 +226,7 @@ enum IngestCommand {
         inputs: Vec<String>,
     },
     /// A Mosaic Streaming MDS directory (index.json + shard.NNNNN.mds[.zstd]): one record per
-    /// sample, in order. One column (--column) of arrays makes array records of their dtype;
+    /// sample, in order. One column (--column) of 1-D arrays makes array records of their dtype;
     /// of bytes, strings, JSON or images, byte records; of numbers, records of one number.
     /// Otherwise samples of parts named COLUMN.EXT (arrays and `pil` images' raw pixels as .npy,
     /// numbers as decimal text).

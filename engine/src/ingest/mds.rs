@@ -6,11 +6,11 @@
 //! samples; a sample is one `u32` size per column of no fixed size, then each column's bytes in
 //! column order (all little-endian). What a sample becomes: with one column chosen, an `ndarray`
 //! column of one dtype makes array records of it, `bytes`/`str`/`json`/`jpeg`/`png` byte records,
-//! a number (`int`, `uint8` ... `float64`) records of one number; otherwise (or for `pil`) a
-//! sample of parts named `COLUMN.EXT` as `parts.rs` names them (arrays as `.npy` with their dtype
-//! and shape, numbers as decimal text, images and bytes as they are, a `pil` image's raw pixels
-//! as a `.npy` array of shape `[height, width]` or `[height, width, channels]`, as `np.asarray`
-//! gives them).
+//! a number (`int`, `uint8` ... `float64`) records of one number; otherwise (or for `pil`, or
+//! arrays of more than one dimension) a sample of parts named `COLUMN.EXT` as `parts.rs` names
+//! them (arrays as `.npy` with their dtype and shape, numbers as decimal text, images and bytes
+//! as they are, a `pil` image's raw pixels as a `.npy` array of shape `[height, width]` or
+//! `[height, width, channels]`, as `np.asarray` gives them).
 //!
 //! Owns: `MdsInput` (the index read and checked: one set of columns, known encodings and
 //! compressions, every shard file present) and `records_from_mds`. Never: unpickles (`pkl` is
@@ -290,8 +290,10 @@ impl MdsInput {
         self.shards.iter().map(|s| s.samples).sum()
     }
 
-    /// Samples for several columns, or for one of `pil` images; for another one, records of its
-    /// values (an array's dtype read from the first sample when the encoding does not fix it).
+    /// Samples for several columns, or for one of `pil` images or of arrays of more than one
+    /// dimension (the index's shape, else the first sample's: an array keeps its shape only as a
+    /// sample's part); for another one, records of its values (an array's dtype read from the
+    /// first sample when the encoding does not fix it).
     fn decide_layout(&self) -> Result<Layout> {
         let &[only] = self.chosen.as_slice() else { return Ok(Layout::Samples) };
         let column = &self.columns[only];
@@ -304,10 +306,15 @@ impl MdsInput {
             | Encoding::Png => Layout::Bytes,
             Encoding::Int => Layout::Fixed(fixed_of(Dtype::I64)?),
             Encoding::Scalar(dtype) => Layout::Fixed(fixed_of(*dtype)?),
-            // An image keeps its shape only as a sample's `.npy` part.
             Encoding::Pil => Layout::Samples,
-            Encoding::NdArray { dtype: Some(dtype), .. } => Layout::Arrays(*dtype),
-            Encoding::NdArray { dtype: None, .. } => {
+            Encoding::NdArray { dtype: Some(dtype), shape: Some(shape) } => {
+                if shape.len() > 1 {
+                    Layout::Samples
+                } else {
+                    Layout::Arrays(*dtype)
+                }
+            }
+            Encoding::NdArray { .. } => {
                 let first = self.shards.iter().find(|s| s.samples > 0).ok_or_else(|| {
                     Error::invalid_input(format!("{}: no sample in the index: nothing to ingest", self.dir.display()))
                 })?;
@@ -315,8 +322,9 @@ impl MdsInput {
                 let samples = offset_table(&data, first.samples, "sample").map_err(|e| self.bad_shard(first, &e))?;
                 let values =
                     self.values_of(samples[0]).map_err(|e| self.bad_shard(first, &format!("sample 0: {e}")))?;
-                let (dtype, _, _) = ndarray(&column.encoding, values[only]).map_err(|e| self.bad_shard(first, &e))?;
-                Layout::Arrays(dtype)
+                let (dtype, shape, _) =
+                    ndarray(&column.encoding, values[only]).map_err(|e| self.bad_shard(first, &e))?;
+                if shape.len() > 1 { Layout::Samples } else { Layout::Arrays(dtype) }
             }
         })
     }
@@ -552,8 +560,8 @@ fn value_into(
                 }
                 if shape.len() != 1 {
                     return Err(format!(
-                        "an array of shape {shape:?}: arrays of more than one dimension keep their shape only in \
-                         samples (ingest without --column)"
+                        "an array of shape {shape:?} in a column of one-dimensional arrays (as its first sample's \
+                         is): array records keep one dimension"
                     ));
                 }
                 out.extend_from_slice(elements);
