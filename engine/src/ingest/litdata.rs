@@ -21,7 +21,9 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::Ingest;
-use super::parts::{PartKind, RecordParts, offset_table, part_name, push_npy, push_number_text};
+use super::parts::{
+    PartKind, RecordParts, json_strings, offset_table, part_name, push_npy, push_number_text, read_index,
+};
 use super::sources::Progress;
 use crate::error::{Error, Result};
 use crate::shard::{Dtype, FixedLayout, Layout};
@@ -153,10 +155,8 @@ pub struct LitDataInput {
 impl LitDataInput {
     /// The LitData directory `dir` (`dir/index.json`), its leaves `wanted` (none: every leaf).
     pub fn open(dir: &Path, wanted: &[String]) -> Result<Self> {
-        let index_path = dir.join("index.json");
+        let (index_path, index) = read_index(dir)?;
         let bad = |detail: String| Error::invalid_input(format!("{}: {detail}", index_path.display()));
-        let text = std::fs::read(&index_path).map_err(|e| Error::io("read", &index_path, e))?;
-        let index: Value = serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
         let config = index.get("config").ok_or_else(|| bad("no config".into()))?;
         match config.get("item_loader").and_then(Value::as_str) {
             None | Some("PyTreeLoader") => {}
@@ -171,8 +171,7 @@ impl LitDataInput {
         }
         let formats: Vec<String> = config
             .get("data_format")
-            .and_then(Value::as_array)
-            .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_owned)).collect())
+            .and_then(json_strings)
             .ok_or_else(|| bad("data_format is not a list of names".into()))?;
         let names = leaf_names(config.get("data_spec").and_then(Value::as_str).unwrap_or(""))
             .map_err(|e| bad(format!("data_spec: {e}")))?;

@@ -22,7 +22,9 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::Ingest;
-use super::parts::{PartKind, RecordParts, offset_table, part_name, push_npy, push_number_text};
+use super::parts::{
+    PartKind, RecordParts, json_strings, offset_table, part_name, push_npy, push_number_text, read_index,
+};
 use super::sources::Progress;
 use crate::error::{Error, Result};
 use crate::shard::{Dtype, FixedLayout, Layout};
@@ -169,10 +171,8 @@ impl MdsInput {
     /// as samples). A column whose encoding is not supported is refused, naming it; so is an
     /// index whose shards disagree on the columns, or a shard file that is missing.
     pub fn open(dir: &Path, wanted: &[String]) -> Result<Self> {
-        let index_path = dir.join("index.json");
+        let (index_path, index) = read_index(dir)?;
         let bad = |detail: String| Error::invalid_input(format!("{}: {detail}", index_path.display()));
-        let text = std::fs::read(&index_path).map_err(|e| Error::io("read", &index_path, e))?;
-        let index: Value = serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
         if index.get("version").and_then(Value::as_u64) != Some(2) {
             return Err(bad("not an MDS index of version 2".into()));
         }
@@ -186,10 +186,7 @@ impl MdsInput {
                 return Err(bad(format!("shard {s} is of format {format:?}: only mds shards are ingested")));
             }
             let strings = |name: &str| -> Result<Vec<String>> {
-                field(name)?
-                    .as_array()
-                    .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_owned)).collect())
-                    .ok_or_else(|| bad(format!("shard {s}: {name} is not a list of strings")))
+                json_strings(field(name)?).ok_or_else(|| bad(format!("shard {s}: {name} is not a list of strings")))
             };
             let names = strings("column_names")?;
             let encodings = strings("column_encodings")?;

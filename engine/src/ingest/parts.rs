@@ -7,12 +7,17 @@
 //!
 //! Owns: `PartKind` (the extension of each kind of value), the encodings of numbers and
 //! arrays (`push_number_text`, `push_npy`), and the offset table MDS shards and LitData chunks
-//! share (`offset_table`), and a record's parts on their way to the ingest (`RecordParts`). Never: decides which columns a sample has (the
+//! share (`offset_table`) with their JSON indexes (`read_index`, `json_strings`), and a record's
+//! parts on their way to the ingest (`RecordParts`). Never: decides which columns a sample has (the
 //! sources do), or stores a value other than as the format held it (an array's elements keep
 //! their type; a number's text parses back to the same value).
 
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
 use super::Ingest;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::shard::{Dtype, encode_sample};
 
 /// What a part holds, which names its extension.
@@ -213,6 +218,21 @@ pub(super) fn offset_table<'a>(
         records.push(&data[start..end]);
     }
     Ok(records)
+}
+
+/// The JSON index of an MDS or LitData directory, `dir/index.json`, and its path (errors about
+/// it name the path).
+pub(super) fn read_index(dir: &Path) -> Result<(PathBuf, Value)> {
+    let path = dir.join("index.json");
+    let text = std::fs::read(&path).map_err(|e| Error::io("read", &path, e))?;
+    let index = serde_json::from_slice(&text)
+        .map_err(|e| Error::invalid_input(format!("{}: not JSON: {e}", path.display())))?;
+    Ok((path, index))
+}
+
+/// A JSON list of strings, owned; `None` when `value` is not one.
+pub(super) fn json_strings(value: &Value) -> Option<Vec<String>> {
+    value.as_array()?.iter().map(|v| v.as_str().map(str::to_owned)).collect()
 }
 
 #[cfg(test)]
