@@ -17,9 +17,9 @@
 //!
 //! Owns: `ParquetInput` (the files, the columns and the layout, every file's schema checked
 //! before anything is ingested) and `records_from_parquet` (a file's row batches decoded on a
-//! thread of their own, two ahead of the rows being copied and written). Never: reads a column the caller
-//! did not choose, or changes a value (a number is stored in its own type; a string's bytes
-//! are its UTF-8).
+//! thread of their own, two ahead of the rows being copied and written). Never: reads a column
+//! the caller did not choose, or changes a value (a number is stored in its own type; a
+//! string's bytes are its UTF-8).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

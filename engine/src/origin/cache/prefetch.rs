@@ -2,10 +2,11 @@
 //! uses (as the loader tells them, this rank's and the node's other ranks'), Belady's rule for
 //! whether a fetch ahead is worth what it would push out, and the prefetch threads.
 //!
-//! Owns the `OriginCache` methods of the plan (`step`, `add_plan`, `next_use`, `read_within`, `upcoming`,
-//! `worth_fetching`) and of prefetching (`prefetch_one`, `start_prefetch`, `moved`), and the
-//! `Signal` idle prefetch threads wait on. Never: evicts for a fetch ahead what the plan needs
-//! sooner than it, or keeps the cache alive from an idle thread (it holds only the signal).
+//! Owns the `OriginCache` methods of the plan (`step`, `add_plan`, `next_use`, `read_within`,
+//! `upcoming`, `worth_fetching`) and of prefetching (`prefetch_one`, `start_prefetch`,
+//! `moved`), and the `Signal` idle prefetch threads wait on. Never: evicts for a fetch ahead
+//! what the plan needs sooner than it, or keeps the cache alive from an idle thread (it holds
+//! only the signal).
 
 use super::*;
 
