@@ -288,12 +288,13 @@ class Store:
         progress: Union[bool, Callable[[int, int], None], None] = None,
     ) -> Dict[str, Any]:
         """A Mosaic Streaming MDS directory (what `MDSWriter` writes, compressed or not): one
-        record per sample, in order. With one column (`columns=["tokens"]`): arrays become arrays
-        of their dtype (batches as `(data, offsets)`), bytes, strings, JSON and images byte
-        records, numbers records of one number. Otherwise (default: every column) each sample is
-        a dict of parts named `COLUMN.EXT` (`.npy` arrays, `.cls`/`.txt` numbers as text, `.txt`
-        strings, `.jpg`/`.png` images, `.bin` bytes, `.json`); `granary.formats.decode` turns one
-        into Python values."""
+        record per sample, in order. With one column (`columns=["tokens"]`): 1-D arrays become
+        arrays of their dtype (batches as `(data, offsets)`), bytes, strings, JSON and images
+        byte records, numbers records of one number. Otherwise (default: every column, and a
+        column of arrays of more dimensions or of `pil` images) each sample is a dict of parts
+        named `COLUMN.EXT` (`.npy` arrays and `pil` images' raw pixels, `.cls`/`.txt` numbers as
+        text, `.txt` strings, `.jpg`/`.png` images, `.bin` bytes, `.json`);
+        `granary.formats.decode` turns one into Python values."""
         return self._native.ingest_mds(
             name, os.fspath(dir), **_column_options(columns, mode, replace, shard_bytes, progress)
         )
