@@ -253,3 +253,105 @@ fn a_bit_flipped_in_an_op_a_worker_copies_from_is_caught_and_nothing_damaged_is_
         read_as_the_model(&mut reader, &batches, 3, &records, &format!("{backend:?}"));
     }
 }
+
+/// A loop device holding an ext4 file system mounted at a temporary directory, taken down when
+/// dropped.
+struct LoopMount {
+    device: String,
+    mount: std::path::PathBuf,
+}
+
+impl LoopMount {
+    fn new(dir: &std::path::Path) -> Self {
+        let run = |program: &str, args: &[&str]| {
+            let out = std::process::Command::new(program).args(args).output().unwrap();
+            assert!(out.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+            String::from_utf8(out.stdout).unwrap().trim().to_owned()
+        };
+        let image = dir.join("disk.img");
+        std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
+        run("mkfs.ext4", &["-q", "-F", "-b", "4096", image.to_str().unwrap()]);
+        let device = run("losetup", &["-f", "--show", image.to_str().unwrap()]);
+        let mount = dir.join("mnt");
+        std::fs::create_dir(&mount).unwrap();
+        let mounted = LoopMount { device, mount };
+        run("mount", &[mounted.device.as_str(), mounted.mount.to_str().unwrap()]);
+        mounted
+    }
+}
+
+impl Drop for LoopMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.mount).status();
+        let _ = std::process::Command::new("losetup").args(["-d", &self.device]).status();
+    }
+}
+
+/// The device offset of byte `offset` of `path`, by `filefrag` (FIEMAP) in 4096-byte blocks.
+fn device_offset(path: &std::path::Path, offset: u64) -> u64 {
+    let out = std::process::Command::new("filefrag").args(["-v", "-b4096"]).arg(path).output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    // Extent lines: "   0:        0..       3:      34816..     34819:      4:  ..."
+    for line in text.lines().filter(|l| l.trim_start().chars().next().is_some_and(|c| c.is_ascii_digit())) {
+        let fields: Vec<&str> = line.split(':').map(str::trim).collect();
+        let logical: Vec<u64> = fields[1].split("..").map(|v| v.trim().parse().unwrap()).collect();
+        let physical: u64 = fields[2].split("..").next().unwrap().trim().parse().unwrap();
+        let block = offset / 4096;
+        if (logical[0]..=logical[1]).contains(&block) {
+            return (physical + block - logical[0]) * 4096 + offset % 4096;
+        }
+    }
+    panic!("no extent of {} holds byte {offset}: {text}", path.display());
+}
+
+#[test]
+fn verify_reads_the_device_not_the_page_cache() {
+    // Issue 53: with a shard's pages cached, a byte flipped on the device under them passed
+    // `granary verify` (it read the cache); the loader's cold read and `get` refused it.
+    let is_root =
+        std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0).unwrap_or(false);
+    let tools = ["mkfs.ext4", "losetup", "filefrag", "mount"].iter().all(|tool| {
+        std::process::Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    if !machine_has(
+        is_root && tools && std::path::Path::new("/dev/loop-control").exists(),
+        "root, loop devices, mkfs.ext4 and filefrag",
+    ) {
+        return;
+    }
+    let dir = tempdir();
+    let mounted = LoopMount::new(dir.path());
+    let root = mounted.mount.join("store");
+    let records: Vec<Vec<u8>> = (0..40).map(|i| bytes(i, 4096)).collect();
+    let mut writer = Granary::create(&root).unwrap();
+    ingest(&mut writer, "d", tokens_layout(2048), small_shards(8192), &records);
+    drop(writer);
+    granary_ok(&root, &["verify"]);
+
+    let shard = shard_files(&root).into_iter().next().unwrap();
+    // Its pages in the page cache, as a loader leaves them.
+    let cached = std::fs::read(&shard).unwrap();
+    // One byte of data block 0 flipped on the device, beneath the cache (O_DIRECT on the device).
+    let target = device_offset(&shard, granary::shard::DATA_OFFSET + 100);
+    use std::os::unix::fs::OpenOptionsExt;
+    let device =
+        std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&mounted.device).unwrap();
+    let mut block = granary::io::AlignedBuf::new(4096).unwrap();
+    let at = target / 4096 * 4096;
+    device.read_exact_at(block.as_mut_slice(), at).unwrap();
+    block.as_mut_slice()[(target - at) as usize] ^= 0x20;
+    device.write_all_at(block.as_slice(), at).unwrap();
+    device.sync_all().unwrap();
+    // The cache still holds the bytes as they were: what a scrub of memory would check.
+    assert_eq!(std::fs::read(&shard).unwrap(), cached);
+
+    let out = granary(&root, &["verify"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stderr.contains("block 0 checksum mismatch"), "{stderr}");
+    assert!(stdout.contains("1 unreadable: 2 failures") && !stdout.contains("page cache"), "{stdout}");
+}

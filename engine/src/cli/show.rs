@@ -276,6 +276,13 @@ pub(super) fn verify(paths: &StorePaths, spec: Option<&str>) -> Result<ExitCode>
         bytes(report.bytes),
         report.failures.len() + report.unreadable.len()
     )?;
+    if report.shards_through_cache > 0 {
+        outln!(
+            "note: {} shards were read through the page cache (its pages dropped first): this file system \
+             refuses O_DIRECT, so pages another process keeps mapped were not read from the device",
+            report.shards_through_cache
+        )?;
+    }
     Ok(if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
