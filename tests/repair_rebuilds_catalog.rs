@@ -186,3 +186,43 @@ fn walk(root: &std::path::Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+#[test]
+fn a_catalog_sled_cannot_read_is_rebuilt_at_open_without_a_person() {
+    // Issue 53: after a killed ingest, a writer's open found sled's catalog unreadable and asked
+    // for `granary repair`; the catalog is a cache of the files, so the open rebuilds it.
+    let dir = tempdir();
+    let root = dir.path().join("store");
+    let mut writer = Granary::create(&root).unwrap();
+    let a: Vec<Vec<u8>> = (0..100).map(|i| bytes(i, 300)).collect();
+    ingest(&mut writer, "a", Layout::Bytes, small_shards(4096), &a);
+    let before = writer.datasets().unwrap();
+    let shards_before = writer.catalog().shards().unwrap();
+    drop(writer);
+    // Every file of sled's directory overwritten with what no sled wrote.
+    for entry in walk(&root.join("catalog")) {
+        if entry.is_file() {
+            let len = std::fs::metadata(&entry).unwrap().len().max(4096) as usize;
+            std::fs::write(&entry, bytes(7, len)).unwrap();
+        }
+    }
+    let reopened = Granary::open(&root).unwrap();
+    assert_eq!(reopened.datasets().unwrap(), before);
+    assert_eq!(reopened.catalog().shards().unwrap(), shards_before);
+    drop(reopened);
+    // The command line says so, once, and goes on with its work.
+    for entry in walk(&root.join("catalog")) {
+        if entry.is_file() {
+            std::fs::write(&entry, bytes(8, 8192)).unwrap();
+        }
+    }
+    let records = dir.path().join("records.bin");
+    std::fs::write(&records, bytes(9, 4096)).unwrap();
+    let out = granary(&root, &["ingest", "records", "--name", "b", "--record-bytes", "64", records.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stderr.matches("rebuilt it from the store's files").count(), 1, "{stderr}");
+    let ls = granary_ok(&root, &["ls"]);
+    assert!(ls.contains("a ") && ls.contains("b "), "{ls}");
+    granary_ok(&root, &["verify"]);
+}

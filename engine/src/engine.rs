@@ -4,8 +4,8 @@
 //! ingests, lists and removes here; it verifies (`verify.rs`), repairs (`repair.rs`) and
 //! collects garbage (`collect.rs`) in the files beside this one. Reading needs no `Granary`:
 //! `Dataset::open` works from the files alone, so every rank of a trainer can read while one
-//! process writes. A catalog sled cannot read stops every writer but `repair` with
-//! `Error::NeedsRepair`: the catalog is a cache, and only repair rebuilds it.
+//! process writes. A catalog sled cannot read is rebuilt from the files when a writer opens
+//! the store (the repair's path, said once on stderr): the catalog is a cache of the files.
 //!
 //! Owns: `Granary` (a `Store` and its `Catalog` held together: opening, waiting for another writer,
 //! bringing the catalog and the histories in line with the ref files at open), listing
@@ -24,7 +24,9 @@ use std::sync::Arc;
 
 pub use collect::{GC_GRACE_DEFAULT, GcOptions, GcReport};
 pub use repair::RepairReport;
-pub use verify::{Failure, Hurt, ShardFetcher, Unreadable, VerifyReport, verify, verify_shard, verify_through};
+pub use verify::{
+    Failure, Hurt, ShardFetcher, Unreadable, VerifyReport, verify, verify_shard, verify_shard_from_disk, verify_through,
+};
 
 /// What `forget_quarantined` puts before the name of a quarantined ref or history it lets go of.
 pub const FORGOTTEN_PREFIX: &str = "forgotten-";
@@ -111,9 +113,38 @@ impl Granary {
         Catalog::check_process()?;
         let store = Store::open(root, create)?;
         let dir = store.paths().catalog_dir();
-        let catalog = Catalog::open_sled(&dir).map_err(|e| catalog_unreadable(&dir, e))?;
+        // The catalog is a cache of the files: one sled cannot read (a crash in the middle of
+        // its own write) is rebuilt from them here, as `repair` would, without a person.
+        let catalog = match Catalog::open_sled(&dir) {
+            Ok(catalog) => catalog,
+            Err(Error::Catalog { detail }) => return Self::rebuild_at_open(store, &detail),
+            Err(e) => return Err(e),
+        };
         let granary = Self { store, catalog };
-        granary.reconcile_datasets().map_err(|e| catalog_unreadable(&dir, e))?;
+        match granary.reconcile_datasets() {
+            Ok(()) => Ok(granary),
+            Err(Error::Catalog { detail }) => {
+                let Self { store, catalog } = granary;
+                drop(catalog);
+                Self::rebuild_at_open(store, &detail)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Rebuilds the catalog of `store` (locked here) that sled could not read (`detail`), saying
+    /// so once on stderr: the damaged catalog goes to quarantine, as `granary repair` leaves it.
+    fn rebuild_at_open(store: Store, detail: &str) -> Result<Self> {
+        let dir = store.paths().catalog_dir();
+        let (granary, report) = Self::repair_opened(store).map_err(|e| catalog_unreadable(&dir, e))?;
+        let kept = match &report.catalog_quarantined {
+            Some((moved, _)) => format!(" (the damaged one is kept at {})", moved.display()),
+            None => String::new(),
+        };
+        eprintln!(
+            "granary: the catalog {} could not be read ({detail}); rebuilt it from the store's files{kept}",
+            dir.display()
+        );
         Ok(granary)
     }
 

@@ -97,6 +97,11 @@ impl Granary {
                 other => break other?,
             }
         };
+        Self::repair_opened(store)
+    }
+
+    /// Repairs the store `store` holds locked: see the module doc.
+    pub(super) fn repair_opened(store: crate::store::Store) -> Result<(Self, RepairReport)> {
         let mut report = RepairReport::default();
         let dir = store.paths().catalog_dir();
         // The old catalog is kept only if sled can open and empty it; anything else about it
