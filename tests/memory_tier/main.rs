@@ -302,22 +302,26 @@ fn a_tier_that_cannot_work_here_is_done_without_and_every_record_read_from_disk(
     let blocked = f.dir.path().join("a-file");
     std::fs::write(&blocked, b"").unwrap();
     read_all(TierConfig { dir: Some(blocked.join("tier")), ..tier_config(f.dir.path(), 64 << 20) });
-    // A read-only memory file system (root mounts one; CI runs as root).
-    let ro = f.dir.path().join("ro");
-    std::fs::create_dir(&ro).unwrap();
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "ro,size=16m,mode=700", "tmpfs"])
-        .arg(&ro)
-        .status()
-        .is_ok_and(|s| s.success());
-    if !machine_has(mounted, "a read-only tmpfs mount (root)") {
-        return;
+    // A read-only memory file system (root mounts one; CI runs as root): this user's alone, and
+    // fresh, as a mount leaves it (mode 1777, root's: its mode must not hide that it is
+    // read-only, issue 53).
+    for (k, options) in ["ro,size=16m,mode=700", "ro,size=16m"].into_iter().enumerate() {
+        let ro = f.dir.path().join(format!("ro{k}"));
+        std::fs::create_dir(&ro).unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
+            .arg(&ro)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !machine_has(mounted, "a read-only tmpfs mount (root)") {
+            return;
+        }
+        let mounted = Mounted(ro.clone());
+        for dir in [ro.clone(), ro.join("tier")] {
+            read_all(TierConfig { dir: Some(dir), ..tier_config(f.dir.path(), 64 << 20) });
+        }
+        drop(mounted);
     }
-    let mounted = Mounted(ro.clone());
-    for dir in [ro.clone(), ro.join("tier")] {
-        read_all(TierConfig { dir: Some(dir), ..tier_config(f.dir.path(), 64 << 20) });
-    }
-    drop(mounted);
     // A directory named that is not this user's alone is a setting to fix: an error.
     let open = f.dir.path().join("open");
     std::fs::create_dir(&open).unwrap();

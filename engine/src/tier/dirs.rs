@@ -27,18 +27,38 @@ pub fn file_system_of(dir: &Path) -> Option<(String, bool)> {
 /// The type of the file system `path` (absolute, resolved) is on, from `/proc/self/mounts`
 /// text: that of the longest mount point that holds it (the last such line, for stacked mounts).
 pub(super) fn fs_type_of<'m>(mounts: &'m str, path: &Path) -> Option<&'m str> {
-    let mut best: Option<(usize, &str)> = None;
+    mount_of(mounts, path).map(|(kind, _)| kind)
+}
+
+/// The type and the options of the mount that holds `path` (absolute, resolved), from
+/// `/proc/self/mounts` text: the longest mount point that holds it (the last such line, for
+/// stacked mounts).
+fn mount_of<'m>(mounts: &'m str, path: &Path) -> Option<(&'m str, &'m str)> {
+    let mut best: Option<(usize, &str, &str)> = None;
     for line in mounts.lines() {
         let mut fields = line.split(' ');
-        let (Some(_), Some(point), Some(kind)) = (fields.next(), fields.next(), fields.next()) else { continue };
+        let (Some(_), Some(point), Some(kind), Some(options)) =
+            (fields.next(), fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
         // Spaces and the like are octal escapes there (`\040`).
         let point = point.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\");
         let point = Path::new(&point);
-        if path.starts_with(point) && best.is_none_or(|(depth, _)| point.components().count() >= depth) {
-            best = Some((point.components().count(), kind));
+        if path.starts_with(point) && best.is_none_or(|(depth, _, _)| point.components().count() >= depth) {
+            best = Some((point.components().count(), kind, options));
         }
     }
-    best.map(|(_, kind)| kind)
+    best.map(|(_, kind, options)| (kind, options))
+}
+
+/// Whether the file system `dir` is on is mounted read-only (`ro` among its options in
+/// `/proc/self/mounts`; false when that does not say).
+fn mounted_read_only(dir: &Path) -> bool {
+    let (Ok(mounts), Ok(dir)) = (std::fs::read_to_string("/proc/self/mounts"), dir.canonicalize()) else {
+        return false;
+    };
+    mount_of(&mounts, &dir).is_some_and(|(_, options)| options.split(',').any(|o| o == "ro"))
 }
 
 pub(super) fn current_uid() -> u32 {
@@ -59,6 +79,12 @@ pub(super) fn prepare_dir(dir: &Path) -> Result<()> {
         Err(e) => return Err(Error::io("create", dir, e)),
     }
     let meta = std::fs::symlink_metadata(dir).map_err(|e| Error::io("stat", dir, e))?;
+    // A directory on a read-only file system cannot be the tier whoever owns it: the system's
+    // reason (an I/O error, which the loader does without), said before its owner or mode are
+    // (a fresh read-only tmpfs is root's, mode 1777).
+    if meta.is_dir() && mounted_read_only(dir) {
+        return Err(Error::io("write", dir, std::io::Error::from_raw_os_error(libc::EROFS)));
+    }
     if !meta.is_dir() || meta.uid() != current_uid() || meta.mode() & 0o022 != 0 {
         return Err(Error::invalid_input(format!(
             "the memory tier's directory {} is not a directory of this user's that only it can write; \
