@@ -78,12 +78,24 @@ impl ClusterKey {
         })
     }
 
-    /// The key in the environment variable `GRANARY_CLUSTER_KEY`, if it is set.
+    /// The key of the environment variable `GRANARY_CLUSTER_KEY`, if it is set: the secret
+    /// itself, or the path of a file holding it (a value with a `/` that names a file; a secret
+    /// `cluster-key` makes is hex, which has none).
     pub fn from_env() -> Result<Option<Self>> {
-        match std::env::var_os(CLUSTER_KEY_ENV) {
-            None => Ok(None),
-            Some(secret) => Self::from_secret(secret.as_encoded_bytes()).map(Some),
+        let Some(value) = std::env::var_os(CLUSTER_KEY_ENV) else { return Ok(None) };
+        let path = Path::new(&value);
+        if value.as_encoded_bytes().contains(&b'/') && path.is_file() {
+            return Self::from_file(path).map(Some);
         }
+        // Never echoes the value: it may be the secret.
+        Self::from_secret(value.as_encoded_bytes())
+            .map_err(|e| match e {
+                Error::InvalidInput { detail } => {
+                    Error::invalid_input(format!("{CLUSTER_KEY_ENV} is neither a file's path nor a secret: {detail}"))
+                }
+                other => other,
+            })
+            .map(Some)
     }
 
     /// A new random secret (64 hex digits) for a key file.

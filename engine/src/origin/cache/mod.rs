@@ -370,6 +370,7 @@ impl OriginCache {
                 if !none_holds {
                     self.stats.lock().peer_failures += 1;
                 }
+                warn_refused_key(&e);
                 let unreachable = matches!(e, Error::Transport { .. } | Error::Io { .. });
                 if (unreachable || asked.elapsed() >= PEERS_SLOW)
                     && let Some(peers) = &mut *self.peers.lock()
@@ -586,6 +587,23 @@ impl Drop for OriginCache {
         // Idle prefetch threads wake, find the cache gone, and end.
         *self.signal.moves.lock() += 1;
         self.signal.moved.notify_all();
+    }
+}
+
+/// Says once per process, on stderr, that the node refused this process's cluster key (a
+/// failed handshake): the trainer goes on with the origin, but should be told why its peers
+/// never serve it (the counter `origin_peer_failures` alone went unseen).
+fn warn_refused_key(error: &Error) {
+    use crate::error::TransportError;
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let refused =
+        matches!(error, Error::Transport { source: TransportError::Handshake { .. } | TransportError::Decrypt, .. });
+    if refused && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!(
+            "granary: the replication node refused this process's cluster key ({error}): shards come from \
+             the origin instead of peers; give the trainer the job's key (GRANARY_CLUSTER_KEY: the secret, or \
+             its file's path)"
+        );
     }
 }
 
