@@ -83,7 +83,7 @@ python: python-env moto wheel
 
 ## The oracles of the format tests (webdataset, pyarrow, Hugging Face datasets, grain, jax) are pinned; the
 ## venv is brought up to this list whenever it changes (a stamp file names it).
-PY_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2' 'pyarrow==26.0.1' 'datasets==5.2.0' 'grain==0.2.18' 'jax[cpu]==0.10.2'
+PY_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2' 'pyarrow==26.0.1' 'datasets==5.2.0' 'grain==0.2.18' 'jax[cpu]==0.10.2' 'polars==2.1.0' 'duckdb==2.0.0' 'pylance==14.0.2' 'pillow==13.0.0'
 PY_TEST_STAMP := $(PYVENV)/.deps-$(shell echo "$(PY_TEST_DEPS)" | cksum | cut -d' ' -f1)
 python-env:
 	@test -f $(PY_TEST_STAMP) || { { test -x $(PYVENV)/bin/pip || python3 -m venv $(PYVENV); } && \
@@ -94,7 +94,7 @@ python-env:
 ## MDSWriter and StreamingDataset, LitData's optimize and StreamingDataset), in a venv of their own: with torch present batches are
 ## tensors, and the suite above runs on NumPy alone.
 TORCH_VENV := $(TARGET_DIR)/torch-venv
-TORCH_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'torch==2.15.0' 'mosaicml-streaming==0.13.0' 'litdata==0.2.76'
+TORCH_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'torch==2.15.0' 'mosaicml-streaming==0.13.0' 'litdata==0.2.76' 'pyarrow==26.0.1'
 TORCH_TEST_STAMP := $(TORCH_VENV)/.deps-$(shell echo "$(TORCH_TEST_DEPS)" | cksum | cut -d' ' -f1)
 readme-example: python
 	@test -f $(TORCH_TEST_STAMP) || { { test -x $(TORCH_VENV)/bin/pip || python3 -m venv $(TORCH_VENV); } && \

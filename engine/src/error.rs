@@ -519,6 +519,15 @@ pub enum Error {
         /// What each source said.
         detail: String,
     },
+    /// Code the engine ran (its own, or a library it called on input it was given) panicked:
+    /// what it was doing was abandoned and nothing of it was committed (see `catch_panic`).
+    #[error("{what} failed inside the engine: {detail}")]
+    Panicked {
+        /// What was being done.
+        what: String,
+        /// The panic's message and where it was raised.
+        detail: String,
+    },
 }
 
 /// The end of an `IngestIntent` message when the input has as many records as the current
@@ -565,5 +574,52 @@ impl Error {
             | Self::BadFragments { .. } => true,
             _ => false,
         }
+    }
+}
+
+thread_local! {
+    /// Depth of `catch_panic` calls on this thread: while above zero, a panic here is quiet
+    /// (the hook keeps its message for the error instead of printing it).
+    static CATCHING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    /// The message and place of the last panic caught quietly on this thread.
+    static CAUGHT: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `work`; a panic inside it becomes `Error::Panicked` naming `what` (the panic's message
+/// and place as its detail) instead of unwinding further. For the doors where input a caller
+/// gave reaches code that may panic on it (another format's decoder on a hostile file), and for
+/// the bindings, where no panic may cross into the host language. While it runs, a panic on
+/// this thread prints nothing (the error carries it); elsewhere the process's hook is unchanged.
+pub fn catch_panic<T>(what: impl FnOnce() -> String, work: impl FnOnce() -> Result<T>) -> Result<T> {
+    static QUIET_HOOK: std::sync::Once = std::sync::Once::new();
+    QUIET_HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if CATCHING.with(std::cell::Cell::get) == 0 {
+                return previous(info);
+            }
+            let place = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+            let message = format!("{}{place}", panic_message(info.payload()));
+            CAUGHT.with(|caught| *caught.borrow_mut() = Some(message));
+        }));
+    });
+    CATCHING.with(|depth| depth.set(depth.get() + 1));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+    CATCHING.with(|depth| depth.set(depth.get() - 1));
+    match outcome {
+        Ok(result) => result,
+        Err(payload) => {
+            let detail = CAUGHT.with(|caught| caught.borrow_mut().take()).unwrap_or_else(|| panic_message(&*payload));
+            Err(Error::Panicked { what: what(), detail: detail.replace('\n', " ") })
+        }
+    }
+}
+
+/// A panic's message: its payload's text when it is one.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(text), _) => (*text).to_owned(),
+        (_, Some(text)) => text.clone(),
+        _ => "a panic without a message".to_owned(),
     }
 }

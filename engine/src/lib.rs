@@ -69,7 +69,7 @@ extern crate self as granary;
 
 pub use blend::Blend;
 pub use engine::Granary;
-pub use error::{Error, FormatError, PluginError, Result};
+pub use error::{Error, FormatError, PluginError, Result, catch_panic};
 pub use id::{ManifestId, ObjectId, ShardId};
 pub use ingest::{Ingest, IngestMode, IngestOptions};
 pub use io::{Backend, Io, IoConfig};

@@ -269,11 +269,34 @@ class Store:
         them): one record per row, in file order. With one column (`columns`, default the files'
         only one): lists of numbers (token ids) become arrays of their type, batches coming as
         `(data, offsets)`; binary and strings, byte records; numbers, records of one number.
-        With several, each row is a sample (a dict): binary and strings as bytes, lists as
-        little-endian arrays, numbers as decimal text, and `__key__` the row's position. A null
-        is refused (`nulls="refuse"`) or its row left out (`nulls="skip"`, counted in `skipped`)."""
+        With several, each row is a sample (a dict): binary and strings as bytes, lists of
+        numbers as `.npy` arrays, numbers as decimal text, bools, structs and nested lists as
+        JSON, Hugging Face `Image()`/`Audio()` columns as their files, and `__key__` the row's
+        position. Columns are found by name in every file. A null is refused (`nulls="refuse"`)
+        or its row left out (`nulls="skip"`, counted in `skipped`)."""
         return self._native.ingest_parquet(
             name, _paths(source), nulls=nulls, **_column_options(columns, mode, replace, shard_bytes, progress)
+        )
+
+    def ingest_arrow(
+        self,
+        name: str,
+        source: Any,
+        *,
+        columns: Optional[Sequence[str]] = None,
+        nulls: str = "refuse",
+        mode: Optional[str] = None,
+        replace: bool = False,
+        shard_bytes: Optional[int] = None,
+        progress: Union[bool, Callable[[int, int], None], None] = None,
+    ) -> Dict[str, Any]:
+        """Any Arrow stream: an object that offers `__arrow_c_stream__` (a pyarrow Table or
+        RecordBatchReader, a Polars DataFrame, a DuckDB relation, a Lance dataset's
+        `scanner().to_reader()`, a Hugging Face `Dataset`'s `.data.table`). One record per row,
+        by `ingest_parquet`'s rules; `columns` default to every column, in the stream's order.
+        Streamed batch by batch: a source larger than memory goes through."""
+        return self._native.ingest_arrow(
+            name, source, nulls=nulls, **_column_options(columns, mode, replace, shard_bytes, progress)
         )
 
     def ingest_mds(
@@ -305,19 +328,24 @@ class Store:
         dir: PathLike,
         *,
         columns: Optional[Sequence[str]] = None,
+        block_size: Optional[int] = None,
         mode: Optional[str] = None,
         replace: bool = False,
         shard_bytes: Optional[int] = None,
         progress: Union[bool, Callable[[int, int], None], None] = None,
     ) -> Dict[str, Any]:
         """A LitData optimized directory (what `litdata.optimize` writes with its default item
-        loader, zstd-compressed or not): one record per item, in order. With one leaf
-        (`columns=["tokens"]`, a dict's key): 1-D arrays become arrays of their dtype, str and
-        bytes byte records, int and float records of one number. Otherwise (default: every leaf)
-        each item is a dict of parts named `LEAF.EXT`, as `ingest_mds` names them
-        (`granary.formats.decode` turns one into Python values)."""
+        loader or `TokensLoader`, zstd-compressed or not, with or without pyarrow's Arrow
+        footer): one record per item, in order. With one leaf (`columns=["tokens"]`, a dict's
+        key): 1-D arrays become arrays of their dtype, str and bytes byte records, int, float
+        and bool records of one number. Otherwise (default: every leaf) each item is a dict of
+        parts named `LEAF.EXT`, as `ingest_mds` names them (`granary.formats.decode` turns one
+        into Python values). A `TokensLoader` directory becomes its documents (arrays), or with
+        `block_size` records of that many tokens, as `TokensLoader(block_size)` yields them."""
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
+            raise ValueError(f"block_size={block_size!r}: a positive number of tokens")
         return self._native.ingest_litdata(
-            name, os.fspath(dir), **_column_options(columns, mode, replace, shard_bytes, progress)
+            name, os.fspath(dir), block_size=block_size, **_column_options(columns, mode, replace, shard_bytes, progress)
         )
 
     def loader(self, dataset: Union[str, Sequence[Tuple[str, float]]], batch_size: int, **options: Any) -> "Loader":

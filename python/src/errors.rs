@@ -76,6 +76,7 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         E::PeerRefused { .. } => "peer_refused",
         E::Unavailable { .. } => "unavailable",
         E::Origin { .. } => "origin",
+        E::Panicked { .. } => "internal",
         _ => "other",
     };
     let message = match &error {
@@ -114,6 +115,13 @@ pub(crate) fn to_py(error: granary::Error) -> PyErr {
         let _ = value.call_method1("add_note", (format!("{KIND_NOTE}{kind}"),));
     });
     err
+}
+
+/// Runs `work` of the engine with the GIL released (`py.detach`); a panic inside it becomes a
+/// `granary.Error` of kind `internal`, never a `PanicException` (a `BaseException` that neither
+/// `except granary.Error` nor `except Exception` catches).
+pub(crate) fn engine<T: Send>(py: Python<'_>, work: impl FnOnce() -> granary::Result<T> + Send) -> PyResult<T> {
+    py.detach(|| granary::catch_panic(|| "a call of the engine".to_owned(), work)).map_err(to_py)
 }
 
 /// A `ValueError` for an argument the bindings refuse before the engine sees it.

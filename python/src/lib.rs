@@ -8,6 +8,7 @@
 //! there); an exported batch keeps its staging buffer, and its device buffer, until the last
 //! consumer's deleter runs.
 
+mod arrow;
 mod batch;
 mod dlpack;
 mod errors;

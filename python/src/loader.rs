@@ -28,7 +28,7 @@ use granary::staging::cuda::Cuda;
 use granary::{Dataset, LoaderConfig, LoaderStats, Order, PlanSource, Position, TierSetting, World};
 
 use crate::batch::{NativeBatch, layout_name, widening};
-use crate::errors::{forked, invalid, to_py};
+use crate::errors::{engine, forked, invalid, to_py};
 use crate::exchange::{PyExchange, rebalance_dict, rebalance_from_dict};
 use crate::loader_args::{backend_of, plan_of, target_of, tier_of};
 use crate::source::{Source, SourceArgs, packed_dict};
@@ -750,7 +750,8 @@ impl Loader {
         loop {
             let State { running, .. } = &mut *state;
             let loader = running.as_mut().expect("started above").loader();
-            let next = py.detach(|| loader.next());
+            // A panic inside the engine's loader is a `granary.Error`, not `PanicException`.
+            let next = engine(py, || Ok(loader.next()))?;
             let batch = match next {
                 None => {
                     // The engine loader ran out: the dataset is empty (it runs epochs without end).
@@ -784,14 +785,14 @@ impl Loader {
 
     fn start(&self, py: Python<'_>, state: &mut State) -> PyResult<()> {
         if let Some(ordinal) = state.device {
-            py.detach(|| Cuda::select(ordinal)).map_err(to_py)?;
+            engine(py, || Cuda::select(ordinal))?;
         }
         let dataset = state.dataset().map_err(to_py)?;
         // The tier is opened once, by the first start, and kept across restarts (a `close`, a
         // seek), so they find it full: only the last user's close empties it.
         if !matches!(state.config.tier, TierSetting::Shared(_) | TierSetting::Off) {
             let setting = state.config.tier.clone();
-            state.config.tier = match py.detach(|| setting.open()).map_err(to_py)? {
+            state.config.tier = match engine(py, || setting.open())? {
                 Some(tier) => TierSetting::Shared(tier),
                 None => TierSetting::Off,
             };
@@ -801,7 +802,7 @@ impl Loader {
         if let Some(packing) = state.source.packing() {
             state.packer = Some(Packer::new(packing.clone(), &config, position));
         }
-        let loader = py.detach(|| granary::Loader::new(dataset, config, position)).map_err(to_py)?;
+        let loader = engine(py, || granary::Loader::new(dataset, config, position))?;
         state.running = Some(Running { loader: Some(loader), pid: std::process::id() });
         self.started_in.store(std::process::id(), Ordering::Release);
         Ok(())

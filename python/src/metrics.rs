@@ -7,7 +7,7 @@
 
 use pyo3::prelude::*;
 
-use crate::errors::{forked, to_py};
+use crate::errors::{engine, forked};
 
 /// A running `/metrics` endpoint; `close()` (or dropping it) stops it.
 #[pyclass(module = "granary._native")]
@@ -64,7 +64,7 @@ impl Drop for MetricsEndpoint {
 /// Serves the process's metrics at `http://HOST:PORT/metrics` on a thread of its own.
 #[pyfunction]
 pub(crate) fn serve_metrics(py: Python<'_>, host: String, port: u16) -> PyResult<MetricsEndpoint> {
-    let endpoint = py.detach(|| granary::metrics::serve((host.as_str(), port))).map_err(to_py)?;
+    let endpoint = engine(py, || granary::metrics::serve((host.as_str(), port)))?;
     Ok(MetricsEndpoint { addr: endpoint.addr(), endpoint: Some(endpoint), pid: std::process::id() })
 }
 

@@ -18,7 +18,7 @@ use granary::read::Batch;
 use granary::{Dataset, IoConfig, Layout, Reader, StorePaths};
 
 use crate::batch::{decode_samples, layout_name, samples_to_py};
-use crate::errors::{invalid, to_py};
+use crate::errors::{engine, invalid};
 
 /// A reader and the process that made it.
 struct Opened {
@@ -44,16 +44,14 @@ impl RecordReader {
     #[new]
     fn new(py: Python<'_>, root: PathBuf, spec: &str) -> PyResult<Self> {
         let paths = StorePaths::new(&root);
-        let (dataset, attached) = py
-            .detach(|| -> granary::Result<_> {
-                let dataset = Dataset::open(&paths, &paths.parse_spec(spec)?)?;
-                let attached = match dataset.version() {
-                    Some((name, _)) => granary::origin::attachment(&paths, name)?.is_some(),
-                    None => false,
-                };
-                Ok((dataset, attached))
-            })
-            .map_err(to_py)?;
+        let (dataset, attached) = engine(py, || -> granary::Result<_> {
+            let dataset = Dataset::open(&paths, &paths.parse_spec(spec)?)?;
+            let attached = match dataset.version() {
+                Some((name, _)) => granary::origin::attachment(&paths, name)?.is_some(),
+                None => false,
+            };
+            Ok((dataset, attached))
+        })?;
         let spec = match dataset.version() {
             Some((name, version)) => format!("{name}@{version}"),
             None => spec.to_owned(),
@@ -118,11 +116,11 @@ impl RecordReader {
             std::mem::forget(guard.take());
         }
         if guard.is_none() {
-            *guard = Some(py.detach(|| self.open(pid)).map_err(to_py)?);
+            *guard = Some(engine(py, || self.open(pid))?);
         }
         let opened = guard.as_mut().ok_or_else(|| invalid("the reader is opened above"))?;
         let (reader, batch) = (&mut opened.reader, &mut opened.batch);
-        py.detach(|| reader.read_batch(&indices, batch)).map_err(to_py)?;
+        engine(py, || reader.read_batch(&indices, batch))?;
         if matches!(self.dataset.layout(), Layout::Samples) {
             let decoded = decode_samples(&self.dataset, &indices, &|i| batch.record(i))?;
             return samples_to_py(py, decoded);

@@ -12,7 +12,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 use granary::ingest::{self as sources, Progress};
 use granary::{DatasetName, Dtype, FixedLayout, Granary, IngestMode, IngestOptions, Layout, StorePaths};
 
-use crate::errors::{invalid, os, to_py};
+use crate::errors::{engine, invalid, os, to_py};
 
 /// How often progress is reported at most.
 const PROGRESS_EVERY: Duration = Duration::from_millis(500);
@@ -51,7 +51,7 @@ impl Store {
     /// `records`, `shards`, `bytes` (of its shard files) and `layout`.
     fn datasets<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let paths = StorePaths::new(&self.root);
-        let summaries = py.detach(|| granary::engine::datasets_from_files(&paths)).map_err(to_py)?;
+        let summaries = engine(py, || granary::engine::datasets_from_files(&paths))?;
         let out = PyList::empty(py);
         for summary in summaries {
             let Some(current) = summary.versions.last() else { continue };
@@ -154,7 +154,7 @@ impl Store {
         let options = options_of(mode, shard_bytes)?;
         let name = DatasetName::new(name).map_err(to_py)?;
         let report = Report::new(name.as_str(), progress)?;
-        let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
+        let mut granary = engine(py, || Granary::open(&self.root))?;
         let mut ingest = granary.ingest(name, layout, options).map_err(to_py)?;
         let mut n = 0u64;
         for record in records.try_iter()? {
@@ -187,7 +187,7 @@ impl Store {
         }
         report.finish();
         report.check()?;
-        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
+        let committed = engine(py, || ingest.commit())?;
         committed_dict(py, &committed, &report)
     }
 
@@ -242,7 +242,7 @@ impl Store {
         shard_bytes: Option<u64>,
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let index = py.detach(|| sources::MegatronIndex::open(&prefix)).map_err(to_py)?;
+        let index = engine(py, || sources::MegatronIndex::open(&prefix))?;
         self.ingest_detached(py, name, index.layout(), options_of(mode, shard_bytes)?, progress, |ingest, report| {
             sources::records_from_megatron(ingest, &index, report)
         })
@@ -250,14 +250,16 @@ impl Store {
 
     /// Ingests Parquet files as a new version of dataset `name`: one record per row, rows in
     /// file order. `source` is a path, a directory (its `.parquet` files, in path order), a glob
-    /// pattern, or a list of them. `columns` names the columns (default: the files' only one):
-    /// one column of lists of numbers makes array records of their type (token ids); of binary
-    /// or strings, byte records; of numbers, records of one number; several columns make samples
-    /// (dicts) of named parts: binary and strings as bytes, lists as little-endian arrays, numbers
-    /// as decimal text. A null in a chosen column is refused (`nulls="refuse"`) or its row left
-    /// out (`nulls="skip"`, counted in the result's `skipped`). Every file's schema is checked
-    /// before anything is written. The GIL is released while it runs. Returns what was committed
-    /// (see `ingest_files`) and `skipped`.
+    /// pattern, or a list of them. `columns` names the columns (default: the files' only one),
+    /// each found by its name in every file: one column of lists of numbers makes array records
+    /// of their type (token ids); of numbers or bools, records of one number; of anything else,
+    /// byte records; several columns make samples (dicts) of named parts: binary and strings as
+    /// bytes, lists of numbers as `.npy`, numbers as decimal text, bools, structs and nested lists
+    /// as JSON, `Image()`/`Audio()` structs as their files (see `granary.formats.decode`). A null
+    /// in a chosen column is refused (`nulls="refuse"`) or its row left out (`nulls="skip"`,
+    /// counted in the result's `skipped`). Every file's schema and footer are checked before
+    /// anything is written. The GIL is released while it runs. Returns what was committed (see
+    /// `ingest_files`) and `skipped`.
     #[pyo3(signature = (name, source, *, columns = None, nulls = "refuse", mode = "new", shard_bytes = None, progress = None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn ingest_parquet<'py>(
@@ -272,13 +274,9 @@ impl Store {
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let inputs: Vec<String> = paths_of(source)?.iter().map(|p| p.to_string_lossy().into_owned()).collect();
-        let nulls = match nulls {
-            "refuse" => sources::Nulls::Refuse,
-            "skip" => sources::Nulls::Skip,
-            other => return Err(invalid(format!("nulls={other:?}: expected 'refuse' or 'skip'"))),
-        };
+        let nulls = nulls_of(nulls)?;
         let columns = columns.unwrap_or_default();
-        let input = py.detach(|| sources::ParquetInput::open(&inputs, &columns, nulls)).map_err(to_py)?;
+        let input = engine(py, || sources::ParquetInput::open(&inputs, &columns, nulls))?;
         let skipped = AtomicU64::new(0);
         let committed = self.ingest_detached(
             py,
@@ -292,6 +290,46 @@ impl Store {
                 Ok(())
             },
         )?;
+        committed.set_item("skipped", skipped.load(Ordering::Relaxed))?;
+        Ok(committed)
+    }
+
+    /// Ingests any Arrow stream as a new version of dataset `name`: `source` is anything that
+    /// offers the Arrow PyCapsule stream interface (`__arrow_c_stream__`): a pyarrow Table or
+    /// RecordBatchReader, a Polars DataFrame, a DuckDB relation, a Lance scanner's `to_reader()`,
+    /// a Hugging Face `Dataset`'s `.data.table`. One record per row, by the rules of
+    /// `ingest_parquet`; `columns` names the columns by name (default: every column, in the
+    /// stream's order). Read batch by batch with the GIL released, so a stream larger than memory
+    /// goes through; each batch's chosen columns are checked as Arrow data before a row is read.
+    /// Returns what was committed (see `ingest_files`) and `skipped`.
+    #[pyo3(signature = (name, source, *, columns = None, nulls = "refuse", mode = "new", shard_bytes = None, progress = None))]
+    #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+    fn ingest_arrow<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        source: &Bound<'py, PyAny>,
+        columns: Option<Vec<String>>,
+        nulls: &str,
+        mode: &str,
+        shard_bytes: Option<u64>,
+        progress: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let nulls = nulls_of(nulls)?;
+        let options = options_of(mode, shard_bytes)?;
+        let reader = crate::arrow::stream_of(source)?;
+        let input = sources::ArrowInput::new(
+            &arrow_array::RecordBatchReader::schema(&reader),
+            &columns.unwrap_or_default(),
+            nulls,
+        )
+        .map_err(to_py)?;
+        let skipped = AtomicU64::new(0);
+        let committed = self.ingest_detached(py, name, input.layout(), options, progress, |ingest, report| {
+            let done = sources::records_from_arrow(ingest, &input, reader, report)?;
+            skipped.store(done.skipped, Ordering::Relaxed);
+            Ok(())
+        })?;
         committed.set_item("skipped", skipped.load(Ordering::Relaxed))?;
         Ok(committed)
     }
@@ -317,20 +355,23 @@ impl Store {
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let columns = columns.unwrap_or_default();
-        let input = py.detach(|| sources::MdsInput::open(&dir, &columns)).map_err(to_py)?;
+        let input = engine(py, || sources::MdsInput::open(&dir, &columns))?;
         self.ingest_detached(py, name, input.layout(), options_of(mode, shard_bytes)?, progress, |ingest, report| {
             sources::records_from_mds(ingest, &input, report).map(drop)
         })
     }
 
     /// Ingests a LitData optimized directory (`index.json` and its chunks, as `litdata.optimize`
-    /// writes them with its default item loader, zstd-compressed or not) as a new version of
-    /// dataset `name`: one record per item, in order. With one of `columns` (a dict's key): 1-D
-    /// arrays become array records of their dtype; `str`/`bytes` byte records; `int`/`float`
-    /// records of one number. Otherwise (default: every leaf) samples of parts named `LEAF.EXT`.
-    /// A serializer that is not ingested (`pickle`, images, video) is refused, naming it. The GIL
-    /// is released while it runs. Returns what was committed (see `ingest_files`).
-    #[pyo3(signature = (name, dir, *, columns = None, mode = "new", shard_bytes = None, progress = None))]
+    /// writes them with its default item loader or `TokensLoader`, zstd-compressed or not, with
+    /// pyarrow's Arrow footer or without) as a new version of dataset `name`: one record per
+    /// item, in order. With one of `columns` (a dict's key): 1-D arrays become array records of
+    /// their dtype; `str`/`bytes` byte records; `int`/`float`/`bool` records of one number.
+    /// Otherwise (default: every leaf) samples of parts named `LEAF.EXT`. A `TokensLoader`
+    /// directory: its documents as array records, or with `block_size` blocks of that many
+    /// tokens, as `TokensLoader(block_size)` yields them. A serializer that is not ingested
+    /// (`pickle`, images, video) is refused, naming it. The GIL is released while it runs.
+    /// Returns what was committed (see `ingest_files`).
+    #[pyo3(signature = (name, dir, *, columns = None, block_size = None, mode = "new", shard_bytes = None, progress = None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn ingest_litdata<'py>(
         &self,
@@ -338,12 +379,13 @@ impl Store {
         name: &str,
         dir: PathBuf,
         columns: Option<Vec<String>>,
+        block_size: Option<u64>,
         mode: &str,
         shard_bytes: Option<u64>,
         progress: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let columns = columns.unwrap_or_default();
-        let input = py.detach(|| sources::LitDataInput::open(&dir, &columns)).map_err(to_py)?;
+        let input = engine(py, || sources::LitDataInput::open(&dir, &columns, block_size))?;
         self.ingest_detached(py, name, input.layout(), options_of(mode, shard_bytes)?, progress, |ingest, report| {
             sources::records_from_litdata(ingest, &input, report).map(drop)
         })
@@ -392,18 +434,25 @@ impl Store {
     ) -> PyResult<Bound<'py, PyDict>> {
         let name = DatasetName::new(name).map_err(to_py)?;
         let report = Report::new(name.as_str(), progress)?;
-        let mut granary = py.detach(|| Granary::open(&self.root)).map_err(to_py)?;
-        let ingest = py
-            .detach(|| {
-                let mut ingest = granary.ingest(name, layout, options)?;
-                source(&mut ingest, &report)?;
-                Ok(ingest)
-            })
-            .map_err(to_py)?;
+        let mut granary = engine(py, || Granary::open(&self.root))?;
+        let ingest = engine(py, || {
+            let mut ingest = granary.ingest(name, layout, options)?;
+            source(&mut ingest, &report)?;
+            Ok(ingest)
+        })?;
         report.finish();
         report.check()?;
-        let committed = py.detach(|| ingest.commit()).map_err(to_py)?;
+        let committed = engine(py, || ingest.commit())?;
         committed_dict(py, &committed, &report)
+    }
+}
+
+/// What to do with a row holding a null: `"refuse"` or `"skip"`.
+fn nulls_of(nulls: &str) -> PyResult<sources::Nulls> {
+    match nulls {
+        "refuse" => Ok(sources::Nulls::Refuse),
+        "skip" => Ok(sources::Nulls::Skip),
+        other => Err(invalid(format!("nulls={other:?}: expected 'refuse' or 'skip'"))),
     }
 }
 

@@ -6,6 +6,7 @@ damaged shards refused. Skipped where mosaicml-streaming is not installed (it ne
 
 import io
 import json
+from decimal import Decimal
 import os
 import shutil
 
@@ -55,6 +56,7 @@ COLUMNS = {
     "score": "float32",
     "wide": "float64",
     "count": "str_int",
+    "price": "str_decimal",
     "meta": "json",
     "image": "jpeg",
 }
@@ -72,6 +74,7 @@ def sample(i, rng):
         "score": np.float32(i / 7),
         "wide": i / 3,
         "count": i * 1000,
+        "price": Decimal(f"{i}.{i:03d}"),
         "meta": {"i": i, "tags": ["a", str(i)]},
         "image": jpeg(i),
     }
@@ -86,8 +89,9 @@ def check_equal(granary_sample, their_sample):
             assert mine.dtype == value.dtype and mine.shape == value.shape and np.array_equal(mine, value), column
         elif column == "image":
             assert np.array_equal(np.asarray(mine), np.asarray(value))
-        elif column in ("small", "score"):
-            assert type(value)(mine) == value, column  # the number, read back from its text in its type
+        elif column in ("small", "score", "price"):
+            # NumPy scalars and Decimals come back as themselves, not as Python numbers.
+            assert type(mine) is type(value) and mine == value, column
         else:
             assert mine == value, column
 
@@ -218,3 +222,85 @@ def test_unsupported_encodings_and_damaged_shards_are_refused(store, tmp_path):
     with pytest.raises(granary.Error, match="index.json"):
         store.ingest_mds("d", out)
     assert store.datasets() == []
+
+
+def write_texts(out, n, **options):
+    with streaming.MDSWriter(out=out, columns={"t": "str"}, size_limit=1 << 12, **options) as writer:
+        for i in range(n):
+            writer.write({"t": f"sample {i:05d} " * 3})
+
+
+def rewrite_index(out, change):
+    path = os.path.join(out, "index.json")
+    with open(path) as f:
+        index = json.load(f)
+    change(index)
+    with open(path, "w") as f:
+        json.dump(index, f)
+
+
+def peak_rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_paths_that_leave_the_directory_are_refused(store, tmp_path):
+    out = str(tmp_path / "mds")
+    write_texts(out, 50)
+    outside = tmp_path / "secret.mds"
+    shutil.copy(os.path.join(out, "shard.00000.mds"), outside)
+    for basename in ["/etc/passwd", "../secret.mds", "a/../../secret.mds"]:
+        shutil.copy(os.path.join(out, "index.json"), tmp_path / "index.orig")
+
+        def point(index, basename=basename):
+            index["shards"][0]["raw_data"]["basename"] = basename
+
+        rewrite_index(out, point)
+        with pytest.raises(granary.Error, match=r"basename .* is not a path inside the dataset's directory"):
+            store.ingest_mds("escape", out)
+        shutil.copy(tmp_path / "index.orig", os.path.join(out, "index.json"))
+    # A link out of the directory is refused too.
+    os.symlink(outside, os.path.join(out, "link.mds"))
+    rewrite_index(out, lambda index: index["shards"][0]["raw_data"].update(basename="link.mds"))
+    with pytest.raises(granary.Error, match=r"leads out of the dataset's directory through a link"):
+        store.ingest_mds("escape", out)
+    assert store.datasets() == []
+
+
+def test_a_decompression_bomb_is_refused_at_the_declared_size(store, tmp_path):
+    import zstd  # python-zstd, which Streaming itself compresses with
+
+    out = str(tmp_path / "mds")
+    write_texts(out, 300, compression="zstd")
+    for name in os.listdir(out):
+        if name.endswith(".mds"):
+            os.remove(os.path.join(out, name))
+    # 2 GiB of zeros where the index says a shard of a few KiB decompresses: one frame of 16 MiB
+    # of zeros, 128 times over (a reader goes on from frame to frame).
+    packed = zstd.compress(bytes(1 << 24), 3) * 128
+    with open(os.path.join(out, "shard.00001.mds.zstd"), "wb") as f:
+        f.write(packed)
+    rewrite_index(out, lambda index: index["shards"][1]["zip_data"].update(bytes=len(packed), hashes={}))
+    before = peak_rss_kib()
+    with pytest.raises(granary.Error, match=r"shard.00001.mds.zstd: cannot be decompressed: it decompresses to more than"):
+        store.ingest_mds("bomb", out)
+    # Bounded by the shard it claims to be, far from the bomb's 2 GiB.
+    assert peak_rss_kib() - before < 256 << 10
+    assert store.datasets() == []
+
+
+@pytest.mark.parametrize("algorithm", ["sha1", "xxh64", "md5", "sha256", "xxh3_64", "xxh128", "blake2b"])
+def test_a_shard_unlike_the_hash_its_writer_recorded_is_refused(store, tmp_path, algorithm):
+    out = str(tmp_path / "mds")
+    write_texts(out, 300, hashes=[algorithm])
+    with open(os.path.join(out, "index.json")) as f:
+        assert algorithm in json.load(f)["shards"][1]["raw_data"]["hashes"]
+    # The writer's own hashes pass.
+    assert store.ingest_mds("ok", out)["records"] == 300
+    shard = os.path.join(out, "shard.00001.mds")
+    data = bytearray(open(shard, "rb").read())
+    data[-3] ^= 0x01  # one bit of a sample's text: the shard's layout still reads
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(granary.Error, match=rf"shard.00001.mds's {algorithm} is [0-9a-f]+ where the index records"):
+        store.ingest_mds("damaged", out)
+    assert [d["name"] for d in store.datasets()] == ["ok"]

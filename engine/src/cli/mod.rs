@@ -240,16 +240,22 @@ enum IngestCommand {
         dir: PathBuf,
     },
     /// A LitData optimized directory (index.json + chunk-*.bin, as litdata.optimize writes it
-    /// with its default item loader): one record per item, in order. One leaf (--column, a
-    /// dict's key) of 1-D arrays makes array records of their dtype; of str or bytes, byte
-    /// records; of int or float, records of one number. Otherwise samples of parts named
-    /// LEAF.EXT (arrays as .npy, numbers as decimal text).
+    /// with its default item loader or TokensLoader): one record per item, in order. One leaf
+    /// (--column, a dict's key) of 1-D arrays makes array records of their dtype; of str or
+    /// bytes, byte records; of int, float or bool, records of one number. Otherwise samples of
+    /// parts named LEAF.EXT (arrays as .npy, numbers as decimal text, bools as JSON). A
+    /// TokensLoader directory: its documents as array records, or with --block-size its tokens
+    /// cut in blocks as LitData's StreamingDataset yields them.
     Litdata {
         #[command(flatten)]
         common: IngestArgs,
         /// A leaf to ingest (repeat for several; default: every leaf, as samples).
         #[arg(long = "column")]
         columns: Vec<String>,
+        /// A TokensLoader directory's block size: records of this many tokens, as
+        /// `TokensLoader(block_size=N)` reads them (default: the documents the writer wrote).
+        #[arg(long)]
+        block_size: Option<u64>,
         /// The directory holding index.json.
         dir: PathBuf,
     },
@@ -342,7 +348,10 @@ pub fn main_with(args: Vec<std::ffi::OsString>) -> u8 {
             return u8::try_from(usage.exit_code()).unwrap_or(2);
         }
     };
-    match run(cli) {
+    // A panic anywhere in the command is its one-line error, exit 1, never a trace and 101.
+    let outcome = crate::error::catch_panic(|| "the command".to_owned(), || Ok(run(cli)))
+        .unwrap_or_else(|panicked| Err(panicked.into()));
+    match outcome {
         Ok(code) if code == ExitCode::SUCCESS => 0,
         Ok(_) => 1,
         // The reader of our output has all it wanted (`| head`): not a failure.
@@ -458,8 +467,8 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
             mds = Some(input);
             (common, layout)
         }
-        IngestCommand::Litdata { common, columns, dir } => {
-            let input = ingest::LitDataInput::open(dir, columns)?;
+        IngestCommand::Litdata { common, columns, block_size, dir } => {
+            let input = ingest::LitDataInput::open(dir, columns, *block_size)?;
             let layout = input.layout();
             litdata = Some(input);
             (common, layout)

@@ -1,31 +1,40 @@
-//! LitData's optimized directories (what `litdata.optimize` writes with its default item
-//! loader: `index.json` and `chunk-*.bin`) as an ingest source: one record per item, chunk by
-//! chunk in the index's order.
+//! LitData's optimized directories (what `litdata.optimize` writes: `index.json` and
+//! `chunk-*.bin`) as an ingest source: one record per item, chunk by chunk in the index's order.
 //!
 //! A chunk is `u32` item count, `count + 1` `u32` offsets from the file's start, then the items;
 //! zstd-compressed, it is the whole file (`compression_level` "chunk", `*.zstd.bin`), every
 //! item its own frame ("sample"), or frames of `K` items behind an `LDFZ01` directory ("batch",
-//! the default for zstd). An item is one `u32` size per leaf of the item's tree (`data_spec`),
-//! then each leaf's bytes, as its serializer (`data_format`) wrote them. What an item becomes:
-//! with one leaf chosen, a 1-D array makes array records of its dtype, `str`/`bytes` byte
-//! records, `int`/`float` records of one number; otherwise a sample of parts named
-//! `LEAF.EXT` as `parts.rs` names them (a dict's keys, a tuple's or list's positions).
+//! the default for zstd). The default item loader (`PyTreeLoader`) writes items three ways:
+//! - an item is one `u32` size per leaf of the item's tree (`data_spec`), then each leaf's bytes,
+//!   as its serializer (`data_format`) wrote them;
+//! - with pyarrow installed, dict items go into an Arrow IPC file at the chunk's end
+//!   (`LDARW01` footer: the IPC file, its `u32` length, the magic), the items before it empty
+//!   (or, where LitData kept them, unread: its reader reads the footer's rows): a row per item,
+//!   read by `arrow_rows`' rules, columns by the dict's keys;
+//! - `TokensLoader` writes one token stream (each item a 1-D array, back to back), which LitData
+//!   reads as blocks of `block_size` tokens within each chunk: ingested as those blocks (a
+//!   block size given), or as the items the writer wrote (the documents).
 //!
-//! Owns: `LitDataInput` (the index read and checked: its item loader, the tree's leaves, known
-//! serializers and compressions, every chunk present) and `records_from_litdata`. Never:
-//! unpickles (`pickle` is refused), decodes an image or a video (those serializers are refused,
-//! naming them), or takes an item whose offsets or sizes run outside its chunk.
+//! What an item becomes: with one leaf chosen, a 1-D array makes array records of its dtype,
+//! `str`/`bytes` byte records, `int`/`float`/`bool` records of one number; otherwise a sample of
+//! parts named `LEAF.EXT` as `parts.rs` names them (a dict's keys, a tuple's or list's
+//! positions; a bool as `.json`, which reads back as a Python `bool`).
+//!
+//! Owns: `LitDataInput` (the index read and checked: its item loader, the tree's leaves or the
+//! footer's columns, known serializers and compressions, every chunk present) and
+//! `records_from_litdata`. Never: unpickles (`pickle` is refused), decodes an image or a video
+//! (those serializers are refused, naming them), or takes an item whose offsets or sizes run
+//! outside its chunk.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
 use super::Ingest;
-use super::parts::{
-    PartKind, RecordParts, json_strings, offset_table, part_name, push_npy, push_number_text, read_index,
-};
+use super::arrow_rows::{Kind, Nulls, Rows, choose_columns, layout_of};
+use super::parts::{PartKind, RecordParts, json_strings, offset_table, push_npy, push_number_text, read_index};
 use super::sources::Progress;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, catch_panic};
 use crate::shard::{Dtype, FixedLayout, Layout};
 
 /// How one leaf was serialized (`data_format`).
@@ -75,7 +84,8 @@ impl Serializer {
         match self {
             Serializer::Str => PartKind::Text,
             Serializer::Bytes => PartKind::Bytes,
-            Serializer::Int | Serializer::Bool => PartKind::Integer,
+            Serializer::Int => PartKind::Integer,
+            Serializer::Bool => PartKind::Json,
             Serializer::Float => PartKind::Float,
             Serializer::Flat(_) | Serializer::Numpy | Serializer::Tensor => PartKind::Array,
         }
@@ -137,35 +147,54 @@ struct Chunk {
     bytes: u64,
     /// A whole-file zstd chunk found already decompressed.
     unpacked: bool,
+    /// Tokens in it (a `TokensLoader` chunk's `dim`).
+    dim: u64,
 }
+
+/// How a directory's items are read.
+#[derive(Debug)]
+enum Reading {
+    /// Each item's leaves, as their serializers wrote them: `leaves` each leaf's name (a dict's
+    /// key, a sequence's position; empty for an item that is one leaf) and serializer, in
+    /// `data_format`'s order; `chosen` the ones ingested.
+    Leaves { leaves: Vec<(String, Serializer)>, chosen: Vec<usize> },
+    /// The rows of each chunk's Arrow footer, these columns chosen by name.
+    Footer { columns: Vec<(String, Kind)> },
+    /// A `TokensLoader` stream of `dtype`: in blocks of `block` tokens, or the writer's items.
+    Tokens { dtype: Dtype, block: Option<u64> },
+}
+
+/// The magic that ends a chunk carrying its items as an Arrow IPC file.
+const ARROW_FOOTER_MAGIC: &[u8; 8] = b"LDARW01\0";
 
 /// A LitData directory to ingest, its index read and checked.
 #[derive(Debug)]
 pub struct LitDataInput {
     dir: PathBuf,
-    /// Each leaf's name (a dict's key, a sequence's position; empty for an item that is one
-    /// leaf) and serializer, in `data_format`'s order.
-    leaves: Vec<(String, Serializer)>,
-    chosen: Vec<usize>,
+    reading: Reading,
     packing: Packing,
     chunks: Vec<Chunk>,
     layout: Layout,
 }
 
 impl LitDataInput {
-    /// The LitData directory `dir` (`dir/index.json`), its leaves `wanted` (none: every leaf).
-    pub fn open(dir: &Path, wanted: &[String]) -> Result<Self> {
+    /// The LitData directory `dir` (`dir/index.json`), its leaves `wanted` (none: every leaf);
+    /// for a `TokensLoader` directory, `block_size` cuts its token stream as LitData's reader
+    /// does (none: the items the writer wrote, one record each).
+    pub fn open(dir: &Path, wanted: &[String], block_size: Option<u64>) -> Result<Self> {
         let (index_path, index) = read_index(dir)?;
         let bad = |detail: String| Error::invalid_input(format!("{}: {detail}", index_path.display()));
         let config = index.get("config").ok_or_else(|| bad("no config".into()))?;
-        match config.get("item_loader").and_then(Value::as_str) {
-            None | Some("PyTreeLoader") => {}
+        let tokens = match config.get("item_loader").and_then(Value::as_str) {
+            None | Some("PyTreeLoader") => false,
+            Some("TokensLoader") => true,
             Some(other) => {
                 return Err(bad(format!(
-                    "items written for LitData's {other}: only its default item loader (PyTreeLoader) is ingested"
+                    "items written for LitData's {other}: its default item loader (PyTreeLoader) and \
+                     TokensLoader are ingested"
                 )));
             }
-        }
+        };
         if config.get("encryption").is_some_and(|e| !e.is_null()) {
             return Err(bad("the chunks are encrypted".into()));
         }
@@ -173,22 +202,6 @@ impl LitDataInput {
             .get("data_format")
             .and_then(json_strings)
             .ok_or_else(|| bad("data_format is not a list of names".into()))?;
-        let names = leaf_names(config.get("data_spec").and_then(Value::as_str).unwrap_or(""))
-            .map_err(|e| bad(format!("data_spec: {e}")))?;
-        if names.len() != formats.len() {
-            return Err(bad(format!("{} leaves in data_spec, {} in data_format", names.len(), formats.len())));
-        }
-        let mut leaves = Vec::with_capacity(names.len());
-        for (name, format) in names.into_iter().zip(&formats) {
-            let serializer = Serializer::parse(format).map_err(|what| {
-                Error::invalid_input(format!(
-                    "{}: leaf {name:?} was serialized as {what}, which is not ingested (str, bytes, int, float, \
-                     bool, numpy, no_header_numpy, tensor, no_header_tensor are)",
-                    dir.display()
-                ))
-            })?;
-            leaves.push((name, serializer));
-        }
         let packing = match config.get("compression").and_then(Value::as_str) {
             None => Packing::None,
             Some(codec) if codec == "zstd" || codec.starts_with("zstd:") => {
@@ -201,71 +214,96 @@ impl LitDataInput {
             }
             Some(other) => return Err(bad(format!("chunks compressed with {other:?}: zstd is read"))),
         };
-        let chunks_json = index.get("chunks").and_then(Value::as_array).ok_or_else(|| bad("no chunks".into()))?;
-        let mut chunks = Vec::with_capacity(chunks_json.len());
-        for (c, chunk) in chunks_json.iter().enumerate() {
-            let filename = chunk
-                .get("filename")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad(format!("chunk {c} has no filename")))?;
-            if filename.contains('/') || filename.starts_with('.') {
-                return Err(bad(format!("chunk {c} names {filename:?}, not a file of the directory")));
-            }
-            let mut path = dir.join(filename);
-            let mut unpacked = false;
-            if !path.is_file()
-                && packing == Packing::Chunk
-                && let Some(stem) = filename.strip_suffix(".zstd.bin")
-                && dir.join(format!("{stem}.bin")).is_file()
-            {
-                // LitData's own reader, given a local directory, leaves a chunk decompressed
-                // beside where the compressed one was: the same items.
-                path = dir.join(format!("{stem}.bin"));
-                unpacked = true;
-            }
-            if !path.is_file() {
-                return Err(Error::invalid_input(format!("{}: chunk {c}'s file {filename} is missing", dir.display())));
-            }
-            let items = chunk
-                .get("chunk_size")
-                .and_then(Value::as_u64)
-                .ok_or_else(|| bad(format!("chunk {c} has no chunk_size")))?;
-            let bytes = chunk.get("chunk_bytes").and_then(Value::as_u64).unwrap_or(0);
-            chunks.push(Chunk { path, items, bytes, unpacked });
+        let chunks = chunks_of(dir, &index, packing, tokens).map_err(|e| match e {
+            ChunkError::Index(detail) => bad(detail),
+            ChunkError::Input(error) => error,
+        })?;
+        if block_size.is_some() && !tokens {
+            return Err(bad("a block size cuts a TokensLoader directory's tokens; this one's items are not".into()));
         }
-        let mut chosen = Vec::new();
-        for name in wanted {
-            let at = leaves.iter().position(|(leaf, _)| leaf == name).ok_or_else(|| {
-                let all: Vec<&str> = leaves.iter().map(|(leaf, _)| leaf.as_str()).collect();
-                Error::invalid_input(format!("{}: no leaf {name:?} (its leaves: {})", dir.display(), all.join(", ")))
-            })?;
-            if chosen.contains(&at) {
-                return Err(Error::invalid_input(format!("leaf {name:?} is named twice")));
-            }
-            chosen.push(at);
-        }
-        if chosen.is_empty() {
-            chosen = (0..leaves.len()).collect();
-        }
-        let layout = match chosen.as_slice() {
-            &[only] => match &leaves[only].1 {
-                Serializer::Str | Serializer::Bytes => Layout::Bytes,
-                Serializer::Int => Layout::Fixed(fixed_of(Dtype::I64)?),
-                Serializer::Float => Layout::Fixed(fixed_of(Dtype::F64)?),
-                Serializer::Bool => Layout::Fixed(fixed_of(Dtype::U8)?),
-                Serializer::Flat(dtype) => Layout::Arrays(*dtype),
-                Serializer::Numpy | Serializer::Tensor => {
-                    return Err(Error::invalid_input(format!(
-                        "{}: leaf {:?} holds arrays of several dimensions, which keep their shape only in \
-                         samples (ingest without --column)",
-                        dir.display(),
-                        leaves[only].0
-                    )));
-                }
-            },
-            _ => Layout::Samples,
+        let mut input = Self {
+            dir: dir.to_owned(),
+            reading: Reading::Footer { columns: Vec::new() },
+            packing,
+            chunks,
+            layout: Layout::Bytes,
         };
-        Ok(Self { dir: dir.to_owned(), leaves, chosen, packing, chunks, layout })
+        input.reading = if tokens {
+            if !wanted.is_empty() {
+                return Err(bad("a TokensLoader directory holds one token stream: it has no leaves to choose".into()));
+            }
+            let dtype = match formats.as_slice() {
+                [only] => match Serializer::parse(only) {
+                    Ok(Serializer::Flat(dtype)) => dtype,
+                    _ => return Err(bad(format!("TokensLoader items of {only:?}, not a 1-D array of numbers"))),
+                },
+                _ => return Err(bad(format!("TokensLoader items of {} leaves, not one token array", formats.len()))),
+            };
+            if block_size == Some(0) {
+                return Err(Error::invalid_input("a block size of 0 tokens"));
+            }
+            Reading::Tokens { dtype, block: block_size }
+        } else if let Some(schema) = input.footer_schema()? {
+            Reading::Footer { columns: choose_columns(&schema, wanted, &dir.display().to_string())? }
+        } else {
+            leaves_reading(dir, config, &formats, wanted).map_err(|e| match e {
+                ChunkError::Index(detail) => bad(detail),
+                ChunkError::Input(error) => error,
+            })?
+        };
+        input.layout = match &input.reading {
+            Reading::Leaves { leaves, chosen } => match chosen.as_slice() {
+                &[only] => match &leaves[only].1 {
+                    Serializer::Str | Serializer::Bytes => Layout::Bytes,
+                    Serializer::Int => Layout::Fixed(fixed_of(Dtype::I64, 1)?),
+                    Serializer::Float => Layout::Fixed(fixed_of(Dtype::F64, 1)?),
+                    Serializer::Bool => Layout::Fixed(fixed_of(Dtype::U8, 1)?),
+                    Serializer::Flat(dtype) => Layout::Arrays(*dtype),
+                    Serializer::Numpy | Serializer::Tensor => {
+                        return Err(Error::invalid_input(format!(
+                            "{}: leaf {:?} holds arrays of several dimensions, which keep their shape only in \
+                             samples (ingest without --column)",
+                            dir.display(),
+                            leaves[only].0
+                        )));
+                    }
+                },
+                _ => Layout::Samples,
+            },
+            Reading::Footer { columns } => layout_of(columns),
+            Reading::Tokens { dtype, block: None } => Layout::Arrays(*dtype),
+            Reading::Tokens { dtype, block: Some(block) } => Layout::Fixed(fixed_of(*dtype, *block)?),
+        };
+        Ok(input)
+    }
+
+    /// The schema of the first chunk's Arrow footer, when it has one (then every chunk must).
+    fn footer_schema(&self) -> Result<Option<arrow_schema::SchemaRef>> {
+        if !matches!(self.packing, Packing::None | Packing::Chunk) {
+            // LitData frames or compresses items one by one only where it wrote no footer.
+            return Ok(None);
+        }
+        let Some(first) = self.chunks.first() else { return Ok(None) };
+        let data = self.chunk_bytes(first)?;
+        let Some(ipc) = arrow_footer(&data).map_err(|e| self.bad_chunk(first, &e))? else { return Ok(None) };
+        let reader = self.footer_reader(first, ipc)?;
+        Ok(Some(reader.schema()))
+    }
+
+    /// An Arrow IPC file reader of a chunk's footer bytes; a panic of the reader on a hostile
+    /// file is the chunk's error.
+    fn footer_reader<'a>(
+        &self,
+        chunk: &Chunk,
+        ipc: &'a [u8],
+    ) -> Result<arrow_ipc::reader::FileReader<std::io::Cursor<&'a [u8]>>> {
+        catch_panic(
+            || chunk.path.display().to_string(),
+            || {
+                arrow_ipc::reader::FileReader::try_new(std::io::Cursor::new(ipc), None)
+                    .map_err(|e| self.bad_chunk(chunk, &format!("its Arrow footer cannot be read: {e}")))
+            },
+        )
     }
 
     /// The layout of the records it becomes.
@@ -278,22 +316,32 @@ impl LitDataInput {
         self.chunks.iter().map(|c| c.items).sum()
     }
 
-    fn bad_chunk(&self, chunk: &Chunk, detail: &str) -> Error {
+    /// `chunk` named in errors: the directory and the chunk's file.
+    fn chunk_name(&self, chunk: &Chunk) -> String {
         let name = chunk.path.strip_prefix(&self.dir).unwrap_or(&chunk.path);
-        Error::invalid_input(format!("{}: {}: {detail}", self.dir.display(), name.display()))
+        format!("{}: {}", self.dir.display(), name.display())
+    }
+
+    fn bad_chunk(&self, chunk: &Chunk, detail: &str) -> Error {
+        Error::invalid_input(format!("{}: {detail}", self.chunk_name(chunk)))
+    }
+
+    /// The bytes of `chunk`: the file, or its whole-file zstd stream decompressed.
+    fn chunk_bytes(&self, chunk: &Chunk) -> Result<Vec<u8>> {
+        let data = std::fs::read(&chunk.path).map_err(|e| Error::io("read", &chunk.path, e))?;
+        if chunk.unpacked || self.packing != Packing::Chunk {
+            return Ok(data);
+        }
+        zstd::stream::decode_all(data.as_slice()).map_err(|e| self.bad_chunk(chunk, &format!("not zstd: {e}")))
     }
 
     /// Each item of `chunk`, uncompressed.
     fn read_items(&self, chunk: &Chunk) -> Result<Vec<Vec<u8>>> {
-        let data = std::fs::read(&chunk.path).map_err(|e| Error::io("read", &chunk.path, e))?;
         let bad = |detail: String| self.bad_chunk(chunk, &detail);
         let packing = if chunk.unpacked { Packing::None } else { self.packing };
+        let data = self.chunk_bytes(chunk)?;
         let items = match packing {
-            Packing::None => {
-                offset_table(&data, chunk.items, "item").map_err(bad)?.into_iter().map(<[u8]>::to_vec).collect()
-            }
-            Packing::Chunk => {
-                let data = zstd::stream::decode_all(data.as_slice()).map_err(|e| bad(format!("not zstd: {e}")))?;
+            Packing::None | Packing::Chunk => {
                 offset_table(&data, chunk.items, "item").map_err(bad)?.into_iter().map(<[u8]>::to_vec).collect()
             }
             Packing::Sample => offset_table(&data, chunk.items, "item")
@@ -305,31 +353,141 @@ impl LitDataInput {
         };
         Ok(items)
     }
-
-    /// Each leaf's bytes in one item.
-    fn leaves_of<'a>(&self, item: &'a [u8]) -> std::result::Result<Vec<&'a [u8]>, String> {
-        let n = self.leaves.len();
-        let mut at = 4 * n;
-        if item.len() < at {
-            return Err(format!("{} bytes, too few for its {n} sizes", item.len()));
-        }
-        let mut values = Vec::with_capacity(n);
-        for (i, size) in item[..4 * n].chunks_exact(4).enumerate() {
-            let size = u32::from_le_bytes([size[0], size[1], size[2], size[3]]) as usize;
-            let end = at
-                .checked_add(size)
-                .filter(|&end| end <= item.len())
-                .ok_or_else(|| format!("leaf {:?} runs past the item's {} bytes", self.leaves[i].0, item.len()))?;
-            values.push(&item[at..end]);
-            at = end;
-        }
-        Ok(values)
-    }
 }
 
-/// One number of `dtype`, as a record's layout.
-fn fixed_of(dtype: Dtype) -> Result<FixedLayout> {
-    FixedLayout::new(dtype, &[1]).map_err(|e| Error::invalid_input(e.to_string()))
+/// Each leaf's bytes in one item of `leaves`.
+fn leaves_of<'a>(leaves: &[(String, Serializer)], item: &'a [u8]) -> std::result::Result<Vec<&'a [u8]>, String> {
+    let n = leaves.len();
+    let mut at = 4 * n;
+    if item.len() < at {
+        return Err(format!("{} bytes, too few for its {n} sizes", item.len()));
+    }
+    let mut values = Vec::with_capacity(n);
+    for (i, size) in item[..4 * n].chunks_exact(4).enumerate() {
+        let size = u32::from_le_bytes([size[0], size[1], size[2], size[3]]) as usize;
+        let end = at
+            .checked_add(size)
+            .filter(|&end| end <= item.len())
+            .ok_or_else(|| format!("leaf {:?} runs past the item's {} bytes", leaves[i].0, item.len()))?;
+        values.push(&item[at..end]);
+        at = end;
+    }
+    Ok(values)
+}
+
+/// Why the index's chunks or leaves cannot be taken: a fault of the index, or of the input.
+enum ChunkError {
+    Index(String),
+    Input(Error),
+}
+
+/// The index's chunks, each file present (`tokens`: each with its count of tokens, `dim`).
+fn chunks_of(dir: &Path, index: &Value, packing: Packing, tokens: bool) -> std::result::Result<Vec<Chunk>, ChunkError> {
+    let bad = ChunkError::Index;
+    let chunks_json = index.get("chunks").and_then(Value::as_array).ok_or_else(|| bad("no chunks".into()))?;
+    let mut chunks = Vec::with_capacity(chunks_json.len());
+    for (c, chunk) in chunks_json.iter().enumerate() {
+        let filename =
+            chunk.get("filename").and_then(Value::as_str).ok_or_else(|| bad(format!("chunk {c} has no filename")))?;
+        if filename.contains('/') || filename.starts_with('.') {
+            return Err(bad(format!("chunk {c} names {filename:?}, not a file of the directory")));
+        }
+        let mut path = dir.join(filename);
+        let mut unpacked = false;
+        if !path.is_file()
+            && packing == Packing::Chunk
+            && let Some(stem) = filename.strip_suffix(".zstd.bin")
+            && dir.join(format!("{stem}.bin")).is_file()
+        {
+            // LitData's own reader, given a local directory, leaves a chunk decompressed
+            // beside where the compressed one was: the same items.
+            path = dir.join(format!("{stem}.bin"));
+            unpacked = true;
+        }
+        if !path.is_file() {
+            return Err(ChunkError::Input(Error::invalid_input(format!(
+                "{}: chunk {c}'s file {filename} is missing",
+                dir.display()
+            ))));
+        }
+        let items = chunk
+            .get("chunk_size")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| bad(format!("chunk {c} has no chunk_size")))?;
+        let bytes = chunk.get("chunk_bytes").and_then(Value::as_u64).unwrap_or(0);
+        let dim = chunk.get("dim").and_then(Value::as_u64);
+        if tokens && dim.is_none() {
+            return Err(bad(format!("chunk {c} of a TokensLoader directory gives no count of tokens (dim)")));
+        }
+        chunks.push(Chunk { path, items, bytes, unpacked, dim: dim.unwrap_or(0) });
+    }
+    Ok(chunks)
+}
+
+/// How a directory of leaf-serialized items is read: its leaves, named by `data_spec`, each
+/// with its serializer, and the ones `wanted` (none: every one).
+fn leaves_reading(
+    dir: &Path,
+    config: &Value,
+    formats: &[String],
+    wanted: &[String],
+) -> std::result::Result<Reading, ChunkError> {
+    let names = leaf_names(config.get("data_spec").and_then(Value::as_str).unwrap_or(""))
+        .map_err(|e| ChunkError::Index(format!("data_spec: {e}")))?;
+    if names.len() != formats.len() {
+        return Err(ChunkError::Index(format!(
+            "{} leaves in data_spec, {} in data_format",
+            names.len(),
+            formats.len()
+        )));
+    }
+    let mut leaves = Vec::with_capacity(names.len());
+    for (name, format) in names.into_iter().zip(formats) {
+        let serializer = Serializer::parse(format).map_err(|what| {
+            ChunkError::Input(Error::invalid_input(format!(
+                "{}: leaf {name:?} was serialized as {what}, which is not ingested (str, bytes, int, float, \
+                 bool, numpy, no_header_numpy, tensor, no_header_tensor are)",
+                dir.display()
+            )))
+        })?;
+        leaves.push((name, serializer));
+    }
+    let mut chosen = Vec::new();
+    for name in wanted {
+        let at = leaves.iter().position(|(leaf, _)| leaf == name).ok_or_else(|| {
+            let all: Vec<&str> = leaves.iter().map(|(leaf, _)| leaf.as_str()).collect();
+            ChunkError::Input(Error::invalid_input(format!(
+                "{}: no leaf {name:?} (its leaves: {})",
+                dir.display(),
+                all.join(", ")
+            )))
+        })?;
+        if chosen.contains(&at) {
+            return Err(ChunkError::Input(Error::invalid_input(format!("leaf {name:?} is named twice"))));
+        }
+        chosen.push(at);
+    }
+    if chosen.is_empty() {
+        chosen = (0..leaves.len()).collect();
+    }
+    Ok(Reading::Leaves { leaves, chosen })
+}
+
+/// The Arrow IPC file at the end of a chunk's `data`, when it ends with LitData's footer magic.
+fn arrow_footer(data: &[u8]) -> std::result::Result<Option<&[u8]>, String> {
+    let Some(body) = data.strip_suffix(ARROW_FOOTER_MAGIC) else { return Ok(None) };
+    let Some(length_at) = body.len().checked_sub(4) else { return Err("an Arrow footer without its length".into()) };
+    let length = u32::from_le_bytes([body[length_at], body[length_at + 1], body[length_at + 2], body[length_at + 3]]);
+    let start = length_at
+        .checked_sub(length as usize)
+        .filter(|_| length > 0)
+        .ok_or_else(|| format!("an Arrow footer of {length} bytes in a chunk of {}", data.len()))?;
+    Ok(Some(&body[start..length_at]))
+}
+
+/// `n` numbers of `dtype`, as a record's layout.
+fn fixed_of(dtype: Dtype, n: u64) -> Result<FixedLayout> {
+    FixedLayout::new(dtype, &[n]).map_err(|e| Error::invalid_input(e.to_string()))
 }
 
 /// The names of the leaves of a torch pytree spec as LitData stores it (`treespec_dumps`): a
@@ -469,24 +627,41 @@ fn big_endian_u32(bytes: [u8; 4]) -> u32 {
 /// `input.layout()`. Returns the records ingested; an index of no item is refused.
 pub fn records_from_litdata(ingest: &mut Ingest<'_>, input: &LitDataInput, progress: &dyn Progress) -> Result<u64> {
     progress.start(input.chunks.iter().map(|c| c.bytes).sum());
+    let n = match &input.reading {
+        Reading::Leaves { leaves, chosen } => leaf_records(ingest, input, leaves, chosen, progress)?,
+        Reading::Footer { columns } => footer_records(ingest, input, columns, progress)?,
+        Reading::Tokens { dtype, block } => token_records(ingest, input, *dtype, *block, progress)?,
+    };
+    if n == 0 {
+        return Err(Error::invalid_input(format!("{}: no item in the index: nothing to ingest", input.dir.display())));
+    }
+    Ok(n)
+}
+
+/// Each item's `chosen` leaves, as records of `input.layout`.
+fn leaf_records(
+    ingest: &mut Ingest<'_>,
+    input: &LitDataInput,
+    leaves: &[(String, Serializer)],
+    chosen: &[usize],
+    progress: &dyn Progress,
+) -> Result<u64> {
     let single = input.layout != Layout::Samples;
-    let mut record = RecordParts::new(
-        input
-            .chosen
-            .iter()
-            .map(|&l| {
-                let (name, serializer) = &input.leaves[l];
-                part_name(if name.is_empty() { "item" } else { name }, serializer.part_kind())
-            })
-            .collect(),
-    );
+    let columns: Vec<(&str, PartKind)> = chosen
+        .iter()
+        .map(|&l| {
+            let (name, serializer) = &leaves[l];
+            (if name.is_empty() { "item" } else { name.as_str() }, serializer.part_kind())
+        })
+        .collect();
+    let mut record = RecordParts::new(&columns, single)?;
     let mut n = 0u64;
     for chunk in &input.chunks {
         for (i, item) in input.read_items(chunk)?.iter().enumerate() {
             let bad = |detail: String| input.bad_chunk(chunk, &format!("item {i}: {detail}"));
-            let values = input.leaves_of(item).map_err(bad)?;
-            for (part, &l) in record.clear().iter_mut().zip(&input.chosen) {
-                let (name, serializer) = &input.leaves[l];
+            let values = leaves_of(leaves, item).map_err(bad)?;
+            for (part, &l) in record.clear().iter_mut().zip(chosen) {
+                let (name, serializer) = &leaves[l];
                 leaf_into(serializer, values[l], single, &input.layout, part)
                     .map_err(|e| bad(format!("leaf {name:?}: {e}")))?;
             }
@@ -495,8 +670,84 @@ pub fn records_from_litdata(ingest: &mut Ingest<'_>, input: &LitDataInput, progr
         }
         progress.advance(chunk.bytes);
     }
-    if n == 0 {
-        return Err(Error::invalid_input(format!("{}: no item in the index: nothing to ingest", input.dir.display())));
+    Ok(n)
+}
+
+/// Each chunk's Arrow footer rows, `columns` of them, as records of `input.layout`: every
+/// chunk must carry one, of as many rows as the index gives it items.
+fn footer_records(
+    ingest: &mut Ingest<'_>,
+    input: &LitDataInput,
+    columns: &[(String, Kind)],
+    progress: &dyn Progress,
+) -> Result<u64> {
+    let mut rows = Rows::new(columns, Nulls::Refuse)?;
+    for chunk in &input.chunks {
+        let data = input.chunk_bytes(chunk)?;
+        let ipc = arrow_footer(&data)
+            .map_err(|e| input.bad_chunk(chunk, &e))?
+            .ok_or_else(|| input.bad_chunk(chunk, "no Arrow footer, where the directory's first chunk has one"))?;
+        let mut reader = input.footer_reader(chunk, ipc)?;
+        let source = input.chunk_name(chunk);
+        let mut row_in_chunk = 0u64;
+        // Decoding happens in `next`: a panic there on a hostile footer is the chunk's error.
+        while let Some(batch) = catch_panic(|| source.clone(), || Ok(reader.next()))? {
+            let batch = batch.map_err(|e| input.bad_chunk(chunk, &format!("its Arrow footer cannot be read: {e}")))?;
+            let schema = batch.schema();
+            let in_batch = columns
+                .iter()
+                .map(|(name, _)| schema.index_of(name))
+                .collect::<std::result::Result<Vec<usize>, _>>()
+                .map_err(|e| input.bad_chunk(chunk, &format!("its Arrow footer: {e}")))?;
+            rows.push_batch(ingest, &batch, &in_batch, &source, row_in_chunk)?;
+            row_in_chunk += batch.num_rows() as u64;
+        }
+        if row_in_chunk != chunk.items {
+            return Err(input.bad_chunk(chunk, &format!("{row_in_chunk} rows where the index says {}", chunk.items)));
+        }
+        progress.advance(chunk.bytes);
+    }
+    Ok(rows.done().records)
+}
+
+/// A `TokensLoader` directory's tokens of `dtype`: each chunk's blocks of `block` tokens (the
+/// tail shorter than a block left out, as LitData's reader leaves it), or each item it wrote.
+fn token_records(
+    ingest: &mut Ingest<'_>,
+    input: &LitDataInput,
+    dtype: Dtype,
+    block: Option<u64>,
+    progress: &dyn Progress,
+) -> Result<u64> {
+    let width = dtype.size_bytes() as usize;
+    let mut n = 0u64;
+    for chunk in &input.chunks {
+        let items = input.read_items(chunk)?;
+        let bytes: usize = items.iter().map(Vec::len).sum();
+        if let Some((i, item)) = items.iter().enumerate().find(|(_, item)| item.len() % width != 0) {
+            return Err(input.bad_chunk(chunk, &format!("item {i}: {} bytes, not whole {dtype:?} tokens", item.len())));
+        }
+        if (bytes / width) as u64 != chunk.dim {
+            let detail = format!("{} tokens where the index says {}", bytes / width, chunk.dim);
+            return Err(input.bad_chunk(chunk, &detail));
+        }
+        match block {
+            None => {
+                for item in &items {
+                    ingest.push(item)?;
+                    n += 1;
+                }
+            }
+            Some(block) => {
+                let stream: Vec<u8> = items.concat();
+                let block_bytes = usize::try_from(block).ok().and_then(|b| b.checked_mul(width)).unwrap_or(usize::MAX);
+                for tokens in stream.chunks_exact(block_bytes) {
+                    ingest.push(tokens)?;
+                    n += 1;
+                }
+            }
+        }
+        progress.advance(chunk.bytes);
     }
     Ok(n)
 }
@@ -524,6 +775,12 @@ fn leaf_into(
         Serializer::Str | Serializer::Bytes => out.extend_from_slice(value),
         Serializer::Int => number(Dtype::I64, out)?,
         Serializer::Float => number(Dtype::F64, out)?,
+        // A bool's part is JSON (`true`/`false`): it reads back as a Python `bool`.
+        Serializer::Bool if !single => match value {
+            [0] => out.extend_from_slice(b"false"),
+            [1] => out.extend_from_slice(b"true"),
+            _ => return Err(format!("{} bytes for one bool", value.len())),
+        },
         Serializer::Bool => number(Dtype::U8, out)?,
         Serializer::Flat(_) | Serializer::Numpy | Serializer::Tensor => {
             let (dtype, shape, elements) = array(serializer, value)?;

@@ -22,9 +22,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::Ingest;
-use super::parts::{
-    PartKind, RecordParts, json_strings, offset_table, part_name, push_npy, push_number_text, read_index,
-};
+use super::parts::{PartKind, RecordParts, json_strings, offset_table, push_npy, push_number_text, read_index};
 use super::sources::Progress;
 use crate::error::{Error, Result};
 use crate::shard::{Dtype, FixedLayout, Layout};
@@ -77,7 +75,7 @@ impl Encoding {
             "int" => Encoding::Int,
             "str_int" => Encoding::NumberText(PartKind::Integer),
             "str_float" => Encoding::NumberText(PartKind::Float),
-            "str_decimal" => Encoding::NumberText(PartKind::Text),
+            "str_decimal" => Encoding::NumberText(PartKind::Decimal),
             "json" => Encoding::Json,
             "jpeg" => Encoding::Jpeg,
             "png" => Encoding::Png,
@@ -113,7 +111,8 @@ impl Encoding {
             Encoding::Bytes => PartKind::Bytes,
             Encoding::Str => PartKind::Text,
             Encoding::Int => PartKind::Integer,
-            Encoding::Scalar(dtype) => PartKind::of_number(*dtype),
+            // A NumPy scalar (`np.uint8`, ...), as Streaming yields it: a 0-d array.
+            Encoding::Scalar(_) => PartKind::Array,
             Encoding::NumberText(kind) => *kind,
             Encoding::NdArray { .. } | Encoding::Pil => PartKind::Array,
             Encoding::Json => PartKind::Json,
@@ -149,10 +148,27 @@ struct ShardFile {
     raw: PathBuf,
     /// Its bytes, as the index gives them.
     raw_bytes: u64,
+    /// The hashes the writer recorded of the uncompressed bytes (`raw_data.hashes`).
+    raw_hashes: Vec<(String, String)>,
     /// The compressed file and its codec, read when the raw file is not there.
-    zip: Option<(PathBuf, Codec)>,
+    zip: Option<ZipFile>,
     samples: u64,
 }
+
+/// A shard's compressed file.
+#[derive(Debug)]
+struct ZipFile {
+    path: PathBuf,
+    codec: Codec,
+    /// Its bytes, as the index gives them (0: not given).
+    bytes: u64,
+    /// The hashes the writer recorded of it (`zip_data.hashes`).
+    hashes: Vec<(String, String)>,
+}
+
+/// The longest shard read whose index does not give its length (`raw_data.bytes`): Streaming's
+/// writer always gives it, and caps shards at 64 MiB by default.
+const SHARD_BYTES_UNDECLARED_MAX: u64 = 1 << 30;
 
 /// An MDS directory to ingest, its index read and checked.
 #[derive(Debug)]
@@ -233,25 +249,45 @@ impl MdsInput {
                 }),
             };
             let raw_data = field("raw_data")?;
-            let basename = |info: &Value| info.get("basename").and_then(Value::as_str).map(|b| dir.join(b));
-            let raw = basename(raw_data).ok_or_else(|| bad(format!("shard {s}: raw_data has no basename")))?;
+            let basename = |info: &Value, what: &str| -> Result<PathBuf> {
+                let name = info
+                    .get("basename")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad(format!("shard {s}: {what} has no basename")))?;
+                inside(dir, name).map_err(|why| bad(format!("shard {s}: {what}'s basename {name:?} {why}")))
+            };
+            let hashes = |info: &Value| -> Vec<(String, String)> {
+                let recorded = info.get("hashes").and_then(Value::as_object);
+                recorded
+                    .map(|map| map.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned()))).collect())
+                    .unwrap_or_default()
+            };
+            let raw = basename(raw_data, "raw_data")?;
             let raw_bytes = raw_data.get("bytes").and_then(Value::as_u64).unwrap_or(0);
             let zip = match (shard.get("zip_data").filter(|z| !z.is_null()), codec) {
-                (Some(info), Some(codec)) => {
-                    Some((basename(info).ok_or_else(|| bad(format!("shard {s}: zip_data has no basename")))?, codec))
-                }
+                (Some(info), Some(codec)) => Some(ZipFile {
+                    path: basename(info, "zip_data")?,
+                    codec,
+                    bytes: info.get("bytes").and_then(Value::as_u64).unwrap_or(0),
+                    hashes: hashes(info),
+                }),
                 _ => None,
             };
-            if !raw.is_file() && !zip.as_ref().is_some_and(|(p, _)| p.is_file()) {
+            if !raw.is_file() && !zip.as_ref().is_some_and(|z| z.path.is_file()) {
                 return Err(Error::invalid_input(format!(
                     "{}: shard {s}'s file {} is missing",
                     dir.display(),
                     raw.file_name().unwrap_or_default().to_string_lossy()
                 )));
             }
+            if zip.is_some() && !raw.is_file() && raw_bytes == 0 {
+                return Err(bad(format!(
+                    "shard {s}: raw_data gives no length, which bounds its decompression: refused"
+                )));
+            }
             let samples =
                 field("samples")?.as_u64().ok_or_else(|| bad(format!("shard {s}: samples is not a count")))?;
-            shards.push(ShardFile { raw, raw_bytes, zip, samples });
+            shards.push(ShardFile { raw, raw_bytes, raw_hashes: hashes(raw_data), zip, samples });
         }
         let columns = all.ok_or_else(|| bad("no shards".into()))?;
         let mut chosen = Vec::new();
@@ -327,22 +363,47 @@ impl MdsInput {
     }
 
     /// The decompressed bytes of `shard`: the raw file when it is there, else the compressed
-    /// one, decompressed; either is checked against the index's length.
+    /// one, decompressed, never past the index's length; each checked against the length and
+    /// the hashes the writer recorded of it.
     fn read_shard(&self, shard: &ShardFile) -> Result<Vec<u8>> {
-        let data = if shard.raw.is_file() || shard.zip.is_none() {
-            std::fs::read(&shard.raw).map_err(|e| Error::io("read", &shard.raw, e))?
-        } else {
-            let Some((path, codec)) = &shard.zip else { return Err(self.bad_shard(shard, "no file")) };
-            let packed = std::fs::read(path).map_err(|e| Error::io("read", path, e))?;
-            decompress(*codec, &packed, shard.raw_bytes)
-                .map_err(|e| Error::invalid_input(format!("{}: cannot be decompressed: {e}", path.display())))?
+        let Some(zip) = shard.zip.as_ref().filter(|_| !shard.raw.is_file()) else {
+            let limit = if shard.raw_bytes == 0 { SHARD_BYTES_UNDECLARED_MAX } else { shard.raw_bytes };
+            let data = read_at_most(&shard.raw, limit).map_err(|e| self.bad_shard(shard, &e))?;
+            if shard.raw_bytes != 0 && data.len() as u64 != shard.raw_bytes {
+                let detail = format!("{} bytes where the index says {}", data.len(), shard.raw_bytes);
+                return Err(self.bad_shard(shard, &detail));
+            }
+            self.check_hashes(shard, &shard.raw, &data, &shard.raw_hashes)?;
+            return Ok(data);
         };
-        if shard.raw_bytes != 0 && data.len() as u64 != shard.raw_bytes {
+        let limit = if zip.bytes == 0 { SHARD_BYTES_UNDECLARED_MAX } else { zip.bytes };
+        let packed = read_at_most(&zip.path, limit).map_err(|e| self.bad_shard(shard, &e))?;
+        self.check_hashes(shard, &zip.path, &packed, &zip.hashes)?;
+        let data = decompress(zip.codec, &packed, shard.raw_bytes)
+            .map_err(|e| Error::invalid_input(format!("{}: cannot be decompressed: {e}", zip.path.display())))?;
+        if data.len() as u64 != shard.raw_bytes {
             return Err(
                 self.bad_shard(shard, &format!("{} bytes where the index says {}", data.len(), shard.raw_bytes))
             );
         }
+        self.check_hashes(shard, &shard.raw, &data, &shard.raw_hashes)?;
         Ok(data)
+    }
+
+    /// Refuses `data` (of `path`, a file of `shard`) when a hash the writer recorded of it is
+    /// not its hash. Hashes of an algorithm granary does not compute are passed over.
+    fn check_hashes(&self, shard: &ShardFile, path: &Path, data: &[u8], recorded: &[(String, String)]) -> Result<()> {
+        for (algorithm, expected) in recorded {
+            let Some(actual) = super::digests::hex_digest(algorithm, data) else { continue };
+            if !actual.eq_ignore_ascii_case(expected) {
+                let name = path.file_name().unwrap_or_default().to_string_lossy();
+                return Err(self.bad_shard(
+                    shard,
+                    &format!("{name}'s {algorithm} is {actual} where the index records {expected}: damaged, refused"),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn bad_shard(&self, shard: &ShardFile, detail: &str) -> Error {
@@ -466,23 +527,66 @@ fn pil(value: &[u8]) -> std::result::Result<(Dtype, Vec<u64>, &[u8]), String> {
     Ok((dtype, shape, pixels))
 }
 
-/// `packed` decompressed with `codec` (`raw_bytes`, when known, sizes the buffer).
+/// `name` (an index's basename) as a path inside `dir`, or why not: relative, no component that
+/// climbs, and (where it exists) inside `dir` once links are resolved.
+fn inside(dir: &Path, name: &str) -> std::result::Result<PathBuf, &'static str> {
+    use std::path::Component;
+    let relative = Path::new(name);
+    if name.is_empty() || !relative.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err("is not a path inside the dataset's directory: refused");
+    }
+    let path = dir.join(relative);
+    if let (Ok(real), Ok(root)) = (path.canonicalize(), dir.canonicalize())
+        && !real.starts_with(&root)
+    {
+        return Err("leads out of the dataset's directory through a link: refused");
+    }
+    Ok(path)
+}
+
+/// The bytes of `path`, refused when it holds more than `limit`: a file's length is checked
+/// before it is read.
+fn read_at_most(path: &Path, limit: u64) -> std::result::Result<Vec<u8>, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut data = Vec::new();
+    file.take(limit.saturating_add(1)).read_to_end(&mut data).map_err(|e| format!("{}: {e}", path.display()))?;
+    if data.len() as u64 > limit {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        return Err(format!("{name} holds more than the {limit} bytes the index gives it: refused"));
+    }
+    Ok(data)
+}
+
+/// `packed` decompressed with `codec`, refused at the first byte past `raw_bytes` (the index's
+/// length of the shard), so a decompression bomb costs no more memory than the shard it claims
+/// to be.
 fn decompress(codec: Codec, packed: &[u8], raw_bytes: u64) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
-    let mut out = Vec::with_capacity(usize::try_from(raw_bytes).unwrap_or(0).min(1 << 30));
+    let too_long = || std::io::Error::other(format!("it decompresses to more than the index's {raw_bytes} bytes"));
+    let mut out = Vec::with_capacity(usize::try_from(raw_bytes).unwrap_or(0).min(64 << 20));
+    let limit = raw_bytes.saturating_add(1);
     match codec {
         Codec::Zstd => {
-            zstd::stream::read::Decoder::new(packed)?.read_to_end(&mut out)?;
+            zstd::stream::read::Decoder::new(packed)?.take(limit).read_to_end(&mut out)?;
         }
         Codec::Gzip => {
-            flate2::read::MultiGzDecoder::new(packed).read_to_end(&mut out)?;
+            flate2::read::MultiGzDecoder::new(packed).take(limit).read_to_end(&mut out)?;
         }
         Codec::Snappy => {
+            // A raw snappy block says its length first: checked before anything is allocated.
+            let claimed = snap::raw::decompress_len(packed).map_err(std::io::Error::other)?;
+            if claimed as u64 > raw_bytes {
+                return Err(too_long());
+            }
             out = snap::raw::Decoder::new().decompress_vec(packed).map_err(std::io::Error::other)?;
         }
         Codec::Brotli => {
-            brotli::Decompressor::new(packed, 1 << 16).read_to_end(&mut out)?;
+            brotli::Decompressor::new(packed, 1 << 16).take(limit).read_to_end(&mut out)?;
         }
+    }
+    if out.len() as u64 > raw_bytes {
+        return Err(too_long());
     }
     Ok(out)
 }
@@ -493,13 +597,9 @@ pub fn records_from_mds(ingest: &mut Ingest<'_>, input: &MdsInput, progress: &dy
     progress.start(input.shards.iter().map(|s| s.raw_bytes).sum());
     let single = input.layout != Layout::Samples;
     let mut n = 0u64;
-    let mut record = RecordParts::new(
-        input
-            .chosen
-            .iter()
-            .map(|&c| part_name(&input.columns[c].name, input.columns[c].encoding.part_kind()))
-            .collect(),
-    );
+    let columns: Vec<(&str, PartKind)> =
+        input.chosen.iter().map(|&c| (input.columns[c].name.as_str(), input.columns[c].encoding.part_kind())).collect();
+    let mut record = RecordParts::new(&columns, single)?;
     for shard in &input.shards {
         let data = input.read_shard(shard)?;
         let samples = offset_table(&data, shard.samples, "sample").map_err(|e| input.bad_shard(shard, &e))?;
@@ -545,6 +645,11 @@ fn value_into(
             }
             if single {
                 out.extend_from_slice(value);
+            } else if matches!(column.encoding, Encoding::Scalar(_)) {
+                // A 0-d `.npy`: `granary.formats.decode` gives the NumPy scalar of its dtype.
+                if !push_npy(dtype, &[], value, out) {
+                    return Err(format!("a {dtype:?}, which NumPy has no type for"));
+                }
             } else {
                 push_number_text(dtype, value, out);
             }

@@ -17,6 +17,12 @@
 //! reads records back (the read path does) or decides placement.
 
 #[cfg(feature = "formats")]
+mod arrow_rows;
+#[cfg(feature = "formats")]
+mod arrow_stream;
+#[cfg(feature = "formats")]
+mod digests;
+#[cfg(feature = "formats")]
 mod litdata;
 #[cfg(feature = "formats")]
 mod mds;
@@ -32,7 +38,9 @@ use std::io::Read;
 use std::path::PathBuf;
 
 #[cfg(feature = "formats")]
-pub use self::parquet::{Nulls, ParquetIngested, ParquetInput, records_from_parquet};
+pub use self::parquet::{Nulls, ParquetIngested, ParquetInput, RowsIngested, records_from_parquet};
+#[cfg(feature = "formats")]
+pub use arrow_stream::{ArrowInput, records_from_arrow};
 #[cfg(feature = "formats")]
 pub use litdata::{LitDataInput, records_from_litdata};
 #[cfg(feature = "formats")]

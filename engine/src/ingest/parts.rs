@@ -31,6 +31,8 @@ pub(super) enum PartKind {
     Integer,
     /// A float's decimal text (the shortest that parses back to the same value).
     Float,
+    /// A decimal number's exact text (Python's `decimal.Decimal`).
+    Decimal,
     /// A NumPy `.npy` file: dtype, shape and the elements.
     Array,
     /// JSON text.
@@ -49,6 +51,7 @@ impl PartKind {
             PartKind::Text => "txt",
             PartKind::Integer => "cls",
             PartKind::Float => "float",
+            PartKind::Decimal => "decimal",
             PartKind::Array => "npy",
             PartKind::Json => "json",
             PartKind::Jpeg => "jpg",
@@ -66,9 +69,14 @@ impl PartKind {
 }
 
 /// The part name of column `column` holding values of `kind`.
-pub(super) fn part_name(column: &str, kind: PartKind) -> String {
+fn part_name(column: &str, kind: PartKind) -> String {
     format!("{column}.{}", kind.extension())
 }
+
+/// Names a sample's reader gives meanings of its own (webdataset's, and `granary.formats.decode`,
+/// which keeps them as they are): a column of one of these names would be lost to the sample's
+/// key or source, so it is refused in a sample, naming it.
+const RESERVED_PART_NAMES: [&str; 3] = ["__key__", "__url__", "__local_path__"];
 
 /// Appends the decimal text of the one number of `dtype` in `le` (its little-endian bytes).
 /// Returns false when `le` is not one number of `dtype`.
@@ -143,6 +151,8 @@ pub(super) fn push_npy(dtype: Dtype, shape: &[u64], le: &[u8], out: &mut Vec<u8>
     let Some(descr) = npy_descr(dtype) else { return false };
     let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
     let shape = match dims.len() {
+        // A 0-d array: one element, which NumPy gives back as a scalar of its dtype.
+        0 => "()".to_owned(),
         1 => format!("({},)", dims[0]),
         _ => format!("({})", dims.join(", ")),
     };
@@ -167,10 +177,36 @@ pub(super) struct RecordParts {
 }
 
 impl RecordParts {
-    /// Parts named `names` (as `part_name` makes them), in that order.
-    pub(super) fn new(names: Vec<String>) -> Self {
+    /// The parts of columns `columns` (each with the kind of its values, which names its
+    /// extension), in that order; for a record of its own (`single`) the one column's values.
+    /// A sample column whose name a sample's reader reserves (`__key__`, `__url__`) is refused.
+    pub(super) fn new(columns: &[(&str, PartKind)], single: bool) -> Result<Self> {
+        assert!(!columns.is_empty(), "a record has at least one part");
+        assert!(!single || columns.len() == 1, "a record of its own is one column's values");
+        if !single {
+            if let Some((column, _)) = columns.iter().find(|(column, _)| RESERVED_PART_NAMES.contains(column)) {
+                return Err(Error::invalid_input(format!(
+                    "column {column:?}: that name stands for the sample's own {} when read (granary.formats.decode, \
+                     webdataset): rename the column, or ingest it alone",
+                    column.trim_matches('_').replace('_', " ")
+                )));
+            }
+        }
+        let names: Vec<String> = columns.iter().map(|(column, kind)| part_name(column, *kind)).collect();
         let parts = vec![Vec::new(); names.len()];
-        Self { names, parts }
+        Ok(Self { names, parts })
+    }
+
+    /// Names part `part` `COLUMN.EXTENSION` for this and later records (a column whose values
+    /// say their own kind, as an image's bytes do).
+    pub(super) fn set_extension(&mut self, part: usize, extension: &str) {
+        let name = &mut self.names[part];
+        // `part_name` always puts the dot.
+        let dot = name.rfind('.').unwrap_or(name.len());
+        if name.get(dot + 1..) != Some(extension) {
+            name.truncate(dot + 1);
+            name.push_str(extension);
+        }
     }
 
     /// The parts, emptied, for the next record.
