@@ -20,6 +20,8 @@ iterator with Grain's checkpoint protocol, so a JAX (or torchtitan) trainer keep
 
 from __future__ import annotations
 
+import operator
+
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -74,7 +76,9 @@ class DataSource:
 
     def __getitem__(self, index: int) -> Any:
         n = len(self)
-        index = int(index)
+        # An index is an integer (operator.index: ints and NumPy's integers); 1.9 and "5" are
+        # refused with TypeError, as a list refuses them, rather than read as records 1 and 5.
+        index = operator.index(index)
         if index < 0:
             index += n
         if not 0 <= index < n:
@@ -84,7 +88,8 @@ class DataSource:
     def __getitems__(self, indices: Sequence[int]) -> List[Any]:
         """Several records in one read (Grain batches its lookups through this)."""
         n = len(self)
-        wanted = [int(i) + n if int(i) < 0 else int(i) for i in indices]
+        whole = [operator.index(i) for i in indices]
+        wanted = [i + n if i < 0 else i for i in whole]
         return [self._convert(r) for r in self._native.read(wanted)]
 
     def _convert(self, record: Any) -> Any:

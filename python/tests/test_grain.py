@@ -36,6 +36,13 @@ def test_a_data_source_gives_every_record_to_grains_samplers_and_workers(store, 
     assert np.array_equal(source[7], docs[7]) and np.array_equal(source[-1], docs[-1])
     with pytest.raises(IndexError):
         source[300]
+    # Issue 55: an index that is not an integer is a TypeError, as a list's, not record 1 or 5.
+    for index in (1.9, "5", None):
+        with pytest.raises(TypeError):
+            source[index]
+    with pytest.raises(TypeError):
+        source.__getitems__([0, 2.5])
+    assert np.array_equal(source[np.int64(7)], docs[7])
     # Pinned: a later version does not change what it reads.
     ingest_documents(store, tmp_path, "docs", documents(5, 9), mode="replace")
     assert len(source) == 300 and np.array_equal(source[0], docs[0])

@@ -110,6 +110,14 @@ def test_windows_within_documents_are_padded_and_packing_refuses_what_it_cannot_
         next(iter(store.loader("images", 2, seq_len=8, output="numpy", device="cpu")))
     with pytest.raises(ValueError, match="seq_len"):
         store.loader("corpus", 2, eod=1, output="numpy", device="cpu")
+    # Issue 55: an eod the int32 tokens cannot hold arrived as -2**31; a seq_len longer than the
+    # corpus gave empty epochs without a word.
+    for option in ({"eod": 2**31}, {"pad": 2**31, "within_documents": True}):
+        with pytest.raises(granary.Error, match=r"does not fit the dataset's i32 tokens \(at most 2147483647\)"):
+            next(iter(store.loader("corpus", 2, seq_len=SEQ, output="numpy", device="cpu", **option)))
+    total = sum(len(d) for d in docs)
+    with pytest.raises(granary.Error, match=rf"a seq_len of {total + 1} makes no window of this corpus \(160 documents, {total} tokens\)"):
+        next(iter(store.loader("corpus", 2, seq_len=total + 1, output="numpy", device="cpu")))
 
 
 def test_a_mixture_of_packed_sources_blends_windows_and_resumes_after_a_weight_change(store, tmp_path):

@@ -30,18 +30,30 @@ use super::{LoadedBatch, Loader, LoaderConfig, PlanSource, Target};
 /// arrays (`Layout::Arrays`), one-dimensional fixed records, or byte strings (one-byte tokens).
 pub fn pack_plan(dataset: &Dataset, config: PackConfig) -> Result<PackPlan> {
     let integer = |dtype: crate::shard::Dtype| !matches!(dtype.name().as_bytes().first(), Some(b'f' | b'b'));
-    let token_bytes = match dataset.layout() {
-        Layout::Arrays(dtype) if integer(*dtype) => dtype.size_bytes() as usize,
-        Layout::Fixed(fixed) if fixed.dims().len() == 1 && integer(fixed.dtype()) => {
-            fixed.dtype().size_bytes() as usize
-        }
-        Layout::Bytes => 1,
+    let dtype = match dataset.layout() {
+        Layout::Arrays(dtype) if integer(*dtype) => *dtype,
+        Layout::Fixed(fixed) if fixed.dims().len() == 1 && integer(fixed.dtype()) => fixed.dtype(),
+        Layout::Bytes => crate::shard::Dtype::U8,
         other => {
             return Err(Error::invalid_input(format!(
                 "packing cuts documents of integer tokens (arrays, one-dimensional fixed records or bytes), not {other} records"
             )));
         }
     };
+    let token_bytes = dtype.size_bytes() as usize;
+    // A token of a signed dtype holds half the range of its bytes: an `eod` of 2**31 on int32
+    // tokens would arrive as -2**31 (`PackPlan::new` checks the bytes alone).
+    if dtype.name().starts_with('i') {
+        let max = (1u64 << (8 * token_bytes - 1)) - 1;
+        for (what, token) in [("eod", config.eod), ("pad", Some(config.pad))] {
+            if let Some(token) = token.filter(|&token| token > max) {
+                return Err(Error::invalid_input(format!(
+                    "the {what} token {token} does not fit the dataset's {} tokens (at most {max})",
+                    dtype.name()
+                )));
+            }
+        }
+    }
     // Each shard's metadata: from its file, or, for a shard of an attached dataset the cache
     // does not hold, from its origin (a few KiB each, checked as at attach), not its data.
     let mut metas: Vec<Option<Arc<crate::shard::ShardMeta>>> = Vec::with_capacity(dataset.n_shards());
@@ -70,7 +82,19 @@ pub fn pack_plan(dataset: &Dataset, config: PackConfig) -> Result<PackPlan> {
             lengths.push((range.end - range.start) / token_bytes as u64);
         }
     }
-    PackPlan::new(config, lengths.into(), token_bytes).map_err(Error::invalid_input)
+    let documents = lengths.len();
+    let tokens: u64 = lengths.iter().sum();
+    let plan = PackPlan::new(config, lengths.into(), token_bytes).map_err(Error::invalid_input)?;
+    if plan.n_windows() == 0 {
+        // Empty epochs without a word would look like a loader that ends at once.
+        return Err(Error::invalid_input(format!(
+            "a seq_len of {} makes no window of this corpus ({documents} documents, {tokens} tokens{}): choose a \
+             shorter seq_len",
+            plan.config().seq_len,
+            if plan.config().cross_documents { "" } else { ", packed within documents" }
+        )));
+    }
+    Ok(plan)
 }
 
 /// One batch of packed windows (host memory).
