@@ -163,14 +163,19 @@ pub type SampleSink<'a> = dyn FnMut(&str, &[(String, Vec<u8>)]) -> Result<()> + 
 const PART_BYTES_MAX: u64 = 1 << 30;
 
 /// `text` as it may go into a message: the tar reader quotes the bytes of a bad header, which
-/// for a file that is no tar at all are raw binary; control characters and undecodable bytes
-/// become `?`, and the text stops at 200 characters.
+/// for a file that is no tar at all are raw binary; anything but printable ASCII becomes its
+/// `\u{..}` escape, and the text stops at 200 characters.
 fn printable(text: &str) -> String {
-    let mut out: String = text
-        .chars()
-        .take(200)
-        .map(|c| if c.is_control() || c == char::REPLACEMENT_CHARACTER { '?' } else { c })
-        .collect();
+    // Only printable ASCII as it is: what random bytes become (control characters, replacement
+    // characters, stray letters of other scripts) is escaped, so a terminal shows words.
+    let mut out = String::new();
+    for c in text.chars().take(200) {
+        if c.is_ascii_graphic() || c == ' ' {
+            out.push(c);
+        } else {
+            out.extend(c.escape_unicode());
+        }
+    }
     if text.chars().nth(200).is_some() {
         out.push_str("...");
     }
@@ -500,6 +505,6 @@ mod tests {
         let mut sink = |_: &str, _: &[(String, Vec<u8>)]| -> Result<()> { Ok(()) };
         let error = tar_samples(&noise[..], &mut sink, &mut |_, _| {}, &mut |_| {}).unwrap_err().to_string();
         assert!(error.contains("not a readable tar or gzip-compressed tar file"), "{error}");
-        assert!(error.chars().all(|c| !c.is_control()) && error.len() < 400, "{error:?}");
+        assert!(error.chars().all(|c| c.is_ascii_graphic() || c == ' ') && error.len() < 2000, "{error:?}");
     }
 }

@@ -82,20 +82,22 @@ impl ClusterKey {
     /// itself, or the path of a file holding it (a value with a `/` that names a file; a secret
     /// `cluster-key` makes is hex, which has none).
     pub fn from_env() -> Result<Option<Self>> {
-        let Some(value) = std::env::var_os(CLUSTER_KEY_ENV) else { return Ok(None) };
-        let path = Path::new(&value);
+        std::env::var_os(CLUSTER_KEY_ENV).map(|value| Self::from_env_value(&value)).transpose()
+    }
+
+    /// The key of `value`, as `GRANARY_CLUSTER_KEY` holds it (see `from_env`).
+    fn from_env_value(value: &std::ffi::OsStr) -> Result<Self> {
+        let path = Path::new(value);
         if value.as_encoded_bytes().contains(&b'/') && path.is_file() {
-            return Self::from_file(path).map(Some);
+            return Self::from_file(path);
         }
         // Never echoes the value: it may be the secret.
-        Self::from_secret(value.as_encoded_bytes())
-            .map_err(|e| match e {
-                Error::InvalidInput { detail } => {
-                    Error::invalid_input(format!("{CLUSTER_KEY_ENV} is neither a file's path nor a secret: {detail}"))
-                }
-                other => other,
-            })
-            .map(Some)
+        Self::from_secret(value.as_encoded_bytes()).map_err(|e| match e {
+            Error::InvalidInput { detail } => {
+                Error::invalid_input(format!("{CLUSTER_KEY_ENV} is neither a file's path nor a secret: {detail}"))
+            }
+            other => other,
+        })
     }
 
     /// A new random secret (64 hex digits) for a key file.
@@ -556,4 +558,23 @@ async fn read_handshake_record(
     }
     stream.read_exact(&mut out[..len]).await.map_err(closed_or_io)?;
     Ok(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_environment_holds_the_secret_or_its_files_path_and_never_shows_it() {
+        let secret = ClusterKey::generate_secret().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("job.key");
+        std::fs::write(&file, format!("{secret}\n")).unwrap();
+        let by_value = ClusterKey::from_env_value(std::ffi::OsStr::new(&secret)).unwrap();
+        let by_path = ClusterKey::from_env_value(file.as_os_str()).unwrap();
+        assert!(by_value.0 == by_path.0, "the file's secret and the secret itself are one key");
+        let short = "a/short/secret";
+        let error = ClusterKey::from_env_value(std::ffi::OsStr::new(short)).err().unwrap().to_string();
+        assert!(error.contains("neither a file's path nor a secret") && !error.contains(short), "{error}");
+    }
 }
