@@ -183,14 +183,12 @@ impl RecordParts {
     pub(super) fn new(columns: &[(&str, PartKind)], single: bool) -> Result<Self> {
         assert!(!columns.is_empty(), "a record has at least one part");
         assert!(!single || columns.len() == 1, "a record of its own is one column's values");
-        if !single {
-            if let Some((column, _)) = columns.iter().find(|(column, _)| RESERVED_PART_NAMES.contains(column)) {
-                return Err(Error::invalid_input(format!(
-                    "column {column:?}: that name stands for the sample's own {} when read (granary.formats.decode, \
-                     webdataset): rename the column, or ingest it alone",
-                    column.trim_matches('_').replace('_', " ")
-                )));
-            }
+        if !single && let Some((column, _)) = columns.iter().find(|(column, _)| RESERVED_PART_NAMES.contains(column)) {
+            return Err(Error::invalid_input(format!(
+                "column {column:?}: that name stands for the sample's own {} when read (granary.formats.decode, \
+                 webdataset): rename the column, or ingest it alone",
+                column.trim_matches('_').replace('_', " ")
+            )));
         }
         let names: Vec<String> = columns.iter().map(|(column, kind)| part_name(column, *kind)).collect();
         let parts = vec![Vec::new(); names.len()];
