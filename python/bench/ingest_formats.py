@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--granary", default=os.environ.get("GRANARY_BIN", "granary"))
     parser.add_argument("--skip-mds", action="store_true", help="Parquet only (StreamingDataset takes minutes)")
+    parser.add_argument("--with-litdata", action="store_true", help="with --skip-mds: LitData still runs")
     args = parser.parse_args()
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -111,7 +112,7 @@ def main() -> None:
         pass
     lit_dir = os.path.join(args.dir, "litdata")
     try:
-        if args.skip_mds:
+        if args.skip_mds and not args.with_litdata:
             raise ImportError
         import litdata
 
