@@ -277,21 +277,9 @@ impl Store {
         let nulls = nulls_of(nulls)?;
         let columns = columns.unwrap_or_default();
         let input = engine(py, || sources::ParquetInput::open(&inputs, &columns, nulls))?;
-        let skipped = AtomicU64::new(0);
-        let committed = self.ingest_detached(
-            py,
-            name,
-            input.layout(),
-            options_of(mode, shard_bytes)?,
-            progress,
-            |ingest, report| {
-                let done = sources::records_from_parquet(ingest, &input, report)?;
-                skipped.store(done.skipped, Ordering::Relaxed);
-                Ok(())
-            },
-        )?;
-        committed.set_item("skipped", skipped.load(Ordering::Relaxed))?;
-        Ok(committed)
+        self.ingest_rows(py, name, input.layout(), options_of(mode, shard_bytes)?, progress, |ingest, report| {
+            sources::records_from_parquet(ingest, &input, report)
+        })
     }
 
     /// Ingests any Arrow stream as a new version of dataset `name`: `source` is anything that
@@ -324,14 +312,9 @@ impl Store {
             nulls,
         )
         .map_err(to_py)?;
-        let skipped = AtomicU64::new(0);
-        let committed = self.ingest_detached(py, name, input.layout(), options, progress, |ingest, report| {
-            let done = sources::records_from_arrow(ingest, &input, reader, report)?;
-            skipped.store(done.skipped, Ordering::Relaxed);
-            Ok(())
-        })?;
-        committed.set_item("skipped", skipped.load(Ordering::Relaxed))?;
-        Ok(committed)
+        self.ingest_rows(py, name, input.layout(), options, progress, |ingest, report| {
+            sources::records_from_arrow(ingest, &input, reader, report)
+        })
     }
 
     /// Ingests a Mosaic Streaming MDS directory (`index.json` and its shards, as `MDSWriter`
@@ -419,6 +402,26 @@ impl Store {
 impl Store {
     pub(crate) fn root(&self) -> &std::path::Path {
         &self.root
+    }
+
+    /// `ingest_detached` for a source of rows (Parquet, an Arrow stream): what was committed,
+    /// and `skipped`, the rows left out for a null.
+    fn ingest_rows<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        layout: Layout,
+        options: IngestOptions,
+        progress: Option<Bound<'py, PyAny>>,
+        source: impl FnOnce(&mut granary::Ingest<'_>, &Report) -> granary::Result<sources::RowsIngested> + Send,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let skipped = AtomicU64::new(0);
+        let committed = self.ingest_detached(py, name, layout, options, progress, |ingest, report| {
+            skipped.store(source(ingest, report)?.skipped, Ordering::Relaxed);
+            Ok(())
+        })?;
+        committed.set_item("skipped", skipped.load(Ordering::Relaxed))?;
+        Ok(committed)
     }
 
     /// Runs `source` into a new version of `name` with the GIL released, then commits it,

@@ -1,8 +1,8 @@
 //! Arrow columns as records and parts: what kind of value a column holds (`Kind`), and a row's
 //! value written as a record of its own or as a sample's part, exactly as pyarrow's
 //! `to_pylist` gives it (a string's UTF-8, a number in its own type, a nested value as the JSON
-//! of the same Python value). Parquet files and Arrow streams are read through it, so one set of
-//! rules serves both.
+//! of the same Python value). Parquet files, Arrow streams and LitData's Arrow footers are read
+//! through it, so one set of rules serves all three.
 //!
 //! What a value becomes, by its column's Arrow type:
 //! - binary (`binary`, `large_binary`, `binary_view`, `fixed_size_binary`): its bytes (`.bin`);
@@ -69,7 +69,8 @@ pub(super) fn layout_of(columns: &[(String, Kind)]) -> Layout {
 }
 
 /// The chosen `columns` of a batch of `schema`, each with its kind: by name, in the order
-/// asked (none asked: `all`, every column), each once. `source` names the input in errors.
+/// asked (none asked: every column, in the schema's order), each once. `source` names the
+/// input in errors.
 pub(super) fn choose_columns(schema: &Schema, columns: &[String], source: &str) -> Result<Vec<(String, Kind)>> {
     let names: Vec<&str> = if columns.is_empty() {
         schema.fields().iter().map(|f| f.name().as_str()).collect()

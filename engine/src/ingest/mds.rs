@@ -248,46 +248,7 @@ impl MdsInput {
                     }
                 }),
             };
-            let raw_data = field("raw_data")?;
-            let basename = |info: &Value, what: &str| -> Result<PathBuf> {
-                let name = info
-                    .get("basename")
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| bad(format!("shard {s}: {what} has no basename")))?;
-                inside(dir, name).map_err(|why| bad(format!("shard {s}: {what}'s basename {name:?} {why}")))
-            };
-            let hashes = |info: &Value| -> Vec<(String, String)> {
-                let recorded = info.get("hashes").and_then(Value::as_object);
-                recorded
-                    .map(|map| map.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned()))).collect())
-                    .unwrap_or_default()
-            };
-            let raw = basename(raw_data, "raw_data")?;
-            let raw_bytes = raw_data.get("bytes").and_then(Value::as_u64).unwrap_or(0);
-            let zip = match (shard.get("zip_data").filter(|z| !z.is_null()), codec) {
-                (Some(info), Some(codec)) => Some(ZipFile {
-                    path: basename(info, "zip_data")?,
-                    codec,
-                    bytes: info.get("bytes").and_then(Value::as_u64).unwrap_or(0),
-                    hashes: hashes(info),
-                }),
-                _ => None,
-            };
-            if !raw.is_file() && !zip.as_ref().is_some_and(|z| z.path.is_file()) {
-                return Err(Error::invalid_input(format!(
-                    "{}: shard {s}'s file {} is missing",
-                    dir.display(),
-                    raw.file_name().unwrap_or_default().to_string_lossy()
-                )));
-            }
-            if zip.is_some() && !raw.is_file() && raw_bytes == 0 {
-                return Err(bad(format!(
-                    "shard {s}: raw_data gives no length, which bounds its decompression: refused"
-                )));
-            }
-            let samples =
-                field("samples")?.as_u64().ok_or_else(|| bad(format!("shard {s}: samples is not a count")))?;
-            shards.push(ShardFile { raw, raw_bytes, raw_hashes: hashes(raw_data), zip, samples });
+            shards.push(shard_file(dir, s, shard, codec, &bad)?);
         }
         let columns = all.ok_or_else(|| bad("no shards".into()))?;
         let mut chosen = Vec::new();
@@ -525,6 +486,60 @@ fn pil(value: &[u8]) -> std::result::Result<(Dtype, Vec<u64>, &[u8]), String> {
         shape.push(channels);
     }
     Ok((dtype, shape, pixels))
+}
+
+/// Shard `s` of the index (`shard`, compressed with `codec`): its files, each a path inside
+/// `dir` (`inside`), with the lengths and hashes the writer recorded; the uncompressed file or
+/// the compressed one present, and the compressed one's decompressed length given. `bad` makes
+/// an error about the index.
+fn shard_file(
+    dir: &Path,
+    s: usize,
+    shard: &Value,
+    codec: Option<Codec>,
+    bad: &dyn Fn(String) -> Error,
+) -> Result<ShardFile> {
+    let raw_data = shard.get("raw_data").ok_or_else(|| bad(format!("shard {s} has no raw_data")))?;
+    let basename = |info: &Value, what: &str| -> Result<PathBuf> {
+        let name = info
+            .get("basename")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(format!("shard {s}: {what} has no basename")))?;
+        inside(dir, name).map_err(|why| bad(format!("shard {s}: {what}'s basename {name:?} {why}")))
+    };
+    let hashes = |info: &Value| -> Vec<(String, String)> {
+        let recorded = info.get("hashes").and_then(Value::as_object);
+        recorded
+            .map(|map| map.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned()))).collect())
+            .unwrap_or_default()
+    };
+    let raw = basename(raw_data, "raw_data")?;
+    let raw_bytes = raw_data.get("bytes").and_then(Value::as_u64).unwrap_or(0);
+    let zip = match (shard.get("zip_data").filter(|z| !z.is_null()), codec) {
+        (Some(info), Some(codec)) => Some(ZipFile {
+            path: basename(info, "zip_data")?,
+            codec,
+            bytes: info.get("bytes").and_then(Value::as_u64).unwrap_or(0),
+            hashes: hashes(info),
+        }),
+        _ => None,
+    };
+    if !raw.is_file() && !zip.as_ref().is_some_and(|z| z.path.is_file()) {
+        return Err(Error::invalid_input(format!(
+            "{}: shard {s}'s file {} is missing",
+            dir.display(),
+            raw.file_name().unwrap_or_default().to_string_lossy()
+        )));
+    }
+    if zip.is_some() && !raw.is_file() && raw_bytes == 0 {
+        return Err(bad(format!("shard {s}: raw_data gives no length, which bounds its decompression: refused")));
+    }
+    let samples = shard
+        .get("samples")
+        .ok_or_else(|| bad(format!("shard {s} has no samples")))?
+        .as_u64()
+        .ok_or_else(|| bad(format!("shard {s}: samples is not a count")))?;
+    Ok(ShardFile { raw, raw_bytes, raw_hashes: hashes(raw_data), zip, samples })
 }
 
 /// `name` (an index's basename) as a path inside `dir`, or why not: relative, no component that

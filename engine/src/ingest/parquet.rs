@@ -70,7 +70,7 @@ impl ParquetInput {
         let mut files = Vec::with_capacity(paths.len());
         let mut chosen: Vec<(String, Kind)> = Vec::new();
         for path in paths {
-            let (bytes, _, metadata) = open_file(&path)?;
+            let (bytes, metadata) = open_file(&path)?;
             let schema = metadata.schema();
             let names: Vec<String> = if columns.is_empty() {
                 if schema.fields().len() != 1 {
@@ -143,7 +143,7 @@ pub fn records_from_parquet(
     let mut rows = Rows::new(&input.columns, input.nulls)?;
     let decoders = std::thread::available_parallelism().map_or(1, usize::from).clamp(1, DECODERS_MAX);
     for (path, bytes) in &input.files {
-        let (_, _, metadata) = open_file(path)?;
+        let (_, metadata) = open_file(path)?;
         // The chosen columns' places in this file, found by name: the reader hands the
         // projected columns over in the file's order, whatever the order they were chosen in.
         let roots = input
@@ -236,9 +236,9 @@ pub fn records_from_parquet(
     Ok(done)
 }
 
-/// Opens `path` as a Parquet file: its length, the file, and its footer read (and every size
-/// and offset it claims checked against the file).
-fn open_file(path: &Path) -> Result<(u64, File, ArrowReaderMetadata)> {
+/// Opens `path` as a Parquet file: its length and its footer read (every size and offset it
+/// claims checked against the file).
+fn open_file(path: &Path) -> Result<(u64, ArrowReaderMetadata)> {
     let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
     let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
     if !meta.is_file() {
@@ -248,7 +248,7 @@ fn open_file(path: &Path) -> Result<(u64, File, ArrowReaderMetadata)> {
         ArrowReaderMetadata::load(&file, ArrowReaderOptions::default()).map_err(|e| bad_file(path, &e.to_string()))
     })?;
     check_footer(metadata.metadata(), meta.len()).map_err(|detail| bad_file(path, &detail))?;
-    Ok((meta.len(), file, metadata))
+    Ok((meta.len(), metadata))
 }
 
 /// Every count, size and offset of a footer that the reader will size or seek by: no count below

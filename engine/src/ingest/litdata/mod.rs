@@ -26,106 +26,21 @@
 //! (those serializers are refused, naming them), or takes an item whose offsets or sizes run
 //! outside its chunk.
 
+mod chunk;
+mod leaves;
+
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use self::chunk::{arrow_footer, framed};
+use self::leaves::{Serializer, leaf_into, leaf_names, leaves_of};
 use super::Ingest;
 use super::arrow_rows::{Kind, Nulls, Rows, choose_columns, layout_of};
-use super::parts::{PartKind, RecordParts, json_strings, offset_table, push_npy, push_number_text, read_index};
+use super::parts::{PartKind, RecordParts, json_strings, offset_table, read_index};
 use super::sources::Progress;
 use crate::error::{Error, Result, catch_panic};
 use crate::shard::{Dtype, FixedLayout, Layout};
-
-/// How one leaf was serialized (`data_format`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Serializer {
-    /// `str`: UTF-8.
-    Str,
-    /// `bytes`.
-    Bytes,
-    /// `int`: an int64.
-    Int,
-    /// `float`: a float64.
-    Float,
-    /// `bool`: one byte.
-    Bool,
-    /// `no_header_numpy:I` / `no_header_tensor:I`: a 1-D array of one dtype.
-    Flat(Dtype),
-    /// `numpy`: dtype index, rank and dims as `u32`, then the elements.
-    Numpy,
-    /// `tensor`: dtype index and rank as big-endian `u32`, the dims likewise, then the elements.
-    Tensor,
-}
-
-impl Serializer {
-    fn parse(text: &str) -> std::result::Result<Self, String> {
-        let (name, arg) = match text.split_once(':') {
-            Some((name, arg)) => (name, Some(arg)),
-            None => (text, None),
-        };
-        let index = || arg.and_then(|a| a.parse::<u32>().ok()).ok_or_else(|| text.to_owned());
-        Ok(match name {
-            "str" => Serializer::Str,
-            "bytes" => Serializer::Bytes,
-            "int" => Serializer::Int,
-            "float" => Serializer::Float,
-            "bool" => Serializer::Bool,
-            "no_header_numpy" => Serializer::Flat(numpy_dtype(index()?).ok_or_else(|| text.to_owned())?),
-            "no_header_tensor" => Serializer::Flat(torch_dtype(index()?).ok_or_else(|| text.to_owned())?),
-            "numpy" => Serializer::Numpy,
-            "tensor" => Serializer::Tensor,
-            "pickle" => return Err("pickle (it runs code when it is read)".into()),
-            _ => return Err(text.to_owned()),
-        })
-    }
-
-    fn part_kind(&self) -> PartKind {
-        match self {
-            Serializer::Str => PartKind::Text,
-            Serializer::Bytes => PartKind::Bytes,
-            Serializer::Int => PartKind::Integer,
-            Serializer::Bool => PartKind::Json,
-            Serializer::Float => PartKind::Float,
-            Serializer::Flat(_) | Serializer::Numpy | Serializer::Tensor => PartKind::Array,
-        }
-    }
-}
-
-/// NumPy's types in LitData's order of them (`_NUMPY_SCTYPES`).
-fn numpy_dtype(index: u32) -> Option<Dtype> {
-    Some(match index {
-        0 => Dtype::I8,
-        1 => Dtype::I16,
-        2 => Dtype::I32,
-        3 => Dtype::I64,
-        4 => Dtype::U8,
-        5 => Dtype::U16,
-        6 => Dtype::U32,
-        7 => Dtype::U64,
-        8 => Dtype::F16,
-        9 => Dtype::F32,
-        10 => Dtype::F64,
-        _ => return None,
-    })
-}
-
-/// torch's types by LitData's index of them (`_TORCH_DTYPES_MAPPING`).
-fn torch_dtype(index: u32) -> Option<Dtype> {
-    Some(match index {
-        0 | 1 => Dtype::F32,
-        2 | 3 => Dtype::F64,
-        8 | 9 => Dtype::F16,
-        10 => Dtype::Bf16,
-        11 => Dtype::U8,
-        12 => Dtype::I8,
-        13 | 14 => Dtype::I16,
-        15 | 16 => Dtype::I32,
-        17 | 18 => Dtype::I64,
-        20 => Dtype::U16,
-        _ => return None,
-    })
-}
 
 /// How the chunks are compressed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,9 +78,6 @@ enum Reading {
     /// A `TokensLoader` stream of `dtype`: in blocks of `block` tokens, or the writer's items.
     Tokens { dtype: Dtype, block: Option<u64> },
 }
-
-/// The magic that ends a chunk carrying its items as an Arrow IPC file.
-const ARROW_FOOTER_MAGIC: &[u8; 8] = b"LDARW01\0";
 
 /// A LitData directory to ingest, its index read and checked.
 #[derive(Debug)]
@@ -214,10 +126,11 @@ impl LitDataInput {
             }
             Some(other) => return Err(bad(format!("chunks compressed with {other:?}: zstd is read"))),
         };
-        let chunks = chunks_of(dir, &index, packing, tokens).map_err(|e| match e {
+        let lift = |e: ChunkError| match e {
             ChunkError::Index(detail) => bad(detail),
             ChunkError::Input(error) => error,
-        })?;
+        };
+        let chunks = chunks_of(dir, &index, packing, tokens).map_err(lift)?;
         if block_size.is_some() && !tokens {
             return Err(bad("a block size cuts a TokensLoader directory's tokens; this one's items are not".into()));
         }
@@ -246,10 +159,7 @@ impl LitDataInput {
         } else if let Some(schema) = input.footer_schema()? {
             Reading::Footer { columns: choose_columns(&schema, wanted, &dir.display().to_string())? }
         } else {
-            leaves_reading(dir, config, &formats, wanted).map_err(|e| match e {
-                ChunkError::Index(detail) => bad(detail),
-                ChunkError::Input(error) => error,
-            })?
+            leaves_reading(dir, config, &formats, wanted).map_err(lift)?
         };
         input.layout = match &input.reading {
             Reading::Leaves { leaves, chosen } => match chosen.as_slice() {
@@ -355,26 +265,6 @@ impl LitDataInput {
     }
 }
 
-/// Each leaf's bytes in one item of `leaves`.
-fn leaves_of<'a>(leaves: &[(String, Serializer)], item: &'a [u8]) -> std::result::Result<Vec<&'a [u8]>, String> {
-    let n = leaves.len();
-    let mut at = 4 * n;
-    if item.len() < at {
-        return Err(format!("{} bytes, too few for its {n} sizes", item.len()));
-    }
-    let mut values = Vec::with_capacity(n);
-    for (i, size) in item[..4 * n].chunks_exact(4).enumerate() {
-        let size = u32::from_le_bytes([size[0], size[1], size[2], size[3]]) as usize;
-        let end = at
-            .checked_add(size)
-            .filter(|&end| end <= item.len())
-            .ok_or_else(|| format!("leaf {:?} runs past the item's {} bytes", leaves[i].0, item.len()))?;
-        values.push(&item[at..end]);
-        at = end;
-    }
-    Ok(values)
-}
-
 /// Why the index's chunks or leaves cannot be taken: a fault of the index, or of the input.
 enum ChunkError {
     Index(String),
@@ -473,154 +363,9 @@ fn leaves_reading(
     Ok(Reading::Leaves { leaves, chosen })
 }
 
-/// The Arrow IPC file at the end of a chunk's `data`, when it ends with LitData's footer magic.
-fn arrow_footer(data: &[u8]) -> std::result::Result<Option<&[u8]>, String> {
-    let Some(body) = data.strip_suffix(ARROW_FOOTER_MAGIC) else { return Ok(None) };
-    let Some(length_at) = body.len().checked_sub(4) else { return Err("an Arrow footer without its length".into()) };
-    let length = u32::from_le_bytes([body[length_at], body[length_at + 1], body[length_at + 2], body[length_at + 3]]);
-    let start = length_at
-        .checked_sub(length as usize)
-        .filter(|_| length > 0)
-        .ok_or_else(|| format!("an Arrow footer of {length} bytes in a chunk of {}", data.len()))?;
-    Ok(Some(&body[start..length_at]))
-}
-
 /// `n` numbers of `dtype`, as a record's layout.
 fn fixed_of(dtype: Dtype, n: u64) -> Result<FixedLayout> {
     FixedLayout::new(dtype, &[n]).map_err(|e| Error::invalid_input(e.to_string()))
-}
-
-/// The names of the leaves of a torch pytree spec as LitData stores it (`treespec_dumps`): a
-/// single leaf (""), or one dict, tuple or list of leaves (the dict's keys, the positions).
-fn leaf_names(spec: &str) -> std::result::Result<Vec<String>, String> {
-    let value: Value = serde_json::from_str(spec).map_err(|e| format!("not JSON: {e}"))?;
-    let tree = value.get(1).ok_or("not a [version, tree] pair")?;
-    let children = tree.get("children_spec").and_then(Value::as_array).ok_or("a node without children_spec")?;
-    let kind = tree.get("type").and_then(Value::as_str);
-    if kind.is_none() {
-        return Ok(vec![String::new()]);
-    }
-    if children.iter().any(|c| !c.get("type").is_none_or(Value::is_null)) {
-        return Err("items nested more than one level deep are not ingested".into());
-    }
-    match kind {
-        Some("builtins.dict" | "collections.OrderedDict") => {
-            let context = tree.get("context").and_then(Value::as_str).ok_or("a dict without its keys")?;
-            let keys: Vec<Value> = serde_json::from_str(context).map_err(|e| format!("the dict's keys: {e}"))?;
-            let keys: Vec<String> = keys
-                .iter()
-                .map(|k| match k {
-                    Value::String(s) => s.clone(),
-                    other => other.to_string(),
-                })
-                .collect();
-            if keys.len() != children.len() {
-                return Err(format!("{} keys for {} leaves", keys.len(), children.len()));
-            }
-            Ok(keys)
-        }
-        Some("builtins.tuple" | "builtins.list") => Ok((0..children.len()).map(|i| i.to_string()).collect()),
-        Some(other) => Err(format!("items of type {other} are not ingested (a dict, tuple, list or one value are)")),
-        None => Ok(vec![String::new()]),
-    }
-}
-
-/// The items of an `LDFZ01` chunk: each frame decompressed and checked against its lengths, the
-/// items cut at the directory's offsets.
-fn framed(data: &[u8], expected: u64) -> std::result::Result<Vec<Vec<u8>>, String> {
-    const PREFIX: usize = 24;
-    const FRAME: usize = 24;
-    if data.len() < PREFIX || &data[..8] != b"LDFZ01\0\0" {
-        return Err("no LDFZ01 directory".into());
-    }
-    let u16_at = |at: usize| u16::from_le_bytes([data[at], data[at + 1]]);
-    let u32_at = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-    let version = u16_at(8);
-    if version != 1 {
-        return Err(format!("LDFZ01 version {version}"));
-    }
-    let (count, frames) = (u32_at(12).unwrap_or(0), u32_at(20).unwrap_or(0) as usize);
-    if u64::from(count) != expected || count == 0 {
-        return Err(format!("{count} items where the index says {expected}"));
-    }
-    let count = count as usize;
-    let offsets: Vec<usize> = (0..=count)
-        .map(|i| u32_at(PREFIX + 4 * i).map(|o| o as usize))
-        .collect::<Option<_>>()
-        .ok_or("its offsets run past its end")?;
-    let table = PREFIX + 4 * (count + 1);
-    let mut joined = Vec::with_capacity(offsets[count]);
-    for f in 0..frames {
-        let at = table + FRAME * f;
-        let entry = data.get(at..at + FRAME).ok_or("its frame table runs past its end")?;
-        let word = |i: usize| u32::from_le_bytes([entry[i], entry[i + 1], entry[i + 2], entry[i + 3]]) as usize;
-        let offset =
-            u64::from_le_bytes([entry[8], entry[9], entry[10], entry[11], entry[12], entry[13], entry[14], entry[15]]);
-        let (packed_len, raw_len) = (word(16), word(20));
-        let start = usize::try_from(offset).map_err(|_| "a frame past the end".to_owned())?;
-        let packed = start
-            .checked_add(packed_len)
-            .and_then(|end| data.get(start..end))
-            .ok_or_else(|| format!("frame {f} runs past the chunk"))?;
-        let raw = zstd::stream::decode_all(packed).map_err(|e| format!("frame {f} is not zstd: {e}"))?;
-        if raw.len() != raw_len {
-            return Err(format!("frame {f} holds {} bytes where its entry says {raw_len}", raw.len()));
-        }
-        joined.extend_from_slice(&raw);
-    }
-    let mut items = Vec::with_capacity(count);
-    for (i, pair) in offsets.windows(2).enumerate() {
-        let (start, end) = (pair[0], pair[1]);
-        if start > end || end > joined.len() {
-            return Err(format!("item {i} at bytes {start}..{end} of {}", joined.len()));
-        }
-        items.push(joined[start..end].to_vec());
-    }
-    Ok(items)
-}
-
-/// An array leaf: its dtype, shape and elements.
-fn array<'a>(serializer: &Serializer, value: &'a [u8]) -> std::result::Result<(Dtype, Vec<u64>, &'a [u8]), String> {
-    let word = |at: usize, big: bool| {
-        value.get(at..at + 4).map(|b| {
-            let b = [b[0], b[1], b[2], b[3]];
-            if big { big_endian_u32(b) } else { u32::from_le_bytes(b) }
-        })
-    };
-    let (dtype, shape, at) = match serializer {
-        Serializer::Flat(dtype) => {
-            let n = value.len() as u64 / dtype.size_bytes();
-            (*dtype, vec![n], 0)
-        }
-        Serializer::Numpy | Serializer::Tensor => {
-            let big = *serializer == Serializer::Tensor;
-            let (index, rank) = (word(0, big).ok_or("a truncated header")?, word(4, big).ok_or("a truncated header")?);
-            let dtype = if big { torch_dtype(index) } else { numpy_dtype(index) }
-                .ok_or_else(|| format!("an array of dtype index {index}"))?;
-            let rank = rank as usize;
-            if rank > 32 {
-                return Err(format!("an array of {rank} dimensions"));
-            }
-            let shape = (0..rank)
-                .map(|d| word(8 + 4 * d, big).map(u64::from))
-                .collect::<Option<Vec<u64>>>()
-                .ok_or("a truncated shape")?;
-            (dtype, shape, 8 + 4 * rank)
-        }
-        _ => return Err("not an array".into()),
-    };
-    let elements = &value[at..];
-    let expected = shape.iter().try_fold(dtype.size_bytes(), |n, &d| n.checked_mul(d));
-    if expected != Some(elements.len() as u64) {
-        return Err(format!("an array of shape {shape:?} and {} bytes of elements", elements.len()));
-    }
-    Ok((dtype, shape, elements))
-}
-
-/// A big-endian `u32`: LitData's tensor header is written with struct's `>II`.
-#[allow(clippy::big_endian_bytes, reason = "a foreign format's header, read as its writer wrote it")]
-fn big_endian_u32(bytes: [u8; 4]) -> u32 {
-    u32::from_be_bytes(bytes)
 }
 
 /// Ingests every item of `input`, chunk by chunk in the index's order, as records of
@@ -750,116 +495,4 @@ fn token_records(
         progress.advance(chunk.bytes);
     }
     Ok(n)
-}
-
-/// Appends what one leaf becomes: a record of its own (`single`, of `layout`), or a part.
-fn leaf_into(
-    serializer: &Serializer,
-    value: &[u8],
-    single: bool,
-    layout: &Layout,
-    out: &mut Vec<u8>,
-) -> std::result::Result<(), String> {
-    let number = |dtype: Dtype, out: &mut Vec<u8>| {
-        if value.len() as u64 != dtype.size_bytes() {
-            return Err(format!("{} bytes for one {dtype:?}", value.len()));
-        }
-        if single {
-            out.extend_from_slice(value);
-        } else {
-            push_number_text(dtype, value, out);
-        }
-        Ok(())
-    };
-    match serializer {
-        Serializer::Str | Serializer::Bytes => out.extend_from_slice(value),
-        Serializer::Int => number(Dtype::I64, out)?,
-        Serializer::Float => number(Dtype::F64, out)?,
-        // A bool's part is JSON (`true`/`false`): it reads back as a Python `bool`.
-        Serializer::Bool if !single => match value {
-            [0] => out.extend_from_slice(b"false"),
-            [1] => out.extend_from_slice(b"true"),
-            _ => return Err(format!("{} bytes for one bool", value.len())),
-        },
-        Serializer::Bool => number(Dtype::U8, out)?,
-        Serializer::Flat(_) | Serializer::Numpy | Serializer::Tensor => {
-            let (dtype, shape, elements) = array(serializer, value)?;
-            if single {
-                if *layout != Layout::Arrays(dtype) {
-                    return Err(format!("an array of {dtype:?} among arrays of another dtype"));
-                }
-                out.extend_from_slice(elements);
-            } else if !push_npy(dtype, &shape, elements, out) {
-                return Err(format!("an array of {dtype:?}, which NumPy has no type for"));
-            }
-        }
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_tree_spec_names_the_leaves() {
-        let dict = r#"[1, {"type": "builtins.dict", "context": "[\"tokens\", \"text\"]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]"#;
-        assert_eq!(leaf_names(dict).unwrap(), ["tokens", "text"]);
-        let leaf = r#"[1, {"type": null, "context": null, "children_spec": []}]"#;
-        assert_eq!(leaf_names(leaf).unwrap(), [""]);
-        let tuple = r#"[1, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]"#;
-        assert_eq!(leaf_names(tuple).unwrap(), ["0", "1"]);
-        let nested = r#"[1, {"type": "builtins.dict", "context": "[\"a\"]", "children_spec": [{"type": "builtins.list", "context": "null", "children_spec": []}]}]"#;
-        assert!(leaf_names(nested).unwrap_err().contains("nested"));
-        assert!(leaf_names("not json").is_err());
-    }
-
-    #[test]
-    fn framed_chunks_are_read_and_bad_ones_refused() {
-        // Two items, "ab" and "cde", in one frame.
-        let raw = b"abcde";
-        let packed = zstd::stream::encode_all(&raw[..], 3).unwrap();
-        let mut data = b"LDFZ01\0\0".to_vec();
-        data.extend_from_slice(&1u16.to_le_bytes());
-        data.extend_from_slice(&0u16.to_le_bytes());
-        data.extend_from_slice(&2u32.to_le_bytes());
-        data.extend_from_slice(&256u32.to_le_bytes());
-        data.extend_from_slice(&1u32.to_le_bytes());
-        for offset in [0u32, 2, 5] {
-            data.extend_from_slice(&offset.to_le_bytes());
-        }
-        let payload_at = (data.len() + 24) as u64;
-        data.extend_from_slice(&0u32.to_le_bytes());
-        data.extend_from_slice(&2u32.to_le_bytes());
-        data.extend_from_slice(&payload_at.to_le_bytes());
-        data.extend_from_slice(&(packed.len() as u32).to_le_bytes());
-        data.extend_from_slice(&5u32.to_le_bytes());
-        data.extend_from_slice(&packed);
-        assert_eq!(framed(&data, 2).unwrap(), [b"ab".to_vec(), b"cde".to_vec()]);
-        assert!(framed(&data, 3).unwrap_err().contains("index says 3"));
-        for cut in 0..data.len() {
-            assert!(framed(&data[..cut], 2).is_err(), "a chunk cut at {cut}");
-        }
-        let mut wrong = data.clone();
-        let at = wrong.len() - packed.len() - 4;
-        wrong[at..at + 4].copy_from_slice(&6u32.to_le_bytes());
-        assert!(framed(&wrong, 2).unwrap_err().contains("where its entry says 6"));
-    }
-
-    #[test]
-    fn serializers_are_known_or_refused_by_name() {
-        assert_eq!(Serializer::parse("no_header_numpy:2").unwrap(), Serializer::Flat(Dtype::I32));
-        assert_eq!(Serializer::parse("no_header_tensor:18").unwrap(), Serializer::Flat(Dtype::I64));
-        for bad in ["pickle", "jpeg", "no_header_numpy:13", "no_header_tensor", "video"] {
-            assert!(Serializer::parse(bad).is_err(), "{bad}");
-        }
-        // numpy: int16 (index 1), 2 x 1.
-        let value = [1, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 7, 0, 8, 0];
-        let (dtype, shape, elements) = array(&Serializer::Numpy, &value).unwrap();
-        assert_eq!((dtype, shape, elements), (Dtype::I16, vec![2, 1], &value[16..]));
-        assert!(array(&Serializer::Numpy, &value[..19]).is_err());
-        // tensor: big-endian header, int32 (16), 1-D of 1.
-        let value = [0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 1, 5, 0, 0, 0];
-        assert_eq!(array(&Serializer::Tensor, &value).unwrap().1, [1]);
-    }
 }

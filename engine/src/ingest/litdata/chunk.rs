@@ -1,0 +1,111 @@
+//! The bytes of a LitData chunk beyond its offset table: the frames of an `LDFZ01` chunk (zstd in
+//! batches of items) and the Arrow IPC file a chunk of dict items carries at its end (`LDARW01`).
+//!
+//! Owns: `framed` and `arrow_footer`. Never: decodes an item's leaves or the footer's rows, or
+//! takes a frame or a footer whose offsets run outside its chunk.
+
+/// The magic that ends a chunk carrying its items as an Arrow IPC file.
+const ARROW_FOOTER_MAGIC: &[u8; 8] = b"LDARW01\0";
+
+/// The Arrow IPC file at the end of a chunk's `data`, when it ends with LitData's footer magic.
+pub(super) fn arrow_footer(data: &[u8]) -> std::result::Result<Option<&[u8]>, String> {
+    let Some(body) = data.strip_suffix(ARROW_FOOTER_MAGIC) else { return Ok(None) };
+    let Some(length_at) = body.len().checked_sub(4) else { return Err("an Arrow footer without its length".into()) };
+    let length = u32::from_le_bytes([body[length_at], body[length_at + 1], body[length_at + 2], body[length_at + 3]]);
+    let start = length_at
+        .checked_sub(length as usize)
+        .filter(|_| length > 0)
+        .ok_or_else(|| format!("an Arrow footer of {length} bytes in a chunk of {}", data.len()))?;
+    Ok(Some(&body[start..length_at]))
+}
+
+/// The items of an `LDFZ01` chunk: each frame decompressed and checked against its lengths, the
+/// items cut at the directory's offsets.
+pub(super) fn framed(data: &[u8], expected: u64) -> std::result::Result<Vec<Vec<u8>>, String> {
+    const PREFIX: usize = 24;
+    const FRAME: usize = 24;
+    if data.len() < PREFIX || &data[..8] != b"LDFZ01\0\0" {
+        return Err("no LDFZ01 directory".into());
+    }
+    let u16_at = |at: usize| u16::from_le_bytes([data[at], data[at + 1]]);
+    let u32_at = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let version = u16_at(8);
+    if version != 1 {
+        return Err(format!("LDFZ01 version {version}"));
+    }
+    let (count, frames) = (u32_at(12).unwrap_or(0), u32_at(20).unwrap_or(0) as usize);
+    if u64::from(count) != expected || count == 0 {
+        return Err(format!("{count} items where the index says {expected}"));
+    }
+    let count = count as usize;
+    let offsets: Vec<usize> = (0..=count)
+        .map(|i| u32_at(PREFIX + 4 * i).map(|o| o as usize))
+        .collect::<Option<_>>()
+        .ok_or("its offsets run past its end")?;
+    let table = PREFIX + 4 * (count + 1);
+    let mut joined = Vec::with_capacity(offsets[count]);
+    for f in 0..frames {
+        let at = table + FRAME * f;
+        let entry = data.get(at..at + FRAME).ok_or("its frame table runs past its end")?;
+        let word = |i: usize| u32::from_le_bytes([entry[i], entry[i + 1], entry[i + 2], entry[i + 3]]) as usize;
+        let offset =
+            u64::from_le_bytes([entry[8], entry[9], entry[10], entry[11], entry[12], entry[13], entry[14], entry[15]]);
+        let (packed_len, raw_len) = (word(16), word(20));
+        let start = usize::try_from(offset).map_err(|_| "a frame past the end".to_owned())?;
+        let packed = start
+            .checked_add(packed_len)
+            .and_then(|end| data.get(start..end))
+            .ok_or_else(|| format!("frame {f} runs past the chunk"))?;
+        let raw = zstd::stream::decode_all(packed).map_err(|e| format!("frame {f} is not zstd: {e}"))?;
+        if raw.len() != raw_len {
+            return Err(format!("frame {f} holds {} bytes where its entry says {raw_len}", raw.len()));
+        }
+        joined.extend_from_slice(&raw);
+    }
+    let mut items = Vec::with_capacity(count);
+    for (i, pair) in offsets.windows(2).enumerate() {
+        let (start, end) = (pair[0], pair[1]);
+        if start > end || end > joined.len() {
+            return Err(format!("item {i} at bytes {start}..{end} of {}", joined.len()));
+        }
+        items.push(joined[start..end].to_vec());
+    }
+    Ok(items)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn framed_chunks_are_read_and_bad_ones_refused() {
+        // Two items, "ab" and "cde", in one frame.
+        let raw = b"abcde";
+        let packed = zstd::stream::encode_all(&raw[..], 3).unwrap();
+        let mut data = b"LDFZ01\0\0".to_vec();
+        data.extend_from_slice(&1u16.to_le_bytes());
+        data.extend_from_slice(&0u16.to_le_bytes());
+        data.extend_from_slice(&2u32.to_le_bytes());
+        data.extend_from_slice(&256u32.to_le_bytes());
+        data.extend_from_slice(&1u32.to_le_bytes());
+        for offset in [0u32, 2, 5] {
+            data.extend_from_slice(&offset.to_le_bytes());
+        }
+        let payload_at = (data.len() + 24) as u64;
+        data.extend_from_slice(&0u32.to_le_bytes());
+        data.extend_from_slice(&2u32.to_le_bytes());
+        data.extend_from_slice(&payload_at.to_le_bytes());
+        data.extend_from_slice(&(packed.len() as u32).to_le_bytes());
+        data.extend_from_slice(&5u32.to_le_bytes());
+        data.extend_from_slice(&packed);
+        assert_eq!(framed(&data, 2).unwrap(), [b"ab".to_vec(), b"cde".to_vec()]);
+        assert!(framed(&data, 3).unwrap_err().contains("index says 3"));
+        for cut in 0..data.len() {
+            assert!(framed(&data[..cut], 2).is_err(), "a chunk cut at {cut}");
+        }
+        let mut wrong = data.clone();
+        let at = wrong.len() - packed.len() - 4;
+        wrong[at..at + 4].copy_from_slice(&6u32.to_le_bytes());
+        assert!(framed(&wrong, 2).unwrap_err().contains("where its entry says 6"));
+    }
+}
