@@ -108,19 +108,21 @@ fn the_default_plan_is_windowed_when_the_dataset_does_not_fit_the_cache() {
     let planned = granary::loader::plan_for_store(&dataset, config.plan.clone()).unwrap();
     let granary::PlanSource::Partitioner { options, .. } = &planned else { panic!("{planned:?}") };
     let window: u64 = options.iter().find(|(k, _)| k == "window-shards").map(|(_, v)| v.parse().unwrap()).unwrap();
-    assert!((1..4).contains(&window), "a window within the 4-shard cache: {options:?}");
+    // A cache of 4 shards holds a window of 3 (issue 53): 3 begun, one coming in.
+    assert_eq!(window, 3, "the window a cache of 4 shards allows: {options:?}");
     let mut loader = Loader::new(dataset, config, Default::default()).unwrap();
     assert_every_record_read(&mut loader, &input);
+    let mixed = loader.stats().read.shards_per_batch();
+    assert!(mixed > 2.5, "{mixed} shards per batch through a window of 3");
     // And what it buys: the same loader with a window of all 16 shards (a full shuffle) fetched
     // 11.4 x the dataset through this quarter cache; windowed, each shard comes about once.
-    // (1.00-1.06 x while readers kept evicted shards open to the end of an epoch; since they let
-    // go within a batch or two, a window sliding over these tiny shards, 4 batches' worth each,
-    // fetches some again as the prefetch and the reader's pace fall: 16 or 19 of the 16 shards
-    // alone, 19 to 27 among the other tests, up to 1.69 x in CI. Shards of 4 MiB fetch nothing
-    // twice: `python/bench/cache_disk.py`, BENCHMARKS.md.)
+    // (Up to 2.2 x while the cache counted the plan from the batch delivered, not from the
+    // batches the reader had in flight: a shard read only by those looked needed, the one
+    // coming in pushed out one that was, and a reader replaying after a miss found the shards
+    // it had let go of gone. Since: 1.00-1.25 x over 8 runs beside the other tests.)
     let fetched = cache.stats().bytes_from_origin;
     assert!(
-        fetched as f64 <= 2.0 * dataset_bytes as f64,
+        fetched as f64 <= 1.5 * dataset_bytes as f64,
         "{fetched} bytes from the origin for a dataset of {dataset_bytes}: {:?}",
         cache.stats()
     );

@@ -18,7 +18,15 @@ pub trait ShardSource: Send + Sync + std::fmt::Debug {
     /// once a verified copy is in place (or with the reason there is none).
     fn repair(&self, shard: ShardId, cause: &Error) -> Result<()>;
 
-    /// The shards a batch just read, for the cache's access accounting. Cheap; batched.
+    /// The reader has `batches` batches issued and not delivered (told as the number changes,
+    /// 0 when a read stops): their files are open (fetched when they were missing), so a cache
+    /// may count their uses of them as done, for what it evicts and fetches ahead. Cheap.
+    fn in_flight(&self, batches: u64) {
+        let _ = batches;
+    }
+
+    /// The shards a batch just read, for the cache's access accounting (one `in_flight` counted
+    /// before, now delivered). Cheap; batched.
     fn accessed(&self, shards: &[ShardId]) {
         let _ = shards;
     }

@@ -354,6 +354,9 @@ impl Reader {
         let mut delivered = self.stats.records;
         let mut last_repaired: Option<(usize, u32)> = None;
         loop {
+            let replayed_shards: std::collections::HashSet<usize> =
+                replay.iter().flatten().filter_map(|&index| self.dataset.locate(index).ok().map(|(s, _)| s)).collect();
+            let replays_left = replay.len();
             let mut source = Replay { replay: &mut replay, rest: &mut batches };
             let mut pipeline = Pipeline {
                 dataset: &self.dataset,
@@ -377,6 +380,8 @@ impl Reader {
                 letting_go: Vec::new(),
                 hook: self.repair.as_deref(),
                 unplanned: None,
+                replayed_shards,
+                replays_left,
                 tier: self.tier.as_mut(),
                 verify: &mut self.verify,
                 verify_threads: self.verify_threads,
@@ -397,6 +402,10 @@ impl Reader {
                 pipeline.in_order.iter().map(|&slot| pipeline.slots[slot].batch.indices().to_vec()).collect();
             undelivered.extend(pipeline.unplanned.take());
             drop(pipeline);
+            // Nothing in flight now: the undelivered batches are read again after the repair.
+            if let Some(hook) = &self.repair {
+                hook.in_flight(0);
+            }
             if error.is_corruption() {
                 self.stats.verify_failures += 1;
                 self.publish();

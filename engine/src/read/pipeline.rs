@@ -50,6 +50,11 @@ pub(super) struct Pipeline<'r, I> {
     pub(super) hook: Option<&'r dyn ShardSource>,
     /// A batch taken from the source whose planning failed.
     pub(super) unplanned: Option<Vec<u64>>,
+    /// The shards of the batches read again after a repair (the first `replays_left` the source
+    /// gives): their files stay open, gone or not, until those batches are issued (a cache may
+    /// have evicted a shard only they read, its reads counted done while they were in flight).
+    pub(super) replayed_shards: std::collections::HashSet<usize>,
+    pub(super) replays_left: usize,
     pub(super) tier: Option<&'r mut TierReader>,
     /// Verify workers (started at the first op they take), and how many to start.
     pub(super) verify: &'r mut Option<verify::VerifyPool>,
@@ -128,6 +133,9 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
                 published.set_pending_ops(self.issued.saturating_sub(self.delivered_ops));
             }
             if let Some(hook) = self.hook {
+                // Out of flight before its step is counted: a cache's view of the reader may
+                // lag it for a moment, never run ahead.
+                hook.in_flight(self.in_order.len() as u64 - 1);
                 self.touched.clear();
                 self.touched.extend(slot.planner.shards_touched().map(|s| self.dataset.shard_id(s)));
                 hook.accessed(&self.touched);
@@ -262,7 +270,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
         let busy: std::collections::HashSet<usize> =
             self.in_order.iter().flat_map(|&slot| self.slots[slot].planner.shards_touched()).collect();
         for s in gone {
-            if busy.contains(&s) {
+            if busy.contains(&s) || (self.replays_left > 0 && self.replayed_shards.contains(&s)) {
                 self.watcher.pending.push(s);
                 continue;
             }
@@ -421,6 +429,10 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             slot.completed.clear();
             slot.completed.resize(slot.planner.n_extents(), false);
             self.in_order.push_back(free);
+            self.replays_left = self.replays_left.saturating_sub(1);
+            if let Some(hook) = self.hook {
+                hook.in_flight(self.in_order.len() as u64);
+            }
             // A batch with nothing to read (no records, or only empty ones) is complete already.
             self.deliver_ready(Some(&mut *opener))?;
         }

@@ -224,6 +224,10 @@ impl granary::ShardSource for Unplanned {
         self.0.accessed(shards);
     }
 
+    fn in_flight(&self, batches: u64) {
+        self.0.in_flight(batches);
+    }
+
     fn cache_stats(&self) -> Option<granary::CacheStats> {
         self.0.cache_stats()
     }

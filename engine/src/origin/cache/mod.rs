@@ -100,6 +100,10 @@ pub struct OriginCache {
     plan: Mutex<HashMap<ShardId, VecDeque<u64>>>,
     /// Batches delivered so far: the step the reader is at.
     step: AtomicU64,
+    /// Batches the reader has issued and not delivered yet (`ShardSource::in_flight`): their
+    /// files are open, so their reads need nothing more from the cache. `reading_at` counts
+    /// the plan's uses from after them.
+    ahead: AtomicU64,
     /// This cache, for the prefetch thread (which holds it only while it works, so the cache
     /// goes, and the thread ends, when its last reader does).
     me: std::sync::Weak<Self>,
@@ -219,6 +223,7 @@ impl OriginCache {
             stats: Mutex::new(CacheStats::default()),
             plan: Mutex::new(HashMap::new()),
             step: AtomicU64::new(0),
+            ahead: AtomicU64::new(0),
             me: me.clone(),
             prefetching: std::sync::Once::new(),
             signal: Arc::new(Signal { moves: Mutex::new(0), moved: Condvar::new() }),
@@ -478,7 +483,7 @@ impl OriginCache {
             for shard in gone {
                 evictor.forget(shard);
             }
-            let now = self.step();
+            let now = self.reading_at();
             for &(shard, shard_bytes) in &present {
                 if !evictor.holds(shard) {
                     victims.extend(evictor.admit_next(shard, shard_bytes, self.next_use(shard, now))?.0);
@@ -486,7 +491,7 @@ impl OriginCache {
             }
             victims.extend(evictor.admit_next(id, bytes, self.next_use(id, now))?.0);
         }
-        let now = self.step();
+        let now = self.reading_at();
         let wanted = self.next_use(id, now);
         for (victim, victim_bytes) in victims {
             if victim == id || self.is_pinned(victim) {
@@ -514,7 +519,7 @@ impl OriginCache {
         if used + room <= self.bound {
             return Ok(());
         }
-        let now = self.step();
+        let now = self.reading_at();
         present.sort_by_key(|&(shard, _)| std::cmp::Reverse(self.next_use(shard, now)));
         for (shard, shard_bytes) in present {
             if used + room <= self.bound {
@@ -711,6 +716,10 @@ impl ShardSource for OriginCache {
         }
         // Called as the batch of step `step()` is handed on: its next reads come after it.
         self.read_within(shard, self.step() + 1, KEEP_OPEN_STEPS)
+    }
+
+    fn in_flight(&self, batches: u64) {
+        self.ahead.store(batches, Ordering::Release);
     }
 
     fn accessed(&self, shards: &[ShardId]) {

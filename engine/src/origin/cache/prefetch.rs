@@ -2,7 +2,7 @@
 //! uses (as the loader tells them, this rank's and the node's other ranks'), Belady's rule for
 //! whether a fetch ahead is worth what it would push out, and the prefetch threads.
 //!
-//! Owns the `OriginCache` methods of the plan (`step`, `add_plan`, `next_use`, `read_within`,
+//! Owns the `OriginCache` methods of the plan (`step`, `reading_at`, `add_plan`, `next_use`, `read_within`,
 //! `upcoming`, `worth_fetching`) and of prefetching (`prefetch_one`, `start_prefetch`,
 //! `moved`), and the `Signal` idle prefetch threads wait on. Never: evicts for a fetch ahead
 //! what the plan needs sooner than it, or keeps the cache alive from an idle thread (it holds
@@ -20,6 +20,14 @@ impl OriginCache {
     /// The reader's step: batches delivered so far.
     pub fn step(&self) -> u64 {
         self.step.load(Ordering::Acquire)
+    }
+
+    /// The first step whose reads the reader has not issued: the step it is at, past the
+    /// batches it has issued and not delivered (their files are open: a shard read only by them
+    /// needs nothing more from the cache, and evicting it frees its space once they are read).
+    /// Eviction and fetches ahead count next uses from here.
+    pub fn reading_at(&self) -> u64 {
+        self.step() + self.ahead.load(Ordering::Acquire)
     }
 
     /// Tells the cache which shards are read at steps `first_step`, `first_step + 1`, ... (one
@@ -43,14 +51,16 @@ impl OriginCache {
     }
 
     /// The first step at or after `from` at which shard `id` is read (`u64::MAX`: not in the
-    /// plan known so far). Drops the steps before `from`.
+    /// plan known so far). Drops the steps delivered (before `step()`): the reader may issue
+    /// the batches in flight again (after a repair), so their uses stay until then.
     pub fn next_use(&self, id: ShardId, from: u64) -> u64 {
+        let delivered = self.step().min(from);
         let mut plan = self.plan.lock();
         let Some(uses) = plan.get_mut(&id) else { return u64::MAX };
-        while uses.front().is_some_and(|&step| step < from) {
+        while uses.front().is_some_and(|&step| step < delivered) {
             uses.pop_front();
         }
-        uses.front().copied().unwrap_or(u64::MAX)
+        uses.get(uses.partition_point(|&step| step < from)).copied().unwrap_or(u64::MAX)
     }
 
     /// Whether the plan reads shard `id` at a step in `from..from + steps`; true without a plan
@@ -63,16 +73,17 @@ impl OriginCache {
         plan.get(&id).and_then(|uses| uses.iter().find(|&&step| step >= from)).is_some_and(|&step| step - from < steps)
     }
 
-    /// Up to `limit` shards of the plan, soonest next use first, with that use.
+    /// Up to `limit` shards of the plan not yet issued by the reader, soonest next use first,
+    /// with that use.
     pub fn upcoming(&self, limit: usize) -> Vec<(ShardId, u64)> {
-        let now = self.step();
+        let (delivered, now) = (self.step(), self.reading_at());
         let mut plan = self.plan.lock();
         let mut next: Vec<(u64, ShardId)> = Vec::new();
         plan.retain(|&shard, uses| {
-            while uses.front().is_some_and(|&step| step < now) {
+            while uses.front().is_some_and(|&step| step < delivered) {
                 uses.pop_front();
             }
-            if let Some(&step) = uses.front() {
+            if let Some(&step) = uses.get(uses.partition_point(|&step| step < now)) {
                 next.push((step, shard));
             }
             !uses.is_empty()
@@ -105,7 +116,7 @@ impl OriginCache {
         }
         // Each fetch under way will push out one of the shards needed later than it: there
         // must be one more of those for this fetch.
-        let now = self.step();
+        let now = self.reading_at();
         let later = present.iter().filter(|&&(shard, _)| self.next_use(shard, now) > next_use).count();
         let regret = self.regret_at.load(Ordering::Acquire);
         let regretted = regret != u64::MAX && now < regret.saturating_add(REGRET_STEPS);
@@ -121,7 +132,7 @@ impl OriginCache {
             .filter(|&(shard, _)| !self.paths.shard(shard).exists())
             .filter_map(|(shard, next_use)| self.fetchable.get(&shard).map(|&(bytes, _)| (shard, next_use, bytes)))
             .collect();
-        let wanted = self.pace.lock().fetches_wanted(self.step(), &missing);
+        let wanted = self.pace.lock().fetches_wanted(self.reading_at(), &missing);
         for (shard, next_use, _) in missing {
             {
                 let flying = self.flying.lock();
