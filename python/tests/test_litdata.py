@@ -178,3 +178,67 @@ def test_tokens_loader_directories_read_as_litdata_reads_them(store, tmp_path, b
         store.ingest_litdata("x", directory, block_size=0)
     with pytest.raises(granary.Error, match="has no leaves to choose"):
         store.ingest_litdata("x", directory, columns=["a"])
+
+
+def peak_rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+# 2 GiB of zeros: one zstd frame of 16 MiB of zeros (its header says so), 128 times over (a
+# reader goes on from frame to frame).
+def bomb():
+    import zstd  # python-zstd, as Streaming's test of the same uses
+
+    return zstd.compress(bytes(1 << 24), 3) * 128
+
+
+def test_a_whole_chunk_bomb_is_refused_at_the_index_s_chunk_bytes(store, tmp_path):
+    directory = optimize(tmp_path / "lit", compression="zstd", compression_level="chunk")
+    chunks = sorted(f for f in os.listdir(directory) if f.endswith(".zstd.bin"))
+    assert len(chunks) > 2
+    with open(os.path.join(directory, chunks[1]), "wb") as f:
+        f.write(bomb())
+    before = peak_rss_kib()
+    with pytest.raises(granary.Error, match=chunks[1] + r": it decompresses to more than the \d+ bytes it claims"):
+        store.ingest_litdata("bomb", directory)
+    # Bounded by the chunk the index says it is (4 KB), far from the bomb's 2 GiB.
+    assert peak_rss_kib() - before < 256 << 10
+    assert store.datasets() == []
+
+
+def test_an_item_bomb_is_refused_at_its_frame_s_size(store, tmp_path):
+    directory = optimize(tmp_path / "lit", compression="zstd", compression_level="sample")
+    chunks = sorted(f for f in os.listdir(directory) if f.endswith(".bin"))
+    path = os.path.join(directory, chunks[1])
+    data = open(path, "rb").read()
+    n = int.from_bytes(data[:4], "little")
+    offsets = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "little") for i in range(n + 1)]
+    # Item 0's frame replaced by the bomb, the offsets after it moved along.
+    packed = bomb()
+    items = [packed] + [data[offsets[i] : offsets[i + 1]] for i in range(1, n)]
+    moved = [offsets[0]]
+    for item_bytes in items:
+        moved.append(moved[-1] + len(item_bytes))
+    with open(path, "wb") as f:
+        f.write(n.to_bytes(4, "little") + b"".join(o.to_bytes(4, "little") for o in moved) + b"".join(items))
+    before = peak_rss_kib()
+    with pytest.raises(granary.Error, match=chunks[1] + r": item 0: it decompresses to more than the 16777216 bytes"):
+        store.ingest_litdata("bomb", directory)
+    assert peak_rss_kib() - before < 256 << 10
+    assert store.datasets() == []
+
+
+def test_a_frame_claiming_more_than_its_items_is_refused_before_it_is_read(store, tmp_path):
+    directory = optimize(tmp_path / "lit", compression="zstd")
+    chunks = sorted(f for f in os.listdir(directory) if f.endswith(".bin"))
+    path = os.path.join(directory, chunks[1])
+    data = bytearray(open(path, "rb").read())
+    assert data[:8] == b"LDFZ01\0\0"
+    count = int.from_bytes(data[12:16], "little")
+    raw_len_at = 24 + 4 * (count + 1) + 20  # frame 0's raw length
+    data[raw_len_at : raw_len_at + 4] = (0xFFFFFFF0).to_bytes(4, "little")
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(granary.Error, match=chunks[1] + r": its frames hold \d+ bytes where its offsets end at \d+"):
+        store.ingest_litdata("lying", directory)
+    assert store.datasets() == []

@@ -1,8 +1,9 @@
 //! The bytes of a LitData chunk beyond its offset table: the frames of an `LDFZ01` chunk (zstd in
 //! batches of items) and the Arrow IPC file a chunk of dict items carries at its end (`LDARW01`).
 //!
-//! Owns: `framed` and `arrow_footer`. Never: decodes an item's leaves or the footer's rows, or
-//! takes a frame or a footer whose offsets run outside its chunk.
+//! Owns: `framed`, `arrow_footer` and `unzstd`. Never: decodes an item's leaves or the footer's
+//! rows, takes a frame or a footer whose offsets run outside its chunk, or decompresses past the
+//! length the chunk (or the index) claims.
 
 /// The magic that ends a chunk carrying its items as an Arrow IPC file.
 const ARROW_FOOTER_MAGIC: &[u8; 8] = b"LDARW01\0";
@@ -17,6 +18,32 @@ pub(super) fn arrow_footer(data: &[u8]) -> std::result::Result<Option<&[u8]>, St
         .filter(|_| length > 0)
         .ok_or_else(|| format!("an Arrow footer of {length} bytes in a chunk of {}", data.len()))?;
     Ok(Some(&body[start..length_at]))
+}
+
+/// Most bytes a classic chunk can address (its offsets are `u32`): the bound of what one of its
+/// items, or the whole of it, decompresses to when nothing tighter is said.
+pub(super) const CLASSIC_BYTES_MAX: u64 = u32::MAX as u64;
+
+/// `packed`, one or more zstd frames, decompressed; refused at the first byte past `limit`, so a
+/// decompression bomb costs no more memory than what it claims to hold.
+pub(super) fn unzstd(packed: &[u8], limit: u64) -> std::result::Result<Vec<u8>, String> {
+    use std::io::Read;
+    let mut out = Vec::with_capacity(usize::try_from(limit).unwrap_or(usize::MAX).min(64 << 20));
+    let decoder = zstd::stream::read::Decoder::new(packed).map_err(|e| format!("not zstd: {e}"))?;
+    decoder.take(limit.saturating_add(1)).read_to_end(&mut out).map_err(|e| format!("not zstd: {e}"))?;
+    if out.len() as u64 > limit {
+        return Err(format!("it decompresses to more than the {limit} bytes it claims: refused"));
+    }
+    Ok(out)
+}
+
+/// What one zstd frame says it decompresses to, when its header says (LitData's compressor
+/// writes it); else `otherwise`.
+pub(super) fn frame_content_size(packed: &[u8], otherwise: u64) -> u64 {
+    match zstd::zstd_safe::get_frame_content_size(packed) {
+        Ok(Some(size)) => size.min(otherwise),
+        _ => otherwise,
+    }
 }
 
 /// The items of an `LDFZ01` chunk: each frame decompressed and checked against its lengths, the
@@ -43,7 +70,18 @@ pub(super) fn framed(data: &[u8], expected: u64) -> std::result::Result<Vec<Vec<
         .collect::<Option<_>>()
         .ok_or("its offsets run past its end")?;
     let table = PREFIX + 4 * (count + 1);
-    let mut joined = Vec::with_capacity(offsets[count]);
+    // The frames' lengths, summed before anything is decompressed, are the items' end: each
+    // frame is then decompressed to no more than its entry says.
+    let mut claimed = 0_u64;
+    for f in 0..frames {
+        let at = table + FRAME * f + 20;
+        let raw_len = u32_at(at).ok_or("its frame table runs past its end")?;
+        claimed += u64::from(raw_len);
+    }
+    if claimed != offsets[count] as u64 {
+        return Err(format!("its frames hold {claimed} bytes where its offsets end at {}", offsets[count]));
+    }
+    let mut joined = Vec::with_capacity(offsets[count].min(64 << 20));
     for f in 0..frames {
         let at = table + FRAME * f;
         let entry = data.get(at..at + FRAME).ok_or("its frame table runs past its end")?;
@@ -56,7 +94,7 @@ pub(super) fn framed(data: &[u8], expected: u64) -> std::result::Result<Vec<Vec<
             .checked_add(packed_len)
             .and_then(|end| data.get(start..end))
             .ok_or_else(|| format!("frame {f} runs past the chunk"))?;
-        let raw = zstd::stream::decode_all(packed).map_err(|e| format!("frame {f} is not zstd: {e}"))?;
+        let raw = unzstd(packed, raw_len as u64).map_err(|e| format!("frame {f}: {e}"))?;
         if raw.len() != raw_len {
             return Err(format!("frame {f} holds {} bytes where its entry says {raw_len}", raw.len()));
         }

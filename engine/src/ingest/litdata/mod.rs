@@ -23,8 +23,9 @@
 //! Owns: `LitDataInput` (the index read and checked: its item loader, the tree's leaves or the
 //! footer's columns, known serializers and compressions, every chunk present) and
 //! `records_from_litdata`. Never: unpickles (`pickle` is refused), decodes an image or a video
-//! (those serializers are refused, naming them), or takes an item whose offsets or sizes run
-//! outside its chunk.
+//! (those serializers are refused, naming them), takes an item whose offsets or sizes run
+//! outside its chunk, or decompresses past what is claimed (a whole chunk past the index's
+//! `chunk_bytes`, an item past its frame's size, a batch frame past its entry's).
 
 mod chunk;
 mod leaves;
@@ -242,7 +243,9 @@ impl LitDataInput {
         if chunk.unpacked || self.packing != Packing::Chunk {
             return Ok(data);
         }
-        zstd::stream::decode_all(data.as_slice()).map_err(|e| self.bad_chunk(chunk, &format!("not zstd: {e}")))
+        // The index's `chunk_bytes` is the chunk's length before it was compressed.
+        let limit = if chunk.bytes > 0 { chunk.bytes } else { chunk::CLASSIC_BYTES_MAX };
+        chunk::unzstd(&data, limit).map_err(|e| self.bad_chunk(chunk, &e))
     }
 
     /// Each item of `chunk`, uncompressed.
@@ -254,11 +257,19 @@ impl LitDataInput {
             Packing::None | Packing::Chunk => {
                 offset_table(&data, chunk.items, "item").map_err(bad)?.into_iter().map(<[u8]>::to_vec).collect()
             }
-            Packing::Sample => offset_table(&data, chunk.items, "item")
-                .map_err(&bad)?
-                .into_iter()
-                .map(|item| zstd::stream::decode_all(item).map_err(|e| bad(format!("an item is not zstd: {e}"))))
-                .collect::<Result<Vec<_>>>()?,
+            Packing::Sample => {
+                // Together, the items are a classic chunk (addressed by u32 offsets): each
+                // decompresses to no more than its frame says, nor past what is left of that.
+                let mut left = chunk::CLASSIC_BYTES_MAX;
+                let mut items = Vec::with_capacity(usize::try_from(chunk.items).unwrap_or(0).min(1 << 16));
+                for (i, packed) in offset_table(&data, chunk.items, "item").map_err(&bad)?.into_iter().enumerate() {
+                    let item = chunk::unzstd(packed, chunk::frame_content_size(packed, left))
+                        .map_err(|e| bad(format!("item {i}: {e}")))?;
+                    left -= item.len() as u64;
+                    items.push(item);
+                }
+                items
+            }
             Packing::Batch => framed(&data, chunk.items).map_err(bad)?,
         };
         Ok(items)
