@@ -5,6 +5,10 @@ values by the extension of each part's name, as webdataset's decoders do:
   COLUMN.float  a float                                   COLUMN.txt    a str
   COLUMN.json   the JSON value                            COLUMN.bin    bytes
   COLUMN.decimal   a decimal.Decimal                      (a 0-d .npy: a NumPy scalar)
+  COLUMN.datetime  a datetime.datetime (with its zone, when the column had one; nanoseconds
+                   as a pandas.Timestamp, as pyarrow gives them, or numpy.datetime64 without pandas)
+  COLUMN.date      a datetime.date                        COLUMN.time   a datetime.time
+  COLUMN.timedelta a datetime.timedelta (nanoseconds: a pandas.Timedelta, or numpy.timedelta64)
   COLUMN.jpg, .png, .gif, .webp, .bmp, .tiff   the image file's bytes, or a PIL image with images=True
   COLUMN.wav, .flac, .mp3, .ogg                   the audio file's bytes
 
@@ -14,6 +18,7 @@ values by the extension of each part's name, as webdataset's decoders do:
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 from typing import Any, Dict
@@ -44,6 +49,14 @@ def decode(sample: Dict[str, Any], *, images: bool = False) -> Dict[str, Any]:
             from decimal import Decimal
 
             decoded = Decimal(data.decode("ascii"))
+        elif ext == "datetime":
+            decoded = _datetime(data.decode("ascii"))
+        elif ext == "date":
+            decoded = datetime.date.fromisoformat(data.decode("ascii"))
+        elif ext == "time":
+            decoded = datetime.time.fromisoformat(data.decode("ascii"))
+        elif ext == "timedelta":
+            decoded = _timedelta(data.decode("ascii"))
         elif ext == "cls":
             decoded = int(data)
         elif ext == "float":
@@ -60,3 +73,48 @@ def decode(sample: Dict[str, Any], *, images: bool = False) -> Dict[str, Any]:
             decoded = data
         out[column] = decoded
     return out
+
+
+def _zone(name: str) -> datetime.tzinfo:
+    """Arrow's zone: a fixed offset (`+05:30`) or a name of the tz database."""
+    if name[:1] in ("+", "-"):
+        hours, _, minutes = name[1:].partition(":")
+        offset = datetime.timedelta(hours=int(hours), minutes=int(minutes or 0))
+        return datetime.timezone(offset if name[0] == "+" else -offset)
+    import zoneinfo
+
+    return zoneinfo.ZoneInfo(name)
+
+
+def _datetime(text: str) -> Any:
+    """`YYYY-MM-DDTHH:MM:SS.fraction`, then `+00:00[ZONE]` for an instant of a zone."""
+    zone = None
+    if text.endswith("]"):
+        text, _, zone = text[:-1].partition("[")
+    nanoseconds = len(text.split(".", 1)[1].split("+", 1)[0]) == 9
+    if nanoseconds:
+        try:
+            import pandas
+        except ImportError:
+            import numpy as np
+
+            return np.datetime64(text.split("+", 1)[0], "ns")
+        stamp = pandas.Timestamp(text)
+        return stamp.tz_convert(_zone(zone)) if zone else stamp
+    value = datetime.datetime.fromisoformat(text)
+    return value.astimezone(_zone(zone)) if zone else value
+
+
+def _timedelta(text: str) -> Any:
+    """`COUNT UNIT`, the unit `s`, `ms`, `us` or `ns`."""
+    count, unit = text.split()
+    if unit == "ns":
+        try:
+            import pandas
+        except ImportError:
+            import numpy as np
+
+            return np.timedelta64(int(count), "ns")
+        return pandas.Timedelta(int(count), unit="ns")
+    name = {"s": "seconds", "ms": "milliseconds", "us": "microseconds"}[unit]
+    return datetime.timedelta(**{name: int(count)})

@@ -175,10 +175,10 @@ def test_bad_inputs_are_refused_before_anything_is_written(store, tmp_path):
         store.ingest_parquet("t", a, columns=["z"])
     with pytest.raises(granary.Error, match=r'column "x" is Utf8 here'):
         store.ingest_parquet("t", [a, b], columns=["x"])
-    dates = tmp_path / "dates.parquet"
-    pq.write_table(pa.table({"when": pa.array([0], type=pa.timestamp("us"))}), dates)
-    with pytest.raises(granary.Error, match=r'column "when" is Timestamp.*which is not ingested'):
-        store.ingest_parquet("t", dates)
+    maps = tmp_path / "maps.parquet"
+    pq.write_table(pa.table({"kv": pa.array([[("a", 1)]], type=pa.map_(pa.string(), pa.int32()))}), maps)
+    with pytest.raises(granary.Error, match=r'column "kv" is Map.*which is not ingested'):
+        store.ingest_parquet("t", maps)
     junk = tmp_path / "junk.parquet"
     junk.write_bytes(b"PAR1 not really")
     with pytest.raises(granary.Error, match="not a readable Parquet file"):
@@ -454,3 +454,57 @@ def test_polars_duckdb_and_lance_streams_read_as_their_tables(store, tmp_path):
     reader = lance.dataset(str(tmp_path / "t.lance")).scanner(columns=["input_ids", "text", "label"]).to_reader()
     store.ingest_arrow("lance", reader)
     assert ingested("lance") == expected
+
+
+def test_dates_and_times_read_as_pyarrow_reads_them(store, tmp_path):
+    import datetime
+
+    n = 30
+    micros = [(-1) ** i * i * 86_400_123_457 + i for i in range(n)]
+    table = pa.table(
+        {
+            "ts_s": pa.array([m // 1_000_000 for m in micros], pa.timestamp("s")),
+            "ts_ms": pa.array([m // 1_000 for m in micros], pa.timestamp("ms")),
+            "ts_us": pa.array(micros, pa.timestamp("us")),
+            "ts_ns": pa.array([m * 1_000 + i for i, m in enumerate(micros)], pa.timestamp("ns")),
+            "paris": pa.array(micros, pa.timestamp("us", tz="Europe/Paris")),
+            "kolkata": pa.array([m // 1_000 for m in micros], pa.timestamp("ms", tz="+05:30")),
+            "ny_ns": pa.array([m * 1_000 + 7 for m in micros], pa.timestamp("ns", tz="America/New_York")),
+            "day": pa.array([i * 4_000 - 60_000 for i in range(n)], pa.date32()),
+            "t_s": pa.array([i * 2_001 for i in range(n)], pa.time32("s")),
+            "t_ms": pa.array([i * 2_000_001 for i in range(n)], pa.time32("ms")),
+            "t_us": pa.array([i * 2_000_000_003 for i in range(n)], pa.time64("us")),
+            "t_ns": pa.array([i * 2_000_000_003_007 for i in range(n)], pa.time64("ns")),
+            "d_s": pa.array([(-1) ** i * i * 1_000 for i in range(n)], pa.duration("s")),
+            "d_ms": pa.array([i * 1_000_003 for i in range(n)], pa.duration("ms")),
+            "d_us": pa.array([-i * 7_000_003 for i in range(n)], pa.duration("us")),
+            "d_ns": pa.array([i * 7_000_000_003 for i in range(n)], pa.duration("ns")),
+        }
+    )
+    path = tmp_path / "times.parquet"
+    pq.write_table(table, path, row_group_size=7)
+    expected = pq.read_table(path).to_pylist()
+    store.ingest_parquet("times", path, columns=table.column_names)
+    got = rows_of(store, "times")
+    assert len(got) == n
+    for sample, row in zip(got, expected):
+        decoded = granary.formats.decode(sample)
+        assert set(decoded) - {"__key__"} == set(row)
+        for key, value in row.items():
+            assert type(decoded[key]) is type(value) and decoded[key] == value, (key, decoded[key], value)
+            if isinstance(value, datetime.datetime) and value.tzinfo is not None:
+                assert decoded[key].utcoffset() == value.utcoffset(), key
+    # One column alone: the number Arrow holds, in records of its own type.
+    for column, dtype in [("ts_ns", np.int64), ("day", np.int32), ("t_ms", np.int32), ("d_us", np.int64)]:
+        store.ingest_parquet(f"one-{column}", path, columns=[column])
+        (values,) = list(store.loader(f"one-{column}", batch_size=1000, order="sequential", output="numpy"))
+        raw = pq.read_table(path).column(column).cast(pa.int32() if dtype is np.int32 else pa.int64()).to_pylist()
+        assert values.dtype == dtype and values.reshape(-1).tolist() == raw, column
+
+
+def test_a_date_python_cannot_hold_is_refused_naming_it(store, tmp_path):
+    path = tmp_path / "far.parquet"
+    pq.write_table(pa.table({"when": pa.array([0, 400 * 365 * 86_400 * 30], pa.timestamp("s")), "x": [1, 2]}), path)
+    with pytest.raises(granary.Error, match=r"far.parquet.*row 1.*when.*outside the years 1-9999"):
+        store.ingest_parquet("far", path, columns=["when", "x"])
+    assert store.datasets() == []

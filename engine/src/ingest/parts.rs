@@ -41,6 +41,15 @@ pub(super) enum PartKind {
     Jpeg,
     /// A PNG file.
     Png,
+    /// A date and time, ISO 8601 (`YYYY-MM-DDTHH:MM:SS.ffffff`, nine digits for nanoseconds),
+    /// then `+00:00[ZONE]` for an instant of a zone.
+    Datetime,
+    /// A date, `YYYY-MM-DD`.
+    Date,
+    /// A time of day, `HH:MM:SS.ffffff`.
+    Time,
+    /// A duration: `COUNT UNIT` (`s`, `ms`, `us`, `ns`).
+    Timedelta,
 }
 
 impl PartKind {
@@ -56,6 +65,10 @@ impl PartKind {
             PartKind::Json => "json",
             PartKind::Jpeg => "jpg",
             PartKind::Png => "png",
+            PartKind::Datetime => "datetime",
+            PartKind::Date => "date",
+            PartKind::Time => "time",
+            PartKind::Timedelta => "timedelta",
         }
     }
 
