@@ -11,6 +11,7 @@ values by the extension of each part's name, as webdataset's decoders do:
   COLUMN.timedelta a datetime.timedelta (nanoseconds: a pandas.Timedelta, or numpy.timedelta64)
   COLUMN.jpg, .png, .gif, .webp, .bmp, .tiff   the image file's bytes, or a PIL image with images=True
   COLUMN.wav, .flac, .mp3, .ogg                   the audio file's bytes
+  COLUMN.jpg.list, .png.list, .npy.list   a list of such parts, each decoded as above
 
     for batch in store.loader("mds", batch_size=32):
         samples = [granary.formats.decode(s) for s in batch]
@@ -39,40 +40,61 @@ def decode(sample: Dict[str, Any], *, images: bool = False) -> Dict[str, Any]:
             out[name] = value
             continue
         data = bytes(value)
-        if ext == "npy":
-            import numpy as np
-
-            decoded: Any = np.load(io.BytesIO(data), allow_pickle=False)
-            if decoded.shape == ():
-                decoded = decoded[()]  # a NumPy scalar (np.uint8, ...), as it was written
-        elif ext == "decimal":
-            from decimal import Decimal
-
-            decoded = Decimal(data.decode("ascii"))
-        elif ext == "datetime":
-            decoded = _datetime(data.decode("ascii"))
-        elif ext == "date":
-            decoded = datetime.date.fromisoformat(data.decode("ascii"))
-        elif ext == "time":
-            decoded = datetime.time.fromisoformat(data.decode("ascii"))
-        elif ext == "timedelta":
-            decoded = _timedelta(data.decode("ascii"))
-        elif ext == "cls":
-            decoded = int(data)
-        elif ext == "float":
-            decoded = float(data)
-        elif ext == "txt":
-            decoded = data.decode("utf-8")
-        elif ext == "json":
-            decoded = json.loads(data)
-        elif ext in ("jpg", "png", "gif", "webp", "bmp", "tiff") and images:
-            from PIL import Image
-
-            decoded = Image.open(io.BytesIO(data))
-        else:
-            decoded = data
-        out[column] = decoded
+        if ext == "list":
+            column, _, inner = column.rpartition(".")
+            out[column] = [_decode_part(inner, element, images) for element in _list_elements(data)]
+            continue
+        out[column] = _decode_part(ext, data, images)
     return out
+
+
+def _list_elements(data: bytes) -> list:
+    """A list part: a `u32` count, each element's `u32` length, the elements back to back."""
+    count = int.from_bytes(data[:4], "little")
+    at = 4 + 4 * count
+    elements = []
+    for i in range(count):
+        length = int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "little")
+        elements.append(data[at : at + length])
+        at += length
+    return elements
+
+
+def _decode_part(ext: str, data: bytes, images: bool) -> Any:
+    """One part's bytes as the value its extension names."""
+    if ext == "npy":
+        import numpy as np
+
+        decoded: Any = np.load(io.BytesIO(data), allow_pickle=False)
+        if decoded.shape == ():
+            decoded = decoded[()]  # a NumPy scalar (np.uint8, ...), as it was written
+    elif ext == "decimal":
+        from decimal import Decimal
+
+        decoded = Decimal(data.decode("ascii"))
+    elif ext == "datetime":
+        decoded = _datetime(data.decode("ascii"))
+    elif ext == "date":
+        decoded = datetime.date.fromisoformat(data.decode("ascii"))
+    elif ext == "time":
+        decoded = datetime.time.fromisoformat(data.decode("ascii"))
+    elif ext == "timedelta":
+        decoded = _timedelta(data.decode("ascii"))
+    elif ext == "cls":
+        decoded = int(data)
+    elif ext == "float":
+        decoded = float(data)
+    elif ext == "txt":
+        decoded = data.decode("utf-8")
+    elif ext == "json":
+        decoded = json.loads(data)
+    elif ext in ("jpg", "png", "gif", "webp", "bmp", "tiff") and images:
+        from PIL import Image
+
+        decoded = Image.open(io.BytesIO(data))
+    else:
+        decoded = data
+    return decoded
 
 
 def _zone(name: str) -> datetime.tzinfo:

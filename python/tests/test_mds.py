@@ -304,3 +304,59 @@ def test_a_shard_unlike_the_hash_its_writer_recorded_is_refused(store, tmp_path,
     with pytest.raises(granary.Error, match=rf"shard.00001.mds's {algorithm} is [0-9a-f]+ where the index records"):
         store.ingest_mds("damaged", out)
     assert [d["name"] for d in store.datasets()] == ["ok"]
+
+
+def png(i):
+    image = PIL.new("RGBA", (3 + i % 4, 5), (i % 256, 9, 30, 200))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return PIL.open(io.BytesIO(out.getvalue()))
+
+
+def test_lists_of_images_arrive_as_lists_streaming_yields(store, tmp_path):
+    out = str(tmp_path / "lists")
+    rng = np.random.default_rng(5)
+    columns = {"shots": "jpeg_array", "jpegs": "list[jpeg]", "pngs": "list[png]", "raw": "list[pil]", "n": "int"}
+    with streaming.MDSWriter(out=out, columns=columns, compression="zstd", size_limit=1 << 14) as writer:
+        for n in range(24):
+            writer.write(
+                {
+                    # jpeg_array takes the files' bytes; the lists take images.
+                    "shots": [jpeg(n + k).fp.getvalue() for k in range(1 + n % 3)],
+                    "jpegs": [jpeg(n + k) for k in range(n % 4)],
+                    "pngs": [png(n + k) for k in range(1 + n % 2)],
+                    "raw": [PIL.fromarray(rng.integers(0, 256, (2 + k, 3, 3), dtype=np.uint8), mode="RGB") for k in range(n % 3)],
+                    "n": n,
+                }
+            )
+    expected = theirs(out, tmp_path)
+    assert store.ingest_mds("lists", out)["records"] == 24
+    got = ours(store, "lists")
+    for mine, their in zip(got, expected, strict=True):
+        assert set(mine) == {"__key__", "shots.jpg.list", "jpegs.jpg.list", "pngs.png.list", "raw.npy.list", "n.cls"}
+        decoded = granary.formats.decode(mine, images=True)
+        for column in ("shots", "jpegs", "pngs"):
+            assert len(decoded[column]) == len(their[column]), column
+            for image, want in zip(decoded[column], their[column]):
+                assert image.format == want.format and np.array_equal(np.asarray(image), np.asarray(want)), column
+        assert [a.shape for a in decoded["raw"]] == [np.asarray(w).shape for w in their["raw"]]
+        assert all(np.array_equal(a, np.asarray(w)) for a, w in zip(decoded["raw"], their["raw"]))
+        assert decoded["n"] == their["n"]
+    # Without images=True, the files' bytes, as written.
+    plain = granary.formats.decode(got[5])
+    assert all(isinstance(b, bytes) and b[:2] == b"\xff\xd8" for b in plain["shots"])
+
+
+def test_a_list_whose_lengths_run_past_its_value_is_refused(store, tmp_path):
+    out = str(tmp_path / "lists")
+    with streaming.MDSWriter(out=out, columns={"shots": "jpeg_array"}) as writer:
+        writer.write({"shots": [b"\xff\xd8one", b"\xff\xd8two"]})
+        writer.write({"shots": [b"\xff\xd8three"]})
+    shard = os.path.join(out, "shard.00000.mds")
+    data = bytearray(open(shard, "rb").read())
+    at = data.index(b"\x02\x00\x00\x00" + (5).to_bytes(4, "little"))  # sample 0's count, then its first length
+    data[at + 4 : at + 8] = (1 << 30).to_bytes(4, "little")
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(granary.Error, match=r"shard.00000.mds.*element 0 of the list runs past its value"):
+        store.ingest_mds("bad", out)
+    assert store.datasets() == []

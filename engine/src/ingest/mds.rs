@@ -10,7 +10,9 @@
 //! arrays of more than one dimension) a sample of parts named `COLUMN.EXT` as `parts.rs` names
 //! them (arrays as `.npy` with their dtype and shape, numbers as decimal text, images and bytes
 //! as they are, a `pil` image's raw pixels as a `.npy` array of shape `[height, width]` or
-//! `[height, width, channels]`, as `np.asarray` gives them).
+//! `[height, width, channels]`, as `np.asarray` gives them; `jpeg_array` and `list[jpeg]`,
+//! `list[png]`, `list[pil]` as one list part, `COLUMN.jpg.list` and the like, its elements the
+//! files, or the `.npy` arrays, Streaming's list holds).
 //!
 //! Owns: `MdsInput` (the index read and checked: one set of columns, known encodings and
 //! compressions, every shard file present) and `records_from_mds`. Never: unpickles (`pkl` is
@@ -49,6 +51,21 @@ enum Encoding {
     /// `pil`: a PIL image's raw pixels (`[width, height, mode length]` as `u32`s, the mode's
     /// name, then `Image.tobytes()`).
     Pil,
+    /// `jpeg_array` (a `u32` count, each image's `u32` length, the JPEG files back to back) and
+    /// `list[jpeg]`, `list[png]`, `list[pil]` (a `u32` Streaming reserves, then the same, each
+    /// element as its own encoding writes it).
+    List {
+        element: Element,
+        reserved_word: bool,
+    },
+}
+
+/// What a list column's elements are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Element {
+    Jpeg,
+    Png,
+    Pil,
 }
 
 impl Encoding {
@@ -80,6 +97,10 @@ impl Encoding {
             "jpeg" => Encoding::Jpeg,
             "png" => Encoding::Png,
             "pil" => Encoding::Pil,
+            "jpeg_array" | "jpegarray" => Encoding::List { element: Element::Jpeg, reserved_word: false },
+            "list[jpeg]" => Encoding::List { element: Element::Jpeg, reserved_word: true },
+            "list[png]" => Encoding::List { element: Element::Png, reserved_word: true },
+            "list[pil]" => Encoding::List { element: Element::Pil, reserved_word: true },
             "pkl" => return Err("pkl (pickle runs code when it is read; Streaming refuses it by default too)".into()),
             other if other == "ndarray" || other.starts_with("ndarray:") => {
                 let mut args = other.split(':').skip(1);
@@ -118,6 +139,9 @@ impl Encoding {
             Encoding::Json => PartKind::Json,
             Encoding::Jpeg => PartKind::Jpeg,
             Encoding::Png => PartKind::Png,
+            Encoding::List { element: Element::Jpeg, .. } => PartKind::JpegList,
+            Encoding::List { element: Element::Png, .. } => PartKind::PngList,
+            Encoding::List { element: Element::Pil, .. } => PartKind::ArrayList,
         }
     }
 }
@@ -300,7 +324,7 @@ impl MdsInput {
             | Encoding::Png => Layout::Bytes,
             Encoding::Int => Layout::Fixed(fixed_of(Dtype::I64)?),
             Encoding::Scalar(dtype) => Layout::Fixed(fixed_of(*dtype)?),
-            Encoding::Pil => Layout::Samples,
+            Encoding::Pil | Encoding::List { .. } => Layout::Samples,
             Encoding::NdArray { dtype: Some(dtype), shape: Some(shape) } => {
                 if shape.len() > 1 {
                     Layout::Samples
@@ -692,11 +716,75 @@ fn value_into(
                 return Err(format!("an image of {dtype:?}"));
             }
         }
+        Encoding::List { element, reserved_word } => {
+            let elements = list_elements(value, *reserved_word)?;
+            if elements.is_empty() && !reserved_word {
+                return Err("an empty jpeg_array (Streaming's reader refuses one)".into());
+            }
+            let mut converted = Vec::new();
+            let elements: Vec<&[u8]> = match element {
+                Element::Jpeg | Element::Png => elements,
+                // Each image's pixels as `np.asarray` gives them, as a `pil` column's.
+                Element::Pil => {
+                    let mut ends = Vec::with_capacity(elements.len());
+                    for (i, image) in elements.iter().enumerate() {
+                        let (dtype, shape, pixels) = pil(image).map_err(|e| format!("image {i} of the list: {e}"))?;
+                        if !push_npy(dtype, &shape, pixels, &mut converted) {
+                            return Err(format!("image {i} of the list: an image of {dtype:?}"));
+                        }
+                        ends.push(converted.len());
+                    }
+                    let mut start = 0;
+                    ends.iter()
+                        .map(|&end| {
+                            let array = &converted[start..end];
+                            start = end;
+                            array
+                        })
+                        .collect()
+                }
+            };
+            out.extend_from_slice(&(elements.len() as u32).to_le_bytes());
+            for element in &elements {
+                let length = u32::try_from(element.len()).map_err(|_| "a list element of 4 GiB or more")?;
+                out.extend_from_slice(&length.to_le_bytes());
+            }
+            for element in elements {
+                out.extend_from_slice(element);
+            }
+        }
         Encoding::Bytes | Encoding::Str | Encoding::NumberText(_) | Encoding::Json | Encoding::Jpeg | Encoding::Png => {
             out.extend_from_slice(value)
         }
     }
     Ok(())
+}
+
+/// The elements of a list value (after Streaming's reserved `u32`, when it writes one): its count
+/// and lengths checked against the value before anything is sized by them; they end where the
+/// value does.
+fn list_elements(value: &[u8], reserved_word: bool) -> std::result::Result<Vec<&[u8]>, String> {
+    let value = if reserved_word { value.get(4..).ok_or("a list value shorter than its header")? } else { value };
+    let word = |i: usize| -> Option<u32> { Some(u32::from_le_bytes(value.get(4 * i..4 * i + 4)?.try_into().ok()?)) };
+    let count = word(0).ok_or("a list value shorter than its count")? as usize;
+    if count > value.len() / 4 {
+        return Err(format!("a list of {count} elements in {} bytes", value.len()));
+    }
+    let mut at = 4 + 4 * count;
+    let mut elements = Vec::with_capacity(count);
+    for i in 0..count {
+        let length = word(1 + i).ok_or("a list value shorter than its lengths")? as usize;
+        let element = at
+            .checked_add(length)
+            .and_then(|end| value.get(at..end))
+            .ok_or_else(|| format!("element {i} of the list runs past its value"))?;
+        elements.push(element);
+        at += length;
+    }
+    if at != value.len() {
+        return Err(format!("a list whose elements end at byte {at} of its {} bytes", value.len()));
+    }
+    Ok(elements)
 }
 
 #[cfg(test)]
@@ -752,7 +840,7 @@ mod tests {
         let fixed = Encoding::parse("ndarray:uint16:2,3").unwrap();
         assert_eq!(ndarray(&fixed, &[0; 12]).unwrap().1, [2, 3]);
         assert!(ndarray(&fixed, &[0; 11]).is_err());
-        for bad in ["pkl", "ndarray:complex64", "ndarray:int8:0", "list[str]", "list[pil]"] {
+        for bad in ["pkl", "ndarray:complex64", "ndarray:int8:0", "list[str]", "list[jpeg"] {
             assert!(Encoding::parse(bad).is_err(), "{bad}");
         }
         for cut in 0..value.len() {

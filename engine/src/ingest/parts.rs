@@ -50,6 +50,11 @@ pub(super) enum PartKind {
     Time,
     /// A duration: `COUNT UNIT` (`s`, `ms`, `us`, `ns`).
     Timedelta,
+    /// A list of JPEG files, of PNG files, of `.npy` arrays: a `u32` count, each element's `u32`
+    /// length, then the elements back to back (all little-endian).
+    JpegList,
+    PngList,
+    ArrayList,
 }
 
 impl PartKind {
@@ -69,6 +74,9 @@ impl PartKind {
             PartKind::Date => "date",
             PartKind::Time => "time",
             PartKind::Timedelta => "timedelta",
+            PartKind::JpegList => "jpg.list",
+            PartKind::PngList => "png.list",
+            PartKind::ArrayList => "npy.list",
         }
     }
 
