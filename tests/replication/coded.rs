@@ -234,3 +234,34 @@ fn leaving_a_coding_rebuilds_the_whole_shards_from_fragments_first() {
         started.elapsed(),
     );
 }
+
+#[test]
+fn the_coding_node_keeps_no_whole_copy_its_read_cache_cannot_hold() {
+    // Issue 53: with `--cache-bytes` smaller than a shard, the node that coded a version kept
+    // every whole shard (25 MB beside a 4 MiB cache whose status said 0 B).
+    let mut cluster = Cluster::new(6);
+    let records = ingest_tokens(cluster.root(0), "tokens", 13, 512, 512 << 10);
+    let shards = shards_of(cluster.root(0), "tokens");
+    assert!(shards.len() >= 4, "{shards:?}");
+    cluster.nodes[0].args = vec!["--cache-bytes".into(), "256KiB".into()];
+    for i in 0..6 {
+        cluster.start(i);
+    }
+    cluster.wait("every peer up", Duration::from_secs(20), |c| (0..6).all(|i| c.peers_up(i) >= 5));
+    let out = cluster.cli(0, &["replicate", "tokens", "--ec", "4+2", "--mode", "sync"]);
+    assert!(out.status.success(), "replicate failed: {}\n{}", String::from_utf8_lossy(&out.stderr), cluster.logs());
+    let whole_here = |c: &Cluster| -> u64 {
+        StorePaths::new(c.root(0))
+            .list_objects(ObjectKind::Shard)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(_, path)| std::fs::metadata(path).map_or(0, |m| m.len()))
+            .sum()
+    };
+    cluster.wait("the coding node's whole copies dropped", Duration::from_secs(30), |c| whole_here(c) <= 256 << 10);
+    cluster.wait("the status to count them gone", Duration::from_secs(10), |c| {
+        c.status_json(0)["goals"][0]["versions"][0]["whole_bytes"] == 0
+    });
+    // Every record still reads on the coding node, rebuilt from the fragments.
+    read_all_through_node(&cluster, 0, "tokens", &records).unwrap();
+}

@@ -195,8 +195,8 @@ impl Shared {
     /// on (it serves reads until the read cache needs its room), or, on a node without a read
     /// cache bound (`serve --cache-bytes`, none by default), gone at once: the disk the coding
     /// saves is the point of it (issue 40: six nodes held 51.3 MB for 16.2 MB coded 4+2).
-    /// `evict` keeps it where a copies goal places it here, or where no copy that is not cached
-    /// is up and the fragments would not be enough.
+    /// A copy larger than the whole cache goes too. `evict` keeps it where a copies goal places
+    /// it here, or where no copy that is not cached is up and the fragments would not be enough.
     fn keep_as_cache_entry(self: &Arc<Self>, shard: ShardId) {
         let Some(bytes) = self.local.holds(WireKind::Shard, shard.0) else { return };
         if self.declined.lock().contains(&shard) {
@@ -211,10 +211,15 @@ impl Shared {
         let admitted = self.cache.lock().admit(shard, bytes);
         match admitted {
             Ok((victims, cached)) => {
+                let mut victims = victims;
                 if !cached {
-                    // Larger than the whole cache: kept as a copy, and not offered again.
+                    // Larger than the whole cache: it goes as with no cache (`evict` keeps it if
+                    // the fragments would not be enough), and is not offered again. Kept, a
+                    // node with a small cache held every whole shard it coded (issue 53: 25 MB
+                    // beside a 4 MiB cache reporting 0 B).
                     self.local.set_cached(shard.0, false);
                     self.declined.lock().insert(shard);
+                    victims.push((shard, bytes));
                 }
                 if !victims.is_empty() {
                     let shared = Arc::clone(self);
