@@ -144,6 +144,13 @@ mod tests {
         let mut wrong = data.clone();
         let at = wrong.len() - packed.len() - 4;
         wrong[at..at + 4].copy_from_slice(&6u32.to_le_bytes());
-        assert!(framed(&wrong, 2).unwrap_err().contains("where its entry says 6"));
+        let error = framed(&wrong, 2).unwrap_err();
+        assert!(error.contains("its frames hold 6 bytes where its offsets end at 5"), "{error}");
+        // Entries and offsets that agree on 4 bytes, a frame of 5: refused at the fifth.
+        let mut short = wrong;
+        short[at..at + 4].copy_from_slice(&4u32.to_le_bytes());
+        short[32..36].copy_from_slice(&4u32.to_le_bytes());
+        let error = framed(&short, 2).unwrap_err();
+        assert!(error.contains("frame 0: it decompresses to more than the 4 bytes it claims"), "{error}");
     }
 }
