@@ -21,6 +21,8 @@ mod arrow_rows;
 #[cfg(feature = "formats")]
 mod arrow_stream;
 #[cfg(feature = "formats")]
+mod arrow_temporal;
+#[cfg(feature = "formats")]
 mod digests;
 #[cfg(feature = "formats")]
 mod litdata;
