@@ -3,17 +3,31 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 15
 
-.PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc plugins wheel python python-env readme-example gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc plugins wheel python python-env torch-env lcs-env wheel-env prefetch readme-example gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
 
 # Where cargo builds: CARGO_TARGET_DIR when set (the scripts follow it too), target/ otherwise.
 TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),target))
 export CARGO_TARGET_DIR := $(TARGET_DIR)
 
-PYTHON ?= $(shell test -x target/lcs-venv/bin/python && echo target/lcs-venv/bin/python || echo python3)
+# What a step that installs something holds while it does (`flock`): `.ci/run` runs `make prefetch`
+# in the background while the Rust builds run, and a step of `make test` that needs the same venv
+# or package waits for it and finds it there.
+LOCK = mkdir -p $(TARGET_DIR) && exec 9>$(TARGET_DIR)/.install-$@.lock && flock 9 &&
+# Debian's packages: one lock for them all (dpkg takes one install at a time).
+APT_LOCK = mkdir -p $(TARGET_DIR) && exec 9>$(TARGET_DIR)/.install-apt.lock && flock 9 &&
 
 ## Everything CI checks: formatting, lints, tests, docs, the plugins, the Python bindings, the
 ## GPU path against the fake driver, the libCacheSim comparison, a short fuzz run.
 test: toolchain fmt-check clippy unit doc plugins python readme-example gpu-fake libcachesim fuzz-smoke
+# The Python suites run on a wheel built with the test build's profile, which reuses its compiled
+# dependencies: a release build of them all again was the longest step of a clean CI run. The
+# wheel is packaged, tagged, checked and installed exactly as `make wheel` does by default
+# (`make test WHEEL_PROFILE=release` runs them on a release build).
+test: WHEEL_PROFILE = dev
+
+## What the tests install from the network (the venvs, Debian's packages), without building
+## anything: `.ci/run` starts it in the background so that downloads overlap the Rust builds.
+prefetch: moto strace prometheus wheel-env python-env torch-env lcs-env
 
 ## What rustup does not add by itself on every machine (RUSTUP_AUTO_INSTALL=0, or a rustup
 ## older than the toolchain file's components): quick when they are there already.
@@ -34,21 +48,21 @@ unit: moto strace prometheus
 ## strace, for the test that counts a reader's opens (tests/ingest_read_verify/open_files.rs): Debian's
 ## package, installed when the machine lacks it.
 strace:
-	@command -v strace >/dev/null || { apt-get update -q && apt-get install -y -q strace; } >/dev/null
+	@$(APT_LOCK) { command -v strace >/dev/null || { apt-get update -q && apt-get install -y -q strace; } >/dev/null; }
 
 ## Prometheus and promtool, for the test that scrapes a node and a loader (tests/metrics.rs):
 ## Debian's package, installed when the machine lacks it.
 prometheus:
-	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
-		{ apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; } >/dev/null
+	@$(APT_LOCK) { command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; } >/dev/null; }
 
 ## An S3-compatible server for the object-store tests (tests/origin/, the Python origin test):
 ## moto in server mode, from PyPI, in its own venv.
 MOTO_VENV := $(TARGET_DIR)/moto-venv
 export GRANARY_MOTO_SERVER := $(MOTO_VENV)/bin/moto_server
 moto:
-	@test -x $(MOTO_VENV)/bin/moto_server || { python3 -m venv $(MOTO_VENV) && \
-		$(MOTO_VENV)/bin/pip install -q 'moto[server]==5.2.5'; }
+	@$(LOCK) { test -x $(MOTO_VENV)/bin/moto_server || { python3 -m venv $(MOTO_VENV) && \
+		$(MOTO_VENV)/bin/pip install -q 'moto[server]==5.2.5'; }; }
 
 doc:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
@@ -59,16 +73,19 @@ plugins:
 	cd plugins && $(CARGO) test --workspace --locked --target $$(rustc -vV | sed -n 's/^host: //p') --target-dir $(TARGET_DIR)/plugins-native
 
 ## The Python package as users install it: `make wheel` builds the wheel once (maturin, release,
-## stripped, abi3), checks it with auditwheel, and the Python suites below install it into their
+## stripped, abi3; WHEEL_PROFILE picks another cargo profile), checks it with auditwheel, and the Python suites below install it into their
 ## virtual environments and run from outside the source tree, so the tests exercise the installed
 ## package (its console script `granary` included), not python/granary.
 WHEEL_VENV := $(TARGET_DIR)/wheel-venv
 WHEELS := $(TARGET_DIR)/wheels
-wheel:
-	@test -x $(WHEEL_VENV)/bin/maturin || { python3 -m venv $(WHEEL_VENV) && \
-		$(WHEEL_VENV)/bin/pip install -q 'maturin==1.16.0' 'auditwheel==6.8.2'; }
+WHEEL_PROFILE ?= release
+wheel-env:
+	@$(LOCK) { test -x $(WHEEL_VENV)/bin/maturin || { python3 -m venv $(WHEEL_VENV) && \
+		$(WHEEL_VENV)/bin/pip install -q 'maturin==1.16.0' 'auditwheel==6.8.2'; }; }
+
+wheel: wheel-env
 	rm -rf $(WHEELS)
-	cd python && $(WHEEL_VENV)/bin/maturin build --release --locked --out $(WHEELS)
+	cd python && $(WHEEL_VENV)/bin/maturin build --profile $(WHEEL_PROFILE) --locked --out $(WHEELS)
 	$(WHEEL_VENV)/bin/auditwheel show $(WHEELS)/granary-*.whl | tee $(WHEELS)/auditwheel.txt
 	@tr '\n' ' ' < $(WHEELS)/auditwheel.txt | grep -q 'platform tag: "manylinux_' || \
 		{ echo "wheel: auditwheel finds no manylinux tag"; exit 1; }
@@ -86,8 +103,8 @@ python: python-env moto wheel
 PY_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2' 'pyarrow==26.0.1' 'datasets==5.2.0' 'grain==0.2.18' 'jax[cpu]==0.10.2' 'polars==2.1.0' 'duckdb==2.0.0' 'pylance==14.0.2' 'pillow==13.0.0'
 PY_TEST_STAMP := $(PYVENV)/.deps-$(shell echo "$(PY_TEST_DEPS)" | cksum | cut -d' ' -f1)
 python-env:
-	@test -f $(PY_TEST_STAMP) || { { test -x $(PYVENV)/bin/pip || python3 -m venv $(PYVENV); } && \
-		$(PYVENV)/bin/pip install -q $(PY_TEST_DEPS) && touch $(PY_TEST_STAMP); }
+	@$(LOCK) { test -f $(PY_TEST_STAMP) || { { test -x $(PYVENV)/bin/pip || python3 -m venv $(PYVENV); } && \
+		$(PYVENV)/bin/pip install -q $(PY_TEST_DEPS) && touch $(PY_TEST_STAMP); }; }
 
 ## The README's Python example, run as written with torch installed (PyPI's build; no GPU
 ## needed), the torch tests, and the format tests whose oracles need torch (Mosaic Streaming's
@@ -96,9 +113,11 @@ python-env:
 TORCH_VENV := $(TARGET_DIR)/torch-venv
 TORCH_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'torch==2.15.0' 'mosaicml-streaming==0.13.0' 'litdata==0.2.76' 'pyarrow==26.0.1'
 TORCH_TEST_STAMP := $(TORCH_VENV)/.deps-$(shell echo "$(TORCH_TEST_DEPS)" | cksum | cut -d' ' -f1)
-readme-example: python
-	@test -f $(TORCH_TEST_STAMP) || { { test -x $(TORCH_VENV)/bin/pip || python3 -m venv $(TORCH_VENV); } && \
-		$(TORCH_VENV)/bin/pip install -q $(TORCH_TEST_DEPS) && touch $(TORCH_TEST_STAMP); }
+torch-env:
+	@$(LOCK) { test -f $(TORCH_TEST_STAMP) || { { test -x $(TORCH_VENV)/bin/pip || python3 -m venv $(TORCH_VENV); } && \
+		$(TORCH_VENV)/bin/pip install -q $(TORCH_TEST_DEPS) && touch $(TORCH_TEST_STAMP); }; }
+
+readme-example: python torch-env
 	$(TORCH_VENV)/bin/pip install -q --force-reinstall --no-deps $(WHEELS)/granary-*.whl
 	cd $(TARGET_DIR) && GRANARY_TEST_INSTALLED=1 \
 		$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_readme.py \
@@ -121,12 +140,18 @@ gpu-fake: fake-cuda python
 	cd $(TARGET_DIR) && LD_LIBRARY_PATH=$(FAKE_CUDA) GRANARY_FAKE_CUDA=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_DELAY_US=5000 \
 		$(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_cuda.py
 
-## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces
-## (needs `pip install libcachesim`; .ci/run puts it in target/lcs-venv).
-libcachesim:
-	@# --tests: the feature set `cargo test` built with, so nothing is rebuilt.
-	$(CARGO) build -p granary --tests --locked
-	$(PYTHON) scripts/compare-libcachesim.py --granary $(TARGET_DIR)/debug/granary
+## LRU, FIFO, SIEVE, S3-FIFO and the plan-aware evictor against libCacheSim on the same traces,
+## with libCacheSim's Python package in a venv of its own.
+LCS_VENV := $(TARGET_DIR)/lcs-venv
+lcs-env:
+	@$(LOCK) { test -x $(LCS_VENV)/bin/python && $(LCS_VENV)/bin/python -c 'import libcachesim' 2>/dev/null || \
+		{ python3 -m venv $(LCS_VENV) && $(LCS_VENV)/bin/pip install -q libcachesim==0.3.5; }; }
+
+libcachesim: lcs-env
+	@# --workspace --tests: the packages and feature set `cargo test --workspace` built with, so
+	@# nothing is rebuilt (`-p granary` alone unifies other features and rebuilt the engine).
+	$(CARGO) build --workspace --tests --locked
+	$(LCS_VENV)/bin/python scripts/compare-libcachesim.py --granary $(TARGET_DIR)/debug/granary
 
 ## Seeds the fuzz corpora with real shards, manifests, refs and samples (so mutations start from
 ## valid files), then fuzzes each target for FUZZ_SECONDS. Needs nightly and cargo-fuzz, which
