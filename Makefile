@@ -153,8 +153,9 @@ libcachesim: lcs-env
 	$(CARGO) build --workspace --tests --locked
 	$(LCS_VENV)/bin/python scripts/compare-libcachesim.py --granary $(TARGET_DIR)/debug/granary
 
-## Seeds the fuzz corpora with real shards, manifests, refs and samples (so mutations start from
-## valid files), then fuzzes each target for FUZZ_SECONDS. Needs nightly and cargo-fuzz, which
+## Seeds the fuzz corpora with real shards, manifests, refs and samples, and with the Parquet, MDS
+## and LitData datasets in fuzz/seeds/ that their own writers wrote (so mutations start from valid
+## files), then fuzzes each target for FUZZ_SECONDS. Needs nightly and cargo-fuzz, which
 ## .ci/run installs; elsewhere: `rustup toolchain install nightly && cargo install cargo-fuzz`.
 fuzz-smoke: fuzz-seeds
 	@if ! $(CARGO) +nightly fuzz --version >/dev/null 2>&1; then \
@@ -164,6 +165,9 @@ fuzz-smoke: fuzz-seeds
 	cd fuzz && $(CARGO) +nightly fuzz run frame_decode corpus/frame_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 	cd fuzz && $(CARGO) +nightly fuzz run tar_decode corpus/tar_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 	cd fuzz && $(CARGO) +nightly fuzz run fragment_decode corpus/fragment_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
+	cd fuzz && $(CARGO) +nightly fuzz run parquet_decode corpus/parquet_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
+	cd fuzz && $(CARGO) +nightly fuzz run mds_decode corpus/mds_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
+	cd fuzz && $(CARGO) +nightly fuzz run litdata_decode corpus/litdata_decode -- -max_total_time=$(FUZZ_SECONDS) -seed=1
 
 fuzz-seeds:
 	scripts/fuzz-seeds.sh

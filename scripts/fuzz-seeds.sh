@@ -2,8 +2,9 @@
 # Fills fuzz/corpus/ with valid objects: shards of every layout, manifests, refs, samples.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# --tests: the feature set `cargo test` built with (make test), so nothing is rebuilt.
-cargo build -q -p granary --tests --locked
+# --workspace --tests: the packages and features `cargo test --workspace` built with (make test),
+# so nothing is rebuilt (`-p granary` unifies other features and rebuilds the engine).
+cargo build -q --workspace --tests --locked
 granary=$(scripts/target-dir.sh)/debug/granary
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -33,7 +34,12 @@ cat "$work/wds.tar" "$work/wds.tar" > fuzz/corpus/tar_decode/concatenated.tar
 (cd "$work/wds" && ln -sf 0001.jpg 0003.jpg && printf '{}' > __meta__ && tar -cf "$work/odd.tar" 0001.cls 0003.jpg __meta__)
 cp "$work/odd.tar" fuzz/corpus/tar_decode/odd.tar
 # One replication frame of every kind, from the frame codec's own samples.
-GRANARY_FRAME_SEEDS="$PWD/fuzz/corpus/frame_decode" cargo test -q -p granary --lib --locked write_frame_fuzz_seeds -- --ignored >/dev/null
+GRANARY_FRAME_SEEDS="$PWD/fuzz/corpus/frame_decode" cargo test -q --workspace --lib --locked write_frame_fuzz_seeds -- --ignored >/dev/null
 # Fragments of a shard in three codings, from the coder's own test.
-GRANARY_FRAGMENT_SEEDS="$PWD/fuzz/corpus/fragment_decode" cargo test -q -p granary --lib --locked write_fragment_fuzz_seeds -- --ignored >/dev/null
-echo "fuzz seeds: $(ls fuzz/corpus/shard_decode | wc -l) shards, $(ls fuzz/corpus/object_decode | wc -l) manifests and refs, $(ls fuzz/corpus/frame_decode | wc -l) frames, $(ls fuzz/corpus/tar_decode | wc -l) tars, $(ls fuzz/corpus/fragment_decode | wc -l) fragments"
+GRANARY_FRAGMENT_SEEDS="$PWD/fuzz/corpus/fragment_decode" cargo test -q --workspace --lib --locked write_fragment_fuzz_seeds -- --ignored >/dev/null
+# Parquet files, MDS and LitData directories their own writers wrote (scripts/fuzz-format-seeds.py).
+for target in parquet_decode mds_decode litdata_decode; do
+  mkdir -p "fuzz/corpus/$target"
+  cp fuzz/seeds/$target/* "fuzz/corpus/$target/"
+done
+echo "fuzz seeds: $(ls fuzz/corpus/shard_decode | wc -l) shards, $(ls fuzz/corpus/object_decode | wc -l) manifests and refs, $(ls fuzz/corpus/frame_decode | wc -l) frames, $(ls fuzz/corpus/tar_decode | wc -l) tars, $(ls fuzz/corpus/fragment_decode | wc -l) fragments, $(find fuzz/seeds -type f | wc -l) Parquet, MDS and LitData datasets"

@@ -39,7 +39,7 @@ use arrow_schema::{DataType, Fields, Schema};
 
 use super::arrow_temporal::{Temporal, append_temporal};
 
-use super::Ingest;
+use super::RecordSink;
 use super::parts::{PartKind, RecordParts, push_npy};
 use crate::error::{Error, Result};
 use crate::shard::{Dtype, FixedLayout, Layout};
@@ -545,7 +545,7 @@ impl<'c> Rows<'c> {
     /// `first_row` is its first row's number there.
     pub(super) fn push_batch(
         &mut self,
-        ingest: &mut Ingest<'_>,
+        ingest: &mut dyn RecordSink,
         batch: &RecordBatch,
         in_batch: &[usize],
         source: &str,

@@ -12,7 +12,7 @@
 use arrow_array::{Array, RecordBatch};
 use arrow_schema::{ArrowError, Schema};
 
-use super::Ingest;
+use super::RecordSink;
 use super::arrow_rows::{Kind, Nulls, Rows, RowsIngested, choose_columns, layout_of};
 use super::sources::Progress;
 use crate::error::{Error, Result};
@@ -43,7 +43,7 @@ impl ArrowInput {
 /// `input.layout()`; progress counts the batches' Arrow bytes (the total is not known before).
 /// An error of the stream is the ingest's; a stream of no row is refused.
 pub fn records_from_arrow(
-    ingest: &mut Ingest<'_>,
+    ingest: &mut dyn RecordSink,
     input: &ArrowInput,
     batches: impl Iterator<Item = std::result::Result<RecordBatch, ArrowError>>,
     progress: &dyn Progress,

@@ -23,8 +23,10 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::Ingest;
-use super::parts::{PartKind, RecordParts, json_strings, offset_table, push_npy, push_number_text, read_index};
+use super::RecordSink;
+use super::parts::{
+    PartKind, RecordParts, json_strings, offset_table, push_npy, push_number_text, read_index, utf8_text,
+};
 use super::sources::Progress;
 use crate::error::{Error, Result};
 use crate::shard::{Dtype, FixedLayout, Layout};
@@ -190,6 +192,38 @@ struct ZipFile {
     hashes: Vec<(String, String)>,
 }
 
+/// The fields of a shard in `index.json`: Streaming's reader takes each as an argument (its
+/// `from_json`), so that one missing or one more (a damaged name) makes it refuse the index.
+const SHARD_FIELDS: &[&str] = &[
+    "version",
+    "format",
+    "column_encodings",
+    "column_names",
+    "column_sizes",
+    "compression",
+    "hashes",
+    "raw_data",
+    "samples",
+    "size_limit",
+    "zip_data",
+];
+
+/// The fields of a shard's file (`raw_data`, `zip_data`), as Streaming's `FileInfo` takes them.
+const FILE_FIELDS: &[&str] = &["basename", "bytes", "hashes"];
+
+/// `value` is an object of exactly the fields `names`, or what is wrong with it (a phrase that
+/// follows what it is about).
+fn fields_as_streaming_takes_them(value: &Value, names: &[&str]) -> std::result::Result<(), String> {
+    let object = value.as_object().ok_or(" is not an object")?;
+    if let Some(unknown) = object.keys().find(|k| !names.contains(&k.as_str())) {
+        return Err(format!(" has a field {unknown:?} it does not know"));
+    }
+    if let Some(missing) = names.iter().find(|name| !object.contains_key(**name)) {
+        return Err(format!(" has no {missing}"));
+    }
+    Ok(())
+}
+
 /// The longest shard read whose index does not give its length (`raw_data.bytes`): Streaming's
 /// writer always gives it, and caps shards at 64 MiB by default.
 const SHARD_BYTES_UNDECLARED_MAX: u64 = 1 << 30;
@@ -220,6 +254,17 @@ impl MdsInput {
         let mut all: Option<Vec<Column>> = None;
         let mut shards = Vec::with_capacity(shards_json.len());
         for (s, shard) in shards_json.iter().enumerate() {
+            fields_as_streaming_takes_them(shard, SHARD_FIELDS)
+                .map_err(|why| bad(format!("shard {s}{why}: Streaming's reader refuses it too")))?;
+            for info in ["raw_data", "zip_data"] {
+                if let Some(file) = shard.get(info).filter(|f| !f.is_null()) {
+                    fields_as_streaming_takes_them(file, FILE_FIELDS)
+                        .map_err(|why| bad(format!("shard {s}: {info}{why}: Streaming's reader refuses it too")))?;
+                }
+            }
+            if shard.get("version").and_then(Value::as_u64) != Some(2) {
+                return Err(bad(format!("shard {s} is not of version 2")));
+            }
             let field = |name: &str| shard.get(name).ok_or_else(|| bad(format!("shard {s} has no {name}")));
             let format = field("format")?.as_str().unwrap_or("");
             if format != "mds" {
@@ -632,7 +677,7 @@ fn decompress(codec: Codec, packed: &[u8], raw_bytes: u64) -> std::io::Result<Ve
 
 /// Ingests every sample of `input`, shard by shard in the index's order, as records of
 /// `input.layout()`. Returns the records ingested; an index of no sample is refused.
-pub fn records_from_mds(ingest: &mut Ingest<'_>, input: &MdsInput, progress: &dyn Progress) -> Result<u64> {
+pub fn records_from_mds(ingest: &mut dyn RecordSink, input: &MdsInput, progress: &dyn Progress) -> Result<u64> {
     progress.start(input.shards.iter().map(|s| s.raw_bytes).sum());
     let single = input.layout != Layout::Samples;
     let mut n = 0u64;
@@ -753,9 +798,12 @@ fn value_into(
                 out.extend_from_slice(element);
             }
         }
-        Encoding::Bytes | Encoding::Str | Encoding::NumberText(_) | Encoding::Json | Encoding::Jpeg | Encoding::Png => {
-            out.extend_from_slice(value)
+        // Streaming decodes these from UTF-8 (`json.loads`, `int`, `Decimal` of the text).
+        Encoding::Str | Encoding::NumberText(_) | Encoding::Json => {
+            utf8_text(value)?;
+            out.extend_from_slice(value);
         }
+        Encoding::Bytes | Encoding::Jpeg | Encoding::Png => out.extend_from_slice(value),
     }
     Ok(())
 }

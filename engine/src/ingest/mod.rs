@@ -2,7 +2,8 @@
 //!
 //! Owns the `Ingest` session (records are streamed into a `ShardWriter`, shards roll over at a
 //! target size, each finished shard is synced, published and cataloged at once, so memory stays
-//! bounded whatever the dataset size) and the sources in `sources` (fixed-size record files,
+//! bounded whatever the dataset size), `RecordSink` (where a format reader's records go: an
+//! `Ingest`, or a check that only looks at them) and the sources in `sources` (fixed-size record files,
 //! directory trees, WebDataset tars), `megatron` (Megatron-LM indexed datasets), and behind the
 //! `formats` feature `parquet` (Parquet files), `mds` (Mosaic Streaming's MDS) and `litdata`
 //! (LitData's optimized chunks), whose samples are named as `parts` names them. Commit order, the crash-safety contract: shard files durable
@@ -137,6 +138,20 @@ pub struct Committed {
 struct OpenShard {
     writer: ShardWriter<File>,
     tmp: PathBuf,
+}
+
+/// Where a format reader's records go (`records_from_parquet` and the other readers of the
+/// `formats` feature): an [`Ingest`] writes them into shards; a check or a fuzz target may only
+/// look at them. Whatever the sink, the reader has checked the record before it hands it over.
+pub trait RecordSink {
+    /// Takes one record; an error stops the reader, which returns it.
+    fn push(&mut self, record: &[u8]) -> Result<()>;
+}
+
+impl RecordSink for Ingest<'_> {
+    fn push(&mut self, record: &[u8]) -> Result<()> {
+        Ingest::push(self, record)
+    }
 }
 
 /// An ingest in progress. Dropping it without `commit` leaves the dataset as it was and

@@ -27,7 +27,7 @@ use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder};
 use parquet::file::metadata::ParquetMetaData;
 
-use super::Ingest;
+use super::RecordSink;
 use super::arrow_rows::{Kind, Rows, layout_of};
 pub use super::arrow_rows::{Nulls, RowsIngested};
 use super::sources::Progress;
@@ -135,7 +135,7 @@ impl ParquetInput {
 /// Ingests every row of `input`'s files, in order, as records of `input.layout()`. Returns the
 /// rows ingested and skipped; an input of no row is refused.
 pub fn records_from_parquet(
-    ingest: &mut Ingest<'_>,
+    ingest: &mut dyn RecordSink,
     input: &ParquetInput,
     progress: &dyn Progress,
 ) -> Result<ParquetIngested> {

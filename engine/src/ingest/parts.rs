@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::Ingest;
+use super::RecordSink;
 use crate::error::{Error, Result};
 use crate::shard::{Dtype, encode_sample};
 
@@ -189,6 +189,12 @@ pub(super) fn push_npy(dtype: Dtype, shape: &[u64], le: &[u8], out: &mut Vec<u8>
     true
 }
 
+/// `value`, a text value of a reader's format, is UTF-8, or why not: a text the format's own
+/// reader cannot decode is refused at ingest rather than handed to a trainer to fail on.
+pub(super) fn utf8_text(value: &[u8]) -> std::result::Result<(), String> {
+    std::str::from_utf8(value).map(drop).map_err(|e| format!("text that is not UTF-8 (at byte {})", e.valid_up_to()))
+}
+
 /// The parts of one record being made, and how it goes to the ingest: as a record of its own
 /// (one part, `single`) or as a sample of named parts keyed by a position (12 digits). The
 /// parts' memory is reused from record to record.
@@ -235,7 +241,7 @@ impl RecordParts {
     }
 
     /// Pushes the record: the first part alone when `single`, else the sample keyed `key`.
-    pub(super) fn push(&self, ingest: &mut Ingest<'_>, single: bool, key: u64) -> Result<()> {
+    pub(super) fn push(&self, ingest: &mut dyn RecordSink, single: bool, key: u64) -> Result<()> {
         if single {
             return ingest.push(&self.parts[0]);
         }

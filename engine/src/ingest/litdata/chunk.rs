@@ -1,9 +1,9 @@
 //! The bytes of a LitData chunk beyond its offset table: the frames of an `LDFZ01` chunk (zstd in
 //! batches of items) and the Arrow IPC file a chunk of dict items carries at its end (`LDARW01`).
 //!
-//! Owns: `framed`, `arrow_footer` and `unzstd`. Never: decodes an item's leaves or the footer's
-//! rows, takes a frame or a footer whose offsets run outside its chunk, or decompresses past the
-//! length the chunk (or the index) claims.
+//! Owns: `framed`, `arrow_footer`, `check_arrow_file` and `unzstd`. Never: decodes an item's
+//! leaves or the footer's rows, takes a frame or a footer whose offsets run outside its chunk, or
+//! decompresses past the length the chunk (or the index) claims.
 
 /// The magic that ends a chunk carrying its items as an Arrow IPC file.
 const ARROW_FOOTER_MAGIC: &[u8; 8] = b"LDARW01\0";
@@ -18,6 +18,80 @@ pub(super) fn arrow_footer(data: &[u8]) -> std::result::Result<Option<&[u8]>, St
         .filter(|_| length > 0)
         .ok_or_else(|| format!("an Arrow footer of {length} bytes in a chunk of {}", data.len()))?;
     Ok(Some(&body[start..length_at]))
+}
+
+/// What an Arrow footer's compressed buffers may decompress to, in all: this many times the
+/// footer's own bytes, and never less than `ARROW_UNPACKED_FLOOR`. arrow-ipc allocates what a
+/// buffer claims before it decompresses it.
+const ARROW_UNPACKED_RATIO: u64 = 64;
+const ARROW_UNPACKED_FLOOR: u64 = 64 << 20;
+
+/// Checks the Arrow IPC file `ipc` (a chunk's footer) before arrow-ipc reads it, which trusts
+/// what it says: every block its footer lists (record batches, dictionaries) lies inside it, and
+/// the lengths its compressed buffers claim add up to no more than `ARROW_UNPACKED_RATIO` times
+/// its size (or `ARROW_UNPACKED_FLOOR`). What arrow-ipc then refuses it refuses by itself.
+pub(super) fn check_arrow_file(ipc: &[u8]) -> std::result::Result<(), String> {
+    let trailer_at = ipc.len().checked_sub(10).ok_or("an Arrow file shorter than its trailer")?;
+    let trailer: [u8; 10] = ipc[trailer_at..].try_into().map_err(|_| "an Arrow file shorter than its trailer")?;
+    let footer_len = arrow_ipc::reader::read_footer_length(trailer).map_err(|e| e.to_string())?;
+    let footer_at = trailer_at
+        .checked_sub(footer_len)
+        .ok_or_else(|| format!("an Arrow file's footer of {footer_len} bytes in {}", ipc.len()))?;
+    let footer = arrow_ipc::root_as_footer(&ipc[footer_at..trailer_at])
+        .map_err(|e| format!("an Arrow file's footer cannot be read: {e}"))?;
+    let limit = (ipc.len() as u64).saturating_mul(ARROW_UNPACKED_RATIO).max(ARROW_UNPACKED_FLOOR);
+    let mut claimed = 0u64;
+    let blocks = footer.recordBatches().into_iter().flatten().chain(footer.dictionaries().into_iter().flatten());
+    for block in blocks {
+        let (offset, meta, body) = (block.offset(), block.metaDataLength(), block.bodyLength());
+        let place = |n: i64| usize::try_from(n).ok();
+        let (Some(start), Some(meta_len), Some(body_len)) = (place(offset), place(meta.into()), place(body)) else {
+            return Err(format!("an Arrow block at {offset} of {meta} + {body} bytes"));
+        };
+        let end = start.checked_add(meta_len).and_then(|at| at.checked_add(body_len)).filter(|&end| end <= footer_at);
+        let Some(end) = end else {
+            return Err(format!("an Arrow block at {offset} of {meta} + {body} bytes past the file's {footer_at}"));
+        };
+        claimed = claimed.saturating_add(unpacked_claims(&ipc[start..end], meta_len)?);
+        if claimed > limit {
+            return Err(format!(
+                "an Arrow file of {} bytes whose buffers claim more than {limit} bytes decompressed: refused",
+                ipc.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The lengths the compressed buffers of one block (its message, then its body, `meta_len`
+/// bytes in) say they decompress to, in all; 0 for a block whose body is not compressed.
+fn unpacked_claims(block: &[u8], meta_len: usize) -> std::result::Result<u64, String> {
+    let message = match block.get(..4) {
+        Some([0xFF, 0xFF, 0xFF, 0xFF]) => block.get(8..meta_len),
+        _ => block.get(4..meta_len),
+    }
+    .ok_or("an Arrow block shorter than its message")?;
+    let message = arrow_ipc::root_as_message(message).map_err(|e| format!("an Arrow message cannot be read: {e}"))?;
+    let batch = match message.header_as_record_batch() {
+        Some(batch) => batch,
+        None => match message.header_as_dictionary_batch().and_then(|d| d.data()) {
+            Some(batch) => batch,
+            None => return Ok(0),
+        },
+    };
+    if batch.compression().is_none() {
+        return Ok(0);
+    }
+    let body = &block[meta_len..];
+    let mut claimed = 0u64;
+    for buffer in batch.buffers().into_iter().flatten() {
+        let at = usize::try_from(buffer.offset()).ok();
+        // A compressed buffer starts with its decompressed length (-1: stored as it is).
+        let Some(prefix) = at.and_then(|at| body.get(at..at.checked_add(8)?)) else { continue };
+        let length = i64::from_le_bytes(prefix.try_into().unwrap_or([0; 8]));
+        claimed = claimed.saturating_add(u64::try_from(length).unwrap_or(0));
+    }
+    Ok(claimed)
 }
 
 /// Most bytes a classic chunk can address (its offsets are `u32`): the bound of what one of its
@@ -114,6 +188,65 @@ pub(super) fn framed(data: &[u8], expected: u64) -> std::result::Result<Vec<Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An Arrow IPC file of one zstd-compressed batch: a million zeros, which compress to almost
+    /// nothing.
+    fn ipc_file() -> Vec<u8> {
+        use std::sync::Arc;
+
+        use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+        let zeros: ArrayRef = Arc::new(Int64Array::from(vec![0i64; 1 << 20]));
+        let batch = RecordBatch::try_from_iter([("zeros", zeros)]).unwrap();
+        let options = arrow_ipc::writer::IpcWriteOptions::default()
+            .try_with_compression(Some(arrow_ipc::CompressionType::ZSTD))
+            .unwrap();
+        let mut out = Vec::new();
+        let mut writer =
+            arrow_ipc::writer::FileWriter::try_new_with_options(&mut out, &batch.schema(), options).unwrap();
+        writer.write(&batch).unwrap();
+        writer.finish().unwrap();
+        drop(writer);
+        out
+    }
+
+    #[test]
+    fn arrow_blocks_past_the_file_and_buffers_claiming_too_much_are_refused() {
+        let ipc = ipc_file();
+        // 8 MiB of zeros in a file of a few KiB: within the floor.
+        assert!(ipc.len() < 1 << 16, "{}", ipc.len());
+        check_arrow_file(&ipc).unwrap();
+        arrow_ipc::reader::FileReader::try_new(std::io::Cursor::new(&ipc[..]), None).unwrap();
+
+        // The footer's block (offset i64, metadata length i32, padding, body length i64) found
+        // by its values, and its body length made 1 TiB: arrow-ipc would allocate that first.
+        let trailer_at = ipc.len() - 10;
+        let footer_len = arrow_ipc::reader::read_footer_length(ipc[trailer_at..].try_into().unwrap()).unwrap();
+        let footer_at = trailer_at - footer_len;
+        let block = *arrow_ipc::root_as_footer(&ipc[footer_at..trailer_at]).unwrap().recordBatches().unwrap().get(0);
+        let mut pattern = block.offset().to_le_bytes().to_vec();
+        pattern.extend_from_slice(&block.metaDataLength().to_le_bytes());
+        let at = footer_at + ipc[footer_at..].windows(pattern.len()).position(|w| w == pattern).unwrap();
+        let mut huge_block = ipc.clone();
+        huge_block[at + 16..at + 24].copy_from_slice(&(1i64 << 40).to_le_bytes());
+        assert!(check_arrow_file(&huge_block).unwrap_err().contains("past the file"));
+        let mut negative = ipc.clone();
+        negative[at..at + 8].copy_from_slice(&(-8i64).to_le_bytes());
+        assert!(check_arrow_file(&negative).unwrap_err().contains("an Arrow block at -8"));
+
+        // The first buffer's decompressed length (the 8 bytes that start it in the body) made
+        // 1 TiB: refused before anything is allocated for it.
+        let body_at = block.offset() as usize + block.metaDataLength() as usize;
+        let mut bomb = ipc.clone();
+        bomb[body_at..body_at + 8].copy_from_slice(&(1i64 << 40).to_le_bytes());
+        assert!(check_arrow_file(&bomb).unwrap_err().contains("claim more than"));
+        // Every prefix and a flipped byte anywhere: checked or refused, never a panic.
+        for cut in (0..ipc.len()).step_by(7) {
+            let _ = check_arrow_file(&ipc[..cut]);
+            let mut flipped = ipc.clone();
+            flipped[cut] ^= 0x40;
+            let _ = check_arrow_file(&flipped);
+        }
+    }
 
     #[test]
     fn framed_chunks_are_read_and_bad_ones_refused() {

@@ -8,7 +8,7 @@
 
 use serde_json::Value;
 
-use crate::ingest::parts::{PartKind, push_npy, push_number_text};
+use crate::ingest::parts::{PartKind, push_npy, push_number_text, utf8_text};
 use crate::shard::{Dtype, Layout};
 
 /// How one leaf was serialized (`data_format`).
@@ -223,7 +223,11 @@ pub(super) fn leaf_into(
         Ok(())
     };
     match serializer {
-        Serializer::Str | Serializer::Bytes => out.extend_from_slice(value),
+        Serializer::Str => {
+            utf8_text(value)?;
+            out.extend_from_slice(value);
+        }
+        Serializer::Bytes => out.extend_from_slice(value),
         Serializer::Int => number(Dtype::I64, out)?,
         Serializer::Float => number(Dtype::F64, out)?,
         // A bool's part is JSON (`true`/`false`): it reads back as a Python `bool`.

@@ -36,7 +36,7 @@ use serde_json::Value;
 
 use self::chunk::{arrow_footer, framed};
 use self::leaves::{Serializer, leaf_into, leaf_names, leaves_of};
-use super::Ingest;
+use super::RecordSink;
 use super::arrow_rows::{Kind, Nulls, Rows, choose_columns, layout_of};
 use super::parts::{PartKind, RecordParts, json_strings, offset_table, read_index};
 use super::sources::Progress;
@@ -211,6 +211,7 @@ impl LitDataInput {
         catch_panic(
             || chunk.path.display().to_string(),
             || {
+                chunk::check_arrow_file(ipc).map_err(|e| self.bad_chunk(chunk, &format!("its Arrow footer: {e}")))?;
                 arrow_ipc::reader::FileReader::try_new(std::io::Cursor::new(ipc), None)
                     .map_err(|e| self.bad_chunk(chunk, &format!("its Arrow footer cannot be read: {e}")))
             },
@@ -381,7 +382,7 @@ fn fixed_of(dtype: Dtype, n: u64) -> Result<FixedLayout> {
 
 /// Ingests every item of `input`, chunk by chunk in the index's order, as records of
 /// `input.layout()`. Returns the records ingested; an index of no item is refused.
-pub fn records_from_litdata(ingest: &mut Ingest<'_>, input: &LitDataInput, progress: &dyn Progress) -> Result<u64> {
+pub fn records_from_litdata(ingest: &mut dyn RecordSink, input: &LitDataInput, progress: &dyn Progress) -> Result<u64> {
     progress.start(input.chunks.iter().map(|c| c.bytes).sum());
     let n = match &input.reading {
         Reading::Leaves { leaves, chosen } => leaf_records(ingest, input, leaves, chosen, progress)?,
@@ -396,7 +397,7 @@ pub fn records_from_litdata(ingest: &mut Ingest<'_>, input: &LitDataInput, progr
 
 /// Each item's `chosen` leaves, as records of `input.layout`.
 fn leaf_records(
-    ingest: &mut Ingest<'_>,
+    ingest: &mut dyn RecordSink,
     input: &LitDataInput,
     leaves: &[(String, Serializer)],
     chosen: &[usize],
@@ -432,7 +433,7 @@ fn leaf_records(
 /// Each chunk's Arrow footer rows, `columns` of them, as records of `input.layout`: every
 /// chunk must carry one, of as many rows as the index gives it items.
 fn footer_records(
-    ingest: &mut Ingest<'_>,
+    ingest: &mut dyn RecordSink,
     input: &LitDataInput,
     columns: &[(String, Kind)],
     progress: &dyn Progress,
@@ -469,7 +470,7 @@ fn footer_records(
 /// A `TokensLoader` directory's tokens of `dtype`: each chunk's blocks of `block` tokens (the
 /// tail shorter than a block left out, as LitData's reader leaves it), or each item it wrote.
 fn token_records(
-    ingest: &mut Ingest<'_>,
+    ingest: &mut dyn RecordSink,
     input: &LitDataInput,
     dtype: Dtype,
     block: Option<u64>,
