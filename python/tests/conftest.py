@@ -100,3 +100,43 @@ def resumed(store, mixture, batch_size, world_size, state, item, **options):
         loader.load_state_dict(state)
         per_rank.append([item(batch) for batch in loader])
     return in_global_order(per_rank)
+
+
+def damaged_copies(clean, tmp_path, trials, seed):
+    """`trials` copies of `clean` (a directory, or one file), each with one file damaged at
+    random: a byte flipped, the file cut short, or a word overwritten by a large number; yields
+    each copy with what was done to it."""
+    import random
+    import shutil
+
+    rng = random.Random(seed)
+    files = sorted(os.listdir(clean)) if os.path.isdir(clean) else [None]
+    for trial in range(trials):
+        copy = tmp_path / f"damaged{trial}"
+        name = rng.choice(files)
+        if name is None:
+            copy = copy.with_suffix(clean.suffix)
+            shutil.copy(clean, copy)
+            path, name = copy, clean.name
+        else:
+            shutil.copytree(clean, copy)
+            path = copy / name
+        data = bytearray(path.read_bytes())
+        kind = rng.choice(["flip", "cut", "word"])
+        at = rng.randrange(len(data))
+        if kind == "flip":
+            data[at] ^= 1 << rng.randrange(8)
+        elif kind == "cut":
+            del data[at:]
+        else:
+            data[at : at + 4] = rng.choice([0xFFFFFFFF, 1 << 28, len(data) + 1]).to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+        yield copy, f"trial {trial}: {kind} at byte {at} of {name}"
+
+
+def outcome(read):
+    """What `read()` gives, or the exception it raises (an outcome to compare, not a failure)."""
+    try:
+        return read()
+    except Exception as e:  # noqa: BLE001 - a reader's refusal, whatever its type
+        return e

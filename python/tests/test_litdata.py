@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import granary
+from conftest import damaged_copies, outcome
 
 litdata = pytest.importorskip("litdata")
 torch = pytest.importorskip("torch")
@@ -244,3 +245,50 @@ def test_a_frame_claiming_more_than_its_items_is_refused_before_it_is_read(store
     with pytest.raises(granary.Error, match=chunks[1] + r": its frames hold \d+ bytes where its offsets end at \d+"):
         store.ingest_litdata("lying", directory)
     assert store.datasets() == []
+
+
+def small_item(i):
+    return {"tokens": np.arange(1 + i % 5, dtype=np.int32) + i, "text": f"item {i}", "label": i - 3, "raw": bytes([i]) * (i % 3)}
+
+
+@pytest.mark.parametrize("fn,options", [(small_item, {}), (text_item, {"compression": "zstd"})], ids=["leaves", "footer-zstd"])
+def test_a_damaged_directory_is_refused_or_ingested_as_litdata_reads_it(store, tmp_path, fn, options):
+    """The property behind the format doors: a randomly damaged LitData directory is either
+    refused (nothing committed) or ingested so that every item decodes to what LitData's
+    StreamingDataset yields for it, or fails to decode where LitData's fails. Never half, never
+    different."""
+    if fn is text_item:
+        pytest.importorskip("pyarrow")
+    clean = tmp_path / "clean"
+    litdata.optimize(fn=fn, inputs=list(range(24)), output_dir=str(clean), chunk_bytes="1KB", num_workers=1, **options)
+    refused = ingested = 0
+    for n, (directory, what) in enumerate(damaged_copies(clean, tmp_path, trials=30, seed=52)):
+        name = f"t{n}"
+        try:
+            store.ingest_litdata(name, str(directory))
+        except granary.Error:
+            assert name not in [d["name"] for d in store.datasets()], what
+            refused += 1
+            continue
+        ingested += 1
+        dataset = outcome(lambda: litdata.StreamingDataset(input_dir=str(directory)))
+        assert not isinstance(dataset, Exception), f"{what}: granary ingested what LitData refuses: {dataset!r}"
+        mine = ours(store, name)
+        assert len(mine) == len(dataset), what
+        for i, m in enumerate(mine):
+            their = outcome(lambda: dataset[i])
+            decoded = outcome(lambda: granary.formats.decode(m))
+            if isinstance(decoded, Exception) or isinstance(their, Exception):
+                assert isinstance(decoded, Exception) and isinstance(their, Exception), f"{what}: item {i}: {decoded!r} {their!r}"
+                continue
+            assert set(decoded) - {"__key__"} == set(their), f"{what}: item {i}"
+            for key, value in their.items():
+                value = as_numpy(value)
+                if isinstance(value, memoryview):
+                    value = bytes(value)
+                if isinstance(value, np.ndarray):
+                    assert np.array_equal(decoded[key], value) and decoded[key].dtype == value.dtype, f"{what}: item {i}: {key}"
+                else:
+                    assert type(decoded[key]) is type(value) and decoded[key] == value, f"{what}: item {i}: {key}"
+    # Both outcomes happened: the property was checked, not passed over.
+    assert refused > 0 and ingested > 0, (refused, ingested)

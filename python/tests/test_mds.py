@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import granary
+from conftest import damaged_copies, outcome
 
 streaming = pytest.importorskip("streaming")
 PIL = pytest.importorskip("PIL.Image")
@@ -360,3 +361,60 @@ def test_a_list_whose_lengths_run_past_its_value_is_refused(store, tmp_path):
     with pytest.raises(granary.Error, match=r"shard.00000.mds.*element 0 of the list runs past its value"):
         store.ingest_mds("bad", out)
     assert store.datasets() == []
+
+
+def theirs_each(directory):
+    """What StreamingDataset yields for each sample of the local directory, or what it raises."""
+    os.environ.setdefault("STREAMING_SHM_PREFIX", f"granary{os.getpid()}")
+    dataset = streaming.StreamingDataset(local=directory, shuffle=False, batch_size=1)
+    try:
+        return [outcome(lambda i=i: dataset[i]) for i in range(len(dataset))]
+    finally:
+        del dataset
+        streaming.base.util.clean_stale_shared_memory()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_damaged_directory_is_refused_or_ingested_as_streaming_reads_it(store, tmp_path, compression):
+    """The property behind the format doors: a randomly damaged MDS directory is either refused
+    (nothing committed) or ingested so that every sample decodes to what StreamingDataset yields
+    for it, or fails to decode where StreamingDataset's fails. Never half, never different."""
+    columns = {"tokens": "ndarray:int32", "text": "str", "label": "int", "raw": "bytes", "meta": "json", "score": "float32"}
+    clean = tmp_path / "clean"
+    with streaming.MDSWriter(out=str(clean), columns=columns, compression=compression, size_limit=1 << 11) as writer:
+        for i in range(30):
+            writer.write(
+                {
+                    "tokens": np.arange(1 + i % 7, dtype=np.int32) * i,
+                    "text": f"document {i} ✓",
+                    "label": i - 10,
+                    "raw": bytes([i]) * (i % 5),
+                    "meta": {"i": i},
+                    "score": np.float32(i / 4),
+                }
+            )
+    refused = ingested = 0
+    for n, (directory, what) in enumerate(damaged_copies(clean, tmp_path, trials=30, seed=52)):
+        name = f"t{n}"
+        try:
+            store.ingest_mds(name, str(directory))
+        except granary.Error:
+            assert name not in [d["name"] for d in store.datasets()], what
+            refused += 1
+            continue
+        ingested += 1
+        mine = ours(store, name)
+        their = outcome(lambda: theirs_each(str(directory)))
+        assert not isinstance(their, Exception), f"{what}: granary ingested what Streaming refuses: {their!r}"
+        assert len(mine) == len(their), what
+        for i, (m, t) in enumerate(zip(mine, their)):
+            decoded = outcome(lambda: granary.formats.decode(m, images=True))
+            if isinstance(decoded, Exception) or isinstance(t, Exception):
+                assert isinstance(decoded, Exception) and isinstance(t, Exception), f"{what}: sample {i}"
+                continue
+            try:
+                check_equal(m, t)
+            except AssertionError as e:
+                raise AssertionError(f"{what}: sample {i}: {e}") from e
+    # Both outcomes happened: the property was checked, not passed over.
+    assert refused > 0 and ingested > 0, (refused, ingested)
