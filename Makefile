@@ -1,7 +1,7 @@
 # One entry point for checks. `make test` is what CI runs (see .ci/run).
 SHELL := /bin/bash
 CARGO ?= cargo
-FUZZ_SECONDS ?= 15
+FUZZ_SECONDS ?= 10
 
 .PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc plugins wheel python python-env torch-env lcs-env wheel-env prefetch readme-example gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
 
