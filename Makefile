@@ -12,9 +12,11 @@ export CARGO_TARGET_DIR := $(TARGET_DIR)
 # What a step that installs something holds while it does (`flock`): `.ci/run` runs `make prefetch`
 # in the background while the Rust builds run, and a step of `make test` that needs the same venv
 # or package waits for it and finds it there.
-LOCK = mkdir -p $(TARGET_DIR) && exec 9>$(TARGET_DIR)/.install-$@.lock && flock 9 &&
+# The install itself runs without the lock's descriptor (`9>&-` after it), so nothing it starts
+# (a daemon a package's install script launches) keeps the lock after it.
+LOCK = mkdir -p $(TARGET_DIR) && exec 9>$(TARGET_DIR)/.install-$@.lock && flock -w 3600 9 &&
 # Debian's packages: one lock for them all (dpkg takes one install at a time).
-APT_LOCK = mkdir -p $(TARGET_DIR) && exec 9>$(TARGET_DIR)/.install-apt.lock && flock 9 &&
+APT_LOCK = mkdir -p $(TARGET_DIR) && exec 9>$(TARGET_DIR)/.install-apt.lock && flock -w 3600 9 &&
 
 ## Everything CI checks: formatting, lints, tests, docs, the plugins, the Python bindings, the
 ## GPU path against the fake driver, the libCacheSim comparison, a short fuzz run.
@@ -48,13 +50,13 @@ unit: moto strace prometheus
 ## strace, for the test that counts a reader's opens (tests/ingest_read_verify/open_files.rs): Debian's
 ## package, installed when the machine lacks it.
 strace:
-	@$(APT_LOCK) { command -v strace >/dev/null || { apt-get update -q && apt-get install -y -q strace; } >/dev/null; }
+	@$(APT_LOCK) { command -v strace >/dev/null || { apt-get update -q && apt-get install -y -q strace; } >/dev/null; } 9>&-
 
 ## Prometheus and promtool, for the test that scrapes a node and a loader (tests/metrics.rs):
 ## Debian's package, installed when the machine lacks it.
 prometheus:
 	@$(APT_LOCK) { command -v prometheus >/dev/null && command -v promtool >/dev/null || \
-		{ apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; } >/dev/null; }
+		{ apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; } >/dev/null; } 9>&-
 
 ## An S3-compatible server for the object-store tests (tests/origin/, the Python origin test):
 ## moto in server mode, from PyPI, in its own venv.
@@ -62,7 +64,7 @@ MOTO_VENV := $(TARGET_DIR)/moto-venv
 export GRANARY_MOTO_SERVER := $(MOTO_VENV)/bin/moto_server
 moto:
 	@$(LOCK) { test -x $(MOTO_VENV)/bin/moto_server || { python3 -m venv $(MOTO_VENV) && \
-		$(MOTO_VENV)/bin/pip install -q 'moto[server]==5.2.5'; }; }
+		$(MOTO_VENV)/bin/pip install -q 'moto[server]==5.2.5'; }; } 9>&-
 
 doc:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
@@ -81,7 +83,7 @@ WHEELS := $(TARGET_DIR)/wheels
 WHEEL_PROFILE ?= release
 wheel-env:
 	@$(LOCK) { test -x $(WHEEL_VENV)/bin/maturin || { python3 -m venv $(WHEEL_VENV) && \
-		$(WHEEL_VENV)/bin/pip install -q 'maturin==1.16.0' 'auditwheel==6.8.2'; }; }
+		$(WHEEL_VENV)/bin/pip install -q 'maturin==1.16.0' 'auditwheel==6.8.2'; }; } 9>&-
 
 wheel: wheel-env
 	rm -rf $(WHEELS)
@@ -104,7 +106,7 @@ PY_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2' 'pyarrow==26.0.1' 
 PY_TEST_STAMP := $(PYVENV)/.deps-$(shell echo "$(PY_TEST_DEPS)" | cksum | cut -d' ' -f1)
 python-env:
 	@$(LOCK) { test -f $(PY_TEST_STAMP) || { { test -x $(PYVENV)/bin/pip || python3 -m venv $(PYVENV); } && \
-		$(PYVENV)/bin/pip install -q $(PY_TEST_DEPS) && touch $(PY_TEST_STAMP); }; }
+		$(PYVENV)/bin/pip install -q $(PY_TEST_DEPS) && touch $(PY_TEST_STAMP); }; } 9>&-
 
 ## The README's Python example, run as written with torch installed (PyPI's build; no GPU
 ## needed), the torch tests, and the format tests whose oracles need torch (Mosaic Streaming's
@@ -115,7 +117,7 @@ TORCH_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'torch==2.15.0' 'mosaicml-streaming
 TORCH_TEST_STAMP := $(TORCH_VENV)/.deps-$(shell echo "$(TORCH_TEST_DEPS)" | cksum | cut -d' ' -f1)
 torch-env:
 	@$(LOCK) { test -f $(TORCH_TEST_STAMP) || { { test -x $(TORCH_VENV)/bin/pip || python3 -m venv $(TORCH_VENV); } && \
-		$(TORCH_VENV)/bin/pip install -q $(TORCH_TEST_DEPS) && touch $(TORCH_TEST_STAMP); }; }
+		$(TORCH_VENV)/bin/pip install -q $(TORCH_TEST_DEPS) && touch $(TORCH_TEST_STAMP); }; } 9>&-
 
 readme-example: python torch-env
 	$(TORCH_VENV)/bin/pip install -q --force-reinstall --no-deps $(WHEELS)/granary-*.whl
@@ -145,7 +147,7 @@ gpu-fake: fake-cuda python
 LCS_VENV := $(TARGET_DIR)/lcs-venv
 lcs-env:
 	@$(LOCK) { test -x $(LCS_VENV)/bin/python && $(LCS_VENV)/bin/python -c 'import libcachesim' 2>/dev/null || \
-		{ python3 -m venv $(LCS_VENV) && $(LCS_VENV)/bin/pip install -q libcachesim==0.3.5; }; }
+		{ python3 -m venv $(LCS_VENV) && $(LCS_VENV)/bin/pip install -q libcachesim==0.3.5; }; } 9>&-
 
 libcachesim: lcs-env
 	@# --workspace --tests: the packages and feature set `cargo test --workspace` built with, so

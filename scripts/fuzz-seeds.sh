@@ -34,9 +34,9 @@ cat "$work/wds.tar" "$work/wds.tar" > fuzz/corpus/tar_decode/concatenated.tar
 (cd "$work/wds" && ln -sf 0001.jpg 0003.jpg && printf '{}' > __meta__ && tar -cf "$work/odd.tar" 0001.cls 0003.jpg __meta__)
 cp "$work/odd.tar" fuzz/corpus/tar_decode/odd.tar
 # One replication frame of every kind, from the frame codec's own samples.
-GRANARY_FRAME_SEEDS="$PWD/fuzz/corpus/frame_decode" cargo test -q --workspace --lib --locked write_frame_fuzz_seeds -- --ignored >/dev/null
+GRANARY_FRAME_SEEDS="$PWD/fuzz/corpus/frame_decode" cargo test -q --workspace --tests --locked write_frame_fuzz_seeds -- --ignored >/dev/null
 # Fragments of a shard in three codings, from the coder's own test.
-GRANARY_FRAGMENT_SEEDS="$PWD/fuzz/corpus/fragment_decode" cargo test -q --workspace --lib --locked write_fragment_fuzz_seeds -- --ignored >/dev/null
+GRANARY_FRAGMENT_SEEDS="$PWD/fuzz/corpus/fragment_decode" cargo test -q --workspace --tests --locked write_fragment_fuzz_seeds -- --ignored >/dev/null
 # Parquet files, MDS and LitData directories their own writers wrote (scripts/fuzz-format-seeds.py).
 for target in parquet_decode mds_decode litdata_decode; do
   mkdir -p "fuzz/corpus/$target"

@@ -3,7 +3,7 @@
 //!
 //! The bytes are one flags byte (each target reads it its own way), then files, each a `u8`
 //! name length, the name, a `u32` little-endian length and the contents; a file whose contents
-//! run past the end keeps what there is. `scripts/fuzz-pack.py` packs a real dataset this way
+//! run past the end keeps what there is. `scripts/fuzz-format-seeds.py` packs real datasets this way
 //! for the seeds. Owns: the unpacking into a directory of the process's own. Never: writes
 //! outside that directory (a name that is not one plain file name is passed over).
 

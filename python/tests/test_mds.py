@@ -365,7 +365,6 @@ def test_a_list_whose_lengths_run_past_its_value_is_refused(store, tmp_path):
 
 def theirs_each(directory):
     """What StreamingDataset yields for each sample of the local directory, or what it raises."""
-    os.environ.setdefault("STREAMING_SHM_PREFIX", f"granary{os.getpid()}")
     dataset = streaming.StreamingDataset(local=directory, shuffle=False, batch_size=1)
     try:
         return [outcome(lambda i=i: dataset[i]) for i in range(len(dataset))]

@@ -17,7 +17,8 @@
 //! Owns: `MdsInput` (the index read and checked: one set of columns, known encodings and
 //! compressions, every shard file present) and `records_from_mds`. Never: unpickles (`pkl` is
 //! refused, as Streaming refuses it by default), decodes an image (JPEG and PNG stay the files
-//! they are), or takes a sample whose offsets or sizes run outside its shard.
+//! they are), takes a sample whose offsets or sizes run outside its shard, an index shard entry
+//! of other fields than Streaming's reader takes, or text (`str`, `str_*`, `json`) not UTF-8.
 
 use std::path::{Path, PathBuf};
 
@@ -211,6 +212,19 @@ const SHARD_FIELDS: &[&str] = &[
 /// The fields of a shard's file (`raw_data`, `zip_data`), as Streaming's `FileInfo` takes them.
 const FILE_FIELDS: &[&str] = &["basename", "bytes", "hashes"];
 
+/// What Python makes of `value` as a condition (Streaming's `FileInfo(**arg) if arg else None`):
+/// `null`, `false`, `0`, `""`, `[]` and `{}` are absent.
+fn truthy(value: &Value) -> bool {
+    match value {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
 /// `value` is an object of exactly the fields `names`, or what is wrong with it (a phrase that
 /// follows what it is about).
 fn fields_as_streaming_takes_them(value: &Value, names: &[&str]) -> std::result::Result<(), String> {
@@ -247,7 +261,7 @@ impl MdsInput {
     pub fn open(dir: &Path, wanted: &[String]) -> Result<Self> {
         let (index_path, index) = read_index(dir)?;
         let bad = |detail: String| Error::invalid_input(format!("{}: {detail}", index_path.display()));
-        if index.get("version").and_then(Value::as_u64) != Some(2) {
+        if index.get("version").and_then(Value::as_f64) != Some(2.0) {
             return Err(bad("not an MDS index of version 2".into()));
         }
         let shards_json = index.get("shards").and_then(Value::as_array).ok_or_else(|| bad("no shards".into()))?;
@@ -257,12 +271,12 @@ impl MdsInput {
             fields_as_streaming_takes_them(shard, SHARD_FIELDS)
                 .map_err(|why| bad(format!("shard {s}{why}: Streaming's reader refuses it too")))?;
             for info in ["raw_data", "zip_data"] {
-                if let Some(file) = shard.get(info).filter(|f| !f.is_null()) {
+                if let Some(file) = shard.get(info).filter(|f| truthy(f)) {
                     fields_as_streaming_takes_them(file, FILE_FIELDS)
                         .map_err(|why| bad(format!("shard {s}: {info}{why}: Streaming's reader refuses it too")))?;
                 }
             }
-            if shard.get("version").and_then(Value::as_u64) != Some(2) {
+            if shard.get("version").and_then(Value::as_f64) != Some(2.0) {
                 return Err(bad(format!("shard {s} is not of version 2")));
             }
             let field = |name: &str| shard.get(name).ok_or_else(|| bad(format!("shard {s} has no {name}")));
@@ -584,7 +598,7 @@ fn shard_file(
     };
     let raw = basename(raw_data, "raw_data")?;
     let raw_bytes = raw_data.get("bytes").and_then(Value::as_u64).unwrap_or(0);
-    let zip = match (shard.get("zip_data").filter(|z| !z.is_null()), codec) {
+    let zip = match (shard.get("zip_data").filter(|z| truthy(z)), codec) {
         (Some(info), Some(codec)) => Some(ZipFile {
             path: basename(info, "zip_data")?,
             codec,

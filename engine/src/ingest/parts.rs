@@ -8,7 +8,8 @@
 //! Owns: `PartKind` (the extension of each kind of value), the encodings of numbers and
 //! arrays (`push_number_text`, `push_npy`), and the offset table MDS shards and LitData chunks
 //! share (`offset_table`) with their JSON indexes (`read_index`, `json_strings`), and a record's
-//! parts on their way to the ingest (`RecordParts`). Never: decides which columns a sample has (the
+//! parts on their way to the ingest (`RecordParts`), and the UTF-8 check of text values (`utf8_text`).
+//! Never: decides which columns a sample has (the
 //! sources do), or stores a value other than as the format held it (an array's elements keep
 //! their type; a number's text parses back to the same value).
 

@@ -3,8 +3,8 @@
 //! becomes in a record or a sample's part.
 //!
 //! Owns: `Serializer`, `leaf_names`, `leaves_of`, `array` (a NumPy or tensor leaf's dtype, shape
-//! and elements) and `leaf_into`. Never: reads a file, unpickles (`pickle` is refused), or takes
-//! a leaf whose sizes run outside its item.
+//! and elements) and `leaf_into`. Never: reads a file, unpickles (`pickle` is refused), takes
+//! a leaf whose sizes run outside its item, or a `str` leaf that is not UTF-8.
 
 use serde_json::Value;
 
