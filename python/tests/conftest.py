@@ -134,6 +134,26 @@ def damaged_copies(clean, tmp_path, trials, seed):
         yield copy, f"trial {trial}: {kind} at byte {at} of {name}"
 
 
+def ingested_damaged_copies(store, ingest, clean, tmp_path, trials, seed=52):
+    """Damaged copies of `clean` (`damaged_copies`) given to `ingest(name, path)` one by one: a
+    copy it refuses (`granary.Error`) must have committed nothing; one it takes is yielded as
+    (name, path, what was done), for the caller to compare with the format's own reader. Once
+    all are through, both outcomes must have happened: the property was checked, not passed
+    over."""
+    refused = ingested = 0
+    for n, (copy, what) in enumerate(damaged_copies(clean, tmp_path, trials=trials, seed=seed)):
+        name = f"t{n}"
+        try:
+            ingest(name, str(copy))
+        except granary.Error:
+            assert name not in [d["name"] for d in store.datasets()], what
+            refused += 1
+            continue
+        ingested += 1
+        yield name, copy, what
+    assert refused > 0 and ingested > 0, (refused, ingested)
+
+
 def outcome(read):
     """What `read()` gives, or the exception it raises (an outcome to compare, not a failure)."""
     try:
