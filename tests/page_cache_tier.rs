@@ -220,25 +220,6 @@ fn a_bit_flipped_in_a_shard_file_behind_the_engine_is_never_delivered() {
     }
 }
 
-/// A repair that puts the good bytes back as a new file under the shard's name (as a repair from
-/// a peer does: written aside, then renamed over the damaged one).
-#[derive(Debug)]
-struct PutBack {
-    path: std::path::PathBuf,
-    good: Vec<u8>,
-    repairs: std::sync::atomic::AtomicU64,
-}
-
-impl granary::ShardSource for PutBack {
-    fn repair(&self, _shard: granary::ShardId, _cause: &granary::Error) -> granary::Result<()> {
-        let aside = self.path.with_extension("repaired");
-        std::fs::write(&aside, &self.good).map_err(|e| granary::Error::io("write", &aside, e))?;
-        std::fs::rename(&aside, &self.path).map_err(|e| granary::Error::io("rename", &self.path, e))?;
-        self.repairs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
-    }
-}
-
 #[test]
 fn after_a_repair_the_page_cache_tier_reads_the_new_file_and_the_damage_counts_once() {
     // The damaged file's pages are in the page cache (it was just written): the tier finds them

@@ -244,3 +244,22 @@ pub(crate) fn free_ports(n: usize) -> Vec<u16> {
     }
     ports
 }
+
+/// A repair that puts the good bytes back as a new file under the shard's name (as a repair from
+/// a peer does: written aside, then renamed over the damaged one).
+#[derive(Debug)]
+pub(crate) struct PutBack {
+    pub(crate) path: std::path::PathBuf,
+    pub(crate) good: Vec<u8>,
+    pub(crate) repairs: std::sync::atomic::AtomicU64,
+}
+
+impl granary::ShardSource for PutBack {
+    fn repair(&self, _shard: granary::ShardId, _cause: &granary::Error) -> granary::Result<()> {
+        let aside = self.path.with_extension("repaired");
+        std::fs::write(&aside, &self.good).map_err(|e| granary::Error::io("write", &aside, e))?;
+        std::fs::rename(&aside, &self.path).map_err(|e| granary::Error::io("rename", &self.path, e))?;
+        self.repairs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
