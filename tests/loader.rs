@@ -347,6 +347,32 @@ struct Job {
     /// Whether the ranks meet at a barrier after each step's compute, as DDP's all-reduce makes
     /// them, and whether each reports its compute time (`report_busy`).
     sync: Sync,
+    /// What rank 1 spends in each exchange after every rank's measure is in (as one side of a
+    /// transport slower to return: under a barrier, which rank waits there longer is jitter).
+    exchange_lag_ms: u64,
+}
+
+/// An exchange whose rank `rank` returns `lag` after the others.
+struct Lagging {
+    inner: Arc<dyn granary::loader::MeasureExchange>,
+    rank: u32,
+    lag: Duration,
+}
+
+impl granary::loader::MeasureExchange for Lagging {
+    fn all_gather(
+        &self,
+        epoch: u64,
+        step: u64,
+        mine: granary::policy::RankMeasure,
+    ) -> granary::Result<Vec<granary::policy::RankMeasure>> {
+        let rank = mine.rank;
+        let all = self.inner.all_gather(epoch, step, mine)?;
+        if rank == self.rank {
+            std::thread::sleep(self.lag);
+        }
+        Ok(all)
+    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -389,9 +415,12 @@ fn run_ranks_of(
     stop_after: Option<usize>,
     registry: &granary::metrics::Registry,
 ) -> Vec<RankRun> {
-    let Job { world, every, slow, slow_us, fast_us, epochs, sync } = job;
-    let exchange: Arc<dyn granary::loader::MeasureExchange> =
-        granary::loader::LocalExchange::new(world, Duration::from_secs(30));
+    let Job { world, every, slow, slow_us, fast_us, epochs, sync, exchange_lag_ms } = job;
+    let exchange: Arc<dyn granary::loader::MeasureExchange> = Arc::new(Lagging {
+        inner: granary::loader::LocalExchange::new(world, Duration::from_secs(30)),
+        rank: 1,
+        lag: Duration::from_millis(exchange_lag_ms),
+    });
     let barrier = Arc::new(std::sync::Barrier::new(world as usize));
     let threads: Vec<_> = (0..world)
         .map(|rank| {
@@ -443,8 +472,16 @@ fn a_mixture_rebalances_and_its_global_order_stays_the_blends() {
     // The slow rank's compute (2 ms a record, 32 ms a step) is far above what reading a batch of
     // the mixture takes on a loaded machine: at 400 us (6.4 ms a step) both ranks' steps were
     // bound by the reads once in CI, the ranks measured alike and the shares were kept.
-    const TWO: Job =
-        Job { world: 2, every: 10, slow: 1, slow_us: 2000, fast_us: 40, epochs: 1, sync: Sync::FreeRunning };
+    const TWO: Job = Job {
+        world: 2,
+        every: 10,
+        slow: 1,
+        slow_us: 2000,
+        fast_us: 40,
+        epochs: 1,
+        sync: Sync::FreeRunning,
+        exchange_lag_ms: 0,
+    };
     let _serial = serial();
     let fixture = fixture(32 * 48);
     let mut granary = Granary::open(fixture.dir.path().join("store")).unwrap();
@@ -475,8 +512,16 @@ fn a_mixture_rebalances_and_its_global_order_stays_the_blends() {
 fn a_slow_rank_gets_a_smaller_share_at_the_next_point_and_the_epoch_is_read_exactly_once() {
     // The slow rank's compute (2 ms a record) is far above a batch's read, as in the mixture
     // test: at 400 us a record CI once measured the fast rank the slower (step 10: 14 and 18).
-    const TWO: Job =
-        Job { world: 2, every: 10, slow: 1, slow_us: 2000, fast_us: 40, epochs: 2, sync: Sync::FreeRunning };
+    const TWO: Job = Job {
+        world: 2,
+        every: 10,
+        slow: 1,
+        slow_us: 2000,
+        fast_us: 40,
+        epochs: 2,
+        sync: Sync::FreeRunning,
+        exchange_lag_ms: 0,
+    };
     let _serial = serial();
     // 2 ranks x 16 records a step: 48 steps an epoch, points at 10, 20, 30, 40; two epochs.
     let fixture = fixture(32 * 48);
@@ -520,6 +565,15 @@ fn a_slow_rank_gets_a_smaller_share_at_the_next_point_and_the_epoch_is_read_exac
     };
     assert!(of_rank("granary_loader_rebalances").contains(&8.0), "{:?}", of_rank("granary_loader_rebalances"));
     assert!(of_rank("granary_loader_rebalance_moved_records").iter().any(|&n| n >= 8.0));
+    // The fast rank's reader read on past the first point before the slow rank had measured
+    // (no point before it had told the ranks apart); what it read there was dropped and read
+    // again with the point's weights, and every step above still split as the weights say.
+    let recut: Vec<f64> = samples
+        .values("granary_loader_rebalance_recut_batches")
+        .filter(|(labels, _)| labels.iter().any(|(k, v)| *k == "rank" && v == "0"))
+        .map(|(_, v)| v)
+        .collect();
+    assert!(recut.iter().any(|&n| n >= 1.0), "{recut:?}");
     // Steps concatenated in rank order are the global order the default plan has for any world.
     let global: Vec<u64> = (0..96).flat_map(|s| fast[s].0.iter().chain(&slow[s].0).copied()).collect();
     let one = Job { world: 1, slow_us: 0, ..TWO };
@@ -589,13 +643,25 @@ fn under_a_per_step_barrier_without_report_busy_the_shares_stay_equal_and_the_po
     let start = (Position::default(), None);
     // Steps of 6.4 ms (and 25.6 ms for the slow rank): a window of ten is long against a
     // scheduler's jitter on a loaded 2-core machine.
-    for slow_us in [400, 1600] {
-        let job = Job { world: 2, every: 10, slow: 1, slow_us, fast_us: 400, epochs: 1, sync: Sync::Barrier };
+    // The third case: rank 1 returns from each exchange 10 ms after rank 0 (a step takes 6.4 ms).
+    // When a step's time left out the whole wait there, rank 1's window was 10 ms shorter than
+    // rank 0's (16 %) and the point moved records to it; now only what passes a step is left out.
+    for (slow_us, exchange_lag_ms) in [(400, 0), (1600, 0), (400, 10)] {
+        let job = Job {
+            world: 2,
+            every: 10,
+            slow: 1,
+            slow_us,
+            fast_us: 400,
+            epochs: 1,
+            sync: Sync::Barrier,
+            exchange_lag_ms,
+        };
         let registry = granary::metrics::Registry::default();
         let runs = run_ranks(&fixture.dataset, job, &[start.clone(), start.clone()], None, &registry);
         for (rank, (batches, _)) in runs.iter().enumerate() {
             let lens: Vec<usize> = batches.iter().map(|b| b.0.len()).collect();
-            assert!(lens.iter().all(|&n| n == 16), "slow_us {slow_us}, rank {rank}: {lens:?}");
+            assert!(lens.iter().all(|&n| n == 16), "slow_us {slow_us}, lag {exchange_lag_ms}, rank {rank}: {lens:?}");
             assert!(batches.iter().all(|b| b.2 == [16, 16]), "slow_us {slow_us}, rank {rank}: weights moved");
         }
         // Four points in the epoch, each passed with the weights in force, each counted as held.
@@ -606,13 +672,58 @@ fn under_a_per_step_barrier_without_report_busy_the_shares_stay_equal_and_the_po
     }
     // The same barrier with each rank's own compute reported: the slow rank is seen and gets less,
     // and the moves stop once the ranks' compute is balanced (no drift back and forth).
-    let job =
-        Job { world: 2, every: 10, slow: 1, slow_us: 1600, fast_us: 400, epochs: 1, sync: Sync::BarrierReportingBusy };
+    let job = Job {
+        world: 2,
+        every: 10,
+        slow: 1,
+        slow_us: 1600,
+        fast_us: 400,
+        epochs: 1,
+        sync: Sync::BarrierReportingBusy,
+        exchange_lag_ms: 0,
+    };
     let registry = granary::metrics::Registry::default();
     let runs = run_ranks(&fixture.dataset, job, &[start.clone(), start], None, &registry);
     let slow: Vec<usize> = runs[1].0.iter().map(|b| b.0.len()).collect();
     assert!(slow[10] < 16 && slow[47] < 16, "the reported slow rank reads less: {slow:?}");
     assert!(slow[47] >= 3, "a 4 x slow rank keeps about a fifth of a 32-record step: {slow:?}");
+}
+
+#[test]
+fn the_reader_reads_on_past_a_point_before_its_measures_come() {
+    // Issue 53: at each rebalance point the reader waited for the point's measures, which come
+    // when the trainer takes the batch `lead` steps before it: the steps past the point were
+    // read only then, and a trainer at a per-step barrier waited for them. Now it reads on
+    // with the weights in force (one rank: every point keeps them).
+    let fixture = fixture(32 * 48);
+    let mut rebalance = granary::loader::RebalanceConfig::every(8, None);
+    rebalance.lead = 2;
+    let config = LoaderConfig {
+        epochs: Some(1),
+        prefetch: 4,
+        rebalance: Some(rebalance),
+        ..config(PlanSource::default(), World::single())
+    };
+    let mut loader = Loader::new(Arc::clone(&fixture.dataset), config, Position::default()).unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        seen.push(loader.next().unwrap().unwrap().indices().to_vec());
+    }
+    // The trainer at step 6 (point 8 less the lead): the reader has time to fill its queue.
+    std::thread::sleep(Duration::from_millis(500));
+    let ready = loader.stats().ready;
+    // Steps 6 to 9 were queued, past the point: taken at once, none waited for.
+    for _ in 6..10 {
+        seen.push(loader.next().unwrap().unwrap().indices().to_vec());
+    }
+    assert_eq!(loader.stats().ready - ready, 4, "the reader stopped at the point");
+    while let Some(batch) = loader.next() {
+        seen.push(batch.unwrap().indices().to_vec());
+    }
+    let mut all: Vec<u64> = seen.into_iter().flatten().collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..32 * 48).collect::<Vec<u64>>());
+    assert_eq!(loader.stats().recut, 0);
 }
 
 #[test]

@@ -580,6 +580,7 @@ impl Loader {
         out.set_item("stall_max_seconds", stats.stall_max.as_secs_f64())?;
         out.set_item("elapsed_seconds", stats.elapsed.as_secs_f64())?;
         out.set_item("stall_fraction", stats.stall_fraction())?;
+        out.set_item("rebalance_recut_batches", stats.recut)?;
         // The running loader's start: when each stage ended, in seconds from its construction.
         let start = PyDict::new(py);
         if let Some(loader) = state.running.as_ref().and_then(|running| running.loader.as_ref()) {

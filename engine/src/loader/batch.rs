@@ -251,6 +251,9 @@ pub struct LoaderStats {
     pub stall: Duration,
     /// The longest wait for one batch.
     pub stall_max: Duration,
+    /// Batches read past a rebalance point before its measures came, which then told the
+    /// ranks apart: dropped, and their steps read again with the point's weights.
+    pub recut: u64,
     /// From the first `next` to the last.
     pub elapsed: Duration,
     /// The reader's counters.
@@ -268,13 +271,15 @@ pub struct LoaderStats {
 /// (they describe a state, not a count).
 impl std::ops::AddAssign<&LoaderStats> for LoaderStats {
     fn add_assign(&mut self, more: &LoaderStats) {
-        let LoaderStats { batches, records, bytes, ready, stall, stall_max, elapsed, read, pool, tier, cache } = more;
+        let LoaderStats { batches, records, bytes, ready, stall, stall_max, recut, elapsed, read, pool, tier, cache } =
+            more;
         self.batches += batches;
         self.records += records;
         self.bytes += bytes;
         self.ready += ready;
         self.stall += *stall;
         self.stall_max = self.stall_max.max(*stall_max);
+        self.recut += recut;
         self.elapsed += *elapsed;
         self.read += read;
         self.pool = *pool;

@@ -52,6 +52,7 @@ pub(crate) struct LoaderMetrics {
     rebalances: AtomicU64,
     rebalances_held: AtomicU64,
     moved: AtomicU64,
+    recut: AtomicU64,
     rebalancing: AtomicBool,
     held: Arc<AtomicUsize>,
     read: Arc<PublishedStats>,
@@ -96,6 +97,7 @@ impl LoaderMetrics {
             step_share: AtomicU64::new(0),
             rebalances: AtomicU64::new(0),
             rebalances_held: AtomicU64::new(0),
+            recut: AtomicU64::new(0),
             moved: AtomicU64::new(0),
             rebalancing: AtomicBool::new(false),
             held,
@@ -143,6 +145,14 @@ impl LoaderMetrics {
     pub(super) fn rebalances_held(&self, n: u64) {
         self.rebalancing.store(true, Ordering::Relaxed);
         self.rebalances_held.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// A batch the reader read past a rebalance point before the point's measures came, which
+    /// then told the ranks apart, was dropped (its step is read again with the point's weights).
+    #[cfg(feature = "policy")]
+    pub(super) fn recut(&self) {
+        self.queued.fetch_sub(1, Ordering::Relaxed);
+        self.recut.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The loader is being dropped: keeps the last counters of what it owned and lets it go.
@@ -230,6 +240,14 @@ impl Source for LoaderMetrics {
                 Unit::None,
                 rank(),
                 get(&self.moved),
+            );
+            out.counter(
+                "granary_loader_rebalance_recut_batches",
+                "Batches read past a rebalance point before its measures came, dropped when those told the \
+                 ranks apart, and read again with the point's weights.",
+                Unit::None,
+                rank(),
+                get(&self.recut),
             );
         }
 

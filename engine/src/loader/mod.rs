@@ -383,43 +383,66 @@ impl Loader {
         if held >= self.hold_max {
             return Some(Err(Error::HoldLimit { held }));
         }
-        let receiver = self.receiver.as_ref()?;
+        self.receiver.as_ref()?;
         let now = Instant::now();
         let first = *self.first_next.get_or_insert(now);
-        let (message, ready) = match receiver.try_recv() {
-            Ok(message) => (message, true),
-            Err(TryRecvError::Empty) => (receiver.recv().unwrap_or_else(|_| died()), false),
-            Err(TryRecvError::Disconnected) => (died(), false),
+        let mut ready = true;
+        // A batch the reader cut past a rebalance point before it knew the point's weights,
+        // which then told the ranks apart, is dropped here: the reader reads that step again.
+        let (batch, upload, tag) = loop {
+            let receiver = self.receiver.as_ref()?;
+            let message = match receiver.try_recv() {
+                Ok(message) => message,
+                Err(TryRecvError::Empty) => {
+                    ready = false;
+                    receiver.recv().unwrap_or_else(|_| died())
+                }
+                Err(TryRecvError::Disconnected) => died(),
+            };
+            let (batch, upload, tag) = match message {
+                Message::Batch(batch, tag) => (batch, None, tag),
+                Message::Uploaded(batch, upload, tag) => (batch, Some(upload), tag),
+                Message::Failed(error) => {
+                    self.finished = true;
+                    return Some(Err(error));
+                }
+                Message::End => {
+                    self.finished = true;
+                    return None;
+                }
+            };
+            #[cfg(feature = "policy")]
+            if let Some(meter) = &mut self.meter {
+                match meter.handing_out(tag.after, tag.weights.as_deref(), batch.len() as u64, now) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        self.stats.recut += 1;
+                        if let Some(coordinator) = &self.coordinator {
+                            coordinator.consumed();
+                        }
+                        if let Some(metrics) = &self.metrics {
+                            metrics.recut();
+                        }
+                        continue;
+                    }
+                    Err(error) => {
+                        // The ranks could not agree on their measures: the stream ends with the error.
+                        self.finished = true;
+                        self.stop.store(true, Ordering::Release);
+                        return Some(Err(error));
+                    }
+                }
+            }
+            break (batch, upload, tag);
         };
         let stall = now.elapsed();
         self.stats.stall += stall;
         self.stats.stall_max = self.stats.stall_max.max(stall);
         self.stats.elapsed = first.elapsed();
-        let (batch, upload, tag) = match message {
-            Message::Batch(batch, tag) => (batch, None, tag),
-            Message::Uploaded(batch, upload, tag) => (batch, Some(upload), tag),
-            Message::Failed(error) => {
-                self.finished = true;
-                return Some(Err(error));
-            }
-            Message::End => {
-                self.finished = true;
-                return None;
-            }
-        };
         let position = tag.after;
         self.clock.mark(StartStage::FirstBatchTaken);
         if let Some(coordinator) = &self.coordinator {
             coordinator.consumed();
-        }
-        #[cfg(feature = "policy")]
-        if let Some(meter) = &mut self.meter
-            && let Err(error) = meter.handing_out(position, batch.len() as u64, now)
-        {
-            // The ranks could not agree on their measures: the stream ends with the error.
-            self.finished = true;
-            self.stop.store(true, Ordering::Release);
-            return Some(Err(error));
         }
         #[cfg(feature = "policy")]
         if let Some(meter) = &mut self.meter {

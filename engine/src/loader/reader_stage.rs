@@ -215,7 +215,6 @@ fn run_epochs(
         let mut segment = batches;
         // Where in `segment` the batches still to read begin (a point that kept the weights
         // goes on in the same plan).
-        #[cfg_attr(not(feature = "policy"), allow(unused_mut, reason = "moved only by rebalance points"))]
         let mut offset = 0usize;
         #[cfg_attr(
             not(feature = "policy"),
@@ -230,6 +229,16 @@ fn run_epochs(
                 segment = Arc::new(planner.epoch(from).map_err(Some)?);
             }
         }
+        // A point the reader has read past with the weights in force before it, its measures
+        // not here yet: rather than wait for them (the trainer would then wait at the steps
+        // after it), the reader reads on when the last point kept the weights
+        // (`Rebalancing::reads_on`). A point whose measures keep them (always under a per-step
+        // barrier without `report_busy`) then costs nothing; one whose measures tell the ranks
+        // apart has the steps past it read again with its weights, and the trainer side drops
+        // the ones read before (`Meter::handing_out`). At most one point is open: the reader
+        // waits for it at the next.
+        #[cfg(feature = "policy")]
+        let mut open: Option<u64> = None;
         loop {
             // With rebalancing, the batches up to the next point; then the point's new weights
             // and the rest of the epoch planned with them.
@@ -244,27 +253,77 @@ fn run_epochs(
             };
             #[cfg(not(feature = "policy"))]
             let take = segment.len() - offset;
+            // The open point's measures when they came during the read and tell the ranks apart
+            // (the read stopped: what it would read is read again with the point's weights).
             #[cfg(feature = "policy")]
-            let weights = rebalancing.as_ref().map(|r| Arc::clone(&r.current));
-            let tag = |after: Position| Tag {
-                after,
+            let mut apart: Option<Vec<crate::policy::RankMeasure>> = None;
+            let mut tag = |after: Position| {
                 #[cfg(feature = "policy")]
-                weights: weights.clone(),
+                if let (Some(point), Some(r)) = (open, rebalancing.as_mut())
+                    && let Some(measured) = r.measures_now(from.epoch, point)
+                {
+                    if rebalance::tells_ranks_apart(&measured) {
+                        apart = Some(measured);
+                        return None;
+                    }
+                    r.hold(from.epoch, point);
+                    open = None;
+                }
+                Some(Tag {
+                    after,
+                    #[cfg(feature = "policy")]
+                    weights: rebalancing.as_ref().map(|r| Arc::clone(&r.current)),
+                })
             };
-            read_segment(reader, &segment[offset..offset + take], config, &out, stop, coordinator, &mut step, &tag)?;
+            let sent = read_segment(
+                reader,
+                &segment[offset..offset + take],
+                config,
+                &out,
+                stop,
+                coordinator,
+                &mut step,
+                &mut tag,
+            )?;
+            offset += sent;
+            #[cfg(feature = "policy")]
+            if let Some(rebalancing) = &mut rebalancing
+                && let Some(passed) = open.take()
+            {
+                // Read up to the next point (or the epoch's end) past an open point, or stopped
+                // by its measures: its weights now, from its measures.
+                let measured = match apart.take() {
+                    Some(measured) => measured,
+                    None => rebalancing.measures(from.epoch, passed, stop)?,
+                };
+                if rebalance::tells_ranks_apart(&measured) {
+                    rebalancing.decide(&mut planner, from.epoch, passed, measured)?;
+                    from = Position { epoch: from.epoch, cursor: rebalancing.grid.cursor_of(from.epoch, passed) };
+                    segment = Arc::new(planner.epoch(from).map_err(Some)?);
+                    offset = 0;
+                } else {
+                    rebalancing.hold(from.epoch, passed);
+                }
+                continue;
+            }
             #[cfg_attr(not(feature = "policy"), allow(unused_variables, reason = "no points without policies"))]
             let Some(point) = point else { break };
             #[cfg(feature = "policy")]
             if let Some(rebalancing) = &mut rebalancing {
-                let moved = rebalancing.apply(&mut planner, from.epoch, point, stop)?;
                 from = Position { epoch: from.epoch, cursor: rebalancing.grid.cursor_of(from.epoch, point) };
-                if moved {
+                let measured = match rebalancing.measures_now(from.epoch, point) {
+                    Some(measured) => measured,
+                    None if rebalancing.reads_on() => {
+                        open = Some(point);
+                        continue;
+                    }
+                    None => rebalancing.measures(from.epoch, point, stop)?,
+                };
+                if rebalancing.decide(&mut planner, from.epoch, point, measured)? {
                     segment = Arc::new(planner.epoch(from).map_err(Some)?);
                     offset = 0;
-                } else {
-                    // The same weights plan the same batches: no plugin call, no wait.
-                    offset += take;
                 }
+                // Otherwise the same weights plan the same batches: no plugin call.
             }
         }
         position = Position { epoch: position.epoch + 1, cursor: 0 };
@@ -277,8 +336,9 @@ pub(super) fn normalized(start: Position, n_records: u64) -> Position {
     if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start }
 }
 
-/// Reads `batches` and queues them, each tagged by `tag` with the position after it; `step`
-/// counts this loader's batches (the tier's schedule is in them).
+/// Reads `batches` and queues them, each tagged by `tag` with the position after it, until
+/// `tag` gives none (the batch it was asked for, read, is dropped); how many were queued.
+/// `step` counts this loader's batches (the tier's schedule is in them).
 #[allow(clippy::too_many_arguments, reason = "the reader's state, lent for one segment")]
 fn read_segment(
     reader: &mut Reader,
@@ -288,12 +348,16 @@ fn read_segment(
     stop: &AtomicBool,
     coordinator: Option<&Arc<Coordinator>>,
     step: &mut u64,
-    tag: &dyn Fn(Position) -> Tag,
-) -> std::result::Result<(), Option<Error>> {
+    tag: &mut dyn FnMut(Position) -> Option<Tag>,
+) -> std::result::Result<usize, Option<Error>> {
     let positions = std::cell::RefCell::new(std::collections::VecDeque::new());
     let mut stopped = false;
+    let mut cut = false;
+    let mut sent = 0usize;
+    let mut planned_count = 0usize;
     let planned = batches.iter().inspect(|(_, after)| {
         positions.borrow_mut().push_back(*after);
+        planned_count += 1;
         if let Some(coordinator) = coordinator {
             coordinator.advance(*step);
         }
@@ -307,16 +371,21 @@ fn read_segment(
             stopped = true;
             return Err(Error::invalid_input("stopped"));
         }
+        let Some(tag) = tag(after) else {
+            cut = true;
+            return Err(Error::invalid_input("cut short"));
+        };
         if let Some(coordinator) = coordinator {
             coordinator.delivered();
         }
         let batch = Box::new(std::mem::take(batch));
         // Before it is sent: the trainer may take it at once.
         out.clock.mark(StartStage::FirstBatchRead);
-        if out.sender.send(Message::Batch(batch, tag(after))).is_err() {
+        if out.sender.send(Message::Batch(batch, tag)).is_err() {
             stopped = true;
             return Err(Error::invalid_input("stopped"));
         }
+        sent += 1;
         if let Some(queued) = out.queued {
             queued.fetch_add(1, Ordering::Relaxed);
         }
@@ -325,5 +394,12 @@ fn read_segment(
     if stopped {
         return Err(None);
     }
-    outcome.map_err(Some)
+    if cut {
+        // The batches planned and not queued count again when they are read again (the tier's
+        // schedule has already heard of them: it only fills ahead a little early).
+        *step -= (planned_count - sent) as u64;
+        return Ok(sent);
+    }
+    outcome.map_err(Some)?;
+    Ok(sent)
 }

@@ -12,15 +12,19 @@
 //! step is split by the weights its epoch ran with before it); the reader reads up to it,
 //! waits for the point's measures, asks the partitioner for the new weights (every rank asks
 //! with the same measures, so every rank gets the same weights) and plans the rest of the epoch
-//! with them. Weights change how a step is split among ranks, never the global order. A point
+//! with them; or, when the last point kept the weights, it reads on past the point with them
+//! and, should the measures tell the ranks apart, reads those steps again while the trainer side
+//! drops what it read (`Meter::handing_out`), so a synchronous job's reader keeps its lead. Weights
+//! change how a step is split among ranks, never the global order. A point
 //! whose measures cannot tell the ranks apart (`tells_ranks_apart`: every rank's window took
 //! the same time, as it does under a trainer's per-step barrier) keeps the weights in force:
 //! under a barrier each rank's time between hand-outs is the slowest rank's, so records per
 //! second would only favour the rank that already holds more (a feedback loop that made
 //! synchronous jobs slower).
 //! Never: measures the reader apart from the trainer (a step's time is from one `next` call to
-//! the next, the trainer's hold and its wait for the batch together, or what it reports), or
-//! lets a rank pass a point the others have not measured (the exchange waits for all).
+//! the next, the trainer's hold and its wait for the batch together, or what it reports), lets
+//! a rank pass a point the others have not measured (the exchange waits for all), or hands out
+//! a batch past a point that tells the ranks apart cut without that point's weights.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -316,8 +320,17 @@ pub(super) struct Meter {
     window: RankMeasure,
     /// The last batch handed out: when its `next` was called, and its records.
     last: Option<(Instant, u64)>,
-    /// How long the last hand-out waited for the other ranks' measures (not a step's time).
+    /// How much of the last hand-out's wait for the other ranks' measures is left out of its
+    /// step's time: what it took beyond one of this rank's steps (`step_mean`). A rank whose
+    /// trainer runs free of the others waits there for the ranks steps behind it, which is not
+    /// its speed; under a per-step barrier every rank's steps end together, and the wait is
+    /// shorter than a step and counted whole, the same on every rank (left out, it differed
+    /// by which rank came first: jitter of a few milliseconds that told equal ranks apart).
     exchanging: Duration,
+    /// This rank's mean step over the last window exchanged.
+    step_mean: Duration,
+    /// Steps timed in the current window.
+    window_steps: u64,
     /// The trainer's own account of its time on the last batch, when it gives one.
     reported: Option<Duration>,
     /// The (epoch, step) of the last point exchanged.
@@ -325,6 +338,10 @@ pub(super) struct Meter {
     /// Whether the trainer reported its busy time in the current window.
     reported_in_window: bool,
     pending: Option<(u64, u64, Vec<RankMeasure>)>,
+    /// The last points (epoch, step) whose measures told the ranks apart, the latest last (at
+    /// most two: the exchange runs at most one point ahead of the batches handed out). A batch
+    /// of a step at or past one of them must have been cut with the weights decided there.
+    deciding: [Option<(u64, u64)>; 2],
     /// Points whose measures could not tell the ranks apart (the weights were kept), not yet
     /// counted in the loader's metrics (`take_held`).
     held: u64,
@@ -341,6 +358,10 @@ impl Meter {
             .resume
             .as_ref()
             .and_then(|s| s.pending.as_ref().map(|(step, m)| (s.weights.epoch, *step, m.clone())));
+        let deciding = pending
+            .as_ref()
+            .filter(|(_, _, measured)| tells_ranks_apart(measured))
+            .map(|(epoch, step, _)| (*epoch, *step));
         Self {
             rank,
             lead: config.lead,
@@ -350,9 +371,12 @@ impl Meter {
             window: RankMeasure { rank, ..RankMeasure::default() },
             last: None,
             exchanging: Duration::ZERO,
+            step_mean: Duration::MAX,
+            window_steps: 0,
             reported: None,
             exchanged: pending.as_ref().map(|(epoch, step, _)| (*epoch, *step)),
             pending,
+            deciding: [None, deciding],
             held: 0,
             said: false,
             reported_in_window: false,
@@ -368,7 +392,19 @@ impl Meter {
     /// loader looked faster and was given more to read, so it waited longer (the feedback loop
     /// of issue 40). When this batch is the first at or past `lead` steps before a point, the
     /// window closes and the ranks exchange it.
-    pub(super) fn handing_out(&mut self, after: Position, records: u64, called: Instant) -> Result<()> {
+    ///
+    /// Whether the batch may be handed out (cut with `weights`): not when the reader cut it
+    /// past a point whose measures tell the ranks apart before it knew that point's weights
+    /// (it read on rather than wait for them; it reads the steps again once it knows them).
+    /// The batch is then dropped, and the next `handing_out` of the same `next` call is the
+    /// step's again.
+    pub(super) fn handing_out(
+        &mut self,
+        after: Position,
+        weights: Option<&WeightsAt>,
+        records: u64,
+        called: Instant,
+    ) -> Result<bool> {
         if let Some((previous_call, previous)) = self.last.take() {
             let reported = self.reported.take();
             self.reported_in_window |= reported.is_some();
@@ -376,12 +412,26 @@ impl Meter {
             let busy = reported.unwrap_or(step);
             self.window.records += previous;
             self.window.busy_nanos += u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX);
+            self.window_steps += 1;
+            self.exchanging = Duration::ZERO;
         }
         let exchange_started = Instant::now();
         let outcome = self.exchange_if_due(after);
-        self.exchanging = exchange_started.elapsed();
+        self.exchanging += exchange_started.elapsed().saturating_sub(self.step_mean);
+        outcome?;
+        if weights.is_some_and(|weights| self.cut_before_decision(after, weights)) {
+            return Ok(false);
+        }
         self.last = Some((called, records));
-        outcome
+        Ok(true)
+    }
+
+    /// Whether the batch ending at `after` was cut with `weights` in force from before the last
+    /// point at or before its step whose measures tell the ranks apart.
+    fn cut_before_decision(&self, after: Position, weights: &WeightsAt) -> bool {
+        let (epoch, step) = self.grid.step_of(after);
+        let point = self.deciding.iter().flatten().filter(|(e, p)| *e == epoch && *p <= step).map(|(_, p)| *p).max();
+        point.is_some_and(|point| (weights.epoch, weights.step) < (epoch, point))
     }
 
     /// Closes the window and exchanges it when the batch ending at `after` is the first at or
@@ -393,12 +443,17 @@ impl Meter {
             return Ok(());
         }
         let mine = std::mem::replace(&mut self.window, RankMeasure { rank: self.rank, ..RankMeasure::default() });
+        if self.window_steps > 0 {
+            self.step_mean = Duration::from_nanos(mine.busy_nanos / std::mem::take(&mut self.window_steps));
+        }
         let measured = match &self.exchange {
             Some(exchange) => exchange.all_gather(epoch, point, mine)?,
             None => vec![mine],
         };
         self.exchanged = Some((epoch, point));
-        if !tells_ranks_apart(&measured) {
+        if tells_ranks_apart(&measured) {
+            self.deciding = [self.deciding[1], Some((epoch, point))];
+        } else {
             self.held += 1;
             if !self.reported_in_window && !std::mem::replace(&mut self.said, true) {
                 // Once per loader: the default that keeps a job from getting slower, said where
@@ -470,6 +525,9 @@ pub(super) struct Rebalancing<'a> {
     /// A resumed run's measures of a point already exchanged: (epoch, step, measures).
     resumed: Option<(u64, u64, Vec<crate::policy::RankMeasure>)>,
     pub(super) current: Arc<WeightsAt>,
+    /// Whether the last point decided kept the weights (or none was decided yet): the reader
+    /// then reads on past the next point before its measures come (`reads_on`).
+    held: bool,
 }
 
 impl<'a> Rebalancing<'a> {
@@ -499,6 +557,7 @@ impl<'a> Rebalancing<'a> {
             resumed: resumed
                 .and_then(|state| state.pending.clone().map(|(step, measured)| (position.epoch, step, measured))),
             current: Arc::new(WeightsAt { epoch: position.epoch, step, weights }),
+            held: true,
         }
     }
 
@@ -553,20 +612,74 @@ impl<'a> Rebalancing<'a> {
         point: u64,
         stop: &AtomicBool,
     ) -> std::result::Result<bool, Option<Error>> {
-        let measured = match self.resumed.take() {
-            Some((e, step, measured)) if e == epoch && step == point => measured,
-            _ => wait_for_point(self.from_meter, epoch, point, stop)?,
-        };
+        let measured = self.measures(epoch, point, stop)?;
+        self.decide(planner, epoch, point, measured)
+    }
+
+    /// The point's measures, waited for (a resumed run's saved ones first).
+    pub(super) fn measures(
+        &mut self,
+        epoch: u64,
+        point: u64,
+        stop: &AtomicBool,
+    ) -> std::result::Result<Vec<RankMeasure>, Option<Error>> {
+        match self.resumed.take() {
+            Some((e, step, measured)) if e == epoch && step == point => Ok(measured),
+            _ => wait_for_point(self.from_meter, epoch, point, stop),
+        }
+    }
+
+    /// The point's measures when they are here already (a resumed run's saved ones, or the
+    /// trainer side's), without waiting.
+    pub(super) fn measures_now(&mut self, epoch: u64, point: u64) -> Option<Vec<RankMeasure>> {
+        if matches!(&self.resumed, Some((e, step, _)) if *e == epoch && *step == point) {
+            return self.resumed.take().map(|(_, _, measured)| measured);
+        }
+        // Measures of a point already passed (a resume's, applied from the saved state) are
+        // let go, as `wait_for_point` does.
+        while let Ok(measures) = self.from_meter.try_recv() {
+            if measures.epoch == epoch && measures.step == point {
+                return Some(measures.measured);
+            }
+        }
+        None
+    }
+
+    /// The point's weights from its measures: the partitioner's answer, or, when the measures
+    /// cannot tell the ranks apart, the weights in force (`hold`). Whether they changed.
+    pub(super) fn decide(
+        &mut self,
+        planner: &mut EpochPlanner,
+        epoch: u64,
+        point: u64,
+        measured: Vec<RankMeasure>,
+    ) -> std::result::Result<bool, Option<Error>> {
         if !tells_ranks_apart(&measured) {
             // Nothing tells the ranks apart: the point passes with the weights in force (the
             // trainer side counts it as held and says why).
-            self.current = Arc::new(WeightsAt { epoch, step: point, weights: self.current.weights.clone() });
+            self.hold(epoch, point);
             return Ok(false);
         }
         let weights = planner.rebalance(point, &self.current.weights, measured).map_err(Some)?;
+        self.held = false;
         let moved = weights != self.current.weights;
         self.current = Arc::new(WeightsAt { epoch, step: point, weights });
         Ok(moved)
+    }
+
+    /// The point passes with the weights in force.
+    pub(super) fn hold(&mut self, epoch: u64, point: u64) {
+        self.held = true;
+        self.current = Arc::new(WeightsAt { epoch, step: point, weights: self.current.weights.clone() });
+    }
+
+    /// Whether the reader reads on past a point whose measures have not come, with the weights
+    /// in force: when the last point kept them. Under a per-step barrier (without
+    /// `report_busy`) every point does, and the reader keeps its lead; where points tell the
+    /// ranks apart, what it read on would be read again at each, so it waits for them (its
+    /// read-ahead was at most a segment of `every` steps).
+    pub(super) fn reads_on(&self) -> bool {
+        self.held
     }
 }
 
