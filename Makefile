@@ -98,11 +98,14 @@ PYVENV := $(TARGET_DIR)/py-venv
 python: python-env moto wheel
 	$(PYVENV)/bin/pip install -q --force-reinstall --no-deps $(WHEELS)/granary-*.whl
 	cd $(TARGET_DIR) && GRANARY_BIN=$(PYVENV)/bin/granary GRANARY_TEST_INSTALLED=1 \
+		GRANARY_TEST_MODULES="$(PY_TEST_MODULES)" \
 		$(PYVENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests
 
 ## The oracles of the format tests (webdataset, pyarrow, Hugging Face datasets, grain, jax) are pinned; the
 ## venv is brought up to this list whenever it changes (a stamp file names it).
 PY_TEST_DEPS := 'numpy>=1.23' 'pytest>=7' 'webdataset==1.0.2' 'pyarrow==26.0.1' 'datasets==5.2.0' 'grain==0.2.18' 'jax[cpu]==0.10.2' 'polars==2.1.0' 'duckdb==2.0.0' 'pylance==14.0.2' 'pillow==13.0.0'
+# What the suite imports from them: a test that finds one missing would skip; the suite fails instead.
+PY_TEST_MODULES := webdataset pyarrow pyarrow.parquet datasets grain jax polars duckdb lance PIL.Image
 PY_TEST_STAMP := $(PYVENV)/.deps-$(shell echo "$(PY_TEST_DEPS)" | cksum | cut -d' ' -f1)
 python-env:
 	@$(LOCK) { test -f $(PY_TEST_STAMP) || { { test -x $(PYVENV)/bin/pip || python3 -m venv $(PYVENV); } && \
@@ -121,7 +124,7 @@ torch-env:
 
 readme-example: python torch-env
 	$(TORCH_VENV)/bin/pip install -q --force-reinstall --no-deps $(WHEELS)/granary-*.whl
-	cd $(TARGET_DIR) && GRANARY_TEST_INSTALLED=1 \
+	cd $(TARGET_DIR) && GRANARY_TEST_INSTALLED=1 GRANARY_TEST_MODULES="torch streaming litdata pyarrow PIL.Image" \
 		$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CURDIR)/python/tests/test_readme.py \
 		$(CURDIR)/python/tests/test_torch.py $(CURDIR)/python/tests/test_mds.py $(CURDIR)/python/tests/test_litdata.py
 
