@@ -389,6 +389,10 @@ impl Loader {
         let mut ready = true;
         // A batch the reader cut past a rebalance point before it knew the point's weights,
         // which then told the ranks apart, is dropped here: the reader reads that step again.
+        #[cfg_attr(
+            not(feature = "policy"),
+            allow(clippy::never_loop, reason = "only a rebalancing loader drops a batch and takes another")
+        )]
         let (batch, upload, tag) = loop {
             let receiver = self.receiver.as_ref()?;
             let message = match receiver.try_recv() {

@@ -1,9 +1,10 @@
 //! The reader stage: the thread that plans each epoch, reads its batches through the `Reader`
 //! (from disk or the tier) into staging leases and queues them for the trainer.
 //!
-//! Owns `ReaderStage` and its epoch loop (`run_epochs`, `read_segment`): the schedule of the
-//! tier's fills, the rebalance points, the origin cache's plan, each batch's position. Never:
-//! copies to the device (`device.rs`) or hands a batch to the trainer (`Loader::next`).
+//! Owns `ReaderStage` and its epoch loop (`run_epochs`; an epoch's rebalance points,
+//! `read_epoch`; a segment's reads, `Lent::read`): the schedule of the tier's fills, the
+//! rebalance points, the origin cache's plan, each batch's position. Never: copies to the device
+//! (`device.rs`) or hands a batch to the trainer (`Loader::next`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -211,121 +212,11 @@ fn run_epochs(
             };
             scheduler.request(ScheduleRequest { step, from: position, batches: Arc::clone(&batches), next });
         }
-        #[cfg_attr(not(feature = "policy"), allow(unused_mut, reason = "moved only by rebalance points"))]
-        let mut segment = batches;
-        // Where in `segment` the batches still to read begin (a point that kept the weights
-        // goes on in the same plan).
-        let mut offset = 0usize;
-        #[cfg_attr(
-            not(feature = "policy"),
-            allow(unused_mut, unused_variables, reason = "moved and read only at rebalance points")
-        )]
-        let mut from = position;
+        let mut lent = Lent { reader: &mut *reader, config, out: &out, stop, coordinator, step: &mut step };
         #[cfg(feature = "policy")]
-        if let Some(rebalancing) = &mut rebalancing {
-            rebalancing.new_epoch(position.epoch);
-            // A run resumed right at a point whose measures were saved applies them first.
-            if rebalancing.apply_resumed_at(&mut planner, from, stop)? {
-                segment = Arc::new(planner.epoch(from).map_err(Some)?);
-            }
-        }
-        // A point the reader has read past with the weights in force before it, its measures
-        // not here yet: rather than wait for them (the trainer would then wait at the steps
-        // after it), the reader reads on when the last point kept the weights
-        // (`Rebalancing::reads_on`). A point whose measures keep them (always under a per-step
-        // barrier without `report_busy`) then costs nothing; one whose measures tell the ranks
-        // apart has the steps past it read again with its weights, and the trainer side drops
-        // the ones read before (`Meter::handing_out`). At most one point is open: the reader
-        // waits for it at the next.
-        #[cfg(feature = "policy")]
-        let mut open: Option<u64> = None;
-        loop {
-            // With rebalancing, the batches up to the next point; then the point's new weights
-            // and the rest of the epoch planned with them.
-            #[cfg(feature = "policy")]
-            let point = rebalancing.as_ref().and_then(|r| r.next_point(from));
-            #[cfg(not(feature = "policy"))]
-            let point: Option<u64> = None;
-            #[cfg(feature = "policy")]
-            let take = match (point, &rebalancing) {
-                (Some(point), Some(r)) => r.before_point(&segment[offset..], from.epoch, point),
-                _ => segment.len() - offset,
-            };
-            #[cfg(not(feature = "policy"))]
-            let take = segment.len() - offset;
-            // The open point's measures when they came during the read and tell the ranks apart
-            // (the read stopped: what it would read is read again with the point's weights).
-            #[cfg(feature = "policy")]
-            let mut apart: Option<Vec<crate::policy::RankMeasure>> = None;
-            let mut tag = |after: Position| {
-                #[cfg(feature = "policy")]
-                if let (Some(point), Some(r)) = (open, rebalancing.as_mut())
-                    && let Some(measured) = r.measures_now(from.epoch, point)
-                {
-                    if rebalance::tells_ranks_apart(&measured) {
-                        apart = Some(measured);
-                        return None;
-                    }
-                    r.hold(from.epoch, point);
-                    open = None;
-                }
-                Some(Tag {
-                    after,
-                    #[cfg(feature = "policy")]
-                    weights: rebalancing.as_ref().map(|r| Arc::clone(&r.current)),
-                })
-            };
-            let sent = read_segment(
-                reader,
-                &segment[offset..offset + take],
-                config,
-                &out,
-                stop,
-                coordinator,
-                &mut step,
-                &mut tag,
-            )?;
-            offset += sent;
-            #[cfg(feature = "policy")]
-            if let Some(rebalancing) = &mut rebalancing
-                && let Some(passed) = open.take()
-            {
-                // Read up to the next point (or the epoch's end) past an open point, or stopped
-                // by its measures: its weights now, from its measures.
-                let measured = match apart.take() {
-                    Some(measured) => measured,
-                    None => rebalancing.measures(from.epoch, passed, stop)?,
-                };
-                if rebalance::tells_ranks_apart(&measured) {
-                    rebalancing.decide(&mut planner, from.epoch, passed, measured)?;
-                    from = Position { epoch: from.epoch, cursor: rebalancing.grid.cursor_of(from.epoch, passed) };
-                    segment = Arc::new(planner.epoch(from).map_err(Some)?);
-                    offset = 0;
-                } else {
-                    rebalancing.hold(from.epoch, passed);
-                }
-                continue;
-            }
-            #[cfg_attr(not(feature = "policy"), allow(unused_variables, reason = "no points without policies"))]
-            let Some(point) = point else { break };
-            #[cfg(feature = "policy")]
-            if let Some(rebalancing) = &mut rebalancing {
-                from = Position { epoch: from.epoch, cursor: rebalancing.grid.cursor_of(from.epoch, point) };
-                let measured = match rebalancing.measures_now(from.epoch, point) {
-                    Some(measured) => measured,
-                    None if rebalancing.reads_on() => {
-                        open = Some(point);
-                        continue;
-                    }
-                    None => rebalancing.measures(from.epoch, point, stop)?,
-                };
-                if rebalancing.decide(&mut planner, from.epoch, point, measured)? {
-                    segment = Arc::new(planner.epoch(from).map_err(Some)?);
-                    offset = 0;
-                }
-                // Otherwise the same weights plan the same batches: no plugin call.
-            }
-        }
+        read_epoch(&mut lent, &mut planner, rebalancing.as_mut(), batches, position)?;
+        #[cfg(not(feature = "policy"))]
+        lent.read(&batches, &mut |after| Some(Tag { after }))?;
         position = Position { epoch: position.epoch + 1, cursor: 0 };
     }
     Ok(())
@@ -336,70 +227,171 @@ pub(super) fn normalized(start: Position, n_records: u64) -> Position {
     if start.cursor >= n_records { Position { epoch: start.epoch + 1, cursor: 0 } } else { start }
 }
 
-/// Reads `batches` and queues them, each tagged by `tag` with the position after it, until
-/// `tag` gives none (the batch it was asked for, read, is dropped); how many were queued.
-/// `step` counts this loader's batches (the tier's schedule is in them).
-#[allow(clippy::too_many_arguments, reason = "the reader's state, lent for one segment")]
-fn read_segment(
-    reader: &mut Reader,
-    batches: &[(Vec<u64>, Position)],
-    config: &LoaderConfig,
-    out: &Queue<'_>,
-    stop: &AtomicBool,
-    coordinator: Option<&Arc<Coordinator>>,
-    step: &mut u64,
-    tag: &mut dyn FnMut(Position) -> Option<Tag>,
-) -> std::result::Result<usize, Option<Error>> {
-    let positions = std::cell::RefCell::new(std::collections::VecDeque::new());
-    let mut stopped = false;
-    let mut cut = false;
-    let mut sent = 0usize;
-    let mut planned_count = 0usize;
-    let planned = batches.iter().inspect(|(_, after)| {
-        positions.borrow_mut().push_back(*after);
-        planned_count += 1;
-        if let Some(coordinator) = coordinator {
-            coordinator.advance(*step);
-        }
-        *step += 1;
-    });
-    let outcome = reader.read_batches(planned.map(|(records, _)| records), config.read_depth, &mut |batch| {
-        let Some(after) = positions.borrow_mut().pop_front() else {
-            return Err(Error::invalid_input("a batch read that was not planned"));
-        };
-        if stop.load(Ordering::Acquire) {
-            stopped = true;
-            return Err(Error::invalid_input("stopped"));
-        }
-        let Some(tag) = tag(after) else {
-            cut = true;
-            return Err(Error::invalid_input("cut short"));
-        };
-        if let Some(coordinator) = coordinator {
-            coordinator.delivered();
-        }
-        let batch = Box::new(std::mem::take(batch));
-        // Before it is sent: the trainer may take it at once.
-        out.clock.mark(StartStage::FirstBatchRead);
-        if out.sender.send(Message::Batch(batch, tag)).is_err() {
-            stopped = true;
-            return Err(Error::invalid_input("stopped"));
-        }
-        sent += 1;
-        if let Some(queued) = out.queued {
-            queued.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(())
-    });
-    if stopped {
-        return Err(None);
+/// Reads the batches of epoch `position.epoch` planned as `batches` (from `position`), with
+/// rebalancing when the loader rebalances: the batches up to each point, then the point's
+/// weights and the rest of the epoch planned with them.
+///
+/// A point the reader has read past with the weights in force before it, its measures not here
+/// yet: rather than wait for them (the trainer would then wait at the steps after it), the
+/// reader reads on when the last point kept the weights (`Rebalancing::reads_on`). A point whose
+/// measures keep them (always under a per-step barrier without `report_busy`) then costs
+/// nothing; one whose measures tell the ranks apart has the steps past it read again with its
+/// weights, and the trainer side drops the ones read before (`Meter::handing_out`). At most one
+/// point is open: the reader waits for it at the next.
+#[cfg(feature = "policy")]
+fn read_epoch(
+    lent: &mut Lent<'_, '_>,
+    planner: &mut EpochPlanner,
+    rebalancing: Option<&mut Rebalancing<'_>>,
+    batches: Arc<EpochBatches>,
+    position: Position,
+) -> std::result::Result<(), Option<Error>> {
+    let Some(rebalancing) = rebalancing else {
+        lent.read(&batches, &mut |after| Some(Tag { after, weights: None }))?;
+        return Ok(());
+    };
+    let mut segment = batches;
+    // Where in `segment` the batches still to read begin (a point that kept the weights goes on
+    // in the same plan), and where the steps the next point is counted from begin.
+    let mut offset = 0usize;
+    let mut from = position;
+    let epoch = position.epoch;
+    rebalancing.new_epoch(epoch);
+    // A run resumed right at a point whose measures were saved applies them first.
+    if rebalancing.apply_resumed_at(planner, from, lent.stop)? {
+        segment = Arc::new(planner.epoch(from).map_err(Some)?);
     }
-    if cut {
-        // The batches planned and not queued count again when they are read again (the tier's
-        // schedule has already heard of them: it only fills ahead a little early).
-        *step -= (planned_count - sent) as u64;
-        return Ok(sent);
+    let mut open: Option<u64> = None;
+    loop {
+        let point = rebalancing.next_point(from);
+        let take = match point {
+            Some(point) => rebalancing.before_point(&segment[offset..], epoch, point),
+            None => segment.len() - offset,
+        };
+        // The open point's measures when they came during the read and tell the ranks apart
+        // (the read stopped: what it would read is read again with the point's weights).
+        let mut apart: Option<Vec<crate::policy::RankMeasure>> = None;
+        let sent = lent.read(&segment[offset..offset + take], &mut |after| {
+            if let Some(point) = open
+                && let Some(measured) = rebalancing.measures_now(epoch, point)
+            {
+                if rebalance::tells_ranks_apart(&measured) {
+                    apart = Some(measured);
+                    return None;
+                }
+                rebalancing.hold(epoch, point);
+                open = None;
+            }
+            Some(Tag { after, weights: Some(Arc::clone(&rebalancing.current)) })
+        })?;
+        offset += sent;
+        if let Some(passed) = open.take() {
+            // Read up to the next point (or the epoch's end) past an open point, or stopped by
+            // its measures: its weights now, from its measures.
+            let measured = match apart.take() {
+                Some(measured) => measured,
+                None => rebalancing.measures(epoch, passed, lent.stop)?,
+            };
+            if rebalance::tells_ranks_apart(&measured) {
+                rebalancing.decide(planner, epoch, passed, measured)?;
+                from = Position { epoch, cursor: rebalancing.grid.cursor_of(epoch, passed) };
+                segment = Arc::new(planner.epoch(from).map_err(Some)?);
+                offset = 0;
+            } else {
+                rebalancing.hold(epoch, passed);
+            }
+            continue;
+        }
+        let Some(point) = point else { return Ok(()) };
+        from = Position { epoch, cursor: rebalancing.grid.cursor_of(epoch, point) };
+        let measured = match rebalancing.measures_now(epoch, point) {
+            Some(measured) => measured,
+            None if rebalancing.reads_on() => {
+                open = Some(point);
+                continue;
+            }
+            None => rebalancing.measures(epoch, point, lent.stop)?,
+        };
+        if rebalancing.decide(planner, epoch, point, measured)? {
+            segment = Arc::new(planner.epoch(from).map_err(Some)?);
+            offset = 0;
+        }
+        // Otherwise the same weights plan the same batches: no plugin call.
     }
-    outcome.map_err(Some)?;
-    Ok(sent)
+}
+
+/// What reading a segment of batches borrows from the reader stage: `step` counts this
+/// loader's batches (the tier's schedule is in them).
+struct Lent<'a, 'q> {
+    reader: &'a mut Reader,
+    config: &'a LoaderConfig,
+    out: &'a Queue<'q>,
+    stop: &'a AtomicBool,
+    coordinator: Option<&'a Arc<Coordinator>>,
+    step: &'a mut u64,
+}
+
+impl Lent<'_, '_> {
+    /// Reads `batches` and queues them, each tagged by `tag` with the position after it, until
+    /// `tag` gives none (the batch it was asked for, read, is dropped); how many were queued.
+    fn read(
+        &mut self,
+        batches: &[(Vec<u64>, Position)],
+        tag: &mut dyn FnMut(Position) -> Option<Tag>,
+    ) -> std::result::Result<usize, Option<Error>> {
+        let Lent { reader, config, out, stop, coordinator, step } = self;
+        let coordinator = *coordinator;
+        let positions = std::cell::RefCell::new(std::collections::VecDeque::new());
+        let mut stopped = false;
+        let mut cut = false;
+        let mut sent = 0usize;
+        let mut planned_count = 0usize;
+        let planned = batches.iter().inspect(|(_, after)| {
+            positions.borrow_mut().push_back(*after);
+            planned_count += 1;
+            if let Some(coordinator) = coordinator {
+                coordinator.advance(**step);
+            }
+            **step += 1;
+        });
+        let outcome = reader.read_batches(planned.map(|(records, _)| records), config.read_depth, &mut |batch| {
+            let Some(after) = positions.borrow_mut().pop_front() else {
+                return Err(Error::invalid_input("a batch read that was not planned"));
+            };
+            if stop.load(Ordering::Acquire) {
+                stopped = true;
+                return Err(Error::invalid_input("stopped"));
+            }
+            let Some(tag) = tag(after) else {
+                cut = true;
+                return Err(Error::invalid_input("cut short"));
+            };
+            if let Some(coordinator) = coordinator {
+                coordinator.delivered();
+            }
+            let batch = Box::new(std::mem::take(batch));
+            // Before it is sent: the trainer may take it at once.
+            out.clock.mark(StartStage::FirstBatchRead);
+            if out.sender.send(Message::Batch(batch, tag)).is_err() {
+                stopped = true;
+                return Err(Error::invalid_input("stopped"));
+            }
+            sent += 1;
+            if let Some(queued) = out.queued {
+                queued.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        });
+        if stopped {
+            return Err(None);
+        }
+        if cut {
+            // The batches planned and not queued count again when they are read again (the
+            // tier's schedule has already heard of them: it only fills ahead a little early).
+            **step -= (planned_count - sent) as u64;
+            return Ok(sent);
+        }
+        outcome.map_err(Some)?;
+        Ok(sent)
+    }
 }
