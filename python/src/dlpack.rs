@@ -14,6 +14,9 @@
 //! tensor, the loader's next copy into that buffer waits for the work `s` had queued by then.
 //! A consumer that names no stream (-1), or whose stream can no longer take that fence, gets
 //! the safe fallback: the reuse waits for all the work queued on the device.
+//!
+//! Owns the DLPack C structs, `Exported` and the deleters. Never: copies a batch's bytes, or
+//! touches a Python object from a deleter (it may run without the GIL, on any thread).
 #![allow(unsafe_code, reason = "DLPack is a C ABI: raw structs, a capsule, and a deleter called by the consumer")]
 
 use std::ffi::{CStr, c_void};

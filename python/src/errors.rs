@@ -4,6 +4,10 @@
 //! pickle finds the class: an error raised in a multiprocessing pool arrives in the parent as
 //! itself, message and `kind` included; one raised in a torch DataLoader worker arrives as its
 //! class made anew from its traceback's text, which carries `kind` in a note (Python 3.11+).
+//!
+//! Owns the exception classes, `to_py` (an engine error to its exception) and `engine` (an engine
+//! call with the GIL released, its error converted). Never: lets a panic cross into Python (one
+//! inside an engine call becomes an error).
 
 use pyo3::exceptions::{PyException, PyOSError, PyValueError};
 use pyo3::prelude::*;

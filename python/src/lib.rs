@@ -7,6 +7,9 @@
 //! copied it) refuses to be used and is never dropped in the child (its threads do not exist
 //! there); an exported batch keeps its staging buffer, and its device buffer, until the last
 //! consumer's deleter runs.
+//!
+//! Owns the module's registration (its classes, functions and exceptions). Never: holds engine
+//! state of its own (each class's file does).
 
 mod arrow;
 mod batch;

@@ -2,7 +2,8 @@
 //! exposition as text (`metrics_text`). The loaders of the process register themselves; this
 //! only exposes them.
 //!
-//! Never: joins the endpoint's thread in a process forked from the one that started it (that
+//! Owns `MetricsEndpoint`, `serve_metrics`, `metrics_text` and the fork hooks of the endpoint's
+//! thread. Never: joins the endpoint's thread in a process forked from the one that started it (that
 //! thread is the parent's; the copy is leaked, as a loader's is).
 
 use pyo3::prelude::*;

@@ -1,5 +1,9 @@
 //! `Store`: a store root, opened per call (so the object holds no engine threads, no catalog
 //! and no lock, and survives a fork), with ingest and listing.
+//!
+//! Owns the Python `Store` (its ingests from arrays, files, Arrow streams and other formats,
+//! listing, attach and push) and an ingest's progress report. Never: keeps the store open
+//! between calls, or holds the GIL while the engine reads or writes.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
