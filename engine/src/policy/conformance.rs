@@ -11,6 +11,8 @@
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 
+use crate::error::{Error, PluginError};
+
 use super::{
     EpochSpec, Evictor, Holding, NodeInfo, Partitioner, Plugin, PolicyKind, RankInfo, RankPlan, Replicator, ShardInfo,
 };
@@ -215,7 +217,7 @@ fn plan(plugin: &Plugin, options: &[(String, String)], world: &World) -> Result<
     match partitioner.plan(&shards, &ranks, &nodes, epoch) {
         Ok(plans) => Ok(plans),
         // A partitioner may plan only whole epochs; it must say so rather than fail.
-        Err(crate::Error::Plugin(crate::PluginError::Rejected { detail, .. }))
+        Err(Error::Plugin(PluginError::Rejected { detail, .. }))
             if epoch.start > 0 && detail.starts_with("unsupported") =>
         {
             Ok(Vec::new())
