@@ -156,13 +156,9 @@ impl State {
 /// listens there (`replication/listen`). For an attached dataset the engine puts it behind the
 /// origin cache, which asks it before the origin.
 fn node_beside(root: &std::path::Path) -> granary::Result<Option<Arc<dyn granary::read::ShardSource>>> {
-    let Some(key) = granary::replication::ClusterKey::from_env()? else { return Ok(None) };
-    match granary::replication::NodeClient::for_store(root, key) {
-        Ok(client) => Ok(Some(Arc::new(client))),
-        // No node serves this store: reads go without a hook, as before.
-        Err(granary::Error::NotFound { .. }) => Ok(None),
-        Err(e) => Err(e),
-    }
+    // No node serving this store: reads go without a hook, as before.
+    let client = granary::replication::NodeClient::beside(root)?;
+    Ok(client.map(|client| Arc::new(client) as Arc<dyn granary::read::ShardSource>))
 }
 
 #[pymethods]

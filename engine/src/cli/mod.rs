@@ -646,7 +646,8 @@ fn get(
     let mut reader = Reader::new(dataset, IoConfig::default().build()?);
     // A node serving this store repairs what the read finds damaged (none serving: no hook).
     let node = match key.key_if_given()? {
-        Some(key) => granary::replication::NodeClient::for_store(paths.root(), key).ok(),
+        // An unreadable address is no reason to refuse what the disk holds: read without it.
+        Some(key) => granary::replication::NodeClient::serving(paths.root(), key).ok().flatten(),
         None => None,
     };
     if attached {

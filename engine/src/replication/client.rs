@@ -53,6 +53,26 @@ impl NodeClient {
         Ok(Self::new(addr, key))
     }
 
+    /// A client of the node serving the store at `root`, when one does (`for_store`'s "no node"
+    /// is `None`; any other failure, such as an unreadable address, is the error).
+    pub fn serving(root: &Path, key: ClusterKey) -> Result<Option<Self>> {
+        match Self::for_store(root, key) {
+            Ok(client) => Ok(Some(client)),
+            Err(Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The node beside a process reading the store at `root`: the one serving it, when
+    /// `GRANARY_CLUSTER_KEY` holds the cluster's key (the loaders' and the origin cache's way to
+    /// find their peers).
+    pub fn beside(root: &Path) -> Result<Option<Self>> {
+        match ClusterKey::from_env()? {
+            Some(key) => Self::serving(root, key),
+            None => Ok(None),
+        }
+    }
+
     /// The node's address.
     pub fn addr(&self) -> SocketAddr {
         self.addr

@@ -615,13 +615,8 @@ fn warn_refused_key(error: &Error) {
 /// A client of the `granary serve` that serves the store at `paths`, when `GRANARY_CLUSTER_KEY`
 /// is set and one records where it listens there.
 fn node_beside(paths: &StorePaths) -> Result<Option<Peers>> {
-    let Some(key) = crate::replication::ClusterKey::from_env()? else { return Ok(None) };
-    match crate::replication::NodeClient::for_store(paths.root(), key) {
-        Ok(client) => Ok(Some(Peers { node: Arc::new(client), down_until: None })),
-        // No node serves this store.
-        Err(Error::NotFound { .. }) => Ok(None),
-        Err(e) => Err(e),
-    }
+    let client = crate::replication::NodeClient::beside(paths.root())?;
+    Ok(client.map(|client| Peers { node: Arc::new(client), down_until: None }))
 }
 
 /// Removes from `incoming` the files of fetches (and attaches) that were killed mid-way. Each
