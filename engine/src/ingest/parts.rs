@@ -8,8 +8,9 @@
 //! Owns: `PartKind` (the extension of each kind of value), the encodings of numbers and
 //! arrays (`push_number_text`, `push_npy`), and the offset table MDS shards and LitData chunks
 //! share (`offset_table`) with their JSON indexes (`read_index`, `json_strings`), and a record's
-//! parts on their way to the ingest (`RecordParts`), and the UTF-8 check of text values (`utf8_text`).
-//! Never: decides which columns a sample has (the
+//! parts on their way to the ingest (`RecordParts`), the UTF-8 check of text values (`utf8_text`),
+//! the user's column names found among an input's (`chosen_by_name`) and a record of numbers'
+//! layout (`numbers`). Never: decides which columns a sample has (the user and the
 //! sources do), or stores a value other than as the format held it (an array's elements keep
 //! their type; a number's text parses back to the same value).
 
@@ -295,6 +296,32 @@ pub(super) fn read_index(dir: &Path) -> Result<(PathBuf, Value)> {
 /// A JSON list of strings, owned; `None` when `value` is not one.
 pub(super) fn json_strings(value: &Value) -> Option<Vec<String>> {
     value.as_array()?.iter().map(|v| v.as_str().map(str::to_owned)).collect()
+}
+
+/// Where each name of `wanted` sits among `names` (every one, in order, when none is wanted);
+/// a name not there, or named twice, is an error naming `input` and calling them `what`
+/// (`("column", "columns")`, `("leaf", "leaves")`).
+pub(super) fn chosen_by_name(names: &[&str], wanted: &[String], what: (&str, &str), input: &str) -> Result<Vec<usize>> {
+    let (one, many) = what;
+    let mut chosen = Vec::with_capacity(wanted.len());
+    for name in wanted {
+        let at = names.iter().position(|n| n == name).ok_or_else(|| {
+            Error::invalid_input(format!("{input}: no {one} {name:?} (its {many}: {})", names.join(", ")))
+        })?;
+        if chosen.contains(&at) {
+            return Err(Error::invalid_input(format!("{one} {name:?} is named twice")));
+        }
+        chosen.push(at);
+    }
+    if chosen.is_empty() {
+        chosen = (0..names.len()).collect();
+    }
+    Ok(chosen)
+}
+
+/// `n` numbers of `dtype`, as a record's layout.
+pub(super) fn numbers(dtype: crate::shard::Dtype, n: u64) -> Result<crate::shard::FixedLayout> {
+    crate::shard::FixedLayout::new(dtype, &[n]).map_err(|e| Error::invalid_input(e.to_string()))
 }
 
 #[cfg(test)]

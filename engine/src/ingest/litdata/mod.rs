@@ -38,10 +38,10 @@ use self::chunk::{arrow_footer, framed};
 use self::leaves::{Serializer, leaf_into, leaf_names, leaves_of};
 use super::RecordSink;
 use super::arrow_rows::{Kind, Nulls, Rows, choose_columns, layout_of};
-use super::parts::{PartKind, RecordParts, json_strings, offset_table, read_index};
+use super::parts::{PartKind, RecordParts, chosen_by_name, json_strings, numbers, offset_table, read_index};
 use super::sources::Progress;
 use crate::error::{Error, Result, catch_panic};
-use crate::shard::{Dtype, FixedLayout, Layout};
+use crate::shard::{Dtype, Layout};
 
 /// How the chunks are compressed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,9 +166,9 @@ impl LitDataInput {
             Reading::Leaves { leaves, chosen } => match chosen.as_slice() {
                 &[only] => match &leaves[only].1 {
                     Serializer::Str | Serializer::Bytes => Layout::Bytes,
-                    Serializer::Int => Layout::Fixed(fixed_of(Dtype::I64, 1)?),
-                    Serializer::Float => Layout::Fixed(fixed_of(Dtype::F64, 1)?),
-                    Serializer::Bool => Layout::Fixed(fixed_of(Dtype::U8, 1)?),
+                    Serializer::Int => Layout::Fixed(numbers(Dtype::I64, 1)?),
+                    Serializer::Float => Layout::Fixed(numbers(Dtype::F64, 1)?),
+                    Serializer::Bool => Layout::Fixed(numbers(Dtype::U8, 1)?),
                     Serializer::Flat(dtype) => Layout::Arrays(*dtype),
                     Serializer::Numpy | Serializer::Tensor => {
                         return Err(Error::invalid_input(format!(
@@ -183,7 +183,7 @@ impl LitDataInput {
             },
             Reading::Footer { columns } => layout_of(columns),
             Reading::Tokens { dtype, block: None } => Layout::Arrays(*dtype),
-            Reading::Tokens { dtype, block: Some(block) } => Layout::Fixed(fixed_of(*dtype, *block)?),
+            Reading::Tokens { dtype, block: Some(block) } => Layout::Fixed(numbers(*dtype, *block)?),
         };
         Ok(input)
     }
@@ -354,30 +354,10 @@ fn leaves_reading(
         })?;
         leaves.push((name, serializer));
     }
-    let mut chosen = Vec::new();
-    for name in wanted {
-        let at = leaves.iter().position(|(leaf, _)| leaf == name).ok_or_else(|| {
-            let all: Vec<&str> = leaves.iter().map(|(leaf, _)| leaf.as_str()).collect();
-            ChunkError::Input(Error::invalid_input(format!(
-                "{}: no leaf {name:?} (its leaves: {})",
-                dir.display(),
-                all.join(", ")
-            )))
-        })?;
-        if chosen.contains(&at) {
-            return Err(ChunkError::Input(Error::invalid_input(format!("leaf {name:?} is named twice"))));
-        }
-        chosen.push(at);
-    }
-    if chosen.is_empty() {
-        chosen = (0..leaves.len()).collect();
-    }
+    let names: Vec<&str> = leaves.iter().map(|(leaf, _)| leaf.as_str()).collect();
+    let chosen =
+        chosen_by_name(&names, wanted, ("leaf", "leaves"), &dir.display().to_string()).map_err(ChunkError::Input)?;
     Ok(Reading::Leaves { leaves, chosen })
-}
-
-/// `n` numbers of `dtype`, as a record's layout.
-fn fixed_of(dtype: Dtype, n: u64) -> Result<FixedLayout> {
-    FixedLayout::new(dtype, &[n]).map_err(|e| Error::invalid_input(e.to_string()))
 }
 
 /// Ingests every item of `input`, chunk by chunk in the index's order, as records of

@@ -29,10 +29,10 @@ use serde_json::Value;
 
 use self::values::{Encoding, ndarray, value_into};
 use super::RecordSink;
-use super::parts::{PartKind, RecordParts, json_strings, offset_table, read_index};
+use super::parts::{PartKind, RecordParts, chosen_by_name, json_strings, numbers, offset_table, read_index};
 use super::sources::Progress;
 use crate::error::{Error, Result};
-use crate::shard::{Dtype, FixedLayout, Layout};
+use crate::shard::{Dtype, Layout};
 
 /// A column of the dataset.
 #[derive(Clone, Debug)]
@@ -219,24 +219,8 @@ impl MdsInput {
             shards.push(shard_file(dir, s, shard, codec, &bad)?);
         }
         let columns = all.ok_or_else(|| bad("no shards".into()))?;
-        let mut chosen = Vec::new();
-        for name in wanted {
-            let at = columns.iter().position(|c| &c.name == name).ok_or_else(|| {
-                let names: Vec<&str> = columns.iter().map(|c| c.name.as_str()).collect();
-                Error::invalid_input(format!(
-                    "{}: no column {name:?} (its columns: {})",
-                    dir.display(),
-                    names.join(", ")
-                ))
-            })?;
-            if chosen.contains(&at) {
-                return Err(Error::invalid_input(format!("column {name:?} is named twice")));
-            }
-            chosen.push(at);
-        }
-        if chosen.is_empty() {
-            chosen = (0..columns.len()).collect();
-        }
+        let names: Vec<&str> = columns.iter().map(|c| c.name.as_str()).collect();
+        let chosen = chosen_by_name(&names, wanted, ("column", "columns"), &dir.display().to_string())?;
         let mut input = Self { dir: dir.to_owned(), columns, chosen, shards, layout: Layout::Samples };
         input.layout = input.decide_layout()?;
         Ok(input)
@@ -266,8 +250,8 @@ impl MdsInput {
             | Encoding::Json
             | Encoding::Jpeg
             | Encoding::Png => Layout::Bytes,
-            Encoding::Int => Layout::Fixed(fixed_of(Dtype::I64)?),
-            Encoding::Scalar(dtype) => Layout::Fixed(fixed_of(*dtype)?),
+            Encoding::Int => Layout::Fixed(numbers(Dtype::I64, 1)?),
+            Encoding::Scalar(dtype) => Layout::Fixed(numbers(*dtype, 1)?),
             Encoding::Pil | Encoding::List { .. } => Layout::Samples,
             Encoding::NdArray { dtype: Some(dtype), shape: Some(shape) } => {
                 if shape.len() > 1 {
@@ -363,11 +347,6 @@ impl MdsInput {
         }
         Ok(values)
     }
-}
-
-/// One number of `dtype`, as a record's layout.
-fn fixed_of(dtype: Dtype) -> Result<FixedLayout> {
-    FixedLayout::new(dtype, &[1]).map_err(|e| Error::invalid_input(e.to_string()))
 }
 
 /// Shard `s` of the index (`shard`, compressed with `codec`): its files, each a path inside
