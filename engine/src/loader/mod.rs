@@ -444,6 +444,11 @@ impl Loader {
         self.stats.stall_max = self.stats.stall_max.max(stall);
         self.stats.elapsed = first.elapsed();
         let position = tag.after;
+        debug_assert!(
+            (position.epoch, position.cursor) > (self.position.epoch, self.position.cursor),
+            "batches come in plan order: {position:?} after {:?}",
+            self.position
+        );
         self.clock.mark(StartStage::FirstBatchTaken);
         if let Some(coordinator) = &self.coordinator {
             coordinator.consumed();

@@ -294,6 +294,8 @@ fn read_epoch(
             };
             if rebalance::tells_ranks_apart(&measured) {
                 rebalancing.decide(planner, epoch, passed, measured)?;
+                // What the trainer side now asks of every batch past the point (`Meter`).
+                debug_assert_eq!((rebalancing.current.epoch, rebalancing.current.step), (epoch, passed));
                 from = Position { epoch, cursor: rebalancing.grid.cursor_of(epoch, passed) };
                 segment = Arc::new(planner.epoch(from).map_err(Some)?);
                 offset = 0;
@@ -382,6 +384,10 @@ impl Lent<'_, '_> {
             }
             Ok(())
         });
+        debug_assert!(
+            sent <= planned_count && planned_count <= batches.len(),
+            "{sent} sent of {planned_count} planned"
+        );
         if stopped {
             return Err(None);
         }

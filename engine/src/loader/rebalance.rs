@@ -661,6 +661,7 @@ impl<'a> Rebalancing<'a> {
             return Ok(false);
         }
         let weights = planner.rebalance(point, &self.current.weights, measured).map_err(Some)?;
+        debug_assert_eq!(weights.len(), self.current.weights.len(), "a weight per rank");
         self.held = false;
         let moved = weights != self.current.weights;
         self.current = Arc::new(WeightsAt { epoch, step: point, weights });
