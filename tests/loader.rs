@@ -503,7 +503,7 @@ fn a_mixture_rebalances_and_its_global_order_stays_the_blends() {
     assert_eq!((fast.len(), slow.len()), (48, 48));
     assert!(slow[10].0.len() < 16 && fast[10].0.len() > 16, "step 10: {} and {}", fast[10].0.len(), slow[10].0.len());
     // Step by step, the fast rank's share then the slow one's is the blend's order.
-    let order: Vec<u64> = mixture.blend().epoch(7, 0).records_from(0).map(|(_, r)| r).collect();
+    let order: Vec<u64> = mixture.blend().epoch(7, 0).unwrap().records_from(0).map(|(_, r)| r).collect();
     let read: Vec<u64> = (0..48).flat_map(|s| fast[s].0.iter().chain(&slow[s].0).copied()).collect();
     assert_eq!(read, order);
 }

@@ -160,7 +160,7 @@ fn an_epoch_is_the_sources_records_or_one_sources_pass() {
     assert_eq!(m.blend().epoch_samples(), 379);
     let m = mixture(&s, &[0.5, 0.4, 0.1], EpochLength::PassOf(1));
     assert_eq!(m.blend().epoch_samples(), 175, "70 code records at 0.4");
-    assert_eq!(m.counts(1)[0][1], 70);
+    assert_eq!(m.drawn(1).unwrap()[1], 70);
 }
 
 #[test]
@@ -201,7 +201,7 @@ proptest! {
         }
         let mut counts = vec![0u64; n];
         let mut targets = vec![0f64; n];
-        for (p, (s, record)) in blend.epoch(5, epoch).records_from(0).enumerate() {
+        for (p, (s, record)) in blend.epoch(5, epoch).unwrap().records_from(0).enumerate() {
             let units = blend.units_at(Position { epoch, cursor: p as u64 });
             for (t, &u) in targets.iter_mut().zip(units) {
                 *t += u as f64 / granary::blend::WEIGHT_UNIT as f64;
@@ -243,4 +243,16 @@ fn granary_mix_counts_each_sources_draws_and_passes() {
     assert!(String::from_utf8_lossy(&error.stderr).contains("nope"));
     let error = granary(&root, &["mix", "web"]);
     assert!(String::from_utf8_lossy(&error.stderr).contains("NAME=WEIGHT"));
+    // Counts a user can type: 2**32 - 1 epochs took a row of counts each (a 103 GB allocation,
+    // aborted); epochs of one set of weights are counted once now, and a total past a u64 is
+    // refused.
+    let started = std::time::Instant::now();
+    let out =
+        granary_ok(&root, &["mix", "web=0.6", "code=0.3", "math=0.1", "--samples", "250", "--epochs", "4294967295"]);
+    let math = out.lines().find(|l| l.starts_with("math@1")).unwrap();
+    assert_eq!(math.split_whitespace().nth(3), Some((25u64 * 4294967295).to_string().as_str()), "{out}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "{:?}", started.elapsed());
+    let error = granary(&root, &["mix", "web=0.6", "code=0.3", "--samples", "250", "--epochs", "18446744073709551615"]);
+    assert_eq!(error.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&error.stderr).contains("pass what a u64 counts"), "{error:?}");
 }

@@ -147,26 +147,51 @@ impl Blend {
         draw.counts
     }
 
-    /// Epoch `epoch` of the blend under `seed`.
-    pub fn epoch(&self, seed: u64, epoch: u64) -> BlendEpoch {
-        // Draws before this epoch: epochs with the same weights throughout draw the same counts.
-        let mut before = vec![0u64; self.sources.len()];
+    /// Epoch `epoch` of the blend under `seed`; refused when a source's draws up to its end
+    /// would not fit a `u64` (an epoch no run reaches, but a state or a count can name).
+    pub fn epoch(&self, seed: u64, epoch: u64) -> Result<BlendEpoch, String> {
+        let before =
+            self.drawn(epoch).filter(|before| before.iter().all(|d| d.checked_add(self.epoch_samples).is_some()));
+        let before = before.ok_or_else(|| {
+            format!(
+                "epoch {epoch} of a mixture of {} samples an epoch: its draws pass what a u64 counts",
+                self.epoch_samples
+            )
+        })?;
+        Ok(BlendEpoch { blend: self.clone(), seed, epoch, before })
+    }
+
+    /// Each source's draws in epochs `0..epochs`, or `None` when one passes a `u64`. Epochs
+    /// whose weights are the same throughout draw the same counts, and such epochs come in runs:
+    /// an epoch a change falls in stands alone, and the epochs after it up to the next such
+    /// epoch share one set of weights. So the time taken grows with the changes, not the epochs.
+    pub fn drawn(&self, epochs: u64) -> Option<Vec<u64>> {
+        let mut starts: Vec<u64> = vec![0];
+        for change in &self.changes {
+            starts.push(change.at.epoch);
+            starts.push(change.at.epoch.saturating_add(1));
+        }
+        starts.retain(|&e| e < epochs);
+        starts.sort_unstable();
+        starts.dedup();
+        let mut drawn = vec![0u64; self.sources.len()];
         let mut memo: Vec<(EpochChanges<'_>, Vec<u64>)> = Vec::new();
-        for e in 0..epoch {
-            let changes = self.epoch_changes(e);
+        for (i, &first) in starts.iter().enumerate() {
+            let run = starts.get(i + 1).copied().unwrap_or(epochs) - first;
+            let changes = self.epoch_changes(first);
             let counts = match memo.iter().find(|(seen, _)| *seen == changes) {
                 Some((_, counts)) => counts.clone(),
                 None => {
-                    let counts = self.epoch_counts(e);
+                    let counts = self.epoch_counts(first);
                     memo.push((changes, counts.clone()));
                     counts
                 }
             };
-            for (total, count) in before.iter_mut().zip(counts) {
-                *total += count;
+            for (total, count) in drawn.iter_mut().zip(counts) {
+                *total = total.checked_add(count.checked_mul(run)?)?;
             }
         }
-        BlendEpoch { blend: self.clone(), seed, epoch, before }
+        Some(drawn)
     }
 }
 
@@ -405,7 +430,7 @@ mod tests {
         let mut small = Vec::new();
         let mut large = Vec::new();
         for epoch in 0..3 {
-            for (s, record) in blend.epoch(7, epoch).records_from(0) {
+            for (s, record) in blend.epoch(7, epoch).expect("epoch").records_from(0) {
                 if s == 0 { small.push(record) } else { large.push(record - 10) }
             }
         }
@@ -423,11 +448,43 @@ mod tests {
     }
 
     #[test]
+    fn the_draws_before_an_epoch_are_the_sum_of_the_epochs_before_whatever_the_changes() {
+        // Changes inside epochs 2 and 5 and at the start of 4: every epoch's draws summed one by
+        // one, against the runs of alike epochs.
+        let blend = Blend::new(sources(&[5, 17, 40]), &[0.2, 0.5, 0.3], 90)
+            .and_then(|b| b.with_change(Position { epoch: 2, cursor: 33 }, &[0.0, 0.1, 0.9]))
+            .and_then(|b| b.with_change(Position { epoch: 4, cursor: 0 }, &[0.6, 0.2, 0.2]))
+            .and_then(|b| b.with_change(Position { epoch: 5, cursor: 89 }, &[0.3, 0.3, 0.4]))
+            .expect("blend");
+        let mut summed = vec![0u64; 3];
+        for epoch in 0..9 {
+            assert_eq!(blend.drawn(epoch), Some(summed.clone()), "before epoch {epoch}");
+            assert_eq!(blend.epoch(1, epoch).expect("epoch").drawn_before(), &summed[..]);
+            for (total, count) in summed.iter_mut().zip(blend.epoch_counts(epoch)) {
+                *total += count;
+            }
+        }
+    }
+
+    #[test]
+    fn an_epoch_far_out_is_reached_at_once_and_one_past_counting_is_refused() {
+        let blend = Blend::new(sources(&[5, 17]), &[0.5, 0.5], 90).expect("blend");
+        // 2**62 epochs of 45 draws each pass a u64; 2**56 do not.
+        let started = std::time::Instant::now();
+        let far = blend.epoch(1, 1 << 56).expect("epoch 2**56");
+        assert_eq!(far.drawn_before(), &[45 << 56, 45 << 56]);
+        assert_eq!(far.records_from(89).count(), 1);
+        assert!(blend.epoch(1, 1 << 62).is_err());
+        assert!(blend.drawn(u64::MAX).is_none());
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
+    }
+
+    #[test]
     fn resuming_at_a_cursor_reads_the_rest_of_the_epoch() {
         let blend = Blend::new(sources(&[5, 17, 40]), &[0.2, 0.5, 0.3], 90)
             .and_then(|b| b.with_change(Position { epoch: 1, cursor: 33 }, &[0.0, 0.1, 0.9]))
             .expect("blend");
-        let epoch = blend.epoch(3, 1);
+        let epoch = blend.epoch(3, 1).expect("epoch");
         let whole: Vec<_> = epoch.records_from(0).collect();
         for cursor in [0, 1, 32, 33, 34, 89, 90] {
             let rest: Vec<_> = epoch.records_from(cursor).collect();

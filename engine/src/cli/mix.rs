@@ -53,12 +53,12 @@ pub(super) fn mix(paths: &StorePaths, args: &MixArgs) -> Result<()> {
         bail!("--epochs: at least 1");
     }
     let mixture = Mixture::open(paths, &parts, epoch)?;
-    let counts = mixture.counts(args.epochs);
+    let drawn = mixture.drawn(args.epochs)?;
     outln!("mixture {}", mixture.id())?;
     outln!("{} samples an epoch, {} epoch(s)", mixture.blend().epoch_samples(), args.epochs)?;
     outln!("{:<28} {:>12} {:>8} {:>14} {:>8}", "source", "records", "weight", "draws", "passes")?;
     for (s, source) in mixture.sources().iter().enumerate() {
-        let draws: u64 = counts.iter().map(|epoch| epoch[s]).sum();
+        let draws = drawn[s];
         let passes = if source.n_records == 0 { 0.0 } else { draws as f64 / source.n_records as f64 };
         outln!("{:<28} {:>12} {:>8.4} {:>14} {:>8.3}", source.label, source.n_records, source.weight, draws, passes)?;
     }

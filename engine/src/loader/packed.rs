@@ -284,7 +284,8 @@ impl Packer {
             Packing::Mixture(mixed) => {
                 let behind = self.draws.as_ref().is_none_or(|(e, d)| *e != epoch || d.at() > windows.start);
                 if behind {
-                    let draws = mixed.blend.epoch(self.seed, epoch).draws_from(windows.start);
+                    let draws =
+                        mixed.blend.epoch(self.seed, epoch).map_err(Error::invalid_input)?.draws_from(windows.start);
                     self.draws = Some((epoch, draws));
                 }
                 let (_, draws) = self.draws.as_mut().ok_or_else(|| Error::invalid_input("no draws"))?;

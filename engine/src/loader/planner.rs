@@ -305,7 +305,7 @@ impl EpochPlanner {
             Source::PackedMixture(packed) => {
                 // Each window's documents, source by source.
                 let packed = std::sync::Arc::clone(packed);
-                let epoch = packed.blend.epoch(self.seed, from.epoch);
+                let epoch = packed.blend.epoch(self.seed, from.epoch).map_err(Error::invalid_input)?;
                 let mut passes = crate::pack::PlacedPasses::default();
                 out = self.cut_in_order(&steps, from, worlds, epoch.draws_from(from.cursor), &after, |share| {
                     let mut records = Vec::new();
@@ -318,7 +318,7 @@ impl EpochPlanner {
                 })?;
             }
             Source::Blend(blend) => {
-                let epoch = std::sync::Arc::clone(blend).epoch(self.seed, from.epoch);
+                let epoch = blend.epoch(self.seed, from.epoch).map_err(Error::invalid_input)?;
                 let records = epoch.records_from(from.cursor).map(|(_, record)| record);
                 out = self.cut_in_order(&steps, from, worlds, records, &after, <[u64]>::to_vec)?;
             }

@@ -146,9 +146,15 @@ impl Mixture {
         ObjectId::from_hash(digest.finalize()).to_string()
     }
 
-    /// Each source's draws in epochs `0..epochs`, one row per epoch (what `granary mix` shows).
-    pub fn counts(&self, epochs: u64) -> Vec<Vec<u64>> {
-        (0..epochs).map(|epoch| self.blend.epoch_counts(epoch)).collect()
+    /// Each source's draws in epochs `0..epochs` (what `granary mix` shows); refused when one
+    /// passes a `u64`.
+    pub fn drawn(&self, epochs: u64) -> Result<Vec<u64>> {
+        self.blend.drawn(epochs).ok_or_else(|| {
+            Error::invalid_input(format!(
+                "{epochs} epochs of {} samples: a source's draws pass what a u64 counts",
+                self.blend.epoch_samples()
+            ))
+        })
     }
 }
 
