@@ -501,7 +501,17 @@ class Loader:
                     "make it with the same versions (their manifest ids), weights and epoch length to resume"
                 )
             # The changes of weights made before the save are repeated: the resumed order is the saved run's.
+            mine = [tuple(c) for c in mixed["changes"] if (c[0], c[1]) != (0, 0)]
             self._native.set_mixture_changes([tuple(c) for c in saved["changes"] if (c[0], c[1]) != (0, 0)])
+            # The id digests the sources, the weights and every change: one that differs says the
+            # state's changes (or its id) were altered after it was saved. Nothing is resumed.
+            now = self._native.mixture["id"]
+            if saved.get("id") != now:
+                self._native.set_mixture_changes(mine)
+                raise ValueError(
+                    f"the state's mixture id {saved.get('id')!r} is not that of its sources, weights and changes "
+                    f"({now}): the state was altered after it was saved; not resumed"
+                )
         # The weights first: the position's place in the epoch's short last step depends on them.
         self._native.set_rebalance_state(state.get("rebalance"))
         self._native.seek(int(state["epoch"]), int(state["cursor"]))

@@ -96,6 +96,34 @@ def test_a_state_saved_on_three_ranks_after_a_weight_change_resumes_on_two(sourc
     assert rest == order[120:]
 
 
+def test_a_state_altered_after_it_was_saved_is_refused_and_the_loader_keeps_its_own(sources):
+    # Issue 55: a state whose changes were rewritten to read one source, or whose mixture id was
+    # zeroed, was believed (the rest of the epoch read only that source), as was a cursor of
+    # 10**12. The id digests the sources, the weights and the changes.
+    import copy
+
+    store, _ = sources
+    options = dict(mixture_samples=240, seed=2, output="numpy", with_indices=True, device="cpu")
+    state = save_after_a_weight_change(store, WEIGHTS, 4, 1, 5, [0.2, 0.2, 0.6], 5, **options)[0]
+    untouched = resumed(store, WEIGHTS, 4, 1, state, lambda batch: batch[0].tolist(), **options)
+    one_source = copy.deepcopy(state)
+    one_source["mixture"]["changes"][1] = [0, 20, [0.0, 0.0, 1.0]]
+    zeroed = copy.deepcopy(state)
+    zeroed["mixture"]["id"] = "0" * 64
+    for altered, says in ((one_source, "altered after it was saved"), (zeroed, "altered after it was saved")):
+        loader = store.loader(WEIGHTS, 4, **options)
+        with pytest.raises(ValueError, match=says):
+            loader.load_state_dict(altered)
+        assert loader.mixture["changes"] == store.loader(WEIGHTS, 4, **options).mixture["changes"]
+        # Refused whole: the loader resumes the true state afterwards as a fresh one does.
+        loader.load_state_dict(state)
+        assert [i for batch in loader for i in batch[0].tolist()] == untouched
+    past = copy.deepcopy(state)
+    past["cursor"] = 10**12
+    with pytest.raises(ValueError, match="past the end of an epoch of 240"):
+        store.loader(WEIGHTS, 4, **options).load_state_dict(past)
+
+
 def test_a_mixture_is_refused_what_it_cannot_read(sources, store):
     data = records(3, seed=7)
     store.ingest("bytes", [row.tobytes() for row in data])
