@@ -171,121 +171,163 @@ impl Source for LoaderMetrics {
     }
 
     fn collect(&self, out: &mut Samples) {
-        let rank = || vec![("rank", self.rank.clone()), ("dataset", self.dataset.clone())];
-        let get = |v: &AtomicU64| v.load(Ordering::Relaxed) as f64;
         let batches = self.batches.load(Ordering::Relaxed);
-        out.counter("granary_loader_batches", "Batches handed to the trainer.", Unit::None, rank(), batches as f64);
-        out.counter("granary_loader_records", "Records handed to the trainer.", Unit::None, rank(), get(&self.records));
+        self.collect_handed_out(out, batches);
+        if self.rebalancing.load(Ordering::Relaxed) {
+            self.collect_rebalancing(out);
+        }
+        let read = self.read.get();
+        self.collect_reads(out, &read);
+        let pool = self.collect_tier_and_cache(out, &read);
+        if !self.ended() {
+            self.collect_live(out, batches, pool);
+        }
+    }
+}
+
+/// `collect`'s parts, a family of samples each.
+impl LoaderMetrics {
+    /// The samples' labels: this rank and its dataset.
+    fn labels(&self) -> crate::metrics::Labels {
+        vec![("rank", self.rank.clone()), ("dataset", self.dataset.clone())]
+    }
+
+    /// What was handed to the trainer, and its waits.
+    fn collect_handed_out(&self, out: &mut Samples, batches: u64) {
+        out.counter(
+            "granary_loader_batches",
+            "Batches handed to the trainer.",
+            Unit::None,
+            self.labels(),
+            batches as f64,
+        );
+        out.counter(
+            "granary_loader_records",
+            "Records handed to the trainer.",
+            Unit::None,
+            self.labels(),
+            get(&self.records),
+        );
         out.counter(
             "granary_loader_delivered",
             "Record bytes handed to the trainer.",
             Unit::Bytes,
-            rank(),
+            self.labels(),
             get(&self.bytes),
         );
         out.counter(
             "granary_loader_ready_batches",
             "Batches that were ready when the trainer asked (no wait).",
             Unit::None,
-            rank(),
+            self.labels(),
             get(&self.ready),
         );
         out.counter(
             "granary_loader_stall",
             "Time the trainer waited for data.",
             Unit::Seconds,
-            rank(),
+            self.labels(),
             self.stall_nanos.load(Ordering::Relaxed) as f64 / 1e9,
         );
         out.histogram(
             "granary_loader_step_stall",
             "The trainer's wait for each batch.",
             Unit::Seconds,
-            rank(),
+            self.labels(),
             self.stall.value(),
         );
-        if self.rebalancing.load(Ordering::Relaxed) {
-            out.gauge(
-                "granary_loader_weight",
-                "This rank's weight in force (its share of a step is its weight over the ranks' total).",
-                Unit::None,
-                rank(),
-                get(&self.weight),
-            );
-            out.gauge(
-                "granary_loader_step_records",
-                "Records of a full step this rank reads under the weights in force.",
-                Unit::None,
-                rank(),
-                get(&self.step_share),
-            );
-            out.counter(
-                "granary_loader_rebalances",
-                "Rebalance points passed.",
-                Unit::None,
-                rank(),
-                get(&self.rebalances),
-            );
-            out.counter(
-                "granary_loader_rebalances_held",
-                "Rebalance points that kept the weights in force because every rank's window took the same time \
-                 (a per-step barrier hides the slow rank: report_busy tells it).",
-                Unit::None,
-                rank(),
-                get(&self.rebalances_held),
-            );
-            out.counter(
-                "granary_loader_rebalance_moved_records",
-                "Records of a step moved to or from this rank by rebalance points, summed over the points.",
-                Unit::None,
-                rank(),
-                get(&self.moved),
-            );
-            out.counter(
-                "granary_loader_rebalance_recut_batches",
-                "Batches read past a rebalance point before its measures came, dropped when those told the \
-                 ranks apart, and read again with the point's weights.",
-                Unit::None,
-                rank(),
-                get(&self.recut),
-            );
-        }
+    }
 
-        let read = self.read.get();
+    /// The weights in force and the rebalance points passed.
+    fn collect_rebalancing(&self, out: &mut Samples) {
+        out.gauge(
+            "granary_loader_weight",
+            "This rank's weight in force (its share of a step is its weight over the ranks' total).",
+            Unit::None,
+            self.labels(),
+            get(&self.weight),
+        );
+        out.gauge(
+            "granary_loader_step_records",
+            "Records of a full step this rank reads under the weights in force.",
+            Unit::None,
+            self.labels(),
+            get(&self.step_share),
+        );
+        out.counter(
+            "granary_loader_rebalances",
+            "Rebalance points passed.",
+            Unit::None,
+            self.labels(),
+            get(&self.rebalances),
+        );
+        out.counter(
+            "granary_loader_rebalances_held",
+            "Rebalance points that kept the weights in force because every rank's window took the same time \
+             (a per-step barrier hides the slow rank: report_busy tells it).",
+            Unit::None,
+            self.labels(),
+            get(&self.rebalances_held),
+        );
+        out.counter(
+            "granary_loader_rebalance_moved_records",
+            "Records of a step moved to or from this rank by rebalance points, summed over the points.",
+            Unit::None,
+            self.labels(),
+            get(&self.moved),
+        );
+        out.counter(
+            "granary_loader_rebalance_recut_batches",
+            "Batches read past a rebalance point before its measures came, dropped when those told the \
+             ranks apart, and read again with the point's weights.",
+            Unit::None,
+            self.labels(),
+            get(&self.recut),
+        );
+    }
+
+    /// The reader's counters.
+    fn collect_reads(&self, out: &mut Samples, read: &crate::read::ReadStats) {
         out.counter(
             "granary_read",
             "Bytes read from shard files (whole blocks).",
             Unit::Bytes,
-            rank(),
+            self.labels(),
             read.bytes_read as f64,
         );
-        out.counter("granary_read_ops", "Read operations issued to the disk.", Unit::None, rank(), read.ops as f64);
+        out.counter(
+            "granary_read_ops",
+            "Read operations issued to the disk.",
+            Unit::None,
+            self.labels(),
+            read.ops as f64,
+        );
         out.counter(
             "granary_read_blocks_verified",
             "Blocks whose CRC32C was checked on reads from disk.",
             Unit::None,
-            rank(),
+            self.labels(),
             read.blocks_verified as f64,
         );
         out.counter(
             "granary_read_verify_failures",
             "Reads that found damaged bytes (each repaired or reported).",
             Unit::None,
-            rank(),
+            self.labels(),
             read.verify_failures as f64,
         );
         out.counter(
             "granary_read_shards_repaired",
             "Shards replaced through the repair hook (a peer's or the origin's copy).",
             Unit::None,
-            rank(),
+            self.labels(),
             read.shards_repaired as f64,
         );
         out.counter(
             "granary_read_tier",
             "Record bytes copied from the memory tier.",
             Unit::Bytes,
-            rank(),
+            self.labels(),
             read.tier_bytes as f64,
         );
         out.counter(
@@ -293,10 +335,18 @@ impl Source for LoaderMetrics {
             "Distinct shards each batch drew its records from, summed over the batches (over granary_loader_batches: \
              how well the plan mixes).",
             Unit::None,
-            rank(),
+            self.labels(),
             read.batch_shards as f64,
         );
+    }
 
+    /// The memory tier's and the origin cache's counters since the loader began, and the hit
+    /// ratio; the staging pool's figures while the loader lives.
+    fn collect_tier_and_cache(
+        &self,
+        out: &mut Samples,
+        read: &crate::read::ReadStats,
+    ) -> Option<crate::staging::PoolStats> {
         let (tier, cache, pool) = match &*self.live.lock() {
             Some(live) => (
                 live.tier.as_ref().map(|tier| tier.stats()),
@@ -315,21 +365,21 @@ impl Source for LoaderMetrics {
                 "granary_tier_loaded",
                 "Bytes this process read from disk into the memory tier.",
                 Unit::Bytes,
-                rank(),
+                self.labels(),
                 tier.bytes_loaded as f64,
             );
             out.counter(
                 "granary_tier_evicted_extents",
                 "Extents this process removed from the memory tier.",
                 Unit::None,
-                rank(),
+                self.labels(),
                 tier.extents_evicted as f64,
             );
             out.counter(
                 "granary_tier_fill_failures",
                 "Memory tier fills that failed (their reads went to disk).",
                 Unit::None,
-                rank(),
+                self.labels(),
                 tier.fill_failures as f64,
             );
         }
@@ -338,28 +388,28 @@ impl Source for LoaderMetrics {
                 "granary_cache_accesses",
                 "Shard accesses through the origin cache.",
                 Unit::None,
-                rank(),
+                self.labels(),
                 cache.accesses as f64,
             );
             out.counter(
                 "granary_cache_misses",
                 "Shard accesses that waited for the shard to be fetched.",
                 Unit::None,
-                rank(),
+                self.labels(),
                 cache.waited as f64,
             );
             out.counter(
                 "granary_cache_from_origin",
                 "Bytes fetched from the object-store origin.",
                 Unit::Bytes,
-                rank(),
+                self.labels(),
                 cache.bytes_from_origin as f64,
             );
             out.counter(
                 "granary_cache_from_peers",
                 "Bytes fetched from the job's peers.",
                 Unit::Bytes,
-                rank(),
+                self.labels(),
                 cache.bytes_from_peers as f64,
             );
         }
@@ -379,54 +429,55 @@ impl Source for LoaderMetrics {
                 "granary_loader_cache_hit",
                 "Share of reads served from memory or the local cache.",
                 Unit::Ratio,
-                rank(),
+                self.labels(),
                 ratio,
             );
         }
+        pool
+    }
 
-        if self.ended() {
-            return;
-        }
+    /// The gauges of a loader still running: its queue, holds, epoch and staging pool.
+    fn collect_live(&self, out: &mut Samples, batches: u64, pool: Option<crate::staging::PoolStats>) {
         out.gauge(
             "granary_loader_queued_batches",
             "Batches read and waiting for the trainer (the prefetch queue).",
             Unit::None,
-            rank(),
+            self.labels(),
             self.queued.load(Ordering::Relaxed).saturating_sub(batches) as f64,
         );
         out.gauge(
             "granary_read_pending_ops",
             "Read operations issued whose batch is not delivered yet (in flight, or done and waiting for an earlier batch).",
             Unit::None,
-            rank(),
+            self.labels(),
             self.read.pending_ops() as f64,
         );
         out.gauge(
             "granary_loader_held_batches",
             "Batches the trainer holds.",
             Unit::None,
-            rank(),
+            self.labels(),
             self.held.load(Ordering::Relaxed) as f64,
         );
         out.gauge(
             "granary_loader_epoch",
             "The epoch of the last batch handed out.",
             Unit::None,
-            rank(),
+            self.labels(),
             get(&self.epoch),
         );
         out.gauge(
             "granary_loader_epoch_records",
             "Records this rank read in the current epoch.",
             Unit::None,
-            rank(),
+            self.labels(),
             get(&self.epoch_records),
         );
         out.gauge(
             "granary_loader_epoch_read",
             "Record bytes this rank read in the current epoch.",
             Unit::Bytes,
-            rank(),
+            self.labels(),
             get(&self.epoch_bytes),
         );
         if let Some(pool) = pool {
@@ -434,20 +485,31 @@ impl Source for LoaderMetrics {
                 "granary_staging_buffers_leased",
                 "Staging buffers in use.",
                 Unit::None,
-                rank(),
+                self.labels(),
                 pool.leased as f64,
             );
             out.gauge(
                 "granary_staging_buffers",
                 "Staging buffers in the pool.",
                 Unit::None,
-                rank(),
+                self.labels(),
                 pool.buffers as f64,
             );
             let pinned = if pool.pinned { pool.buffers * pool.buffer_bytes } else { 0 };
-            out.gauge("granary_staging_pinned", "Page-locked staging memory.", Unit::Bytes, rank(), pinned as f64);
+            out.gauge(
+                "granary_staging_pinned",
+                "Page-locked staging memory.",
+                Unit::Bytes,
+                self.labels(),
+                pinned as f64,
+            );
         }
     }
+}
+
+/// A counter's value as a sample's.
+fn get(value: &AtomicU64) -> f64 {
+    value.load(Ordering::Relaxed) as f64
 }
 
 /// The skew of this process's ranks, per dataset: the most any rank read this epoch against
