@@ -146,64 +146,8 @@ impl Loader {
                 ),
             })?),
         };
-        // Rebalancing gives a rank up to `SHARE_MAX_BATCHES` batch sizes of a step.
-        #[cfg(feature = "policy")]
-        let batch_records = match config.rebalance {
-            Some(_) => config.batch_size.saturating_mul(crate::plan::SHARE_MAX_BATCHES),
-            None => config.batch_size,
-        };
-        #[cfg(not(feature = "policy"))]
-        let batch_records = config.batch_size;
-        let batch_bytes = match (config.batch_bytes_max, dataset.layout().record_bytes()) {
-            (Some(bytes), _) => bytes,
-            (None, Some(record)) => usize::try_from(record.saturating_mul(batch_records))
-                .map_err(|_| Error::invalid_input("a batch larger than memory"))?,
-            (None, None) => BATCH_BYTES_VARIABLE
-                .saturating_mul(usize::try_from(batch_records / config.batch_size.max(1)).unwrap_or(1)),
-        };
-        // What a batch is expected to take, for the depth: exact for fixed-size records; for
-        // variable-length ones the manifest's mean record (shard file bytes over records, a
-        // slight over-estimate) times the batch, not the buffer's bound, so that a corpus of
-        // documents in 1 MiB batches keeps as many bytes in flight as one of fixed records.
-        let expected_batch_bytes = match dataset.layout().record_bytes() {
-            Some(record) => record.saturating_mul(config.batch_size),
-            None => {
-                dataset.manifest().file_bytes().div_ceil(dataset.n_records().max(1)).saturating_mul(config.batch_size)
-            }
-        };
-        let expected_batch_bytes =
-            usize::try_from(expected_batch_bytes).unwrap_or(usize::MAX).clamp(1, batch_bytes.max(1));
-        // Injected faults on reads act on disk reads, which the tier would bypass: those drills
-        // read from disk. Faults on fills need the tier.
-        let mut coordinator = if config.faults.iter().any(Fault::on_reads) {
-            None
-        } else {
-            config.tier.open()?.map(|tier| Coordinator::with_faults(tier, config.faults.clone()))
-        };
-        // A dataset read through an origin cache: its shard files come and go within the cache's
-        // bound on disk, and a mapping of the page cache tier would hold an evicted one's disk
-        // space. It is read through a memory tier of the same budget instead (its extents are
-        // copies, so a shard the cache evicted is still served from memory), or from disk when
-        // the node has none.
-        if let Some(page_cache) = coordinator.as_ref().map(|c| Arc::clone(c.tier()))
-            && page_cache.kind() == crate::tier::TierKind::PageCache
-            && config.repair.as_ref().is_some_and(|hook| hook.cache_stats().is_some())
-        {
-            let (evictor, evictor_options) = page_cache.evictor();
-            let memory = TierConfig {
-                kind: crate::tier::TierKind::Memory,
-                budget_bytes: Some(page_cache.budget_bytes().min(crate::tier::EXTENTS_MAX * page_cache.extent_bytes())),
-                extent_bytes: page_cache.extent_bytes(),
-                fill_threads: page_cache.fill_threads(),
-                evictor: evictor.map(str::to_owned),
-                evictor_options: evictor_options.to_vec(),
-                ..TierConfig::default()
-            };
-            coordinator = MemoryTier::open(&memory)
-                .ok()
-                .flatten()
-                .map(|tier| Coordinator::with_faults(tier, config.faults.clone()));
-        }
+        let (batch_bytes, expected_batch_bytes) = batch_sizes(&config, &dataset)?;
+        let coordinator = tier_coordinator(&config)?;
         if let Some(coordinator) = &coordinator {
             coordinator.tier().warn_if_not_in_memory();
         }
@@ -263,25 +207,7 @@ impl Loader {
         // The tier's schedule and an origin cache's plan cover every rank of this node.
         let wants_plan = config.repair.as_ref().is_some_and(|hook| hook.wants_plan());
         let peers = if coordinator.is_some() || wants_plan { schedule::node_peers(&config)? } else { Vec::new() };
-        // With the tier, the default disk backend (its read slots are as large as all of the
-        // loader's batches) starts at the first record not served from memory, if one comes; a
-        // backend asked for by name is started here, so that one this machine refuses fails
-        // the construction.
-        let io: Box<dyn Io> = if coordinator.is_some() && config.io.backend == crate::io::Backend::Auto {
-            let (for_io, clock) = (config.clone(), Arc::clone(&clock));
-            Box::new(LazyIo::new(
-                config.io,
-                Box::new(move || {
-                    let io = build_io(&for_io, pinning)?;
-                    clock.mark(StartStage::IoReady);
-                    Ok(io)
-                }),
-            ))
-        } else {
-            let io = build_io(&config, pinning)?;
-            clock.mark(StartStage::IoReady);
-            io
-        };
+        let io = reader_io(&config, coordinator.is_some(), pinning, &clock)?;
         // Should a step below fail, the threads started so far end with it.
         let mut threads = Started { threads: Vec::new(), stop: Arc::clone(&stop), coordinator: coordinator.clone() };
         if let Some(coordinator) = &coordinator {
@@ -617,6 +543,92 @@ impl Drop for Started {
 /// ended unexpectedly (a panic), and the data stops short of the plan.
 fn died() -> Message {
     Message::Failed(Error::invalid_input("a loader thread ended unexpectedly; the epoch is incomplete"))
+}
+
+/// A batch's staging buffer (`batch_bytes`: room for the most records a rank reads of a step)
+/// and what a batch is expected to take, for the reader's depth.
+fn batch_sizes(config: &LoaderConfig, dataset: &Dataset) -> Result<(usize, usize)> {
+    // Rebalancing gives a rank up to `SHARE_MAX_BATCHES` batch sizes of a step.
+    #[cfg(feature = "policy")]
+    let batch_records = match config.rebalance {
+        Some(_) => config.batch_size.saturating_mul(crate::plan::SHARE_MAX_BATCHES),
+        None => config.batch_size,
+    };
+    #[cfg(not(feature = "policy"))]
+    let batch_records = config.batch_size;
+    let batch_bytes = match (config.batch_bytes_max, dataset.layout().record_bytes()) {
+        (Some(bytes), _) => bytes,
+        (None, Some(record)) => usize::try_from(record.saturating_mul(batch_records))
+            .map_err(|_| Error::invalid_input("a batch larger than memory"))?,
+        (None, None) => {
+            BATCH_BYTES_VARIABLE.saturating_mul(usize::try_from(batch_records / config.batch_size.max(1)).unwrap_or(1))
+        }
+    };
+    // What a batch is expected to take, for the depth: exact for fixed-size records; for
+    // variable-length ones the manifest's mean record (shard file bytes over records, a
+    // slight over-estimate) times the batch, not the buffer's bound, so that a corpus of
+    // documents in 1 MiB batches keeps as many bytes in flight as one of fixed records.
+    let expected_batch_bytes = match dataset.layout().record_bytes() {
+        Some(record) => record.saturating_mul(config.batch_size),
+        None => dataset.manifest().file_bytes().div_ceil(dataset.n_records().max(1)).saturating_mul(config.batch_size),
+    };
+    let expected_batch_bytes = usize::try_from(expected_batch_bytes).unwrap_or(usize::MAX).clamp(1, batch_bytes.max(1));
+    Ok((batch_bytes, expected_batch_bytes))
+}
+
+/// The memory tier's coordinator the loader reads through, if any (`config.tier`).
+fn tier_coordinator(config: &LoaderConfig) -> Result<Option<Arc<Coordinator>>> {
+    // Injected faults on reads act on disk reads, which the tier would bypass: those drills
+    // read from disk. Faults on fills need the tier.
+    let mut coordinator = if config.faults.iter().any(Fault::on_reads) {
+        None
+    } else {
+        config.tier.open()?.map(|tier| Coordinator::with_faults(tier, config.faults.clone()))
+    };
+    // A dataset read through an origin cache: its shard files come and go within the cache's
+    // bound on disk, and a mapping of the page cache tier would hold an evicted one's disk
+    // space. It is read through a memory tier of the same budget instead (its extents are
+    // copies, so a shard the cache evicted is still served from memory), or from disk when
+    // the node has none.
+    if let Some(page_cache) = coordinator.as_ref().map(|c| Arc::clone(c.tier()))
+        && page_cache.kind() == crate::tier::TierKind::PageCache
+        && config.repair.as_ref().is_some_and(|hook| hook.cache_stats().is_some())
+    {
+        let (evictor, evictor_options) = page_cache.evictor();
+        let memory = TierConfig {
+            kind: crate::tier::TierKind::Memory,
+            budget_bytes: Some(page_cache.budget_bytes().min(crate::tier::EXTENTS_MAX * page_cache.extent_bytes())),
+            extent_bytes: page_cache.extent_bytes(),
+            fill_threads: page_cache.fill_threads(),
+            evictor: evictor.map(str::to_owned),
+            evictor_options: evictor_options.to_vec(),
+            ..TierConfig::default()
+        };
+        coordinator =
+            MemoryTier::open(&memory).ok().flatten().map(|tier| Coordinator::with_faults(tier, config.faults.clone()));
+    }
+    Ok(coordinator)
+}
+
+/// The reader's disk backend. With the tier (`tiered`), the default one (its read slots are as
+/// large as all of the loader's batches) starts at the first record not served from memory, if
+/// one comes; a backend asked for by name is started here, so that one this machine refuses
+/// fails the construction.
+fn reader_io(config: &LoaderConfig, tiered: bool, pinning: Pinning, clock: &Arc<StartClock>) -> Result<Box<dyn Io>> {
+    if tiered && config.io.backend == crate::io::Backend::Auto {
+        let (for_io, clock) = (config.clone(), Arc::clone(clock));
+        return Ok(Box::new(LazyIo::new(
+            config.io,
+            Box::new(move || {
+                let io = build_io(&for_io, pinning)?;
+                clock.mark(StartStage::IoReady);
+                Ok(io)
+            }),
+        )));
+    }
+    let io = build_io(config, pinning)?;
+    clock.mark(StartStage::IoReady);
+    Ok(io)
 }
 
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
