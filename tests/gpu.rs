@@ -137,6 +137,54 @@ fn batches_copied_to_the_gpu_come_back_identical() {
     }
 }
 
+#[test]
+#[ignore = "needs CUDA and a GPU, or the fake driver (make gpu-fake)"]
+fn batches_dropped_at_a_rebalance_point_give_their_device_buffers_back() {
+    // The fast rank's reader reads past the first point before the slow rank has measured; the
+    // point moves the weights, so what it read there is dropped, and those batches' device
+    // buffers must go back to the device stage (kept, the loader would run out of them and
+    // stall). Every byte that arrives on the GPU is the record's, and the epoch is read once.
+    let _serial = serial();
+    cuda();
+    let (_dir, dataset, records) = tokens(32 * 40);
+    let exchange: Arc<dyn granary::loader::MeasureExchange> =
+        granary::loader::LocalExchange::new(2, std::time::Duration::from_secs(60));
+    let ranks: Vec<_> = (0..2u32)
+        .map(|rank| {
+            let (dataset, exchange, records) = (Arc::clone(&dataset), Arc::clone(&exchange), records.clone());
+            std::thread::spawn(move || {
+                let mut rebalance = granary::loader::RebalanceConfig::every(10, Some(exchange));
+                rebalance.lead = 2;
+                let config = LoaderConfig {
+                    plan: PlanSource::default(),
+                    world: granary::World::new(rank, 2).unwrap(),
+                    rebalance: Some(rebalance),
+                    ..gpu_config(16)
+                };
+                let mut loader = Loader::new(dataset, config, Position::default()).unwrap();
+                let mut read = Vec::new();
+                while let Some(batch) = loader.next() {
+                    let batch = batch.unwrap();
+                    let device = batch.device().expect("copied to the GPU");
+                    let mut back = vec![0u8; device.len()];
+                    device.download(&mut back).unwrap();
+                    let wanted: Vec<u8> = batch.indices().iter().flat_map(|&i| records[i as usize].clone()).collect();
+                    assert_eq!(back, wanted, "rank {rank}");
+                    read.extend_from_slice(batch.indices());
+                    let per_record = if rank == 1 { 2000 } else { 40 };
+                    std::thread::sleep(std::time::Duration::from_micros(per_record * batch.len() as u64));
+                }
+                (read, loader.stats().recut)
+            })
+        })
+        .collect();
+    let runs: Vec<(Vec<u64>, u64)> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    let mut all: Vec<u64> = runs.iter().flat_map(|(read, _)| read.clone()).collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..32 * 40).collect::<Vec<u64>>(), "the epoch, once");
+    assert!(runs[0].1 >= 1, "the fast rank read past the first point and dropped it: {:?}", runs[0].1);
+}
+
 /// Reads `loader` to its end as a trainer does: each batch ordered before `stream` (unnamed:
 /// waited for), copied back on that stream into page-locked memory (into pageable memory the
 /// driver would return only once the copy has run), released after that copy (unnamed: after

@@ -218,21 +218,23 @@ impl LoadedBatch {
 
 impl Drop for LoadedBatch {
     fn drop(&mut self) {
-        if let Some(upload) = self.upload.take()
-            && let Ok((lease, buffer)) = upload.into_parts()
-        {
-            drop(lease);
-            let returned = Returned {
-                buffer: Some(buffer),
-                fences: std::mem::take(&mut self.fences),
-                after_all_work: self.after_all_work,
-            };
-            if let Some(returns) = &self.returns {
-                // A closed queue hands the buffer back, to be dropped after its fences.
-                let _ = returns.send(returned);
-            }
+        if let Some(upload) = self.upload.take() {
+            give_back(upload, std::mem::take(&mut self.fences), self.after_all_work, self.returns.as_ref());
         }
         self.held.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Gives `upload`'s staging lease back to the pool and its device buffer to the device stage,
+/// to be reused once the work `fences` mark (or all the device's, `after_all_work`) is done: a
+/// batch dropped by the trainer, or one the loader drops before handing it out.
+pub(super) fn give_back(upload: Upload, fences: Vec<Fence>, after_all_work: bool, returns: Option<&Sender<Returned>>) {
+    if let Ok((lease, buffer)) = upload.into_parts() {
+        drop(lease);
+        if let Some(returns) = returns {
+            // A closed queue hands the buffer back, to be dropped after its fences.
+            let _ = returns.send(Returned { buffer: Some(buffer), fences, after_all_work });
+        }
     }
 }
 

@@ -346,10 +346,13 @@ impl Loader {
                 match meter.handing_out(tag.after, tag.weights.as_deref(), batch.len() as u64, now) {
                     Ok(true) => {}
                     Ok(false) => {
-                        self.stats.recut += 1;
-                        if let Some(coordinator) = &self.coordinator {
-                            coordinator.consumed();
+                        // Not the trainer's: its staging lease and device buffer go back at once
+                        // (no work was queued on them), and the tier's pace is not sampled.
+                        if let Some(upload) = upload {
+                            batch::give_back(upload, Vec::new(), false, self.returns.as_ref());
                         }
+                        drop(batch);
+                        self.stats.recut += 1;
                         if let Some(metrics) = &self.metrics {
                             metrics.recut();
                         }
