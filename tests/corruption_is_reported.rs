@@ -404,15 +404,7 @@ fn verify_reads_the_device_not_the_page_cache() {
     let hook = std::sync::Arc::new(PutBack { path: shard.clone(), good: cached, repairs: 0.into() });
     let config = LoaderConfig { repair: Some(hook.clone() as std::sync::Arc<dyn granary::ShardSource>), ..config() };
     let mut loader = Loader::new(dataset, config, Position::default()).unwrap();
-    let mut seen = 0;
-    while let Some(batch) = loader.next() {
-        let batch = batch.unwrap();
-        for (i, &index) in batch.indices().iter().enumerate() {
-            assert_eq!(batch.record(i), &records[index as usize][..], "record {index}");
-        }
-        seen += batch.indices().len();
-    }
-    assert_eq!(seen, records.len());
+    assert_eq!(drain_checked(&mut loader, &records), records.len());
     assert_eq!(hook.repairs.load(std::sync::atomic::Ordering::Relaxed), 1);
     assert!(loader.stats().read.verify_failures >= 1, "{:?}", loader.stats().read);
     granary_ok(&root, &["verify"]);

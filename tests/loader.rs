@@ -375,6 +375,19 @@ impl granary::loader::MeasureExchange for Lagging {
     }
 }
 
+/// Two free-running ranks, rank 1 computing 2 ms a record and rank 0 40 us, rebalanced every 10
+/// steps, one epoch.
+const FREE_RUNNING_PAIR: Job = Job {
+    world: 2,
+    every: 10,
+    slow: 1,
+    slow_us: 2000,
+    fast_us: 40,
+    epochs: 1,
+    sync: Sync::FreeRunning,
+    exchange_lag_ms: 0,
+};
+
 #[derive(Clone, Copy, PartialEq)]
 enum Sync {
     FreeRunning,
@@ -472,16 +485,7 @@ fn a_mixture_rebalances_and_its_global_order_stays_the_blends() {
     // The slow rank's compute (2 ms a record, 32 ms a step) is far above what reading a batch of
     // the mixture takes on a loaded machine: at 400 us (6.4 ms a step) both ranks' steps were
     // bound by the reads once in CI, the ranks measured alike and the shares were kept.
-    const TWO: Job = Job {
-        world: 2,
-        every: 10,
-        slow: 1,
-        slow_us: 2000,
-        fast_us: 40,
-        epochs: 1,
-        sync: Sync::FreeRunning,
-        exchange_lag_ms: 0,
-    };
+    const TWO: Job = FREE_RUNNING_PAIR;
     let _serial = serial();
     let fixture = fixture(32 * 48);
     let mut granary = Granary::open(fixture.dir.path().join("store")).unwrap();
@@ -512,16 +516,7 @@ fn a_mixture_rebalances_and_its_global_order_stays_the_blends() {
 fn a_slow_rank_gets_a_smaller_share_at_the_next_point_and_the_epoch_is_read_exactly_once() {
     // The slow rank's compute (2 ms a record) is far above a batch's read, as in the mixture
     // test: at 400 us a record CI once measured the fast rank the slower (step 10: 14 and 18).
-    const TWO: Job = Job {
-        world: 2,
-        every: 10,
-        slow: 1,
-        slow_us: 2000,
-        fast_us: 40,
-        epochs: 2,
-        sync: Sync::FreeRunning,
-        exchange_lag_ms: 0,
-    };
+    const TWO: Job = Job { epochs: 2, ..FREE_RUNNING_PAIR };
     let _serial = serial();
     // 2 ranks x 16 records a step: 48 steps an epoch, points at 10, 20, 30, 40; two epochs.
     let fixture = fixture(32 * 48);

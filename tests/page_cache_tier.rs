@@ -49,19 +49,6 @@ fn config(epochs: u64, tier: TierSetting) -> LoaderConfig {
     }
 }
 
-/// Reads the whole run, checking every record's bytes; returns how many were read.
-fn drain(loader: &mut Loader, records: &[Vec<u8>]) -> usize {
-    let mut seen = 0;
-    while let Some(batch) = loader.next() {
-        let batch = batch.unwrap();
-        for (i, &index) in batch.indices().iter().enumerate() {
-            assert_eq!(batch.record(i), &records[index as usize][..], "record {index}");
-        }
-        seen += batch.indices().len();
-    }
-    seen
-}
-
 fn n_extents(dataset: &Dataset) -> u64 {
     (0..dataset.n_shards()).map(|s| dataset.shard_meta(s).unwrap().n_data_blocks().div_ceil(EXTENT / 4096)).sum()
 }
@@ -72,7 +59,7 @@ fn a_loader_fills_the_page_cache_and_a_new_loader_finds_it_all_in_memory() {
     evict_from_page_cache(&f.dataset);
     let own = || TierSetting::Config(tier_config(64 << 20));
     let mut loader = Loader::new(Arc::clone(&f.dataset), config(1, own()), Position::default()).unwrap();
-    assert_eq!(drain(&mut loader, &f.records), 2000);
+    assert_eq!(drain_checked(&mut loader, &f.records), 2000);
     let stats = loader.stats();
     let tier = stats.tier.unwrap();
     // The dataset fits: after the batches planned before the first is out (read from disk
@@ -87,7 +74,7 @@ fn a_loader_fills_the_page_cache_and_a_new_loader_finds_it_all_in_memory() {
     // A new loader opens the tier anew (a rebuilt loader, a restarted process): nothing to fill,
     // nothing read from disk.
     let mut loader = Loader::new(Arc::clone(&f.dataset), config(1, own()), Position::default()).unwrap();
-    assert_eq!(drain(&mut loader, &f.records), 2000);
+    assert_eq!(drain_checked(&mut loader, &f.records), 2000);
     let stats = loader.stats();
     assert_eq!(stats.tier.unwrap().extents_loaded, 0, "found in memory");
     assert_eq!(stats.read.tier_records, stats.read.records);
@@ -149,7 +136,7 @@ fn fills_that_fail_send_their_records_to_disk_in_either_tier() {
         let started = std::time::Instant::now();
         let mut loader = Loader::new(Arc::clone(&f.dataset), config, Position::default()).unwrap();
         assert!(loader.tier().is_some(), "{kind:?}: faults on fills keep the tier");
-        assert_eq!(drain(&mut loader, &f.records), 2000, "{kind:?}");
+        assert_eq!(drain_checked(&mut loader, &f.records), 2000, "{kind:?}");
         let stats = loader.stats();
         let tier = stats.tier.unwrap();
         assert_eq!(tier.fill_failures, 5, "{kind:?}: {tier:?}");
@@ -171,7 +158,7 @@ fn a_bit_flipped_in_a_shard_file_behind_the_engine_is_never_delivered() {
     let tier = MemoryTier::open(&tier_config(64 << 20)).unwrap().unwrap();
     let tiered = || config(1, TierSetting::Shared(Arc::clone(&tier)));
     let mut loader = Loader::new(Arc::clone(&f.dataset), tiered(), Position::default()).unwrap();
-    assert_eq!(drain(&mut loader, &f.records), 500);
+    assert_eq!(drain_checked(&mut loader, &f.records), 500);
     drop(loader);
 
     // Written through another path: the page cache's copy (which the tier maps) and the disk's
@@ -216,7 +203,7 @@ fn a_bit_flipped_in_a_shard_file_behind_the_engine_is_never_delivered() {
         // Mended: the tier serves the file as it is now.
         flip(at);
         let mut loader = Loader::new(Arc::clone(&f.dataset), tiered(), Position::default()).unwrap();
-        assert_eq!(drain(&mut loader, &f.records), 500);
+        assert_eq!(drain_checked(&mut loader, &f.records), 500);
     }
 }
 
@@ -244,7 +231,7 @@ fn after_a_repair_the_page_cache_tier_reads_the_new_file_and_the_damage_counts_o
             ..config(1, TierSetting::Shared(Arc::clone(&tier)))
         };
         let mut loader = Loader::new(Arc::clone(&f.dataset), config, Position::default()).unwrap();
-        assert_eq!(drain(&mut loader, &f.records), 600, "{order:?}: every record, right");
+        assert_eq!(drain_checked(&mut loader, &f.records), 600, "{order:?}: every record, right");
         let stats = loader.stats().read;
         assert_eq!(hook.repairs.load(std::sync::atomic::Ordering::Relaxed) - before, 1, "{order:?}: one repair");
         assert_eq!(stats.verify_failures, 1, "{order:?}: one damaged block, counted once: {stats:?}");
@@ -259,7 +246,7 @@ fn a_budget_smaller_than_the_data_reads_every_record_right() {
     let mut loader =
         Loader::new(Arc::clone(&f.dataset), config(2, TierSetting::Shared(Arc::clone(&tier))), Position::default())
             .unwrap();
-    assert_eq!(drain(&mut loader, &f.records), 2000);
+    assert_eq!(drain_checked(&mut loader, &f.records), 2000);
     let stats = loader.stats();
     assert!(stats.read.tier_records < stats.read.records, "most from disk: the budget holds 3 of 32 extents");
     assert!(stats.tier.unwrap().extents_loaded > 0, "the plan's best extents were read in: {:?}", stats.tier);

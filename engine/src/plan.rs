@@ -158,6 +158,18 @@ impl RankCut {
         u64::from(self.world.size()).saturating_mul(self.batch_size)
     }
 
+    /// `position` when it is one of this order's (a resume's): its cursor at most the epoch's
+    /// length. A cursor past it would be read as the next epoch's start.
+    pub fn check(&self, position: Position) -> Result<Position, String> {
+        if position.cursor > self.n_records {
+            return Err(format!(
+                "cursor {} is past the end of an epoch of {}: not a position of this loader's order",
+                position.cursor, self.n_records
+            ));
+        }
+        Ok(position)
+    }
+
     /// `position`, or the next epoch's start when this rank reads nothing more in its epoch:
     /// at the end, in the short last step when it holds fewer records than ranks and this
     /// rank's share is empty, or with `drop_last` in that step at all.

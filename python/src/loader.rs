@@ -414,15 +414,8 @@ impl Loader {
     /// Moves to `(epoch, cursor)`: the next batch is the one after that position.
     fn seek(&self, py: Python<'_>, epoch: u64, cursor: u64) -> PyResult<()> {
         let mut state = self.lock(py)?;
-        // A cursor past the epoch's end is no position of this order (it would be read as the
-        // next epoch's start).
-        let n = state.cut().map_err(to_py)?.n_records;
-        if cursor > n {
-            return Err(invalid(format!(
-                "cursor {cursor} is past the end of an epoch of {n}: not a position of this loader's order"
-            )));
-        }
-        let position = state.normalized(Position { epoch, cursor }).map_err(to_py)?;
+        let cut = state.cut().map_err(to_py)?;
+        let position = cut.normalized(cut.check(Position { epoch, cursor }).map_err(invalid)?);
         self.move_to(&mut state, position);
         state.iterating = position.epoch;
         state.len_from = position;

@@ -263,3 +263,17 @@ impl granary::ShardSource for PutBack {
         Ok(())
     }
 }
+
+/// Reads `loader`'s whole run, checking every record's bytes against `records`; how many were
+/// read.
+pub(crate) fn drain_checked(loader: &mut granary::Loader, records: &[Vec<u8>]) -> usize {
+    let mut seen = 0;
+    while let Some(batch) = loader.next() {
+        let batch = batch.unwrap();
+        for (i, &index) in batch.indices().iter().enumerate() {
+            assert_eq!(batch.record(i), &records[index as usize][..], "record {index}");
+        }
+        seen += batch.indices().len();
+    }
+    seen
+}

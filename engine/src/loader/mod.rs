@@ -85,6 +85,10 @@ enum Message {
     End,
 }
 
+/// A batch as `Loader::receive` takes it from the queue: the batch, its upload, its tag, and
+/// whether it was queued before the trainer asked.
+type Received = (Box<Batch>, Option<Upload>, Tag, bool);
+
 /// What travels with a batch: the position after it, and the weights its step was cut with.
 #[derive(Clone, Debug)]
 struct Tag {
@@ -312,61 +316,9 @@ impl Loader {
         self.receiver.as_ref()?;
         let now = Instant::now();
         let first = *self.first_next.get_or_insert(now);
-        let mut ready = true;
-        // A batch the reader cut past a rebalance point before it knew the point's weights,
-        // which then told the ranks apart, is dropped here: the reader reads that step again.
-        #[cfg_attr(
-            not(feature = "policy"),
-            allow(clippy::never_loop, reason = "only a rebalancing loader drops a batch and takes another")
-        )]
-        let (batch, upload, tag) = loop {
-            let receiver = self.receiver.as_ref()?;
-            let message = match receiver.try_recv() {
-                Ok(message) => message,
-                Err(TryRecvError::Empty) => {
-                    ready = false;
-                    receiver.recv().unwrap_or_else(|_| died())
-                }
-                Err(TryRecvError::Disconnected) => died(),
-            };
-            let (batch, upload, tag) = match message {
-                Message::Batch(batch, tag) => (batch, None, tag),
-                Message::Uploaded(batch, upload, tag) => (batch, Some(upload), tag),
-                Message::Failed(error) => {
-                    self.finished = true;
-                    return Some(Err(error));
-                }
-                Message::End => {
-                    self.finished = true;
-                    return None;
-                }
-            };
-            #[cfg(feature = "policy")]
-            if let Some(meter) = &mut self.meter {
-                match meter.handing_out(tag.after, tag.weights.as_deref(), batch.len() as u64, now) {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        // Not the trainer's: its staging lease and device buffer go back at once
-                        // (no work was queued on them), and the tier's pace is not sampled.
-                        if let Some(upload) = upload {
-                            batch::give_back(upload, Vec::new(), false, self.returns.as_ref());
-                        }
-                        drop(batch);
-                        self.stats.recut += 1;
-                        if let Some(metrics) = &self.metrics {
-                            metrics.recut();
-                        }
-                        continue;
-                    }
-                    Err(error) => {
-                        // The ranks could not agree on their measures: the stream ends with the error.
-                        self.finished = true;
-                        self.stop.store(true, Ordering::Release);
-                        return Some(Err(error));
-                    }
-                }
-            }
-            break (batch, upload, tag);
+        let (batch, upload, tag, ready) = match self.receive(now)? {
+            Ok(received) => received,
+            Err(error) => return Some(Err(error)),
         };
         let stall = now.elapsed();
         self.stats.stall += stall;
@@ -445,6 +397,71 @@ impl Loader {
     /// Where the run is: after the last batch handed out (the start, before the first).
     pub fn position(&self) -> Position {
         self.position
+    }
+
+    /// The next message for the trainer, `now` being when it asked: a batch (with its upload,
+    /// its tag and whether it was queued already), the stream's error, or its end (`None`). A
+    /// batch the reader cut past a rebalance point before it knew the point's weights, which
+    /// then told the ranks apart, is dropped here: the reader reads that step again.
+    fn receive(
+        &mut self,
+        #[cfg_attr(not(feature = "policy"), allow(unused_variables, reason = "only rebalancing times the step"))]
+        now: Instant,
+    ) -> Option<Result<Received>> {
+        let mut ready = true;
+        #[cfg_attr(
+            not(feature = "policy"),
+            allow(clippy::never_loop, reason = "only a rebalancing loader drops a batch and takes another")
+        )]
+        loop {
+            let receiver = self.receiver.as_ref()?;
+            let message = match receiver.try_recv() {
+                Ok(message) => message,
+                Err(TryRecvError::Empty) => {
+                    ready = false;
+                    receiver.recv().unwrap_or_else(|_| died())
+                }
+                Err(TryRecvError::Disconnected) => died(),
+            };
+            let (batch, upload, tag) = match message {
+                Message::Batch(batch, tag) => (batch, None, tag),
+                Message::Uploaded(batch, upload, tag) => (batch, Some(upload), tag),
+                Message::Failed(error) => {
+                    self.finished = true;
+                    return Some(Err(error));
+                }
+                Message::End => {
+                    self.finished = true;
+                    return None;
+                }
+            };
+            #[cfg(feature = "policy")]
+            if let Some(meter) = &mut self.meter {
+                match meter.handing_out(tag.after, tag.weights.as_deref(), batch.len() as u64, now) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Not the trainer's: its staging lease and device buffer go back at once
+                        // (no work was queued on them), and the tier's pace is not sampled.
+                        if let Some(upload) = upload {
+                            batch::give_back(upload, Vec::new(), false, self.returns.as_ref());
+                        }
+                        drop(batch);
+                        self.stats.recut += 1;
+                        if let Some(metrics) = &self.metrics {
+                            metrics.recut();
+                        }
+                        continue;
+                    }
+                    Err(error) => {
+                        // The ranks could not agree on their measures: the stream ends with the error.
+                        self.finished = true;
+                        self.stop.store(true, Ordering::Release);
+                        return Some(Err(error));
+                    }
+                }
+            }
+            return Some(Ok((batch, upload, tag, ready)));
+        }
     }
 
     /// The trainer's own time on the last batch handed out (its forward and backward, say,
