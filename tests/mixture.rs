@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::*;
 use granary::blend::{Blend, BlendSource};
-use granary::loader::{Loader, LoaderConfig, PlanSource, Target};
+use granary::loader::{Loader, LoaderConfig, PlanSource, Reads, Session, SessionConfig, Target};
 use granary::{EpochLength, Granary, Mixture, Position, VersionSpec, World};
 use proptest::prelude::*;
 
@@ -255,4 +255,83 @@ fn granary_mix_counts_each_sources_draws_and_passes() {
     let error = granary(&root, &["mix", "web=0.6", "code=0.3", "--samples", "250", "--epochs", "18446744073709551615"]);
     assert_eq!(error.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&error.stderr).contains("pass what a u64 counts"), "{error:?}");
+}
+
+/// A session of the sources' mixture (60/30/10, 50 samples an epoch) as rank `rank` of two,
+/// 4 records a batch, `drop_last`.
+fn session(s: &Sources, rank: u32) -> Session {
+    let parts = [("web", 0.6), ("code", 0.3), ("math", 0.1)]
+        .iter()
+        .map(|(name, w)| (VersionSpec::parse(name).expect("spec"), *w))
+        .collect();
+    let loader = LoaderConfig {
+        batch_size: 4,
+        world: World::new(rank, 2).expect("a world"),
+        seed: 11,
+        target: Target::Host,
+        ..LoaderConfig::default()
+    };
+    let config = SessionConfig {
+        reads: Reads::Mixture { parts, epoch: EpochLength::Samples(50), changes: Vec::new() },
+        plan: None,
+        pack: None,
+        drop_last: true,
+        device: None,
+        epoch: 0,
+        loader,
+    };
+    Session::new(s.granary.paths().root(), config).expect("a session")
+}
+
+/// The rest of the epoch being iterated: each batch's indices.
+fn rest_of_epoch(session: &mut Session, s: &Sources) -> Vec<Vec<u64>> {
+    let mut out = Vec::new();
+    while let Some(batch) = session.next_records().expect("a batch") {
+        for (i, &index) in batch.indices().iter().enumerate() {
+            assert_eq!(batch.record(i), &s.records[index as usize][..], "record {index}");
+        }
+        out.push(batch.indices().to_vec());
+    }
+    out
+}
+
+#[test]
+fn a_session_drops_the_short_step_changes_weights_resumes_and_refuses_an_altered_state() {
+    let s = sources();
+    let math = s.sizes[0] + s.sizes[1];
+    let mut a = session(&s, 0);
+    // Steps of 8 samples: 6 whole steps of an epoch of 50, the short seventh dropped.
+    assert_eq!(a.batches_per_epoch().expect("batches"), 6);
+    assert_eq!(a.begin_epoch(), 0);
+    let first = rest_of_epoch(&mut a, &s);
+    assert_eq!(first.len(), 6);
+    assert!(first.iter().all(|batch| batch.len() == 4));
+    assert_eq!(a.position(), Position { epoch: 1, cursor: 0 }, "the short step is skipped, not read");
+    // Halfway through epoch 1 the weights become math's alone.
+    assert_eq!(a.begin_epoch(), 1);
+    for _ in 0..3 {
+        a.next_records().expect("a batch").expect("one more");
+    }
+    a.change_weights(vec![0.0, 0.0, 1.0]).expect("a change");
+    let saved_at = a.position();
+    let mixture = a.mixture().expect("opened").expect("a mixture");
+    let (changes, id) = (mixture.blend().changes(), mixture.id());
+    let after_change = rest_of_epoch(&mut a, &s);
+    assert_eq!(after_change.len(), 3);
+    assert!(after_change.iter().flatten().all(|&index| index >= math), "only math after the change");
+    // A new session resumes from the saved state: the same batches.
+    let mut b = session(&s, 0);
+    b.resume_changes(changes.clone(), &id).expect("the saved changes");
+    b.seek(saved_at).expect("the saved position");
+    b.begin_epoch();
+    assert_eq!(rest_of_epoch(&mut b, &s), after_change);
+    // A state whose changes were altered after its save is refused, the session unchanged.
+    let mut c = session(&s, 0);
+    let mut altered = changes;
+    altered.last_mut().expect("a change").1 = vec![1.0, 0.0, 0.0];
+    let error = c.resume_changes(altered, &id).expect_err("an altered state").to_string();
+    assert!(error.contains("altered"), "{error}");
+    assert_eq!(c.changes(), Some(&[][..]));
+    let error = c.seek(Position { epoch: 0, cursor: 51 }).expect_err("a cursor past the epoch").to_string();
+    assert!(error.contains("past the end"), "{error}");
 }

@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::*;
-use granary::loader::{LoaderConfig, PackedLoader, Target, pack_plan};
+use granary::loader::{LoaderConfig, Reads, Session, SessionConfig, Target, pack_plan};
 use granary::pack::{PackConfig, PackPlan};
-use granary::{Dataset, Dtype, Granary, Layout, Order, Position, VersionSpec, World};
+use granary::{Dataset, Dtype, Granary, Layout, Position, VersionSpec, World};
 
 const EOD: u32 = u32::MAX;
 const SEQ: u64 = 16;
@@ -21,7 +21,7 @@ fn documents(n: u64) -> Vec<Vec<u32>> {
 }
 
 struct Corpus {
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     dataset: Arc<Dataset>,
     documents: Vec<Vec<u32>>,
 }
@@ -34,7 +34,7 @@ fn corpus(n: u64) -> Corpus {
         documents.iter().map(|doc| doc.iter().flat_map(|t| t.to_le_bytes()).collect()).collect();
     ingest(&mut granary, "docs", Layout::Arrays(Dtype::U32), small_shards(4 << 10), &records);
     let dataset = granary.open_dataset(&VersionSpec::parse("docs").expect("spec")).expect("open");
-    Corpus { _dir: dir, dataset, documents }
+    Corpus { dir, dataset, documents }
 }
 
 fn plan(c: &Corpus, cross: bool) -> Arc<PackPlan> {
@@ -42,15 +42,8 @@ fn plan(c: &Corpus, cross: bool) -> Arc<PackPlan> {
     Arc::new(pack_plan(&c.dataset, config).expect("a pack"))
 }
 
-fn config(world: World, epochs: u64) -> LoaderConfig {
-    LoaderConfig {
-        batch_size: 4,
-        world,
-        seed: 5,
-        epochs: Some(epochs),
-        target: Target::Host,
-        ..LoaderConfig::default()
-    }
+fn config(world: World) -> LoaderConfig {
+    LoaderConfig { batch_size: 4, world, seed: 5, target: Target::Host, ..LoaderConfig::default() }
 }
 
 /// (window index, its tokens, its cu_seqlens within it, its position ids) of every window the
@@ -73,19 +66,42 @@ fn collect(out: &mut Windows, batch: &granary::loader::PackedBatch) {
     }
 }
 
-fn read(c: &Corpus, pack: &Arc<PackPlan>, size: u32, from: Position, epochs: u64) -> Windows {
+/// The windows of epochs before `end` a session of `reads` packed by `pack` hands out from
+/// `from`, on each rank of `size`.
+fn read_packed(
+    root: &std::path::Path,
+    reads: Reads,
+    pack: &PackConfig,
+    size: u32,
+    from: Position,
+    end: u64,
+) -> Windows {
     let mut out = Windows::new();
     for rank in 0..size {
         let world = World::new(rank, size).expect("world");
-        let mut loader =
-            PackedLoader::new(Arc::clone(&c.dataset), config(world, epochs), Arc::clone(pack), Order::Shuffled, from)
-                .expect("a packed loader");
-        while let Some(batch) = loader.next() {
-            let batch = batch.expect("a batch");
-            collect(&mut out, &batch);
+        let config = SessionConfig {
+            reads: reads.clone(),
+            plan: None,
+            pack: Some(pack.clone()),
+            drop_last: false,
+            device: None,
+            epoch: 0,
+            loader: config(world),
+        };
+        let mut session = Session::new(root, config).expect("a session");
+        session.seek(from).expect("seek");
+        while session.begin_epoch() < end {
+            while let Some(step) = session.next_packed().expect("a batch") {
+                collect(&mut out, &step.pack().expect("packed"));
+            }
         }
     }
     out
+}
+
+fn read(c: &Corpus, pack: &Arc<PackPlan>, size: u32, from: Position, epochs: u64) -> Windows {
+    let reads = Reads::One(VersionSpec::parse("docs").expect("spec"));
+    read_packed(&c.dir.path().join("store"), reads, pack.config(), size, from, epochs)
 }
 
 #[test]
@@ -205,34 +221,20 @@ fn two_corpora() -> (tempfile::TempDir, granary::Mixture) {
     (dir, mixture)
 }
 
-fn read_mixture(
-    mixture: &granary::Mixture,
-    packed: &Arc<granary::pack::PackedBlend>,
-    size: u32,
-    from: Position,
-) -> Windows {
-    let mut out = Windows::new();
-    for rank in 0..size {
-        let world = World::new(rank, size).expect("world");
-        let packing = granary::loader::Packing::Mixture(Arc::clone(packed));
-        let config = granary::loader::Packer::loader_config(&packing, config(world, 2)).expect("config");
-        let mut packer = granary::loader::Packer::new(packing, &config, from);
-        let mut loader = granary::Loader::new(Arc::clone(mixture.dataset()), config, from).expect("loader");
-        while let Some(batch) = loader.next() {
-            let batch = packer.pack(&batch.expect("a batch")).expect("packed");
-            collect(&mut out, &batch);
-        }
-    }
-    out
+fn read_mixture(dir: &tempfile::TempDir, size: u32, from: Position) -> Windows {
+    let parts = vec![(VersionSpec::parse("a").unwrap(), 0.7), (VersionSpec::parse("b").unwrap(), 0.3)];
+    let reads = Reads::Mixture { parts, epoch: granary::EpochLength::Samples(120), changes: Vec::new() };
+    let pack = PackConfig { seq_len: SEQ, eod: Some(u64::from(EOD)), cross_documents: true, pad: 0 };
+    read_packed(&dir.path().join("store"), reads, &pack, size, from, 2)
 }
 
 #[test]
 fn a_mixture_of_packed_sources_packs_each_source_and_blends_windows_exactly() {
-    let (_dir, mixture) = two_corpora();
+    let (dir, mixture) = two_corpora();
     let config = PackConfig { seq_len: SEQ, eod: Some(u64::from(EOD)), cross_documents: true, pad: 0 };
     let packed = Arc::new(granary::loader::pack_mixture(&mixture, config).expect("packed"));
     assert_eq!(packed.blend.epoch_samples(), 120);
-    let one = read_mixture(&mixture, &packed, 1, Position::default());
+    let one = read_mixture(&dir, 1, Position::default());
     assert_eq!(one.len(), 240, "two epochs of 120 windows");
     let mut counts = [0f64; 2];
     for (p, ((epoch, _), (tokens, cu, _))) in one.iter().enumerate() {
@@ -251,10 +253,10 @@ fn a_mixture_of_packed_sources_packs_each_source_and_blends_windows_exactly() {
         }
     }
     for size in [3, 8] {
-        assert_eq!(read_mixture(&mixture, &packed, size, Position::default()), one, "{size} ranks");
+        assert_eq!(read_mixture(&dir, size, Position::default()), one, "{size} ranks");
     }
     let saved = Position { epoch: 0, cursor: 48 };
-    let rest = read_mixture(&mixture, &packed, 2, saved);
+    let rest = read_mixture(&dir, 2, saved);
     let expected: Windows = one.range((0, 48)..).map(|(k, v)| (*k, v.clone())).collect();
     assert_eq!(rest, expected);
 }

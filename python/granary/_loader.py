@@ -264,24 +264,23 @@ class Loader:
             for name, value in (("seq_len", seq_len), ("pad", pad)) + ((("eod", eod),) if eod is not None else ()):
                 if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "seq_len" else 0):
                     raise ValueError(f"{name} must be an integer of at least {1 if name == 'seq_len' else 0}, not {value!r}")
-            options.update(seq_len=seq_len, eod=eod, pad=pad, within_documents=bool(within_documents))
             # Windows are cut in host memory; a GPU gets them by a copy.
             self._pack_device = None if device == "cpu" else device
             device = "cpu"
             self._plan = {"pack": {"seq_len": seq_len, "eod": eod, "pad": pad, "within_documents": bool(within_documents),
                                    "order": order or "shuffled"}}
-        elif eod is not None or pad != 0 or within_documents:
-            raise ValueError("eod, pad and within_documents are packing's: give seq_len too")
-        if mixture:
-            options.update(
-                mixture_samples=mixture_samples,
-                mixture_pass_of=mixture_pass_of,
-                mixture_changes=None
-                if mixture_changes is None
-                else [(int(e), int(c), [float(w) for w in ws]) for e, c, ws in mixture_changes],
-            )
-        elif mixture_samples is not None or mixture_pass_of is not None or mixture_changes is not None:
-            raise ValueError("mixture_samples, mixture_pass_of and mixture_changes are a mixture's: pass a list of (dataset, weight)")
+        # What goes with a mixture or with packing is the engine's to check.
+        options.update(
+            seq_len=seq_len,
+            eod=eod,
+            pad=pad,
+            within_documents=bool(within_documents),
+            mixture_samples=mixture_samples,
+            mixture_pass_of=mixture_pass_of,
+            mixture_changes=None
+            if mixture_changes is None
+            else [(int(e), int(c), [float(w) for w in ws]) for e, c, ws in mixture_changes],
+        )
         native = getattr(store, "_native", None)
         source = native if isinstance(native, _native.Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)
@@ -315,19 +314,8 @@ class Loader:
                 raise ValueError(
                     f"{dataset} holds WebDataset samples, which are decoded in host memory: load it with device='cpu'"
                 )
-            # Samples are decoded on the host; the GPU chosen by default does not apply. The
-            # same version (by manifest id), whatever was committed to the name meanwhile.
-            again = self._native.manifest
-            mixed = self._native.mixture
-            if mixed is not None:
-                # The same versions, weights, epoch and changes.
-                again = [(s["manifest"], s["weight"]) for s in mixed["sources"]]
-                options.update(
-                    mixture_samples=mixed["epoch_samples"],
-                    mixture_pass_of=None,
-                    mixture_changes=[c for c in mixed["changes"] if (c[0], c[1]) != (0, 0)],
-                )
-            self._native = _native.Loader(source, again, batch_size, device="cpu", **options)
+            # Samples are decoded on the host; the GPU chosen by default does not apply.
+            self._native.load_to_host()
         if widen is not None:
             self._native.check_dtype(widen)
         # A GPU this process cannot use is a DeviceError now, not at the first batch.
@@ -500,18 +488,9 @@ class Loader:
                     f"the state was saved reading the mixture {sources(saved)}, this loader reads {sources(mixed)}; "
                     "make it with the same versions (their manifest ids), weights and epoch length to resume"
                 )
-            # The changes of weights made before the save are repeated: the resumed order is the saved run's.
-            mine = [tuple(c) for c in mixed["changes"] if (c[0], c[1]) != (0, 0)]
-            self._native.set_mixture_changes([tuple(c) for c in saved["changes"] if (c[0], c[1]) != (0, 0)])
-            # The id digests the sources, the weights and every change: one that differs says the
-            # state's changes (or its id) were altered after it was saved. Nothing is resumed.
-            now = self._native.mixture["id"]
-            if saved.get("id") != now:
-                self._native.set_mixture_changes(mine)
-                raise ValueError(
-                    f"the state's mixture id {saved.get('id')!r} is not that of its sources, weights and changes "
-                    f"({now}): the state was altered after it was saved; not resumed"
-                )
+            # The changes of weights made before the save are repeated (the resumed order is the
+            # saved run's), unless they do not give the state's mixture id: the state was altered.
+            self._native.resume_mixture_changes([tuple(c) for c in saved["changes"]], str(saved.get("id")))
         # The weights first: the position's place in the epoch's short last step depends on them.
         self._native.set_rebalance_state(state.get("rebalance"))
         self._native.seek(int(state["epoch"]), int(state["cursor"]))

@@ -28,13 +28,14 @@ pub(crate) fn target_of(device: Option<&str>) -> PyResult<(Target, Option<u32>)>
     })
 }
 
-/// The plan `order`, `partitioner` and `partitioner_options` ask for.
+/// The plan `order`, `partitioner` and `partitioner_options` ask for; `None` when none of them
+/// is given (the session's default).
 pub(crate) fn plan_of(
     order: Option<&str>,
     partitioner: Option<String>,
     partitioner_options: Option<Vec<(String, String)>>,
-) -> PyResult<PlanSource> {
-    Ok(match (order, partitioner) {
+) -> PyResult<Option<PlanSource>> {
+    Ok(Some(match (order, partitioner) {
         (_, Some(plugin)) => PlanSource::Partitioner {
             plugin: if plugin == "default" { None } else { Some(plugin) },
             options: partitioner_options.unwrap_or_default(),
@@ -49,12 +50,13 @@ pub(crate) fn plan_of(
                  drop order (the default partitioner takes them) or name a partitioner"
             )));
         }
-        (None | Some("shuffled"), None) => PlanSource::Native(Order::Shuffled),
+        (None, None) => return Ok(None),
+        (Some("shuffled"), None) => PlanSource::Native(Order::Shuffled),
         (Some("sequential"), None) => PlanSource::Native(Order::Sequential),
         (Some(other), None) => {
             return Err(invalid(format!("order {other:?}: expected \"shuffled\" or \"sequential\"")));
         }
-    })
+    }))
 }
 
 /// The tier `tier`, `tier_bytes`, `tier_evictor` and its options ask for; what they leave

@@ -45,7 +45,7 @@ pub enum PlanSource {
     /// A mixture's order (`Mixture::blend`), over the mixture's dataset (`Mixture::dataset`):
     /// an epoch is the blend's `epoch_samples` positions.
     Mixture(std::sync::Arc<crate::blend::Blend>),
-    /// Packed windows of tokens (`PackedLoader` reads with it): an epoch is the pack's windows,
+    /// Packed windows of tokens (a packed `Session` reads with it): an epoch is the pack's windows,
     /// over the documents in this order; a batch reads the documents of its windows.
     Packed(std::sync::Arc<crate::pack::PackPlan>, Order),
     /// A mixture of packed sources (`pack_mixture`): an epoch is the blend's positions, each a

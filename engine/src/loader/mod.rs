@@ -37,6 +37,7 @@ mod planner;
 mod rebalance;
 mod reader_stage;
 mod schedule;
+mod session;
 mod start;
 mod store_plan;
 mod tier_setting;
@@ -46,7 +47,7 @@ pub use batch::{DeviceBatch, LoadedBatch, LoaderStats};
 use config::check;
 pub use config::{LoaderConfig, PlanSource, Target};
 use device::DeviceStage;
-pub use packed::{PackedBatch, PackedLoader, Packer, Packing, pack_mixture, pack_plan};
+pub use packed::{PackedBatch, Packer, Packing, pack_mixture, pack_plan};
 use reader_stage::ReaderStage;
 #[cfg(feature = "policy")]
 use reader_stage::normalized;
@@ -59,6 +60,7 @@ use planner::{EpochBatches, EpochPlanner, planner_config, shards_by_step};
 pub use rebalance::{
     LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, TIME_SPREAD_MIN, WeightsAt, tells_ranks_apart,
 };
+pub use session::{PackedStep, Reads, Session, SessionConfig};
 pub use start::{StartClock, StartStage};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

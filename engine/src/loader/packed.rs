@@ -1,12 +1,12 @@
-//! `PackedLoader`: batches of packed windows of `seq_len + 1` tokens, with their documents'
-//! boundaries, read through a `Loader` of the documents.
+//! Packed windows of `seq_len + 1` tokens, with their documents' boundaries, cut from the
+//! documents a `Loader` reads (a `Session` of packed windows drives it).
 //!
 //! The loader reads, for each batch of windows, the documents those windows cut (the
 //! `PlanSource::Packed` plan: the tier, the prefetch and the origin cache follow it as any
 //! plan); this stage cuts the windows out of them (`pack::pack_windows`). Windows are the
 //! epoch's positions, so a `Position` resumes on any world size as for records.
 //!
-//! Owns `PackedLoader`, `Packer` (the windows of each batch a loader of documents hands out),
+//! Owns `Packer` (the windows of each batch a loader of documents hands out),
 //! `Packing`, `PackedBatch`, `pack_plan` and `pack_mixture` (a mixture's sources packed each on
 //! its own, blended by window) (a dataset's document lengths, from its
 //! shards' metadata). Never: reads a document itself (the loader reads and verifies them) or
@@ -22,7 +22,7 @@ use crate::plan::{EpochPlan, Order, Position, World};
 use crate::read::{Dataset, Mixture};
 use crate::shard::Layout;
 
-use super::{LoadedBatch, Loader, LoaderConfig, PlanSource, Target};
+use super::{LoadedBatch, LoaderConfig, PlanSource, Target};
 
 /// The packing of `dataset`'s documents under `config`: each document's tokens from its shard's
 /// metadata (every shard's metadata is read, and checked, now: an attached dataset's shards
@@ -326,50 +326,5 @@ impl Packer {
             }
         };
         Ok(PackedBatch { packed, windows, epoch, position: after })
-    }
-}
-
-/// Packed windows of a token dataset, one rank's, in batches of `batch_size` windows.
-pub struct PackedLoader {
-    loader: Loader,
-    packer: Packer,
-}
-
-impl PackedLoader {
-    /// Packed windows of `dataset` as `pack` cuts them, documents in `order`, read by a loader
-    /// of `config` (its plan is replaced by the pack's, its batch size counts windows, its
-    /// target is the host: windows are built in host memory), from `start`.
-    pub fn new(
-        dataset: Arc<Dataset>,
-        config: LoaderConfig,
-        pack: Arc<PackPlan>,
-        order: Order,
-        start: Position,
-    ) -> Result<Self> {
-        let packing = Packing::One(pack, order);
-        let config = Packer::loader_config(&packing, config)?;
-        let packer = Packer::new(packing, &config, start);
-        let loader = Loader::new(dataset, config, start)?;
-        Ok(Self { loader, packer })
-    }
-
-    /// The next batch, `None` after the last epoch.
-    #[allow(clippy::should_implement_trait, reason = "a fallible stream, like `Loader::next`")]
-    pub fn next(&mut self) -> Option<Result<PackedBatch>> {
-        let batch = match self.loader.next()? {
-            Ok(batch) => batch,
-            Err(e) => return Some(Err(e)),
-        };
-        Some(self.packer.pack(&batch))
-    }
-
-    /// After the last batch handed out.
-    pub fn position(&self) -> Position {
-        self.loader.position()
-    }
-
-    /// The documents' loader (its counters, its tier).
-    pub fn loader(&self) -> &Loader {
-        &self.loader
     }
 }
