@@ -132,6 +132,8 @@ impl PackPlan {
             at += if self.config.cross_documents { n } else { n.saturating_sub(1).div_ceil(l) };
             starts.push(at);
         }
+        debug_assert_eq!(starts.len() as u64, self.n_documents() + 1, "a start per document, and the end");
+        debug_assert!(starts.windows(2).all(|pair| pair[0] <= pair[1]), "documents begin in order");
         PackEpoch { plan, starts }
     }
 }
@@ -171,6 +173,7 @@ impl PackEpoch {
             let to = self.starts.partition_point(|&s| s < windows.end);
             from as u64..(to as u64).min(pack.n_documents()).max(from as u64)
         };
+        debug_assert!(documents.end <= pack.n_documents(), "a span's documents are the epoch's");
         let records = documents.clone().map(|p| self.plan.record_at(p)).collect();
         Span { windows, documents, records }
     }
@@ -286,11 +289,13 @@ pub fn pack_windows_into(
             }
             push_segment(&mut out, width as u64 - real);
         }
+        debug_assert_eq!(out.cu_seqlens.last().copied(), Some(((w - span.windows.start + 1) as usize * width) as i32));
         out.real_tokens.push(real as u32);
     }
     if at != tokens.len() {
         return Err(format!("{at} bytes of tokens packed where {n_windows} windows take {}", tokens.len()));
     }
+    debug_assert_eq!(out.position_ids.len(), n_windows * width, "a position id per token");
     Ok(out)
 }
 

@@ -136,6 +136,8 @@ impl Granary {
                     report.kept_in_grace += 1;
                     continue;
                 }
+                // What a live version reaches, or a quarantined ref pins, is never removed.
+                debug_assert!(!live.contains(keep_as, of) && !pinned.keep.contains(keep_as, of));
                 report.bytes += file_len(&path)?;
                 self.store.remove_object(kind, id)?;
                 match kind {
@@ -232,6 +234,7 @@ fn objects_to_keep(paths: &StorePaths, cutoff_unix_secs: u64, grace: bool) -> Re
         keep_live.manifests.insert(id.0);
         keep_live.shards.extend(manifest.entries().iter().map(|e| e.shard.0));
     }
+    debug_assert_eq!(keep_live.manifests.len(), live.iter().map(|(id, _)| id).collect::<BTreeSet<_>>().len());
     let mut keep_recent = Keep::default();
     keep_what_is_there(paths, recent, &keep_live, &mut keep_recent)?;
     keep_what_is_there(paths, pinned_ids, &keep_live, &mut pinned.keep)?;

@@ -113,6 +113,7 @@ impl<Id: CacheKey> KeyedCache<Id> {
         if resident && self.entries.insert(key, (id, bytes)).is_none() {
             self.used_bytes += bytes;
         }
+        self.check();
         Ok((victims, resident))
     }
 
@@ -162,6 +163,12 @@ impl<Id: CacheKey> KeyedCache<Id> {
                 victims.push((id, bytes));
             }
         }
+        self.check();
         victims
+    }
+
+    /// The count of bytes held is the entries' (what the caller's budget is measured by).
+    fn check(&self) {
+        debug_assert_eq!(self.used_bytes, self.entries.values().map(|&(_, bytes)| bytes).sum::<u64>());
     }
 }

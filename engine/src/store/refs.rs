@@ -115,10 +115,18 @@ impl RefLog {
         Self { versions: vec![Version { number: 1, manifest }] }
     }
 
+    /// The ref's invariant: never empty, numbers from 1 on, strictly increasing (a number is
+    /// never reused, so `NAME@N` names one manifest for the ref's life).
+    fn checked(self) -> Self {
+        debug_assert!(self.versions.first().is_some_and(|v| v.number >= 1), "a ref holds a version from 1 on");
+        debug_assert!(self.versions.windows(2).all(|pair| pair[0].number < pair[1].number), "versions increase");
+        self
+    }
+
     /// A ref of `versions`, which must be non-empty with strictly increasing numbers from 1.
     pub(crate) fn from_versions(versions: Vec<Version>) -> Option<Self> {
         let ordered = versions.windows(2).all(|pair| pair[0].number < pair[1].number);
-        (ordered && versions.first().is_some_and(|v| v.number >= 1)).then_some(Self { versions })
+        (ordered && versions.first().is_some_and(|v| v.number >= 1)).then(|| Self { versions }.checked())
     }
 
     /// The live versions, oldest first.
@@ -141,13 +149,13 @@ impl RefLog {
         let number = self.latest().number.checked_add(1)?;
         let mut versions = self.versions.clone();
         versions.push(Version { number, manifest });
-        Some(Self { versions })
+        Some(Self { versions }.checked())
     }
 
     /// This ref without version `number`; `None` when that would leave no version.
     pub fn without(&self, number: u64) -> Option<Self> {
         let versions: Vec<Version> = self.versions.iter().copied().filter(|v| v.number != number).collect();
-        (!versions.is_empty()).then_some(Self { versions })
+        (!versions.is_empty()).then(|| Self { versions }.checked())
     }
 
     /// The ref file's text.

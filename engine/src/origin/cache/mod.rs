@@ -521,17 +521,21 @@ impl OriginCache {
         }
         let now = self.reading_at();
         present.sort_by_key(|&(shard, _)| std::cmp::Reverse(self.next_use(shard, now)));
+        let mut pinned_kept = 0;
         for (shard, shard_bytes) in present {
             if used + room <= self.bound {
                 break;
             }
             if self.is_pinned(shard) {
+                pinned_kept += 1;
                 continue;
             }
             self.evictor.lock().forget(shard);
             self.evict(shard, shard_bytes)?;
             used -= shard_bytes;
         }
+        // The bound is exceeded only by shards pinned for a waiting read.
+        debug_assert!(used + room <= self.bound || pinned_kept > 0, "{used} + {room} bytes over {}", self.bound);
         Ok(())
     }
 
