@@ -431,49 +431,96 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
+/// An ingest's input, read and checked before the store is touched (a Megatron index decides
+/// the layout by its dtype; tar arguments, patterns and directories, are expanded once).
+enum Input {
+    Records,
+    Files,
+    Tar(Vec<PathBuf>),
+    Megatron(ingest::MegatronIndex),
+    Parquet(ingest::ParquetInput),
+    Mds(ingest::MdsInput),
+    Litdata(ingest::LitDataInput),
+}
+
+impl Input {
+    /// The input `command` names, opened, and the layout of its records.
+    fn open(command: &IngestCommand) -> Result<(Self, Layout)> {
+        Ok(match command {
+            IngestCommand::Records { record_bytes, dtype, shape, .. } => {
+                (Input::Records, Layout::Fixed(fixed_layout(*record_bytes, dtype.as_deref(), shape.as_deref())?))
+            }
+            IngestCommand::Files { .. } => (Input::Files, Layout::Bytes),
+            IngestCommand::Tar { tars, .. } => (Input::Tar(expand_tars(tars)?), Layout::Samples),
+            IngestCommand::Megatron { prefix, .. } => {
+                let index = ingest::MegatronIndex::open(prefix)?;
+                let layout = index.layout();
+                (Input::Megatron(index), layout)
+            }
+            IngestCommand::Parquet { columns, skip_nulls, inputs, .. } => {
+                let nulls = if *skip_nulls { ingest::Nulls::Skip } else { ingest::Nulls::Refuse };
+                let input = ingest::ParquetInput::open(inputs, columns, nulls)?;
+                let layout = input.layout();
+                (Input::Parquet(input), layout)
+            }
+            IngestCommand::Mds { columns, dir, .. } => {
+                let input = ingest::MdsInput::open(dir, columns)?;
+                let layout = input.layout();
+                (Input::Mds(input), layout)
+            }
+            IngestCommand::Litdata { columns, block_size, dir, .. } => {
+                let input = ingest::LitDataInput::open(dir, columns, *block_size)?;
+                let layout = input.layout();
+                (Input::Litdata(input), layout)
+            }
+        })
+    }
+
+    /// Refuses an input that is not a regular file (a FIFO would block with the store locked),
+    /// before the lock is taken.
+    fn check_files(&self, command: &IngestCommand) -> Result<()> {
+        match (self, command) {
+            (_, IngestCommand::Records { files, .. }) => _ = ingest::check_regular_files(files)?,
+            (Input::Tar(paths), _) => _ = ingest::check_regular_files(paths)?,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Its records, into `session`.
+    fn feed(&self, command: &IngestCommand, session: &mut granary::ingest::Ingest<'_>, bar: &Bar) -> Result<()> {
+        match (self, command) {
+            (Input::Records, IngestCommand::Records { files, drop_remainder, .. }) => {
+                ingest::records_from_files(session, files, *drop_remainder, bar)?;
+            }
+            (Input::Files, IngestCommand::Files { dir, .. }) => _ = ingest::files_from_dir(session, dir, bar)?,
+            (Input::Tar(paths), _) => _ = ingest::samples_from_tars(session, paths, bar)?,
+            (Input::Megatron(index), _) => ingest::records_from_megatron(session, index, bar)?,
+            (Input::Parquet(input), _) => {
+                let done = ingest::records_from_parquet(session, input, bar)?;
+                if done.skipped > 0 {
+                    errln!("skipped {} rows with a null in a chosen column", done.skipped);
+                }
+            }
+            (Input::Mds(input), _) => _ = ingest::records_from_mds(session, input, bar)?,
+            (Input::Litdata(input), _) => _ = ingest::records_from_litdata(session, input, bar)?,
+            (Input::Records | Input::Files, _) => bail!("the input was opened for another command"),
+        }
+        Ok(())
+    }
+}
+
 fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
-    // A Megatron index is read and checked whole before the store is touched; it decides the
-    // layout (its dtype). Tar arguments (patterns, directories) are expanded once.
-    let mut megatron = None;
-    let mut parquet = None;
-    let mut mds = None;
-    let mut litdata = None;
-    let mut tar_paths = Vec::new();
-    let (common, layout) = match &command {
-        IngestCommand::Records { common, record_bytes, dtype, shape, .. } => {
-            (common, Layout::Fixed(fixed_layout(*record_bytes, dtype.as_deref(), shape.as_deref())?))
-        }
-        IngestCommand::Files { common, .. } => (common, Layout::Bytes),
-        IngestCommand::Tar { common, tars } => {
-            tar_paths = expand_tars(tars)?;
-            (common, Layout::Samples)
-        }
-        IngestCommand::Megatron { common, prefix } => {
-            let index = ingest::MegatronIndex::open(prefix)?;
-            let layout = index.layout();
-            megatron = Some(index);
-            (common, layout)
-        }
-        IngestCommand::Parquet { common, columns, skip_nulls, inputs } => {
-            let nulls = if *skip_nulls { ingest::Nulls::Skip } else { ingest::Nulls::Refuse };
-            let input = ingest::ParquetInput::open(inputs, columns, nulls)?;
-            let layout = input.layout();
-            parquet = Some(input);
-            (common, layout)
-        }
-        IngestCommand::Mds { common, columns, dir } => {
-            let input = ingest::MdsInput::open(dir, columns)?;
-            let layout = input.layout();
-            mds = Some(input);
-            (common, layout)
-        }
-        IngestCommand::Litdata { common, columns, block_size, dir } => {
-            let input = ingest::LitDataInput::open(dir, columns, *block_size)?;
-            let layout = input.layout();
-            litdata = Some(input);
-            (common, layout)
-        }
+    let common = match &command {
+        IngestCommand::Records { common, .. }
+        | IngestCommand::Files { common, .. }
+        | IngestCommand::Tar { common, .. }
+        | IngestCommand::Megatron { common, .. }
+        | IngestCommand::Parquet { common, .. }
+        | IngestCommand::Mds { common, .. }
+        | IngestCommand::Litdata { common, .. } => common,
     };
+    let (input, layout) = Input::open(&command)?;
     let name = DatasetName::new(&common.name)?;
     // What replicating afterwards needs is checked before anything is ingested: a failure
     // after the commit would invite a second ingest of the same records.
@@ -491,52 +538,13 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
         },
         ..IngestOptions::default()
     };
-    // An input that is not a regular file (a FIFO would block with the store locked) is
-    // refused before the lock is taken.
-    match &command {
-        IngestCommand::Records { files, .. } => _ = ingest::check_regular_files(files)?,
-        IngestCommand::Tar { .. } => _ = ingest::check_regular_files(&tar_paths)?,
-        IngestCommand::Files { .. }
-        | IngestCommand::Megatron { .. }
-        | IngestCommand::Parquet { .. }
-        | IngestCommand::Mds { .. }
-        | IngestCommand::Litdata { .. } => {}
-    }
+    input.check_files(&command)?;
     // A typo in --root would otherwise make a new empty store without a word.
     let created = StorePaths::new(&root).check().is_err();
     let mut granary = open_writer(&root, true)?;
     let mut session = granary.ingest(name, layout, options)?;
     let bar = Bar::new();
-    match &command {
-        IngestCommand::Records { files, drop_remainder, .. } => {
-            ingest::records_from_files(&mut session, files, *drop_remainder, &bar)?;
-        }
-        IngestCommand::Files { dir, .. } => {
-            ingest::files_from_dir(&mut session, dir, &bar)?;
-        }
-        IngestCommand::Tar { .. } => {
-            ingest::samples_from_tars(&mut session, &tar_paths, &bar)?;
-        }
-        IngestCommand::Megatron { .. } => {
-            let index = megatron.as_ref().context("the index was read above")?;
-            ingest::records_from_megatron(&mut session, index, &bar)?;
-        }
-        IngestCommand::Parquet { .. } => {
-            let input = parquet.as_ref().context("the files were read above")?;
-            let done = ingest::records_from_parquet(&mut session, input, &bar)?;
-            if done.skipped > 0 {
-                errln!("skipped {} rows with a null in a chosen column", done.skipped);
-            }
-        }
-        IngestCommand::Mds { .. } => {
-            let input = mds.as_ref().context("the index was read above")?;
-            ingest::records_from_mds(&mut session, input, &bar)?;
-        }
-        IngestCommand::Litdata { .. } => {
-            let input = litdata.as_ref().context("the index was read above")?;
-            ingest::records_from_litdata(&mut session, input, &bar)?;
-        }
-    }
+    input.feed(&command, &mut session, &bar)?;
     let committed = session.commit().map_err(|e| match e {
         // In the command line's terms.
         granary::Error::IngestIntent { name, version, records, incoming, same_count_shard_bytes } => anyhow::anyhow!(
@@ -552,6 +560,22 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     }
     drop(granary);
     bar.finish();
+    report_ingest(&committed, &bar)?;
+    if let Some((replicas, client)) = replicate_with {
+        let spec = format!("{}@{}", committed.name, committed.version);
+        let goal = granary::replication::frame::Goal::Replicas(replicas);
+        let report = client.replicate(&spec, goal, granary::replication::frame::ReplicateMode::Node, |_, _| {}).with_context(|| {
+            format!(
+                "{spec} is committed here, but not replicated: `granary replicate {spec} --replicas {replicas}` retries"
+            )
+        })?;
+        outln!("{report}")?;
+    }
+    Ok(())
+}
+
+/// What an ingest committed, on stdout.
+fn report_ingest(committed: &granary::ingest::Committed, bar: &Bar) -> Result<()> {
     let stats = &committed.stats;
     if committed.unchanged {
         // What was missing of it on disk was written again all the same.
@@ -583,16 +607,6 @@ fn ingest(root: PathBuf, command: IngestCommand) -> Result<()> {
     }
     if bar.n_skipped() > 0 {
         outln!("{} input members skipped (listed on stderr)", bar.n_skipped())?;
-    }
-    if let Some((replicas, client)) = replicate_with {
-        let spec = format!("{}@{}", committed.name, committed.version);
-        let goal = granary::replication::frame::Goal::Replicas(replicas);
-        let report = client.replicate(&spec, goal, granary::replication::frame::ReplicateMode::Node, |_, _| {}).with_context(|| {
-            format!(
-                "{spec} is committed here, but not replicated: `granary replicate {spec} --replicas {replicas}` retries"
-            )
-        })?;
-        outln!("{report}")?;
     }
     Ok(())
 }

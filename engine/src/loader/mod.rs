@@ -142,16 +142,7 @@ impl Loader {
         config.repair = origin_hook(&dataset, config.repair.take())?;
         config.plan = plan_for_store(&dataset, config.plan)?;
         let repair = config.repair.clone();
-        let cuda = match config.target {
-            Target::Host => None,
-            Target::Auto => Cuda::get(),
-            Target::Gpu => Some(Cuda::get().ok_or_else(|| Error::NoGpu {
-                detail: format!(
-                    "loading to the GPU needs CUDA: {}",
-                    Cuda::unavailable_reason().unwrap_or_else(|| "not available".to_owned())
-                ),
-            })?),
-        };
+        let cuda = cuda_for(config.target)?;
         let (batch_bytes, expected_batch_bytes) = batch_sizes(&config, &dataset)?;
         let coordinator = tier_coordinator(&config)?;
         if let Some(coordinator) = &coordinator {
@@ -173,22 +164,7 @@ impl Loader {
         clock.mark(StartStage::StagingReady);
 
         #[cfg(feature = "policy")]
-        let (meter, from_meter) = match &mut config.rebalance {
-            Some(rebalancing) => {
-                rebalancing.check(config.world.size())?;
-                let grid = rebalance::Grid::new(
-                    u64::from(config.world.size()).saturating_mul(config.batch_size),
-                    config.plan.epoch_len(&dataset),
-                    rebalancing.every,
-                    normalized(start, config.plan.epoch_len(&dataset)),
-                );
-                rebalancing.fit_resume(config.world.size(), &grid);
-                let (to_reader, from_meter) = std::sync::mpsc::channel();
-                let meter = rebalance::Meter::new(config.world.rank(), rebalancing, grid, to_reader);
-                (Some(meter), Some(from_meter))
-            }
-            None => (None, None),
-        };
+        let (meter, from_meter) = meter_of(&mut config, &dataset, start)?;
         #[cfg(feature = "policy")]
         let resumed_weights =
             config.rebalance.as_ref().and_then(|r| r.resume.as_ref()).map(|r| Arc::new(r.weights.clone()));
@@ -217,13 +193,7 @@ impl Loader {
         // Should a step below fail, the threads started so far end with it.
         let mut threads = Started { threads: Vec::new(), stop: Arc::clone(&stop), coordinator: coordinator.clone() };
         if let Some(coordinator) = &coordinator {
-            for i in 0..coordinator.tier().fill_threads() {
-                let coordinator = Arc::clone(coordinator);
-                // A filler that cannot start leaves its work to the others, or to the disk reads.
-                threads.push(spawn(&format!("granary-fill-{i}"), move || {
-                    let _ = crate::tier::run_filler(&coordinator);
-                })?);
-            }
+            threads.start_fillers(coordinator)?;
         }
         let heat = (DatasetHeat::key(&dataset), registry.is_some().then(|| DatasetHeat::new(&dataset)));
         let reader = ReaderStage {
@@ -245,34 +215,10 @@ impl Loader {
         threads.push(spawn("granary-reader", move || reader.run())?);
         let (receiver, returns) = match cuda {
             None => (from_reader, None),
-            Some(cuda) => {
-                let (to_trainer, receiver) = std::sync::mpsc::sync_channel(2);
-                let (returns, returned) = std::sync::mpsc::channel();
-                let stream = cuda.stream()?;
-                let buffers =
-                    (0..config.hold_max + 3).map(|_| cuda.alloc(pool.buffer_bytes())).collect::<Result<Vec<_>>>()?;
-                let device = DeviceStage {
-                    stream,
-                    free: buffers
-                        .into_iter()
-                        .map(|buffer| Returned { buffer: Some(buffer), fences: Vec::new(), after_all_work: false })
-                        .collect(),
-                    returned,
-                    input: from_reader,
-                    out: to_trainer,
-                    stop: Arc::clone(&stop),
-                };
-                threads.push(spawn("granary-device", move || device.run())?);
-                (receiver, Some(returns))
-            }
+            Some(cuda) => threads.start_device(cuda, config.hold_max + 3, &pool, from_reader)?,
         };
         if let (Some(registry), Some(source)) = (&registry, &metrics) {
-            crate::metrics::on_fork_in_child(crate::read::forget_shard_reads);
-            registry.register(Arc::clone(source) as Arc<dyn crate::metrics::Source>);
-            registry.derive("skew", metrics::derive_skew);
-            if let (key, Some(heat)) = heat {
-                registry.register_once(&key, || Arc::new(heat));
-            }
+            register_metrics(registry, source, heat);
         }
         clock.mark(StartStage::Built);
         Ok(Self {
@@ -545,6 +491,42 @@ struct Started {
 }
 
 impl Started {
+    /// The tier's fill threads; one that cannot start leaves its work to the others, or to the
+    /// disk reads.
+    fn start_fillers(&mut self, coordinator: &Arc<Coordinator>) -> Result<()> {
+        for i in 0..coordinator.tier().fill_threads() {
+            let coordinator = Arc::clone(coordinator);
+            self.push(spawn(&format!("granary-fill-{i}"), move || {
+                let _ = crate::tier::run_filler(&coordinator);
+            })?);
+        }
+        Ok(())
+    }
+
+    /// The device stage: `buffers` device buffers of the pool's size, copies of what comes
+    /// `from_reader`; returns the queue to the trainer and the way buffers come back.
+    fn start_device(
+        &mut self,
+        cuda: &'static Cuda,
+        buffers: usize,
+        pool: &StagingPool,
+        from_reader: Receiver<Message>,
+    ) -> Result<(Receiver<Message>, Option<Sender<Returned>>)> {
+        let (to_trainer, receiver) = std::sync::mpsc::sync_channel(2);
+        let (returns, returned) = std::sync::mpsc::channel();
+        let stream = cuda.stream()?;
+        let free = (0..buffers)
+            .map(|_| {
+                let buffer = cuda.alloc(pool.buffer_bytes())?;
+                Ok(Returned { buffer: Some(buffer), fences: Vec::new(), after_all_work: false })
+            })
+            .collect::<Result<_>>()?;
+        let device =
+            DeviceStage { stream, free, returned, input: from_reader, out: to_trainer, stop: Arc::clone(&self.stop) };
+        self.push(spawn("granary-device", move || device.run())?);
+        Ok((receiver, Some(returns)))
+    }
+
     fn push(&mut self, thread: JoinHandle<()>) {
         self.threads.push(thread);
     }
@@ -569,6 +551,54 @@ fn died() -> Message {
 
 /// A batch's staging buffer (`batch_bytes`: room for the most records a rank reads of a step)
 /// and what a batch is expected to take, for the reader's depth.
+/// The CUDA device `target` loads to: none for the host, the process's if it has one for
+/// `Auto`, and for `Gpu` the process's or an error saying why there is none.
+fn cuda_for(target: Target) -> Result<Option<&'static Cuda>> {
+    Ok(match target {
+        Target::Host => None,
+        Target::Auto => Cuda::get(),
+        Target::Gpu => Some(Cuda::get().ok_or_else(|| Error::NoGpu {
+            detail: format!(
+                "loading to the GPU needs CUDA: {}",
+                Cuda::unavailable_reason().unwrap_or_else(|| "not available".to_owned())
+            ),
+        })?),
+    })
+}
+
+/// The rebalancing meter of `config` (none without rebalancing) and the reader's end of its
+/// measures; a resumed state is fitted to the grid of points from `start`.
+#[cfg(feature = "policy")]
+type MeterEnds = (Option<rebalance::Meter>, Option<Receiver<rebalance::PointMeasures>>);
+
+#[cfg(feature = "policy")]
+fn meter_of(config: &mut LoaderConfig, dataset: &Dataset, start: Position) -> Result<MeterEnds> {
+    let (world, epoch_len) = (config.world, config.plan.epoch_len(dataset));
+    let step_len = u64::from(world.size()).saturating_mul(config.batch_size);
+    let Some(rebalancing) = &mut config.rebalance else { return Ok((None, None)) };
+    rebalancing.check(world.size())?;
+    let grid = rebalance::Grid::new(step_len, epoch_len, rebalancing.every, normalized(start, epoch_len));
+    rebalancing.fit_resume(world.size(), &grid);
+    let (to_reader, from_meter) = std::sync::mpsc::channel();
+    let meter = rebalance::Meter::new(world.rank(), rebalancing, grid, to_reader);
+    Ok((Some(meter), Some(from_meter)))
+}
+
+/// Puts a loader's metrics in `registry`, with the skew across ranks and its dataset's heat
+/// (once per dataset).
+fn register_metrics(
+    registry: &crate::metrics::Registry,
+    source: &Arc<LoaderMetrics>,
+    (key, heat): (String, Option<DatasetHeat>),
+) {
+    crate::metrics::on_fork_in_child(crate::read::forget_shard_reads);
+    registry.register(Arc::clone(source) as Arc<dyn crate::metrics::Source>);
+    registry.derive("skew", metrics::derive_skew);
+    if let Some(heat) = heat {
+        registry.register_once(&key, || Arc::new(heat));
+    }
+}
+
 fn batch_sizes(config: &LoaderConfig, dataset: &Dataset) -> Result<(usize, usize)> {
     // Rebalancing gives a rank up to `SHARE_MAX_BATCHES` batch sizes of a step.
     #[cfg(feature = "policy")]

@@ -50,148 +50,150 @@ impl Source for NodeMetrics {
                 None => return,
             },
         };
-        let node = || vec![("node", status.id.to_string())];
-        let count =
-            |out: &mut Samples, name, help, value: u64| out.counter(name, help, Unit::None, node(), value as f64);
-        count(
-            out,
-            "granary_node_objects_received",
-            "Objects received from peers and published here.",
-            status.objects_received,
-        );
-        count(out, "granary_node_copies_made", "Copies this node had peers make.", status.copies_made);
-        count(out, "granary_node_copies_failed", "Copies that failed.", status.copies_failed);
-        count(
-            out,
-            "granary_node_verify_failures",
-            "Transfers or local copies that failed verification.",
-            status.verify_failures,
-        );
-        count(out, "granary_node_demotions", "Peers demoted for sending bad bytes.", status.demotions);
-        count(
-            out,
-            "granary_node_connections_refused",
-            "Connections refused: a failed handshake (wrong key, stale incarnation) or too many.",
-            status.connections_refused,
-        );
-        count(
-            out,
-            "granary_node_connections_busy",
-            "Of the refused connections, those told the node was busy.",
-            status.connections_busy,
-        );
-        count(out, "granary_node_frames_rejected", "Connections dropped for a bad frame.", status.frames_rejected);
-        count(out, "granary_node_repairs", "Read-time repairs done.", status.repairs);
-        count(out, "granary_node_cache_evictions", "Shards evicted from the cache of fetched shards.", status.evicted);
-        out.counter("granary_node_sent", "Bytes sent to peers.", Unit::Bytes, node(), status.bytes_sent as f64);
-        out.counter(
-            "granary_node_received",
-            "Bytes received from peers.",
-            Unit::Bytes,
-            node(),
-            status.bytes_received as f64,
-        );
+        counters(&status, out);
+        gauges(&status, out);
+        peers(&status, out);
+    }
+}
 
-        let gauge = |out: &mut Samples, name, help, value: f64| out.gauge(name, help, Unit::None, node(), value);
-        gauge(out, "granary_node_objects", "Objects stored here.", status.objects as f64);
-        gauge(
-            out,
-            "granary_node_under_replicated_shards",
-            "Shards of goal datasets with fewer copies than wanted.",
-            status.under_replicated as f64,
-        );
-        gauge(
-            out,
-            "granary_node_unavailable_shards",
-            "Shards of goal datasets with no copy on a node that is up.",
-            status.unavailable as f64,
-        );
-        gauge(
-            out,
-            "granary_node_pending_fetches",
-            "Fetch requests outstanding with peers.",
-            status.pending_fetches as f64,
-        );
-        gauge(out, "granary_node_cache_objects", "Shards in the cache of fetched shards.", status.cache_objects as f64);
-        gauge(
-            out,
-            "granary_node_hot_shards",
-            "Shards the replicator's last hot pass gave more copies.",
-            status.hot_shards_total as f64,
-        );
-        gauge(out, "granary_node_hot_copies", "Hot copies this node holds.", status.hot_copies_here as f64);
-        out.gauge(
-            "granary_node_under_replicated_oldest_age",
-            "How long the oldest under-replicated shard has been so.",
-            Unit::Seconds,
-            node(),
-            status.lag_oldest_ms as f64 / 1e3,
-        );
-        out.gauge(
-            "granary_node_cache",
-            "Bytes of shards in the cache of fetched shards.",
-            Unit::Bytes,
-            node(),
-            status.cache_bytes as f64,
-        );
-        out.gauge(
-            "granary_node_under_replicated",
-            "Bytes of the shards of goal datasets with fewer copies than wanted.",
-            Unit::Bytes,
-            node(),
-            status.under_replicated_bytes as f64,
-        );
-        out.gauge(
-            "granary_node_uptime",
-            "Since the node started.",
-            Unit::Seconds,
-            node(),
-            status.uptime_ms as f64 / 1e3,
-        );
+/// The node's counters.
+fn counters(status: &NodeStatus, out: &mut Samples) {
+    let node = || vec![("node", status.id.to_string())];
+    let count = |out: &mut Samples, name, help, value: u64| out.counter(name, help, Unit::None, node(), value as f64);
+    count(
+        out,
+        "granary_node_objects_received",
+        "Objects received from peers and published here.",
+        status.objects_received,
+    );
+    count(out, "granary_node_copies_made", "Copies this node had peers make.", status.copies_made);
+    count(out, "granary_node_copies_failed", "Copies that failed.", status.copies_failed);
+    count(
+        out,
+        "granary_node_verify_failures",
+        "Transfers or local copies that failed verification.",
+        status.verify_failures,
+    );
+    count(out, "granary_node_demotions", "Peers demoted for sending bad bytes.", status.demotions);
+    count(
+        out,
+        "granary_node_connections_refused",
+        "Connections refused: a failed handshake (wrong key, stale incarnation) or too many.",
+        status.connections_refused,
+    );
+    count(
+        out,
+        "granary_node_connections_busy",
+        "Of the refused connections, those told the node was busy.",
+        status.connections_busy,
+    );
+    count(out, "granary_node_frames_rejected", "Connections dropped for a bad frame.", status.frames_rejected);
+    count(out, "granary_node_repairs", "Read-time repairs done.", status.repairs);
+    count(out, "granary_node_cache_evictions", "Shards evicted from the cache of fetched shards.", status.evicted);
+    out.counter("granary_node_sent", "Bytes sent to peers.", Unit::Bytes, node(), status.bytes_sent as f64);
+    out.counter(
+        "granary_node_received",
+        "Bytes received from peers.",
+        Unit::Bytes,
+        node(),
+        status.bytes_received as f64,
+    );
+}
 
-        for peer in &status.peers {
-            let labels = || {
-                let name = peer.id.map_or_else(|| peer.addr.to_string(), |id| id.to_string());
-                vec![("node", status.id.to_string()), ("peer", name)]
-            };
+/// The node's gauges.
+fn gauges(status: &NodeStatus, out: &mut Samples) {
+    let node = || vec![("node", status.id.to_string())];
+    let gauge = |out: &mut Samples, name, help, value: f64| out.gauge(name, help, Unit::None, node(), value);
+    gauge(out, "granary_node_objects", "Objects stored here.", status.objects as f64);
+    gauge(
+        out,
+        "granary_node_under_replicated_shards",
+        "Shards of goal datasets with fewer copies than wanted.",
+        status.under_replicated as f64,
+    );
+    gauge(
+        out,
+        "granary_node_unavailable_shards",
+        "Shards of goal datasets with no copy on a node that is up.",
+        status.unavailable as f64,
+    );
+    gauge(out, "granary_node_pending_fetches", "Fetch requests outstanding with peers.", status.pending_fetches as f64);
+    gauge(out, "granary_node_cache_objects", "Shards in the cache of fetched shards.", status.cache_objects as f64);
+    gauge(
+        out,
+        "granary_node_hot_shards",
+        "Shards the replicator's last hot pass gave more copies.",
+        status.hot_shards_total as f64,
+    );
+    gauge(out, "granary_node_hot_copies", "Hot copies this node holds.", status.hot_copies_here as f64);
+    out.gauge(
+        "granary_node_under_replicated_oldest_age",
+        "How long the oldest under-replicated shard has been so.",
+        Unit::Seconds,
+        node(),
+        status.lag_oldest_ms as f64 / 1e3,
+    );
+    out.gauge(
+        "granary_node_cache",
+        "Bytes of shards in the cache of fetched shards.",
+        Unit::Bytes,
+        node(),
+        status.cache_bytes as f64,
+    );
+    out.gauge(
+        "granary_node_under_replicated",
+        "Bytes of the shards of goal datasets with fewer copies than wanted.",
+        Unit::Bytes,
+        node(),
+        status.under_replicated_bytes as f64,
+    );
+    out.gauge("granary_node_uptime", "Since the node started.", Unit::Seconds, node(), status.uptime_ms as f64 / 1e3);
+}
+
+/// Each peer's gauges and counters, as this node sees them.
+fn peers(status: &NodeStatus, out: &mut Samples) {
+    for peer in &status.peers {
+        let labels = || {
+            let name = peer.id.map_or_else(|| peer.addr.to_string(), |id| id.to_string());
+            vec![("node", status.id.to_string()), ("peer", name)]
+        };
+        out.gauge(
+            "granary_peer_up",
+            "Whether the peer answers heartbeats (1) or not (0).",
+            Unit::None,
+            labels(),
+            f64::from(u8::from(peer.up)),
+        );
+        out.gauge(
+            "granary_peer_demoted",
+            "Whether the peer is demoted for sending bad bytes.",
+            Unit::None,
+            labels(),
+            f64::from(u8::from(peer.demoted)),
+        );
+        if let Some(ago) = peer.answered_ms_ago {
             out.gauge(
-                "granary_peer_up",
-                "Whether the peer answers heartbeats (1) or not (0).",
-                Unit::None,
+                "granary_peer_heartbeat_age",
+                "Since the peer last answered a heartbeat.",
+                Unit::Seconds,
                 labels(),
-                f64::from(u8::from(peer.up)),
-            );
-            out.gauge(
-                "granary_peer_demoted",
-                "Whether the peer is demoted for sending bad bytes.",
-                Unit::None,
-                labels(),
-                f64::from(u8::from(peer.demoted)),
-            );
-            if let Some(ago) = peer.answered_ms_ago {
-                out.gauge(
-                    "granary_peer_heartbeat_age",
-                    "Since the peer last answered a heartbeat.",
-                    Unit::Seconds,
-                    labels(),
-                    ago as f64 / 1e3,
-                );
-            }
-            out.gauge("granary_peer_objects", "Objects the peer lists.", Unit::None, labels(), peer.objects as f64);
-            out.counter(
-                "granary_peer_sent",
-                "Bytes of objects sent to the peer.",
-                Unit::Bytes,
-                labels(),
-                peer.bytes_sent as f64,
-            );
-            out.counter(
-                "granary_peer_received",
-                "Bytes of objects received from the peer.",
-                Unit::Bytes,
-                labels(),
-                peer.bytes_received as f64,
+                ago as f64 / 1e3,
             );
         }
+        out.gauge("granary_peer_objects", "Objects the peer lists.", Unit::None, labels(), peer.objects as f64);
+        out.counter(
+            "granary_peer_sent",
+            "Bytes of objects sent to the peer.",
+            Unit::Bytes,
+            labels(),
+            peer.bytes_sent as f64,
+        );
+        out.counter(
+            "granary_peer_received",
+            "Bytes of objects received from the peer.",
+            Unit::Bytes,
+            labels(),
+            peer.bytes_received as f64,
+        );
     }
 }

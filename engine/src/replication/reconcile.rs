@@ -27,6 +27,7 @@ use crate::erasure::Coding;
 use crate::error::{Error, Result};
 use crate::id::ShardId;
 use crate::policy::{Holding, shard_key};
+use crate::store::DatasetName;
 
 /// Fetch requests the reconciler starts in one pass (the others wait for a later pass).
 const FETCHES_PER_PASS_MAX: usize = 4 * FETCHES_MAX;
@@ -53,25 +54,7 @@ impl Shared {
                 (Ok(shards), Goal::Coded(coding)) => coded.entry(coding).or_default().extend(shards),
                 (Err(e), _) => self.event(format!("goal {name}: {e}")),
             }
-            // Peers that lack this dataset's manifests get them, then the ref; a peer that a goal
-            // set here has not reached yet gets the ref with it.
-            for (peer, _) in self.peers.up() {
-                let missing = match self.local.paths().read_ref(name) {
-                    Ok(log) => log.versions().iter().any(|v| !self.node_holds(peer, WireKind::Manifest, v.manifest.0)),
-                    Err(_) => false,
-                };
-                let untold = self.goals_pending.lock().contains(&(peer, name.clone()));
-                if (missing || untold) && self.pushing.lock().insert((peer, name.clone())) {
-                    let shared = Arc::clone(self);
-                    let name = name.clone();
-                    tokio::spawn(async move {
-                        if let Err(e) = shared.push_ref(peer, &name, goal).await {
-                            shared.event(format!("could not bring {name} to node {peer}: {e}"));
-                        }
-                        shared.pushing.lock().remove(&(peer, name));
-                    });
-                }
-            }
+            self.bring_ref(name, goal);
         }
         let now = Instant::now();
         let mut under: HashMap<ShardId, Instant> = HashMap::new();
@@ -137,6 +120,35 @@ impl Shared {
                 under_bytes += bytes;
             }
         }
+        self.record_lag(now, under, under_bytes, unavailable);
+        Ok(())
+    }
+
+    /// Peers that lack dataset `name`'s manifests get them, then the ref; a peer that a goal
+    /// set here has not reached yet gets the ref with it.
+    fn bring_ref(self: &Arc<Self>, name: &DatasetName, goal: Goal) {
+        for (peer, _) in self.peers.up() {
+            let missing = match self.local.paths().read_ref(name) {
+                Ok(log) => log.versions().iter().any(|v| !self.node_holds(peer, WireKind::Manifest, v.manifest.0)),
+                Err(_) => false,
+            };
+            let untold = self.goals_pending.lock().contains(&(peer, name.clone()));
+            if (missing || untold) && self.pushing.lock().insert((peer, name.clone())) {
+                let shared = Arc::clone(self);
+                let name = name.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = shared.push_ref(peer, &name, goal).await {
+                        shared.event(format!("could not bring {name} to node {peer}: {e}"));
+                    }
+                    shared.pushing.lock().remove(&(peer, name));
+                });
+            }
+        }
+    }
+
+    /// The shards under their goal now (each since when it first was), and how long those
+    /// that reached it again took.
+    fn record_lag(&self, now: Instant, mut under: HashMap<ShardId, Instant>, under_bytes: u64, unavailable: usize) {
         let mut lag = self.lag.lock();
         let previous = std::mem::take(&mut lag.under);
         for (shard, since) in &mut under {
@@ -154,7 +166,6 @@ impl Shared {
         lag.under = under;
         lag.under_bytes = under_bytes;
         lag.unavailable = unavailable;
-        Ok(())
     }
 }
 

@@ -450,6 +450,14 @@ impl fmt::Display for NodeStatus {
             self.root.display()
         )?;
         writeln!(f, "  up {}, {} stored", took(self.uptime_ms), count(self.objects as u64, "object"))?;
+        self.fmt_peers(f)?;
+        self.fmt_goals(f)?;
+        self.fmt_traffic(f)
+    }
+}
+
+impl NodeStatus {
+    fn fmt_peers(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let n_up = self.peers.iter().filter(|p| p.up).count();
         let omitted =
             if self.peers_omitted > 0 { format!(" ({} more not shown)", self.peers_omitted) } else { String::new() };
@@ -472,6 +480,10 @@ impl fmt::Display for NodeStatus {
             }
             writeln!(f)?;
         }
+        Ok(())
+    }
+
+    fn fmt_goals(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.goals.is_empty() {
             writeln!(f, "replication: no goals")?;
         } else {
@@ -535,6 +547,11 @@ impl fmt::Display for NodeStatus {
                 count(self.pending_fetches as u64, "fetch request")
             )?;
         }
+        Ok(())
+    }
+
+    /// Transfers, the read cache, hot shards, refusals and recent events.
+    fn fmt_traffic(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
             "transfers: {} made, {} failed; {} received, {} sent; {}, {}, {}",

@@ -98,21 +98,7 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
     let cache_shards = (bound / shard_max.max(1)).max(1);
     let window =
         if args.window_shards > 0 { args.window_shards } else { granary::loader::window_for_cache(bound, shard_max) };
-    // The origin: object_store's in-memory store behind its throttle (reads wait, writes do
-    // not), so the push is quick and every fetch pays the latency and the bandwidth.
-    let throttle = object_store::throttle::ThrottleConfig {
-        wait_get_per_call: Duration::from_millis(args.latency_ms),
-        wait_get_per_byte: Duration::from_secs_f64(8.0 / args.bandwidth as f64),
-        ..Default::default()
-    };
-    granary::origin::install_tls_provider();
-    let memory = object_store::memory::InMemory::new();
-    let url = "memory://bench-cache".to_owned();
-    let slow = Arc::new(Origin::with_store(
-        Arc::new(object_store::throttle::ThrottledStore::new(memory, throttle)),
-        object_store::path::Path::default(),
-        url,
-    )?);
+    let slow = throttled_origin(args)?;
     origin::push(&source_paths, &spec, &slow, &|_| {})?;
     let batch_bytes = args.batch * RECORD_BYTES;
     let consumed = batch_bytes as f64 / (args.step_ms.max(1) as f64 / 1000.0);
@@ -163,26 +149,51 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
         rows.push((format!("{} no plan", args.baseline), args.baseline.as_str(), false));
     }
     for (label, evictor, planned) in rows {
-        let here = root.join(format!("here-{}", label.replace(' ', "-")));
+        let attached = Attached { root, slow: &slow, spec: &spec, bound, window };
+        attached.run(&label, evictor, planned, args)?;
+    }
+    outln!(
+        "(x BELADY: bytes from the origin over Belady's for the same access trace and cache, evicting the shard \
+         next used farthest ahead; the dataset once is {})",
+        bytes(dataset_bytes)
+    )?;
+    Ok(())
+}
+
+/// An evictor's run: a store that attaches the dataset pushed to the slow origin, with a cache
+/// of `bound` bytes, read through a window of `window` shards.
+struct Attached<'a> {
+    root: &'a Path,
+    slow: &'a Arc<Origin>,
+    spec: &'a VersionSpec,
+    bound: u64,
+    window: u64,
+}
+
+impl Attached<'_> {
+    /// Reads the epochs through a cache run by `evictor` (told the plan, or not) and prints its
+    /// row.
+    fn run(&self, label: &str, evictor: &str, planned: bool, args: &CacheArgs) -> Result<()> {
+        let here = self.root.join(format!("here-{}", label.replace(' ', "-")));
         if here.exists() {
             std::fs::remove_dir_all(&here)?;
         }
         {
             let mut granary = Granary::create(&here)?;
-            origin::attach(&mut granary, &slow, &spec, Some(bound), Some(evictor))?;
+            origin::attach(&mut granary, self.slow, self.spec, Some(self.bound), Some(evictor))?;
         }
         let paths = StorePaths::new(&here);
-        let cache = OriginCache::open_with(&paths, Some(evictor), &[], &[Arc::clone(&slow)])?
+        let cache = OriginCache::open_with(&paths, Some(evictor), &[], &[Arc::clone(self.slow)])?
             .context("the dataset was just attached")?;
         cache.record_trace();
-        let dataset = granary::Dataset::open(&paths, &spec)?;
+        let dataset = granary::Dataset::open(&paths, self.spec)?;
         let hook: Arc<dyn granary::ShardSource> =
             if planned { Arc::clone(&cache) as _ } else { Arc::new(Unplanned(Arc::clone(&cache))) };
-        let run = read_epochs(dataset, Some(hook), args, window)?;
+        let run = read_epochs(dataset, Some(hook), args, self.window)?;
         let stats = cache.stats();
         let hit_ratio = stats.hit_ratio();
         let trace = cache.trace();
-        let minimum = belady_bytes(&trace, bound, &|id| cache.shard_bytes(id).unwrap_or(0));
+        let minimum = belady_bytes(&trace, self.bound, &|id| cache.shard_bytes(id).unwrap_or(0));
         if let Some(dir) = &args.trace_out {
             write_trace(&dir.join(format!("{}.oracleGeneral.bin", label.replace(' ', "-"))), &trace, &|id| {
                 cache.shard_bytes(id).unwrap_or(0)
@@ -201,13 +212,26 @@ pub(crate) fn cache(root: &Path, args: &CacheArgs) -> Result<()> {
         )?;
         drop(cache);
         std::fs::remove_dir_all(&here)?;
+        Ok(())
     }
-    outln!(
-        "(x BELADY: bytes from the origin over Belady's for the same access trace and cache, evicting the shard \
-         next used farthest ahead; the dataset once is {})",
-        bytes(dataset_bytes)
-    )?;
-    Ok(())
+}
+
+/// The origin: object_store's in-memory store behind its throttle (reads wait, writes do not),
+/// so the push is quick and every fetch pays the latency and the bandwidth.
+fn throttled_origin(args: &CacheArgs) -> Result<Arc<Origin>> {
+    let throttle = object_store::throttle::ThrottleConfig {
+        wait_get_per_call: Duration::from_millis(args.latency_ms),
+        wait_get_per_byte: Duration::from_secs_f64(8.0 / args.bandwidth as f64),
+        ..Default::default()
+    };
+    granary::origin::install_tls_provider();
+    let memory = object_store::memory::InMemory::new();
+    let url = "memory://bench-cache".to_owned();
+    Ok(Arc::new(Origin::with_store(
+        Arc::new(object_store::throttle::ThrottledStore::new(memory, throttle)),
+        object_store::path::Path::default(),
+        url,
+    )?))
 }
 
 /// The cache as a hook that is not told the plan: it fetches what a read misses and hears the
