@@ -260,3 +260,83 @@ fn a_mixture_of_packed_sources_packs_each_source_and_blends_windows_exactly() {
     let expected: Windows = one.range((0, 48)..).map(|(k, v)| (*k, v.clone())).collect();
     assert_eq!(rest, expected);
 }
+
+/// Two ranks of a session of `reads` packed by `pack`, rebalanced every 5 steps, rank 1 taking
+/// 3 ms a window and rank 0 40 us, for `epochs` epochs: each rank's windows, their count, and
+/// its weights at the end.
+fn rebalanced(
+    root: &std::path::Path,
+    reads: &Reads,
+    pack: &PackConfig,
+    epochs: u64,
+) -> Vec<(Windows, usize, Vec<u32>)> {
+    let exchange: Arc<dyn granary::loader::MeasureExchange> =
+        granary::loader::LocalExchange::new(2, std::time::Duration::from_secs(30));
+    let threads: Vec<_> = (0..2u32)
+        .map(|rank| {
+            let (root, reads, pack) = (root.to_path_buf(), reads.clone(), pack.clone());
+            let exchange = Arc::clone(&exchange);
+            std::thread::spawn(move || {
+                let mut rebalance = granary::loader::RebalanceConfig::every(5, Some(exchange));
+                rebalance.lead = 2;
+                let loader = LoaderConfig { rebalance: Some(rebalance), ..config(World::new(rank, 2).unwrap()) };
+                let config = SessionConfig {
+                    reads,
+                    plan: None,
+                    pack: Some(pack),
+                    drop_last: false,
+                    device: None,
+                    epoch: 0,
+                    loader,
+                };
+                let mut session = Session::new(root, config).expect("a session");
+                let (mut out, mut windows) = (Windows::new(), 0);
+                while session.begin_epoch() < epochs {
+                    while let Some(step) = session.next_packed().expect("a batch") {
+                        let batch = step.pack().expect("packed");
+                        windows += batch.packed.windows;
+                        collect(&mut out, &batch);
+                        let per_window = if rank == 1 { 3000 } else { 40 };
+                        std::thread::sleep(std::time::Duration::from_micros(per_window * batch.packed.windows as u64));
+                    }
+                }
+                let weights = session.rebalance_state().expect("a rebalancing state").weights.weights;
+                (out, windows, weights)
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().expect("a rank")).collect()
+}
+
+/// The ranks' windows put together, each once.
+fn both(runs: &[(Windows, usize, Vec<u32>)]) -> Windows {
+    let mut both = Windows::new();
+    for (out, _, _) in runs {
+        for (key, window) in out {
+            assert!(both.insert(*key, window.clone()).is_none(), "window {key:?} read by both ranks");
+        }
+    }
+    let (fast, slow) = (runs[0].1, runs[1].1);
+    assert!(slow < fast, "the slow rank read {slow} windows, the fast one {fast}");
+    assert!(runs[1].2[1] < runs[1].2[0], "the weights moved toward the fast rank: {:?}", runs[1].2);
+    both
+}
+
+#[test]
+fn rebalanced_ranks_read_every_window_once_and_the_slow_rank_gets_fewer() {
+    let c = corpus(300);
+    let pack = plan(&c, true);
+    let root = c.dir.path().join("store");
+    let reads = Reads::One(VersionSpec::parse("docs").expect("spec"));
+    let alone = read_packed(&root, reads.clone(), pack.config(), 1, Position::default(), 1);
+    assert_eq!(both(&rebalanced(&root, &reads, pack.config(), 1)), alone, "the windows one rank reads");
+    // A packed mixture likewise (an epoch of 60 steps: a point's window of measures is a few
+    // steps long, so that the ranks' speeds show through a start or a step read again).
+    let (dir, _) = two_corpora();
+    let parts = vec![(VersionSpec::parse("a").unwrap(), 0.7), (VersionSpec::parse("b").unwrap(), 0.3)];
+    let reads = Reads::Mixture { parts, epoch: granary::EpochLength::Samples(480), changes: Vec::new() };
+    let pack = PackConfig { seq_len: SEQ, eod: Some(u64::from(EOD)), cross_documents: true, pad: 0 };
+    let root = dir.path().join("store");
+    let alone = read_packed(&root, reads.clone(), &pack, 1, Position::default(), 1);
+    assert_eq!(both(&rebalanced(&root, &reads, &pack, 1)), alone, "the windows one rank reads");
+}

@@ -191,8 +191,9 @@ class Loader:
         if rebalance_every is not None:
             if isinstance(rebalance_every, bool) or not isinstance(rebalance_every, int) or rebalance_every < 2:
                 raise ValueError(f"rebalance_every must be an integer of at least 2 steps, not {rebalance_every!r}")
-            if order is None and partitioner is None and isinstance(dataset, str):
-                # (A mixture rebalances by the default partitioner's decisions without one.)
+            if order is None and partitioner is None and isinstance(dataset, str) and seq_len is None:
+                # (A mixture and packed windows rebalance by the default partitioner's decisions
+                # without one.)
                 partitioner = "default"
             if rebalance_exchange is None and world_size > 1:
                 # Said now, not at the first rebalance point an epoch into the run.

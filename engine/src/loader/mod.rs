@@ -385,7 +385,7 @@ impl Loader {
             };
             #[cfg(feature = "policy")]
             if let Some(meter) = &mut self.meter {
-                match meter.handing_out(tag.after, tag.weights.as_deref(), batch.len() as u64, now) {
+                match meter.handing_out(tag.after, tag.weights.as_deref(), now) {
                     Ok(true) => {}
                     Ok(false) => {
                         // Not the trainer's: its staging lease and device buffer go back at once
@@ -580,7 +580,7 @@ fn meter_of(config: &mut LoaderConfig, dataset: &Dataset, start: Position) -> Re
     let grid = rebalance::Grid::new(step_len, epoch_len, rebalancing.every, normalized(start, epoch_len));
     rebalancing.fit_resume(world.size(), &grid);
     let (to_reader, from_meter) = std::sync::mpsc::channel();
-    let meter = rebalance::Meter::new(world.rank(), rebalancing, grid, to_reader);
+    let meter = rebalance::Meter::new(world, rebalancing, grid, to_reader);
     Ok((Some(meter), Some(from_meter)))
 }
 

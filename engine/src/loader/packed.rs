@@ -213,14 +213,22 @@ impl Packer {
             ));
         }
         config.target = Target::Host;
+        // Rebalancing gives a rank up to `SHARE_MAX_BATCHES` batches' windows of a step.
+        #[cfg(feature = "policy")]
+        let windows = match config.rebalance {
+            Some(_) => config.batch_size.saturating_mul(crate::plan::SHARE_MAX_BATCHES),
+            None => config.batch_size,
+        };
+        #[cfg(not(feature = "policy"))]
+        let windows = config.batch_size;
         let span = match packing {
             Packing::One(pack, order) => {
                 config.plan = PlanSource::Packed(Arc::clone(pack), *order);
-                pack.span_bytes_max(config.batch_size)
+                pack.span_bytes_max(windows)
             }
             Packing::Mixture(packed) => {
                 config.plan = PlanSource::PackedMixture(Arc::clone(packed));
-                packed.span_bytes_max(config.batch_size)
+                packed.span_bytes_max(windows)
             }
         };
         // A batch reads its windows' documents: their tokens and, at the edges, whole documents.
@@ -251,8 +259,13 @@ impl Packer {
         // A rank with no share of an epoch's short last step gets no batch of it: a batch of a
         // later epoch than the step expected begins that epoch.
         let step = if epoch == self.next_step.epoch { self.next_step.cursor } else { 0 };
-        let n = self.packing.n_windows();
-        EpochPlan::new(n, self.seed, epoch, Order::Sequential).rank_positions(step, self.world, self.batch_size)
+        let steps = EpochPlan::new(self.packing.n_windows(), self.seed, epoch, Order::Sequential);
+        // Rebalanced, the step is split by the weights it was cut with, as the plan split it.
+        #[cfg(feature = "policy")]
+        if let Some(weights) = batch.weights() {
+            return steps.weighted_rank_positions(step, self.world, self.batch_size, &weights.weights);
+        }
+        steps.rank_positions(step, self.world, self.batch_size)
     }
 
     /// The windows of `batch` (the next one), their tokens written into `tokens`; the batch

@@ -100,13 +100,6 @@ impl EpochPlanner {
                      not a native order",
                 ));
             }
-            #[cfg(feature = "policy")]
-            PlanSource::Packed(..) | PlanSource::PackedMixture(_) if config.rebalance.is_some() => {
-                return Err(Error::invalid_input(
-                    "rebalancing splits a partitioner plugin's steps; packed windows are cut by their own plan: \
-                     read packed windows without rebalancing",
-                ));
-            }
             PlanSource::Native(order) => Source::Native(*order),
             PlanSource::Packed(pack, order) => {
                 if pack.n_documents() != dataset.n_records() {
@@ -167,10 +160,11 @@ impl EpochPlanner {
                 Source::Plugin { partitioner: Box::new(partitioner), shards, ranks, nodes }
             }
         };
-        // A mixture rebalances by the built-in partitioner's decisions, its steps cut by them.
+        // A mixture and packed windows rebalance by the built-in partitioner's decisions, their
+        // steps cut by them.
         #[cfg(feature = "policy")]
         let rebalancer = match (&config.plan, &config.rebalance) {
-            (PlanSource::Mixture(_), Some(_)) => {
+            (PlanSource::Mixture(_) | PlanSource::Packed(..) | PlanSource::PackedMixture(_), Some(_)) => {
                 let host = crate::policy::PolicyHost::new(crate::policy::Limits::default(), None)?;
                 let plugin = host.load_builtin(crate::policy::builtin::DEFAULT_PARTITIONER)?;
                 Some(Box::new(crate::policy::Partitioner::new(plugin, &[], None)?))
@@ -293,7 +287,7 @@ impl EpochPlanner {
                     let mut batches = Vec::new();
                     let mut cursor = from.cursor;
                     while cursor < n {
-                        let windows = steps.rank_positions(cursor, world, batch_size);
+                        let windows = steps.weighted_rank_positions(cursor, world, batch_size, &self.weights);
                         if !windows.is_empty() {
                             batches.push((epoch.span(pack, windows).records, after(cursor, world)));
                         }

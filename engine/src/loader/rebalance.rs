@@ -37,7 +37,7 @@ use parking_lot::{Condvar, Mutex};
 use super::LoaderConfig;
 use super::planner::EpochPlanner;
 use crate::error::{Error, Result};
-use crate::plan::Position;
+use crate::plan::{Position, World};
 use crate::policy::RankMeasure;
 
 /// How the ranks of a job agree on their measures at a rebalance point: every rank calls
@@ -270,6 +270,13 @@ impl Grid {
         (epoch, end.saturating_sub(1).saturating_sub(self.offset(epoch)) / self.step_len)
     }
 
+    /// The positions of the step that ends at `after`.
+    fn step_range(&self, after: Position) -> std::ops::Range<u64> {
+        let (epoch, step) = self.step_of(after);
+        let end = if after.cursor == 0 { self.n_records } else { after.cursor };
+        self.cursor_of(epoch, step).min(end)..end
+    }
+
     /// The step that starts at `from`.
     pub(super) fn step_at(&self, from: Position) -> u64 {
         from.cursor.saturating_sub(self.offset(from.epoch)) / self.step_len
@@ -313,6 +320,8 @@ pub fn tells_ranks_apart(measured: &[RankMeasure]) -> bool {
 /// The trainer side: busy time per batch, the window's measure, the exchange.
 pub(super) struct Meter {
     rank: u32,
+    /// Ranks of the world.
+    world: u32,
     lead: u64,
     grid: Grid,
     exchange: Option<Arc<dyn MeasureExchange>>,
@@ -353,7 +362,8 @@ pub(super) struct Meter {
 
 impl Meter {
     /// The meter of `rank` on `grid`; `config.resume` is already checked to fit this run.
-    pub(super) fn new(rank: u32, config: &RebalanceConfig, grid: Grid, to_reader: Sender<PointMeasures>) -> Self {
+    pub(super) fn new(world: World, config: &RebalanceConfig, grid: Grid, to_reader: Sender<PointMeasures>) -> Self {
+        let rank = world.rank();
         let pending = config
             .resume
             .as_ref()
@@ -364,6 +374,7 @@ impl Meter {
             .map(|(epoch, step, _)| (*epoch, *step));
         Self {
             rank,
+            world: world.size(),
             lead: config.lead,
             grid,
             exchange: config.exchange.clone(),
@@ -383,8 +394,24 @@ impl Meter {
         }
     }
 
-    /// A batch of `records` ending at `after` is being handed out by a `next` called at
-    /// `called`. Unless the trainer reported its own time (`report_busy`), the time from the
+    /// The positions rank `rank`'s batch ending at `after` covers: its share of the step under
+    /// `weights` (equal shares without). The unit a step is split in, so the unit of a rank's
+    /// rate: for packed windows a batch's records are documents, and two ranks' windows may
+    /// hold very different counts of them.
+    fn positions(&self, after: Position, weights: Option<&WeightsAt>) -> u64 {
+        let step = self.grid.step_range(after);
+        let len = step.end - step.start;
+        let rank = self.rank as usize;
+        match weights {
+            Some(weights) => crate::plan::step_shares(len, &weights.weights).get(rank).copied().unwrap_or(0),
+            None => {
+                let size = u64::from(self.world);
+                len / size + u64::from((rank as u64) < len % size)
+            }
+        }
+    }
+
+    /// A batch ending at `after` is being handed out by a `next` called at `called`. Unless the trainer reported its own time (`report_busy`), the time from the
     /// previous `next` call to this one is the previous batch's: the trainer's hold of it and
     /// its wait for it, less any exchange of measures in between. The wait counts: under a
     /// per-step barrier every rank's step is then as long as every other's, whatever the ranks'
@@ -402,7 +429,6 @@ impl Meter {
         &mut self,
         after: Position,
         weights: Option<&WeightsAt>,
-        records: u64,
         called: Instant,
     ) -> Result<bool> {
         if let Some((previous_call, previous)) = self.last.take() {
@@ -422,7 +448,7 @@ impl Meter {
         if weights.is_some_and(|weights| self.cut_before_decision(after, weights)) {
             return Ok(false);
         }
-        self.last = Some((called, records));
+        self.last = Some((called, self.positions(after, weights)));
         Ok(true)
     }
 
@@ -704,5 +730,21 @@ mod tests {
         assert_eq!(grid.step_of(Position { epoch: 4, cursor: 0 }), (3, 31));
         assert_eq!(grid.next_point(3, 27), Some(28));
         assert_eq!(grid.next_point(3, 28), None);
+    }
+
+    #[test]
+    fn a_rank_is_measured_in_the_positions_its_share_of_a_step_holds() {
+        // Two ranks, steps of 8 over 50 positions: the last step holds 2.
+        let grid = Grid::new(8, 50, 5, Position::default());
+        let (to_reader, _from_meter) = std::sync::mpsc::channel();
+        let config = RebalanceConfig::every(5, None);
+        let meter = Meter::new(World::new(1, 2).expect("a world"), &config, grid, to_reader);
+        let weights = WeightsAt { epoch: 0, step: 0, weights: vec![5, 3] };
+        assert_eq!(meter.positions(Position { epoch: 0, cursor: 8 }, Some(&weights)), 3);
+        assert_eq!(meter.positions(Position { epoch: 0, cursor: 16 }, None), 4);
+        // The last step, reported at the next epoch's start: its share of 2 positions.
+        let last = crate::plan::step_shares(2, &[5, 3])[1];
+        assert_eq!(meter.positions(Position { epoch: 1, cursor: 0 }, Some(&weights)), last);
+        assert_eq!(meter.positions(Position { epoch: 1, cursor: 0 }, None), 1);
     }
 }

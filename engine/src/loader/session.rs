@@ -638,7 +638,7 @@ impl Session {
 }
 
 /// Refuses what a session cannot read: a mixture with a plan of its own, packing with a
-/// partitioner or rebalancing or to a GPU, a `seq_len` of 0, an empty batch or mixture.
+/// partitioner or to a GPU, a `seq_len` of 0, an empty batch or mixture.
 fn check(reads: &Reads, plan: Option<&PlanSource>, pack: Option<&PackConfig>, loader: &LoaderConfig) -> Result<()> {
     if loader.batch_size == 0 {
         return Err(Error::invalid_input("batch_size must be at least 1"));
@@ -653,14 +653,10 @@ fn check(reads: &Reads, plan: Option<&PlanSource>, pack: Option<&PackConfig>, lo
             ));
         }
     }
-    #[cfg(feature = "policy")]
-    let rebalancing = loader.rebalance.is_some();
-    #[cfg(not(feature = "policy"))]
-    let rebalancing = false;
     if let Some(pack) = pack {
-        if matches!(plan, Some(PlanSource::Partitioner { .. })) || rebalancing {
+        if matches!(plan, Some(PlanSource::Partitioner { .. })) {
             return Err(Error::invalid_input(
-                "packed windows are cut by their own plan: drop partitioner, partitioner_options and rebalance_every",
+                "packed windows are cut by their own plan: drop partitioner and partitioner_options",
             ));
         }
         if pack.seq_len == 0 {
