@@ -106,3 +106,14 @@ def test_a_mixture_rebalances_and_reads_its_blend_in_order(tokens):
     read = [i for f, s in zip(fast, slow) for i in f[0] + s[0]]
     one = store.loader(mix, 32, seed=5, mixture_samples=1024, output="numpy", with_indices=True, device="cpu")
     assert read == [i for indices, _ in one for i in indices.tolist()]
+
+
+def test_packed_windows_rebalance_and_every_window_is_read_once(tokens):
+    store, _ = tokens
+    runs = _rebalanced_ranks(store, _ThreadExchange(2), 0.0012, seq_len=63, eod=0)
+    fast, slow = runs[0][0], runs[1][0]
+    windows = store.loader("tokens", 16, seq_len=63, eod=0, output="numpy", device="cpu")._native.pack_windows
+    read = sorted(w for batches, _ in runs for indices, _ in batches for w in indices)
+    assert read == list(range(windows)), "every window of the epoch once"
+    assert sum(len(b[0]) for b in slow) < sum(len(b[0]) for b in fast)
+    assert runs[1][1]["rebalance"]["weights"][1] < runs[1][1]["rebalance"]["weights"][0]
