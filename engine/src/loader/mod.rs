@@ -55,7 +55,7 @@ use store_plan::origin_hook;
 pub use store_plan::{plan_for_store, window_for_cache};
 
 use metrics::{DatasetHeat, Live, LoaderMetrics};
-use planner::{EpochBatches, EpochPlanner, planner_config, shards_by_step};
+use planner::{EpochBatches, EpochPlanner, PlanConfig, shards_by_step};
 #[cfg(feature = "policy")]
 pub use rebalance::{
     LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, TIME_SPREAD_MIN, WeightsAt, tells_ranks_apart,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::thread::JoinHandle;
 
-use super::{EpochPlanner, LoaderConfig, shards_by_step};
+use super::{EpochPlanner, LoaderConfig, PlanConfig, shards_by_step};
 use crate::error::Result;
 use crate::id::ShardId;
 use crate::plan::{Position, World};
@@ -37,11 +37,11 @@ impl NodePlan {
         if peers.is_empty() {
             return Ok(None);
         }
-        let planner_config = super::planner_config(config);
+        let plan = PlanConfig::of_peers(config);
         let dataset = Arc::clone(dataset);
         let (send, receive) = std::sync::mpsc::channel::<(u64, Position)>();
         let thread = super::spawn("granary-node-plan", move || {
-            let Ok(mut planner) = EpochPlanner::new(&planner_config, &dataset) else { return };
+            let Ok(mut planner) = EpochPlanner::new(&plan, &dataset) else { return };
             while let Ok((first_step, from)) = receive.recv() {
                 let Ok(epochs) = planner.epochs(from, &peers) else { continue };
                 let mut merged: Vec<Vec<ShardId>> = Vec::new();

@@ -3,8 +3,8 @@
 //! steps of `world x batch_size` (split by the rank weights in force when the loader
 //! rebalances).
 //!
-//! Owns: `EpochPlanner` (the plan source, the weights, the cut), `planner_config` (what a
-//! planner of other ranks' epochs needs), `shards_by_step`. Never: reads data, or cuts a plugin's
+//! Owns: `EpochPlanner` (the plan source, the weights, the cut), `PlanConfig` (what decides a
+//! plan: a loader's, or that of a planner of other ranks' epochs), `shards_by_step`. Never: reads data, or cuts a plugin's
 //! plan that is not step-cut (it names the rank and the record instead).
 
 use super::{LoaderConfig, PlanSource};
@@ -29,16 +29,41 @@ pub(super) fn shards_by_step(dataset: &Dataset, batches: &EpochBatches) -> Vec<V
         .collect()
 }
 
-/// What a planner of other ranks' epochs (the tier's schedule, an origin cache's node plan)
-/// needs of `config`: the world, seed, batch size and plan; nothing that reads.
-pub(super) fn planner_config(config: &LoaderConfig) -> LoaderConfig {
-    LoaderConfig {
-        world: config.world,
-        seed: config.seed,
-        batch_size: config.batch_size,
-        plan: config.plan.clone(),
-        partitioner_fallback: config.partitioner_fallback,
-        ..LoaderConfig::default()
+/// What decides a plan's epochs: the world, seed, batch size and plan, whether a failing
+/// partitioner falls back to the default, and whether the steps are rebalanced (then a plugin
+/// that fails fails the stream, and a mixture's or packed windows' points are the built-in
+/// partitioner's to decide). Nothing that reads.
+#[derive(Clone)]
+pub(super) struct PlanConfig {
+    pub(super) world: crate::plan::World,
+    pub(super) seed: u64,
+    pub(super) batch_size: u64,
+    pub(super) plan: PlanSource,
+    pub(super) partitioner_fallback: bool,
+    pub(super) rebalancing: bool,
+}
+
+impl PlanConfig {
+    /// A loader's plan.
+    pub(super) fn of(config: &LoaderConfig) -> Self {
+        #[cfg(feature = "policy")]
+        let rebalancing = config.rebalance.is_some();
+        #[cfg(not(feature = "policy"))]
+        let rebalancing = false;
+        Self {
+            world: config.world,
+            seed: config.seed,
+            batch_size: config.batch_size,
+            plan: config.plan.clone(),
+            partitioner_fallback: config.partitioner_fallback,
+            rebalancing,
+        }
+    }
+
+    /// What a planner of other ranks' epochs (the tier's schedule, an origin cache's node plan)
+    /// plans with: the loader's plan, its steps not rebalanced.
+    pub(super) fn of_peers(config: &LoaderConfig) -> Self {
+        Self { rebalancing: false, ..Self::of(config) }
     }
 }
 
@@ -91,10 +116,10 @@ enum Source {
 }
 
 impl EpochPlanner {
-    pub(super) fn new(config: &LoaderConfig, dataset: &Dataset) -> Result<Self> {
+    pub(super) fn new(config: &PlanConfig, dataset: &Dataset) -> Result<Self> {
         let source = match &config.plan {
             #[cfg(feature = "policy")]
-            PlanSource::Native(_) if config.rebalance.is_some() => {
+            PlanSource::Native(_) if config.rebalancing => {
                 return Err(Error::invalid_input(
                     "rebalancing splits a partitioner plugin's steps: give a partitioner (the built-in elastic), \
                      not a native order",
@@ -128,7 +153,7 @@ impl EpochPlanner {
                 let host = PolicyHost::new(Limits::default(), None)?;
                 // Rebalancing ranks must all decide alike: a failing plugin fails the stream
                 // rather than let a fallback (with its default options) answer on one rank.
-                let partitioner = if config.rebalance.is_some() || !config.partitioner_fallback {
+                let partitioner = if config.rebalancing || !config.partitioner_fallback {
                     let plugin = match plugin.as_deref() {
                         Some(name) => host.load(name)?,
                         None => host.load_builtin(crate::policy::builtin::DEFAULT_PARTITIONER)?,
@@ -137,7 +162,7 @@ impl EpochPlanner {
                 } else {
                     host.partitioner(plugin.as_deref(), options)?
                 };
-                if config.rebalance.is_some() && !partitioner.can_rebalance() {
+                if config.rebalancing && !partitioner.can_rebalance() {
                     return Err(Error::invalid_input(format!(
                         "partitioner {} is built against granary:policy@0.1.0, which cannot rebalance; rebuild it \
                          against 0.2.0",
@@ -163,8 +188,8 @@ impl EpochPlanner {
         // A mixture and packed windows rebalance by the built-in partitioner's decisions, their
         // steps cut by them.
         #[cfg(feature = "policy")]
-        let rebalancer = match (&config.plan, &config.rebalance) {
-            (PlanSource::Mixture(_) | PlanSource::Packed(..) | PlanSource::PackedMixture(_), Some(_)) => {
+        let rebalancer = match (&config.plan, config.rebalancing) {
+            (PlanSource::Mixture(_) | PlanSource::Packed(..) | PlanSource::PackedMixture(_), true) => {
                 let host = crate::policy::PolicyHost::new(crate::policy::Limits::default(), None)?;
                 let plugin = host.load_builtin(crate::policy::builtin::DEFAULT_PARTITIONER)?;
                 Some(Box::new(crate::policy::Partitioner::new(plugin, &[], None)?))

@@ -14,7 +14,7 @@ use std::sync::mpsc::SyncSender;
 
 use super::config::*;
 use super::metrics::LoaderMetrics;
-use super::planner::{EpochBatches, EpochPlanner, shards_by_step};
+use super::planner::{EpochBatches, EpochPlanner, PlanConfig, shards_by_step};
 #[cfg(feature = "policy")]
 use super::rebalance::{self, Rebalancing};
 use super::schedule::{NextBatches, ScheduleRequest, Scheduler};
@@ -134,7 +134,7 @@ fn run_epochs(
     #[cfg(not(feature = "policy"))]
     let Node { coordinator, peers: node_peers } = node;
     let n_records = config.plan.epoch_len(dataset);
-    let mut planner = EpochPlanner::new(config, dataset).map_err(Some)?;
+    let mut planner = EpochPlanner::new(&PlanConfig::of(config), dataset).map_err(Some)?;
     out.clock.mark(StartStage::PlannerReady);
     let mut position = normalized(start, n_records);
     #[cfg(feature = "policy")]

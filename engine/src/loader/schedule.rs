@@ -17,7 +17,7 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
-use super::{EpochBatches, EpochPlanner, LoaderConfig};
+use super::{EpochBatches, EpochPlanner, LoaderConfig, PlanConfig};
 use crate::error::{Error, Result};
 use crate::plan::{Position, World};
 use crate::read::Dataset;
@@ -92,7 +92,7 @@ impl Scheduler {
     ) -> Result<Self> {
         let (send, receive) = std::sync::mpsc::channel::<ScheduleRequest>();
         let (dataset, for_thread) = (Arc::clone(dataset), Arc::clone(coordinator));
-        let planner_config = super::planner_config(config);
+        let plan = PlanConfig::of_peers(config);
         let thread = super::spawn("granary-tier-plan", move || {
             // The peers' batches (and this rank's next epoch, when the reader left it) are
             // planned here, off the reader's path, by one planner (a partitioner plugin plans
@@ -104,7 +104,7 @@ impl Scheduler {
                 for_thread.wait_until_started();
                 let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     if planner.is_none() {
-                        planner = EpochPlanner::new(&planner_config, &dataset).ok();
+                        planner = EpochPlanner::new(&plan, &dataset).ok();
                     }
                     let own_next = match &request.next {
                         Some((_, NextBatches::Planned(batches))) => Some(Arc::clone(batches)),
