@@ -255,6 +255,15 @@ fn granary_mix_counts_each_sources_draws_and_passes() {
     let error = granary(&root, &["mix", "web=0.6", "code=0.3", "--samples", "250", "--epochs", "18446744073709551615"]);
     assert_eq!(error.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&error.stderr).contains("pass what a u64 counts"), "{error:?}");
+    // An epoch of 2^64 - 1 samples under 1:1 weights: whole periods of the draws are counted at
+    // once (it spun a core for minutes); a pass over a source drawn less than 1 / 2^32 of the
+    // time is refused (it spun).
+    let out = granary_ok(&root, &["mix", "web=1", "code=1", "--samples", "18446744073709551615"]);
+    let code = out.lines().find(|l| l.starts_with("code@1")).unwrap();
+    assert_eq!(code.split_whitespace().nth(3), Some("9223372036854775807"), "{out}");
+    let error = granary(&root, &["mix", "web=1", "code=1e-12", "--pass-of", "code"]);
+    assert_eq!(error.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&error.stderr).contains("never drawn"), "{error:?}");
 }
 
 /// A session of the sources' mixture (60/30/10, 50 samples an epoch) as rank `rank` of two,

@@ -134,13 +134,20 @@ impl Blend {
         out
     }
 
-    /// Each source's draws in epoch `epoch`.
+    /// Each source's draws in epoch `epoch`. The weights at the epoch's start run whole periods
+    /// at once (`Draw::skip_periods`): an epoch of `2^64 - 1` samples under 1:1 weights is counted
+    /// in two draws, and under any weights in at most `WEIGHT_UNIT` draws, plus those after a
+    /// change inside the epoch.
     pub fn epoch_counts(&self, epoch: u64) -> Vec<u64> {
         let mut draw = Draw::new(self.sources.len());
         let changes = self.epoch_changes(epoch);
         for (i, &(from, units)) in changes.iter().enumerate() {
             let to = changes.get(i + 1).map_or(self.epoch_samples, |next| next.0);
-            for _ in from..to {
+            let mut at = from;
+            if from == 0 {
+                at = draw.skip_periods(units, to);
+            }
+            for _ in at..to {
                 draw.next(units);
             }
         }
@@ -239,7 +246,13 @@ impl BlendEpoch {
             position: 0,
             passes: vec![None; self.blend.sources.len()],
         };
-        while draws.position < cursor.min(self.blend.epoch_samples) {
+        let cursor = cursor.min(self.blend.epoch_samples);
+        // The weights at the epoch's start run whole periods at once.
+        let first_end = draws.changes.get(1).map_or(self.blend.epoch_samples, |next| next.0);
+        if let Some((_, units)) = draws.changes.first() {
+            draws.position = draws.draw.skip_periods(units, cursor.min(first_end));
+        }
+        while draws.position < cursor {
             draws.next_source();
         }
         draws
@@ -311,6 +324,36 @@ struct Draw {
 impl Draw {
     fn new(n: usize) -> Self {
         Self { targets: vec![0; n], counts: vec![0; n] }
+    }
+
+    /// The positions after which draws under `units`, from a start where every source is at its
+    /// target, are all at their targets again: the weights' fixed point has a common
+    /// denominator of `WEIGHT_UNIT / gcd(units)`, at which every target is a whole number of
+    /// draws, and Tijdeman's rule keeps each count within one draw of its target, so each is
+    /// exactly its target there, and the draws repeat.
+    fn period(units: &[u64]) -> u64 {
+        let gcd = units.iter().fold(WEIGHT_UNIT, |a, &b| {
+            let (mut a, mut b) = (a, b);
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        });
+        WEIGHT_UNIT / gcd.max(1)
+    }
+
+    /// From a fresh draw (every count and target 0), jumps over the whole periods of `units`
+    /// within `positions` positions; returns the positions jumped over.
+    fn skip_periods(&mut self, units: &[u64], positions: u64) -> u64 {
+        debug_assert!(self.counts.iter().all(|&c| c == 0) && self.targets.iter().all(|&t| t == 0));
+        let period = Self::period(units);
+        let periods = positions / period;
+        for ((target, count), &w) in self.targets.iter_mut().zip(&mut self.counts).zip(units) {
+            *target = u128::from(periods) * u128::from(period) * u128::from(w);
+            // The count at a period's end is its target exactly: `periods x period x w / unit`.
+            *count = u64::try_from(*target / u128::from(WEIGHT_UNIT)).unwrap_or(u64::MAX);
+        }
+        periods * period
     }
 
     /// Draws one position under `units`; returns the source and its count before this draw.
@@ -493,5 +536,28 @@ mod tests {
         // The change applies from its position: source 0 is drawn at most once more after it
         // (what it was behind its target then).
         assert!(whole[33..].iter().filter(|(s, _)| *s == 0).count() <= 1);
+    }
+
+    #[test]
+    fn whole_periods_are_jumped_over_and_give_the_draws_one_by_one_gives() {
+        for weights in [vec![1.0, 1.0], vec![1.0, 3.0], vec![2.0, 1.0, 1.0], vec![0.7, 0.2, 0.1], vec![5.0, 0.0, 3.0]] {
+            let blend = Blend::new(sources(&[7, 5, 3][..weights.len()]), &weights, 53).expect("a blend");
+            let units = blend.units_at(Position::default()).to_vec();
+            // One by one, from the start.
+            let mut draw = Draw::new(weights.len());
+            let naive: Vec<(usize, u64)> = (0..53).map(|_| draw.next(&units)).collect();
+            assert_eq!(blend.epoch_counts(0), draw.counts, "{weights:?}");
+            let epoch = blend.epoch(9, 0).expect("an epoch");
+            let all: Vec<Drawn> = epoch.draws_from(0).collect();
+            assert_eq!(all.iter().map(|d| d.source).collect::<Vec<_>>(), naive.iter().map(|d| d.0).collect::<Vec<_>>());
+            for cursor in [1, 2, 3, 4, 8, 17, 52, 53] {
+                let rest: Vec<Drawn> = epoch.draws_from(cursor).collect();
+                assert_eq!(rest, all[cursor as usize..], "{weights:?} from {cursor}");
+            }
+        }
+        // An epoch of 2^64 - 1 positions under 1:1 weights is counted at once.
+        let blend = Blend::new(sources(&[7, 5]), &[1.0, 1.0], u64::MAX).expect("a blend");
+        assert_eq!(blend.epoch_counts(0), vec![u64::MAX / 2 + 1, u64::MAX / 2]);
+        assert_eq!(Draw::period(&[WEIGHT_UNIT / 2, WEIGHT_UNIT / 2]), 2);
     }
 }

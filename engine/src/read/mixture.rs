@@ -181,10 +181,26 @@ fn blend_of(keys: &[u64], sizes: &[u64], weights: &[f64], epoch: EpochLength) ->
             if w.is_nan() || w <= 0.0 || total.is_nan() || total <= 0.0 {
                 return Err(Error::invalid_input(format!("an epoch of source {i}'s pass: its weight is 0")));
             }
-            (n as f64 * total / w).ceil() as u64
+            let samples = (n as f64 * total / w).ceil();
+            if samples >= u64::MAX as f64 {
+                return Err(Error::invalid_input(format!(
+                    "an epoch of source {i}'s pass: at its weight ({w} of {total}) a pass over its {n} records takes \
+                     more than 2^64 samples"
+                )));
+            }
+            samples as u64
         }
     };
-    Blend::new(sources, weights, samples).map_err(Error::invalid_input)
+    let blend = Blend::new(sources, weights, samples).map_err(Error::invalid_input)?;
+    if let EpochLength::PassOf(i) = epoch
+        && blend.units_at(crate::plan::Position::default()).get(i) == Some(&0)
+    {
+        // Below the weights' fixed point it is never drawn: no epoch passes over it.
+        return Err(Error::invalid_input(format!(
+            "an epoch of source {i}'s pass: its weight is below 1 / 2^32 of the total, so it is never drawn"
+        )));
+    }
+    Ok(blend)
 }
 
 impl std::fmt::Debug for Mixture {
