@@ -343,4 +343,19 @@ fn a_session_drops_the_short_step_changes_weights_resumes_and_refuses_an_altered
     assert_eq!(c.changes(), Some(&[][..]));
     let error = c.seek(Position { epoch: 0, cursor: 51 }).expect_err("a cursor past the epoch").to_string();
     assert!(error.contains("past the end"), "{error}");
+    // An epoch whose plan would not fit in this process's memory is refused when opened.
+    let parts = vec![(VersionSpec::parse("web").unwrap(), 1.0), (VersionSpec::parse("code").unwrap(), 1.0)];
+    let config = SessionConfig {
+        reads: Reads::Mixture { parts, epoch: EpochLength::Samples(1 << 62), changes: Vec::new() },
+        plan: None,
+        pack: None,
+        drop_last: false,
+        device: None,
+        epoch: 0,
+        loader: LoaderConfig { batch_size: 8, target: Target::Host, ..LoaderConfig::default() },
+    };
+    let mut huge = Session::new(s.granary.paths().root(), config).expect("checked when opened");
+    let Err(error) = huge.dataset() else { panic!("a plan past memory was opened") };
+    let error = error.to_string();
+    assert!(error.contains("held whole"), "{error}");
 }

@@ -138,3 +138,8 @@ def test_a_mixture_is_refused_what_it_cannot_read(sources, store):
     single = store.loader("web", 4, output="numpy", device="cpu")
     with pytest.raises(ValueError, match="mixture"):
         single.load_state_dict(loader.state_dict())
+    # An epoch whose plan would not fit in memory is refused when the loader is made (2**63
+    # samples grew the process past 17 GB in 100 s; 10**9 was killed under a 6 GB limit).
+    for samples in (2**63, 10**12):
+        with pytest.raises(granary.Error, match="held whole"):
+            store.loader(WEIGHTS, 8, mixture_samples=samples, output="numpy", device="cpu")

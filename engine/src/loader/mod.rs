@@ -55,7 +55,7 @@ use store_plan::origin_hook;
 pub use store_plan::{plan_for_store, window_for_cache};
 
 use metrics::{DatasetHeat, Live, LoaderMetrics};
-use planner::{EpochBatches, EpochPlanner, PlanConfig, shards_by_step};
+use planner::{EpochBatches, EpochPlanner, PlanConfig, check_plan_memory, shards_by_step};
 #[cfg(feature = "policy")]
 pub use rebalance::{
     LocalExchange, MeasureExchange, RebalanceConfig, RebalanceState, TIME_SPREAD_MIN, WeightsAt, tells_ranks_apart,
@@ -141,6 +141,7 @@ impl Loader {
         let mut config = config;
         config.repair = origin_hook(&dataset, config.repair.take())?;
         config.plan = plan_for_store(&dataset, config.plan)?;
+        check_plan_memory(config.plan.epoch_len(&dataset), config.world, config.batch_size)?;
         let repair = config.repair.clone();
         let cuda = cuda_for(config.target)?;
         let (batch_bytes, expected_batch_bytes) = batch_sizes(&config, &dataset)?;

@@ -67,6 +67,32 @@ impl PlanConfig {
     }
 }
 
+/// What a rank's planned epoch takes a position: its record index, and beside it each batch's
+/// entry (its vector and the position after it, about 56 bytes) shared by the batch's positions.
+/// A batch of 8 records comes to 15 bytes a position, as issue 55 measured.
+fn plan_bytes(positions: u64, batch_size: u64) -> u64 {
+    positions.saturating_mul(8).saturating_add(positions.div_ceil(batch_size.max(1)).saturating_mul(56))
+}
+
+/// Refuses an epoch whose plan, held whole for the epoch, would take more than half the memory
+/// this process may use: a count a user can type (`mixture_samples`) would otherwise grow the
+/// process until the kernel kills it.
+pub(super) fn check_plan_memory(n_records: u64, world: crate::plan::World, batch_size: u64) -> Result<()> {
+    let per_rank = n_records.div_ceil(u64::from(world.size()).max(1));
+    let bytes = plan_bytes(per_rank, batch_size);
+    let bound = crate::tier::memory_bound() / 2;
+    if bytes > bound {
+        return Err(Error::invalid_input(format!(
+            "an epoch of {n_records} positions: a rank's plan of {per_rank} takes about {} MiB, more than half the \
+             memory this process may use ({} MiB); an epoch's plan is held whole: read a shorter epoch \
+             (mixture_samples) over more epochs, or more ranks",
+            bytes >> 20,
+            (bound * 2) >> 20
+        )));
+    }
+    Ok(())
+}
+
 /// Says once per process that a named partitioner failed and the built-in default planned
 /// instead: a plugin the user chose, silently ignored for a whole run, would change the order
 /// of every epoch without a trace. Also counted in `granary_plugin_fallback_calls`.
@@ -196,10 +222,11 @@ impl EpochPlanner {
             }
             _ => None,
         };
+        let n_records = config.plan.epoch_len(dataset);
         Ok(Self {
             #[cfg(feature = "policy")]
             rebalancer,
-            n_records: config.plan.epoch_len(dataset),
+            n_records,
             seed: config.seed,
             world: config.world,
             batch_size: config.batch_size,

@@ -258,6 +258,8 @@ impl Session {
         if let Some(packing) = &packing {
             self.config = Packer::loader_config(packing, self.config.clone())?;
         }
+        // Refused when opened (a Python loader's construction), not at the first batch.
+        super::check_plan_memory(self.config.plan.epoch_len(&dataset), self.config.world, self.config.batch_size)?;
         debug_assert!(self.pack.is_some() == packing.is_some(), "packing opened as asked");
         Ok(Opened { dataset, mixture, packing })
     }

@@ -67,6 +67,12 @@ pub use config::{EXTENT_BYTES_DEFAULT, EXTENTS_MAX, TierConfig, TierKind, defaul
 pub use dirs::file_system_of;
 use dirs::{current_uid, prepare_dir};
 use memory::Memory;
+
+/// The memory this process may use: the node's, or its cgroup's limit when lower.
+pub fn memory_bound() -> u64 {
+    let memory = Memory::recent();
+    memory.cgroup_limit.map_or(memory.total, |limit| limit.min(memory.total))
+}
 pub use names::ExtentKey;
 use names::{claimed_extent, extent_key_of, extent_size_of, is_extent_name, is_old_extent_name, nonce};
 
