@@ -34,6 +34,7 @@ pub(super) fn shards_by_step(dataset: &Dataset, batches: &EpochBatches) -> Vec<V
 /// that fails fails the stream, and a mixture's or packed windows' points are the built-in
 /// partitioner's to decide). Nothing that reads.
 #[derive(Clone)]
+#[cfg_attr(not(feature = "policy"), allow(dead_code, reason = "partitioners and rebalancing need the policy feature"))]
 pub(super) struct PlanConfig {
     pub(super) world: crate::plan::World,
     pub(super) seed: u64,

@@ -31,9 +31,11 @@ use crate::tier::TierStats;
 
 #[cfg(feature = "policy")]
 use super::RebalanceState;
+#[cfg(feature = "policy")]
+use super::plan_for_store;
 use super::{
     LoadedBatch, Loader, LoaderConfig, LoaderStats, PackedBatch, Packer, Packing, PlanSource, StartStage, Target,
-    TierSetting, pack_mixture, pack_plan, plan_for_store,
+    TierSetting, pack_mixture, pack_plan,
 };
 
 /// What a session reads.
@@ -117,6 +119,7 @@ pub struct Session {
     device: Option<u32>,
     drop_last: bool,
     /// The plan is the default shuffle, not asked for by name: decided once, by `plan_options`.
+    #[cfg_attr(not(feature = "policy"), allow(dead_code, reason = "a partitioner's window needs the policy feature"))]
     windowable: bool,
     /// After the last batch handed out; an epoch's end is the next epoch's start.
     position: Position,
@@ -359,6 +362,7 @@ impl Session {
             self.len_from = self.position;
             return Ok(None);
         }
+        #[cfg_attr(not(feature = "policy"), allow(unused_mut, reason = "rebalancing's weights change it"))]
         let mut cut = self.cut()?;
         if cut.batches_per_epoch() == 0 {
             // Nothing for this rank in any epoch (fewer records than ranks, or with
@@ -386,6 +390,7 @@ impl Session {
                 // The short last step of an epoch (`drop_last`).
                 continue;
             }
+            #[cfg(feature = "policy")]
             if let Some(weights) = batch.weights()
                 && self.weights.as_deref() != Some(weights.weights.as_slice())
             {
@@ -514,6 +519,7 @@ impl Session {
     /// follows); `None` for a native order, a mixture or packing. Without a plan asked for, an
     /// attached dataset the cache cannot hold reads the default partitioner's windowed plan
     /// (decided here, once) instead of the native shuffle.
+    #[cfg(feature = "policy")]
     pub fn plan_options(&mut self) -> Result<Option<Vec<(String, String)>>> {
         let dataset = self.dataset()?;
         if std::mem::take(&mut self.windowable) {
@@ -604,6 +610,7 @@ impl Session {
     }
 
     /// The trainer's own time on the last batch, for rebalancing.
+    #[cfg(feature = "policy")]
     pub fn report_busy(&mut self, busy: Duration) {
         if let Some(loader) = self.running.as_mut().and_then(|running| running.loader.as_mut()) {
             loader.report_busy(busy);
@@ -656,6 +663,7 @@ fn check(reads: &Reads, plan: Option<&PlanSource>, pack: Option<&PackConfig>, lo
         }
     }
     if let Some(pack) = pack {
+        #[cfg(feature = "policy")]
         if matches!(plan, Some(PlanSource::Partitioner { .. })) {
             return Err(Error::invalid_input(
                 "packed windows are cut by their own plan: drop partitioner and partitioner_options",
