@@ -75,6 +75,12 @@ impl PackPlan {
             lengths.iter().map(|n| (n + extra).saturating_sub(1).div_ceil(l)).sum()
         };
         let longest = lengths.iter().copied().max().unwrap_or(0) + extra;
+        // Within documents a window holds at least one token of its document; across them,
+        // every window but the last's overlap is `seq_len` tokens of the stream.
+        debug_assert!(
+            config.cross_documents || n_windows <= lengths.iter().map(|n| n + extra).sum::<u64>(),
+            "no more windows than tokens"
+        );
         Ok(Self { config, lengths, token_bytes, n_windows, longest })
     }
 

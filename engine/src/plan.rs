@@ -92,10 +92,12 @@ impl EpochPlan {
     /// The record at global position `position` (which must be `< n_records`).
     pub fn record_at(&self, position: u64) -> u64 {
         assert!(position < self.n_records, "position {position} of {}", self.n_records);
-        match self.order {
+        let record = match self.order {
             Order::Sequential => position,
             Order::Shuffled => self.permutation.apply(position),
-        }
+        };
+        debug_assert!(record < self.n_records, "a permutation maps the epoch onto itself");
+        record
     }
 
     /// Positions consumed by the step that starts at `cursor`.
@@ -128,7 +130,9 @@ impl EpochPlan {
         // The short last step: the first `step % size` ranks take one record more.
         let (base, extra) = (step / size, step % size);
         let start = cursor + rank * base + rank.min(extra);
-        start..start + base + u64::from(rank < extra)
+        let positions = start..start + base + u64::from(rank < extra);
+        debug_assert!(positions.end <= cursor + step, "a rank's share lies inside its step");
+        positions
     }
 }
 
@@ -181,6 +185,7 @@ impl RankCut {
         let end = if self.drop_last { self.n_records - self.n_records % step } else { self.n_records };
         let left = end.saturating_sub(position.cursor);
         let more = left >= step || (left > 0 && self.reads_in_short_step(left));
+        debug_assert!(position.cursor <= self.n_records, "a position of this epoch (`check` refuses others)");
         if more { position } else { Position { epoch: position.epoch + 1, cursor: 0 } }
     }
 

@@ -327,6 +327,8 @@ pub fn encode(shard: &[u8], coding: Coding) -> Result<Vec<Vec<u8>>> {
     let payload = usize::try_from(coding.fragment_bytes(shard_bytes)).map_err(|_| too_large())?;
     let file_bytes = usize::try_from(coding.file_bytes(shard_bytes)).map_err(|_| too_large())?;
     let (k, m) = (usize::from(coding.k), usize::from(coding.m));
+    // The data fragments hold the whole shard between them.
+    debug_assert!((k as u64) * (payload as u64) >= shard_bytes, "{k} x {payload} bytes hold {shard_bytes}");
     let mut files: Vec<Vec<u8>> = (0..coding.n()).map(|_| vec![0u8; file_bytes]).collect();
     for (i, file) in files[..k].iter_mut().enumerate() {
         let start = (i * payload).min(shard.len());

@@ -119,6 +119,7 @@ impl BareReader {
             for cqe in self.ring.completion() {
                 let slot = (cqe.user_data() >> 32) as usize;
                 let len = cqe.user_data() & 0xffff_ffff;
+                debug_assert!(in_flight > 0, "a completion for an op submitted");
                 in_flight -= 1;
                 free.push(slot);
                 if u64::try_from(cqe.result()).ok() == Some(len) {

@@ -360,6 +360,7 @@ impl UringIo {
     /// Accounts for slot `slot`'s op leaving the kernel.
     fn landed(&mut self, slot: usize) {
         let s = &self.slots[slot];
+        debug_assert!(self.in_flight > 0 && self.in_flight_bytes >= s.len as usize, "an op landed that was counted");
         self.in_flight -= 1;
         self.in_flight_bytes -= s.len as usize;
         if s.dest.is_some() {
@@ -367,6 +368,7 @@ impl UringIo {
         } else {
             self.in_flight_buffered -= 1;
         }
+        debug_assert_eq!(self.in_flight, self.in_flight_direct + self.in_flight_buffered);
     }
 
     /// Puts slot `slot` back on its free list.
@@ -615,6 +617,8 @@ impl UringIo {
             } else {
                 self.in_flight_buffered += 1;
             }
+            // At most `queue_depth` ops into buffer slots: one each, and twice as many slots.
+            debug_assert!(self.in_flight_buffered <= 2 * self.queue_depth, "{} buffered ops", self.in_flight_buffered);
             issue.seq += 1;
         }
     }

@@ -394,6 +394,7 @@ impl Lent<'_, '_> {
         if cut {
             // The batches planned and not queued count again when they are read again (the
             // tier's schedule has already heard of them: it only fills ahead a little early).
+            debug_assert!(sent <= planned_count && **step >= (planned_count - sent) as u64);
             **step -= (planned_count - sent) as u64;
             return Ok(sent);
         }

@@ -441,6 +441,7 @@ impl ResidentSet {
     /// Removes `key`; returns its size.
     pub fn remove(&mut self, key: u64) -> Option<u32> {
         let size = self.map.remove(&key)?;
+        debug_assert!(self.used >= u64::from(size), "the resident sizes add up to `used`");
         self.used -= u64::from(size);
         Some(size)
     }
@@ -467,6 +468,7 @@ impl ResidentSet {
                     let size =
                         self.map.remove(&victim).ok_or_else(|| format!("evicted key {victim} is not resident"))?;
                     undo.push((victim, Some(size)));
+                    debug_assert!(used >= u64::from(size));
                     used -= u64::from(size);
                 }
                 let resident = self.map.contains_key(&key);

@@ -198,6 +198,7 @@ impl Planner {
                     let Some(block) = *bad else { continue };
                     let request = self.requests[r];
                     self.from_tier[r] = false;
+                    debug_assert!(self.tier_records > 0 && self.tier_bytes >= request.end - request.start);
                     self.tier_records -= 1;
                     self.tier_bytes -= request.end - request.start;
                     self.tier_failures += 1;

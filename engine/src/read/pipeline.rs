@@ -175,6 +175,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
     fn apply(&mut self, verdict: verify::Verdict) -> Result<()> {
         let (slot, extent) = ((verdict.tag >> 32) as usize, (verdict.tag & u64::from(u32::MAX)) as usize);
         let slot = &mut self.slots[slot];
+        debug_assert!(slot.remaining > 0 && slot.awaiting_verdicts > 0, "a verdict for an op its batch awaits");
         slot.remaining -= 1;
         slot.awaiting_verdicts -= 1;
         let Err(why) = verdict.outcome else { return Ok(()) };
@@ -454,6 +455,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
         unsafe {
             slot.planner.deliver(self.dataset, extent, bytes, memory)?
         };
+        debug_assert!(slot.remaining > 0, "an op its batch awaits");
         slot.remaining -= 1;
         // The bytes are a backend's buffer, not a batch: delivering here touches no memory the
         // caller holds (a batch with files to let go waits for `next_op`, which has the files).
@@ -513,9 +515,11 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
             unsafe {
                 slot.planner.deliver(self.dataset, extent, bytes, memory)?
             };
+            debug_assert!(slot.remaining > 0, "an op its batch awaits");
             slot.remaining -= 1;
         } else {
             slot.planner.check(self.dataset, extent, bytes)?;
+            debug_assert!(slot.remaining > 0, "an op its batch awaits");
             slot.remaining -= 1;
         }
         // `bytes` is part of a batch and the caller holds it until this returns: no batch is

@@ -162,6 +162,7 @@ impl VerifyPool {
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => return None,
             },
         };
+        debug_assert!(self.pending > 0, "a verdict for a job sent");
         self.pending -= 1;
         Some(verdict)
     }
@@ -183,6 +184,7 @@ impl VerifyPool {
                 }
             },
         };
+        debug_assert!(self.pending > 0, "a verdict for a job sent");
         self.pending -= 1;
         Ok(Some(verdict))
     }

@@ -113,6 +113,7 @@ impl<W: Write> ShardWriter<W> {
                 }
             })?;
             self.append_data(&scratch[..n])?;
+            debug_assert!(n as u64 <= remaining, "a record's bytes are read up to its length");
             remaining -= n as u64;
         }
         self.end_record();

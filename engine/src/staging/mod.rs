@@ -92,6 +92,8 @@ impl StagingPool {
             return Err(Error::invalid_input("a staging pool needs at least one buffer of at least one byte"));
         }
         let buffer_bytes = config.buffer_bytes.div_ceil(BLOCK_BYTES) * BLOCK_BYTES;
+        // Whole blocks, so that reads straight into a buffer stay aligned.
+        debug_assert!(buffer_bytes >= config.buffer_bytes && buffer_bytes.is_multiple_of(BLOCK_BYTES));
         let total = buffer_bytes
             .checked_mul(config.buffers)
             .ok_or_else(|| Error::invalid_input("staging pool size overflows"))?;

@@ -587,6 +587,7 @@ impl MemoryTier {
             self.counters.extents_evicted.fetch_add(1, Ordering::Relaxed);
             let mut listing = self.listing.lock();
             if let Some((bytes, _)) = listing.extents.remove(name) {
+                debug_assert!(listing.bytes >= bytes, "the listing's bytes are its extents'");
                 listing.bytes -= bytes;
             }
             return Ok(());
@@ -604,6 +605,7 @@ impl MemoryTier {
         }
         let mut listing = self.listing.lock();
         if let Some((bytes, _)) = listing.extents.remove(name) {
+            debug_assert!(listing.bytes >= bytes, "the listing's bytes are its extents'");
             listing.bytes -= bytes;
         }
         Ok(())
