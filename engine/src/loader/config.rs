@@ -142,6 +142,18 @@ pub struct LoaderConfig {
     pub partitioner_fallback: bool,
 }
 
+impl LoaderConfig {
+    /// The most positions (records, or packed windows) one of a rank's batches holds: a batch
+    /// size, or with rebalancing `SHARE_MAX_BATCHES` of them (a rank's largest share of a step).
+    pub(super) fn batch_positions_max(&self) -> u64 {
+        #[cfg(feature = "policy")]
+        if self.rebalance.is_some() {
+            return self.batch_size.saturating_mul(crate::plan::SHARE_MAX_BATCHES);
+        }
+        self.batch_size
+    }
+}
+
 impl Default for LoaderConfig {
     fn default() -> Self {
         Self {

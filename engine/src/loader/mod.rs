@@ -601,14 +601,7 @@ fn register_metrics(
 }
 
 fn batch_sizes(config: &LoaderConfig, dataset: &Dataset) -> Result<(usize, usize)> {
-    // Rebalancing gives a rank up to `SHARE_MAX_BATCHES` batch sizes of a step.
-    #[cfg(feature = "policy")]
-    let batch_records = match config.rebalance {
-        Some(_) => config.batch_size.saturating_mul(crate::plan::SHARE_MAX_BATCHES),
-        None => config.batch_size,
-    };
-    #[cfg(not(feature = "policy"))]
-    let batch_records = config.batch_size;
+    let batch_records = config.batch_positions_max();
     let batch_bytes = match (config.batch_bytes_max, dataset.layout().record_bytes()) {
         (Some(bytes), _) => bytes,
         (None, Some(record)) => usize::try_from(record.saturating_mul(batch_records))

@@ -213,14 +213,7 @@ impl Packer {
             ));
         }
         config.target = Target::Host;
-        // Rebalancing gives a rank up to `SHARE_MAX_BATCHES` batches' windows of a step.
-        #[cfg(feature = "policy")]
-        let windows = match config.rebalance {
-            Some(_) => config.batch_size.saturating_mul(crate::plan::SHARE_MAX_BATCHES),
-            None => config.batch_size,
-        };
-        #[cfg(not(feature = "policy"))]
-        let windows = config.batch_size;
+        let windows = config.batch_positions_max();
         let span = match packing {
             Packing::One(pack, order) => {
                 config.plan = PlanSource::Packed(Arc::clone(pack), *order);
