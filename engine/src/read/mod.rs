@@ -64,12 +64,6 @@ use watch::{Watcher, gone_files, inode_of, replaced_files};
 /// Repairs beyond one per shard that a read may make without delivering a batch.
 const REPAIRS_WITHOUT_PROGRESS_SLACK: usize = 8;
 
-/// Repairs of one missing shard in a row a read may make: a shard fetched into a shared cache
-/// can be evicted again before this reader opens it (by another loader's or process's cache
-/// making room), and fetching it again is the way on; a damaged shard that fails again after
-/// its repair would fail the same way each time, so it gets one.
-const MISSING_REPAIRS_IN_A_ROW_MAX: u32 = 4;
-
 /// Files a reader opens before it closes them all at the end of a read and starts afresh: a
 /// quarter of the process's soft limit on descriptors (several readers share it), at least 16
 /// and at most 1024 (a backend numbers its files from the first open; io_uring registers 4096).
@@ -347,12 +341,13 @@ impl Reader {
         // read again, first, after the repair.
         let mut replay: std::collections::VecDeque<Vec<u64>> = std::collections::VecDeque::new();
         // A read gives up when repairs stop helping: the shard just repaired fails again before
-        // any batch is delivered (a missing one, `MISSING_REPAIRS_IN_A_ROW_MAX` times), or more
-        // repairs than shards pass without one. However many
+        // any batch is delivered, or more repairs than shards pass without one. (A missing shard
+        // is fetched where a batch is planned, in the pipeline; it comes here only when it could
+        // not be had.) However many
         // shards a long read (an epoch on a node that caches) repairs along the way, it goes on.
         let mut repairs = 0;
         let mut delivered = self.stats.records;
-        let mut last_repaired: Option<(usize, u32)> = None;
+        let mut last_repaired: Option<usize> = None;
         loop {
             let replayed_shards: std::collections::HashSet<usize> =
                 replay.iter().flatten().filter_map(|&index| self.dataset.locate(index).ok().map(|(s, _)| s)).collect();
@@ -386,6 +381,7 @@ impl Reader {
                 verify: &mut self.verify,
                 verify_threads: self.verify_threads,
                 count_shard_reads: self.count_shard_reads,
+                fetch_failed: false,
             };
             let outcome = self
                 .io
@@ -401,6 +397,7 @@ impl Reader {
             let mut undelivered: Vec<Vec<u64>> =
                 pipeline.in_order.iter().map(|&slot| pipeline.slots[slot].batch.indices().to_vec()).collect();
             undelivered.extend(pipeline.unplanned.take());
+            let fetch_failed = pipeline.fetch_failed;
             drop(pipeline);
             // Nothing in flight now: the undelivered batches are read again after the repair.
             if let Some(hook) = &self.repair {
@@ -410,7 +407,9 @@ impl Reader {
                 self.stats.verify_failures += 1;
                 self.publish();
             }
-            let (Some(hook), Some(shard)) = (self.repair.clone(), self.dataset.shard_of_error(&error)) else {
+            let (Some(hook), Some(shard), false) =
+                (self.repair.clone(), self.dataset.shard_of_error(&error), fetch_failed)
+            else {
                 return Err(error);
             };
             if self.stats.records > delivered {
@@ -418,26 +417,15 @@ impl Reader {
                 repairs = 0;
                 last_repaired = None;
             }
-            let in_a_row = match last_repaired {
-                Some((last, n)) if last == shard => n + 1,
-                _ => 1,
-            };
-            let in_a_row_max =
-                if matches!(error, Error::MissingShard { .. }) { MISSING_REPAIRS_IN_A_ROW_MAX } else { 1 };
-            if in_a_row > in_a_row_max || repairs >= self.dataset.n_shards() + REPAIRS_WITHOUT_PROGRESS_SLACK {
+            // A damaged shard that fails again after its repair would fail the same way each time.
+            if last_repaired == Some(shard) || repairs >= self.dataset.n_shards() + REPAIRS_WITHOUT_PROGRESS_SLACK {
                 return Err(error);
             }
-            if in_a_row > 1 {
-                // Evicted again before it could be opened: give the cache that made room a
-                // moment to finish, then fetch it again.
-                std::thread::sleep(std::time::Duration::from_millis(10 << in_a_row));
-            }
             repairs += 1;
-            last_repaired = Some((shard, in_a_row));
-            if let Err(failed) = hook.repair(self.dataset.shard_id(shard), &error) {
-                // A missing shard that could not be had says why (the origin's answer, say);
-                // a damaged one keeps its own error, the stronger of the two.
-                return Err(if matches!(error, Error::MissingShard { .. }) { failed } else { error });
+            last_repaired = Some(shard);
+            if hook.repair(self.dataset.shard_id(shard), &error).is_err() {
+                // The damaged shard's own error is the stronger of the two.
+                return Err(error);
             }
             self.stats.shards_repaired += 1;
             self.publish();
@@ -509,6 +497,137 @@ mod tests {
     use super::*;
     use crate::store::{DatasetName, VersionSpec};
     use crate::{Dtype, FixedLayout, Granary, IngestOptions, IoConfig, Layout};
+
+    /// Shards a repair hook fetches, moved aside until then (a cold origin cache).
+    #[derive(Debug)]
+    struct Cold {
+        aside: std::path::PathBuf,
+        home: std::path::PathBuf,
+        fetches: std::sync::Mutex<Vec<crate::id::ShardId>>,
+    }
+
+    impl ShardSource for Cold {
+        fn repair(&self, shard: crate::id::ShardId, cause: &Error) -> Result<()> {
+            assert!(matches!(cause, Error::MissingShard { .. }), "only missing shards here: {cause}");
+            let name = format!("{shard}.shard");
+            let found = walk(&self.aside).into_iter().find(|path| path.ends_with(&name)).expect("moved aside");
+            let to = self.home.join(found.strip_prefix(&self.aside).expect("under aside"));
+            std::fs::rename(&found, &to).map_err(|e| Error::io("rename", &to, e))?;
+            self.fetches.lock().expect("lock").push(shard);
+            Ok(())
+        }
+    }
+
+    fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(dir).expect("read_dir") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() { out.extend(walk(&path)) } else { out.push(path) }
+        }
+        out
+    }
+
+    /// A backend that counts the ops the reader issues through it.
+    struct Counting {
+        inner: Box<dyn Io>,
+        ops: Arc<std::sync::atomic::AtomicU64>,
+    }
+
+    struct CountingStream<'s> {
+        inner: &'s mut dyn crate::io::ReadStream,
+        ops: &'s std::sync::atomic::AtomicU64,
+    }
+
+    impl crate::io::ReadStream for CountingStream<'_> {
+        fn next_op(&mut self, files: &mut dyn crate::io::FileOpener) -> Result<crate::io::Next> {
+            let next = self.inner.next_op(files)?;
+            if matches!(next, crate::io::Next::Op(_) | crate::io::Next::Into(..)) {
+                self.ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Ok(next)
+        }
+        fn complete(&mut self, seq: u64, bytes: &[u8]) -> Result<()> {
+            self.inner.complete(seq, bytes)
+        }
+        fn complete_into(&mut self, seq: u64, bytes: &mut [u8]) -> Result<()> {
+            self.inner.complete_into(seq, bytes)
+        }
+        fn idle(&mut self) -> Result<bool> {
+            self.inner.idle()
+        }
+    }
+
+    impl Io for Counting {
+        fn name(&self) -> &'static str {
+            self.inner.name()
+        }
+        fn queue_depth(&self) -> usize {
+            self.inner.queue_depth()
+        }
+        fn op_bytes_max(&self) -> usize {
+            self.inner.op_bytes_max()
+        }
+        fn open(&mut self, path: &std::path::Path) -> Result<FileId> {
+            self.inner.open(path)
+        }
+        fn read_stream(&mut self, stream: &mut dyn crate::io::ReadStream) -> Result<()> {
+            self.inner.read_stream(&mut CountingStream { inner: stream, ops: &self.ops })
+        }
+        fn close_all(&mut self) -> Result<()> {
+            self.inner.close_all()
+        }
+        fn close(&mut self, file: FileId) -> Result<()> {
+            self.inner.close(file)
+        }
+    }
+
+    /// A shard the reader lacks is fetched where a batch needing it is planned: the batches in
+    /// flight go on and none is read twice (every op issued is one of a delivered batch); each
+    /// shard is fetched once.
+    #[test]
+    fn a_cold_shard_is_fetched_as_its_batch_is_planned_and_the_stream_goes_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut granary = Granary::create(dir.path().join("store")).expect("a store");
+        let name = DatasetName::new("t").expect("a name");
+        let layout = Layout::Fixed(FixedLayout::new(Dtype::U8, &[256]).expect("a layout"));
+        let options = IngestOptions { shard_bytes_target: 8 << 10, ..IngestOptions::default() };
+        let mut ingest = granary.ingest(name, layout, options).expect("ingest");
+        for i in 0..200u8 {
+            ingest.push(&[i; 256]).expect("push");
+        }
+        ingest.commit().expect("commit");
+        let dataset = granary.open_dataset(&VersionSpec::parse("t").expect("a spec")).expect("open");
+        let n_shards = dataset.n_shards();
+        assert!(n_shards >= 5, "{n_shards} shards");
+        let home = dir.path().join("store/shards");
+        let aside = dir.path().join("aside");
+        std::fs::rename(&home, &aside).expect("move the shards aside");
+        for path in walk(&aside) {
+            let parent = home.join(path.parent().expect("a dir").strip_prefix(&aside).expect("under"));
+            std::fs::create_dir_all(parent).expect("mkdir");
+        }
+        let cold = Arc::new(Cold { aside, home, fetches: Default::default() });
+        let issued = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let io = Counting { inner: IoConfig::default().build().expect("io"), ops: Arc::clone(&issued) };
+        let mut reader = Reader::new(Arc::clone(&dataset), Box::new(io));
+        reader.set_repair(cold.clone());
+        let batches: Vec<Vec<u64>> = (0..200u64).collect::<Vec<_>>().chunks(8).map(<[u64]>::to_vec).collect();
+        let mut delivered = Vec::new();
+        reader
+            .read_batches(&batches, 4, &mut |batch| {
+                for (i, &index) in batch.indices().iter().enumerate() {
+                    assert_eq!(batch.record(i), &[index as u8; 256][..], "record {index}");
+                }
+                delivered.push(batch.indices().to_vec());
+                Ok(())
+            })
+            .expect("read through the cold shards");
+        assert_eq!(delivered, batches, "every batch once, in order");
+        let fetches = cold.fetches.lock().expect("lock").clone();
+        assert_eq!(fetches.len(), n_shards, "each shard fetched once: {fetches:?}");
+        assert_eq!(reader.stats().shards_repaired, n_shards as u64);
+        assert_eq!(issued.load(std::sync::atomic::Ordering::Relaxed), reader.stats().ops, "no op read twice");
+    }
 
     /// Without notifications (no inotify, or a watch refused) the reader stats its open files
     /// once a second: a removed shard's open file serves verified bytes until then, and is let

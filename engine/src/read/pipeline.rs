@@ -4,7 +4,10 @@
 //! completion routed to its batch, checked on this thread or handed to a verify worker, complete
 //! batches handed to the sink in plan order, after closing the files the hook lets go of) and
 //! `Replay` (batches to read again after a repair, before the caller's).
-//! Never: opens a backend, repairs a shard or decides to read again: `Reader` does, around it.
+//! A shard a batch needs that is not on disk is fetched through the hook as the batch is planned,
+//! the batches in flight going on meanwhile.
+//! Never: opens a backend, repairs a damaged shard or decides to read again: `Reader` does,
+//! around it.
 
 use std::sync::Arc;
 
@@ -60,7 +63,14 @@ pub(super) struct Pipeline<'r, I> {
     pub(super) verify: &'r mut Option<verify::VerifyPool>,
     pub(super) verify_threads: usize,
     pub(super) count_shard_reads: bool,
+    /// Set when a missing shard could not be fetched: the read ends with that error, and the
+    /// reader does not try the hook again.
+    pub(super) fetch_failed: bool,
 }
+
+/// Fetches of one missing shard in a row a batch's planning may make: a shard fetched into a shared
+/// cache can be evicted again before this reader opens it, and fetching it again is the way on.
+const FETCHES_OF_A_SHARD_MAX: u32 = 4;
 
 impl<I> Drop for Pipeline<'_, I> {
     fn drop(&mut self) {
@@ -105,6 +115,85 @@ impl<B, I: Iterator<Item = B>> Iterator for Replay<'_, I> {
 }
 
 impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
+    /// Plans batch `indices` into slot `free` and opens the files it reads. A shard it needs that
+    /// is not on disk (never fetched into a cache, or evicted since) is fetched through the hook
+    /// here, while the batches in flight go on, and the batch planned again: a cold shard is a
+    /// cache's normal case, not a failure that stops the stream and reads those batches again.
+    /// A fetch that fails, or a shard still missing after `FETCHES_OF_A_SHARD_MAX` fetches in a
+    /// row, ends the read (`fetch_failed`).
+    fn plan_fetching(&mut self, free: usize, indices: &[u64], opener: &mut dyn FileOpener) -> Result<()> {
+        // Fetches of the shard missing now, in a row; and of any shard for this batch.
+        let (mut last, mut in_a_row, mut fetches) = (None, 0u32, 0usize);
+        loop {
+            let (shard, manifest) = match self.plan_and_open(free, indices, opener) {
+                Err(Error::MissingShard { shard, manifest }) if self.hook.is_some() => (shard, manifest),
+                planned => return planned,
+            };
+            let missing = Error::MissingShard { shard, manifest };
+            let hook = self.hook.expect("matched above");
+            in_a_row = if last == Some(shard) { in_a_row + 1 } else { 1 };
+            last = Some(shard);
+            if in_a_row > FETCHES_OF_A_SHARD_MAX || fetches > indices.len() + self.dataset.n_shards() {
+                self.fetch_failed = true;
+                return Err(missing);
+            }
+            if in_a_row > 1 {
+                // Evicted again before it could be opened (another loader's or process's cache
+                // made room): give that a moment to finish, then fetch it again.
+                std::thread::sleep(std::time::Duration::from_millis(10 << in_a_row));
+            }
+            fetches += 1;
+            if let Err(failed) = hook.repair(shard, &missing) {
+                // The origin's or the peers' answer says why better than "missing".
+                self.fetch_failed = true;
+                return Err(failed);
+            }
+            self.stats.shards_repaired += 1;
+            publish(self.published, self.stats);
+            if let (Some(tier), Some(index)) = (self.tier.as_deref_mut(), self.dataset.shard_of_error(&missing)) {
+                // A page cache tier may still map the file evicted before.
+                tier.forget_shard(index, shard);
+            }
+        }
+    }
+
+    /// Plans batch `indices` into slot `free` and opens the files it reads that are not open.
+    fn plan_and_open(&mut self, free: usize, indices: &[u64], opener: &mut dyn FileOpener) -> Result<()> {
+        let slot = &mut self.slots[free];
+        slot.planner.count_reads = self.count_shard_reads;
+        slot.planner.plan(self.dataset, indices, self.op_blocks_max, &mut slot.batch, self.staging, self.tier.as_deref_mut())?;
+        for shard in slot.planner.shards_touched() {
+            if self.files[shard].is_some() {
+                continue;
+            }
+            let path = self.dataset.shard_path(shard);
+            // Watched and looked at before the open: a file replaced in between is seen as
+            // replaced at the next look and opened again, never the other way.
+            let watched = self.watcher.before_open(&path, shard);
+            let inode = inode_of(&path);
+            match opener.open(&path) {
+                Ok(file) => {
+                    if !watched {
+                        self.watcher.after_open(&path, shard);
+                    }
+                    self.files[shard] = Some(file);
+                    self.inodes[shard] = Some(inode.unwrap_or((0, 0)));
+                    *self.opens += 1;
+                }
+                // Gone since its metadata was read (evicted, removed): missing, as when the
+                // metadata is read.
+                Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(Error::MissingShard {
+                        shard: self.dataset.shard_id(shard),
+                        manifest: self.dataset.manifest_id(),
+                    });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Hands every complete batch at the front of the queue to the sink and frees its slot,
     /// first closing the files the hook does not keep open (`let_go_of_read_files`); without an
     /// `opener` to close them, such a batch waits for the next `next_op` or the stream's end.
@@ -357,50 +446,7 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> ReadStream for Pipeline<'_, I> {
                 self.exhausted = true;
                 return Ok(Next::Done);
             };
-            let slot = &mut self.slots[free];
-            slot.planner.count_reads = self.count_shard_reads;
-            let mut planned = slot.planner.plan(
-                self.dataset,
-                indices.as_ref(),
-                self.op_blocks_max,
-                &mut slot.batch,
-                self.staging,
-                self.tier.as_deref_mut(),
-            );
-            if planned.is_ok() {
-                for shard in slot.planner.shards_touched() {
-                    if self.files[shard].is_none() {
-                        let path = self.dataset.shard_path(shard);
-                        // Watched and looked at before the open: a file replaced in between is
-                        // seen as replaced at the next look and opened again, never the other way.
-                        let watched = self.watcher.before_open(&path, shard);
-                        let inode = inode_of(&path);
-                        match opener.open(&path) {
-                            Ok(file) => {
-                                if !watched {
-                                    self.watcher.after_open(&path, shard);
-                                }
-                                self.files[shard] = Some(file);
-                                self.inodes[shard] = Some(inode.unwrap_or((0, 0)));
-                                *self.opens += 1;
-                            }
-                            // Gone since its metadata was read (evicted, removed): missing, as
-                            // when the metadata is read.
-                            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                                planned = Err(Error::MissingShard {
-                                    shard: self.dataset.shard_id(shard),
-                                    manifest: self.dataset.manifest_id(),
-                                });
-                                break;
-                            }
-                            Err(e) => {
-                                planned = Err(e);
-                                break;
-                            }
-                        }
-                    }
-                }
-            }
+            let mut planned = self.plan_fetching(free, indices.as_ref(), opener);
             if planned.is_ok() && self.verify_threads > 0 {
                 // Long ops not read straight into the batch go to the slot's scratch memory, for
                 // a worker to check and copy from. The slot is free: nothing works on its scratch.

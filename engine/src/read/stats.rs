@@ -18,7 +18,8 @@ pub struct ReadStats {
     /// (a block two records of a batch share, once per record); the tier's fills check theirs
     /// too, counted in `TierStats::bytes_loaded`.
     pub blocks_verified: u64,
-    /// Shards replaced through the repair hook.
+    /// Shards the repair hook made whole: missing ones fetched as a batch needing them was
+    /// planned (a cold cache's), damaged ones replaced.
     pub shards_repaired: u64,
     /// Reads that found damaged bytes (a block's CRC32C, a shard's BLAKE3 or its metadata did
     /// not check out): each was repaired (see `shards_repaired`) or ended the read with an error;
