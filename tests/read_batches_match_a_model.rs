@@ -101,7 +101,7 @@ fn fill_some(tier: &granary::MemoryTier, dataset: &granary::Dataset, mask: u64) 
                 first_block,
                 n_blocks: tier.extent_blocks().min(meta.n_data_blocks() - first_block),
             };
-            tier.fill(&info).unwrap();
+            tier.fill(&info, &mut *granary::IoConfig::default().build().unwrap()).unwrap();
         }
     }
 }

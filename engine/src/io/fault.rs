@@ -1,13 +1,14 @@
 //! A backend wrapper that injects faults, for tests: failed reads and flipped bits; and the
-//! faults a loader's tier fills meet (`Fault::FailFill`, which the tier's fillers act on: a
-//! fill is not a read of this backend).
+//! faults a loader's tier fills meet (`Fault::FailFill`: the fillers number their fills, and aim
+//! a `FailRead` at a memory tier fill's first op through the `FaultIo` around their own backend,
+//! or fail a page cache tier's fill, which issues no op, themselves).
 //!
 //! Ops are numbered across calls in submission order (the op's index plus the ops of earlier
 //! calls), so a test can aim a fault at "the 17th op this reader issues"; fills are numbered in
 //! the order a loader's fillers start them.
 //!
-//! Owns: `Fault` and `FaultIo` (the op numbering, the failed ops, the flipped bits). Never: acts on
-//! a `Fault::FailFill` itself (the tier's fillers do), or changes a file: a flipped bit is in the
+//! Owns: `Fault` and `FaultIo` (the op numbering, the failed ops, the flipped bits). Never: numbers
+//! fills (the tier's fillers do, and add the fault they aim), or changes a file: a flipped bit is in the
 //! copy handed to the stream, or in the stream's own memory.
 
 use std::path::Path;
@@ -62,6 +63,17 @@ impl FaultIo {
     /// Wraps `inner`.
     pub fn new(inner: Box<dyn Io>, faults: Vec<Fault>) -> Self {
         Self { inner, faults, ops_issued: 0, scratch: Vec::new() }
+    }
+
+    /// Ops issued through it so far: the number the next op gets.
+    pub fn ops_issued(&self) -> u64 {
+        self.ops_issued
+    }
+
+    /// Adds `fault` from now on: work numbered elsewhere (the tier's fills) aims one at the next
+    /// op (`ops_issued`).
+    pub fn add_fault(&mut self, fault: Fault) {
+        self.faults.push(fault);
     }
 }
 

@@ -4,7 +4,8 @@
 //! Owns: the `Io` trait and what a backend and its stream exchange (`ReadOp`, `Next`, `Dest`,
 //! `FileId`, `FileOpener`, `ReadStream`, `OwnedMemory`), `IoConfig` and `Backend` (`build` makes
 //! io_uring where the kernel allows it, pread otherwise), the limits `QUEUE_DEPTH_MAX` and
-//! `OP_BYTES_MAX_LIMIT`, and `start_writeback`.
+//! `OP_BYTES_MAX_LIMIT`, and `start_writeback`; beside them `exact.rs` (`read_exact`: one range
+//! read whole through any backend, as the memory tier's fills read).
 //!
 //! The unit of work is a `ReadOp`: a block-aligned range of an opened file. A backend pulls ops
 //! from a `ReadStream` whenever it has a free buffer slot, keeps as many in flight as its queue
@@ -25,6 +26,7 @@
 mod aligned;
 mod checked_copy;
 pub mod bare;
+mod exact;
 mod fault;
 // Only the metrics endpoint's sockets need it.
 #[cfg(feature = "metrics-http")]
@@ -40,6 +42,7 @@ use std::path::{Path, PathBuf};
 
 pub use aligned::AlignedBuf;
 pub use checked_copy::copy_crc32c;
+pub use exact::read_exact;
 pub use fault::{Fault, FaultIo};
 #[cfg(feature = "metrics-http")]
 pub(crate) use fork::close_in_forked_child;

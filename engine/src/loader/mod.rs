@@ -629,7 +629,7 @@ fn tier_coordinator(config: &LoaderConfig) -> Result<Option<Arc<Coordinator>>> {
     let mut coordinator = if config.faults.iter().any(Fault::on_reads) {
         None
     } else {
-        config.tier.open()?.map(|tier| Coordinator::with_faults(tier, config.faults.clone()))
+        config.tier.open()?.map(|tier| Coordinator::with_faults(tier, config.faults.clone(), &config.io))
     };
     // A dataset read through an origin cache: its shard files come and go within the cache's
     // bound on disk, and a mapping of the page cache tier would hold an evicted one's disk
@@ -651,7 +651,7 @@ fn tier_coordinator(config: &LoaderConfig) -> Result<Option<Arc<Coordinator>>> {
             ..TierConfig::default()
         };
         coordinator =
-            MemoryTier::open(&memory).ok().flatten().map(|tier| Coordinator::with_faults(tier, config.faults.clone()));
+            MemoryTier::open(&memory).ok().flatten().map(|tier| Coordinator::with_faults(tier, config.faults.clone(), &config.io));
     }
     Ok(coordinator)
 }

@@ -1,22 +1,26 @@
 //! The memory tier's fills: an extent claimed with a flock'ed `.fill-` file, read from its shard
-//! in one O_DIRECT read into a private file's mapping, every block checked, and published by a
-//! link under the extent's name; `fill_within_budget` takes the claim under the node-wide budget
+//! through the filler's backend (`io::read_exact`: O_DIRECT ops straight into a private file's
+//! mapping, the faults a `FaultIo` injects met as the reader meets them), every block checked,
+//! and published by a link under the extent's name; `fill_within_budget` takes the claim under the node-wide budget
 //! lock. (The page cache tier's fills are `page_cache.rs`'s.)
 //!
 //! Owns `Claim`, the private files and the publication of an extent file. Never: decides what to
 //! fill or what makes room (`fill/` does), or writes an extent file after its link.
 
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+
+use crate::io::Io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
 use super::*;
 
 impl MemoryTier {
-    /// Reads extent `info` from its shard into the tier: a claim, one O_DIRECT read into a
-    /// private file's mapping, every block checked against `meta`, then the private file linked
-    /// under the extent's name. The budget is the caller's affair (`fill_within_budget` keeps it).
-    pub fn fill(&self, info: &ExtentInfo) -> Result<Filled> {
+    /// Reads extent `info` from its shard into the tier: a claim, a read through `io` (the
+    /// caller's for this fill alone; a page cache tier maps the shard instead) into a private
+    /// file's mapping, every block checked against `meta`, then the private file linked under the
+    /// extent's name. The budget is the caller's affair (`fill_within_budget` keeps it).
+    pub fn fill(&self, info: &ExtentInfo, io: &mut dyn Io) -> Result<Filled> {
         if self.page_cache.is_some() {
             return self.fill_page_cache(info);
         }
@@ -25,7 +29,7 @@ impl MemoryTier {
             return Ok(Filled::Elsewhere);
         }
         let Some(claim) = self.claim(&name, info.n_blocks * BLOCK_BYTES_U64)? else { return Ok(Filled::Elsewhere) };
-        self.fill_under(claim, info, &name)
+        self.fill_under(claim, info, &name, io)
     }
 
     /// `fill`, within the node-wide budget. Under the budget lock (a flock on the directory that
@@ -38,6 +42,7 @@ impl MemoryTier {
     pub fn fill_within_budget(
         &self,
         info: &ExtentInfo,
+        io: &mut dyn Io,
         room: impl FnOnce(Holdings) -> Result<bool>,
     ) -> Result<Option<Filled>> {
         if let Some(page_cache) = &self.page_cache {
@@ -72,7 +77,7 @@ impl MemoryTier {
                 }
             }
         };
-        self.fill_under(claim, info, &name).map(Some)
+        self.fill_under(claim, info, &name, io).map(Some)
     }
 
     /// The budget lock (an exclusive flock on the directory), held until the file is dropped;
@@ -90,10 +95,13 @@ impl MemoryTier {
         Ok(Some(file))
     }
 
-    fn fill_under(&self, claim: Claim, info: &ExtentInfo, name: &str) -> Result<Filled> {
+    fn fill_under(&self, claim: Claim, info: &ExtentInfo, name: &str, io: &mut dyn Io) -> Result<Filled> {
         // Another filler may have published it between the check and the claim.
-        let outcome =
-            if self.dir.join(name).exists() { Ok(Filled::Elsewhere) } else { self.fill_claimed(info, name, &claim) };
+        let outcome = if self.dir.join(name).exists() {
+            Ok(Filled::Elsewhere)
+        } else {
+            self.fill_claimed(info, name, &claim, io)
+        };
         if outcome.is_err() {
             self.counters.fill_failures.fetch_add(1, Ordering::Relaxed);
         }
@@ -101,7 +109,7 @@ impl MemoryTier {
         outcome
     }
 
-    fn fill_claimed(&self, info: &ExtentInfo, name: &str, claim: &Claim) -> Result<Filled> {
+    fn fill_claimed(&self, info: &ExtentInfo, name: &str, claim: &Claim, io: &mut dyn Io) -> Result<Filled> {
         let len = usize::try_from(info.n_blocks * BLOCK_BYTES_U64)
             .map_err(|_| Error::invalid_input("an extent larger than memory"))?;
         let (file, private) = self.private_file(name)?;
@@ -110,7 +118,7 @@ impl MemoryTier {
             // The disk's DMA lands in the private file's own pages: no copy into the tier.
             let mut map = WritableMap::new(&file, len, &private)?;
             let bytes = map.as_mut_slice();
-            read_exact_direct(&info.path, DATA_OFFSET + info.first_block * BLOCK_BYTES_U64, bytes)?;
+            crate::io::read_exact(io, &info.path, DATA_OFFSET + info.first_block * BLOCK_BYTES_U64, bytes)?;
             info.meta.check_blocks(info.first_block, bytes).map_err(|(block, expected, actual)| {
                 Error::ChecksumMismatch { shard: info.key.shard, block, expected, actual }
             })?;
@@ -207,23 +215,6 @@ pub(super) fn remove_if_same(path: &Path, file: &std::fs::File) {
     if same {
         let _ = std::fs::remove_file(path);
     }
-}
-
-/// Reads `bytes.len()` bytes at `offset` of `path`, with O_DIRECT where the file system takes it
-/// (the tier is the cache: the page cache would hold a second copy).
-fn read_exact_direct(path: &Path, offset: u64, bytes: &mut [u8]) -> Result<()> {
-    use std::os::unix::fs::FileExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .or_else(|_| std::fs::File::open(path))
-        .map_err(|e| Error::io("open", path, e))?;
-    file.read_exact_at(bytes, offset).map_err(|e| {
-        let mut named = PathBuf::from(path);
-        named.as_mut_os_string().push(format!(" at offset {offset} (+{} bytes)", bytes.len()));
-        Error::io("read", named, e)
-    })
 }
 
 #[cfg(test)]

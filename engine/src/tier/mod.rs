@@ -15,8 +15,9 @@
 //! shard's content id, the extent size and the extent's index, so versions that share a shard
 //! share its extents and eight ranks of a node hold one copy. Readers map extent files read-only
 //! (`TierReader`) and keep no descriptor open; fillers (`fill/`, driven by the loader's plan)
-//! claim an extent with a flock'ed `.fill-` file, read it from disk in one large O_DIRECT read
-//! straight into a private file's mapping, check every block's CRC32C, and publish the private
+//! claim an extent with a flock'ed `.fill-` file, read it from disk through a backend of their
+//! own (`io::read_exact`: O_DIRECT ops of the loader's op size straight into a private file's
+//! mapping, injected faults met as the reader meets them), check every block's CRC32C, and publish the private
 //! file by linking it under the extent's name (which fails if the name exists). The budget
 //! bounds the bytes held and being filled, node-wide: a filler makes room and takes its claim
 //! under a flock on the directory, with the directory listed afresh; under memory pressure

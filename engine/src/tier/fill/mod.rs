@@ -49,8 +49,12 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::schedule::{HORIZON_STEPS_MIN, NEVER};
-use super::{ExtentInfo, ExtentKey, Filled, Holdings, MemoryTier, TierSchedule};
+use super::{ExtentInfo, ExtentKey, Filled, Holdings, MemoryTier, TierKind, TierSchedule};
 use crate::error::Result;
+use crate::io::{Fault, FaultIo, IoConfig, LazyIo};
+
+/// Ops of one fill a filler's backend keeps in flight at most.
+const FILL_OPS_IN_FLIGHT_MAX: u32 = 8;
 
 /// Steps the reader may advance before the admitted set is computed again.
 const REPLAN_STEPS: u64 = 16;
@@ -106,7 +110,9 @@ pub struct Coordinator {
     pressure_checked: AtomicU64,
     /// Faults injected into the fills (`Fault::FailFill`, tests and drills), and the fills
     /// started so far, which they are aimed by.
-    fill_faults: Vec<crate::io::Fault>,
+    fill_faults: Vec<Fault>,
+    /// How each filler builds its backend, at its first fill.
+    fill_io: IoConfig,
     fills_started: AtomicU64,
     /// The evictor plugin, started before the first fill that may need room (most loaders never
     /// evict).
@@ -146,20 +152,29 @@ struct State {
 impl Coordinator {
     /// A coordinator over `tier`, with an empty schedule.
     pub fn new(tier: Arc<MemoryTier>) -> Arc<Self> {
-        Self::with_faults(tier, Vec::new())
+        Self::with_faults(tier, Vec::new(), &IoConfig::default())
     }
 
-    /// A coordinator whose fills meet `faults` (the `Fault::FailFill` among them).
-    pub fn with_faults(tier: Arc<MemoryTier>, faults: Vec<crate::io::Fault>) -> Arc<Self> {
+    /// A coordinator whose fills meet `faults` (the `Fault::FailFill` among them), their reads
+    /// through backends like `io` (its kind and op size; O_DIRECT, an extent's ops in flight).
+    pub fn with_faults(tier: Arc<MemoryTier>, faults: Vec<Fault>, io: &IoConfig) -> Arc<Self> {
+        let ops_per_extent = tier.extent_bytes().div_ceil(io.op_bytes_max as u64);
+        let fill_io = IoConfig {
+            backend: io.backend,
+            queue_depth: u32::try_from(ops_per_extent).unwrap_or(u32::MAX).clamp(1, FILL_OPS_IN_FLIGHT_MAX),
+            op_bytes_max: io.op_bytes_max,
+            direct: true,
+        };
         Arc::new(Self {
             tier,
+            fill_io,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             published: AtomicU64::new(0),
             started: false.into(),
             created: Instant::now(),
             pressure_checked: AtomicU64::new(0),
-            fill_faults: faults.into_iter().filter(|f| matches!(f, crate::io::Fault::FailFill { .. })).collect(),
+            fill_faults: faults.into_iter().filter(|f| matches!(f, Fault::FailFill { .. })).collect(),
             fills_started: AtomicU64::new(0),
             #[cfg(feature = "policy")]
             evictor: Mutex::new(PluginEvictor::default()),
@@ -550,7 +565,7 @@ impl Coordinator {
         }
         let number = self.fills_started.fetch_add(1, Ordering::Relaxed);
         self.fill_faults.iter().find_map(|fault| match *fault {
-            crate::io::Fault::FailFill { fill, errno } if fill == number => Some(errno),
+            Fault::FailFill { fill, errno } if fill == number => Some(errno),
             _ => None,
         })
     }
@@ -598,6 +613,9 @@ impl std::fmt::Debug for Coordinator {
 /// failed fill is recorded (the reader then reads those records from disk, where a damaged
 /// block is reported as any other).
 pub fn run_filler(coordinator: &Coordinator) -> Result<()> {
+    let config = coordinator.fill_io;
+    // Built at the first fill that reads (a page cache tier's never do).
+    let mut io = FaultIo::new(Box::new(LazyIo::new(config, Box::new(move || config.build()))), Vec::new());
     while let Some((extent, info, next_use)) = coordinator.next_job() {
         // Held already (another process loaded it, or the schedule came after its fill): no
         // room is made for it.
@@ -617,14 +635,24 @@ pub fn run_filler(coordinator: &Coordinator) -> Result<()> {
                 coordinator.start_evictor();
             }
         }
-        let outcome = match coordinator.injected_fill_fault() {
-            Some(errno) => {
+        let fault = coordinator.injected_fill_fault();
+        let outcome = match fault {
+            // A page cache tier's fill maps the shard and has the kernel read it ahead: no op
+            // of a backend to fail, so the fill fails here, as a disk error under it would.
+            Some(errno) if coordinator.tier.kind() == TierKind::PageCache => {
                 coordinator.tier.count_fill_failure();
                 Err(crate::error::Error::io("fill", &info.path, std::io::Error::from_raw_os_error(errno)))
             }
-            None => coordinator.tier.fill_within_budget(&info, |holdings| {
-                coordinator.make_room(holdings, Some((info.key, next_use)), bytes)
-            }),
+            _ => {
+                // Aimed at the fill's first read op (or the next fill's, when this one reads
+                // nothing): the fill meets it as it would meet the disk's.
+                if let Some(errno) = fault {
+                    io.add_fault(Fault::FailRead { op: io.ops_issued(), errno });
+                }
+                coordinator.tier.fill_within_budget(&info, &mut io, |holdings| {
+                    coordinator.make_room(holdings, Some((info.key, next_use)), bytes)
+                })
+            }
         };
         coordinator.finish(extent, &outcome);
     }
