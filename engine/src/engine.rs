@@ -230,7 +230,9 @@ impl Granary {
                 if log.version(number).is_none() {
                     return Err(Error::NotFound { what: format!("version {number} of dataset {name}") });
                 }
-                log.without(number)
+                let rest = log.without(number);
+                debug_assert!(rest.as_ref().is_none_or(|rest| rest.version(number).is_none()), "{number} removed");
+                rest
             }
         };
         match remaining {
@@ -387,6 +389,11 @@ impl Granary {
             Err(e) if e.is_corruption() => {}
             Err(e) => return Err(e),
         }
+        // Refs only move forward: what is replaced is older, or damaged, or absent.
+        debug_assert!(
+            self.store.paths().read_ref(name).map_or(true, |local| local.latest().number < log.latest().number),
+            "{name}: a ref adopted over a newer one"
+        );
         self.store.write_ref(name, log)?;
         self.catalog.put_dataset(name, log)?;
         self.catalog.flush()?;

@@ -365,7 +365,9 @@ pub fn encode(shard: &[u8], coding: Coding) -> Result<Vec<Vec<u8>>> {
 
 /// Writes the checksum table and the header of a fragment file whose payload is in place.
 fn seal(header: &FragmentHeader, file: &mut [u8]) {
+    debug_assert_eq!(file.len() as u64, header.file_bytes(), "a fragment file as its header says");
     let table_at = usize::try_from(header.crc_table_offset()).expect("the file is in memory");
+    debug_assert!(table_at.is_multiple_of(BLOCK_BYTES), "the checksum table on a block");
     let (blocks, table) = file.split_at_mut(table_at);
     for (b, block) in blocks[BLOCK_BYTES..].chunks_exact(BLOCK_BYTES).enumerate() {
         table[4 * b..4 * b + 4].copy_from_slice(&block_crc(b as u64, block).to_le_bytes());

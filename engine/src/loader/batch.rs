@@ -161,6 +161,7 @@ impl LoadedBatch {
     /// The bytes of record `i` of the batch.
     pub fn record(&self, i: usize) -> &[u8] {
         let ends = self.ends();
+        debug_assert!(ends.last().is_none_or(|&end| end as usize <= self.data().len()), "ends inside the data");
         let start = if i == 0 { 0 } else { ends[i - 1] as usize };
         &self.data()[start..ends[i] as usize]
     }

@@ -265,6 +265,7 @@ impl Packer {
     /// returned holds no tokens of its own.
     pub fn pack_into(&mut self, batch: &LoadedBatch, tokens: &mut [u8]) -> Result<PackedBatch> {
         let windows = self.step(batch);
+        debug_assert!(windows.start <= windows.end && windows.end <= self.packing.n_windows(), "{windows:?}");
         let after = batch.position();
         let epoch = if after.cursor == 0 { after.epoch.saturating_sub(1) } else { after.epoch };
         self.next_step = after;
@@ -328,9 +329,16 @@ impl Packer {
                 if at != batch.len() {
                     return Err(mismatch(&[]));
                 }
+                debug_assert_eq!(out.windows as u64, windows.end - windows.start, "one window a draw");
                 out
             }
         };
+        // cu_seqlens: from 0, never down, ending at the tokens placed.
+        debug_assert!(
+            packed.cu_seqlens.first() == Some(&0) && packed.cu_seqlens.windows(2).all(|w| w[0] <= w[1]),
+            "cu_seqlens {:?}",
+            packed.cu_seqlens
+        );
         Ok(PackedBatch { packed, windows, epoch, position: after })
     }
 }

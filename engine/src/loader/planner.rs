@@ -287,6 +287,10 @@ impl EpochPlanner {
                 u64::from(self.world.size()).saturating_mul(self.batch_size)
             ))
         })?;
+        debug_assert!(
+            weights.len() == self.world.size() as usize && weights.iter().all(|&w| w >= 1),
+            "every rank reads at least a record a step: {weights:?}"
+        );
         self.set_weights(weights.clone());
         Ok(weights)
     }
@@ -427,6 +431,7 @@ impl EpochPlanner {
         let mut cursor = from.cursor;
         while cursor < self.n_records {
             let len = steps.step_len(cursor, self.world.size(), self.batch_size);
+            assert!(len > 0, "a step before the epoch's end takes a position (cursor {cursor} of {})", self.n_records);
             step.clear();
             step.extend(positions.by_ref().take(len as usize));
             if step.len() as u64 != len {
@@ -438,6 +443,7 @@ impl EpochPlanner {
             for (world, batches) in worlds.iter().zip(outs.iter_mut()) {
                 let range = steps.weighted_rank_positions(cursor, *world, self.batch_size, &self.weights);
                 if !range.is_empty() {
+                    debug_assert!(range.start >= cursor && range.end <= cursor + len, "{range:?} inside its step");
                     let share = &step[(range.start - cursor) as usize..(range.end - cursor) as usize];
                     batches.push((records(share), after(cursor, *world)));
                 }

@@ -373,6 +373,8 @@ impl Channel {
             self.out.resize(WRITE_BUFFER_BYTES + 4 + RECORD_BYTES_MAX, 0);
         }
         let n = self.noise.write_message(&self.frame_out, &mut self.out[at + 4..]).map_err(noise_error)?;
+        // The peer refuses a longer record before reading it.
+        debug_assert!((TAG_BYTES..=RECORD_BYTES_MAX).contains(&n), "a record of {n} bytes");
         self.out[at..at + 4].copy_from_slice(&(n as u32).to_le_bytes());
         self.queued += 4 + n;
         self.sent += 1;
@@ -468,6 +470,7 @@ impl Channel {
         if header.kind == Kind::Hello {
             return Err(TransportError::Protocol { detail: "a second Hello".to_owned() });
         }
+        debug_assert!(self.plain_len <= self.plain.len(), "a frame inside its buffer");
         self.received += 1;
         Ok(frame)
     }

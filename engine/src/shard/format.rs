@@ -180,6 +180,11 @@ impl Footer {
         let crc_table_offset = index_offset + padded(index_bytes);
         let crc_table_bytes = n_data_blocks * CRC_ENTRY_BYTES;
         let file_bytes = crc_table_offset + padded(crc_table_bytes) + BLOCK_BYTES_U64;
+        // The format's invariant: every region starts on a block, the file is whole blocks.
+        debug_assert!(
+            [index_offset, crc_table_offset, file_bytes].iter().all(|at| at.is_multiple_of(BLOCK_BYTES_U64)),
+            "regions on blocks"
+        );
         Footer {
             n_records,
             data_bytes,

@@ -501,6 +501,11 @@ impl Store {
     pub fn write_ref(&self, name: &DatasetName, log: &RefLog) -> Result<()> {
         let history = self.history_for_writing(name)?;
         self.append_history(name, &history.additions_for(log, now_unix_secs()))?;
+        // Before the ref names a version, the history does (what `gc` honours).
+        debug_assert!(
+            self.paths.read_history(name).ok().flatten().is_some_and(|h| h.additions_for(log, 0).is_empty()),
+            "the history of {name} holds every version its new ref names"
+        );
         let dir = self.paths.refs_dir();
         fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
         let (_, tmp) = self.create_tmp()?;
