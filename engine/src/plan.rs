@@ -186,7 +186,11 @@ impl RankCut {
         let left = end.saturating_sub(position.cursor);
         let more = left >= step || (left > 0 && self.reads_in_short_step(left));
         debug_assert!(position.cursor <= self.n_records, "a position of this epoch (`check` refuses others)");
-        if more { position } else { Position { epoch: position.epoch + 1, cursor: 0 } }
+        let normalized = if more { position } else { Position { epoch: position.epoch + 1, cursor: 0 } };
+        // A normalized position is an epoch's start or one this rank reads from: never at or
+        // past the end of what its epoch reads.
+        debug_assert!(normalized.cursor == 0 || normalized.cursor < end, "{normalized:?} of an epoch read to {end}");
+        normalized
     }
 
     /// Whether this rank reads a record of a short step of `left` records.
@@ -281,6 +285,8 @@ impl Permutation {
             state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
             mix(state)
         });
+        // The cipher permutes 2^(2 half_bits) values; walking cycles maps the epoch's onto itself.
+        debug_assert!(u128::from(n) <= 1u128 << (2 * half_bits), "the cipher's domain covers the epoch");
         Self { n, half_bits, keys }
     }
 
@@ -372,6 +378,10 @@ pub fn bounded_weights(weights: &[u32], step_len: u64, cap: u64) -> Option<Vec<u
         }
         records
     };
+    debug_assert!(
+        records.iter().sum::<u64>() == step_len && records.iter().all(|&r| (1..=cap).contains(&r)),
+        "{records:?}: every rank 1 to {cap} records of a step of {step_len}"
+    );
     records.iter().map(|&r| u32::try_from(r).ok()).collect()
 }
 

@@ -45,7 +45,9 @@ pub fn read_exact(io: &mut dyn Io, path: &Path, offset: u64, into: &mut [u8]) ->
         done: vec![false; n_ops],
         _into: std::marker::PhantomData,
     };
-    let outcome = io.read_stream(&mut stream).and_then(|()| {
+    let outcome = io.read_stream(&mut stream);
+    debug_assert!(outcome.is_err() || stream.issued == n_ops, "a stream that ends well issued every op");
+    let outcome = outcome.and_then(|()| {
         if stream.done.iter().all(|&done| done) {
             Ok(())
         } else {

@@ -281,6 +281,8 @@ impl WritableMap {
             return Err(Error::io("mmap", path, std::io::Error::last_os_error()));
         }
         let ptr = NonNull::new(base.cast::<u8>()).ok_or_else(|| Error::invalid_input("mmap returned null"))?;
+        // What makes a fill's reads go straight into it (`read_exact`'s O_DIRECT ops).
+        debug_assert!((ptr.as_ptr() as usize).is_multiple_of(crate::shard::BLOCK_BYTES), "a mapping starts on a page");
         Ok(Self { ptr, len })
     }
 

@@ -463,6 +463,7 @@ impl Origin {
                     result = Err(self.error("fetch", &what, e));
                 }
             }
+            debug_assert!(result.is_err() || next == file_bytes, "every range of the shard asked for");
             result
         })?;
         out.sync_all().map_err(|e| Error::io("fsync", file, e))?;

@@ -191,6 +191,10 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
                 Err(e) => return Err(e),
             }
         }
+        debug_assert!(
+            self.slots[free].planner.shards_touched().all(|shard| self.files[shard].is_some()),
+            "every file a planned batch reads is open"
+        );
         Ok(())
     }
 

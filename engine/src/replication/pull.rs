@@ -252,6 +252,8 @@ async fn fetch_from(
                 }
                 writer.append(data).await.map_err(SourceFailure::Local)?;
                 expected = end;
+                // The partial file is the transfer's bytes in order: resumed at its length.
+                debug_assert_eq!(writer.len, expected, "the partial file holds every chunk once");
             }
             Frame::End { transfer: t, total_bytes } if t == transfer => {
                 if total_bytes != expected {
@@ -308,6 +310,7 @@ impl Writer {
         let thread_path = path.clone();
         tokio::task::spawn_blocking(move || writer_thread(&thread_path, rx, spare_tx, ready_tx));
         let len = ready_rx.await.map_err(|_| Error::invalid_input("the transfer's writer thread died"))??;
+        debug_assert!(len.is_multiple_of(BLOCK_BYTES as u64), "a resumed transfer starts on a block: {len}");
         Ok(Writer { path, len, batch: Vec::with_capacity(WRITE_BATCH_BYTES), tx, spare })
     }
 
@@ -334,7 +337,9 @@ impl Writer {
         }
         let (tx, rx) = oneshot::channel();
         self.send(WriterMsg::Flush(tx)).await?;
-        self.len = rx.await.map_err(|_| Error::invalid_input("the transfer's writer thread died"))??;
+        let on_disk = rx.await.map_err(|_| Error::invalid_input("the transfer's writer thread died"))??;
+        debug_assert_eq!(on_disk, self.len, "every byte queued is on disk after a flush");
+        self.len = on_disk;
         Ok(())
     }
 

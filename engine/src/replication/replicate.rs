@@ -307,6 +307,11 @@ impl Shared {
                 .copied()
                 .filter(|t| up.contains(t) && !holders.contains(t))
                 .collect();
+            // A node holds at most one copy: no target holds it, none is named twice.
+            debug_assert!(
+                targets.iter().enumerate().all(|(i, t)| !targets[..i].contains(t) && !holders.contains(t)),
+                "shard {shard}: targets {targets:?}, holders {holders:?}"
+            );
             jobs.push((*shard, *bytes, holders, targets));
         }
         if mode == ReplicationMode::Asynchronous {
@@ -362,6 +367,8 @@ impl Shared {
                 self.peers.up().len() + 1
             ));
         }
+        // No command reports work that did not happen: a shard is done only once its copies are.
+        debug_assert!(done + n_short <= total, "{done} done and {n_short} short of {total} shards");
         report.shards_done = done;
         report.failures = failures;
         report.elapsed = started.elapsed();
