@@ -201,6 +201,8 @@ proptest! {
         }
         let mut counts = vec![0u64; n];
         let mut targets = vec![0f64; n];
+        let first = blend.units_at(Position { epoch, cursor: 0 }).to_vec();
+        let changed_by = |p: u64| (0..=p).any(|q| blend.units_at(Position { epoch, cursor: q }) != first.as_slice());
         for (p, (s, record)) in blend.epoch(5, epoch).unwrap().records_from(0).enumerate() {
             let units = blend.units_at(Position { epoch, cursor: p as u64 });
             for (t, &u) in targets.iter_mut().zip(units) {
@@ -208,8 +210,11 @@ proptest! {
             }
             counts[s] += 1;
             prop_assert!(record >= blend.sources()[s].start && record < blend.sources()[s].start + sizes[s]);
+            // Within one draw of its share under one set of weights; a change can push two
+            // sources nearly a draw behind both past it at once: within two after it.
+            let off_max = if changed_by(p as u64) { 2.0 } else { 1.0 };
             for i in 0..n {
-                prop_assert!((counts[i] as f64 - targets[i]).abs() < 1.0 + 1e-9,
+                prop_assert!((counts[i] as f64 - targets[i]).abs() < off_max + 1e-9,
                     "source {i} at prefix {}: {} draws, target {}", p + 1, counts[i], targets[i]);
             }
         }
