@@ -387,7 +387,10 @@ impl Draw {
             }
             let off_max = DRAWS_OFF_MAX[usize::from(self.changed)] * u128::from(WEIGHT_UNIT);
             debug_assert!(
-                self.targets.iter().zip(&self.counts).all(|(&t, &c)| t.abs_diff(u128::from(c) * u128::from(WEIGHT_UNIT)) <= off_max),
+                self.targets
+                    .iter()
+                    .zip(&self.counts)
+                    .all(|(&t, &c)| t.abs_diff(u128::from(c) * u128::from(WEIGHT_UNIT)) <= off_max),
                 "a source more than {} draw(s) from its share",
                 off_max / u128::from(WEIGHT_UNIT)
             );

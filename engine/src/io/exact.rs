@@ -80,9 +80,10 @@ struct Exact<'a> {
 impl Exact<'_> {
     /// Op `seq`'s place in the range, checked against what completed: each op once, at its length.
     fn finish(&mut self, seq: u64, completed: usize) -> Result<usize> {
-        let i = usize::try_from(seq).ok().filter(|&i| i < self.issued && !self.done[i]).ok_or_else(|| {
-            Error::invalid_input(format!("op {seq} completed twice, or was never issued"))
-        })?;
+        let i = usize::try_from(seq)
+            .ok()
+            .filter(|&i| i < self.issued && !self.done[i])
+            .ok_or_else(|| Error::invalid_input(format!("op {seq} completed twice, or was never issued")))?;
         let start = i * self.op_bytes;
         let expected = self.op_bytes.min(self.len - start);
         if completed != expected {
@@ -183,7 +184,10 @@ mod tests {
         assert!(read_exact(&mut *io, &path, 100, &mut buf.as_mut_slice()[..4096]).is_err(), "misaligned");
         let mut faulty = FaultIo::new(io, vec![Fault::FailRead { op: 2, errno: libc::EIO }]);
         let failed = read_exact(&mut faulty, &path, 0, &mut buf.as_mut_slice()[..8 * 4096]).unwrap_err();
-        assert!(failed.to_string().contains("Input/output error") || failed.to_string().contains("os error 5"), "{failed}");
+        assert!(
+            failed.to_string().contains("Input/output error") || failed.to_string().contains("os error 5"),
+            "{failed}"
+        );
         // The op numbering goes on: the next read meets no fault.
         read_exact(&mut faulty, &path, 0, &mut buf.as_mut_slice()[..8 * 4096]).expect("no fault left");
     }

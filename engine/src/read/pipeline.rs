@@ -161,7 +161,14 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
     fn plan_and_open(&mut self, free: usize, indices: &[u64], opener: &mut dyn FileOpener) -> Result<()> {
         let slot = &mut self.slots[free];
         slot.planner.count_reads = self.count_shard_reads;
-        slot.planner.plan(self.dataset, indices, self.op_blocks_max, &mut slot.batch, self.staging, self.tier.as_deref_mut())?;
+        slot.planner.plan(
+            self.dataset,
+            indices,
+            self.op_blocks_max,
+            &mut slot.batch,
+            self.staging,
+            self.tier.as_deref_mut(),
+        )?;
         for shard in slot.planner.shards_touched() {
             if self.files[shard].is_some() {
                 continue;
