@@ -327,27 +327,41 @@ fn a_session_drops_the_short_step_changes_weights_resumes_and_refuses_an_altered
         a.next_records().expect("a batch").expect("one more");
     }
     a.change_weights(vec![0.0, 0.0, 1.0]).expect("a change");
-    let saved_at = a.position();
-    let mixture = a.mixture().expect("opened").expect("a mixture");
-    let (changes, id) = (mixture.blend().changes(), mixture.id());
+    let saved = a.save().expect("a state");
+    assert_eq!(saved.digest, Some(saved.digest()));
     let after_change = rest_of_epoch(&mut a, &s);
     assert_eq!(after_change.len(), 3);
     assert!(after_change.iter().flatten().all(|&index| index >= math), "only math after the change");
     // A new session resumes from the saved state: the same batches.
     let mut b = session(&s, 0);
-    b.resume_changes(changes.clone(), &id).expect("the saved changes");
-    b.seek(saved_at).expect("the saved position");
+    b.resume(&saved).expect("the saved state");
     b.begin_epoch();
     assert_eq!(rest_of_epoch(&mut b, &s), after_change);
-    // A state whose changes were altered after its save is refused, the session unchanged.
+    // A state altered after its save is refused, the session unchanged: with its digest (any
+    // field), and without one (a state of before digests: its changes no longer give its id).
     let mut c = session(&s, 0);
-    let mut altered = changes;
-    altered.last_mut().expect("a change").1 = vec![1.0, 0.0, 0.0];
-    let error = c.resume_changes(altered, &id).expect_err("an altered state").to_string();
-    assert!(error.contains("altered"), "{error}");
-    assert_eq!(c.changes(), Some(&[][..]));
-    let error = c.seek(Position { epoch: 0, cursor: 51 }).expect_err("a cursor past the epoch").to_string();
+    let mut altered = saved.clone();
+    altered.mixture.as_mut().expect("a mixture").changes.last_mut().expect("a change").1 = vec![1.0, 0.0, 0.0];
+    for digest in [saved.digest.clone(), None] {
+        altered.digest = digest;
+        let error = c.resume(&altered).expect_err("an altered state").to_string();
+        assert!(error.contains("altered after it was saved"), "{error}");
+        assert_eq!(c.changes(), Some(&[][..]));
+        assert_eq!(c.position(), Position::default());
+    }
+    let mut past = saved.clone();
+    (past.position.cursor, past.digest) = (51, None);
+    let error = c.resume(&past).expect_err("a cursor past the epoch").to_string();
     assert!(error.contains("past the end"), "{error}");
+    assert_eq!(c.changes(), Some(&[][..]), "refused whole");
+    // Another seed reads other samples at the same position: refused, naming both.
+    let mut other = session(&s, 1);
+    other.resume(&saved).expect("another rank of the same order");
+    let mut reseeded = saved.clone();
+    reseeded.seed = 12;
+    reseeded.digest = Some(reseeded.digest());
+    let error = c.resume(&reseeded).expect_err("another seed").to_string();
+    assert!(error.contains("with seed 12, this loader has seed 11"), "{error}");
     // An epoch whose plan would not fit in this process's memory is refused when opened.
     let parts = vec![(VersionSpec::parse("web").unwrap(), 1.0), (VersionSpec::parse("code").unwrap(), 1.0)];
     let config = SessionConfig {

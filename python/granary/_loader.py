@@ -221,18 +221,8 @@ class Loader:
         self._widen = widen
         self._output = output
         self._with_indices = with_indices
-        self._seed = seed
-        mixture = not isinstance(dataset, str)
-        if mixture:
+        if not isinstance(dataset, str):
             dataset = [(str(name), float(weight)) for name, weight in dataset]
-        self._plan = {"mixture": "weights"} if mixture else (
-            {
-                "partitioner": "default" if partitioner is None else partitioner,
-                "options": {str(k): str(v) for k, v in (partitioner_options or {}).items()},
-            }
-            if partitioner is not None or partitioner_options is not None
-            else {"order": order or "shuffled"}
-        )
         options = dict(
             seed=seed,
             epoch=epoch,
@@ -268,8 +258,6 @@ class Loader:
             # Windows are cut in host memory; a GPU gets them by a copy.
             self._pack_device = None if device == "cpu" else device
             device = "cpu"
-            self._plan = {"pack": {"seq_len": seq_len, "eod": eod, "pad": pad, "within_documents": bool(within_documents),
-                                   "order": order or "shuffled"}}
         # What goes with a mixture or with packing is the engine's to check.
         options.update(
             seq_len=seq_len,
@@ -285,19 +273,11 @@ class Loader:
         native = getattr(store, "_native", None)
         source = native if isinstance(native, _native.Store) else os.fspath(store)
         self._native = _native.Loader(source, dataset, batch_size, device=device, **options)
+        self._packed = seq_len is not None
         window_given = "window-shards" in {str(k) for k in (partitioner_options or {})}
-        if partitioner is not None or partitioner_options is not None:
-            # The options it reads with, a window the cache of an attached dataset asks for
-            # included: a state saved here resumes only under the same order.
-            self._plan["options"] = {k: v for k, v in (self._native.plan_options or [])}
-        elif order is None:
-            # The default shuffle: for an attached dataset the cache cannot hold, the default
-            # partitioner's plan windowed to it (a record-level shuffle would refetch the
-            # dataset every few steps).
-            windowed = self._native.plan_options
-            if windowed is not None:
-                self._plan = {"partitioner": "default", "options": {k: v for k, v in windowed}}
-        window = self._plan.get("options", {}).get("window-shards")
+        # The options it reads with (the engine's: for an attached dataset the cache cannot hold,
+        # the default shuffle is the default partitioner's plan windowed to the cache).
+        window = dict(self._native.plan_options or []).get("window-shards")
         if window is not None and not window_given and int(window) < _MIXED_SHARDS_MIN:
             # The cache chose a window that thins the shuffle: say so once, with the fix.
             import warnings
@@ -330,7 +310,7 @@ class Loader:
         return self
 
     def __next__(self) -> Any:
-        if self._plan.get("pack") is not None:
+        if self._packed:
             packed = self._native.next_packed()
             if packed is None:
                 raise StopIteration
@@ -433,68 +413,19 @@ class Loader:
         return self._native.mixture
 
     def state_dict(self) -> Dict[str, Any]:
-        """The exact position, to resume from (on any world size); with rebalancing also the
-        rank weights in force and the measures already exchanged for the next point, so that
-        a resumed run on the same world size repeats the same decisions."""
-        epoch, cursor = self._native.position
-        state = {
-            "format": 1,
-            "epoch": epoch,
-            "cursor": cursor,
-            "seed": self._seed,
-            "plan": dict(self._plan),
-            "manifest": self._native.manifest,
-        }
-        mixed = self._native.mixture
-        if mixed is not None:
-            state["mixture"] = mixed
-        rebalance = self._native.rebalance_state()
-        if rebalance is not None:
-            state["rebalance"] = rebalance
-        return state
+        """The exact position, to resume from (on any world size), with what decides the order
+        (seed, plan, version, a mixture's weights and changes) and their `digest`; with
+        rebalancing also the rank weights in force and the measures already exchanged for the
+        next point, so that a resumed run on the same world size repeats the same decisions."""
+        return self._native.saved_state()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resumes at `state`'s position: the next batches are exactly the samples not yet read,
-        split over this loader's world (which may differ from the one that saved it)."""
-        if state.get("format") != 1:
-            raise ValueError(f"not a granary loader state (format {state.get('format')!r})")
-        if state["seed"] != self._seed:
-            raise ValueError(f"the state was saved with seed {state['seed']}, this loader has seed {self._seed}")
-        if state.get("plan") != self._plan:
-            saved, mine = state.get("plan") or {}, self._plan
-            hint = ""
-            saved_window = (saved.get("options") or {}).get("window-shards")
-            if saved_window is not None and saved_window != (mine.get("options") or {}).get("window-shards"):
-                # The window follows the store's cache bound: the same order needs the same one.
-                hint = (
-                    f": the window follows the cache's bound; attach with the cache_bytes the saving run had, or "
-                    f"make this loader with partitioner_options={{'window-shards': {saved_window}}}"
-                )
-            raise ValueError(f"the state was saved with plan {saved}, this loader has {mine}{hint}")
-        manifest = self._native.manifest
-        if state["manifest"] != manifest:
-            raise ValueError(
-                f"the state was saved reading dataset version {state['manifest']}, this loader reads {manifest}; "
-                "open the same version (pass the manifest id as the dataset) to resume"
-            )
-        mixed = self._native.mixture
-        if (state.get("mixture") is None) != (mixed is None):
-            raise ValueError("the state was saved reading " + ("a mixture" if mixed is None else "one dataset") + ", this loader reads " + ("one dataset" if mixed is None else "a mixture"))
-        if mixed is not None:
-            saved = state["mixture"]
-            def sources(m: Dict[str, Any]) -> Any:
-                return [(s["manifest"], round(s["weight"], 9)) for s in m["sources"]], m["epoch_samples"]
-            if sources(saved) != sources(mixed):
-                raise ValueError(
-                    f"the state was saved reading the mixture {sources(saved)}, this loader reads {sources(mixed)}; "
-                    "make it with the same versions (their manifest ids), weights and epoch length to resume"
-                )
-            # The changes of weights made before the save are repeated (the resumed order is the
-            # saved run's), unless they do not give the state's mixture id: the state was altered.
-            self._native.resume_mixture_changes([tuple(c) for c in saved["changes"]], str(saved.get("id")))
-        # The weights first: the position's place in the epoch's short last step depends on them.
-        self._native.set_rebalance_state(state.get("rebalance"))
-        self._native.seek(int(state["epoch"]), int(state["cursor"]))
+        split over this loader's world (which may differ from the one that saved it). A state
+        altered after it was saved (its digest no longer that of its fields), saved under
+        another seed, plan, version or mixture, or whose cursor is past the epoch is refused
+        with a `ValueError` naming what differs; the loader is then unchanged."""
+        self._native.resume(state)
 
     def metrics(self) -> Dict[str, Any]:
         """Counters since the loader was made: `batches`, `records`, `bytes`, `stall_seconds`

@@ -65,7 +65,7 @@ pub(crate) fn rebalance_from_dict(saved: &Bound<'_, PyDict>) -> PyResult<Rebalan
         step: get("step")?.extract()?,
         weights: get("weights")?.extract()?,
     };
-    let pending: Option<(u64, Vec<MeasureTuple>)> = get("pending")?.extract()?;
+    let pending: Option<(u64, Vec<MeasureTuple>)> = crate::state::as_tuples(&get("pending")?)?.extract()?;
     let pending = pending.map(|(step, measured)| {
         let measured =
             measured.into_iter().map(|(rank, records, busy_nanos)| RankMeasure { rank, records, busy_nanos }).collect();

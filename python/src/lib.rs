@@ -19,6 +19,7 @@ mod exchange;
 mod loader;
 mod loader_args;
 mod source;
+mod state;
 mod metrics;
 mod records;
 mod store;

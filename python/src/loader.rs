@@ -31,10 +31,10 @@ use pyo3::types::PyBytes;
 
 use crate::batch::{NativeBatch, layout_name, widening};
 use crate::errors::{engine, forked, invalid, to_py};
-use crate::exchange::{PyExchange, rebalance_dict, rebalance_from_dict};
+use crate::exchange::PyExchange;
 use crate::loader_args::{backend_of, plan_of, target_of, tier_of};
 use crate::metrics::metrics_dict;
-use crate::source::{SourceArgs, change, mixture_dict, packed_dict, reads_of};
+use crate::source::{SourceArgs, mixture_dict, packed_dict, reads_of};
 use crate::store::Store;
 
 /// Whether this process can load to a GPU, and if not, why: `(True, "N CUDA devices")` or
@@ -208,23 +208,6 @@ impl Loader {
         Ok(())
     }
 
-    /// The rebalancing state to save with the position (see `granary.Loader.state_dict`):
-    /// `None` without rebalancing.
-    fn rebalance_state<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let saved = self.lock(py)?.rebalance_state();
-        saved.map(|saved| rebalance_dict(py, &saved)).transpose()
-    }
-
-    /// Resumes the rebalancing from a saved state (`rebalance_state`'s dict, or `None` for
-    /// equal weights); applies from the next batch (the engine loader restarts).
-    fn set_rebalance_state(&self, py: Python<'_>, saved: Option<Bound<'_, PyDict>>) -> PyResult<()> {
-        let resume = saved.map(|saved| rebalance_from_dict(&saved)).transpose()?;
-        let mut session = self.lock(py)?;
-        session.set_rebalance_state(resume);
-        self.after(&session);
-        Ok(())
-    }
-
     /// Moves to `(epoch, cursor)`: the next batch is the one after that position.
     fn seek(&self, py: Python<'_>, epoch: u64, cursor: u64) -> PyResult<()> {
         let mut session = self.lock(py)?;
@@ -256,12 +239,6 @@ impl Loader {
         Ok(dataset.manifest().entries().iter().map(|e| e.file_bytes).max().unwrap_or(0))
     }
 
-    /// The manifest id of the dataset version being read.
-    #[getter]
-    fn manifest(&self, py: Python<'_>) -> PyResult<String> {
-        Ok(self.lock(py)?.dataset().map_err(to_py)?.manifest_id().to_string())
-    }
-
     /// The mixture read (`None` for one dataset): `id` (its identity: the versions, weights and
     /// changes, the epoch's length), `sources` (each `label`, `manifest`, `records`, `weight`),
     /// `epoch_samples`, `changes` (`(epoch, cursor, weights)` each, the first at (0, 0)).
@@ -271,11 +248,21 @@ impl Loader {
         session.mixture().map_err(to_py)?.map(|mixture| mixture_dict(py, mixture)).transpose()
     }
 
-    /// Puts a saved state's changes of weights in force when they give its mixture id; refuses
-    /// (`ValueError`) a state altered after its save, the loader unchanged.
-    fn resume_mixture_changes(&self, py: Python<'_>, changes: Vec<(u64, u64, Vec<f64>)>, id: &str) -> PyResult<()> {
+    /// The state to resume from (`granary.Loader.state_dict`): the engine's `SavedState` as a
+    /// dict, with its digest.
+    fn saved_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let mut session = self.lock(py)?;
-        let resumed = session.resume_changes(changes.into_iter().map(change).collect(), id).map_err(refused);
+        let saved = session.save().map_err(to_py)?;
+        let mixture = session.mixture().map_err(to_py)?.map(|mixture| mixture_dict(py, mixture)).transpose()?;
+        crate::state::state_dict(py, &saved, mixture)
+    }
+
+    /// Resumes at a saved state (`granary.Loader.load_state_dict`); refused whole (`ValueError`,
+    /// the loader unchanged) when the engine finds it altered or of another order.
+    fn resume(&self, py: Python<'_>, state: Bound<'_, PyDict>) -> PyResult<()> {
+        let saved = crate::state::state_from_dict(&state)?;
+        let mut session = self.lock(py)?;
+        let resumed = session.resume(&saved).map_err(refused);
         self.after(&session);
         resumed
     }

@@ -118,10 +118,21 @@ def test_a_state_altered_after_it_was_saved_is_refused_and_the_loader_keeps_its_
         # Refused whole: the loader resumes the true state afterwards as a fresh one does.
         loader.load_state_dict(state)
         assert [i for batch in loader for i in batch[0].tolist()] == untouched
+    # A cursor moved after the save: the digest of the state's fields no longer matches.
     past = copy.deepcopy(state)
     past["cursor"] = 10**12
+    with pytest.raises(ValueError, match="altered after it was saved"):
+        store.loader(WEIGHTS, 4, **options).load_state_dict(past)
+    # A state saved before states had a digest is still checked field by field.
+    del past["digest"]
     with pytest.raises(ValueError, match="past the end of an epoch of 240"):
         store.loader(WEIGHTS, 4, **options).load_state_dict(past)
+    # Written to JSON and read back (lists where tuples were), it resumes the same.
+    import json
+
+    loader = store.loader(WEIGHTS, 4, **options)
+    loader.load_state_dict(json.loads(json.dumps(state)))
+    assert [i for batch in loader for i in batch[0].tolist()] == untouched
 
 
 def test_a_mixture_is_refused_what_it_cannot_read(sources, store):

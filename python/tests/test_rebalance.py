@@ -1,6 +1,7 @@
 """Rebalancing from Python: two rank threads of a loader whose slow rank reads less of each step,
 a `state_dict` that carries the weights and the measures already exchanged, and its resume."""
 
+import json
 import threading
 import time
 
@@ -69,7 +70,8 @@ def test_a_slow_rank_reads_less_of_each_step_and_a_resume_repeats_the_decisions(
     # A state saved after step 6 holds the measures exchanged for point 8: resumed, step 8 is
     # split by the weights they give, as the uninterrupted run split it (the same measures).
     stopped = _rebalanced_ranks(store, _ThreadExchange(2), 0.0012, stop_after=7)
-    states = [s for _, s in stopped]
+    # Written to JSON and read back (lists where the state had tuples), as a checkpoint may be.
+    states = [json.loads(json.dumps(s)) for _, s in stopped]
     assert states[0]["rebalance"]["pending"] is not None and states[0]["rebalance"]["pending"][0] == 8
     resumed = _rebalanced_ranks(store, _ThreadExchange(2), 0.0012, stop_after=2, states=states)
     sizes = [len(resumed[rank][0][1][0]) for rank in range(2)]

@@ -39,6 +39,7 @@ mod reader_stage;
 mod schedule;
 mod session;
 mod start;
+mod state;
 mod store_plan;
 mod tier_setting;
 
@@ -62,6 +63,7 @@ pub use rebalance::{
 };
 pub use session::{PackedStep, Reads, Session, SessionConfig};
 pub use start::{StartClock, StartStage};
+pub use state::{OrderPairs, SavedMixture, SavedState};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
@@ -650,8 +652,10 @@ fn tier_coordinator(config: &LoaderConfig) -> Result<Option<Arc<Coordinator>>> {
             evictor_options: evictor_options.to_vec(),
             ..TierConfig::default()
         };
-        coordinator =
-            MemoryTier::open(&memory).ok().flatten().map(|tier| Coordinator::with_faults(tier, config.faults.clone(), &config.io));
+        coordinator = MemoryTier::open(&memory)
+            .ok()
+            .flatten()
+            .map(|tier| Coordinator::with_faults(tier, config.faults.clone(), &config.io));
     }
     Ok(coordinator)
 }

@@ -13,8 +13,9 @@
 //! reads nothing of); a batch handed out lies after the position it was handed at and in the
 //! epoch being iterated; a session copied into a forked child never joins its parent's threads.
 //!
-//! Owns `Session`, `SessionConfig`, `Reads` and `PackedStep`, and every check of what a loader
-//! reads (once, at `Session::new`). Never: reads or verifies a record itself (its `Loader`
+//! Owns `Session`, `SessionConfig`, `Reads` and `PackedStep`, every check of what a loader
+//! reads (once, at `Session::new`), and saving and resuming (`save`, `resume`: the state and its
+//! checks are `state.rs`'s). Never: reads or verifies a record itself (its `Loader`
 //! does), decides an order (the plans do), or knows a caller's language (a binding converts).
 
 use std::ops::Range;
@@ -33,6 +34,7 @@ use crate::tier::TierStats;
 use super::RebalanceState;
 #[cfg(feature = "policy")]
 use super::plan_for_store;
+use super::state::{OrderPairs, SavedMixture, SavedState};
 use super::{
     LoadedBatch, Loader, LoaderConfig, LoaderStats, PackedBatch, Packer, Packing, PlanSource, StartStage, Target,
     TierSetting, pack_mixture, pack_plan,
@@ -642,6 +644,88 @@ impl Session {
             .or_else(|| crate::plan::rebalanced_step(&equal, world, batch));
         if let Some(rebalance) = &mut self.config.rebalance {
             rebalance.resume = resume;
+        }
+    }
+}
+
+impl Session {
+    /// Its state, to resume from (on any world size): the position, what decides the order,
+    /// and their digest.
+    pub fn save(&mut self) -> Result<SavedState> {
+        let mut saved = self.state_now()?;
+        saved.digest = Some(saved.digest());
+        Ok(saved)
+    }
+
+    /// Resumes at `saved`'s position, the mixture's changes of weights and the rebalancing it
+    /// carries put back in force: the next batches are exactly the samples not yet read, split
+    /// over this session's world. Refused whole, the session unchanged, when the state was
+    /// altered after its save, was saved under another seed, order, version or mixture, or
+    /// names a cursor past the epoch.
+    pub fn resume(&mut self, saved: &SavedState) -> Result<()> {
+        saved.check_digest()?;
+        saved.check_same_order(&self.state_now()?)?;
+        self.cut()?.check(saved.position).map_err(Error::invalid_input)?;
+        if let Some(mixture) = &saved.mixture {
+            self.resume_changes(mixture.changes.clone(), &mixture.id)?;
+        }
+        // The weights first: the position's place in the epoch's short last step depends on them.
+        #[cfg(feature = "policy")]
+        self.set_rebalance_state(saved.rebalance.clone());
+        self.seek(saved.position)
+    }
+
+    /// What it would save now, without the digest.
+    fn state_now(&mut self) -> Result<SavedState> {
+        // The default plan of an attached dataset (a window the cache chose) is decided first.
+        #[cfg(feature = "policy")]
+        self.plan_options()?;
+        let manifest = self.dataset()?.manifest_id().to_string();
+        let mixture = self.mixture()?.map(|mixture| SavedMixture {
+            id: mixture.id(),
+            sources: mixture.sources().iter().map(|source| (source.manifest.to_string(), source.weight)).collect(),
+            epoch_samples: mixture.blend().epoch_samples(),
+            changes: mixture.blend().changes(),
+        });
+        Ok(SavedState {
+            position: self.position,
+            seed: self.config.seed,
+            order: self.order_pairs(),
+            manifest,
+            mixture,
+            #[cfg(feature = "policy")]
+            rebalance: self.rebalance_state(),
+            digest: None,
+        })
+    }
+
+    /// What decides the order besides the seed (`OrderPairs`).
+    pub fn order_pairs(&self) -> OrderPairs {
+        let pair = |key: &str, value: String| (key.to_owned(), value);
+        let name = |order: Order| match order {
+            Order::Sequential => "sequential".to_owned(),
+            Order::Shuffled => "shuffled".to_owned(),
+        };
+        if let Some((pack, order)) = &self.pack {
+            return vec![
+                pair("pack.seq_len", pack.seq_len.to_string()),
+                pair("pack.eod", pack.eod.map_or_else(|| "none".to_owned(), |eod| eod.to_string())),
+                pair("pack.pad", pack.pad.to_string()),
+                pair("pack.within_documents", (!pack.cross_documents).to_string()),
+                pair("pack.order", name(*order)),
+            ];
+        }
+        match &self.config.plan {
+            PlanSource::Native(order) => vec![pair("order", name(*order))],
+            #[cfg(feature = "policy")]
+            PlanSource::Partitioner { plugin, options } => {
+                let mut pairs = vec![pair("partitioner", plugin.clone().unwrap_or_else(|| "default".to_owned()))];
+                pairs.extend(options.iter().map(|(key, value)| (format!("option:{key}"), value.clone())));
+                pairs
+            }
+            PlanSource::Mixture(_) | PlanSource::PackedMixture(_) => vec![pair("mixture", "weights".to_owned())],
+            // Packing is `self.pack`'s (above); its plan is made from it.
+            PlanSource::Packed(_, order) => vec![pair("pack.order", name(*order))],
         }
     }
 }
