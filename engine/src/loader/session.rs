@@ -654,6 +654,7 @@ impl Session {
     pub fn save(&mut self) -> Result<SavedState> {
         let mut saved = self.state_now()?;
         saved.digest = Some(saved.digest());
+        debug_assert!(saved.check_digest().is_ok(), "a state checks against its own digest");
         Ok(saved)
     }
 
@@ -672,7 +673,15 @@ impl Session {
         // The weights first: the position's place in the epoch's short last step depends on them.
         #[cfg(feature = "policy")]
         self.set_rebalance_state(saved.rebalance.clone());
-        self.seek(saved.position)
+        self.seek(saved.position)?;
+        // Normalized: the saved position, or the next epoch's start when this rank reads no more of its epoch.
+        debug_assert!(
+            (self.position.epoch, self.position.cursor) >= (saved.position.epoch, saved.position.cursor),
+            "resumed at {:?}, saved at {:?}",
+            self.position,
+            saved.position
+        );
+        Ok(())
     }
 
     /// What it would save now, without the digest.
