@@ -17,6 +17,7 @@ import math
 import os
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -38,6 +39,8 @@ def make_tokens(path: str, n_tokens: int, vocab: int, seed: int) -> None:
 
 
 class TinyLM(nn.Module):
+    mask: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, vocab: int, seq: int, width: int = 128, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
@@ -58,7 +61,7 @@ class TokenFile(torch.utils.data.Dataset):
     def __init__(self, path: str, record: int) -> None:
         self.path, self.record = path, record
         self.n = os.path.getsize(path) // (4 * record)
-        self.tokens = None
+        self.tokens: Optional[np.memmap] = None
 
     def __len__(self) -> int:
         return self.n

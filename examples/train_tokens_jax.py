@@ -17,6 +17,7 @@ import json
 import math
 import os
 import tempfile
+from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,7 @@ def main() -> None:
         params, loss = step(params, jnp.asarray(next(it)), 5.0)
         losses.append(float(loss))
     # A checkpoint: the parameters and the iterator's state (plain values, JSON-safe).
-    checkpoint = {"state": json.dumps(it.get_state()), "params": np.asarray(params)}
+    checkpoint: Dict[str, Any] = {"state": json.dumps(it.get_state()), "params": np.asarray(params)}
     expected_next = np.asarray(next(it))
 
     # A "restarted process": a fresh iterator set to the saved state gives the same next batch.

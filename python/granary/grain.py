@@ -123,7 +123,7 @@ class LoaderDataset:
     the loader's batches, epoch after epoch (`num_epochs`, None for ever), whose state is the
     loader's position. Arguments are `store.loader`'s (`dataset`, `batch_size`, `**options`)."""
 
-    def __new__(cls, store: Any, dataset: Any, batch_size: int, *, num_epochs: Optional[int] = 1, **options: Any):
+    def __new__(cls, store: Any, dataset: Any, batch_size: int, *, num_epochs: Optional[int] = 1, **options: Any) -> Any:
         grain = _grain()
 
         class _Iterator(grain.DatasetIterator):
