@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 FUZZ_SECONDS ?= 10
 
-.PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc docs python-docs plugins wheel python python-env torch-env lcs-env wheel-env prefetch readme-example gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
+.PHONY: toolchain test fmt-check clippy unit moto strace prometheus doc docs python-docs plugins wheel older-system python python-env torch-env lcs-env wheel-env prefetch readme-example gpu-fake fake-cuda libcachesim fuzz-smoke fuzz-seeds demo bench
 
 # Where cargo builds: CARGO_TARGET_DIR when set (the scripts follow it too), target/ otherwise.
 TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),target))
@@ -26,6 +26,7 @@ test: toolchain fmt-check clippy unit doc plugins python python-docs readme-exam
 # wheel is packaged, tagged, checked and installed exactly as `make wheel` does by default
 # (`make test WHEEL_PROFILE=release` runs them on a release build).
 test: WHEEL_PROFILE = dev
+test: WHEEL_GLIBC = host
 
 ## What the tests install from the network (the venvs, Debian's packages), without building
 ## anything: `.ci/run` starts it in the background so that downloads overlap the Rust builds.
@@ -90,19 +91,39 @@ plugins:
 ## stripped, abi3; WHEEL_PROFILE picks another cargo profile), checks it with auditwheel, and the Python suites below install it into their
 ## virtual environments and run from outside the source tree, so the tests exercise the installed
 ## package (its console script `granary` included), not python/granary.
+## The release wheel is linked by zig (ziglang from PyPI) against glibc 2.28's symbols: tagged
+## `manylinux_2_28`, it installs on RHEL 8, Ubuntu 20.04, Debian 11 and later (`make older-system`
+## checks it on a Debian 11 root). Zig builds for an explicit target, in a target directory of its
+## own, so `make test` (WHEEL_GLIBC=host) links its dev wheel on this machine as before, sharing
+## the dependencies its unit tests compiled.
 WHEEL_VENV := $(TARGET_DIR)/wheel-venv
 WHEELS := $(TARGET_DIR)/wheels
 WHEEL_PROFILE ?= release
+WHEEL_GLIBC ?= 2.28
+WHEEL_VENV_DEPS := 'maturin==1.16.0' 'auditwheel==6.8.2' 'ziglang==0.17.1'
+WHEEL_VENV_STAMP := $(WHEEL_VENV)/.deps-$(shell echo "$(WHEEL_VENV_DEPS)" | cksum | cut -d' ' -f1)
+# Read when the recipe runs, so that `make test`'s WHEEL_GLIBC = host applies.
+WHEEL_LINK = $(if $(filter host,$(WHEEL_GLIBC)),,--zig --compatibility manylinux_$(subst .,_,$(WHEEL_GLIBC)))
+WHEEL_TAG = $(if $(filter host,$(WHEEL_GLIBC)),manylinux_,manylinux_$(subst .,_,$(WHEEL_GLIBC))_)
 wheel-env:
-	@$(LOCK) { test -x $(WHEEL_VENV)/bin/maturin || { python3 -m venv $(WHEEL_VENV) && \
-		$(WHEEL_VENV)/bin/pip install -q 'maturin==1.16.0' 'auditwheel==6.8.2'; }; } 9>&-
+	@$(LOCK) { test -f $(WHEEL_VENV_STAMP) || { { test -x $(WHEEL_VENV)/bin/pip || python3 -m venv $(WHEEL_VENV); } && \
+		$(WHEEL_VENV)/bin/pip install -q $(WHEEL_VENV_DEPS) && touch $(WHEEL_VENV_STAMP); }; } 9>&-
 
 wheel: wheel-env
 	rm -rf $(WHEELS)
-	cd python && $(WHEEL_VENV)/bin/maturin build --profile $(WHEEL_PROFILE) --locked --out $(WHEELS)
+	@# zig is found through the venv's python (`python -m ziglang`).
+	cd python && PATH=$(WHEEL_VENV)/bin:$$PATH VIRTUAL_ENV=$(WHEEL_VENV) \
+		$(WHEEL_VENV)/bin/maturin build --profile $(WHEEL_PROFILE) --locked $(WHEEL_LINK) --out $(WHEELS)
 	$(WHEEL_VENV)/bin/auditwheel show $(WHEELS)/granary-*.whl | tee $(WHEELS)/auditwheel.txt
-	@tr '\n' ' ' < $(WHEELS)/auditwheel.txt | grep -q 'platform tag: "manylinux_' || \
-		{ echo "wheel: auditwheel finds no manylinux tag"; exit 1; }
+	@tr '\n' ' ' < $(WHEELS)/auditwheel.txt | grep -q 'platform tag: "$(WHEEL_TAG)' || \
+		{ echo "wheel: auditwheel finds no $(WHEEL_TAG)* tag"; exit 1; }
+
+## The wheel on an older system than this one: a Debian 11 (glibc 2.31, Python 3.9) root made with
+## debootstrap, the wheel installed there with its own Python and pip, a store ingested and read
+## back whole through the loader, `granary verify`. Needs root. A release check (about a minute
+## once the wheel is built); not in `make test`, whose wheel is linked on this machine.
+older-system: wheel
+	scripts/check-older-system.sh $(WHEELS)/granary-*.whl $(TARGET_DIR)/older-system bullseye
 
 ## The Python bindings' pytest suite (NumPy, pyarrow, grain, jax; the torch tests skip without
 ## torch), on the installed wheel; the replication test runs its console script.
