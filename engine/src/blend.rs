@@ -12,6 +12,8 @@
 //! the property test and `Draw::next`'s assertion check; measured, not proven). The greedy rule "the source furthest behind" drifts past 1
 //! with more than a few sources. Weights may change at any position (a curriculum); the target
 //! restarts at zero with every epoch, so an epoch's proportions hold from its first position.
+//! Two sources' draws are a rotation (`Draw::jump`): counted at once from any position; more
+//! sources jump whole periods from an epoch's start, and draw the rest one by one.
 //! A source's draws continue across epochs: its k-th draw overall is record
 //! `k mod n` of its pass `k / n`, each pass a fresh seeded permutation, so a small source is
 //! repeated with a new shuffle each pass and a large one is read partly, going on where the
@@ -148,8 +150,10 @@ impl Blend {
             if from == 0 {
                 at = draw.skip_periods(units, to);
             }
-            for _ in at..to {
-                draw.next(units);
+            if !draw.jump(units, to - at) {
+                for _ in at..to {
+                    draw.next(units);
+                }
             }
         }
         draw.counts
@@ -253,9 +257,7 @@ impl BlendEpoch {
         if let Some((_, units)) = draws.changes.first() {
             draws.position = draws.draw.skip_periods(units, cursor.min(first_end));
         }
-        while draws.position < cursor {
-            draws.next_source();
-        }
+        draws.skip_to(cursor);
         draws
     }
 
@@ -285,6 +287,22 @@ impl BlendDraws {
         }
         self.position += 1;
         self.draw.next(&self.changes[self.change].1)
+    }
+
+    /// Draws up to `cursor` without handing them out: two sources at once, change to change
+    /// (`Draw::jump`), more one by one.
+    fn skip_to(&mut self, cursor: u64) {
+        while self.position < cursor {
+            while self.changes.get(self.change + 1).is_some_and(|next| next.0 <= self.position) {
+                self.change += 1;
+            }
+            let end = self.changes.get(self.change + 1).map_or(cursor, |next| next.0.min(cursor));
+            if self.draw.jump(&self.changes[self.change].1, end - self.position) {
+                self.position = end;
+            } else {
+                self.next_source();
+            }
+        }
     }
 
     /// The position the next draw is at.
@@ -367,6 +385,32 @@ impl Draw {
         periods * period
     }
 
+    /// Draws `positions` positions under `units` at once when there are two sources, and says
+    /// whether it did (with more, nothing is drawn). With two, source 0's deficit `d = t0 - c0`
+    /// (in units) stays in `[-U/2, U/2)`: after its target grows by `u0` it is drawn exactly when
+    /// `d + u0 >= U/2` (the rule's eligibility at `1 / (2S - 2)` = 1/2, a tie going to the first
+    /// source unless its weight is 0), so `d` turns as `(d + U/2 + u0) mod U - U/2` and source 0
+    /// is drawn `floor((d + U/2 + k u0) / U)` times in `k` positions: Tijdeman's draws of two
+    /// sources are a rotation, counted in O(1) from any position and any history of weights.
+    fn jump(&mut self, units: &[u64], positions: u64) -> bool {
+        if self.targets.len() != 2 {
+            return false;
+        }
+        let unit = i128::from(WEIGHT_UNIT);
+        let deficit = i128::try_from(self.targets[0]).unwrap_or(i128::MAX) - i128::from(self.counts[0]) * unit;
+        debug_assert!((-unit / 2..unit / 2).contains(&deficit), "two sources' deficit {deficit} in [-U/2, U/2)");
+        // At most 2^31 + 2^64 x 2^32: an i128.
+        let turned = deficit + unit / 2 + i128::from(positions) * i128::from(units[0]);
+        let drawn = u64::try_from(turned.div_euclid(unit)).unwrap_or(u64::MAX).min(positions);
+        self.counts[0] += drawn;
+        self.counts[1] += positions - drawn;
+        for (target, &w) in self.targets.iter_mut().zip(units) {
+            *target += u128::from(positions) * u128::from(w);
+        }
+        self.note_units(units);
+        true
+    }
+
     /// Draws one position under `units`; returns the source and its count before this draw.
     fn next(&mut self, units: &[u64]) -> (usize, u64) {
         let n = self.targets.len();
@@ -381,10 +425,7 @@ impl Draw {
         // The blend's promise: at every prefix each source is within one draw of its share
         // (two, once the weights have changed: `DRAWS_OFF_MAX`).
         if cfg!(debug_assertions) {
-            match &self.first_units {
-                None => self.first_units = Some(units.to_vec()),
-                Some(first) => self.changed |= first.as_slice() != units,
-            }
+            self.note_units(units);
             let off_max = DRAWS_OFF_MAX[usize::from(self.changed)] * u128::from(WEIGHT_UNIT);
             debug_assert!(
                 self.targets
@@ -396,6 +437,16 @@ impl Draw {
             );
         }
         (chosen, before)
+    }
+
+    /// Remembers the first weights drawn under, and whether others came since (checks only).
+    fn note_units(&mut self, units: &[u64]) {
+        if cfg!(debug_assertions) {
+            match &self.first_units {
+                None => self.first_units = Some(units.to_vec()),
+                Some(first) => self.changed |= first.as_slice() != units,
+            }
+        }
     }
 
     fn choose(&self, units: &[u64]) -> usize {
@@ -581,6 +632,32 @@ mod tests {
             for cursor in [1, 2, 3, 4, 8, 17, 52, 53] {
                 let rest: Vec<Drawn> = epoch.draws_from(cursor).collect();
                 assert_eq!(rest, all[cursor as usize..], "{weights:?} from {cursor}");
+            }
+        }
+        // Two sources are counted in closed form from any position and across changes of
+        // weights: the same draws as one by one.
+        for (weights, change) in [
+            (vec![0.7, 0.3], vec![0.2, 0.8]),
+            (vec![0.999, 0.001], vec![0.0, 1.0]),
+            (vec![0.0, 1.0], vec![1.0, 0.0]),
+            (vec![1.0, 3.0], vec![0.5, 0.5]),
+            (vec![0.3141592653589793, 0.6858407346410207], vec![0.123456789, 0.876543211]),
+        ] {
+            for at in [1u64, 17, 52] {
+                let blend = Blend::new(sources(&[7, 5]), &weights, 97)
+                    .and_then(|b| b.with_change(Position { epoch: 1, cursor: at }, &change))
+                    .expect("a blend");
+                for epoch in 0..3 {
+                    let all: Vec<Drawn> = blend.epoch(4, epoch).expect("an epoch").draws_from(0).collect();
+                    let mut counted = vec![0u64; 2];
+                    all.iter().for_each(|d| counted[d.source] += 1);
+                    assert_eq!(blend.epoch_counts(epoch), counted, "{weights:?} -> {change:?} at {at}, epoch {epoch}");
+                    let epoch_draws = blend.epoch(4, epoch).expect("an epoch");
+                    for cursor in [1, 16, at, at + 1, 60, 96, 97] {
+                        let rest: Vec<Drawn> = epoch_draws.draws_from(cursor).collect();
+                        assert_eq!(rest, all[cursor as usize..], "{weights:?} -> {change:?} at {at} from {cursor}");
+                    }
+                }
             }
         }
         // An epoch of 2^64 - 1 positions under 1:1 weights is counted at once.
