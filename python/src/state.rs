@@ -66,7 +66,8 @@ pub(crate) fn state_from_dict(state: &Bound<'_, PyDict>) -> PyResult<SavedState>
         manifest: get("manifest")?.extract()?,
         mixture,
         rebalance,
-        digest: state.get_item("digest")?.map(|d| d.extract()).transpose()?,
+        // `None` as absent: a state without a digest, checked field by field.
+        digest: state.get_item("digest")?.filter(|d| !d.is_none()).map(|d| d.extract()).transpose()?,
     })
 }
 

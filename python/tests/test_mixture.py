@@ -123,7 +123,11 @@ def test_a_state_altered_after_it_was_saved_is_refused_and_the_loader_keeps_its_
     past["cursor"] = 10**12
     with pytest.raises(ValueError, match="altered after it was saved"):
         store.loader(WEIGHTS, 4, **options).load_state_dict(past)
-    # A state saved before states had a digest is still checked field by field.
+    # A state saved before states had a digest (or whose digest is None) is still checked field
+    # by field.
+    past["digest"] = None
+    with pytest.raises(ValueError, match="past the end of an epoch of 240"):
+        store.loader(WEIGHTS, 4, **options).load_state_dict(past)
     del past["digest"]
     with pytest.raises(ValueError, match="past the end of an epoch of 240"):
         store.loader(WEIGHTS, 4, **options).load_state_dict(past)
