@@ -154,7 +154,28 @@ impl<B: AsRef<[u64]>, I: Iterator<Item = B>> Pipeline<'_, I> {
                 // A page cache tier may still map the file evicted before.
                 tier.forget_shard(index, shard);
             }
+            self.let_go_of_evicted_files(opener)?;
         }
+    }
+
+    /// After a fetch, which may have evicted other shards to make room: closes the files of
+    /// shards gone from disk that no batch in flight reads, at once (the watch would see them
+    /// only at the next batch's planning, and batches are handed on meanwhile), so the space
+    /// the cache freed is free.
+    fn let_go_of_evicted_files(&mut self, opener: &mut dyn FileOpener) -> Result<()> {
+        let busy: std::collections::HashSet<usize> =
+            self.in_order.iter().flat_map(|&slot| self.slots[slot].planner.shards_touched()).collect();
+        for s in 0..self.files.len() {
+            let replayed = self.replays_left > 0 && self.replayed_shards.contains(&s);
+            if self.files[s].is_none() || busy.contains(&s) || replayed || self.dataset.shard_path(s).exists() {
+                continue;
+            }
+            self.inodes[s] = None;
+            if let Some(id) = self.files[s].take() {
+                opener.close(id)?;
+            }
+        }
+        Ok(())
     }
 
     /// Plans batch `indices` into slot `free` and opens the files it reads that are not open.
