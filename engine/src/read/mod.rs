@@ -498,6 +498,21 @@ mod tests {
     use crate::store::{DatasetName, VersionSpec};
     use crate::{Dtype, FixedLayout, Granary, IngestOptions, IoConfig, Layout};
 
+    /// A dataset of `n` records of 256 bytes (record `i` all `i`), in shards of about 8 KiB,
+    /// in a store under `dir`.
+    fn dataset_of(dir: &std::path::Path, n: u8) -> Arc<Dataset> {
+        let mut granary = Granary::create(dir.join("store")).expect("a store");
+        let name = DatasetName::new("t").expect("a name");
+        let layout = Layout::Fixed(FixedLayout::new(Dtype::U8, &[256]).expect("a layout"));
+        let options = IngestOptions { shard_bytes_target: 8 << 10, ..IngestOptions::default() };
+        let mut ingest = granary.ingest(name, layout, options).expect("ingest");
+        for i in 0..n {
+            ingest.push(&[i; 256]).expect("push");
+        }
+        ingest.commit().expect("commit");
+        granary.open_dataset(&VersionSpec::parse("t").expect("a spec")).expect("open")
+    }
+
     /// Shards a repair hook fetches, moved aside until then (a cold origin cache).
     #[derive(Debug)]
     struct Cold {
@@ -587,16 +602,7 @@ mod tests {
     #[test]
     fn a_cold_shard_is_fetched_as_its_batch_is_planned_and_the_stream_goes_on() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut granary = Granary::create(dir.path().join("store")).expect("a store");
-        let name = DatasetName::new("t").expect("a name");
-        let layout = Layout::Fixed(FixedLayout::new(Dtype::U8, &[256]).expect("a layout"));
-        let options = IngestOptions { shard_bytes_target: 8 << 10, ..IngestOptions::default() };
-        let mut ingest = granary.ingest(name, layout, options).expect("ingest");
-        for i in 0..200u8 {
-            ingest.push(&[i; 256]).expect("push");
-        }
-        ingest.commit().expect("commit");
-        let dataset = granary.open_dataset(&VersionSpec::parse("t").expect("a spec")).expect("open");
+        let dataset = dataset_of(dir.path(), 200);
         let n_shards = dataset.n_shards();
         assert!(n_shards >= 5, "{n_shards} shards");
         let home = dir.path().join("store/shards");
@@ -635,16 +641,7 @@ mod tests {
     #[test]
     fn without_notifications_removed_files_are_let_go_within_a_second() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut granary = Granary::create(dir.path().join("store")).expect("a store");
-        let name = DatasetName::new("t").expect("a name");
-        let layout = Layout::Fixed(FixedLayout::new(Dtype::U8, &[256]).expect("a layout"));
-        let options = IngestOptions { shard_bytes_target: 8 << 10, ..IngestOptions::default() };
-        let mut ingest = granary.ingest(name, layout, options).expect("ingest");
-        for i in 0..100u8 {
-            ingest.push(&[i; 256]).expect("push");
-        }
-        ingest.commit().expect("commit");
-        let dataset = granary.open_dataset(&VersionSpec::parse("t").expect("a spec")).expect("open");
+        let dataset = dataset_of(dir.path(), 100);
         let mut reader = Reader::new(Arc::clone(&dataset), IoConfig::default().build().expect("io"));
         reader.watcher.failed = true;
         assert_eq!(reader.get(0).expect("read"), vec![0; 256]);
